@@ -1,0 +1,137 @@
+"""Command line: `disttrain train | prepare-data`. User mistakes print one line and exit 2."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from disttrain.config import ConfigError, load_config, validate_world
+
+EXIT_USAGE = 2
+
+
+def _fail(message: str, quiet: bool = False) -> None:
+    if not quiet:
+        print(f"disttrain: error: {message}", file=sys.stderr)
+    sys.exit(EXIT_USAGE)
+
+
+def _setup_logging(run_dir: Path, rank: int) -> None:
+    logs = run_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    fmt = logging.Formatter(f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s")
+    file_handler = logging.FileHandler(logs / f"rank_{rank:05d}.log")
+    file_handler.setFormatter(fmt)
+    console = logging.StreamHandler(sys.stderr)
+    console.setLevel(logging.WARNING)
+    console.setFormatter(fmt)
+    root = logging.getLogger("disttrain")
+    root.setLevel(logging.INFO)
+    root.handlers[:] = [file_handler, console]
+
+
+def cmd_train(args: argparse.Namespace, overrides: list[str]) -> None:
+    from disttrain.distributed.env import detect_env, under_torchrun
+    from disttrain.launch import LaunchOptions, max_world_size, relaunch
+
+    env = detect_env()
+    quiet = env.rank != 0  # under torchrun every rank validates; one of them speaks
+    try:
+        cfg = load_config(args.config, overrides)
+        if args.nproc_per_node is not None and not under_torchrun():
+            opts = LaunchOptions(args.nproc_per_node, args.nnodes, args.node_rank, args.max_restarts,
+                                 args.rdzv_endpoint, args.rdzv_backend, args.rdzv_id)
+            if opts.nproc_per_node != "auto" and (not opts.nproc_per_node.isdigit() or int(opts.nproc_per_node) < 1):
+                raise ConfigError(f"--nproc-per-node={opts.nproc_per_node}: must be a positive integer or auto")
+            if str(opts.nnodes) != "1" and not opts.rdzv_endpoint:
+                raise ConfigError(f"--nnodes={opts.nnodes} needs --rdzv-endpoint HOST:PORT")
+            validate_world(cfg, max_world_size(opts))
+            sys.exit(relaunch(opts, ["train", args.config, *overrides]))
+        validate_world(cfg, env.world_size)
+    except ConfigError as exc:
+        _fail(str(exc), quiet)
+
+    from disttrain.distributed.runtime import init_distributed, shutdown
+    from disttrain.train.trainer import Trainer
+
+    _setup_logging(cfg.run_dir, env.rank)
+    rt = init_distributed(env, cfg.distributed.backend, cfg.distributed.timeout_s)
+    try:
+        result = Trainer(cfg, rt).fit()
+    finally:
+        shutdown()
+    if env.rank == 0:
+        loss = f"final loss {result.final_loss:.4f}, " if result.final_loss is not None else ""
+        print(f"done: {result.final_step} steps, {loss}run directory {Path(result.run_dir).resolve()}", flush=True)
+
+
+def cmd_prepare_data(args: argparse.Namespace) -> None:
+    from disttrain.data.prepare import prepare
+
+    paths = [Path(p) for p in args.inputs]
+    for p in paths:
+        if not p.is_file():
+            _fail(f"input {p}: no such file")
+    if args.tokenizer not in ("byte", "bpe") and not Path(args.tokenizer).is_file():
+        _fail(f"--tokenizer={args.tokenizer}: no such file (allowed: byte, bpe, or a tokenizer.json path)")
+    if not 0 <= args.val_fraction < 1:
+        _fail(f"--val-fraction={args.val_fraction}: must be in [0, 1)")
+    if args.tokenizer == "bpe" and args.vocab_size < 257:
+        _fail(f"--vocab-size={args.vocab_size}: must be at least 257 for BPE (256 bytes + end-of-text)")
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()) and not args.force:
+        _fail(f"--out={out}: directory is not empty (pass --force to overwrite)")
+    try:
+        meta = prepare(paths, out, args.tokenizer, args.vocab_size, args.val_fraction, args.text_key,
+                       progress=sys.stderr.isatty())
+    except (ValueError, UnicodeError) as exc:
+        _fail(str(exc).splitlines()[0])
+    splits = ", ".join(f"{k} {v:,} tokens" for k, v in meta["splits"].items())
+    print(f"wrote {out}: {splits} (vocabulary {meta['vocab_size']}, {meta['dtype']})")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="disttrain", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="train from a YAML config (key=value overrides after it)")
+    train.add_argument("config", help="YAML config file, e.g. configs/demo.yaml")
+    launch = train.add_argument_group("self-launch (ignored under torchrun)")
+    launch.add_argument("--nproc-per-node", default=None,
+                        help="processes per node; 'auto' = all GPUs, or 2 on a CPU-only machine")
+    launch.add_argument("--nnodes", default="1", help="node count or elastic range MIN:MAX")
+    launch.add_argument("--node-rank", type=int, default=None)
+    launch.add_argument("--max-restarts", type=int, default=0, help="restart the worker group this often on failure")
+    launch.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of the rendezvous (multi-node)")
+    launch.add_argument("--rdzv-backend", default="c10d")
+    launch.add_argument("--rdzv-id", default=None)
+
+    prep = sub.add_parser("prepare-data", help="tokenize text/JSONL files into token shards")
+    prep.add_argument("inputs", nargs="+", help=".txt (documents split on blank lines) or .jsonl files")
+    prep.add_argument("--out", required=True, help="output directory (use it as data.source)")
+    prep.add_argument("--tokenizer", default="byte", help="byte, bpe (train one), or a tokenizer.json path")
+    prep.add_argument("--vocab-size", type=int, default=8192, help="BPE vocabulary size")
+    prep.add_argument("--val-fraction", type=float, default=0.05)
+    prep.add_argument("--text-key", default="text", help="JSONL field holding the text")
+    prep.add_argument("--force", action="store_true", help="write into a non-empty --out")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if args.command == "train":
+        bad = [e for e in extra if "=" not in e or e.startswith("-")]
+        if bad:
+            parser.error(f"unrecognized arguments: {' '.join(bad)}")
+        cmd_train(args, extra)
+    else:
+        if extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        cmd_prepare_data(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,330 @@
+"""The RunConfig tree: YAML + dotted ``key=value`` overrides, validated before any process starts.
+
+Every user mistake becomes a :class:`ConfigError` whose message is one line naming the key,
+the value and what is allowed; the CLI prints it and exits with status 2.
+This module imports no torch so that validation is instant and runs in the launcher process.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from disttrain.models.registry import MODEL_SHAPES, resolve_shape
+
+
+class ConfigError(ValueError):
+    """A user mistake in the config or command line; the message is one line."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
+
+
+class ModelConfig(_Section):
+    name: str = "debug"
+    dim: int | None = Field(None, gt=0)
+    n_layers: int | None = Field(None, gt=0)
+    n_heads: int | None = Field(None, gt=0)
+    n_kv_heads: int | None = Field(None, gt=0)
+    vocab_size: int | None = Field(None, gt=0)
+    ffn_hidden_dim: int | None = Field(None, gt=0)
+    max_seq_len: int | None = Field(None, gt=0)
+    tie_embeddings: bool | None = None
+    norm_eps: float | None = Field(None, gt=0)
+    rope_theta: float | None = Field(None, gt=0)
+
+
+class DataConfig(_Section):
+    source: str = "builtin"
+    tokenizer: str = "byte"
+    seq_len: int = Field(128, gt=0)
+
+
+class TrainConfig(_Section):
+    steps: int = Field(100, gt=0)
+    global_batch_size: int = Field(8, gt=0)
+    micro_batch_size: int = Field(0, ge=0, description="0: global_batch_size / data-parallel size")
+    seed: int = Field(0, ge=0)
+    eval_every: int = Field(0, ge=0)
+    eval_batches: int = Field(4, gt=0)
+    sample_tokens: int = Field(0, ge=0, description="tokens generated from the final model (0: off)")
+    sample_prompt: str = "The "
+
+
+class OptimConfig(_Section):
+    name: Literal["adamw"] = "adamw"
+    lr: float = Field(3e-4, gt=0)
+    weight_decay: float = Field(0.1, ge=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = Field(1e-8, gt=0)
+    warmup_steps: int = Field(0, ge=0)
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    min_lr: float = Field(0.0, ge=0)
+    grad_clip: float = Field(1.0, ge=0, description="max global gradient norm (0: off)")
+
+
+class ParallelConfig(_Section):
+    dp_replicate: int = Field(1, gt=0)
+    dp_shard: int = Field(-1, ge=-1, description="-1: whatever is left of the world size")
+    tp: int = Field(1, gt=0)
+    pp: int = Field(1, gt=0)
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"] = "1f1b"
+    pp_microbatches: int = Field(0, ge=0)
+    zero_stage: int = Field(0, ge=0, le=3)
+    sequence_parallel: bool = False
+    cpu_offload: bool = False
+    activation_checkpointing: Literal["none", "full", "selective"] = "none"
+    compile: bool = False
+    ddp_comm_hook: Literal["none", "fp16", "bf16", "powersgd"] = "none"
+    powersgd_rank: int = Field(1, gt=0)
+    powersgd_start_iter: int = Field(2, ge=2)
+    ddp_bucket_cap_mb: float = Field(25.0, gt=0)
+    ddp_broadcast_buffers: bool = False
+    ddp_find_unused_parameters: bool = False
+    ddp_static_graph: bool = False
+    ddp_gradient_as_bucket_view: bool = True
+
+    @model_validator(mode="after")
+    def _not_yet(self) -> "ParallelConfig":
+        # These keys belong to the contract; the runtime that honours them lands with later work.
+        later = {
+            "tp": (self.tp, 1),
+            "pp": (self.pp, 1),
+            "zero_stage": (self.zero_stage, 0),
+            "sequence_parallel": (self.sequence_parallel, False),
+            "cpu_offload": (self.cpu_offload, False),
+            "activation_checkpointing": (self.activation_checkpointing, "none"),
+        }
+        for key, (value, default) in later.items():
+            if value != default:
+                raise ValueError(f"parallel.{key}={_show(value)} is not supported by this version yet "
+                                 f"(allowed: {_show(default)}); data parallel (DDP) is")
+        return self
+
+
+Dtype = Literal["fp32", "bf16", "fp16"]
+
+
+class PrecisionConfig(_Section):
+    param_dtype: Dtype = "fp32"
+    compute_dtype: Dtype = "fp32"
+    reduce_dtype: Dtype = "fp32"
+
+    @model_validator(mode="after")
+    def _ddp_keeps_fp32(self) -> "PrecisionConfig":
+        if self.param_dtype != "fp32":
+            raise ValueError(f"precision.param_dtype={self.param_dtype} needs sharded data parallel "
+                             "(allowed with DDP: fp32; use precision.compute_dtype for autocast)")
+        if self.reduce_dtype != "fp32":
+            raise ValueError(f"precision.reduce_dtype={self.reduce_dtype} needs sharded data parallel "
+                             "(allowed with DDP: fp32; use parallel.ddp_comm_hook=bf16|fp16 to compress)")
+        return self
+
+
+class CheckpointConfig(_Section):
+    dir: str = Field("", description="empty: <run dir>/checkpoints")
+    every_steps: int = Field(0, ge=0)
+    every_minutes: float = Field(0.0, ge=0)
+    keep_last: int = Field(0, ge=0)
+    async_save: bool = Field(False, alias="async")
+    save_final: bool = True
+    resume: str = "auto"
+
+    @model_validator(mode="after")
+    def _check(self) -> "CheckpointConfig":
+        if self.async_save:
+            raise ValueError("checkpoint.async=true is not supported by this version yet (allowed: false)")
+        if self.resume not in ("auto", "none") and not Path(self.resume).is_dir():
+            raise ValueError(f"checkpoint.resume={self.resume}: no such checkpoint directory "
+                             "(allowed: auto, none, or an existing checkpoints/step_* directory)")
+        return self
+
+
+class MetricsConfig(_Section):
+    log_every: int = Field(1, ge=0)
+    jsonl: bool = True
+    tensorboard: bool = False
+    prometheus_port: int = Field(0, ge=0, le=65535)
+    peak_tflops: float = Field(0.0, ge=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> "MetricsConfig":
+        if self.tensorboard:
+            raise ValueError("metrics.tensorboard=true is not supported by this version yet (allowed: false)")
+        if self.prometheus_port:
+            raise ValueError(f"metrics.prometheus_port={self.prometheus_port} is not supported by this "
+                             "version yet (allowed: 0)")
+        return self
+
+
+class DistributedConfig(_Section):
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    timeout_s: float = Field(600.0, gt=0, description="collective timeout before a hung rank errors out")
+
+
+class RunSection(_Section):
+    name: str = ""
+    dir: str = "runs"
+
+
+class RunConfig(_Section):
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig)
+    run: RunSection = Field(default_factory=RunSection)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.dir) / self.run.name
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return Path(self.checkpoint.dir) if self.checkpoint.dir else self.run_dir / "checkpoints"
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json", by_alias=True), sort_keys=False)
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(value)
+
+
+def _format_error(exc: ValidationError, data: dict) -> str:
+    err = exc.errors()[0]
+    loc = [str(p) for p in err["loc"]]
+    key = ".".join(loc)
+    msg = err["msg"]
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, "):]
+        if msg.startswith(("model.", "data.", "train.", "optim.", "parallel.", "precision.",
+                           "checkpoint.", "metrics.", "distributed.", "run.")):
+            return msg
+    if err["type"] == "extra_forbidden":
+        section = RunConfig
+        for part in loc[:-1]:
+            section = section.model_fields[part].annotation
+        allowed = ", ".join(f.alias or n for n, f in section.model_fields.items())
+        return f"{key}: unknown key (allowed in {'.'.join(loc[:-1]) or 'the top level'}: {allowed})"
+    return f"{key}={_show(err.get('input'))}: {msg[0].lower() + msg[1:]}"
+
+
+def parse_overrides(items: list[str]) -> dict:
+    """Turn ``a.b=c`` strings into a nested dict; values are parsed as YAML scalars."""
+    tree: dict = {}
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form key=value (e.g. optim.lr=3e-4)")
+        key, raw = item.split("=", 1)
+        parts = key.strip().split(".")
+        if not all(parts):
+            raise ConfigError(f"override {item!r}: empty key part")
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError:
+            value = raw
+        node = tree
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r}: {part} is a value, not a section")
+        node[parts[-1]] = value
+    return tree
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def load_config(path: str | os.PathLike | None, overrides: list[str] | None = None) -> RunConfig:
+    """Load, override and validate; raises ConfigError with a one-line message."""
+    data: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} does not exist")
+        try:
+            loaded = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" line {mark.line + 1}" if mark else ""
+            raise ConfigError(f"config file {p}{where} is not valid YAML") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config file {p} must hold a mapping of sections, not {type(loaded).__name__}")
+        data = loaded or {}
+    data = _merge(data, parse_overrides(overrides or []))
+    try:
+        cfg = RunConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format_error(exc, data)) from None
+    if not cfg.run.name:
+        cfg.run.name = Path(path).stem if path is not None else "run"
+    validate_semantics(cfg)
+    return cfg
+
+
+def validate_semantics(cfg: RunConfig) -> None:
+    """Checks that span sections and need no world size."""
+    if cfg.model.name not in MODEL_SHAPES:
+        raise ConfigError(f"model.name={cfg.model.name}: unknown model (allowed: {', '.join(MODEL_SHAPES)})")
+    shape = resolve_shape(cfg.model)
+    if shape.dim % shape.n_heads:
+        raise ConfigError(f"model.n_heads={shape.n_heads} does not divide model.dim={shape.dim}")
+    if shape.n_heads % shape.n_kv_heads:
+        raise ConfigError(f"model.n_kv_heads={shape.n_kv_heads} does not divide model.n_heads={shape.n_heads}")
+    if (shape.dim // shape.n_heads) % 2:
+        raise ConfigError(f"model.dim={shape.dim} / model.n_heads={shape.n_heads} gives an odd head size; "
+                          "rotary embeddings need an even one")
+    if cfg.data.seq_len > shape.max_seq_len:
+        raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len={shape.max_seq_len}")
+    t = cfg.train
+    if t.micro_batch_size and t.global_batch_size % t.micro_batch_size:
+        raise ConfigError(f"train.global_batch_size={t.global_batch_size} is not a multiple of "
+                          f"train.micro_batch_size={t.micro_batch_size}")
+    if cfg.optim.min_lr > cfg.optim.lr:
+        raise ConfigError(f"optim.min_lr={cfg.optim.min_lr} exceeds optim.lr={cfg.optim.lr}")
+    if cfg.optim.warmup_steps > t.steps:
+        raise ConfigError(f"optim.warmup_steps={cfg.optim.warmup_steps} exceeds train.steps={t.steps}")
+    if not all(0 <= b < 1 for b in cfg.optim.betas):
+        raise ConfigError(f"optim.betas={list(cfg.optim.betas)}: each beta must be in [0, 1)")
+    # Imported here: data/ must not be needed to import the schema.
+    from disttrain.data.source import describe_source
+
+    info = describe_source(cfg.data.source, cfg.data.tokenizer)
+    if shape.vocab_size < info.vocab_size:
+        raise ConfigError(f"model.vocab_size={shape.vocab_size} is smaller than the tokenizer's vocabulary "
+                          f"({info.vocab_size} tokens from {info.tokenizer_name}); set model.vocab_size>={info.vocab_size}")
+
+
+def validate_world(cfg: RunConfig, world_size: int) -> None:
+    """Checks that need the number of processes; run by the launcher and by every rank."""
+    from disttrain.distributed.dims import ParallelDims
+
+    dims = ParallelDims.from_config(cfg.parallel, world_size)  # raises ConfigError
+    t = cfg.train
+    if t.global_batch_size % dims.dp:
+        raise ConfigError(f"train.global_batch_size={t.global_batch_size} is not divisible by the "
+                          f"data-parallel size {dims.dp} (world size {world_size})")
+    per_rank = t.global_batch_size // dims.dp
+    if t.micro_batch_size and per_rank % t.micro_batch_size:
+        raise ConfigError(f"train.micro_batch_size={t.micro_batch_size} does not divide the per-rank batch "
+                          f"{per_rank} (train.global_batch_size={t.global_batch_size} over {dims.dp} "
+                          "data-parallel ranks)")

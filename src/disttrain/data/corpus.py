@@ -1,0 +1,57 @@
+"""The built-in corpus: English prose that ships with every Python, so nothing is downloaded.
+
+It is the language reference topics behind `help()` plus the docstrings of a fixed list of
+standard-library modules (about 1 MB of text). Documents are ordered deterministically; every
+20th goes to the validation split. The exact text follows the Python version in use.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+
+_MODULES = (
+    "abc argparse ast asyncio base64 bisect calendar collections concurrent.futures contextlib copy csv "
+    "dataclasses datetime decimal difflib email enum fractions functools glob gzip hashlib heapq html "
+    "http.client http.server inspect io ipaddress itertools json logging math mimetypes multiprocessing "
+    "operator os pathlib pickle pprint queue random re sched secrets selectors shlex shutil signal socket "
+    "sqlite3 statistics string struct subprocess tarfile tempfile textwrap threading time timeit tokenize "
+    "traceback types typing unittest urllib.parse urllib.request uuid warnings weakref "
+    "xml.etree.ElementTree zipfile zlib"
+).split()
+
+VAL_EVERY = 20
+
+
+def _module_docs(name: str) -> list[str]:
+    try:
+        mod = importlib.import_module(name)
+    except Exception:  # an optional stdlib module missing from this build
+        return []
+    docs = [inspect.getdoc(mod) or ""]
+    for attr, obj in sorted(vars(mod).items()):
+        if attr.startswith("_") or getattr(obj, "__module__", None) != mod.__name__:
+            continue
+        if inspect.isclass(obj) or inspect.isfunction(obj):
+            docs.append(inspect.getdoc(obj) or "")
+            if inspect.isclass(obj):
+                docs.extend(inspect.getdoc(m) or "" for n, m in sorted(vars(obj).items())
+                            if not n.startswith("_") and inspect.isfunction(m))
+    return [d for d in docs if len(d) > 40]
+
+
+def builtin_documents() -> list[str]:
+    from pydoc_data.topics import topics
+
+    docs = [topics[k] for k in sorted(topics)]
+    for name in _MODULES:
+        docs.extend(_module_docs(name))
+    return docs
+
+
+def builtin_splits() -> dict[str, list[str]]:
+    docs = builtin_documents()
+    return {
+        "train": [d for i, d in enumerate(docs) if i % VAL_EVERY != VAL_EVERY - 1],
+        "val": [d for i, d in enumerate(docs) if i % VAL_EVERY == VAL_EVERY - 1],
+    }

@@ -1,0 +1,84 @@
+"""Deterministic global batches, sliced per data-parallel rank.
+
+The sequences of optimizer step k depend only on (seed, k, global_batch_size): global sample
+slot s = (k-1)*G + j maps to epoch s // N and position s % N of that epoch's permutation.
+World size, layout and micro-batching only decide which part of that batch a rank computes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import torch
+
+
+def _epoch_seed(seed: int, epoch: int) -> int:
+    return int.from_bytes(hashlib.sha256(f"disttrain-data:{seed}:{epoch}".encode()).digest()[:8], "little") >> 1
+
+
+class TokenWindows:
+    """Non-overlapping windows of seq_len+1 tokens (inputs plus the shifted targets)."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int):
+        self.tokens = tokens
+        self.seq_len = seq_len
+        self.num_samples = max(0, (len(tokens) - 1) // seq_len)
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def gather(self, ids: np.ndarray) -> torch.Tensor:
+        rows = [np.asarray(self.tokens[i * self.seq_len: i * self.seq_len + self.seq_len + 1], dtype=np.int64)
+                for i in ids]
+        return torch.from_numpy(np.stack(rows))
+
+
+class GlobalBatchSampler:
+    def __init__(self, num_samples: int, global_batch_size: int, seed: int, shuffle: bool = True):
+        if num_samples == 0:
+            raise ValueError("the data split is shorter than one sequence")
+        self.n, self.g, self.seed, self.shuffle = num_samples, global_batch_size, seed, shuffle
+        self._perms: dict[int, np.ndarray] = {}
+
+    def _perm(self, epoch: int) -> np.ndarray:
+        if epoch not in self._perms:
+            if len(self._perms) > 2:
+                self._perms.pop(min(self._perms))
+            gen = torch.Generator().manual_seed(_epoch_seed(self.seed, epoch))
+            self._perms[epoch] = torch.randperm(self.n, generator=gen).numpy()
+        return self._perms[epoch]
+
+    def indices(self, step: int) -> np.ndarray:
+        """Sample ids of 1-based optimizer step `step`, in global-batch order."""
+        slots = np.arange((step - 1) * self.g, step * self.g)
+        if not self.shuffle:
+            return slots % self.n
+        return np.array([self._perm(int(s) // self.n)[int(s) % self.n] for s in slots])
+
+
+class DistributedBatchLoader:
+    """Yields this rank's micro-batches for successive steps; its position is checkpointed."""
+
+    def __init__(self, windows: TokenWindows, sampler: GlobalBatchSampler, dp_rank: int, dp_size: int,
+                 micro_batch_size: int):
+        per_rank = sampler.g // dp_size
+        self.windows, self.sampler = windows, sampler
+        self.lo, self.hi = dp_rank * per_rank, (dp_rank + 1) * per_rank
+        self.micro_batch_size = micro_batch_size or per_rank
+        self.next_step = 1
+
+    def micro_batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        rows = self.windows.gather(self.sampler.indices(step)[self.lo:self.hi])
+        return [(chunk[:, :-1], chunk[:, 1:]) for chunk in rows.split(self.micro_batch_size)]
+
+    def __next__(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        batches = self.micro_batches(self.next_step)
+        self.next_step += 1
+        return batches
+
+    def state_dict(self) -> dict:
+        return {"next_step": self.next_step, "global_batch_size": self.sampler.g, "seed": self.sampler.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.next_step = int(state["next_step"])

@@ -1,0 +1,59 @@
+"""Tokenizers: raw UTF-8 bytes by default, or any Hugging Face `tokenizers` tokenizer.json."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|eos|>", "<|end_of_text|>")
+
+
+class Tokenizer(Protocol):
+    name: str
+    vocab_size: int
+    eos_id: int | None
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
+class ByteTokenizer:
+    """One token per UTF-8 byte; byte 0 (never in text) doubles as end-of-document."""
+
+    name = "byte"
+    vocab_size = 256
+    eos_id = 0
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [list(t.encode("utf-8").replace(b"\x00", b"")) for t in texts]
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i for i in ids if 0 < i < 256).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A `tokenizers` tokenizer.json (BPE, WordPiece, ...), e.g. one written by `prepare-data`."""
+
+    def __init__(self, path: str | Path):
+        from tokenizers import Tokenizer as _Tok
+
+        self.path = Path(path)
+        self.name = str(self.path)
+        self._tok = _Tok.from_file(str(self.path))
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.eos_id = next((self._tok.token_to_id(t) for t in EOS_CANDIDATES
+                            if self._tok.token_to_id(t) is not None), None)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids)
+
+
+def load_tokenizer(spec: str) -> Tokenizer:
+    """`byte` or a path to a tokenizer.json."""
+    if spec == "byte":
+        return ByteTokenizer()
+    return HFTokenizer(spec)

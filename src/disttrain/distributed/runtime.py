@@ -1,0 +1,71 @@
+"""Process-group start-up: backend and device choice, timeouts, and a uniform single-process path.
+
+A single process still gets a (one-rank, in-memory) process group, so the trainer, DeviceMesh
+and DCP code paths are the same for 1 and N processes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from disttrain.distributed.env import DistEnv
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Runtime:
+    env: DistEnv
+    device: torch.device
+    backend: str
+
+    @property
+    def rank(self) -> int:
+        return self.env.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.env.world_size
+
+    @property
+    def is_main(self) -> bool:
+        return self.env.rank == 0
+
+
+def pick_device(env: DistEnv) -> torch.device:
+    if torch.cuda.is_available():
+        index = env.local_rank % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    return torch.device("cpu")
+
+
+def init_distributed(env: DistEnv, backend: str = "auto", timeout_s: float = 600.0) -> Runtime:
+    device = pick_device(env)
+    if backend == "auto":
+        backend = "nccl" if device.type == "cuda" else "gloo"
+    if backend == "nccl" and device.type != "cuda":
+        raise RuntimeError("distributed.backend=nccl needs CUDA devices; none are visible")
+    timeout = timedelta(seconds=timeout_s)
+    if not dist.is_initialized():
+        if env.launcher == "single":
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        else:
+            os.environ.setdefault("MASTER_ADDR", env.master_addr)
+            os.environ.setdefault("MASTER_PORT", str(env.master_port))
+            kwargs = {"device_id": device} if device.type == "cuda" else {}
+            dist.init_process_group(backend, init_method="env://", rank=env.rank, world_size=env.world_size,
+                                    timeout=timeout, **kwargs)
+    log.info("rank %d/%d on %s (%s, launcher %s)", env.rank, env.world_size, device, backend, env.launcher)
+    return Runtime(env=env, device=device, backend=backend)
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

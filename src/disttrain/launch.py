@@ -1,0 +1,61 @@
+"""Self-launch: `disttrain train ... --nproc-per-node N` re-executes itself under torch.distributed.run,
+the same elastic agent as `torchrun`, so restarts and rendezvous behave exactly as with torchrun.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+
+
+@dataclass
+class LaunchOptions:
+    nproc_per_node: str
+    nnodes: str = "1"
+    node_rank: int | None = None
+    max_restarts: int = 0
+    rdzv_endpoint: str | None = None
+    rdzv_backend: str = "c10d"
+    rdzv_id: str | None = None
+
+
+def resolve_nproc(value: str) -> int:
+    """`auto`: every GPU of the node, or 2 processes on a CPU-only machine."""
+    if value == "auto":
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 2
+    return int(value)
+
+
+def max_world_size(opts: LaunchOptions) -> int:
+    nnodes = int(str(opts.nnodes).split(":")[-1])
+    return resolve_nproc(opts.nproc_per_node) * nnodes
+
+
+def torchrun_args(opts: LaunchOptions, module_args: list[str]) -> list[str]:
+    args = [f"--nproc-per-node={resolve_nproc(opts.nproc_per_node)}", f"--nnodes={opts.nnodes}",
+            f"--max-restarts={opts.max_restarts}"]
+    if opts.rdzv_endpoint:
+        args += [f"--rdzv-backend={opts.rdzv_backend}", f"--rdzv-endpoint={opts.rdzv_endpoint}"]
+        if opts.rdzv_id:
+            args.append(f"--rdzv-id={opts.rdzv_id}")
+        if opts.node_rank is not None:
+            args.append(f"--node-rank={opts.node_rank}")
+    elif str(opts.nnodes) == "1":
+        args.append("--standalone")
+    else:
+        raise ValueError("--nnodes other than 1 needs --rdzv-endpoint HOST:PORT")
+    return args + ["-m", "disttrain", *module_args]
+
+
+def relaunch(opts: LaunchOptions, module_args: list[str]) -> int:
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")  # torchrun would set it too, with a warning per launch
+    cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args(opts, module_args)]
+    try:
+        return subprocess.call(cmd, env=env)
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,28 @@
+"""Sampling from a trained model (no KV cache: for demos and smoke checks, not serving)."""
+
+from __future__ import annotations
+
+import torch
+
+from disttrain.models.llama import Transformer
+
+
+@torch.no_grad()
+def generate(model: Transformer, prompt: list[int], max_new_tokens: int, temperature: float = 0.8,
+             top_k: int = 40, seed: int = 0, stop_id: int | None = None) -> list[int]:
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    ids = torch.tensor([prompt], dtype=torch.long, device=device)
+    was_training = model.training
+    model.eval()
+    for _ in range(max_new_tokens):
+        logits = model(ids[:, -model.shape.max_seq_len:])[:, -1, :].float() / max(temperature, 1e-5)
+        if top_k:
+            kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        nxt = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=gen)
+        if stop_id is not None and int(nxt) == stop_id:
+            break
+        ids = torch.cat([ids, nxt], dim=1)
+    model.train(was_training)
+    return ids[0, len(prompt):].tolist()

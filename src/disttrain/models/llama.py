@@ -1,0 +1,109 @@
+"""A Llama-style decoder written for one device; parallelism is applied from outside.
+
+Blocks live in an `nn.ModuleDict` keyed by layer index so a pipeline split can drop blocks
+while every remaining parameter keeps its name; embeddings, norm and output may be None
+on stages that do not own them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from disttrain.models.registry import ModelShape
+
+
+def rotary_tables(head_dim: int, max_seq_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (batch, seq, heads, head_dim); the rotate-half convention used by HF Llama checkpoints."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    return (x.float() * cos + rotated.float() * sin).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, shape: ModelShape):
+        super().__init__()
+        hd = shape.head_dim
+        self.head_dim = hd
+        self.wq = nn.Linear(shape.dim, shape.n_heads * hd, bias=False)
+        self.wk = nn.Linear(shape.dim, shape.n_kv_heads * hd, bias=False)
+        self.wv = nn.Linear(shape.dim, shape.n_kv_heads * hd, bias=False)
+        self.wo = nn.Linear(shape.n_heads * hd, shape.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        # Head counts come from the tensors, so a tensor-parallel shard sees its local heads.
+        q = apply_rotary(self.wq(x).view(b, t, -1, self.head_dim), cos, sin)
+        k = apply_rotary(self.wk(x).view(b, t, -1, self.head_dim), cos, sin)
+        v = self.wv(x).view(b, t, -1, self.head_dim)
+        q, k, v = (y.transpose(1, 2) for y in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        return self.wo(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, shape: ModelShape):
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(shape.dim, eps=shape.norm_eps)
+        self.attention = Attention(shape)
+        self.ffn_norm = nn.RMSNorm(shape.dim, eps=shape.norm_eps)
+        self.feed_forward = FeedForward(shape.dim, shape.ffn_hidden_dim)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, shape: ModelShape):
+        super().__init__()
+        self.shape = shape
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(shape.vocab_size, shape.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(shape) for i in range(shape.n_layers)})
+        self.norm: nn.RMSNorm | None = nn.RMSNorm(shape.dim, eps=shape.norm_eps)
+        self.output: nn.Linear | None = nn.Linear(shape.dim, shape.vocab_size, bias=False)
+        if shape.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        cos, sin = rotary_tables(shape.head_dim, shape.max_seq_len, shape.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def reset_buffers(self) -> None:
+        """Recompute the rotary tables (needed after `to_empty` from the meta device)."""
+        cos, sin = rotary_tables(self.shape.head_dim, self.shape.max_seq_len, self.shape.rope_theta,
+                                 device=self.rope_cos.device)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens (batch, seq) int64 -> logits (batch, seq, vocab); on a middle pipeline stage, hidden states."""
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        seq = h.shape[1]
+        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        for block in self.layers.values():
+            h = block(h, cos, sin)
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.output(h) if self.output is not None else h

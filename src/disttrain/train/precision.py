@@ -1,0 +1,22 @@
+"""Compute precision: fp32, bf16 autocast, or fp16 autocast with dynamic loss scaling."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class Precision:
+    def __init__(self, compute_dtype: str, device: torch.device):
+        self.dtype = DTYPES[compute_dtype]
+        self.device_type = device.type
+        # GradScaler is a no-op when disabled, so the loop calls it unconditionally.
+        self.scaler = torch.amp.GradScaler(device.type, enabled=self.dtype == torch.float16)
+
+    def autocast(self):
+        if self.dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device_type, dtype=self.dtype)
