@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import warnings
 
 _MODULES = (
     "abc argparse ast asyncio base64 bisect calendar collections concurrent.futures contextlib copy csv "
@@ -44,9 +45,11 @@ def builtin_documents() -> list[str]:
     from pydoc_data.topics import topics
 
     docs = [topics[k] for k in sorted(topics)]
-    for name in _MODULES:
-        docs.extend(_module_docs(name))
-    return docs
+    with warnings.catch_warnings():  # some modules warn when their deprecated aliases are touched
+        warnings.simplefilter("ignore")
+        for name in _MODULES:
+            docs.extend(_module_docs(name))
+    return list(dict.fromkeys(docs))  # inherited docstrings repeat; keep each text once
 
 
 def builtin_splits() -> dict[str, list[str]]:

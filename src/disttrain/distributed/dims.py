@@ -46,11 +46,17 @@ class ParallelDims:
     def shape(self) -> tuple[int, ...]:
         return (self.pp, self.dp_replicate, self.dp_shard, self.tp)
 
-    def build_mesh(self, device_type: str):
-        """The named 4-D mesh (size-1 dims included), with the flattened `dp` dimension registered."""
+    def build_mesh(self, device_type: str) -> "Meshes":
+        """The named 4-D mesh (size-1 dims included) and the flattened data-parallel mesh."""
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh(device_type, self.shape(), mesh_dim_names=MESH_DIMS)
-        # `_flatten` is the supported way (used by torchtitan) to get one group over both dp dims.
-        mesh["dp_replicate", "dp_shard"]._flatten("dp")
-        return mesh
+        world = init_device_mesh(device_type, self.shape(), mesh_dim_names=MESH_DIMS)
+        # `_flatten` (as torchtitan uses it) gives one group over both dp dims; torch asks callers
+        # to keep the flattened mesh themselves rather than slice it from the root again.
+        return Meshes(world=world, dp=world["dp_replicate", "dp_shard"]._flatten("dp"))
+
+
+@dataclass(frozen=True)
+class Meshes:
+    world: object  # DeviceMesh over (pp, dp_replicate, dp_shard, tp)
+    dp: object  # DeviceMesh over the data-parallel ranks (dp_replicate x dp_shard flattened)

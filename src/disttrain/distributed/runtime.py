@@ -6,6 +6,7 @@ and DCP code paths are the same for 1 and N processes.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 from dataclasses import dataclass
@@ -67,5 +68,7 @@ def init_distributed(env: DistEnv, backend: str = "auto", timeout_s: float = 600
 
 
 def shutdown() -> None:
+    # DDP reducers kept alive by reference cycles abort the process if they outlive the group.
+    gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -48,6 +48,7 @@ def build_model(shape, device: torch.device, seed: int) -> Transformer:
     with torch.device("meta"):
         model = Transformer(shape)
     model.to_empty(device=device)
+    model.tie_weights()
     init_weights(model, seed)
     return model
 

@@ -84,11 +84,15 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerBlock(shape) for i in range(shape.n_layers)})
         self.norm: nn.RMSNorm | None = nn.RMSNorm(shape.dim, eps=shape.norm_eps)
         self.output: nn.Linear | None = nn.Linear(shape.dim, shape.vocab_size, bias=False)
-        if shape.tie_embeddings:
-            self.output.weight = self.tok_embeddings.weight
+        self.tie_weights()
         cos, sin = rotary_tables(shape.head_dim, shape.max_seq_len, shape.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+
+    def tie_weights(self) -> None:
+        """Share the output matrix with the embedding; redo after `to_empty`, which unties them."""
+        if self.shape.tie_embeddings and self.output is not None and self.tok_embeddings is not None:
+            self.output.weight = self.tok_embeddings.weight
 
     def reset_buffers(self) -> None:
         """Recompute the rotary tables (needed after `to_empty` from the meta device)."""

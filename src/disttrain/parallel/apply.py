@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from disttrain.distributed.dims import ParallelDims
+from disttrain.distributed.dims import Meshes, ParallelDims
 
 
 def apply_compile(model: nn.Module) -> None:
@@ -17,11 +17,11 @@ def apply_compile(model: nn.Module) -> None:
         block.compile()
 
 
-def apply_parallelism(model: nn.Module, parallel, dims: ParallelDims, mesh, device: torch.device) -> nn.Module:
+def apply_parallelism(model: nn.Module, parallel, dims: ParallelDims, meshes: Meshes, device: torch.device) -> nn.Module:
     if parallel.compile:
         apply_compile(model)
     if dims.dp > 1:
         from disttrain.parallel.ddp import apply_ddp
 
-        return apply_ddp(model, mesh["dp"].get_group(), device, parallel)
+        return apply_ddp(model, meshes.dp.get_group(), device, parallel)
     return model

@@ -62,9 +62,8 @@ class Trainer:
         dist.barrier()
 
         self.dims = ParallelDims.from_config(cfg.parallel, rt.world_size)
-        self.mesh = self.dims.build_mesh(self.device.type)
-        dp_mesh = self.mesh["dp"]
-        self.dp_rank, self.dp_size = dp_mesh.get_local_rank(), dp_mesh.size()
+        self.meshes = self.dims.build_mesh(self.device.type)
+        self.dp_rank, self.dp_size = self.meshes.dp.get_local_rank(), self.meshes.dp.size()
 
         self.tokenizer, splits = load_splits(cfg.data.source, cfg.data.tokenizer)
         t = cfg.train
@@ -78,7 +77,7 @@ class Trainer:
         self.shape = resolve_shape(cfg.model)
         self.base_model = build_model(self.shape, self.device, t.seed)
         self.num_params = count_params(self.base_model)
-        self.model = apply_parallelism(self.base_model, cfg.parallel, self.dims, self.mesh, self.device)
+        self.model = apply_parallelism(self.base_model, cfg.parallel, self.dims, self.meshes, self.device)
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, t.steps)
         self.precision = Precision(cfg.precision.compute_dtype, self.device)
@@ -142,7 +141,7 @@ class Trainer:
 
     def _global_mean(self, local_sum: torch.Tensor, total_tokens: int) -> float:
         t = local_sum.detach().clone()
-        dist.all_reduce(t, group=self.mesh["dp"].get_group())
+        dist.all_reduce(t, group=self.meshes.dp.get_group())
         return float(t) / total_tokens
 
     # ---------------------------------------------------------------- eval

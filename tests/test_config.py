@@ -1,0 +1,91 @@
+"""Config loading and the one-line, exit-2 contract for user mistakes (real CLI subprocesses)."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from disttrain.config import ConfigError, RunConfig, load_config, parse_overrides, validate_world
+from helpers import DEBUG_CONFIG, REPO, run_cli
+
+
+def test_yaml_and_overrides_resolve():
+    cfg = load_config(DEBUG_CONFIG, ["optim.lr=3e-4", "parallel.dp_shard=2", "train.steps=7", "run.name=x"])
+    assert cfg.optim.lr == pytest.approx(3e-4)
+    assert cfg.parallel.dp_shard == 2 and cfg.train.steps == 7
+    assert cfg.model.name == "debug"  # from the file
+    assert cfg.run_dir.name == "x"
+
+
+def test_run_name_defaults_to_config_stem():
+    assert load_config(DEBUG_CONFIG).run.name == "debug"
+
+
+def test_resolved_yaml_round_trips():
+    cfg = load_config(DEBUG_CONFIG, ["checkpoint.every_steps=5"])
+    again = RunConfig.model_validate(yaml.safe_load(cfg.to_yaml()))
+    assert again == cfg
+
+
+def test_override_parsing_nests_and_types():
+    assert parse_overrides(["a.b=1", "a.c=true", "d=x"]) == {"a": {"b": 1, "c": True}, "d": "x"}
+    with pytest.raises(ConfigError):
+        parse_overrides(["novalue"])
+
+
+def test_world_size_checks():
+    cfg = load_config(DEBUG_CONFIG, ["train.global_batch_size=4", "train.micro_batch_size=2"])
+    validate_world(cfg, 2)
+    with pytest.raises(ConfigError, match="per-rank batch"):
+        validate_world(load_config(DEBUG_CONFIG, ["train.global_batch_size=4", "train.micro_batch_size=4"]), 2)
+    with pytest.raises(ConfigError, match="does not equal the world size 2"):
+        validate_world(load_config(DEBUG_CONFIG, ["parallel.dp_shard=4"]), 2)
+
+
+# (overrides, launch args, text the single line must contain)
+MISTAKES = {
+    "unknown key": (["model.depth=3"], [], "model.depth: unknown key (allowed in model: name, dim"),
+    "unknown section": (["trainer.steps=3"], [], "trainer: unknown key (allowed in the top level: model"),
+    "wrong type": (["train.steps=abc"], [], "train.steps=abc: input should be a valid integer"),
+    "negative lr": (["optim.lr=-1"], [], "optim.lr=-1: input should be greater than 0"),
+    "bad choice": (["parallel.ddp_comm_hook=zip"], [], "parallel.ddp_comm_hook=zip: input should be 'none', 'fp16'"),
+    "micro batch does not divide global": (["train.global_batch_size=6", "train.micro_batch_size=4"], [],
+                                           "train.global_batch_size=6 is not a multiple of train.micro_batch_size=4"),
+    "batch does not split over ranks": (["train.global_batch_size=3"], ["--nproc-per-node", "2"],
+                                        "train.global_batch_size=3 is not divisible by the data-parallel size 2"),
+    "dims product is not the world size": (["parallel.dp_replicate=2", "parallel.dp_shard=2"],
+                                           ["--nproc-per-node", "2"],
+                                           "parallel.dp_replicate=2 x parallel.dp_shard=2 x parallel.tp=1 x "
+                                           "parallel.pp=1 = 4 does not equal the world size 2"),
+    "missing data path": (["data.source=/nonexistent/shards"], [], "data.source=/nonexistent/shards: no such directory"),
+    "heads do not divide": (["model.n_kv_heads=3"], [], "model.n_kv_heads=3 does not divide model.n_heads=4"),
+    "seq longer than model": (["data.seq_len=1024"], [], "data.seq_len=1024 exceeds model.max_seq_len=256"),
+    "not yet supported layout": (["parallel.tp=2"], [], "parallel.tp=2 is not supported by this version yet"),
+}
+
+
+@pytest.mark.parametrize("name", list(MISTAKES))
+def test_user_mistake_is_one_line_exit_2(name, tmp_path):
+    overrides, launch, expected = MISTAKES[name]
+    proc = run_cli("train", str(DEBUG_CONFIG), f"run.dir={tmp_path}", *overrides, *launch, check=False)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("disttrain: error: ") and expected in lines[0], lines[0]
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+    assert not any(tmp_path.iterdir()), "a refused run must leave nothing behind"
+
+
+def test_missing_config_file_and_bad_yaml(tmp_path):
+    proc = run_cli("train", str(tmp_path / "nope.yaml"), check=False)
+    assert proc.returncode == 2 and "does not exist" in proc.stderr
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed\n")
+    proc = run_cli("train", str(bad), check=False)
+    assert proc.returncode == 2 and "line 2 is not valid YAML" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_shipped_configs_validate():
+    for path in sorted((REPO / "configs").glob("*.yaml")):
+        validate_world(load_config(path), 2)
