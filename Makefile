@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 NPROC ?= auto
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: demo test test-slow venv bench clean
+.PHONY: demo test test-slow venv bench bench-env bench-compare clean
 
 venv: $(STAMP)
 
@@ -26,7 +26,16 @@ test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow tests
 
 bench: $(STAMP)
-	$(BIN)/python benchmarks/overhead.py
+	$(BIN)/python benchmarks/overhead.py --reps 3
+
+# Accelerate and Lightning Fabric for side-by-side benchmarks: a separate venv that reuses .venv's torch.
+bench-env: $(STAMP)
+	test -x .bench-venv/bin/python || $(PYTHON) -m venv .bench-venv
+	$(BIN)/python -c "import site; print(site.getsitepackages()[0])" > "$$(.bench-venv/bin/python -c 'import site; print(site.getsitepackages()[0])')/disttrain_venv.pth"
+	.bench-venv/bin/python -m pip install -q -c constraints.txt -r benchmarks/requirements-compare.txt
+
+bench-compare: bench-env
+	$(BIN)/python benchmarks/overhead.py --reps 3 --compare
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) .bench-venv runs .pytest_cache

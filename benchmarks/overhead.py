@@ -1,0 +1,102 @@
+"""Framework overhead: disttrain DDP against a hand-written PyTorch DDP loop (and Accelerate, Fabric).
+
+Each framework trains the same workload (benchmarks/workloads/common.py, configs/bench.yaml) on
+2 processes. Start-up costs (imports, corpus, process launch) are removed by running every
+framework for a short and a long step count and keeping the difference:
+    tokens/s     = tokens x (long - short) / (wall_long - wall_short)
+    CPU-s/token  = (cpu_long - cpu_short) / (tokens x (long - short))
+where cpu is the user+system time of the whole process tree. Runs are interleaved (each
+repetition runs every framework, in rotated order) and ratios are taken within a repetition,
+because wall time on a shared 2-core VM drifts by 2-3x.
+
+    python benchmarks/overhead.py --reps 3                     # disttrain vs plain
+    python benchmarks/overhead.py --reps 3 --compare           # + Accelerate, Fabric (make bench-env)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+WORKLOADS = REPO / "benchmarks" / "workloads"
+BENCH_PY = REPO / ".bench-venv" / "bin" / "python"
+TOKENS_PER_STEP = 16 * 128
+
+
+def command(framework: str, steps: int, run_dir: Path) -> list[str]:
+    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    if framework == "disttrain":
+        return [sys.executable, "-m", "disttrain", "train", str(REPO / "configs" / "bench.yaml"),
+                f"train.steps={steps}", f"run.dir={run_dir}", "--nproc-per-node", "2"]
+    python = sys.executable if framework == "plain" else str(BENCH_PY)
+    return [python, *torchrun, str(WORKLOADS / f"{framework}_ddp.py"), "--steps", str(steps)]
+
+
+def measure(framework: str, steps: int, run_dir: Path) -> tuple[float, float]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(WORKLOADS), str(REPO / "src")]))
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    proc = subprocess.run(command(framework, steps, run_dir), env=env, cwd=REPO, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if proc.returncode:
+        raise SystemExit(f"{framework} failed:\n{proc.stderr[-3000:]}")
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return wall, cpu
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--short", type=int, default=20)
+    parser.add_argument("--long", type=int, default=100)
+    parser.add_argument("--compare", action="store_true", help="also run Accelerate and Lightning Fabric")
+    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "overhead.json"))
+    args = parser.parse_args()
+    frameworks = ["plain", "disttrain"] + (["accelerate", "fabric"] if args.compare else [])
+    if args.compare and not BENCH_PY.exists():
+        raise SystemExit("the comparison environment is missing: run `make bench-env` first")
+    run_dir = REPO / "runs" / "bench-overhead"
+    results: dict[str, list[dict]] = {f: [] for f in frameworks}
+    for rep in range(args.reps):
+        order = frameworks[rep % len(frameworks):] + frameworks[:rep % len(frameworks)]
+        for fw in order:
+            w1, c1 = measure(fw, args.short, run_dir)
+            w2, c2 = measure(fw, args.long, run_dir)
+            tokens = TOKENS_PER_STEP * (args.long - args.short)
+            row = {"tokens_per_s": tokens / (w2 - w1), "cpu_s_per_token": (c2 - c1) / tokens}
+            results[fw].append(row)
+            print(f"rep {rep + 1}/{args.reps} {fw:>10}: {row['tokens_per_s']:8.0f} tok/s, "
+                  f"{1e6 * row['cpu_s_per_token']:7.1f} CPU-us/token", flush=True)
+    summary = {}
+    for fw in frameworks:
+        ratios = [r["tokens_per_s"] / p["tokens_per_s"] for r, p in zip(results[fw], results["plain"])]
+        cpu_ratios = [r["cpu_s_per_token"] / p["cpu_s_per_token"] for r, p in zip(results[fw], results["plain"])]
+        summary[fw] = {
+            "tokens_per_s_median": statistics.median(r["tokens_per_s"] for r in results[fw]),
+            "cpu_us_per_token_median": 1e6 * statistics.median(r["cpu_s_per_token"] for r in results[fw]),
+            "throughput_ratio_median": statistics.median(ratios), "throughput_ratio_range": [min(ratios), max(ratios)],
+            "cpu_per_token_ratio_median": statistics.median(cpu_ratios),
+            "cpu_per_token_ratio_range": [min(cpu_ratios), max(cpu_ratios)],
+        }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"args": vars(args), "runs": results, "summary": summary}, indent=2))
+    print("\n| framework | tokens/s (median) | vs plain, throughput (median, range) | CPU-us/token (median) "
+          "| vs plain, CPU/token (median, range) |\n|---|---|---|---|---|")
+    for fw, s in summary.items():
+        lo, hi = s["throughput_ratio_range"]
+        clo, chi = s["cpu_per_token_ratio_range"]
+        print(f"| {fw} | {s['tokens_per_s_median']:,.0f} | {s['throughput_ratio_median']:.3f} ({lo:.3f}-{hi:.3f}) "
+              f"| {s['cpu_us_per_token_median']:.1f} | {s['cpu_per_token_ratio_median']:.3f} ({clo:.3f}-{chi:.3f}) |")
+
+
+if __name__ == "__main__":
+    main()

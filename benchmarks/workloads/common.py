@@ -1,0 +1,52 @@
+"""The shared benchmark workload: the same model, batch, data and optimizer for every framework.
+
+Every framework trains disttrain's single-device Llama model (so only the training framework
+differs) on the built-in corpus, global batch 16 x 128 tokens, 2 micro-batches of 4 per rank
+on 2 ranks, fp32, AdamW, global-norm clipping at 1.0.
+"""
+
+import argparse
+
+import torch
+
+from disttrain.data.source import load_splits
+from disttrain.models.init import build_model
+from disttrain.models.registry import MODEL_SHAPES
+
+SHAPE = "tiny"
+SEQ_LEN = 128
+GLOBAL_BATCH = 16
+MICRO_BATCH = 4
+LR = 3e-3
+
+
+def parse_steps() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, required=True)
+    return parser.parse_args().steps
+
+
+def make_model(device="cpu"):
+    return build_model(MODEL_SHAPES[SHAPE], torch.device(device), seed=0)
+
+
+def make_optimizer(model):
+    return torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.1)
+
+
+class RandomWindows:
+    """Uniformly sampled windows of the built-in corpus: what a hand-written loop would do."""
+
+    def __init__(self, rank: int):
+        _, splits = load_splits("builtin", "byte")
+        self.tokens = torch.from_numpy(splits["train"].astype("int64"))
+        self.gen = torch.Generator().manual_seed(rank)
+
+    def micro_batch(self):
+        starts = torch.randint(0, len(self.tokens) - SEQ_LEN - 1, (MICRO_BATCH,), generator=self.gen)
+        rows = torch.stack([self.tokens[s:s + SEQ_LEN + 1] for s in starts.tolist()])
+        return rows[:, :-1], rows[:, 1:]
+
+
+def loss_fn(logits, targets):
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())

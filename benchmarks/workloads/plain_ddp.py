@@ -1,0 +1,32 @@
+"""A plain hand-written PyTorch DDP loop (the baseline disttrain's overhead is measured against)."""
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from common import GLOBAL_BATCH, MICRO_BATCH, RandomWindows, loss_fn, make_model, make_optimizer, parse_steps
+
+
+def main():
+    steps = parse_steps()
+    dist.init_process_group("gloo")
+    accum = GLOBAL_BATCH // dist.get_world_size() // MICRO_BATCH
+    model = DDP(make_model())
+    opt = make_optimizer(model)
+    data = RandomWindows(dist.get_rank())
+    for _ in range(steps):
+        for i in range(accum):
+            x, y = data.micro_batch()
+            if i < accum - 1:
+                with model.no_sync():
+                    (loss_fn(model(x), y) / accum).backward()
+            else:
+                (loss_fn(model(x), y) / accum).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
