@@ -69,13 +69,15 @@ def assert_losses_close(actual: dict[int, float], expected: dict[int, float], re
 
 
 def assert_params_close(actual: dict, expected: dict, rel: float, lr: float) -> None:
-    """Each tensor within `rel` of the reference in norm, and no element off by 1/1000 of an Adam step.
+    """Each tensor within `rel` of the reference in norm, and no element off by 1/100 of an Adam step.
 
-    Why not elementwise rtol: a different fp32 summation order (all-reduce vs local accumulation,
-    batch-4 vs batch-1 kernels) changes gradients by ~1e-7 relative; Adam divides by sqrt(v), so for
-    the rare element whose gradient is near zero that noise becomes a visible fraction of its update
-    (measured: 3 of 131k elements differ by ~2e-6 = 7e-4 of lr after 20 steps). A real bug (wrong
-    data slice, missing all-reduce, scaling) moves whole tensors by many Adam steps.
+    Why not elementwise rtol: another fp32 summation order (all-reduce vs local accumulation,
+    reduce-scatter, batch-4 vs batch-1 kernels) changes gradients by ~1e-7 relative, and far more for
+    the rare element whose gradient is a sum of nearly cancelling terms (an embedding row of a rare
+    byte). Twenty Adam steps carry that into parameters: measured worst elements are 7e-4 x lr
+    (2 ranks) and 1.04e-3 x lr (4 ranks, embedding) while whole tensors agree to ~1e-6 in norm.
+    A real bug (wrong data slice, a missed all-reduce, a shard not updated) moves elements by a
+    sizeable fraction of lr per step, i.e. >= 10x this bound after a single step.
     """
     assert actual.keys() == expected.keys()
     for name in expected:
@@ -83,4 +85,4 @@ def assert_params_close(actual: dict, expected: dict, rel: float, lr: float) -> 
         norm_rel = float((a - b).norm() / b.norm())
         assert norm_rel <= rel, f"{name}: relative difference {norm_rel:.2e} > {rel:.0e}"
         worst = float((a - b).abs().max())
-        assert worst <= 1e-3 * lr, f"{name}: an element differs by {worst:.2e} > 1e-3 x lr"
+        assert worst <= 1e-2 * lr, f"{name}: an element differs by {worst:.2e} > 1e-2 x lr"

@@ -90,20 +90,16 @@ class ParallelConfig(_Section):
     ddp_gradient_as_bucket_view: bool = True
 
     @model_validator(mode="after")
-    def _not_yet(self) -> "ParallelConfig":
+    def _check(self) -> "ParallelConfig":
         # These keys belong to the contract; the runtime that honours them lands with later work.
-        later = {
-            "tp": (self.tp, 1),
-            "pp": (self.pp, 1),
-            "zero_stage": (self.zero_stage, 0),
-            "sequence_parallel": (self.sequence_parallel, False),
-            "cpu_offload": (self.cpu_offload, False),
-            "activation_checkpointing": (self.activation_checkpointing, "none"),
-        }
+        later = {"tp": (self.tp, 1), "pp": (self.pp, 1), "sequence_parallel": (self.sequence_parallel, False)}
         for key, (value, default) in later.items():
             if value != default:
                 raise ValueError(f"parallel.{key}={_show(value)} is not supported by this version yet "
-                                 f"(allowed: {_show(default)}); data parallel (DDP) is")
+                                 f"(allowed: {_show(default)}); data parallel and ZeRO 1-3 are")
+        if self.cpu_offload and self.zero_stage < 2:
+            raise ValueError(f"parallel.cpu_offload=true needs parallel.zero_stage 2 or 3 (FSDP2), "
+                             f"not {self.zero_stage}")
         return self
 
 
@@ -115,15 +111,6 @@ class PrecisionConfig(_Section):
     compute_dtype: Dtype = "fp32"
     reduce_dtype: Dtype = "fp32"
 
-    @model_validator(mode="after")
-    def _ddp_keeps_fp32(self) -> "PrecisionConfig":
-        if self.param_dtype != "fp32":
-            raise ValueError(f"precision.param_dtype={self.param_dtype} needs sharded data parallel "
-                             "(allowed with DDP: fp32; use precision.compute_dtype for autocast)")
-        if self.reduce_dtype != "fp32":
-            raise ValueError(f"precision.reduce_dtype={self.reduce_dtype} needs sharded data parallel "
-                             "(allowed with DDP: fp32; use parallel.ddp_comm_hook=bf16|fp16 to compress)")
-        return self
 
 
 class CheckpointConfig(_Section):
@@ -295,6 +282,17 @@ def validate_semantics(cfg: RunConfig) -> None:
                           "rotary embeddings need an even one")
     if cfg.data.seq_len > shape.max_seq_len:
         raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len={shape.max_seq_len}")
+    p = cfg.parallel
+    if p.zero_stage < 2:
+        for key in ("param_dtype", "reduce_dtype"):
+            value = getattr(cfg.precision, key)
+            if value != "fp32":
+                raise ConfigError(f"precision.{key}={value} needs parallel.zero_stage 2 or 3 (FSDP2's mixed-precision "
+                                  f"policy); with zero_stage={p.zero_stage} allowed: fp32 (use precision.compute_dtype "
+                                  "for autocast, parallel.ddp_comm_hook to compress gradients)")
+    if p.zero_stage >= 2 and p.ddp_comm_hook != "none":
+        raise ConfigError(f"parallel.ddp_comm_hook={p.ddp_comm_hook} applies to DDP (zero_stage 0 or 1), "
+                          f"not zero_stage={p.zero_stage} (use precision.reduce_dtype)")
     t = cfg.train
     if t.micro_batch_size and t.global_batch_size % t.micro_batch_size:
         raise ConfigError(f"train.global_batch_size={t.global_batch_size} is not a multiple of "

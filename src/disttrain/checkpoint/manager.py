@@ -20,7 +20,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
+                                                     set_state_dict)
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+from disttrain.parallel import zero1
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +87,10 @@ class CheckpointManager:
         if self.rank == 0 and path.exists():
             shutil.rmtree(path)  # a stale save of the same step (e.g. after a crash and resume)
         dist.barrier()
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        if isinstance(optimizer, ZeroRedundancyOptimizer):  # each rank contributes the states it owns
+            model_sd, optim_sd = get_model_state_dict(model), zero1.zero1_state_dict(model, optimizer)
+        else:
+            model_sd, optim_sd = get_state_dict(model, optimizer)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
         torch.save(rng_state(), path / f"rank_{self.rank:05d}.pt")
         if self.rank == 0:
@@ -104,10 +111,16 @@ class CheckpointManager:
 
     def load(self, path: Path, model, optimizer) -> dict:
         """Collective: restore model and optimizer in place, this rank's RNG; return the train state."""
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        state = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, checkpoint_id=path)
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        if isinstance(optimizer, ZeroRedundancyOptimizer):
+            state = {"model": get_model_state_dict(model), "optim": zero1.zero1_load_template(model, optimizer)}
+            dcp.load(state, checkpoint_id=path)
+            set_model_state_dict(model, state["model"])
+            zero1.zero1_load_state_dict(model, optimizer, state["optim"])
+        else:
+            model_sd, optim_sd = get_state_dict(model, optimizer)
+            state = {"model": model_sd, "optim": optim_sd}
+            dcp.load(state, checkpoint_id=path)
+            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         rank_file = path / f"rank_{self.rank:05d}.pt"
         if rank_file.is_file():
             set_rng_state(torch.load(rank_file, weights_only=True))

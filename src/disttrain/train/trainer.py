@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from disttrain.checkpoint.manager import CheckpointManager
 from disttrain.config import RunConfig
@@ -30,7 +31,8 @@ from disttrain.models.generate import generate
 from disttrain.models.init import build_model, count_params
 from disttrain.models.registry import resolve_shape
 from disttrain.observe.metrics import MetricsLogger, peak_memory_bytes
-from disttrain.parallel.apply import apply_parallelism
+from disttrain.parallel.apply import apply_parallelism, gradient_sync_disabled
+from disttrain.parallel.zero1 import build_zero1_optimizer
 from disttrain.train.optim import build_optimizer, build_scheduler
 from disttrain.train.precision import Precision
 
@@ -77,8 +79,11 @@ class Trainer:
         self.shape = resolve_shape(cfg.model)
         self.base_model = build_model(self.shape, self.device, t.seed)
         self.num_params = count_params(self.base_model)
-        self.model = apply_parallelism(self.base_model, cfg.parallel, self.dims, self.meshes, self.device)
-        self.optimizer = build_optimizer(self.model, cfg.optim)
+        self.model = apply_parallelism(self.base_model, cfg, self.dims, self.meshes, self.device)
+        if cfg.parallel.zero_stage == 1:
+            self.optimizer = build_zero1_optimizer(self.model, cfg.optim, self.meshes.dp.get_group())
+        else:
+            self.optimizer = build_optimizer(self.model, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, t.steps)
         self.precision = Precision(cfg.precision.compute_dtype, self.device)
         self.ckpt = CheckpointManager(cfg.checkpoint_dir, rt.rank, cfg.checkpoint.keep_last)
@@ -125,14 +130,15 @@ class Trainer:
         last = len(micro_batches) - 1
         for i, (x, y) in enumerate(micro_batches):
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-            sync = i == last or not hasattr(self.model, "no_sync")
-            with contextlib.nullcontext() if sync else self.model.no_sync():
+            with contextlib.nullcontext() if i == last else gradient_sync_disabled(self.model):
                 loss = self._forward_loss_sum(x, y)
                 scaler.scale(loss / local_tokens).backward()
             loss_sum += loss.detach()
         scaler.unscale_(self.optimizer)
         clip = self.cfg.optim.grad_clip or float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip, foreach=True)
+        if isinstance(grad_norm, DTensor):  # sharded gradients: the norm is already reduced over shards
+            grad_norm = grad_norm.full_tensor()
         scaler.step(self.optimizer)
         scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
@@ -236,10 +242,9 @@ class Trainer:
         return TrainResult(self.step, final_loss, str(self.run_dir), sample)
 
     def sample(self) -> str | None:
-        """Rank 0 samples from its (full, replicated) model copy."""
-        if not self.rt.is_main:
-            return None
+        """Every rank runs the same seeded generation (sharded layouts need all ranks in each
+        forward); rank 0 reports it."""
         t = self.cfg.train
         prompt = self.tokenizer.encode_batch([t.sample_prompt])[0]
         ids = generate(self.base_model, prompt, t.sample_tokens, seed=t.seed, stop_id=self.tokenizer.eos_id)
-        return self.tokenizer.decode(ids)
+        return self.tokenizer.decode(ids) if self.rt.is_main else None

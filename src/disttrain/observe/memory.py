@@ -1,0 +1,33 @@
+"""Bytes this rank actually holds for model states: parameters, gradients, optimizer states.
+
+Sharded tensors (DTensor) count their local shard only; ZeroRedundancyOptimizer counts the
+states this rank owns. These are the quantities the ZeRO formulas predict.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
+
+
+def local_bytes(t: torch.Tensor | None) -> int:
+    if t is None:
+        return 0
+    if isinstance(t, DTensor):
+        t = t.to_local()
+    return t.numel() * t.element_size()
+
+
+def optimizer_states(optimizer: torch.optim.Optimizer) -> dict:
+    return (optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer).state
+
+
+def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+    params = list(model.parameters())
+    out = {"params": sum(local_bytes(p) for p in params), "grads": sum(local_bytes(p.grad) for p in params)}
+    if optimizer is not None:
+        out["optimizer"] = sum(local_bytes(v) for s in optimizer_states(optimizer).values()
+                               for v in s.values() if isinstance(v, torch.Tensor) and v.ndim > 0)
+    return out
