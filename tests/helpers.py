@@ -81,7 +81,7 @@ def assert_params_close(actual: dict, expected: dict, rel: float, lr: float) -> 
     """
     assert actual.keys() == expected.keys()
     for name in expected:
-        a, b = actual[name].double(), expected[name].double()
+        a, b = actual[name].detach().double(), expected[name].detach().double()
         norm_rel = float((a - b).norm() / b.norm())
         assert norm_rel <= rel, f"{name}: relative difference {norm_rel:.2e} > {rel:.0e}"
         worst = float((a - b).abs().max())

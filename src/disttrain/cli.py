@@ -1,4 +1,4 @@
-"""Command line: `disttrain train | prepare-data`. User mistakes print one line and exit 2."""
+"""Command line: `disttrain train | config export-deepspeed | prepare-data`. User mistakes print one line and exit 2."""
 
 from __future__ import annotations
 
@@ -92,6 +92,28 @@ def cmd_prepare_data(args: argparse.Namespace) -> None:
     print(f"wrote {out}: {splits} (vocabulary {meta['vocab_size']}, {meta['dtype']})")
 
 
+def cmd_config(args: argparse.Namespace, overrides: list[str]) -> None:
+    import json
+
+    from disttrain.train.deepspeed_engine import deepspeed_config
+
+    try:
+        cfg = load_config(args.config, [*overrides, "engine=torch"])  # exporting needs no DeepSpeed installed
+        if args.world_size < 1:
+            raise ConfigError(f"--world-size={args.world_size}: must be a positive integer")
+        validate_world(cfg, args.world_size)
+    except ConfigError as exc:
+        _fail(str(exc))
+    text = json.dumps(deepspeed_config(cfg, args.world_size), indent=2) + "\n"
+    if args.out:
+        tmp = Path(args.out + ".tmp")
+        tmp.write_text(text)
+        tmp.replace(args.out)
+        print(f"wrote {args.out}")
+    else:
+        sys.stdout.write(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="disttrain", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -108,6 +130,13 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--rdzv-backend", default="c10d")
     launch.add_argument("--rdzv-id", default=None)
 
+    config = sub.add_parser("config", help="config utilities")
+    config_sub = config.add_subparsers(dest="config_command", required=True)
+    export = config_sub.add_parser("export-deepspeed", help="write the DeepSpeed JSON config a RunConfig maps to")
+    export.add_argument("config", help="YAML config file")
+    export.add_argument("--world-size", type=int, default=1, help="processes the JSON is for (sets accumulation)")
+    export.add_argument("--out", default=None, help="output file (default: stdout)")
+
     prep = sub.add_parser("prepare-data", help="tokenize text/JSONL files into token shards")
     prep.add_argument("inputs", nargs="+", help=".txt (documents split on blank lines) or .jsonl files")
     prep.add_argument("--out", required=True, help="output directory (use it as data.source)")
@@ -122,11 +151,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    if args.command == "train":
+    if args.command in ("train", "config"):
         bad = [e for e in extra if "=" not in e or e.startswith("-")]
         if bad:
             parser.error(f"unrecognized arguments: {' '.join(bad)}")
-        cmd_train(args, extra)
+        (cmd_train if args.command == "train" else cmd_config)(args, extra)
     else:
         if extra:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")

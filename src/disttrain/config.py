@@ -160,6 +160,7 @@ class RunSection(_Section):
 
 
 class RunConfig(_Section):
+    engine: Literal["torch", "deepspeed"] = "torch"
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
@@ -283,7 +284,9 @@ def validate_semantics(cfg: RunConfig) -> None:
     if cfg.data.seq_len > shape.max_seq_len:
         raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len={shape.max_seq_len}")
     p = cfg.parallel
-    if p.zero_stage < 2:
+    if cfg.engine == "deepspeed":
+        _check_deepspeed(cfg)
+    elif p.zero_stage < 2:
         for key in ("param_dtype", "reduce_dtype"):
             value = getattr(cfg.precision, key)
             if value != "fp32":
@@ -310,6 +313,30 @@ def validate_semantics(cfg: RunConfig) -> None:
     if shape.vocab_size < info.vocab_size:
         raise ConfigError(f"model.vocab_size={shape.vocab_size} is smaller than the tokenizer's vocabulary "
                           f"({info.vocab_size} tokens from {info.tokenizer_name}); set model.vocab_size>={info.vocab_size}")
+
+
+def _check_deepspeed(cfg: RunConfig) -> None:
+    import importlib.util
+
+    from disttrain.train.deepspeed_engine import INSTALL_HINT
+
+    p = cfg.parallel
+    if p.dp_replicate != 1:
+        raise ConfigError(f"parallel.dp_replicate={p.dp_replicate} needs engine=torch (HSDP); DeepSpeed partitions "
+                          "over the whole world (allowed with engine=deepspeed: 1)")
+    if p.ddp_comm_hook != "none":
+        raise ConfigError(f"parallel.ddp_comm_hook={p.ddp_comm_hook} needs engine=torch (allowed with "
+                          "engine=deepspeed: none)")
+    for key in ("param_dtype", "reduce_dtype"):
+        if getattr(cfg.precision, key) != "fp32":
+            raise ConfigError(f"precision.{key}={getattr(cfg.precision, key)} needs engine=torch; with "
+                              "engine=deepspeed set precision.compute_dtype (allowed: fp32)")
+    try:
+        available = importlib.util.find_spec("deepspeed") is not None
+    except (ImportError, ValueError):
+        available = False
+    if not available:
+        raise ConfigError(INSTALL_HINT)
 
 
 def validate_world(cfg: RunConfig, world_size: int) -> None:

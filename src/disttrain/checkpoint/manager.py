@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_s
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from disttrain.parallel import zero1
+from disttrain.train import deepspeed_engine
 
 log = logging.getLogger(__name__)
 
@@ -87,11 +88,14 @@ class CheckpointManager:
         if self.rank == 0 and path.exists():
             shutil.rmtree(path)  # a stale save of the same step (e.g. after a crash and resume)
         dist.barrier()
-        if isinstance(optimizer, ZeroRedundancyOptimizer):  # each rank contributes the states it owns
-            model_sd, optim_sd = get_model_state_dict(model), zero1.zero1_state_dict(model, optimizer)
+        if deepspeed_engine.is_engine(model):
+            deepspeed_engine.save(model, path)
         else:
-            model_sd, optim_sd = get_state_dict(model, optimizer)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+            if isinstance(optimizer, ZeroRedundancyOptimizer):  # each rank contributes the states it owns
+                model_sd, optim_sd = get_model_state_dict(model), zero1.zero1_state_dict(model, optimizer)
+            else:
+                model_sd, optim_sd = get_state_dict(model, optimizer)
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
         torch.save(rng_state(), path / f"rank_{self.rank:05d}.pt")
         if self.rank == 0:
             torch.save(train_state, path / "train_state.pt")
@@ -111,7 +115,13 @@ class CheckpointManager:
 
     def load(self, path: Path, model, optimizer) -> dict:
         """Collective: restore model and optimizer in place, this rank's RNG; return the train state."""
-        if isinstance(optimizer, ZeroRedundancyOptimizer):
+        if deepspeed_engine.is_engine(model):
+            if not (path / deepspeed_engine.TAG).is_dir():
+                raise RuntimeError(f"{path} was not written by engine=deepspeed; DeepSpeed resumes only its own checkpoints")
+            deepspeed_engine.load(model, path)
+        elif (path / deepspeed_engine.TAG).is_dir():
+            raise RuntimeError(f"{path} was written by engine=deepspeed; resume it with engine=deepspeed")
+        elif isinstance(optimizer, ZeroRedundancyOptimizer):
             state = {"model": get_model_state_dict(model), "optim": zero1.zero1_load_template(model, optimizer)}
             dcp.load(state, checkpoint_id=path)
             set_model_state_dict(model, state["model"])

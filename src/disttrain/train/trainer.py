@@ -31,8 +31,10 @@ from disttrain.models.generate import generate
 from disttrain.models.init import build_model, count_params
 from disttrain.models.registry import resolve_shape
 from disttrain.observe.metrics import MetricsLogger, peak_memory_bytes
+from disttrain.parallel.activation_checkpoint import apply_activation_checkpointing
 from disttrain.parallel.apply import apply_parallelism, gradient_sync_disabled
 from disttrain.parallel.zero1 import build_zero1_optimizer
+from disttrain.train import deepspeed_engine
 from disttrain.train.optim import build_optimizer, build_scheduler
 from disttrain.train.precision import Precision
 
@@ -79,13 +81,21 @@ class Trainer:
         self.shape = resolve_shape(cfg.model)
         self.base_model = build_model(self.shape, self.device, t.seed)
         self.num_params = count_params(self.base_model)
-        self.model = apply_parallelism(self.base_model, cfg, self.dims, self.meshes, self.device)
-        if cfg.parallel.zero_stage == 1:
-            self.optimizer = build_zero1_optimizer(self.model, cfg.optim, self.meshes.dp.get_group())
+        if cfg.engine == "deepspeed":
+            apply_activation_checkpointing(self.base_model, cfg.parallel.activation_checkpointing)
+            self.optimizer = build_optimizer(self.base_model, cfg.optim)
+            self.scheduler = build_scheduler(self.optimizer, cfg.optim, t.steps)
+            self.model = deepspeed_engine.initialize(self.base_model, self.optimizer, self.scheduler, cfg,
+                                                     rt.world_size, self.device.type == "cuda")
+            self.precision = Precision("fp32", self.device)  # DeepSpeed casts and scales itself
         else:
-            self.optimizer = build_optimizer(self.model, cfg.optim)
-        self.scheduler = build_scheduler(self.optimizer, cfg.optim, t.steps)
-        self.precision = Precision(cfg.precision.compute_dtype, self.device)
+            self.model = apply_parallelism(self.base_model, cfg, self.dims, self.meshes, self.device)
+            if cfg.parallel.zero_stage == 1:
+                self.optimizer = build_zero1_optimizer(self.model, cfg.optim, self.meshes.dp.get_group())
+            else:
+                self.optimizer = build_optimizer(self.model, cfg.optim)
+            self.scheduler = build_scheduler(self.optimizer, cfg.optim, t.steps)
+            self.precision = Precision(cfg.precision.compute_dtype, self.device)
         self.ckpt = CheckpointManager(cfg.checkpoint_dir, rt.rank, cfg.checkpoint.keep_last)
         self.step = 0
         self.tokens_seen = 0
@@ -117,13 +127,19 @@ class Trainer:
         self.resumed_from = str(path)
 
     # ---------------------------------------------------------------- one step
+    @staticmethod
+    def _loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
+
     def _forward_loss_sum(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         with self.precision.autocast():
             logits = self.model(inputs)
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
+        return self._loss_sum(logits, targets)
 
     def train_step(self, micro_batches) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (sum of this rank's token losses, global grad norm) as device tensors: no host sync."""
+        if deepspeed_engine.is_engine(self.model):
+            return deepspeed_engine.train_step(self.model, micro_batches, self._loss_sum, self.device)
         local_tokens = sum(y.numel() for _, y in micro_batches)
         loss_sum = torch.zeros((), device=self.device)
         scaler = self.precision.scaler

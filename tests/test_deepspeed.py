@@ -1,0 +1,81 @@
+"""engine=deepspeed: config mapping, export, parity with the torch engine, resume, and the missing-extra error."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from disttrain.config import load_config
+from disttrain.train.deepspeed_engine import deepspeed_config
+from helpers import DEBUG_CONFIG, REPO, assert_losses_close, assert_params_close, cli_env, load_model_params, losses, train
+
+LR = 3e-3
+COMMON = ("train.steps=20", "train.global_batch_size=4", f"optim.lr={LR}", "checkpoint.save_final=true")
+
+
+def test_config_maps_every_setting():
+    cfg = load_config(DEBUG_CONFIG, ["engine=torch", "parallel.zero_stage=3", "parallel.cpu_offload=true",
+                                     "precision.compute_dtype=bf16", "optim.grad_clip=0.5", "train.global_batch_size=16",
+                                     "train.micro_batch_size=2"])
+    ds = deepspeed_config(cfg, world_size=4)
+    assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (16, 2, 2)
+    assert ds["zero_optimization"]["stage"] == 3 and ds["gradient_clipping"] == 0.5
+    assert ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert ds["zero_optimization"]["offload_param"]["pin_memory"] is False  # no pinning without CUDA
+    assert ds["bf16"]["enabled"] and not ds["fp16"]["enabled"]
+    fp16 = deepspeed_config(load_config(DEBUG_CONFIG, ["precision.compute_dtype=fp16"]), 1)
+    assert fp16["fp16"]["enabled"] and fp16["fp16"]["loss_scale"] == 0  # 0 = dynamic loss scaling
+
+
+def test_shipped_json_is_the_export_of_its_yaml():
+    proc = subprocess.run([sys.executable, "-m", "disttrain", "config", "export-deepspeed", "configs/deepspeed.yaml",
+                           "--world-size", "2"], cwd=REPO, env=cli_env(), capture_output=True, text=True, check=True)
+    assert json.loads(proc.stdout) == json.loads((REPO / "configs" / "deepspeed.json").read_text())
+
+
+def test_missing_deepspeed_is_one_line_with_install_hint(tmp_path):
+    (tmp_path / "sitecustomize.py").write_text(
+        "import sys\n"
+        "class _Hide:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'deepspeed' or name.startswith('deepspeed.'):\n"
+        "            raise ModuleNotFoundError(name)\n"
+        "sys.meta_path.insert(0, _Hide())\n")
+    env = dict(cli_env(), PYTHONPATH=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-m", "disttrain", "train", str(DEBUG_CONFIG), "engine=deepspeed",
+                           f"run.dir={tmp_path}/runs"], cwd=REPO, env=env, capture_output=True, text=True)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "disttrain: error: engine=deepspeed needs DeepSpeed: DS_BUILD_OPS=0 pip install -c constraints.txt "
+        "--no-build-isolation 'disttrain[deepspeed]'"]
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return train(tmp_path_factory.mktemp("ref") / "run", *COMMON, "train.micro_batch_size=4")
+
+
+def _deepspeed_params(checkpoint) -> dict:
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    return {k: v for k, v in get_fp32_state_dict_from_zero_checkpoint(str(checkpoint), tag="deepspeed").items()
+            if not k.startswith("rope_")}
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_matches_torch_engine(stage, reference, tmp_path):
+    pytest.importorskip("deepspeed")
+    run = train(tmp_path / "run", *COMMON, "engine=deepspeed", f"parallel.zero_stage={stage}",
+                "train.micro_batch_size=1", "checkpoint.every_steps=10", nproc=2)
+    assert_losses_close(losses(run), losses(reference), rel=1e-5)
+    expected = load_model_params(reference / "checkpoints" / "step_00000020")
+    assert_params_close(_deepspeed_params(run / "checkpoints" / "step_00000020"), expected, rel=1e-5, lr=LR)
+    # Resume from step 10 under DeepSpeed: the same losses for steps 11-20.
+    resumed = train(tmp_path / "resumed", *COMMON, "engine=deepspeed", f"parallel.zero_stage={stage}",
+                    "train.micro_batch_size=1", f"checkpoint.resume={run}/checkpoints/step_00000010", nproc=2)
+    assert_losses_close(losses(resumed), {s: v for s, v in losses(run).items() if s > 10}, rel=1e-6)
