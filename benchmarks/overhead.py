@@ -40,17 +40,50 @@ def command(framework: str, steps: int, run_dir: Path) -> list[str]:
     return [python, *torchrun, str(WORKLOADS / f"{framework}_ddp.py"), "--steps", str(steps)]
 
 
-def measure(framework: str, steps: int, run_dir: Path) -> tuple[float, float]:
+def measure_command(cmd: list[str]) -> tuple[float, float]:
+    """Wall seconds and CPU seconds (user+system of the whole process tree) of one command."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(WORKLOADS), str(REPO / "src")]))
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
-    proc = subprocess.run(command(framework, steps, run_dir), env=env, cwd=REPO, capture_output=True, text=True)
+    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True)
     wall = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode:
-        raise SystemExit(f"{framework} failed:\n{proc.stderr[-3000:]}")
-    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    return wall, cpu
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+    return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+
+
+def steady_state(command_for_steps, short: int, long: int) -> dict:
+    """Throughput and CPU per token of the steps between `short` and `long` (start-up cancels out)."""
+    w1, c1 = measure_command(command_for_steps(short))
+    w2, c2 = measure_command(command_for_steps(long))
+    tokens = TOKENS_PER_STEP * (long - short)
+    return {"tokens_per_s": tokens / (w2 - w1), "cpu_s_per_token": (c2 - c1) / tokens}
+
+
+def summarize(results: dict[str, list[dict]], baseline: str) -> dict:
+    summary = {}
+    for name, rows in results.items():
+        ratios = [r["tokens_per_s"] / b["tokens_per_s"] for r, b in zip(rows, results[baseline])]
+        cpu_ratios = [r["cpu_s_per_token"] / b["cpu_s_per_token"] for r, b in zip(rows, results[baseline])]
+        summary[name] = {
+            "tokens_per_s_median": statistics.median(r["tokens_per_s"] for r in rows),
+            "cpu_us_per_token_median": 1e6 * statistics.median(r["cpu_s_per_token"] for r in rows),
+            "throughput_ratio_median": statistics.median(ratios), "throughput_ratio_range": [min(ratios), max(ratios)],
+            "cpu_per_token_ratio_median": statistics.median(cpu_ratios),
+            "cpu_per_token_ratio_range": [min(cpu_ratios), max(cpu_ratios)],
+        }
+    return summary
+
+
+def print_table(summary: dict, baseline: str) -> None:
+    print(f"\n| variant | tokens/s (median) | vs {baseline}, throughput (median, range) | CPU-us/token (median) "
+          f"| vs {baseline}, CPU/token (median, range) |\n|---|---|---|---|---|")
+    for name, s in summary.items():
+        lo, hi = s["throughput_ratio_range"]
+        clo, chi = s["cpu_per_token_ratio_range"]
+        print(f"| {name} | {s['tokens_per_s_median']:,.0f} | {s['throughput_ratio_median']:.3f} ({lo:.3f}-{hi:.3f}) "
+              f"| {s['cpu_us_per_token_median']:.1f} | {s['cpu_per_token_ratio_median']:.3f} ({clo:.3f}-{chi:.3f}) |")
 
 
 def main() -> None:
@@ -69,33 +102,14 @@ def main() -> None:
     for rep in range(args.reps):
         order = frameworks[rep % len(frameworks):] + frameworks[:rep % len(frameworks)]
         for fw in order:
-            w1, c1 = measure(fw, args.short, run_dir)
-            w2, c2 = measure(fw, args.long, run_dir)
-            tokens = TOKENS_PER_STEP * (args.long - args.short)
-            row = {"tokens_per_s": tokens / (w2 - w1), "cpu_s_per_token": (c2 - c1) / tokens}
+            row = steady_state(lambda steps: command(fw, steps, run_dir), args.short, args.long)
             results[fw].append(row)
             print(f"rep {rep + 1}/{args.reps} {fw:>10}: {row['tokens_per_s']:8.0f} tok/s, "
                   f"{1e6 * row['cpu_s_per_token']:7.1f} CPU-us/token", flush=True)
-    summary = {}
-    for fw in frameworks:
-        ratios = [r["tokens_per_s"] / p["tokens_per_s"] for r, p in zip(results[fw], results["plain"])]
-        cpu_ratios = [r["cpu_s_per_token"] / p["cpu_s_per_token"] for r, p in zip(results[fw], results["plain"])]
-        summary[fw] = {
-            "tokens_per_s_median": statistics.median(r["tokens_per_s"] for r in results[fw]),
-            "cpu_us_per_token_median": 1e6 * statistics.median(r["cpu_s_per_token"] for r in results[fw]),
-            "throughput_ratio_median": statistics.median(ratios), "throughput_ratio_range": [min(ratios), max(ratios)],
-            "cpu_per_token_ratio_median": statistics.median(cpu_ratios),
-            "cpu_per_token_ratio_range": [min(cpu_ratios), max(cpu_ratios)],
-        }
+    summary = summarize(results, "plain")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"args": vars(args), "runs": results, "summary": summary}, indent=2))
-    print("\n| framework | tokens/s (median) | vs plain, throughput (median, range) | CPU-us/token (median) "
-          "| vs plain, CPU/token (median, range) |\n|---|---|---|---|---|")
-    for fw, s in summary.items():
-        lo, hi = s["throughput_ratio_range"]
-        clo, chi = s["cpu_per_token_ratio_range"]
-        print(f"| {fw} | {s['tokens_per_s_median']:,.0f} | {s['throughput_ratio_median']:.3f} ({lo:.3f}-{hi:.3f}) "
-              f"| {s['cpu_us_per_token_median']:.1f} | {s['cpu_per_token_ratio_median']:.3f} ({clo:.3f}-{chi:.3f}) |")
+    print_table(summary, "plain")
 
 
 if __name__ == "__main__":

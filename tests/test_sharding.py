@@ -74,7 +74,7 @@ def test_stage3_checkpoint_resumes_on_other_layouts(stage3_two_ranks, tmp_path):
 
 def _measure(nproc, tmp_path) -> list[dict]:
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-                           str(REPO / "tests" / "workers" / "memory.py"), str(tmp_path)],
+                           "-m", "disttrain.bench.model_states", str(tmp_path)],
                           cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [json.loads(line[4:]) for line in proc.stdout.splitlines() if line.startswith("MEM ")]

@@ -1,0 +1,57 @@
+"""Per-rank model-state bytes for ZeRO stages, measured on the real runtime. Run under torchrun:
+
+    torchrun --nproc-per-node 2 -m disttrain.bench.model_states RUN_DIR [--model tiny] [--stages 0 1 2 3]
+
+Prints one `MEM {json}` line per rank and stage: parameter, gradient and optimizer-state bytes this
+rank holds after one step (gradients measured before they are released), and the parameter bytes
+visible between forward and backward (whole for stages 0-2, shards for stage 3).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+
+import torch
+import torch.distributed as dist
+
+from disttrain.config import load_config
+from disttrain.distributed.env import detect_env
+from disttrain.distributed.runtime import Runtime, init_distributed
+from disttrain.observe.memory import model_state_bytes
+from disttrain.train.trainer import Trainer
+
+
+def measure(rt: Runtime, stage: int, model: str, run_dir: str) -> dict:
+    cfg = load_config(None, [f"model.name={model}", "train.global_batch_size=4", "data.seq_len=32",
+                             "train.micro_batch_size=1", f"parallel.zero_stage={stage}", f"run.dir={run_dir}",
+                             f"run.name=stage{stage}", "checkpoint.resume=none"])
+    trainer = Trainer(cfg, rt)
+    x, y = next(trainer.loader)[0]
+    logits = trainer.model(x)
+    after_forward = model_state_bytes(trainer.model)["params"]
+    torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()).backward()
+    trainer.optimizer.step()
+    held = model_state_bytes(trainer.model, trainer.optimizer)
+    del trainer, logits
+    gc.collect()
+    return {"stage": stage, "rank": rt.rank, "world": rt.world_size, "model": model,
+            "params_after_forward": after_forward, **held}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("run_dir")
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3])
+    args = parser.parse_args()
+    rt = init_distributed(detect_env(), "gloo", 60)
+    for stage in args.stages:
+        print("MEM " + json.dumps(measure(rt, stage, args.model, args.run_dir)), flush=True)
+    gc.collect()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
