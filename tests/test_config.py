@@ -45,7 +45,7 @@ def test_world_size_checks():
 # (overrides, launch args, text the single line must contain)
 MISTAKES = {
     "unknown key": (["model.depth=3"], [], "model.depth: unknown key (allowed in model: name, dim"),
-    "unknown section": (["trainer.steps=3"], [], "trainer: unknown key (allowed in the top level: model"),
+    "unknown section": (["trainer.steps=3"], [], "trainer: unknown key (allowed in the top level: engine, model"),
     "wrong type": (["train.steps=abc"], [], "train.steps=abc: input should be a valid integer"),
     "negative lr": (["optim.lr=-1"], [], "optim.lr=-1: input should be greater than 0"),
     "bad choice": (["parallel.ddp_comm_hook=zip"], [], "parallel.ddp_comm_hook=zip: input should be 'none', 'fp16'"),
@@ -61,6 +61,15 @@ MISTAKES = {
     "heads do not divide": (["model.n_kv_heads=3"], [], "model.n_kv_heads=3 does not divide model.n_heads=4"),
     "seq longer than model": (["data.seq_len=1024"], [], "data.seq_len=1024 exceeds model.max_seq_len=256"),
     "not yet supported layout": (["parallel.tp=2"], [], "parallel.tp=2 is not supported by this version yet"),
+    "offload without sharding": (["parallel.cpu_offload=true"], [],
+                                 "parallel.cpu_offload=true needs parallel.zero_stage 2 or 3 (FSDP2), not 0"),
+    "param dtype under DDP": (["precision.param_dtype=bf16"], [],
+                              "precision.param_dtype=bf16 needs parallel.zero_stage 2 or 3"),
+    "DDP hook under FSDP": (["parallel.zero_stage=3", "parallel.ddp_comm_hook=fp16"], [],
+                            "parallel.ddp_comm_hook=fp16 applies to DDP (zero_stage 0 or 1), not zero_stage=3"),
+    "zero stage out of range": (["parallel.zero_stage=4"], [], "parallel.zero_stage=4: input should be less than or equal to 3"),
+    "HSDP under DeepSpeed": (["engine=deepspeed", "parallel.dp_replicate=2"], [],
+                             "parallel.dp_replicate=2 needs engine=torch (HSDP)"),
 }
 
 
@@ -88,4 +97,7 @@ def test_missing_config_file_and_bad_yaml(tmp_path):
 
 def test_shipped_configs_validate():
     for path in sorted((REPO / "configs").glob("*.yaml")):
-        validate_world(load_config(path), 2)
+        cfg = load_config(path)
+        p = cfg.parallel
+        world = 2 if p.dp_shard == -1 else p.dp_replicate * p.dp_shard * p.tp * p.pp
+        validate_world(cfg, world)
