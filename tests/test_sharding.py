@@ -143,3 +143,14 @@ def test_activation_checkpointing_recomputes():
     for mode in ("full", "selective"):
         for a, b in zip(grads[mode], grads["none"]):
             torch.testing.assert_close(a, b, rtol=0, atol=0)  # recomputation is exact
+
+
+def test_bf16_param_policy_keeps_fp32_master_weights(reference, tmp_path):
+    run = train(tmp_path / "run", *COMMON, *SHARDED, "parallel.zero_stage=2", "precision.param_dtype=bf16",
+                "precision.reduce_dtype=fp32", nproc=2)
+    ref, low = losses(reference), losses(run)
+    diffs = [abs(low[s] - ref[s]) / ref[s] for s in ref]
+    # bf16 compute really ran (not bitwise fp32) and stays within half of bf16's unit roundoff (2^-8).
+    assert 0 < max(diffs) <= 2e-3, diffs
+    params = _final(run)
+    assert all(t.dtype == torch.float32 for t in params.values())  # the sharded master copy stays fp32
