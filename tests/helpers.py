@@ -21,11 +21,13 @@ def cli_env() -> dict:
     return env
 
 
-def run_cli(*args: str, nproc: int | None = None, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
+def run_cli(*args: str, nproc: int | None = None, timeout: float = 300, check: bool = True,
+            env: dict | None = None) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "disttrain", *args]
     if nproc is not None:
         cmd += ["--nproc-per-node", str(nproc)]
-    proc = subprocess.run(cmd, cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, cwd=REPO, env={**cli_env(), **(env or {})}, capture_output=True, text=True,
+                          timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"
                              f"\n--- stderr\n{proc.stderr[-4000:]}")
@@ -33,10 +35,10 @@ def run_cli(*args: str, nproc: int | None = None, timeout: float = 300, check: b
 
 
 def train(run_dir: Path, *overrides: str, nproc: int | None = None, config: Path = DEBUG_CONFIG,
-          timeout: float = 300) -> Path:
+          timeout: float = 300, launch: tuple[str, ...] = (), env: dict | None = None) -> Path:
     """Train into run_dir (its parent is run.dir, its name run.name); returns run_dir."""
     run_cli("train", str(config), f"run.dir={run_dir.parent}", f"run.name={run_dir.name}",
-            "distributed.timeout_s=60", *overrides, nproc=nproc, timeout=timeout)
+            "distributed.timeout_s=60", *overrides, *launch, nproc=nproc, timeout=timeout, env=env)
     return run_dir
 
 
@@ -45,7 +47,12 @@ def records(run_dir: Path) -> list[dict]:
 
 
 def losses(run_dir: Path) -> dict[int, float]:
+    """Step -> loss; a step logged twice (redone after a restart) keeps its last value."""
     return {r["step"]: r["loss"] for r in records(run_dir) if "loss" in r and "event" not in r}
+
+
+def events(run_dir: Path, name: str) -> list[dict]:
+    return [r for r in records(run_dir) if r.get("event") == name]
 
 
 def load_model_params(checkpoint: Path) -> dict:

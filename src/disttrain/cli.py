@@ -1,10 +1,14 @@
-"""Command line: `disttrain train | config export-deepspeed | prepare-data`. User mistakes print one line and exit 2."""
+"""Command line: `disttrain train | convert | config export-deepspeed | prepare-data`. User mistakes print one line and exit 2."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import logging
 import sys
+import time
+
+PROCESS_START = time.time()  # before torch is imported: recovery benchmarks split start-up time
 from pathlib import Path
 
 from disttrain.config import ConfigError, load_config, validate_world
@@ -54,12 +58,21 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> None:
         _fail(str(exc), quiet)
 
     from disttrain.distributed.runtime import init_distributed, shutdown
-    from disttrain.train.trainer import Trainer
+    from disttrain.train.resilience import EXIT_PREEMPTED
+    from disttrain.train.trainer import Preempted, Trainer
 
     _setup_logging(cfg.run_dir, env.rank)
+    logging.getLogger("disttrain.cli").info("process started at %.3f (restart %s)", PROCESS_START,
+                                            os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     rt = init_distributed(env, cfg.distributed.backend, cfg.distributed.timeout_s)
     try:
         result = Trainer(cfg, rt).fit()
+    except ConfigError as exc:  # found only once running, e.g. a checkpoint that does not fit the config
+        shutdown()
+        _fail(str(exc), quiet)
+    except Preempted:
+        shutdown()
+        sys.exit(EXIT_PREEMPTED)
     finally:
         shutdown()
     if env.rank == 0:
@@ -114,6 +127,18 @@ def cmd_config(args: argparse.Namespace, overrides: list[str]) -> None:
         sys.stdout.write(text)
 
 
+def cmd_convert(args: argparse.Namespace) -> None:
+    from disttrain.checkpoint.export import export, resolve_checkpoint
+
+    try:
+        step_dir = resolve_checkpoint(args.checkpoint)
+    except FileNotFoundError as exc:
+        _fail(str(exc))
+    default = {"torch": "model.pt", "safetensors": "model.safetensors", "hf": "hf"}[args.to]
+    out = Path(args.out) if args.out else step_dir.parent.parent / "export" / default
+    print(f"wrote {export(step_dir, args.to, out)} from {step_dir}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="disttrain", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -137,6 +162,11 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--world-size", type=int, default=1, help="processes the JSON is for (sets accumulation)")
     export.add_argument("--out", default=None, help="output file (default: stdout)")
 
+    conv = sub.add_parser("convert", help="export a checkpoint as one torch/safetensors file or a HF Llama folder")
+    conv.add_argument("checkpoint", help="a run directory (its newest committed checkpoint) or a step directory")
+    conv.add_argument("--to", choices=["safetensors", "torch", "hf"], default="safetensors")
+    conv.add_argument("--out", default=None, help="output file (folder for hf); default: <run>/export/...")
+
     prep = sub.add_parser("prepare-data", help="tokenize text/JSONL files into token shards")
     prep.add_argument("inputs", nargs="+", help=".txt (documents split on blank lines) or .jsonl files")
     prep.add_argument("--out", required=True, help="output directory (use it as data.source)")
@@ -159,7 +189,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         if extra:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
-        cmd_prepare_data(args)
+        (cmd_convert if args.command == "convert" else cmd_prepare_data)(args)
 
 
 if __name__ == "__main__":

@@ -37,6 +37,14 @@ class ModelConfig(_Section):
     tie_embeddings: bool | None = None
     norm_eps: float | None = Field(None, gt=0)
     rope_theta: float | None = Field(None, gt=0)
+    init_from: str = Field("", description="weights from `disttrain convert` to start from (empty: random init)")
+
+    @model_validator(mode="after")
+    def _init_exists(self) -> "ModelConfig":
+        if self.init_from and not Path(self.init_from).exists():
+            raise ValueError(f"model.init_from={self.init_from}: no such file or directory (allowed: empty, or "
+                             "a file or folder written by `disttrain convert`)")
+        return self
 
 
 class DataConfig(_Section):
@@ -124,8 +132,6 @@ class CheckpointConfig(_Section):
 
     @model_validator(mode="after")
     def _check(self) -> "CheckpointConfig":
-        if self.async_save:
-            raise ValueError("checkpoint.async=true is not supported by this version yet (allowed: false)")
         if self.resume not in ("auto", "none") and not Path(self.resume).is_dir():
             raise ValueError(f"checkpoint.resume={self.resume}: no such checkpoint directory "
                              "(allowed: auto, none, or an existing checkpoints/step_* directory)")
@@ -152,6 +158,8 @@ class MetricsConfig(_Section):
 class DistributedConfig(_Section):
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     timeout_s: float = Field(600.0, gt=0, description="collective timeout before a hung rank errors out")
+    watchdog_factor: float = Field(20.0, ge=0, description="hang = no step for this many median step times (0: off)")
+    watchdog_min_s: float = Field(300.0, gt=0, description="never call a hang before this many seconds")
 
 
 class RunSection(_Section):
@@ -286,6 +294,8 @@ def validate_semantics(cfg: RunConfig) -> None:
     p = cfg.parallel
     if cfg.engine == "deepspeed":
         _check_deepspeed(cfg)
+        if cfg.checkpoint.async_save:
+            raise ConfigError("checkpoint.async=true needs engine=torch (DeepSpeed saves synchronously; allowed: false)")
     elif p.zero_stage < 2:
         for key in ("param_dtype", "reduce_dtype"):
             value = getattr(cfg.precision, key)

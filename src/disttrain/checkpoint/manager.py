@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
                                                      set_state_dict)
 from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -47,10 +48,18 @@ def set_rng_state(state: dict) -> None:
 
 
 class CheckpointManager:
-    def __init__(self, directory: str | Path, rank: int, keep_last: int = 0):
+    """Synchronous saves commit before returning. Async saves (`async_save=True`) return once the
+    state is staged in host memory; `poll_done`/`commit_pending` commit them after every rank's
+    writes finished, and a new save first waits for the previous one."""
+
+    def __init__(self, directory: str | Path, rank: int, keep_last: int = 0, async_save: bool = False):
         self.dir = Path(directory)
         self.rank = rank
         self.keep_last = keep_last
+        self.async_save = async_save
+        # DCP's async writer runs collectives while training runs its own: it needs its own group.
+        self._async_group = dist.new_group(backend="gloo") if async_save else None
+        self._pending: tuple[int, Path, object, float] | None = None
 
     def step_dir(self, step: int) -> Path:
         return self.dir / f"step_{step:08d}"
@@ -82,12 +91,54 @@ class CheckpointManager:
                 log.warning("removing uncommitted checkpoint %s", path)
                 shutil.rmtree(path, ignore_errors=True)
 
+    def verify(self, path: Path) -> str | None:
+        """Cheap integrity check without touching any model: None if loadable, else what is wrong
+        (naming the file). Catches missing or truncated shards and unreadable metadata."""
+        try:
+            self.read_train_state(path)
+        except Exception as exc:  # truncated or foreign pickle: torch raises several types
+            return f"{path / 'train_state.pt'} is unreadable ({type(exc).__name__})"
+        if (path / deepspeed_engine.TAG).is_dir():
+            return None
+        try:
+            metadata = FileSystemReader(str(path)).read_metadata()
+        except Exception as exc:
+            return f"{path / '.metadata'} is unreadable ({type(exc).__name__})"
+        needed: dict[str, int] = {}
+        for info in metadata.storage_data.values():
+            needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+        for name, size in sorted(needed.items()):
+            file = path / name
+            if not file.is_file():
+                return f"{file} is missing"
+            if file.stat().st_size < size:
+                return f"{file} is truncated ({file.stat().st_size} of {size} bytes)"
+        return None
+
+    def choose_resume(self) -> tuple[Path | None, list[str]]:
+        """Rank 0 picks the newest committed checkpoint that verifies, and every rank takes its
+        choice; also returns the reasons older-than-newest ones were skipped."""
+        choice: list = [None, []]
+        if self.rank == 0:
+            for path in reversed(self.committed()):
+                problem = self.verify(path)
+                if problem is None:
+                    choice[0] = str(path)
+                    break
+                log.warning("checkpoint %s cannot be loaded: %s; trying an older one", path.name, problem)
+                choice[1].append(problem)
+        dist.broadcast_object_list(choice, src=0)
+        return (Path(choice[0]) if choice[0] else None), choice[1]
+
     def save(self, step: int, model, optimizer, train_state: dict) -> Path:
-        """Collective: every rank calls it. Returns the committed directory."""
+        """Collective: every rank calls it. Returns the step directory (committed unless async)."""
+        self.commit_pending()
         path = self.step_dir(step)
         if self.rank == 0 and path.exists():
             shutil.rmtree(path)  # a stale save of the same step (e.g. after a crash and resume)
         dist.barrier()
+        path.mkdir(parents=True, exist_ok=True)  # an async writer creates it only in the background
+        future = None
         if deepspeed_engine.is_engine(model):
             deepspeed_engine.save(model, path)
         else:
@@ -95,17 +146,46 @@ class CheckpointManager:
                 model_sd, optim_sd = get_model_state_dict(model), zero1.zero1_state_dict(model, optimizer)
             else:
                 model_sd, optim_sd = get_state_dict(model, optimizer)
-            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+            state = {"model": model_sd, "optim": optim_sd}
+            if self.async_save:
+                future = dcp.async_save(state, checkpoint_id=path, process_group=self._async_group)
+            else:
+                dcp.save(state, checkpoint_id=path)
         torch.save(rng_state(), path / f"rank_{self.rank:05d}.pt")
         if self.rank == 0:
             torch.save(train_state, path / "train_state.pt")
+        if future is not None:
+            self._pending = (step, path, future, time.perf_counter())
+            return path
         dist.barrier()  # every rank's files are on disk before the marker
+        self._commit(step, path)
+        return path
+
+    def _commit(self, step: int, path: Path) -> None:
         if self.rank == 0:
             tmp = path / (COMMIT + ".tmp")
             tmp.write_text(json.dumps({"step": step, "world_size": dist.get_world_size(), "time": time.time()}))
             tmp.replace(path / COMMIT)
             self._apply_retention()
-        return path
+
+    @property
+    def pending_step(self) -> int | None:
+        return self._pending[0] if self._pending else None
+
+    def local_write_done(self) -> bool:
+        return self._pending is None or self._pending[2].done()
+
+    def commit_pending(self) -> tuple[int, float] | None:
+        """Collective when a save is pending: wait for every rank's writes, then commit.
+        Returns (step, seconds from save start to commit) or None."""
+        if self._pending is None:
+            return None
+        step, path, future, t0 = self._pending
+        self._pending = None
+        future.result()  # re-raises a failed write
+        dist.barrier(group=self._async_group)
+        self._commit(step, path)
+        return step, time.perf_counter() - t0
 
     def _apply_retention(self) -> None:
         if self.keep_last <= 0:
@@ -137,4 +217,8 @@ class CheckpointManager:
         else:
             log.warning("%s has no RNG state for rank %d (saved on a smaller world); keeping fresh RNG",
                         path, self.rank)
+        return self.read_train_state(path)
+
+    @staticmethod
+    def read_train_state(path: Path) -> dict:
         return torch.load(path / "train_state.pt", weights_only=True)

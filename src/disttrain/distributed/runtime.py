@@ -47,6 +47,20 @@ def pick_device(env: DistEnv) -> torch.device:
     return torch.device("cpu")
 
 
+def _job_store(env: DistEnv, timeout: timedelta) -> dist.Store:
+    """The job's key-value store, with keys private to this restart attempt.
+
+    Under torchrun the agent hosts one store for the whole job and keeps it across restarts;
+    without a per-attempt prefix, a restarted worker can read the previous attempt's gloo
+    addresses and fail with "connectFullMesh ... Connection refused" (seen with torch 2.13 when
+    the lowest rank died first).
+    """
+    agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(env.master_addr, env.master_port, env.world_size,
+                          is_master=not agent_hosts and env.rank == 0, timeout=timeout)
+    return dist.PrefixStore(f"disttrain/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+
 def init_distributed(env: DistEnv, backend: str = "auto", timeout_s: float = 600.0) -> Runtime:
     device = pick_device(env)
     if backend == "auto":
@@ -58,11 +72,9 @@ def init_distributed(env: DistEnv, backend: str = "auto", timeout_s: float = 600
         if env.launcher == "single":
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         else:
-            os.environ.setdefault("MASTER_ADDR", env.master_addr)
-            os.environ.setdefault("MASTER_PORT", str(env.master_port))
             kwargs = {"device_id": device} if device.type == "cuda" else {}
-            dist.init_process_group(backend, init_method="env://", rank=env.rank, world_size=env.world_size,
-                                    timeout=timeout, **kwargs)
+            dist.init_process_group(backend, store=_job_store(env, timeout), rank=env.rank,
+                                    world_size=env.world_size, timeout=timeout, **kwargs)
     log.info("rank %d/%d on %s (%s, launcher %s)", env.rank, env.world_size, device, backend, env.launcher)
     return Runtime(env=env, device=device, backend=backend)
 

@@ -22,7 +22,9 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from disttrain.checkpoint.manager import CheckpointManager
-from disttrain.config import RunConfig
+from disttrain.checkpoint.compat import config_changes
+from disttrain.checkpoint.export import init_from
+from disttrain.config import ConfigError, RunConfig
 from disttrain.data.loader import DistributedBatchLoader, GlobalBatchSampler, TokenWindows
 from disttrain.data.source import load_splits
 from disttrain.distributed.dims import ParallelDims
@@ -35,10 +37,16 @@ from disttrain.parallel.activation_checkpoint import apply_activation_checkpoint
 from disttrain.parallel.apply import apply_parallelism, gradient_sync_disabled
 from disttrain.parallel.zero1 import build_zero1_optimizer
 from disttrain.train import deepspeed_engine
+from disttrain.train.faults import FaultInjector
 from disttrain.train.optim import build_optimizer, build_scheduler
 from disttrain.train.precision import Precision
+from disttrain.train.resilience import EXIT_PREEMPTED, NullWatchdog, StepControl, Watchdog
 
 log = logging.getLogger(__name__)
+
+
+class Preempted(Exception):
+    """Raised after the emergency checkpoint; the CLI exits with EXIT_PREEMPTED."""
 
 
 @dataclass
@@ -80,6 +88,11 @@ class Trainer:
 
         self.shape = resolve_shape(cfg.model)
         self.base_model = build_model(self.shape, self.device, t.seed)
+        if cfg.model.init_from:
+            try:
+                init_from(self.base_model, cfg.model.init_from)
+            except ValueError as exc:
+                raise ConfigError(f"model.init_from={cfg.model.init_from}: {exc}") from None
         self.num_params = count_params(self.base_model)
         if cfg.engine == "deepspeed":
             apply_activation_checkpointing(self.base_model, cfg.parallel.activation_checkpointing)
@@ -96,16 +109,20 @@ class Trainer:
                 self.optimizer = build_optimizer(self.model, cfg.optim)
             self.scheduler = build_scheduler(self.optimizer, cfg.optim, t.steps)
             self.precision = Precision(cfg.precision.compute_dtype, self.device)
-        self.ckpt = CheckpointManager(cfg.checkpoint_dir, rt.rank, cfg.checkpoint.keep_last)
+        self.ckpt = CheckpointManager(cfg.checkpoint_dir, rt.rank, cfg.checkpoint.keep_last, cfg.checkpoint.async_save)
         self.step = 0
         self.tokens_seen = 0
         self.resumed_from: str | None = None
+        self.config_changes: dict = {}
+        self.skipped_checkpoints: list[str] = []
+        self.faults = FaultInjector(rt.rank)
 
     # ---------------------------------------------------------------- state
     def train_state(self) -> dict:
         return {"step": self.step, "tokens_seen": self.tokens_seen, "scheduler": self.scheduler.state_dict(),
                 "scaler": self.precision.scaler.state_dict(), "loader": self.loader.state_dict(),
-                "model_fingerprint": model_fingerprint(self.cfg)}
+                "model_fingerprint": model_fingerprint(self.cfg),
+                "config": self.cfg.model_dump(mode="json", by_alias=True)}
 
     def maybe_resume(self) -> None:
         mode = self.cfg.checkpoint.resume
@@ -113,18 +130,40 @@ class Trainer:
             return
         self.ckpt.remove_uncommitted()
         dist.barrier()
-        path = self.ckpt.latest() if mode == "auto" else Path(mode)
-        if path is None:
-            return
+        if mode == "auto":
+            path, self.skipped_checkpoints = self.ckpt.choose_resume()
+            if path is None:
+                if self.skipped_checkpoints:
+                    log.warning("no committed checkpoint in %s could be loaded: starting fresh", self.ckpt.dir)
+                return
+        else:
+            path = Path(mode)
+            problem = self.ckpt.verify(path)
+            if problem:
+                raise ConfigError(f"checkpoint.resume={mode}: {problem}")
+        self._check_compatible(path)
         state = self.ckpt.load(path, self.model, self.optimizer)
-        if state["model_fingerprint"] != model_fingerprint(self.cfg):
-            raise RuntimeError(f"checkpoint {path} holds a model of another shape than model.* describes")
         self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
         self.scheduler.load_state_dict(state["scheduler"])
         if state["scaler"]:
             self.precision.scaler.load_state_dict(state["scaler"])
         self.loader.load_state_dict(state["loader"])
         self.resumed_from = str(path)
+        log.info("resumed from %s at %.3f", path, time.time())
+
+    def _check_compatible(self, path: Path) -> None:
+        """Refuse another model shape before touching any tensor; report every other change."""
+        saved = self.ckpt.read_train_state(path)
+        if saved["model_fingerprint"] != model_fingerprint(self.cfg):
+            old = saved.get("config", {}).get("model", {})
+            diff = ", ".join(f"model.{k}={old.get(k)!r}" for k in sorted(old)
+                             if old.get(k) != getattr(self.cfg.model, k, None)) or "model shape"
+            raise ConfigError(f"checkpoint.resume: {path} holds a model of another shape ({diff} when saved); "
+                              "resume with that model config, or start fresh with checkpoint.resume=none")
+        safe, trajectory = config_changes(saved.get("config", {}), self.cfg.model_dump(mode="json", by_alias=True))
+        self.config_changes = {"safe": safe, "trajectory": trajectory}
+        for line in trajectory:
+            log.warning("resuming with a changed setting, the run will differ from the interrupted one: %s", line)
 
     # ---------------------------------------------------------------- one step
     @staticmethod
@@ -183,77 +222,123 @@ class Trainer:
         return self._global_mean(total, t.eval_batches * self.tokens_per_step)
 
     # ---------------------------------------------------------------- checkpoint triggers
-    def _due_by_time(self, last_save: float) -> bool:
-        """Rank 0's clock decides and broadcasts, so every rank takes the same branch."""
-        minutes = self.cfg.checkpoint.every_minutes
-        if not minutes:
-            return False
-        flag = torch.tensor([float(time.monotonic() - last_save >= 60 * minutes)], device=self.device)
-        dist.broadcast(flag, src=0)
-        return bool(flag.item())
-
-    def save_checkpoint(self, metrics: MetricsLogger) -> None:
+    def save_checkpoint(self, metrics: MetricsLogger, reason: str = "interval") -> None:
+        """Synchronous: saved and committed. Async: `blocking_s` is what training waited for."""
         t0 = time.perf_counter()
         path = self.ckpt.save(self.step, self.model, self.optimizer, self.train_state())
-        metrics.event("checkpoint_saved", step=self.step, path=str(path), seconds=time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        if self.ckpt.pending_step is None:
+            metrics.event("checkpoint_saved", step=self.step, path=str(path), seconds=seconds, reason=reason)
+        else:
+            metrics.event("checkpoint_started", step=self.step, path=str(path), blocking_s=seconds, reason=reason)
+        self.faults.after_save(self.step)
+
+    def _commit_pending(self, metrics: MetricsLogger) -> None:
+        done = self.ckpt.commit_pending()
+        if done:
+            metrics.event("checkpoint_saved", step=done[0], path=str(self.ckpt.step_dir(done[0])), seconds=done[1],
+                          reason="async")
 
     # ---------------------------------------------------------------- loop
+    def _announce(self, metrics: MetricsLogger) -> None:
+        cfg = self.cfg
+        metrics.message(f"model {cfg.model.name}: {self.num_params / 1e6:.2f}M parameters | world {self.rt.world_size} "
+                        f"(dp {self.dims.dp}) on {self.device.type}/{self.rt.backend} | "
+                        f"{self.tokens_per_step:,} tokens per step")
+        for problem in self.skipped_checkpoints:
+            metrics.event("checkpoint_skipped", reason=problem)
+            metrics.message(f"warning: skipped checkpoint: {problem}")
+        if self.skipped_checkpoints and not self.resumed_from:
+            metrics.message(f"warning: no checkpoint in {self.ckpt.dir} could be loaded: starting fresh")
+        if self.resumed_from:
+            metrics.event("resumed", step=self.step, path=self.resumed_from, world_size=self.rt.world_size,
+                          config_changes=self.config_changes)
+            metrics.message(f"resumed from {self.resumed_from} at step {self.step}")
+            for line in self.config_changes.get("safe", []):
+                metrics.message(f"  changed since the checkpoint (safe): {line}")
+            for line in self.config_changes.get("trajectory", []):
+                metrics.message(f"  changed since the checkpoint (the run will differ): {line}")
+
+    def _step_record(self, loss_sum, grad_norm, lr: float, window_steps: int, elapsed: float, data_time: float) -> dict:
+        """Collective (loss and peak memory over ranks); only on logging steps."""
+        mem = torch.tensor([peak_memory_bytes(self.device)], device=self.device, dtype=torch.float64)
+        dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+        tokens_per_sec = self.tokens_per_step * window_steps / elapsed
+        record = {"step": self.step, "time": time.time(), "loss": self._global_mean(loss_sum, self.tokens_per_step), "lr": lr,
+                  "grad_norm": float(grad_norm), "tokens_per_sec": tokens_per_sec,
+                  "step_time_s": elapsed / window_steps, "data_time_s": data_time,
+                  "tokens_seen": self.tokens_seen, "mem_peak_bytes": int(mem.item())}
+        if self.cfg.metrics.peak_tflops:
+            record["mfu"] = 6 * self.num_params * tokens_per_sec / (self.cfg.metrics.peak_tflops * 1e12 * self.rt.world_size)
+        if self.precision.scaler.is_enabled():
+            record["loss_scale"] = float(self.precision.scaler.get_scale())
+        return record
+
     def fit(self) -> TrainResult:
         cfg, t = self.cfg, self.cfg.train
         self.maybe_resume()
         metrics = MetricsLogger(self.run_dir, self.rt.is_main, cfg.metrics.jsonl, t.steps, self.step)
-        metrics.message(f"model {cfg.model.name}: {self.num_params / 1e6:.2f}M parameters | world {self.rt.world_size} "
-                        f"(dp {self.dims.dp}) on {self.device.type}/{self.rt.backend} | "
-                        f"{self.tokens_per_step:,} tokens per step")
-        if self.resumed_from:
-            metrics.event("resumed", step=self.step, path=self.resumed_from, world_size=self.rt.world_size)
-            metrics.message(f"resumed from {self.resumed_from} at step {self.step}")
-        final_loss = None
+        self._announce(metrics)
+        control = StepControl(cfg.checkpoint.every_minutes, self.rt.rank)
+        d = cfg.distributed
+        watchdog = (Watchdog(self.rt.rank, self.rt.world_size, d.watchdog_factor, d.watchdog_min_s,
+                             str(self.run_dir / "logs" / f"rank_{self.rt.rank:05d}.log"))
+                    if d.watchdog_factor else NullWatchdog())
+        final_loss = sample = None
         window_t0, window_steps = time.perf_counter(), 0
-        last_save = time.monotonic()
-        every = cfg.checkpoint.every_steps
+        every, log_every = cfg.checkpoint.every_steps, cfg.metrics.log_every
         try:
             while self.step < t.steps:
                 t_data = time.perf_counter()
+                watchdog.enter(f"step {self.step + 1}: loading data")
                 micro_batches = next(self.loader)
                 data_time = time.perf_counter() - t_data
                 lr = self.scheduler.get_last_lr()[0]  # the rate this step uses
+                # forward/backward hold the gradient collectives
+                watchdog.enter(f"step {self.step + 1}: forward/backward/optimizer", collective=True)
                 loss_sum, grad_norm = self.train_step(micro_batches)
                 self.step += 1
                 self.tokens_seen += self.tokens_per_step
                 window_steps += 1
-                log_every = cfg.metrics.log_every
+                watchdog.step_done(self.step)
+                self.faults.after_step(self.step)
                 if log_every and (self.step % log_every == 0 or self.step == t.steps):
-                    final_loss = self._global_mean(loss_sum, self.tokens_per_step)
-                    elapsed = time.perf_counter() - window_t0
-                    mem = torch.tensor([peak_memory_bytes(self.device)], device=self.device, dtype=torch.float64)
-                    dist.all_reduce(mem, op=dist.ReduceOp.MAX)
-                    record = {"step": self.step, "loss": final_loss, "lr": lr,
-                              "grad_norm": float(grad_norm), "tokens_per_sec": self.tokens_per_step * window_steps / elapsed,
-                              "step_time_s": elapsed / window_steps, "data_time_s": data_time,
-                              "tokens_seen": self.tokens_seen, "mem_peak_bytes": int(mem.item())}
-                    if cfg.metrics.peak_tflops:
-                        flops = 6 * self.num_params * record["tokens_per_sec"]
-                        record["mfu"] = flops / (cfg.metrics.peak_tflops * 1e12 * self.rt.world_size)
-                    if self.precision.scaler.is_enabled():
-                        record["loss_scale"] = float(self.precision.scaler.get_scale())
+                    watchdog.enter(f"step {self.step}: metrics all-reduce", collective=True)
+                    record = self._step_record(loss_sum, grad_norm, lr, window_steps,
+                                               time.perf_counter() - window_t0, data_time)
+                    final_loss = record["loss"]
                     metrics.log_step(record)
                     window_t0, window_steps = time.perf_counter(), 0
                 if t.eval_every and self.step % t.eval_every == 0:
+                    watchdog.enter(f"step {self.step}: evaluation", collective=True)
                     val = self.evaluate()
                     if val is not None:
                         metrics.event("eval", step=self.step, val_loss=val)
                         metrics.message(f"step {self.step}: validation loss {val:.4f}")
-                if (every and self.step % every == 0) or self._due_by_time(last_save):
+                watchdog.enter(f"step {self.step}: step-boundary agreement", collective=True)
+                pending = self.ckpt.pending_step is not None
+                time_due, preempted, still_writing = control.decide(not self.ckpt.local_write_done())
+                if pending and not still_writing:
+                    self._commit_pending(metrics)
+                if preempted:
+                    self.save_checkpoint(metrics, reason="preemption")
+                    self._commit_pending(metrics)
+                    metrics.event("preempted", step=self.step, exit_code=EXIT_PREEMPTED)
+                    metrics.message(f"preempted: saved step {self.step}; exiting with {EXIT_PREEMPTED} so the "
+                                    "launcher restarts or requeues the run")
+                    raise Preempted(self.step)
+                if (every and self.step % every == 0) or time_due or (self.step == t.steps and cfg.checkpoint.save_final):
                     self.save_checkpoint(metrics)
-                    last_save = time.monotonic()
-                elif self.step == t.steps and cfg.checkpoint.save_final:
-                    self.save_checkpoint(metrics)
+                    control.saved()
+                watchdog.touch()  # evaluation and saving are not step time
+            self._commit_pending(metrics)
             sample = self.sample() if t.sample_tokens else None
             if sample is not None:
                 metrics.message(f"sample: {t.sample_prompt}{sample}")
             metrics.event("finished", step=self.step, run_dir=str(self.run_dir))
         finally:
+            watchdog.close()
+            control.close()
             metrics.close()
         return TrainResult(self.step, final_loss, str(self.run_dir), sample)
 

@@ -1,0 +1,100 @@
+"""Checkpoint save/load throughput on the real runtime, against torch.save/torch.load of the same
+state on the same disk. Run under torchrun:
+
+    torchrun --nproc-per-node 2 -m disttrain.bench.checkpoint_io DIR [--model 125m] [--zero-stage 3] [--reps 3]
+
+Each rank fills its optimizer state (one step), then times: a synchronous DCP save (committed),
+an async save (blocking part, and until committed), a DCP load, and torch.save/torch.load of its
+own state dict. Prints one `IO {json}` line per rank and repetition.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import shutil
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import get_state_dict
+
+from disttrain.checkpoint.manager import CheckpointManager
+from disttrain.config import load_config
+from disttrain.distributed.env import detect_env
+from disttrain.distributed.runtime import init_distributed
+from disttrain.observe.memory import local_bytes
+from disttrain.train.trainer import Trainer
+
+
+def _timed(fn) -> float:
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    dist.barrier()
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("dir")
+    parser.add_argument("--model", default="125m")
+    parser.add_argument("--zero-stage", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=3)
+    args = parser.parse_args()
+    rt = init_distributed(detect_env(), "gloo", 600)
+    root = Path(args.dir)
+    cfg = load_config(None, [f"model.name={args.model}", "data.seq_len=16", f"train.global_batch_size={rt.world_size}",
+                             f"parallel.zero_stage={args.zero_stage}", f"run.dir={root}", "run.name=io",
+                             "checkpoint.resume=none"])
+    trainer = Trainer(cfg, rt)
+    trainer.train_step(next(trainer.loader))  # materialise AdamW state
+    model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer)
+    nbytes = sum(local_bytes(v) for sd in (model_sd, optim_sd) for v in _tensors(sd))
+    sync = CheckpointManager(root / "sync", rt.rank)
+    asyn = CheckpointManager(root / "async", rt.rank, async_save=True)
+    plain = root / f"torch_rank{rt.rank}.pt"
+    for rep in range(args.reps):
+        row = {"rank": rt.rank, "world": rt.world_size, "rep": rep, "bytes": nbytes, "model": args.model}
+        row["dcp_save_s"] = _timed(lambda: sync.save(rep + 1, trainer.model, trainer.optimizer, trainer.train_state()))
+        t0 = time.perf_counter()
+        asyn.save(rep + 1, trainer.model, trainer.optimizer, trainer.train_state())
+        row["async_blocking_s"] = time.perf_counter() - t0
+        asyn.commit_pending()
+        dist.barrier()
+        row["async_total_s"] = time.perf_counter() - t0
+        row["dcp_load_s"] = _timed(lambda: sync.load(sync.step_dir(rep + 1), trainer.model, trainer.optimizer))
+        local = {"model": {k: _local(v) for k, v in model_sd.items()}, "optim": optim_sd}
+        row["torch_save_s"] = _timed(lambda: torch.save(local, plain))
+        row["torch_load_s"] = _timed(lambda: torch.load(plain, weights_only=False))
+        for key in ("dcp_save_s", "async_blocking_s", "dcp_load_s", "torch_save_s", "torch_load_s"):
+            row[key.replace("_s", "_mb_per_s")] = nbytes / 2**20 / max(row[key], 1e-9)
+        print("IO " + json.dumps(row), flush=True)
+        if rt.rank == 0:
+            for d in (root / "sync", root / "async"):
+                shutil.rmtree(d, ignore_errors=True)
+        dist.barrier()
+    del trainer
+    gc.collect()
+    dist.destroy_process_group()
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _tensors(tree):
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, dict):
+        for v in tree.values():
+            yield from _tensors(v)
+    elif isinstance(tree, (list, tuple)):
+        for v in tree:
+            yield from _tensors(v)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""Test-only fault injection, off unless DISTTRAIN_FAULT is set. Used by the fault-tolerance tests
+to kill, signal or stall one rank at a chosen step of the first attempt (not after a restart):
+
+    DISTTRAIN_FAULT="kill:rank=1:step=7"            SIGKILL itself after step 7
+    DISTTRAIN_FAULT="signal:rank=0:step=5:sig=TERM" send itself SIGTERM after step 5
+    DISTTRAIN_FAULT="sleep:rank=1:step=4:seconds=600" stop stepping after step 4
+    DISTTRAIN_FAULT="kill_after_save:rank=1:step=8" SIGKILL right after step 8's save began
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    rank: int
+    step: int
+    sig: str = "TERM"
+    seconds: float = 0.0
+
+
+def parse_fault(spec: str | None) -> Fault | None:
+    if not spec:
+        return None
+    kind, *fields = spec.split(":")
+    kv = dict(f.split("=", 1) for f in fields)
+    return Fault(kind, int(kv["rank"]), int(kv["step"]), kv.get("sig", "TERM"), float(kv.get("seconds", 0)))
+
+
+class FaultInjector:
+    def __init__(self, rank: int, environ=os.environ):
+        fault = parse_fault(environ.get("DISTTRAIN_FAULT"))
+        first_attempt = environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        self.fault = fault if fault and fault.rank == rank and first_attempt else None
+
+    def _record(self, kind: str, step: int) -> None:
+        """DISTTRAIN_FAULT_LOG names a file that gets the moment of the fault (for recovery benchmarks)."""
+        path = os.environ.get("DISTTRAIN_FAULT_LOG")
+        if path:
+            with open(path, "a") as f:
+                f.write(f'{{"fault": "{kind}", "step": {step}, "time": {time.time()}}}\n')
+
+    def after_save(self, step: int) -> None:
+        f = self.fault
+        if f is not None and f.kind == "kill_after_save" and step == f.step:
+            self._record(f.kind, step)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def after_step(self, step: int) -> None:
+        f = self.fault
+        if f is None or step != f.step:
+            return
+        self._record(f.kind, step)
+        if f.kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif f.kind == "signal":
+            os.kill(os.getpid(), getattr(signal, f"SIG{f.sig}"))
+        elif f.kind == "sleep":
+            time.sleep(f.seconds)

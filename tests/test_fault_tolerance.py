@@ -1,0 +1,109 @@
+"""Fault tolerance with real processes and real signals: restarts, preemption, corruption, hangs, resizing."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from helpers import assert_losses_close, events, losses, run_cli, train, DEBUG_CONFIG
+
+RUN = ("train.steps=16", "train.global_batch_size=4", "train.micro_batch_size=1", "checkpoint.every_steps=4")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    return train(tmp_path_factory.mktemp("ft") / "run", *RUN, nproc=2)
+
+
+def test_sigkill_of_one_worker_restarts_and_continues_bitwise(uninterrupted, tmp_path):
+    run = train(tmp_path / "run", *RUN, nproc=2, launch=("--max-restarts", "1"),
+                env={"DISTTRAIN_FAULT": "kill:rank=1:step=7"})
+    resumed = events(run, "resumed")
+    assert len(resumed) == 1 and resumed[0]["step"] == 4  # steps 5-7 were lost with the kill and redone
+    assert losses(run) == losses(uninterrupted)  # bitwise, including the redone steps
+
+
+def test_sigterm_saves_an_emergency_checkpoint_and_resumes(uninterrupted, tmp_path):
+    run = train(tmp_path / "run", *RUN, nproc=2, launch=("--max-restarts", "1"),
+                env={"DISTTRAIN_FAULT": "signal:rank=0:step=6:sig=TERM"})
+    saved = [e for e in events(run, "checkpoint_saved") if e["reason"] == "preemption"]
+    assert [e["step"] for e in saved] == [6]  # at the step boundary, agreed by both ranks
+    assert events(run, "preempted")[0]["exit_code"] == 75
+    assert [e["step"] for e in events(run, "resumed")] == [6]
+    assert losses(run) == losses(uninterrupted)
+
+
+def test_preempted_single_process_exits_75_with_committed_checkpoint(tmp_path):
+    proc = run_cli("train", str(DEBUG_CONFIG), f"run.dir={tmp_path}", "run.name=r", "train.steps=50",
+                   check=False, env={"DISTTRAIN_FAULT": "signal:rank=0:step=3:sig=USR1"})
+    assert proc.returncode == 75, proc.stderr[-2000:]
+    assert (tmp_path / "r" / "checkpoints" / "step_00000003" / "COMMIT").is_file()
+
+
+@pytest.mark.parametrize("nproc", [1, 4])
+def test_resume_on_another_world_size_continues_the_stream(uninterrupted, nproc, tmp_path):
+    ckpt = uninterrupted / "checkpoints" / "step_00000008"
+    run = train(tmp_path / "run", *RUN, f"checkpoint.resume={ckpt}", nproc=nproc if nproc > 1 else None)
+    expected = {s: v for s, v in losses(uninterrupted).items() if s > 8}
+    assert_losses_close(losses(run), expected, rel=1e-5)  # same global batches; reduction order differs
+
+
+def test_truncated_newest_checkpoint_falls_back_to_the_previous(tmp_path):
+    run = train(tmp_path / "run", "train.steps=12", "checkpoint.every_steps=6")
+    first = losses(run)
+    shard = run / "checkpoints" / "step_00000012" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    proc = run_cli("train", str(DEBUG_CONFIG), f"run.dir={tmp_path}", "run.name=run", "train.steps=12",
+                   "checkpoint.every_steps=6")
+    assert f"{shard} is truncated" in proc.stdout
+    assert events(run, "checkpoint_skipped")[0]["reason"].startswith(f"{shard} is truncated")
+    assert events(run, "resumed")[-1]["step"] == 6
+    assert losses(run) == first  # steps 7-12 redone from step 6, identically
+
+    # Nothing loadable at all: start fresh, and say so.
+    for step in (6, 12):
+        (run / "checkpoints" / f"step_{step:08d}" / "train_state.pt").write_bytes(b"")
+    proc = run_cli("train", str(DEBUG_CONFIG), f"run.dir={tmp_path}", "run.name=run", "train.steps=2",
+                   "checkpoint.save_final=false")
+    assert "could be loaded: starting fresh" in proc.stdout
+
+
+def test_model_shape_change_is_refused_and_safe_changes_reported(tmp_path):
+    run = train(tmp_path / "run", "train.steps=4", "checkpoint.every_steps=2")
+    proc = run_cli("train", str(DEBUG_CONFIG), f"run.dir={tmp_path}", "run.name=run", "train.steps=6",
+                   "model.n_layers=3", check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith(
+        f"disttrain: error: checkpoint.resume: {run}/checkpoints/step_00000004 holds a model of another shape "
+        "(model.n_layers=None when saved)")
+    train(run, "train.steps=6", "checkpoint.every_steps=2", "metrics.log_every=2", "optim.lr=1e-3")
+    changes = events(run, "resumed")[-1]["config_changes"]
+    assert "train.steps: 4 -> 6" in changes["safe"] and "metrics.log_every: 1 -> 2" in changes["safe"]
+    assert changes["trajectory"] == ["optim.lr: 0.003 -> 0.001"]
+
+
+def test_watchdog_names_the_stalled_rank_and_dumps_stacks(tmp_path):
+    t0 = time.monotonic()
+    proc = run_cli("train", str(DEBUG_CONFIG), f"run.dir={tmp_path}", "run.name=run", "train.steps=100",
+                   "distributed.watchdog_min_s=3", "distributed.watchdog_factor=5", "distributed.timeout_s=120",
+                   nproc=2, check=False, env={"DISTTRAIN_FAULT": "sleep:rank=1:step=4:seconds=300"})
+    assert proc.returncode != 0 and time.monotonic() - t0 < 90
+    for rank in (0, 1):
+        text = (tmp_path / "run" / "logs" / f"rank_{rank:05d}.log").read_text()
+        assert "completed no step for" in text and "stalled rank(s): 1 (last completed step 4; rank 0: step 4: metrics all-reduce; rank 1: after step 4)" in text, text[-2000:]
+        assert 'File "' in text and "Thread 0x" in text  # faulthandler's stacks of every thread
+    sleeper = (tmp_path / "run" / "logs" / "rank_00001.log").read_text()
+    assert "in after_step" in sleeper  # the stalled rank's stack shows where it is stuck
+
+
+def test_async_save_commits_and_a_kill_mid_save_keeps_the_previous(uninterrupted, tmp_path):
+    run = train(tmp_path / "run", *RUN, "checkpoint.async=true", nproc=2, launch=("--max-restarts", "1"),
+                env={"DISTTRAIN_FAULT": "kill_after_save:rank=1:step=8"})
+    started = events(run, "checkpoint_started")
+    assert started and all(e["blocking_s"] >= 0 for e in started)
+    # Step 8's write began but never committed: the restart resumed from step 4 and removed step 8's debris.
+    assert [e["step"] for e in events(run, "resumed")] == [4]
+    committed = sorted(p.name for p in (run / "checkpoints").iterdir() if (p / "COMMIT").is_file())
+    assert committed == ["step_00000004", "step_00000008", "step_00000012", "step_00000016"]
+    assert losses(run) == losses(uninterrupted)
