@@ -68,12 +68,10 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> None:
     try:
         result = Trainer(cfg, rt).fit()
     except ConfigError as exc:  # found only once running, e.g. a checkpoint that does not fit the config
-        shutdown()
         _fail(str(exc), quiet)
     except Preempted:
-        shutdown()
         sys.exit(EXIT_PREEMPTED)
-    finally:
+    finally:  # also on SystemExit from the two branches above
         shutdown()
     if env.rank == 0:
         loss = f"final loss {result.final_loss:.4f}, " if result.final_loss is not None else ""

@@ -115,9 +115,15 @@ Dtype = Literal["fp32", "bf16", "fp16"]
 
 
 class PrecisionConfig(_Section):
-    param_dtype: Dtype = "fp32"
+    param_dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     compute_dtype: Dtype = "fp32"
     reduce_dtype: Dtype = "fp32"
+
+    def fsdp_param_dtype(self, device_type: str) -> str:
+        """`auto`: bf16 parameters for compute on GPUs (fp32 master copy stays sharded), fp32 on CPU."""
+        if self.param_dtype == "auto":
+            return "bf16" if device_type == "cuda" else "fp32"
+        return self.param_dtype
 
 
 
@@ -299,7 +305,7 @@ def validate_semantics(cfg: RunConfig) -> None:
     elif p.zero_stage < 2:
         for key in ("param_dtype", "reduce_dtype"):
             value = getattr(cfg.precision, key)
-            if value != "fp32":
+            if value not in ("fp32", "auto"):
                 raise ConfigError(f"precision.{key}={value} needs parallel.zero_stage 2 or 3 (FSDP2's mixed-precision "
                                   f"policy); with zero_stage={p.zero_stage} allowed: fp32 (use precision.compute_dtype "
                                   "for autocast, parallel.ddp_comm_hook to compress gradients)")
@@ -338,9 +344,9 @@ def _check_deepspeed(cfg: RunConfig) -> None:
         raise ConfigError(f"parallel.ddp_comm_hook={p.ddp_comm_hook} needs engine=torch (allowed with "
                           "engine=deepspeed: none)")
     for key in ("param_dtype", "reduce_dtype"):
-        if getattr(cfg.precision, key) != "fp32":
+        if getattr(cfg.precision, key) not in ("fp32", "auto"):
             raise ConfigError(f"precision.{key}={getattr(cfg.precision, key)} needs engine=torch; with "
-                              "engine=deepspeed set precision.compute_dtype (allowed: fp32)")
+                              "engine=deepspeed set precision.compute_dtype (allowed: auto, fp32)")
     try:
         available = importlib.util.find_spec("deepspeed") is not None
     except (ImportError, ValueError):

@@ -70,7 +70,7 @@ def main() -> None:
         row["torch_save_s"] = _timed(lambda: torch.save(local, plain))
         row["torch_load_s"] = _timed(lambda: torch.load(plain, weights_only=False))
         for key in ("dcp_save_s", "async_blocking_s", "dcp_load_s", "torch_save_s", "torch_load_s"):
-            row[key.replace("_s", "_mb_per_s")] = nbytes / 2**20 / max(row[key], 1e-9)
+            row[key[:-2] + "_mib_per_s"] = nbytes / 2**20 / max(row[key], 1e-9)
         print("IO " + json.dumps(row), flush=True)
         if rt.rank == 0:
             for d in (root / "sync", root / "async"):

@@ -31,7 +31,7 @@ def apply_parallelism(model: nn.Module, cfg, dims: ParallelDims, meshes: Meshes,
         from disttrain.parallel.fsdp import apply_fsdp, fsdp_mesh
 
         return apply_fsdp(model, fsdp_mesh(meshes, dims), zero_stage=parallel.zero_stage,
-                          param_dtype=cfg.precision.param_dtype, reduce_dtype=cfg.precision.reduce_dtype,
+                          param_dtype=cfg.precision.fsdp_param_dtype(device.type), reduce_dtype=cfg.precision.reduce_dtype,
                           cpu_offload=parallel.cpu_offload)
     if dims.dp > 1:
         from disttrain.parallel.ddp import apply_ddp
