@@ -23,8 +23,9 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow" tests
 
+# pytest exits 5 when no test is marked slow yet: that is not a failure.
 test-slow: $(STAMP)
-	$(BIN)/python -m pytest -q -m slow tests
+	$(BIN)/python -m pytest -q -m slow tests || [ $$? -eq 5 ]
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/overhead.py --reps 3
