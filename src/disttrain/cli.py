@@ -1,4 +1,4 @@
-"""Command line: `disttrain train | convert | config export-deepspeed | prepare-data`. User mistakes print one line and exit 2."""
+"""Command line: `disttrain train | convert | config export-deepspeed | bench comm | prepare-data`. User mistakes print one line and exit 2."""
 
 from __future__ import annotations
 
@@ -137,6 +137,44 @@ def cmd_convert(args: argparse.Namespace) -> None:
     print(f"wrote {export(step_dir, args.to, out)} from {step_dir}")
 
 
+def _parse_size(text: str) -> int:
+    units = {"K": 2**10, "M": 2**20, "G": 2**30}
+    text = text.strip().upper().rstrip("B").rstrip("I")
+    return int(float(text[:-1]) * units[text[-1]]) if text and text[-1] in units else int(text)
+
+
+def cmd_bench_comm(args: argparse.Namespace) -> None:
+    import json
+
+    from disttrain.bench import comm
+    from disttrain.distributed.env import detect_env, under_torchrun
+    from disttrain.launch import LaunchOptions, relaunch
+
+    try:
+        sizes = [_parse_size(x) for x in args.sizes.split(",")] if args.sizes else list(comm.DEFAULT_SIZES)
+    except ValueError:
+        _fail(f"--sizes={args.sizes}: expected comma-separated sizes like 1K,1M,64M")
+    ops = args.ops.split(",") if args.ops else list(comm.OPS)
+    unknown = [op for op in ops if op not in comm.OPS]
+    if unknown:
+        _fail(f"--ops={args.ops}: unknown {unknown[0]} (allowed: {', '.join(comm.OPS)})")
+    if args.nproc_per_node is not None and not under_torchrun():
+        forwarded = ["bench", "comm", "--sizes", ",".join(map(str, sizes)), "--ops", ",".join(ops),
+                     "--iters", str(args.iters), "--warmup", str(args.warmup)] + (["--json"] if args.json else [])
+        sys.exit(relaunch(LaunchOptions(args.nproc_per_node), forwarded))
+    from disttrain.distributed.runtime import init_distributed, shutdown
+
+    env = detect_env()
+    rt = init_distributed(env, "auto", 300)
+    try:
+        results = comm.run(rt.device, ops, sizes, args.iters, args.warmup)
+    finally:
+        shutdown()
+    if env.rank == 0:
+        print(json.dumps(comm.as_dicts(results)) if args.json else
+              f"{rt.world_size} ranks, {rt.backend} on {rt.device.type}\n{comm.format_table(results)}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="disttrain", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -159,6 +197,17 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("config", help="YAML config file")
     export.add_argument("--world-size", type=int, default=1, help="processes the JSON is for (sets accumulation)")
     export.add_argument("--out", default=None, help="output file (default: stdout)")
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    bcomm = bench_sub.add_parser("comm", help="collective bandwidth (algbw/busbw as NCCL's tests define them)")
+    bcomm.add_argument("--sizes", default=None, help="comma-separated buffer sizes, e.g. 1K,1M,64M (default 1K..64M)")
+    bcomm.add_argument("--ops", default=None, help="comma-separated subset of: all_reduce, all_gather, "
+                                                   "reduce_scatter, broadcast, all_to_all")
+    bcomm.add_argument("--iters", type=int, default=20)
+    bcomm.add_argument("--warmup", type=int, default=5)
+    bcomm.add_argument("--json", action="store_true", help="print JSON (rank 0) instead of a table")
+    bcomm.add_argument("--nproc-per-node", default=None, help="self-launch N processes ('auto': GPUs, or 2 on CPU)")
 
     conv = sub.add_parser("convert", help="export a checkpoint as one torch/safetensors file or a HF Llama folder")
     conv.add_argument("checkpoint", help="a run directory (its newest committed checkpoint) or a step directory")
@@ -187,7 +236,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         if extra:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
-        (cmd_convert if args.command == "convert" else cmd_prepare_data)(args)
+        {"convert": cmd_convert, "bench": cmd_bench_comm, "prepare-data": cmd_prepare_data}[args.command](args)
 
 
 if __name__ == "__main__":
