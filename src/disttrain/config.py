@@ -148,17 +148,9 @@ class MetricsConfig(_Section):
     log_every: int = Field(1, ge=0)
     jsonl: bool = True
     tensorboard: bool = False
-    prometheus_port: int = Field(0, ge=0, le=65535)
+    prometheus_port: int = Field(0, ge=0, le=65535, description="0: off; rank r serves on port + local rank")
+    prometheus_host: str = "127.0.0.1"
     peak_tflops: float = Field(0.0, ge=0)
-
-    @model_validator(mode="after")
-    def _check(self) -> "MetricsConfig":
-        if self.tensorboard:
-            raise ValueError("metrics.tensorboard=true is not supported by this version yet (allowed: false)")
-        if self.prometheus_port:
-            raise ValueError(f"metrics.prometheus_port={self.prometheus_port} is not supported by this "
-                             "version yet (allowed: 0)")
-        return self
 
 
 class DistributedConfig(_Section):

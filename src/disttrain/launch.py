@@ -5,6 +5,7 @@ the same elastic agent as `torchrun`, so restarts and rendezvous behave exactly 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -51,11 +52,19 @@ def torchrun_args(opts: LaunchOptions, module_args: list[str]) -> list[str]:
     return args + ["-m", "disttrain", *module_args]
 
 
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)
+
+
 def relaunch(opts: LaunchOptions, module_args: list[str]) -> int:
+    """Run torchrun as a child and pass on the signals a scheduler sends to us (SIGTERM before a
+    kill, SIGUSR1 as SLURM's warning), so workers can save; returns torchrun's exit status."""
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # torchrun would set it too, with a warning per launch
     cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args(opts, module_args)]
+    child = subprocess.Popen(cmd, env=env)
+    previous = {sig: signal.signal(sig, lambda signum, frame: child.send_signal(signum)) for sig in FORWARDED_SIGNALS}
     try:
-        return subprocess.call(cmd, env=env)
-    except KeyboardInterrupt:
-        return 130
+        return child.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

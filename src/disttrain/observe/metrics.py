@@ -1,4 +1,5 @@
-"""Basic metrics: rank-0 console progress and metrics.jsonl (one JSON object per record)."""
+"""Metrics hub: rank-0 console progress and metrics.jsonl (one JSON object per record), plus the
+optional TensorBoard and Prometheus sinks in `sinks.py`."""
 
 from __future__ import annotations
 
@@ -72,31 +73,57 @@ class ConsoleProgress:
 
 
 class MetricsLogger:
-    """Rank 0 writes; other ranks hold a disabled logger so callers need no rank checks."""
+    """One hub, several sinks: rank 0 writes the console, metrics.jsonl and TensorBoard; every rank
+    serves Prometheus. Every rank holds a logger, so callers need no rank checks."""
 
-    def __init__(self, run_dir: Path, enabled: bool, jsonl: bool, total_steps: int, start_step: int):
-        self.enabled = enabled
-        self.console = ConsoleProgress(total_steps, start_step, enabled)
-        self._file = open(run_dir / "metrics.jsonl", "a", buffering=1) if enabled and jsonl else None
+    def __init__(self, run_dir: Path, metrics_cfg, rank: int, local_rank: int, total_steps: int, start_step: int):
+        self.enabled = rank == 0
+        self.console = ConsoleProgress(total_steps, start_step, self.enabled)
+        self._file = open(run_dir / "metrics.jsonl", "a", buffering=1) if self.enabled and metrics_cfg.jsonl else None
+        self.tensorboard = None
+        if self.enabled and metrics_cfg.tensorboard:
+            from disttrain.observe.sinks import TensorBoardSink
+
+            self.tensorboard = TensorBoardSink(run_dir / "tensorboard")
+        self.prometheus = None
+        if metrics_cfg.prometheus_port:
+            from disttrain.observe.sinks import PrometheusSink
+
+            self.prometheus = PrometheusSink(metrics_cfg.prometheus_port + local_rank, metrics_cfg.prometheus_host, rank)
 
     def _write(self, record: dict) -> None:
         if self._file is not None:
             self._file.write(json.dumps(record) + "\n")
 
+    def observe_step(self, seconds: float) -> None:
+        """Every step, every rank: cheap host-side bookkeeping only."""
+        if self.prometheus is not None:
+            self.prometheus.observe_step(seconds)
+
     def log_step(self, record: dict) -> None:
+        if self.prometheus is not None:
+            self.prometheus.log_step(record)
         if self.enabled:
             self._write(record)
             self.console.update(record)
+            if self.tensorboard is not None:
+                self.tensorboard.log_step(record)
 
     def event(self, name: str, **fields) -> None:
         if self.enabled:
             self._write({"event": name, "time": time.time(), **fields})
+            if self.tensorboard is not None:
+                self.tensorboard.event(name, fields)
 
     def message(self, text: str) -> None:
         self.console.message(text)
 
     def close(self) -> None:
         self.console.close()
+        for sink in (self.tensorboard, self.prometheus):
+            if sink is not None:
+                sink.close()
+        self.tensorboard = self.prometheus = None
         if self._file is not None:
             self._file.close()
             self._file = None

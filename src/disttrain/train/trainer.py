@@ -277,7 +277,7 @@ class Trainer:
     def fit(self) -> TrainResult:
         cfg, t = self.cfg, self.cfg.train
         self.maybe_resume()
-        metrics = MetricsLogger(self.run_dir, self.rt.is_main, cfg.metrics.jsonl, t.steps, self.step)
+        metrics = MetricsLogger(self.run_dir, cfg.metrics, self.rt.rank, self.rt.env.local_rank, t.steps, self.step)
         self._announce(metrics)
         control = StepControl(cfg.checkpoint.every_minutes, self.rt.rank)
         d = cfg.distributed
@@ -301,6 +301,7 @@ class Trainer:
                 self.tokens_seen += self.tokens_per_step
                 window_steps += 1
                 watchdog.step_done(self.step)
+                metrics.observe_step(time.perf_counter() - t_data)
                 self.faults.after_step(self.step)
                 if log_every and (self.step % log_every == 0 or self.step == t.steps):
                     watchdog.enter(f"step {self.step}: metrics all-reduce", collective=True)

@@ -1,0 +1,72 @@
+"""Optional metric sinks: TensorBoard (rank 0) and Prometheus (every rank, on port + local_rank).
+
+Prometheus names follow its conventions: `disttrain_` prefix, base units (`_seconds`, `_bytes`),
+`_total` for counters, and a `rank` label so one dashboard shows every rank of the job.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class TensorBoardSink:
+    def __init__(self, log_dir: Path):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=str(log_dir))
+
+    def log_step(self, record: dict) -> None:
+        for key, value in record.items():
+            if key not in ("step", "time") and isinstance(value, (int, float)):
+                self.writer.add_scalar(f"train/{key}", value, record["step"])
+
+    def event(self, name: str, fields: dict) -> None:
+        if name == "eval":
+            self.writer.add_scalar("eval/loss", fields["val_loss"], fields["step"])
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class PrometheusSink:
+    """Serves this rank's metrics over HTTP; `step_seconds` is observed every step, the rest at log steps."""
+
+    def __init__(self, port: int, host: str, rank: int):
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+        self.registry = CollectorRegistry()
+        labels = {"rank": str(rank)}
+        buckets = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+        def gauge(name, doc):
+            return Gauge(name, doc, ["rank"], registry=self.registry).labels(**labels)
+
+        self.tokens_per_second = gauge("disttrain_tokens_per_second", "Global training throughput in tokens/s")
+        self.loss = gauge("disttrain_loss", "Mean token cross-entropy of the last logged global batch")
+        self.learning_rate = gauge("disttrain_learning_rate", "Learning rate of the last logged step")
+        self.grad_norm = gauge("disttrain_grad_norm", "Global gradient norm before clipping")
+        self.memory_peak = gauge("disttrain_memory_peak_bytes", "Peak memory, max over ranks")
+        self.step = gauge("disttrain_step", "Last completed optimizer step")
+        self.mfu = gauge("disttrain_mfu_ratio", "Model FLOPs utilisation (0-1), when peak FLOP/s is known")
+        self.steps = Counter("disttrain_steps", "Optimizer steps completed by this process", ["rank"],
+                             registry=self.registry).labels(**labels)
+        self.step_seconds = Histogram("disttrain_step_seconds", "Wall time of one optimizer step on this rank",
+                                      ["rank"], buckets=buckets, registry=self.registry).labels(**labels)
+        self.server, self.thread = start_http_server(port, addr=host, registry=self.registry)
+
+    def observe_step(self, seconds: float) -> None:
+        self.steps.inc()
+        self.step_seconds.observe(seconds)
+
+    def log_step(self, record: dict) -> None:
+        self.step.set(record["step"])
+        self.tokens_per_second.set(record["tokens_per_sec"])
+        self.loss.set(record["loss"])
+        self.learning_rate.set(record["lr"])
+        self.grad_norm.set(record["grad_norm"])
+        self.memory_peak.set(record["mem_peak_bytes"])
+        if "mfu" in record:
+            self.mfu.set(record["mfu"])
+
+    def close(self) -> None:
+        self.server.shutdown()
