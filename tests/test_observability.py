@@ -10,7 +10,11 @@ import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from helpers import DEBUG_CONFIG, REPO, cli_env, events, losses, train
+import math
+
+import pytest
+
+from helpers import DEBUG_CONFIG, REPO, cli_env, events, losses, records, run_cli, train
 
 
 def _free_port_pair() -> int:
@@ -84,3 +88,40 @@ def pytest_approx(value):
     import pytest
 
     return pytest.approx(value, rel=1e-6)  # TensorBoard stores float32
+
+
+def test_desynchronised_replica_is_named_and_stops_the_run(tmp_path):
+    proc = run_cli("train", str(DEBUG_CONFIG), f"run.dir={tmp_path}", "run.name=run", "train.steps=20",
+                   "metrics.sync_check_every=2", "distributed.timeout_s=60", nproc=2, check=False,
+                   env={"DISTTRAIN_FAULT": "desync:rank=1:step=3"})
+    assert proc.returncode != 0
+    assert ("disttrain: stopped: data-parallel replicas differ after step 4 in 1 parameter(s): "
+            "layers.0.attention.wq.weight") in proc.stderr
+    assert max(losses(tmp_path / "run")) == 3  # stopped by the check after step 4, before step 4 was logged
+
+
+@pytest.mark.parametrize("policy", ["stop", "skip_step"])
+def test_nonfinite_loss_policy(policy, tmp_path):
+    proc = run_cli("train", str(DEBUG_CONFIG), f"run.dir={tmp_path}", "run.name=run", "train.steps=6",
+                   f"metrics.nonfinite={policy}", check=False, env={"DISTTRAIN_FAULT": "nan:rank=0:step=3"})
+    run = tmp_path / "run"
+    if policy == "stop":
+        assert proc.returncode == 3
+        assert proc.stderr.strip().splitlines()[-1].startswith("disttrain: stopped: non-finite gradient norm at step 3")
+        assert max(losses(run)) == 2
+    else:
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert [e["step"] for e in events(run, "nonfinite_step_skipped")] == [3]
+        curve = losses(run)
+        assert all(math.isfinite(curve[s]) for s in (1, 2, 4, 5, 6)) and math.isnan(curve[3])
+        # The skipped update left the parameters as they were: step 4 trains on what step 2 produced.
+        assert curve[6] < curve[1]
+
+
+def test_straggler_report_names_the_slow_rank(tmp_path):
+    run = train(tmp_path / "run", "train.steps=6", nproc=2, env={"DISTTRAIN_FAULT": "slow:rank=1:step=0:seconds=0.05"})
+    # Step 2 is left out: DDP rebuilds its gradient buckets in the second forward with a broadcast,
+    # so there rank 0 waits for rank 1 inside forward and both look equally slow.
+    rows = [r for r in records(run) if "loss" in r and r["step"] != 2]
+    assert len(rows) == 5
+    assert all(r["slowest_rank"] == 1 and r["rank_compute_max_s"] >= 0.05 > r["rank_compute_min_s"] for r in rows)

@@ -14,6 +14,7 @@ from pathlib import Path
 from disttrain.config import ConfigError, load_config, validate_world
 
 EXIT_USAGE = 2
+EXIT_HEALTH = 3  # a health check (non-finite values, diverged replicas) stopped the run
 
 
 def _fail(message: str, quiet: bool = False) -> None:
@@ -58,6 +59,7 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> None:
         _fail(str(exc), quiet)
 
     from disttrain.distributed.runtime import init_distributed, shutdown
+    from disttrain.observe.health import NonFiniteError, ReplicaDivergence
     from disttrain.train.resilience import EXIT_PREEMPTED
     from disttrain.train.trainer import Preempted, Trainer
 
@@ -71,6 +73,11 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> None:
         _fail(str(exc), quiet)
     except Preempted:
         sys.exit(EXIT_PREEMPTED)
+    except (NonFiniteError, ReplicaDivergence) as exc:  # a health check stopped the run
+        logging.getLogger("disttrain.health").error("%s", exc)
+        if not quiet:
+            print(f"disttrain: stopped: {exc}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_HEALTH)
     finally:  # also on SystemExit from the two branches above
         shutdown()
     if env.rank == 0:

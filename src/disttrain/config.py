@@ -151,6 +151,8 @@ class MetricsConfig(_Section):
     prometheus_port: int = Field(0, ge=0, le=65535, description="0: off; rank r serves on port + local rank")
     prometheus_host: str = "127.0.0.1"
     peak_tflops: float = Field(0.0, ge=0)
+    sync_check_every: int = Field(100, ge=0, description="compare data-parallel replicas every N steps (0: off)")
+    nonfinite: Literal["stop", "skip_step"] = "stop"
 
 
 class DistributedConfig(_Section):

@@ -5,6 +5,9 @@ to kill, signal or stall one rank at a chosen step of the first attempt (not aft
     DISTTRAIN_FAULT="signal:rank=0:step=5:sig=TERM" send itself SIGTERM after step 5
     DISTTRAIN_FAULT="sleep:rank=1:step=4:seconds=600" stop stepping after step 4
     DISTTRAIN_FAULT="kill_after_save:rank=1:step=8" SIGKILL right after step 8's save began
+    DISTTRAIN_FAULT="nan:rank=0:step=3"             make this rank's loss NaN in step 3
+    DISTTRAIN_FAULT="desync:rank=1:step=4"          nudge one parameter on this rank after step 4
+    DISTTRAIN_FAULT="slow:rank=1:step=0:seconds=0.05" sleep before every step's forward (a straggler)
 """
 
 from __future__ import annotations
@@ -51,9 +54,27 @@ class FaultInjector:
             self._record(f.kind, step)
             os.kill(os.getpid(), signal.SIGKILL)
 
-    def after_step(self, step: int) -> None:
+    def corrupt_loss(self, step: int, loss):
+        f = self.fault
+        if f is not None and f.kind == "nan" and step == f.step:
+            self._record(f.kind, step)
+            return loss * float("nan")
+        return loss
+
+    def before_forward(self) -> None:
+        if self.fault is not None and self.fault.kind == "slow":
+            time.sleep(self.fault.seconds)
+
+    def after_step(self, step: int, model=None) -> None:
         f = self.fault
         if f is None or step != f.step:
+            return
+        if f.kind == "desync":
+            import torch
+
+            with torch.no_grad():
+                next(p for n, p in model.named_parameters() if n.endswith("layers.0.attention.wq.weight")).add_(1e-3)
+            self._record(f.kind, step)
             return
         self._record(f.kind, step)
         if f.kind == "kill":

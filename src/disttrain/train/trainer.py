@@ -32,6 +32,7 @@ from disttrain.distributed.runtime import Runtime
 from disttrain.models.generate import generate
 from disttrain.models.init import build_model, count_params
 from disttrain.models.registry import resolve_shape
+from disttrain.observe.health import NonFiniteError, check_replicas_in_sync, straggler_stats
 from disttrain.observe.metrics import MetricsLogger, peak_memory_bytes
 from disttrain.parallel.activation_checkpoint import apply_activation_checkpointing
 from disttrain.parallel.apply import apply_parallelism, gradient_sync_disabled
@@ -116,6 +117,16 @@ class Trainer:
         self.config_changes: dict = {}
         self.skipped_checkpoints: list[str] = []
         self.faults = FaultInjector(rt.rank)
+        self.forward_seconds = 0.0
+        self.skipped_steps: list[int] = []
+        # Replicas hold identical parameters over the whole dp group (DDP, ZeRO-1), or over
+        # dp_replicate only (HSDP: copies of the same shard); plain ZeRO-2/3 has none to compare.
+        if cfg.engine == "deepspeed" or (cfg.parallel.zero_stage >= 2 and self.dims.dp_replicate == 1):
+            self.replica_group = None
+        elif cfg.parallel.zero_stage >= 2:
+            self.replica_group = self.meshes.world["dp_replicate"].get_group()
+        else:
+            self.replica_group = self.meshes.dp.get_group()
 
     # ---------------------------------------------------------------- state
     def train_state(self) -> dict:
@@ -183,10 +194,14 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         scaler = self.precision.scaler
         last = len(micro_batches) - 1
+        self.forward_seconds = 0.0
         for i, (x, y) in enumerate(micro_batches):
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
             with contextlib.nullcontext() if i == last else gradient_sync_disabled(self.model):
-                loss = self._forward_loss_sum(x, y)
+                t0 = time.perf_counter()
+                self.faults.before_forward()
+                loss = self.faults.corrupt_loss(self.step + 1, self._forward_loss_sum(x, y))
+                self.forward_seconds += time.perf_counter() - t0
                 scaler.scale(loss / local_tokens).backward()
             loss_sum += loss.detach()
         scaler.unscale_(self.optimizer)
@@ -194,6 +209,15 @@ class Trainer:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip, foreach=True)
         if isinstance(grad_norm, DTensor):  # sharded gradients: the norm is already reduced over shards
             grad_norm = grad_norm.full_tensor()
+        # One scalar to the host per step; fp16 leaves non-finite steps to the GradScaler.
+        if not scaler.is_enabled() and not bool(torch.isfinite(grad_norm)):
+            if self.cfg.metrics.nonfinite == "stop":
+                raise NonFiniteError(f"non-finite gradient norm at step {self.step + 1} (local loss sum "
+                                     f"{float(loss_sum):.4g}); metrics.nonfinite=skip_step would drop such steps")
+            self.optimizer.zero_grad(set_to_none=True)
+            self.scheduler.step()
+            self.skipped_steps.append(self.step + 1)
+            return loss_sum, grad_norm
         scaler.step(self.optimizer)
         scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
@@ -260,7 +284,7 @@ class Trainer:
                 metrics.message(f"  changed since the checkpoint (the run will differ): {line}")
 
     def _step_record(self, loss_sum, grad_norm, lr: float, window_steps: int, elapsed: float, data_time: float) -> dict:
-        """Collective (loss and peak memory over ranks); only on logging steps."""
+        """Collective (loss, peak memory and per-rank compute time over ranks); only on logging steps."""
         mem = torch.tensor([peak_memory_bytes(self.device)], device=self.device, dtype=torch.float64)
         dist.all_reduce(mem, op=dist.ReduceOp.MAX)
         tokens_per_sec = self.tokens_per_step * window_steps / elapsed
@@ -272,6 +296,9 @@ class Trainer:
             record["mfu"] = 6 * self.num_params * tokens_per_sec / (self.cfg.metrics.peak_tflops * 1e12 * self.rt.world_size)
         if self.precision.scaler.is_enabled():
             record["loss_scale"] = float(self.precision.scaler.get_scale())
+        record.update(straggler_stats(data_time + self.forward_seconds, self.device))
+        if self.skipped_steps:
+            record["skipped_steps_total"] = len(self.skipped_steps)
         return record
 
     def fit(self) -> TrainResult:
@@ -302,7 +329,14 @@ class Trainer:
                 window_steps += 1
                 watchdog.step_done(self.step)
                 metrics.observe_step(time.perf_counter() - t_data)
-                self.faults.after_step(self.step)
+                self.faults.after_step(self.step, self.base_model)
+                if self.skipped_steps and self.skipped_steps[-1] == self.step:
+                    metrics.event("nonfinite_step_skipped", step=self.step)
+                    metrics.message(f"warning: step {self.step} had a non-finite gradient norm: update skipped")
+                sync_every = cfg.metrics.sync_check_every
+                if sync_every and self.step % sync_every == 0:
+                    watchdog.enter(f"step {self.step}: replica sync check", collective=True)
+                    check_replicas_in_sync(self.base_model, self.replica_group, self.step)
                 if log_every and (self.step % log_every == 0 or self.step == t.steps):
                     watchdog.enter(f"step {self.step}: metrics all-reduce", collective=True)
                     record = self._step_record(loss_sum, grad_norm, lr, window_steps,
