@@ -187,7 +187,8 @@ class Trainer:
         return self._loss_sum(logits, targets)
 
     def train_step(self, micro_batches) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (sum of this rank's token losses, global grad norm) as device tensors: no host sync."""
+        """Returns (sum of this rank's token losses, global grad norm) as device tensors. The only host
+        sync is the finiteness test of the norm (one scalar), which decides whether to step."""
         if deepspeed_engine.is_engine(self.model):
             return deepspeed_engine.train_step(self.model, micro_batches, self._loss_sum, self.device)
         local_tokens = sum(y.numel() for _, y in micro_batches)
