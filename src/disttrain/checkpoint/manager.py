@@ -116,8 +116,8 @@ class CheckpointManager:
         return None
 
     def choose_resume(self) -> tuple[Path | None, list[str]]:
-        """Rank 0 picks the newest committed checkpoint that verifies, and every rank takes its
-        choice; also returns the reasons older-than-newest ones were skipped."""
+        """Rank 0 picks the newest committed checkpoint that verifies (the checkpoint directory is
+        shared storage), every rank takes its choice; also returns why newer ones were skipped."""
         choice: list = [None, []]
         if self.rank == 0:
             for path in reversed(self.committed()):
