@@ -7,7 +7,8 @@ import pytest
 from helpers import assert_losses_close, assert_params_close, load_model_params, losses, train
 
 LR = 3e-3  # configs/debug.yaml
-COMMON = ("train.steps=20", "train.global_batch_size=4", f"optim.lr={LR}", "checkpoint.save_final=true")
+COMMON = ("train.steps=20", "train.global_batch_size=4", f"optim.lr={LR}", "checkpoint.save_final=true",
+          "metrics.sync_check_every=5")  # replicas are compared during every layout's run
 
 
 @pytest.fixture(scope="module")

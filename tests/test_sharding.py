@@ -13,7 +13,8 @@ from disttrain.models.registry import MODEL_SHAPES
 from helpers import REPO, assert_losses_close, assert_params_close, cli_env, load_model_params, losses, train
 
 LR = 3e-3
-COMMON = ("train.steps=20", "train.global_batch_size=4", f"optim.lr={LR}", "checkpoint.save_final=true")
+COMMON = ("train.steps=20", "train.global_batch_size=4", f"optim.lr={LR}", "checkpoint.save_final=true",
+          "metrics.sync_check_every=5")  # replicas are compared during every layout's run
 SHARDED = ("train.micro_batch_size=1", "checkpoint.every_steps=10")  # 2 micro-batches per rank on 2 ranks
 
 

@@ -25,7 +25,7 @@ from disttrain.checkpoint.manager import CheckpointManager
 from disttrain.config import load_config
 from disttrain.distributed.env import detect_env
 from disttrain.distributed.runtime import init_distributed
-from disttrain.observe.memory import local_bytes
+from disttrain.observe.memory import local_bytes, local_tensor
 from disttrain.train.trainer import Trainer
 
 
@@ -66,7 +66,7 @@ def main() -> None:
         dist.barrier()
         row["async_total_s"] = time.perf_counter() - t0
         row["dcp_load_s"] = _timed(lambda: sync.load(sync.step_dir(rep + 1), trainer.model, trainer.optimizer))
-        local = {"model": {k: _local(v) for k, v in model_sd.items()}, "optim": optim_sd}
+        local = {"model": {k: local_tensor(v) for k, v in model_sd.items()}, "optim": optim_sd}
         row["torch_save_s"] = _timed(lambda: torch.save(local, plain))
         row["torch_load_s"] = _timed(lambda: torch.load(plain, weights_only=False))
         for key in ("dcp_save_s", "async_blocking_s", "dcp_load_s", "torch_save_s", "torch_load_s"):
@@ -79,10 +79,6 @@ def main() -> None:
     del trainer
     gc.collect()
     dist.destroy_process_group()
-
-
-def _local(t):
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _tensors(tree):

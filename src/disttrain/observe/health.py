@@ -21,8 +21,7 @@ import statistics
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
-
+from disttrain.observe.memory import local_tensor
 from disttrain.parallel.names import clean_fqn
 
 
@@ -34,15 +33,11 @@ class NonFiniteError(RuntimeError):
     pass
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 @torch.no_grad()
 def replica_checksums(model: torch.nn.Module) -> tuple[list[str], torch.Tensor]:
     names, sums = [], []
     for name, p in model.named_parameters():
-        local = _local(p).detach().double()
+        local = local_tensor(p).detach().double()
         names.append(clean_fqn(name))
         sums.append(torch.stack([local.sum(), (local * local).sum()]))
     return names, torch.stack(sums)

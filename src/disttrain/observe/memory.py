@@ -12,11 +12,15 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
 
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The part of a (possibly sharded) tensor this rank stores."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def local_bytes(t: torch.Tensor | None) -> int:
     if t is None:
         return 0
-    if isinstance(t, DTensor):
-        t = t.to_local()
+    t = local_tensor(t)
     return t.numel() * t.element_size()
 
 
