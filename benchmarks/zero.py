@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import os
 import subprocess
 import sys
@@ -31,7 +32,7 @@ def memory_rows(nproc: int, run_dir: Path) -> list[dict]:
                            "-m", "disttrain.bench.model_states", str(run_dir)],
                           cwd=REPO, capture_output=True, text=True, check=True,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
-    return [json.loads(line[4:]) for line in proc.stdout.splitlines() if line.startswith("MEM ") and '"rank": 0' in line]
+    return [r for r in (json.loads(m) for m in re.findall(r"MEM (\{[^{}]*\})", proc.stdout)) if r["rank"] == 0]
 
 
 def main() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -78,7 +79,7 @@ def _measure(nproc, tmp_path) -> list[dict]:
                            "-m", "disttrain.bench.model_states", str(tmp_path)],
                           cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return [json.loads(line[4:]) for line in proc.stdout.splitlines() if line.startswith("MEM ")]
+    return [json.loads(m) for m in re.findall(r"MEM (\{[^{}]*\})", proc.stdout)]
 
 
 def zero_formula(stage: int, n: int, psi: int) -> dict:

@@ -14,6 +14,7 @@ import argparse
 import gc
 import json
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -71,7 +72,8 @@ def main() -> None:
         row["torch_load_s"] = _timed(lambda: torch.load(plain, weights_only=False))
         for key in ("dcp_save_s", "async_blocking_s", "dcp_load_s", "torch_save_s", "torch_load_s"):
             row[key[:-2] + "_mib_per_s"] = nbytes / 2**20 / max(row[key], 1e-9)
-        print("IO " + json.dumps(row), flush=True)
+        sys.stdout.write("IO " + json.dumps(row) + "\n")  # one write: ranks share the pipe
+        sys.stdout.flush()
         if rt.rank == 0:
             for d in (root / "sync", root / "async"):
                 shutil.rmtree(d, ignore_errors=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import sys
 
 import torch
 import torch.distributed as dist
@@ -48,7 +49,9 @@ def main() -> None:
     args = parser.parse_args()
     rt = init_distributed(detect_env(), "gloo", 60)
     for stage in args.stages:
-        print("MEM " + json.dumps(measure(rt, stage, args.model, args.run_dir)), flush=True)
+        # One write per line: print() writes text and newline separately, and ranks share the pipe.
+        sys.stdout.write("MEM " + json.dumps(measure(rt, stage, args.model, args.run_dir)) + "\n")
+        sys.stdout.flush()
     gc.collect()
     dist.destroy_process_group()
 
