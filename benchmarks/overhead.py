@@ -34,8 +34,7 @@ TOKENS_PER_STEP = 16 * 128
 def command(framework: str, steps: int, run_dir: Path) -> list[str]:
     torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     if framework == "disttrain":
-        return [sys.executable, "-m", "disttrain", "train", str(REPO / "configs" / "bench.yaml"),
-                f"train.steps={steps}", f"run.dir={run_dir}", "--nproc-per-node", "2"]
+        return disttrain_command([], steps, run_dir)
     python = sys.executable if framework == "plain" else str(BENCH_PY)
     return [python, *torchrun, str(WORKLOADS / f"{framework}_ddp.py"), "--steps", str(steps)]
 
@@ -59,6 +58,36 @@ def steady_state(command_for_steps, short: int, long: int) -> dict:
     w2, c2 = measure_command(command_for_steps(long))
     tokens = TOKENS_PER_STEP * (long - short)
     return {"tokens_per_s": tokens / (w2 - w1), "cpu_s_per_token": (c2 - c1) / tokens}
+
+
+def interleaved(names: list[str], command_for, reps: int, short: int, long: int) -> dict[str, list[dict]]:
+    """Every variant once per repetition, starting one later each time; `command_for(name, steps)`."""
+    results: dict[str, list[dict]] = {n: [] for n in names}
+    for rep in range(reps):
+        for name in names[rep % len(names):] + names[:rep % len(names)]:
+            row = steady_state(lambda steps: command_for(name, steps), short, long)
+            results[name].append(row)
+            print(f"rep {rep + 1}/{reps} {name:>16}: {row['tokens_per_s']:8.0f} tok/s, "
+                  f"{1e6 * row['cpu_s_per_token']:7.1f} CPU-us/token", flush=True)
+    return results
+
+
+def disttrain_command(overrides: list[str], steps: int, run_dir: Path) -> list[str]:
+    """configs/bench.yaml on 2 processes with `overrides`."""
+    return [sys.executable, "-m", "disttrain", "train", str(REPO / "configs" / "bench.yaml"), f"train.steps={steps}",
+            f"run.dir={run_dir}", *overrides, "--nproc-per-node", "2"]
+
+
+def add_common_args(parser: argparse.ArgumentParser, out_name: str) -> None:
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--short", type=int, default=10)
+    parser.add_argument("--long", type=int, default=60)
+    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / out_name))
+
+
+def write_results(path: str, payload: dict) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(payload, indent=2))
 
 
 def summarize(results: dict[str, list[dict]], baseline: str) -> dict:
@@ -88,27 +117,16 @@ def print_table(summary: dict, baseline: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--short", type=int, default=20)
-    parser.add_argument("--long", type=int, default=100)
+    add_common_args(parser, "overhead.json")
     parser.add_argument("--compare", action="store_true", help="also run Accelerate and Lightning Fabric")
-    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "overhead.json"))
     args = parser.parse_args()
     frameworks = ["plain", "disttrain"] + (["accelerate", "fabric"] if args.compare else [])
     if args.compare and not BENCH_PY.exists():
         raise SystemExit("the comparison environment is missing: run `make bench-env` first")
     run_dir = REPO / "runs" / "bench-overhead"
-    results: dict[str, list[dict]] = {f: [] for f in frameworks}
-    for rep in range(args.reps):
-        order = frameworks[rep % len(frameworks):] + frameworks[:rep % len(frameworks)]
-        for fw in order:
-            row = steady_state(lambda steps: command(fw, steps, run_dir), args.short, args.long)
-            results[fw].append(row)
-            print(f"rep {rep + 1}/{args.reps} {fw:>10}: {row['tokens_per_s']:8.0f} tok/s, "
-                  f"{1e6 * row['cpu_s_per_token']:7.1f} CPU-us/token", flush=True)
+    results = interleaved(frameworks, lambda fw, steps: command(fw, steps, run_dir), args.reps, args.short, args.long)
     summary = summarize(results, "plain")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"args": vars(args), "runs": results, "summary": summary}, indent=2))
+    write_results(args.out, {"args": vars(args), "runs": results, "summary": summary})
     print_table(summary, "plain")
 
 

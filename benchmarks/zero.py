@@ -14,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from overhead import REPO, print_table, steady_state, summarize
+from overhead import REPO, add_common_args, disttrain_command, interleaved, print_table, summarize, write_results
 
 from disttrain.models.registry import MODEL_SHAPES
 
@@ -37,10 +37,7 @@ def memory_rows(nproc: int, run_dir: Path) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--short", type=int, default=10)
-    parser.add_argument("--long", type=int, default=60)
-    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "zero.json"))
+    add_common_args(parser, "zero.json")
     args = parser.parse_args()
     run_dir = REPO / "runs" / "bench-zero"
     psi = MODEL_SHAPES["tiny"].num_params()
@@ -55,19 +52,10 @@ def main() -> None:
             memory.append({**row, "formula": f})
             cells = " | ".join(f"{row[k] / 2**20:.2f} ({f[k] / 2**20:.2f})" for k in ("params", "grads", "optimizer"))
             print(f"| {nproc} | {s} | {cells} |", flush=True)
-    results: dict[str, list[dict]] = {v: [] for v in VARIANTS}
-    names = list(VARIANTS)
-    for rep in range(args.reps):
-        for name in names[rep % len(names):] + names[:rep % len(names)]:
-            cmd = lambda steps: [sys.executable, "-m", "disttrain", "train", str(REPO / "configs" / "bench.yaml"),  # noqa: E731
-                                 f"train.steps={steps}", f"run.dir={run_dir}", *VARIANTS[name], "--nproc-per-node", "2"]
-            row = steady_state(cmd, args.short, args.long)
-            results[name].append(row)
-            print(f"rep {rep + 1}/{args.reps} {name:>16}: {row['tokens_per_s']:8.0f} tok/s", flush=True)
+    results = interleaved(list(VARIANTS), lambda name, steps: disttrain_command(VARIANTS[name], steps, run_dir),
+                          args.reps, args.short, args.long)
     summary = summarize(results, "ddp (stage 0)")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"args": vars(args), "memory": memory, "runs": results, "summary": summary},
-                                         indent=2))
+    write_results(args.out, {"args": vars(args), "memory": memory, "runs": results, "summary": summary})
     print_table(summary, "ddp (stage 0)")
 
 

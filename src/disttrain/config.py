@@ -198,7 +198,7 @@ def _show(value: Any) -> str:
     return str(value)
 
 
-def _format_error(exc: ValidationError, data: dict) -> str:
+def _format_error(exc: ValidationError) -> str:
     err = exc.errors()[0]
     loc = [str(p) for p in err["loc"]]
     key = ".".join(loc)
@@ -270,7 +270,7 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] | None = No
     try:
         cfg = RunConfig.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(_format_error(exc, data)) from None
+        raise ConfigError(_format_error(exc)) from None
     if not cfg.run.name:
         cfg.run.name = Path(path).stem if path is not None else "run"
     validate_semantics(cfg)

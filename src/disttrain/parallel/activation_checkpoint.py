@@ -8,7 +8,6 @@ selective: keep the outputs of matrix multiplies and attention (expensive to red
 
 from __future__ import annotations
 
-from functools import partial
 
 import torch
 from torch import nn
