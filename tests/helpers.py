@@ -22,11 +22,11 @@ def cli_env() -> dict:
 
 
 def run_cli(*args: str, nproc: int | None = None, timeout: float = 300, check: bool = True,
-            env: dict | None = None) -> subprocess.CompletedProcess:
+            env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "disttrain", *args]
     if nproc is not None:
         cmd += ["--nproc-per-node", str(nproc)]
-    proc = subprocess.run(cmd, cwd=REPO, env={**cli_env(), **(env or {})}, capture_output=True, text=True,
+    proc = subprocess.run(cmd, cwd=cwd or REPO, env={**cli_env(), **(env or {})}, capture_output=True, text=True,
                           timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"

@@ -1,4 +1,4 @@
-"""Command line: `disttrain train | convert | config export-deepspeed | bench comm | prepare-data`. User mistakes print one line and exit 2."""
+"""Command line: `disttrain train | estimate | plan | convert | config export-deepspeed | bench comm | prepare-data`. User mistakes print one line and exit 2."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import time
 PROCESS_START = time.time()  # before torch is imported: recovery benchmarks split start-up time
 from pathlib import Path
 
-from disttrain.config import ConfigError, load_config, validate_world
+from disttrain.config import ConfigError, check_runtime_support, load_config, validate_world
 
 EXIT_USAGE = 2
 EXIT_HEALTH = 3  # a health check (non-finite values, diverged replicas) stopped the run
@@ -53,8 +53,10 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> None:
             if str(opts.nnodes) != "1" and not opts.rdzv_endpoint:
                 raise ConfigError(f"--nnodes={opts.nnodes} needs --rdzv-endpoint HOST:PORT")
             validate_world(cfg, max_world_size(opts))
+            check_runtime_support(cfg)
             sys.exit(relaunch(opts, ["train", args.config, *overrides]))
         validate_world(cfg, env.world_size)
+        check_runtime_support(cfg)
     except ConfigError as exc:
         _fail(str(exc), quiet)
 
@@ -221,6 +223,10 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--to", choices=["safetensors", "torch", "hf"], default="safetensors")
     conv.add_argument("--out", default=None, help="output file (folder for hf); default: <run>/export/...")
 
+    from disttrain.plan.commands import add_parsers as add_plan_parsers
+
+    add_plan_parsers(sub)
+
     prep = sub.add_parser("prepare-data", help="tokenize text/JSONL files into token shards")
     prep.add_argument("inputs", nargs="+", help=".txt (documents split on blank lines) or .jsonl files")
     prep.add_argument("--out", required=True, help="output directory (use it as data.source)")
@@ -240,6 +246,12 @@ def main(argv: list[str] | None = None) -> None:
         if bad:
             parser.error(f"unrecognized arguments: {' '.join(bad)}")
         (cmd_train if args.command == "train" else cmd_config)(args, extra)
+    elif args.command in ("estimate", "plan"):
+        if extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        from disttrain.plan.commands import run
+
+        run(args.command, args)
     else:
         if extra:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")

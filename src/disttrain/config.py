@@ -99,12 +99,6 @@ class ParallelConfig(_Section):
 
     @model_validator(mode="after")
     def _check(self) -> "ParallelConfig":
-        # These keys belong to the contract; the runtime that honours them lands with later work.
-        later = {"tp": (self.tp, 1), "pp": (self.pp, 1), "sequence_parallel": (self.sequence_parallel, False)}
-        for key, (value, default) in later.items():
-            if value != default:
-                raise ValueError(f"parallel.{key}={_show(value)} is not supported by this version yet "
-                                 f"(allowed: {_show(default)}); data parallel and ZeRO 1-3 are")
         if self.cpu_offload and self.zero_stage < 2:
             raise ValueError(f"parallel.cpu_offload=true needs parallel.zero_stage 2 or 3 (FSDP2), "
                              f"not {self.zero_stage}")
@@ -292,6 +286,12 @@ def validate_semantics(cfg: RunConfig) -> None:
     if cfg.data.seq_len > shape.max_seq_len:
         raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len={shape.max_seq_len}")
     p = cfg.parallel
+    from disttrain.plan.layout import MULTI_STAGE_SCHEDULES, split_problems
+
+    problems = split_problems(shape, p.tp, p.pp, 2 if p.pp > 1 and p.pp_schedule in MULTI_STAGE_SCHEDULES else 1,
+                              p.sequence_parallel, cfg.data.seq_len)
+    if problems:
+        raise ConfigError(problems[0])
     if cfg.engine == "deepspeed":
         _check_deepspeed(cfg)
         if cfg.checkpoint.async_save:
@@ -363,3 +363,18 @@ def validate_world(cfg: RunConfig, world_size: int) -> None:
         raise ConfigError(f"train.micro_batch_size={t.micro_batch_size} does not divide the per-rank batch "
                           f"{per_rank} (train.global_batch_size={t.global_batch_size} over {dims.dp} "
                           "data-parallel ranks)")
+    # Layout rules shared with the planner (tp divides heads, pp <= layers, schedule micro-batches).
+    from disttrain.plan.layout import layout_from_config, layout_problems
+
+    problems = layout_problems(resolve_shape(cfg.model), layout_from_config(cfg, world_size))
+    if problems:
+        raise ConfigError(problems[0])
+
+
+def check_runtime_support(cfg: RunConfig) -> None:
+    """Layouts the schema accepts (and the planner estimates) but this version cannot train yet."""
+    p = cfg.parallel
+    for key, value, default in (("tp", p.tp, 1), ("pp", p.pp, 1), ("sequence_parallel", p.sequence_parallel, False)):
+        if value != default:
+            raise ConfigError(f"parallel.{key}={_show(value)} is not supported by `disttrain train` in this version "
+                              f"yet (allowed: {_show(default)}); `disttrain estimate` and `plan` model it")

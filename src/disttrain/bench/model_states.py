@@ -1,6 +1,7 @@
 """Per-rank model-state bytes for ZeRO stages, measured on the real runtime. Run under torchrun:
 
     torchrun --nproc-per-node 2 -m disttrain.bench.model_states RUN_DIR [--model tiny] [--stages 0 1 2 3]
+        [--override parallel.dp_replicate=2 ...]
 
 Prints one `MEM {json}` line per rank and stage: parameter, gradient and optimizer-state bytes this
 rank holds after one step (gradients measured before they are released), and the parameter bytes
@@ -24,10 +25,10 @@ from disttrain.observe.memory import model_state_bytes
 from disttrain.train.trainer import Trainer
 
 
-def measure(rt: Runtime, stage: int, model: str, run_dir: str) -> dict:
+def measure(rt: Runtime, stage: int, model: str, run_dir: str, overrides: tuple[str, ...] = ()) -> dict:
     cfg = load_config(None, [f"model.name={model}", "train.global_batch_size=4", "data.seq_len=32",
                              "train.micro_batch_size=1", f"parallel.zero_stage={stage}", f"run.dir={run_dir}",
-                             f"run.name=stage{stage}", "checkpoint.resume=none"])
+                             f"run.name=stage{stage}", "checkpoint.resume=none", *overrides])
     trainer = Trainer(cfg, rt)
     x, y = next(trainer.loader)[0]
     logits = trainer.model(x)
@@ -46,11 +47,12 @@ def main() -> None:
     parser.add_argument("run_dir")
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3])
+    parser.add_argument("--override", action="append", default=[], help="extra config key=value (repeatable)")
     args = parser.parse_args()
     rt = init_distributed(detect_env(), "gloo", 60)
     for stage in args.stages:
         # One write per line: print() writes text and newline separately, and ranks share the pipe.
-        sys.stdout.write("MEM " + json.dumps(measure(rt, stage, args.model, args.run_dir)) + "\n")
+        sys.stdout.write("MEM " + json.dumps(measure(rt, stage, args.model, args.run_dir, tuple(args.override))) + "\n")
         sys.stdout.flush()
     gc.collect()
     dist.destroy_process_group()

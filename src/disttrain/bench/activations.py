@@ -1,0 +1,93 @@
+"""Measure the activation bytes a forward pass leaves for backward, on any device.
+
+CPU has no `torch.cuda.max_memory_allocated`, so this counts what autograd actually holds after
+forward + loss: every tensor packed by a saved-tensor hook (unique storages, parameters and buffers
+excluded) plus, with selective checkpointing, the outputs its caching mode stored. Recomputed
+tensors that live only during backward are not counted (the planner reports them separately).
+
+    python -m disttrain.bench.activations --model tiny --micro-batch 2 --seq-len 128 --recompute none
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+
+from disttrain.models.llama import Transformer
+from disttrain.models.registry import MODEL_SHAPES, ModelShape
+from disttrain.parallel import activation_checkpoint as ac
+
+
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            yield from _tensors(value)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            yield from _tensors(value)
+    elif hasattr(obj, "val"):  # torch.utils.checkpoint._VersionWrapper
+        yield from _tensors(obj.val)
+
+
+def saved_activation_bytes(shape: ModelShape, micro_batch: int, seq_len: int, recompute: str = "none",
+                           dtype: torch.dtype = torch.float32, seed: int = 0) -> int:
+    torch.manual_seed(seed)
+    model = Transformer(shape).to(dtype)
+    caches = []
+    if recompute == "selective":
+        def capture():
+            forward_ctx, recompute_ctx = ac.selective_context()
+            caches.append(forward_ctx.storage)
+            return forward_ctx, recompute_ctx
+
+        for key, block in list(model.layers.items()):
+            model.layers[key] = ac.checkpoint_wrapper(block, preserve_rng_state=False, context_fn=capture)
+    else:
+        ac.apply_activation_checkpointing(model, recompute)
+    excluded = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    held: dict[int, int] = {}
+
+    def count(t: torch.Tensor) -> None:
+        key = t.untyped_storage().data_ptr()
+        if key not in excluded:
+            held.setdefault(key, t.untyped_storage().nbytes())
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        count(t)
+        return t
+
+    tokens = torch.randint(0, shape.vocab_size, (micro_batch, seq_len))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logits = model(tokens)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), tokens.flatten(), reduction="sum")
+    del logits
+    for storage in caches:
+        for t in _tensors(storage):
+            count(t)
+    loss.backward()  # proves the counted graph is the one training uses
+    return sum(held.values())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="tiny", choices=list(MODEL_SHAPES))
+    parser.add_argument("--layers", type=int, default=None)
+    parser.add_argument("--micro-batch", type=int, default=2)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--recompute", default="none", choices=["none", "selective", "full"])
+    args = parser.parse_args()
+    shape = MODEL_SHAPES[args.model]
+    if args.layers:
+        shape = replace(shape, n_layers=args.layers)
+    print(json.dumps({"model": args.model, "recompute": args.recompute,
+                      "bytes": saved_activation_bytes(shape, args.micro_batch, args.seq_len, args.recompute)}))
+
+
+if __name__ == "__main__":
+    main()

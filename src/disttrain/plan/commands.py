@@ -1,0 +1,303 @@
+"""`disttrain estimate` and `disttrain plan`: argument parsing and output. Pure Python."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+from pathlib import Path
+
+from disttrain.models.registry import MODEL_SHAPES, ModelShape
+from disttrain.plan import report
+from disttrain.plan.estimate import estimate, shape_for_params
+from disttrain.plan.hardware import GPUS, find_gpu
+from disttrain.plan.layout import RECOMPUTE, SCHEDULES, Layout, layout_problems
+from disttrain.plan.memory import ACCOUNTINGS
+from disttrain.plan.search import SearchSpace, describe, search, why_winner
+from disttrain.plan.timing import Cluster, single_gpu_tokens_per_s
+
+
+class PlanError(ValueError):
+    """A user mistake on the command line; the CLI prints it as one line and exits 2."""
+
+
+_SUFFIX = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
+_BINARY = {"k": 2 ** 10, "m": 2 ** 20, "b": 2 ** 30, "g": 2 ** 30, "t": 2 ** 40}
+
+
+def parse_count(flag: str, text: str, binary: bool = False) -> float:
+    """'4M', '300e9', '1.5T', '13b' -> a number. Suffixes are decimal, or powers of two with
+    `binary` (batch sizes: Llama's "4M tokens" is 1024 x 4096 = 4·2^20)."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kmbgt]?)\s*", str(text).lower())
+    if not match:
+        raise PlanError(f"{flag}={text}: expected a number like 4M, 300e9 or 1.5T")
+    return float(match.group(1)) * (_BINARY if binary else _SUFFIX).get(match.group(2), 1)
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help=f"registry shape ({', '.join(MODEL_SHAPES)})")
+    p.add_argument("--params", default=None, help="parameter count instead of --model, e.g. 13e9 or 6.7B")
+    p.add_argument("--seq-len", type=int, default=None)
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="compute dtype (default bf16)")
+
+
+def add_cluster_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("cluster (for --time and plan)")
+    g.add_argument("--gpu", default="h100", help=f"GPU type ({', '.join(GPUS)})")
+    g.add_argument("--gpus-per-node", type=int, default=8)
+    g.add_argument("--nodes", type=int, default=None, help="default: --gpus / --gpus-per-node")
+    g.add_argument("--intra-node-bw", type=float, default=None, help="GB/s per GPU and direction (NVLink)")
+    g.add_argument("--inter-node-bw", type=float, default=None, help="GB/s per GPU and direction (network)")
+    g.add_argument("--compute-efficiency", type=float, default=0.5, help="fraction of peak FLOP/s reached (0-1]")
+    g.add_argument("--tokens", default=None, help="training tokens, for days to train (e.g. 300e9)")
+
+
+def add_parsers(sub) -> None:
+    est = sub.add_parser("estimate", help="memory per GPU, FLOPs and (with --time) step time for one layout")
+    est.add_argument("config", nargs="?", default=None, help="a RunConfig YAML (flags override it)")
+    add_model_args(est)
+    est.add_argument("--gpus", type=int, default=None, help="world size (default: the layout's product)")
+    est.add_argument("--dp-replicate", type=int, default=None)
+    est.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=None)
+    est.add_argument("--tp", type=int, default=None)
+    est.add_argument("--pp", type=int, default=None)
+    est.add_argument("--pp-schedule", choices=SCHEDULES, default=None)
+    est.add_argument("--microbatches", type=int, default=None, help="pipeline micro-batches per step")
+    est.add_argument("--micro-batch-size", type=int, default=None)
+    est.add_argument("--global-batch-size", type=int, default=None, help="sequences per step")
+    est.add_argument("--activation-checkpointing", choices=RECOMPUTE, default=None)
+    est.add_argument("--sequence-parallel", action="store_true", default=None)
+    est.add_argument("--cpu-offload", action="store_true", default=None)
+    est.add_argument("--accounting", choices=ACCOUNTINGS, default="runtime",
+                     help="runtime: what disttrain allocates; zero-paper: the ZeRO paper's mixed-precision Adam")
+    est.add_argument("--time", action="store_true", help="also predict step time, tokens/s and MFU")
+    est.add_argument("--json", action="store_true")
+    add_cluster_args(est)
+
+    plan = sub.add_parser("plan", help="search layouts for a model and cluster; write the fastest as a config")
+    add_model_args(plan)
+    plan.add_argument("--gpus", type=int, required=True)
+    plan.add_argument("--global-batch-tokens", default=None,
+                      help="tokens per optimizer step; K/M are powers of two (4M = 1024 x 4096; default 4M)")
+    plan.add_argument("--global-batch-size", type=int, default=None, help="sequences per step instead")
+    plan.add_argument("--headroom", type=float, default=0.1, help="fraction of GPU memory kept free")
+    plan.add_argument("--zero-stages", default="0,1,2,3", help="comma-separated stages to consider")
+    plan.add_argument("--allow-offload", action="store_true", help="consider CPU offload (slow; off by default)")
+    plan.add_argument("--top", type=int, default=5)
+    plan.add_argument("--scaling", default=None, help="also plan these GPU counts, e.g. 2,4,8,16,32, and print "
+                                                      "the scaling efficiency of each")
+    plan.add_argument("--out", default=None, help="winner config path (default: plan_<model>_<gpus>gpus.yaml)")
+    plan.add_argument("--json", action="store_true")
+    add_cluster_args(plan)
+
+
+def _shape(args, cfg=None) -> tuple[str, ModelShape]:
+    if args.model and args.params:
+        raise PlanError("--model and --params: give one of them")
+    if args.params:
+        return shape_for_params(parse_count("--params", args.params))
+    if args.model:
+        if args.model not in MODEL_SHAPES:
+            raise PlanError(f"--model={args.model}: unknown model (allowed: {', '.join(MODEL_SHAPES)})")
+        return args.model, MODEL_SHAPES[args.model]
+    if cfg is not None:
+        from disttrain.models.registry import resolve_shape
+
+        return cfg.model.name, resolve_shape(cfg.model)
+    raise PlanError("give a CONFIG, --model NAME or --params N")
+
+
+def _cluster(args, gpus: int) -> Cluster:
+    try:
+        gpu = find_gpu(args.gpu)
+    except KeyError as exc:
+        raise PlanError(f"--gpu={exc.args[0]}") from None
+    per_node = min(args.gpus_per_node, gpus)
+    if per_node < 1:
+        raise PlanError(f"--gpus-per-node={args.gpus_per_node}: must be positive")
+    nodes = args.nodes if args.nodes is not None else math.ceil(gpus / per_node)
+    if per_node * nodes != gpus:
+        raise PlanError(f"--gpus={gpus} is not --gpus-per-node={per_node} x --nodes={nodes}")
+    if not 0 < args.compute_efficiency <= 1:
+        raise PlanError(f"--compute-efficiency={args.compute_efficiency}: must be in (0, 1]")
+    return Cluster(gpu, per_node, nodes, args.intra_node_bw, args.inter_node_bw,
+                   compute_efficiency=args.compute_efficiency)
+
+
+def _positive(flag: str, value) -> None:
+    if value is not None and value < 1:
+        raise PlanError(f"{flag}={value}: must be at least 1")
+
+
+def build_layout(args) -> tuple[str, ModelShape, Layout]:
+    cfg = None
+    if args.config:
+        from disttrain.config import ConfigError, load_config
+
+        try:
+            cfg = load_config(args.config, [])
+        except ConfigError as exc:
+            raise PlanError(str(exc)) from None
+    name, shape = _shape(args, cfg)
+    for flag in ("gpus", "dp_replicate", "tp", "pp", "microbatches", "micro_batch_size", "global_batch_size", "seq_len"):
+        _positive("--" + flag.replace("_", "-"), getattr(args, flag))
+    if cfg is not None:
+        from disttrain.plan.layout import layout_from_config
+
+        p = cfg.parallel
+        world = args.gpus or (p.dp_replicate * max(p.dp_shard, 1) * p.tp * p.pp)
+        layout = layout_from_config(cfg, world, args.dtype)
+    else:
+        layout = Layout(seq_len=min(2048, shape.max_seq_len), param_dtype=args.dtype or "bf16")
+    changes = {k: v for k, v in {
+        "dp_replicate": args.dp_replicate, "zero_stage": args.zero_stage, "tp": args.tp, "pp": args.pp,
+        "pp_schedule": args.pp_schedule, "pp_microbatches": args.microbatches, "seq_len": args.seq_len,
+        "activation_checkpointing": args.activation_checkpointing, "sequence_parallel": args.sequence_parallel,
+        "cpu_offload": args.cpu_offload, "param_dtype": args.dtype}.items() if v is not None}
+    layout = layout.with_(**changes)
+    fixed = layout.dp_replicate * layout.tp * layout.pp
+    gpus = args.gpus or (layout.world_size if cfg is not None else fixed)
+    if gpus % fixed:
+        raise PlanError(f"--gpus={gpus} is not divisible by dp_replicate x tp x pp = {fixed}")
+    layout = layout.with_(dp_shard=gpus // fixed)
+    mbs = args.micro_batch_size or (layout.micro_batch_size if cfg is not None else 1)
+    gbs = args.global_batch_size or (layout.global_batch_size if cfg is not None else
+                                     layout.dp * mbs * max(1, args.microbatches or (layout.pp if layout.pp > 1 else 1)))
+    layout = layout.with_(micro_batch_size=mbs, global_batch_size=gbs)
+    if layout.cpu_offload and layout.zero_stage < 2:
+        layout = layout.with_(zero_stage=3)
+    if layout.seq_len > shape.max_seq_len:
+        shape = shape.__class__(**{**shape.__dict__, "max_seq_len": layout.seq_len})
+    problems = layout_problems(shape, layout)
+    if problems:
+        raise PlanError(problems[0])
+    return name, shape, layout
+
+
+def cmd_estimate(args) -> None:
+    name, shape, layout = build_layout(args)
+    cluster = _cluster(args, layout.world_size) if args.time else None
+    est = estimate(shape, layout, cluster, model=name, accounting=args.accounting)
+    tokens = parse_count("--tokens", args.tokens) if args.tokens else None
+    if args.json:
+        out = est.as_dict()
+        if tokens and est.time:
+            out["time"]["days"] = tokens / est.time.tokens_per_s / 86400
+        print(json.dumps(out, indent=1))
+        return
+    lines = [f"Model: {name}, {shape.num_params():,} parameters ({shape.num_params() / 1e9:.2f} B)",
+             report.layout_line(layout), ""] + report.memory_table(est) + [""] + report.flops_lines(est)
+    if est.time:
+        lines += [""] + report.time_lines(est, tokens)
+    print("\n".join(lines))
+
+
+def _global_batch(args, seq_len: int) -> int:
+    if args.global_batch_size and args.global_batch_tokens:
+        raise PlanError("--global-batch-size and --global-batch-tokens: give one of them")
+    if args.global_batch_size:
+        return args.global_batch_size
+    tokens = parse_count("--global-batch-tokens", args.global_batch_tokens or "4M", binary=True)
+    return max(1, round(tokens / seq_len))
+
+
+def cmd_plan(args) -> None:
+    name, shape = _shape(args)
+    _positive("--gpus", args.gpus)
+    seq_len = args.seq_len or min(4096, shape.max_seq_len)
+    if seq_len > shape.max_seq_len:
+        shape = shape.__class__(**{**shape.__dict__, "max_seq_len": seq_len})
+    gbs = _global_batch(args, seq_len)
+    if not 0 <= args.headroom < 1:
+        raise PlanError(f"--headroom={args.headroom}: must be in [0, 1)")
+    try:
+        stages = tuple(sorted({int(s) for s in args.zero_stages.split(",")}))
+    except ValueError:
+        raise PlanError(f"--zero-stages={args.zero_stages}: expected a comma-separated subset of 0,1,2,3") from None
+    if not set(stages) <= {0, 1, 2, 3}:
+        raise PlanError(f"--zero-stages={args.zero_stages}: allowed stages are 0, 1, 2, 3")
+    cluster = _cluster(args, args.gpus)
+    space = SearchSpace(seq_len=seq_len, global_batch_size=gbs, zero_stages=stages,
+                        allow_offload=args.allow_offload, param_dtype=args.dtype or "bf16")
+    result = search(shape, cluster, space, args.headroom, model=name)
+    tokens = parse_count("--tokens", args.tokens) if args.tokens else None
+    if not result.ranked:
+        raise PlanError(f"no layout of {name} fits {args.gpus} x {cluster.gpu.name} "
+                        f"({result.considered} considered; try more GPUs, --allow-offload or a smaller --headroom)")
+    win = result.ranked[0]
+    baseline = single_gpu_tokens_per_s(shape, seq_len, cluster, space.param_dtype)
+    counts = _counts(args.scaling)
+    scaling = scaling_table(shape, args, space, name, counts) if counts else []
+    out = Path(args.out or f"plan_{name}_{args.gpus}gpus.yaml")
+    import yaml
+
+    out.write_text(yaml.safe_dump(report.winner_config(win, tokens), sort_keys=False))
+    if args.json:
+        print(json.dumps({"winner": win.as_dict(), "top": [e.as_dict() for e in result.ranked[:args.top]],
+                          "considered": result.considered, "fitting": result.fitting,
+                          "baseline_tokens_per_s_per_gpu": baseline, "scaling": scaling,
+                          "days": tokens / win.time.tokens_per_s / 86400 if tokens else None,
+                          "config": str(out)}, indent=1))
+        return
+    lines = [f"Model: {name}, {shape.num_params() / 1e9:.2f} B parameters; {args.gpus} x {cluster.gpu.description} "
+             f"({cluster.nodes} node(s) x {cluster.gpus_per_node}); global batch {gbs} x {seq_len} tokens", "",
+             f"{'#':>2}  {'tokens/s/GPU':>12}  {'MFU':>6}  {'step s':>7}  {'GiB/GPU':>8}  layout"]
+    for i, e in enumerate(result.ranked[:args.top], 1):
+        lines.append(f"{i:>2}  {e.time.tokens_per_s_per_gpu:>12,.0f}  {e.time.mfu:>6.1%}  {e.time.step_s:>7.2f}  "
+                     f"{e.memory.total / 2**30:>8.1f}  {describe(e.layout)}")
+    lines += ["", "Winner: " + describe(win.layout), *("  " + r for r in why_winner(result)), ""]
+    lines += report.memory_table(win) + [""] + report.time_lines(win, tokens, baseline)
+    lines.append("  (scaling baseline: one GPU with enough memory, no communication, no recomputation)")
+    if scaling:
+        lines += ["", f"Scaling at {gbs} x {seq_len} tokens per step:",
+                  f"{'GPUs':>5}  {'tokens/s':>12}  {'per GPU':>9}  {'efficiency':>10}  layout"]
+        for row in scaling:
+            if row["tokens_per_s"] is None:
+                lines.append(f"{row['gpus']:>5}  {'-':>12}  {'-':>9}  {'-':>10}  does not fit")
+            else:
+                lines.append(f"{row['gpus']:>5}  {row['tokens_per_s']:>12,.0f}  {row['tokens_per_s_per_gpu']:>9,.0f}  "
+                             f"{row['efficiency']:>10.1%}  {row['layout']}")
+    lines += ["", f"Wrote {out} (run it with: disttrain train {out})"]
+    print("\n".join(lines))
+
+
+def scaling_table(shape, args, space: SearchSpace, name: str, counts: list[int]) -> list[dict]:
+    """Best layout per GPU count at the same global batch, with efficiency against one GPU."""
+    rows = []
+    for gpus in counts:
+        cluster = _cluster(argparse.Namespace(**{**vars(args), "nodes": None}), gpus)
+        if space.global_batch_size % gpus and space.global_batch_size < gpus:
+            continue
+        result = search(shape, cluster, space, args.headroom, name)
+        base = single_gpu_tokens_per_s(shape, space.seq_len, cluster, space.param_dtype)
+        if result.ranked:
+            best = result.ranked[0]
+            rows.append({"gpus": gpus, "tokens_per_s": best.time.tokens_per_s,
+                         "tokens_per_s_per_gpu": best.time.tokens_per_s_per_gpu,
+                         "efficiency": best.time.tokens_per_s_per_gpu / base, "layout": describe(best.layout)})
+        else:
+            rows.append({"gpus": gpus, "tokens_per_s": None, "tokens_per_s_per_gpu": None, "efficiency": None,
+                         "layout": "does not fit"})
+    return rows
+
+
+def _counts(text: str | None) -> list[int]:
+    if not text:
+        return []
+    try:
+        counts = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise PlanError(f"--scaling={text}: expected comma-separated GPU counts like 2,4,8,16,32") from None
+    if any(c < 1 for c in counts):
+        raise PlanError(f"--scaling={text}: GPU counts must be positive")
+    return counts
+
+
+def run(command: str, args) -> None:
+    try:
+        (cmd_estimate if command == "estimate" else cmd_plan)(args)
+    except PlanError as exc:
+        print(f"disttrain: error: {exc}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,71 @@
+"""One estimate: memory per rank, FLOPs, and (given a cluster) step time, for a model and layout."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from disttrain.models.registry import MODEL_SHAPES, ModelShape
+from disttrain.plan import flops as F
+from disttrain.plan.layout import Layout
+from disttrain.plan.memory import MemoryEstimate, estimate_memory
+from disttrain.plan.timing import Cluster, StepTime, step_time
+
+
+@dataclass
+class Estimate:
+    model: str
+    shape: ModelShape
+    layout: Layout
+    memory: MemoryEstimate
+    time: StepTime | None = None
+    accounting: str = "runtime"
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.layout.global_batch_size * self.layout.seq_len
+
+    @property
+    def flops_per_token(self) -> float:
+        return F.model_flops_per_token(self.shape, self.layout.seq_len)
+
+    @property
+    def hardware_flops_per_token(self) -> float:
+        return F.hardware_flops_per_token(self.shape, self.layout.seq_len, self.layout.activation_checkpointing)
+
+    def as_dict(self) -> dict:
+        out = {
+            "model": self.model,
+            "params": self.shape.num_params(),
+            "params_per_rank": self.memory.params_per_rank,
+            "accounting": self.accounting,
+            "layout": self.layout.as_dict(),
+            "bytes_per_rank": self.memory.as_dict(),
+            "pipeline_stages": self.memory.per_stage,
+            "flops_per_token": self.flops_per_token,
+            "hardware_flops_per_token": self.hardware_flops_per_token,
+            "tokens_per_step": self.tokens_per_step,
+            "flops_per_step": self.flops_per_token * self.tokens_per_step,
+        }
+        if self.time is not None:
+            out["time"] = self.time.as_dict()
+        return out
+
+
+def estimate(shape: ModelShape, layout: Layout, cluster: Cluster | None = None, *, model: str = "custom",
+             accounting: str = "runtime", fused_norm: bool = True) -> Estimate:
+    memory = estimate_memory(shape, layout, accounting, fused_norm)
+    timing = step_time(shape, layout, cluster) if cluster is not None else None
+    return Estimate(model, shape, layout, memory, timing, accounting)
+
+
+def shape_for_params(n_params: float) -> tuple[str, ModelShape]:
+    """A Llama shape of about `n_params` parameters: the registry shape nearest in size, with its
+    depth changed to match (width and vocabulary kept, so the per-layer terms stay realistic)."""
+    if n_params <= 0:
+        raise ValueError(f"--params={n_params}: must be positive")
+    name, base = min(((k, v) for k, v in MODEL_SHAPES.items() if k not in ("debug", "tiny")),
+                     key=lambda kv: abs(kv[1].num_params() - n_params))
+    fixed = base.num_params() - base.n_layers * (base.num_params() - replace(base, n_layers=base.n_layers - 1).num_params())
+    per_layer = base.num_params() - replace(base, n_layers=base.n_layers - 1).num_params()
+    layers = max(1, round((n_params - fixed) / per_layer))
+    return f"{name}-shaped", replace(base, n_layers=layers)

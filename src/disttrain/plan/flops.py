@@ -1,0 +1,87 @@
+"""FLOP counts: the PaLM per-token formula for this framework's models, and the published
+per-iteration formulas (Megatron-LM 2021, Korthikanti et al. 2022) they are checked against.
+
+Conventions (see docs/PLANNING.md):
+- Model FLOPs count one forward (2 per multiply-add) and a backward of twice that, so 6 per
+  matmul parameter per token, plus attention scores and their weighted sum: 12·L·H·Q·T per token
+  (PaLM appendix B), counted over the full T×T matrix even though causal masking makes half of
+  it zero; flash kernels skip the masked blocks, so real work is lower and MFU keeps PaLM's
+  convention, as published MFU figures do.
+- Recomputation is not model FLOPs: it shows in hardware FLOPs (HFU) only.
+- The input embedding is a lookup, not a matmul; the output projection is a matmul (a tied
+  embedding counts once, as the output layer).
+"""
+
+from __future__ import annotations
+
+from disttrain.models.registry import ModelShape
+
+
+def matmul_params(shape: ModelShape) -> int:
+    """N in 6N: parameters that take part in a matmul per token (norm weights included; negligible)."""
+    output = shape.vocab_size * shape.dim if shape.tie_embeddings else 0
+    return shape.num_params(include_embedding=False) + output
+
+
+def block_params(shape: ModelShape) -> int:
+    kv_dim = shape.n_kv_heads * shape.head_dim
+    per_layer = 2 * shape.dim * shape.dim + 2 * shape.dim * kv_dim + 3 * shape.dim * shape.ffn_hidden_dim + 2 * shape.dim
+    return shape.n_layers * per_layer
+
+
+def attention_flops_per_token(shape: ModelShape, seq_len: int) -> float:
+    """12·L·H·Q·T: QKᵀ and attention·V, forward and backward, full (unmasked) score matrix."""
+    return 12.0 * shape.n_layers * shape.n_heads * shape.head_dim * seq_len
+
+
+def model_flops_per_token(shape: ModelShape, seq_len: int) -> float:
+    """PaLM appendix B: 6N + 12·L·H·Q·T."""
+    return 6.0 * matmul_params(shape) + attention_flops_per_token(shape, seq_len)
+
+
+def recompute_flops_per_token(shape: ModelShape, seq_len: int, recompute: str) -> float:
+    """Matmul FLOPs redone in backward. Full: one more forward of every block. Selective (this
+    framework's policy keeps matmul and attention outputs): none, only element-wise ops."""
+    if recompute == "full":
+        return 2.0 * block_params(shape) + attention_flops_per_token(shape, seq_len) / 3.0
+    return 0.0
+
+
+def hardware_flops_per_token(shape: ModelShape, seq_len: int, recompute: str = "none") -> float:
+    return model_flops_per_token(shape, seq_len) + recompute_flops_per_token(shape, seq_len, recompute)
+
+
+def megatron_flops_per_iteration(batch: int, seq_len: int, layers: int, hidden: int, vocab: int,
+                                 recompute: bool = True) -> float:
+    """Narayanan et al. 2021 (Megatron-LM on GPU clusters), eq. 3: with full recomputation
+    96·B·s·l·h²·(1 + s/6h + V/16lh); without it 72·B·s·l·h²·(1 + s/6h + V/12lh)."""
+    if recompute:
+        return 96.0 * batch * seq_len * layers * hidden ** 2 * (
+            1 + seq_len / (6 * hidden) + vocab / (16 * layers * hidden))
+    return 72.0 * batch * seq_len * layers * hidden ** 2 * (
+        1 + seq_len / (6 * hidden) + vocab / (12 * layers * hidden))
+
+
+def korthikanti_hardware_flops_per_iteration(batch: int, seq_len: int, layers: int, hidden: int, vocab: int,
+                                             recompute: str) -> float:
+    """Korthikanti et al. 2022, section 6: model FLOPs 72·B·s·l·h²(1 + s/6h + V/12lh); selective
+    recomputation of the attention core raises s/6h to s/3h; full recomputation is Megatron's 96 form."""
+    if recompute == "full":
+        return megatron_flops_per_iteration(batch, seq_len, layers, hidden, vocab, recompute=True)
+    attention = seq_len / (3 * hidden) if recompute == "selective" else seq_len / (6 * hidden)
+    return 72.0 * batch * seq_len * layers * hidden ** 2 * (1 + attention + vocab / (12 * layers * hidden))
+
+
+def megatron_params(layers: int, hidden: int, vocab: int, seq_len: int) -> float:
+    """Narayanan et al. 2021, eq. 2: P = 12·l·h²(1 + 13/12h + (V + s)/12lh) for a GPT model."""
+    return 12.0 * layers * hidden ** 2 * (1 + 13 / (12 * hidden) + (vocab + seq_len) / (12 * layers * hidden))
+
+
+def training_days(tokens: float, flops_per_token: float, gpus: int, achieved_flops_per_gpu: float) -> float:
+    """Tokens × FLOPs per token / (GPUs × achieved FLOP/s), in days (Megatron 2021's 8TP/nX with
+    flops_per_token = 8P)."""
+    return tokens * flops_per_token / (gpus * achieved_flops_per_gpu) / 86400.0
+
+
+def mfu(flops_per_token: float, tokens_per_second_per_gpu: float, peak_flops_per_gpu: float) -> float:
+    return flops_per_token * tokens_per_second_per_gpu / peak_flops_per_gpu

@@ -1,0 +1,94 @@
+"""Text tables for `disttrain estimate` / `disttrain plan`, and the winner as a ready config."""
+
+from __future__ import annotations
+
+from disttrain.plan.estimate import Estimate
+from disttrain.plan.layout import Layout
+from disttrain.plan.search import describe
+
+GIB = 2 ** 30
+
+
+def _row(label: str, nbytes: float) -> str:
+    return f"  {label:<28}{nbytes:>18,.0f} B {nbytes / GIB:>10.2f} GiB"
+
+
+def memory_table(est: Estimate) -> list[str]:
+    m = est.memory.as_dict()
+    stage = f" (pipeline rank {est.memory.pp_rank}, the fullest)" if est.layout.pp > 1 else ""
+    lines = [f"Memory per GPU{stage}, {est.accounting} accounting:"]
+    labels = [("params", "parameters"), ("grads", "gradients"), ("optimizer", "optimizer states"),
+              ("activations", "activations (peak)"), ("buffers", "communication buffers")]
+    for key, label in labels:
+        lines.append(_row(label, m[key]))
+    lines.append("  " + "-" * 60)
+    lines.append(_row("total", m["total"]))
+    if m["cpu_offloaded"]:
+        lines.append(_row("host memory (CPU offload)", m["cpu_offloaded"]))
+    if est.layout.pp > 1:
+        lines.append("  by pipeline rank: " + ", ".join(
+            f"{s['pp_rank']}: {s['total'] / GIB:.2f} GiB ({s['in_flight']:.1f} micro-batches in flight)"
+            for s in est.memory.per_stage))
+    return lines
+
+
+def flops_lines(est: Estimate) -> list[str]:
+    return [f"FLOPs per token: {est.flops_per_token:.4g} model (6N + 12·L·H·Q·T), "
+            f"{est.hardware_flops_per_token:.4g} hardware (with recomputation)",
+            f"FLOPs per step: {est.flops_per_token * est.tokens_per_step:.4g} "
+            f"({est.tokens_per_step:,} tokens per step)"]
+
+
+def time_lines(est: Estimate, tokens: float | None = None, baseline_tokens_per_s_per_gpu: float | None = None) -> list[str]:
+    t = est.time
+    if t is None:
+        return []
+    lines = ["Step time:",
+             f"  compute {t.compute_s * 1e3:10.1f} ms   pipeline bubble {t.bubble_s * 1e3:8.1f} ms",
+             f"  tensor-parallel comm {t.tp_comm_s * 1e3:8.1f} ms   pipeline transfers {t.pp_comm_s * 1e3:8.1f} ms",
+             f"  data-parallel comm {t.dp_comm_s * 1e3:8.1f} ms, exposed {t.dp_exposed_s * 1e3:8.1f} ms",
+             f"  step {t.step_s:.3f} s -> {t.tokens_per_s:,.0f} tokens/s, {t.tokens_per_s_per_gpu:,.0f} per GPU, "
+             f"MFU {t.mfu:.1%} (HFU {t.hfu:.1%})"]
+    if baseline_tokens_per_s_per_gpu:
+        lines.append(f"  scaling efficiency vs the baseline: {t.tokens_per_s_per_gpu / baseline_tokens_per_s_per_gpu:.1%}")
+    if tokens:
+        lines.append(f"  {tokens:.3g} tokens: {tokens / t.tokens_per_s / 86400:.1f} days")
+    return lines
+
+
+def layout_line(layout: Layout) -> str:
+    return f"Layout: {describe(layout)} on {layout.world_size} GPU(s), global batch {layout.global_batch_size} x " \
+           f"{layout.seq_len} tokens"
+
+
+def winner_config(est: Estimate, tokens: float | None = None) -> dict:
+    """The chosen layout as a RunConfig dictionary (loads with `disttrain train`)."""
+    lay, shape = est.layout, est.shape
+    from disttrain.models.registry import MODEL_SHAPES
+
+    model: dict = {"name": est.model if est.model in MODEL_SHAPES else _nearest(shape)}
+    base = MODEL_SHAPES[model["name"]]
+    for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_hidden_dim"):
+        if getattr(shape, key) != getattr(base, key):
+            model[key] = getattr(shape, key)
+    if lay.seq_len > base.max_seq_len:
+        model["max_seq_len"] = lay.seq_len
+    steps = max(1, round(tokens / est.tokens_per_step)) if tokens else 1000
+    parallel = {"dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard, "tp": lay.tp, "pp": lay.pp,
+                "zero_stage": lay.zero_stage, "sequence_parallel": lay.sequence_parallel,
+                "activation_checkpointing": lay.activation_checkpointing, "cpu_offload": lay.cpu_offload}
+    if lay.pp > 1:
+        parallel.update(pp_schedule=lay.pp_schedule, pp_microbatches=lay.microbatches)
+    precision = ({"param_dtype": lay.param_dtype, "compute_dtype": lay.param_dtype, "reduce_dtype": lay.reduce_dtype}
+                 if lay.zero_stage >= 2 else {"param_dtype": "fp32", "compute_dtype": lay.param_dtype})
+    return {"model": model, "data": {"seq_len": lay.seq_len},
+            "train": {"steps": steps, "global_batch_size": lay.global_batch_size,
+                      "micro_batch_size": lay.micro_batch},
+            "parallel": parallel, "precision": precision}
+
+
+def _nearest(shape) -> str:
+    from disttrain.models.registry import MODEL_SHAPES
+
+    return min(MODEL_SHAPES, key=lambda k: abs(MODEL_SHAPES[k].num_params() - shape.num_params())
+               + 1e12 * (MODEL_SHAPES[k].dim != shape.dim))

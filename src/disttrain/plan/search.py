@@ -1,0 +1,166 @@
+"""Layout search: enumerate what the runtime can run, drop what does not fit, rank by tokens/s.
+
+Memory grows with the micro-batch size for every other choice fixed (in-flight activations are
+mb·min(p, R/mb) sequences and per-layer terms are linear in mb), so for each family the sizes are
+tried in increasing order and the first that does not fit ends that family. The brute-force test in
+tests/test_plan.py checks that this pruning never loses the winner.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Iterator
+
+from disttrain.models.registry import ModelShape
+from disttrain.plan.estimate import Estimate, estimate
+from disttrain.plan.layout import RECOMPUTE, SCHEDULES, Layout, layout_problems
+from disttrain.plan.timing import Cluster
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    seq_len: int
+    global_batch_size: int
+    zero_stages: tuple[int, ...] = (0, 1, 2, 3)
+    recompute: tuple[str, ...] = RECOMPUTE
+    schedules: tuple[str, ...] = SCHEDULES
+    max_micro_batch_size: int = 64
+    allow_offload: bool = False
+    param_dtype: str = "bf16"
+    virtual_stages: int = 2
+
+
+def layout_families(shape: ModelShape, cluster: Cluster, space: SearchSpace) -> Iterator[Layout]:
+    """Every valid layout except the micro-batch size (left at 1)."""
+    gpus, gpn = cluster.gpus, cluster.gpus_per_node
+    for tp in (d for d in divisors(min(gpn, gpus)) if gpus % d == 0):
+        for pp in divisors(gpus // tp):
+            dp = gpus // (tp * pp)
+            if space.global_batch_size % dp:
+                continue
+            schedules = space.schedules if pp > 1 else ("1f1b",)
+            for stage in space.zero_stages:
+                replicas = divisors(dp) if stage >= 2 else [1]
+                offloads = (False, True) if space.allow_offload and stage >= 2 else (False,)
+                if stage and dp == 1:  # sharding over one rank changes nothing, unless it offloads
+                    offloads = tuple(o for o in offloads if o)
+                for dr, schedule, sp, ac, offload in itertools.product(
+                        replicas, schedules, (False, True) if tp > 1 else (False,), space.recompute, offloads):
+                    layout = Layout(dp_replicate=dr, dp_shard=dp // dr, tp=tp, pp=pp, zero_stage=stage,
+                                    micro_batch_size=1, seq_len=space.seq_len,
+                                    global_batch_size=space.global_batch_size, pp_schedule=schedule,
+                                    virtual_stages=space.virtual_stages, sequence_parallel=sp,
+                                    activation_checkpointing=ac, param_dtype=space.param_dtype,
+                                    cpu_offload=offload)
+                    # Validity that does not depend on the micro-batch size:
+                    if any("micro_batch_size" not in p and "pp_microbatches" not in p
+                           for p in layout_problems(shape, layout)):
+                        continue
+                    yield layout
+
+
+def micro_batch_sizes(layout: Layout, space: SearchSpace) -> list[int]:
+    per_rank = layout.sequences_per_rank
+    return [b for b in divisors(per_rank) if b <= space.max_micro_batch_size]
+
+
+@dataclass
+class SearchResult:
+    ranked: list[Estimate]  # fitting layouts, fastest first
+    considered: int
+    fitting: int
+    budget_bytes: float
+    rejected_examples: list[str] = field(default_factory=list)
+
+
+def fits(est: Estimate, budget: float) -> bool:
+    return est.memory.total <= budget
+
+
+def search(shape: ModelShape, cluster: Cluster, space: SearchSpace, headroom: float = 0.1,
+           model: str = "custom") -> SearchResult:
+    budget = cluster.gpu.memory_bytes * (1 - headroom)
+    ranked, considered = [], 0
+    for family in layout_families(shape, cluster, space):
+        for mbs in micro_batch_sizes(family, space):
+            layout = family.with_(micro_batch_size=mbs)
+            if layout_problems(shape, layout):
+                continue
+            considered += 1
+            est = estimate(shape, layout, cluster, model=model)
+            if not fits(est, budget):
+                break  # larger micro-batches need more memory still
+            ranked.append(est)
+    ranked.sort(key=lambda e: (-e.time.tokens_per_s, e.memory.total))
+    return SearchResult(ranked, considered, len(ranked), budget)
+
+
+def brute_force(shape: ModelShape, cluster: Cluster, space: SearchSpace, headroom: float = 0.1) -> list[Estimate]:
+    """Every valid layout estimated, no pruning: the reference the search is tested against."""
+    budget = cluster.gpu.memory_bytes * (1 - headroom)
+    out = []
+    for family in layout_families(shape, cluster, space):
+        for mbs in micro_batch_sizes(family, space):
+            layout = family.with_(micro_batch_size=mbs)
+            if not layout_problems(shape, layout):
+                est = estimate(shape, layout, cluster)
+                if fits(est, budget):
+                    out.append(est)
+    out.sort(key=lambda e: (-e.time.tokens_per_s, e.memory.total))
+    return out
+
+
+def describe(layout: Layout) -> str:
+    parts = []
+    if layout.dp_replicate > 1:
+        parts.append(f"dp_replicate={layout.dp_replicate}")
+    parts.append(f"dp_shard={layout.dp_shard}" if layout.zero_stage >= 2 else f"dp={layout.dp}")
+    if layout.tp > 1:
+        parts.append(f"tp={layout.tp}" + ("+sp" if layout.sequence_parallel else ""))
+    if layout.pp > 1:
+        parts.append(f"pp={layout.pp} {layout.pp_schedule} m={layout.microbatches}")
+    parts.append(f"zero={layout.zero_stage}")
+    parts.append(f"mbs={layout.micro_batch}")
+    parts.append(f"ac={layout.activation_checkpointing}")
+    if layout.cpu_offload:
+        parts.append("offload")
+    return " ".join(parts)
+
+
+def why_winner(result: SearchResult) -> list[str]:
+    """Plain reasons: what the winner avoids that the runners-up pay for."""
+    if not result.ranked:
+        return []
+    win = result.ranked[0]
+    wt = win.time
+    lines = [f"{result.considered} layouts considered, {result.fitting} fit in "
+             f"{result.budget_bytes / 2**30:.1f} GiB per GPU; the winner needs {win.memory.total / 2**30:.1f} GiB."]
+    shown = 0
+    seen = {describe(win.layout)}
+    for other in result.ranked[1:]:
+        key = describe(other.layout)
+        if key in seen:
+            continue
+        seen.add(key)
+        ot = other.time
+        diffs = {"exposed data-parallel communication": ot.dp_exposed_s - wt.dp_exposed_s,
+                 "tensor-parallel communication": ot.tp_comm_s - wt.tp_comm_s,
+                 "pipeline bubble": ot.bubble_s - wt.bubble_s,
+                 "pipeline transfers": ot.pp_comm_s - wt.pp_comm_s,
+                 "compute (recomputation, efficiency)": ot.compute_s - wt.compute_s}
+        cause, delta = max(diffs.items(), key=lambda kv: kv[1])
+        gain = wt.tokens_per_s / ot.tokens_per_s - 1
+        if delta * 1e3 < 0.5:
+            saved = (other.memory.total - win.memory.total) / 2**30
+            lines.append(f"as fast as [{key}] but needs {saved:.1f} GiB less per GPU.")
+        else:
+            lines.append(f"{gain:+.1%} over [{key}], which spends {delta * 1e3:.0f} ms more per step on {cause}.")
+        shown += 1
+        if shown == 3:
+            break
+    return lines

@@ -1,0 +1,180 @@
+"""Step time from FLOPs, an α-β model of each collective, and the pipeline bubble.
+
+Ranks are laid out as the runtime's DeviceMesh does: (pp, dp_replicate, dp_shard, tp), tensor
+parallel innermost. A collective over a mesh dimension stays on NVLink when the ranks it spans
+fit in one node, else it runs at the network's per-GPU bandwidth (every GPU has its own NIC in
+the reference systems, so rings over nodes are limited by that NIC, not by NVLink).
+
+Collective costs (n ranks, M bytes of the full tensor, bandwidth B per GPU and direction,
+latency α per ring step), as NCCL's own performance notes define them:
+  all-reduce       2(n−1)·α + 2(n−1)/n · M/B
+  all-gather       (n−1)·α + (n−1)/n · M/B      (reduce-scatter the same)
+  send/recv        α + M/B
+Overlap follows what the runtime does: DDP and FSDP2 overlap gradient reduction with backward and
+FSDP2 prefetches the next unit's all-gather during compute; tensor-parallel collectives and
+pipeline transfers are counted as exposed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from disttrain.models.registry import ModelShape
+from disttrain.plan import flops as F
+from disttrain.plan.hardware import GPUSpec
+from disttrain.plan.layout import DTYPE_BYTES, Layout
+from disttrain.plan.memory import layer_params, rank_params
+
+DDP_BUCKET_BYTES = 25 * 2 ** 20
+PCIE_BYTES_PER_S = 25e9  # host<->GPU, PCIe Gen4/5 x16 as reached in practice
+
+
+@dataclass(frozen=True)
+class Cluster:
+    gpu: GPUSpec
+    gpus_per_node: int = 8
+    nodes: int = 1
+    intra_node_gbs: float | None = None  # per GPU per direction; None: the GPU table's figure
+    inter_node_gbs: float | None = None
+    intra_latency_s: float = 5e-6
+    inter_latency_s: float = 15e-6
+    compute_efficiency: float = 0.5  # fraction of dense peak the matmuls reach
+    comm_efficiency: float = 0.8  # fraction of link bandwidth a collective reaches (NCCL bus bandwidth)
+
+    @property
+    def gpus(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+    def link(self, span: int) -> tuple[float, float]:
+        """(bytes/s, latency) for a collective whose ranks lie within `span` consecutive ranks."""
+        if span <= self.gpus_per_node:
+            gbs = self.intra_node_gbs if self.intra_node_gbs is not None else self.gpu.intra_node_gbs
+            return gbs * 1e9 * self.comm_efficiency, self.intra_latency_s
+        gbs = self.inter_node_gbs if self.inter_node_gbs is not None else self.gpu.inter_node_gbs
+        return gbs * 1e9 * self.comm_efficiency, self.inter_latency_s
+
+
+def all_reduce_s(n: int, nbytes: float, bandwidth: float, latency: float) -> float:
+    return 0.0 if n <= 1 else 2 * (n - 1) * latency + 2 * (n - 1) / n * nbytes / bandwidth
+
+
+def all_gather_s(n: int, nbytes: float, bandwidth: float, latency: float) -> float:
+    return 0.0 if n <= 1 else (n - 1) * latency + (n - 1) / n * nbytes / bandwidth
+
+
+reduce_scatter_s = all_gather_s
+
+
+def p2p_s(nbytes: float, bandwidth: float, latency: float) -> float:
+    return latency + nbytes / bandwidth
+
+
+def bubble_fraction(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1) -> float:
+    """Idle share of a pipeline step: (p−1)/(m+p−1) for GPipe and 1F1B; interleaving with v stages
+    per rank divides the bubble by v (Narayanan et al. 2021); zero-bubble schedules split backward
+    into input- and weight-gradient passes and fill about two thirds of the remaining bubble with
+    weight passes (Qi et al. 2023, ZB-H1), so (p−1)/3 units of bubble per v."""
+    if pp <= 1:
+        return 0.0
+    bubble = float(pp - 1)
+    if schedule == "interleaved_1f1b":
+        bubble /= virtual_stages
+    elif schedule == "zero_bubble":
+        bubble /= 3 * virtual_stages
+    return bubble / (microbatches + bubble)
+
+
+@dataclass
+class StepTime:
+    compute_s: float
+    bubble_s: float
+    tp_comm_s: float
+    pp_comm_s: float
+    dp_comm_s: float  # total time of the data-parallel collectives
+    dp_exposed_s: float  # the part not hidden behind compute
+    step_s: float
+    tokens_per_s: float
+    tokens_per_s_per_gpu: float
+    mfu: float
+    hfu: float
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def step_time(shape: ModelShape, layout: Layout, cluster: Cluster) -> StepTime:
+    gpu = cluster.gpu
+    dtype = layout.param_dtype if layout.param_dtype != "fp32" else "tf32"
+    peak = gpu.peak_flops(dtype)
+    s, mb, m = layout.seq_len, layout.micro_batch, layout.microbatches
+    tokens = layout.global_batch_size * s
+    world = layout.world_size
+    hw_per_token = F.hardware_flops_per_token(shape, s, layout.activation_checkpointing)
+    model_per_token = F.model_flops_per_token(shape, s)
+    compute = hw_per_token * tokens / world / (peak * cluster.compute_efficiency)
+    per_mb = compute / m  # one micro-batch through this rank's stage(s): forward + backward
+    recompute_share = F.recompute_flops_per_token(shape, s, layout.activation_checkpointing) / hw_per_token
+    fwd = per_mb * (1 - recompute_share) / 3
+    bwd = per_mb - fwd
+
+    bubble_frac = bubble_fraction(layout.pp_schedule, layout.pp, m, layout.stages_per_rank)
+    bubble = compute * bubble_frac / (1 - bubble_frac) if bubble_frac else 0.0
+
+    e = DTYPE_BYTES[layout.param_dtype]
+    # Tensor parallel: two all-reduces (or all-gather + reduce-scatter with SP, same bytes) per
+    # layer in forward, two in backward, two more per recomputed forward.
+    held = rank_params(shape, layout, 0)
+    tp_comm = 0.0
+    if layout.tp > 1:
+        bw, lat = cluster.link(layout.tp)
+        per_layer = 4 + (2 if layout.activation_checkpointing == "full" else 0)
+        tp_comm = m * held.layers * per_layer * all_reduce_s(layout.tp, e * mb * s * shape.dim, bw, lat)
+
+    pp_comm = 0.0
+    if layout.pp > 1:
+        bw, lat = cluster.link(world)
+        # activations forward and their gradients backward, per micro-batch and virtual stage
+        pp_comm = 2 * m * layout.stages_per_rank * p2p_s(e * mb * s * shape.dim / (layout.tp if layout.sequence_parallel else 1), bw, lat)
+
+    n_params = held.total
+    unit = layer_params(shape, layout.tp)
+    rb = DTYPE_BYTES[layout.reduce_dtype]
+    dp_comm, dp_exposed = 0.0, 0.0
+    if layout.dp > 1:
+        if layout.zero_stage <= 1:
+            bw, lat = cluster.link(layout.dp * layout.tp)
+            ar = all_reduce_s(layout.dp, rb * n_params, bw, lat)
+            dp_comm = ar
+            dp_exposed = max(ar - bwd, all_reduce_s(layout.dp, min(DDP_BUCKET_BYTES, rb * n_params), bw, lat))
+            if layout.zero_stage == 1:  # updated parameters broadcast from their owners after the step
+                ag = all_gather_s(layout.dp, 4 * n_params, bw, lat)
+                dp_comm += ag
+                dp_exposed += ag
+        else:
+            ds, dr = layout.dp_shard, layout.dp_replicate
+            bw, lat = cluster.link(ds * layout.tp)
+            gathers = 1 if layout.zero_stage == 2 else 2  # stage 3 gathers again for backward
+            ag = all_gather_s(ds, e * n_params, bw, lat)
+            first_unit = all_gather_s(ds, e * unit, bw, lat)
+            rs = reduce_scatter_s(ds, rb * n_params, bw, lat)
+            if dr > 1:
+                rbw, rlat = cluster.link(dr * ds * layout.tp)
+                rs += all_reduce_s(dr, rb * n_params / ds, rbw, rlat)
+            dp_comm = m * gathers * ag + rs
+            exposed_fwd = max(first_unit, ag - fwd)
+            exposed_bwd = max(first_unit, ag - bwd) if gathers == 2 else 0.0
+            dp_exposed = m * (exposed_fwd + exposed_bwd) + max(rs - bwd, reduce_scatter_s(ds, rb * unit, bw, lat))
+    if layout.cpu_offload:  # parameter shards up every micro-batch, gradient shards down, over PCIe
+        dp_exposed += (m * e + 4) * n_params / layout.dp_shard / PCIE_BYTES_PER_S
+
+    step = compute + bubble + tp_comm + pp_comm + dp_exposed
+    tps = tokens / step
+    per_gpu = tps / world
+    return StepTime(compute, bubble, tp_comm, pp_comm, dp_comm, dp_exposed, step, tps, per_gpu,
+                    F.mfu(model_per_token, per_gpu, peak), F.mfu(hw_per_token, per_gpu, peak))
+
+
+def single_gpu_tokens_per_s(shape: ModelShape, seq_len: int, cluster: Cluster, param_dtype: str = "bf16") -> float:
+    """The scaling baseline: one GPU with enough memory, no communication, no recomputation."""
+    dtype = param_dtype if param_dtype != "fp32" else "tf32"
+    return cluster.gpu.peak_flops(dtype) * cluster.compute_efficiency / F.model_flops_per_token(shape, seq_len)

@@ -1,0 +1,323 @@
+"""The planner against published numbers, against what the runtime really holds, and its search
+against brute force. Reference values are copied from the papers, with where they are printed."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import yaml
+
+from disttrain.config import load_config, validate_world
+from disttrain.models.registry import MODEL_SHAPES
+from disttrain.plan import flops as F
+from disttrain.plan.estimate import estimate, shape_for_params
+from disttrain.plan.hardware import GPUS, GPUSpec, find_gpu, match_device_name
+from disttrain.plan.layout import Layout, layout_problems, split_layers
+from disttrain.plan.memory import (korthikanti_in_flight_factor, korthikanti_layer_bytes, model_state_bytes,
+                                   stage_activation_bytes)
+from disttrain.plan.search import SearchSpace, brute_force, search
+from disttrain.plan.timing import Cluster, all_gather_s, all_reduce_s, bubble_fraction, step_time
+from helpers import REPO, run_cli
+
+# ---------------------------------------------------------------- ZeRO (Rajbhandari et al. 2020)
+
+# Table 1: per-device memory (GB) of model states with mixed-precision Adam (K = 12), by
+# data-parallel degree, for Pos / Pos+g / Pos+g+p. Columns: 7.5B, 128B and 1T models.
+ZERO_TABLE_1 = {
+    # Nd: ((7.5B: os, os+g, os+g+p), (128B: ...), (1T: ...))
+    1: ((120, 120, 120), (2048, 2048, 2048), (16000, 16000, 16000)),
+    4: ((52.5, 41.3, 30), (896, 704, 512), (7000, 5500, 4000)),
+    16: ((35.6, 21.6, 7.5), (608, 368, 128), (4750, 2875, 1000)),
+    64: ((31.4, 16.6, 1.88), (536, 284, 32), (4187, 2218, 250)),
+    256: ((30.4, 15.4, 0.47), (518, 263, 8), (4046, 2054, 62.5)),
+    1024: ((30.1, 15.1, 0.12), (513, 257, 2), (4011, 2013, 15.6)),
+}
+
+
+def _last_digit(printed: float) -> float:
+    text = repr(float(printed)).rstrip("0").rstrip(".")
+    return 10.0 ** -len(text.split(".")[1]) if "." in text else 1.0
+
+
+@pytest.mark.parametrize("nd", list(ZERO_TABLE_1))
+def test_zero_paper_table_1_cell_for_cell(nd):
+    for psi, row in zip((7.5e9, 128e9, 1e12), ZERO_TABLE_1[nd]):
+        for stage, printed in zip((1, 2, 3), row):
+            layout = Layout(dp_shard=nd, zero_stage=stage, param_dtype="fp16")
+            s = model_state_bytes(psi, layout, accounting="zero-paper")
+            gb = (s.params + s.grads + s.optimizer) / 1e9
+            # The table prints 3 significant figures, rounding some cells and truncating others:
+            # the prediction must lie within one unit of the last printed digit.
+            assert abs(gb - printed) < _last_digit(printed), (nd, psi, stage, gb, printed)
+
+
+def test_zero_paper_baseline_is_16_bytes_per_parameter_and_runtime_differs_as_documented():
+    psi = 7.5e9
+    base = model_state_bytes(psi, Layout(param_dtype="fp16"), "zero-paper")
+    assert (base.params, base.grads, base.optimizer) == (2 * psi, 2 * psi, 12 * psi)  # 2Ψ + 2Ψ + KΨ
+    # This runtime keeps fp32 parameters and gradients (no separate master copy): 4 + 4 + 8.
+    rt = model_state_bytes(psi, Layout(dp_shard=8, zero_stage=2, param_dtype="bf16"), "runtime")
+    assert (rt.params, rt.grads, rt.optimizer) == (4 * psi / 8, 4 * psi / 8, 8 * psi / 8)
+    offload = model_state_bytes(psi, Layout(dp_shard=8, zero_stage=3, cpu_offload=True), "runtime")
+    assert offload.params == offload.grads == offload.optimizer == 0 and offload.cpu == 16 * psi / 8
+
+
+# ---------------------------------------------------------------- Korthikanti et al. 2022
+
+
+def test_korthikanti_activation_formulas():
+    s, b, h, a, t = 2048, 1, 12288, 96, 8  # GPT-3 175B (their Table 3)
+    sbh = s * b * h
+    assert korthikanti_layer_bytes(s, b, h, a) == sbh * (34 + 5 * a * s / h)
+    assert korthikanti_layer_bytes(s, b, h, a, t) == pytest.approx(sbh * (10 + 24 / t + 5 * a * s / (h * t)))
+    assert korthikanti_layer_bytes(s, b, h, a, t, True) == pytest.approx(sbh * (34 / t + 5 * a * s / (h * t)))
+    assert korthikanti_layer_bytes(s, b, h, a, t, True, "selective") == pytest.approx(sbh * 34 / t)
+    assert korthikanti_layer_bytes(s, b, h, a, t, False, "selective") == pytest.approx(sbh * (10 + 24 / t))
+    assert korthikanti_layer_bytes(s, b, h, a, 1, False, "full") == 2 * sbh
+    # Section 5: selective recomputation saves 70% of activation memory for GPT-3 and 65% for MT-NLG.
+    for (h_, a_), saving in (((12288, 96), 0.70), ((20480, 128), 0.65)):
+        full = korthikanti_layer_bytes(s, b, h_, a_, t, True)
+        assert 1 - korthikanti_layer_bytes(s, b, h_, a_, t, True, "selective") / full == pytest.approx(saving, abs=0.005)
+
+
+def test_korthikanti_recomputation_flops_overheads():
+    # Section 6: selective recomputation costs 2.7% (GPT-3) and 1.6% (MT-NLG 530B) more FLOPs.
+    for layers, hidden, overhead in ((96, 12288, 0.027), (105, 20480, 0.016)):
+        model = F.korthikanti_hardware_flops_per_iteration(1, 2048, layers, hidden, 51200, "none")
+        sel = F.korthikanti_hardware_flops_per_iteration(1, 2048, layers, hidden, 51200, "selective")
+        assert sel / model - 1 == pytest.approx(overhead, abs=0.0006)
+
+
+def test_pipeline_in_flight_micro_batches():
+    assert korthikanti_in_flight_factor(1, 8, "1f1b") == 1
+    assert korthikanti_in_flight_factor(4, 16, "1f1b") == 4  # p in flight on the first stage
+    assert korthikanti_in_flight_factor(4, 16, "gpipe") == 16  # all m
+    assert korthikanti_in_flight_factor(4, 16, "interleaved_1f1b", 2) == pytest.approx(4 * (1 + 3 / 8))
+    assert korthikanti_in_flight_factor(4, 2, "1f1b") == 2  # never more than exist
+
+
+# ---------------------------------------------------------------- FLOPs (PaLM, Megatron 2021)
+
+
+def test_palm_540b_model_flops_utilisation():
+    # PaLM (Chowdhery et al. 2022), section 4.1 and appendix B: 540.35B parameters, L=118, H=48,
+    # Q=256, T=2048, 238.3K tokens/s on 6144 TPU v4 chips of 275 TFLOP/s -> MFU 46.2%.
+    per_token = 6 * 540.35e9 + 12 * 118 * 48 * 256 * 2048
+    assert F.mfu(per_token, 238.3e3 / 6144, 275e12) == pytest.approx(0.462, abs=0.0005)
+
+
+def test_model_flops_follow_palm_for_this_framework_models():
+    shape = MODEL_SHAPES["7b"]
+    n = shape.num_params() - shape.vocab_size * shape.dim  # the input embedding is a lookup
+    expected = 6 * n + 12 * shape.n_layers * shape.n_heads * shape.head_dim * 4096
+    assert F.model_flops_per_token(shape, 4096) == expected
+    tied = MODEL_SHAPES["1b"]  # tied: the shared matrix counts once, as the output projection
+    assert F.matmul_params(tied) == tied.num_params()
+    # Full recomputation redoes each block's forward: a third of the blocks' matmul FLOPs.
+    extra = F.hardware_flops_per_token(shape, 4096, "full") - F.model_flops_per_token(shape, 4096)
+    assert extra == pytest.approx(2 * F.block_params(shape) + 4 * shape.n_layers * shape.n_heads * shape.head_dim * 4096)
+
+
+@pytest.mark.parametrize("layers,hidden,billions", [(96, 12288, 174.6), (80, 12288, 145.6), (96, 16384, 310.1),
+                                                    (105, 20480, 529.6), (128, 25600, 1008.0)])
+def test_megatron_parameter_count_table_1(layers, hidden, billions):
+    # Narayanan et al. 2021, Table 1 (V = 51200, s = 2048).
+    assert F.megatron_params(layers, hidden, 51200, 2048) / 1e9 == pytest.approx(billions, abs=0.05)
+
+
+def test_megatron_training_time_estimates():
+    # Section 5.1: GPT-3 175B on 300B tokens, 1024 A100s at 140 TFLOP/s: about 34 days; the 1T model
+    # on 450B tokens, 3072 GPUs at 163 TFLOP/s: about 84 days (end-to-end time ≈ 8TP/nX).
+    assert F.training_days(300e9, 8 * 175e9, 1024, 140e12) == pytest.approx(34, abs=0.5)
+    assert F.training_days(450e9, 8 * 1e12, 3072, 163e12) == pytest.approx(84, abs=1)
+    # Eq. 3 with recomputation is ≈ 8·B·s·P (the approximation behind 8TP/nX).
+    b, s, l, h, v = 1536, 2048, 96, 12288, 51200
+    assert F.megatron_flops_per_iteration(b, s, l, h, v) / (8 * b * s * F.megatron_params(l, h, v, s)) == \
+        pytest.approx(1.0, abs=0.03)
+    assert F.megatron_flops_per_iteration(b, s, l, h, v, recompute=False) / \
+        F.megatron_flops_per_iteration(b, s, l, h, v) == pytest.approx(0.75, abs=0.01)
+
+
+# ---------------------------------------------------------------- hardware and communication
+
+
+def test_hardware_table_is_complete_and_sourced():
+    for key in ("a100-40g", "a100-80g", "h100", "h100-pcie", "h200", "b200", "l40s", "l4", "mi300x"):
+        gpu = GPUS[key]
+        assert set(gpu.peak_tflops) == {"bf16", "fp16", "tf32", "fp32"}
+        assert gpu.peak_tflops["bf16"] > gpu.peak_tflops["tf32"] > 0 and gpu.memory_gb > 0
+        assert gpu.source.startswith("https://") and gpu.intra_node_gbs > 0 and gpu.inter_node_gbs > 0
+    assert GPUS["a100-80g"].peak_tflops["bf16"] == 312 and GPUS["h100"].peak_tflops["bf16"] == 989.4
+    assert find_gpu("A100").name == "a100-40g"
+    assert match_device_name("NVIDIA H100 80GB HBM3").name == "h100"
+    assert match_device_name("NVIDIA A100-SXM4-80GB").name == "a100-80g"
+    with pytest.raises(KeyError):
+        find_gpu("tpu")
+
+
+def test_alpha_beta_collectives():
+    # Ring all-reduce moves 2(n−1)/n of the data, all-gather (n−1)/n (NCCL's bus-bandwidth factors).
+    assert all_reduce_s(8, 8e9, 1e9, 0.0) == pytest.approx(2 * 7 / 8 * 8)
+    assert all_gather_s(8, 8e9, 1e9, 0.0) == pytest.approx(7 / 8 * 8)
+    assert all_reduce_s(4, 0, 1e9, 1e-5) == pytest.approx(6e-5)
+    assert all_reduce_s(1, 1e9, 1e9, 1.0) == 0
+
+
+def test_bubble_fractions():
+    assert bubble_fraction("1f1b", 4, 8) == pytest.approx(3 / 11)  # (p−1)/(m+p−1)
+    assert bubble_fraction("gpipe", 4, 8) == pytest.approx(3 / 11)
+    assert bubble_fraction("interleaved_1f1b", 4, 8, 2) == pytest.approx(1.5 / 9.5)
+    assert bubble_fraction("zero_bubble", 4, 8, 2) < bubble_fraction("interleaved_1f1b", 4, 8, 2)
+    assert bubble_fraction("1f1b", 1, 8) == 0
+
+
+def test_collectives_are_placed_on_the_links_they_use():
+    """tp innermost: tp=8 on 8-GPU nodes stays on NVLink; data parallel over nodes pays the network."""
+    shape = MODEL_SHAPES["7b"]
+    cluster = Cluster(GPUS["h100"], gpus_per_node=8, nodes=2)
+    tp8 = step_time(shape, Layout(tp=8, dp_shard=2, zero_stage=0, global_batch_size=16, seq_len=4096), cluster)
+    slow_net = replace(cluster, inter_node_gbs=1.0)
+    tp8_slow = step_time(shape, Layout(tp=8, dp_shard=2, zero_stage=0, global_batch_size=16, seq_len=4096), slow_net)
+    assert tp8_slow.tp_comm_s == pytest.approx(tp8.tp_comm_s)  # unaffected by the network
+    assert tp8_slow.dp_comm_s > 10 * tp8.dp_comm_s
+
+
+# ---------------------------------------------------------------- against the runtime
+
+
+@pytest.mark.parametrize("model", ["debug", "tiny"])
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_activation_prediction_matches_saved_tensors(model, recompute):
+    """Predicted saved-activation bytes vs. what autograd holds (saved-tensor hooks + the selective
+    checkpoint cache), fp32 and bf16, on CPU (decomposed RMSNorm). The issue asks for 20%; the
+    per-tensor accounting makes it exact to a few bytes (the loss's scalar weight)."""
+    import torch
+
+    from disttrain.bench.activations import saved_activation_bytes
+
+    shape = MODEL_SHAPES[model]
+    for mb, seq, dtype in ((1, 64, "fp32"), (2, 128, "fp32"), (2, 96, "bf16")):
+        measured = saved_activation_bytes(shape, mb, seq, recompute, {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype])
+        layout = Layout(micro_batch_size=mb, global_batch_size=mb, seq_len=seq, activation_checkpointing=recompute,
+                        param_dtype=dtype)
+        predicted = stage_activation_bytes(shape, layout, 0, fused_norm=False).saved
+        assert predicted == pytest.approx(measured, rel=1e-3), (mb, seq, dtype)
+
+
+# The model-state comparison against allocations on 1, 2 and 4 ranks lives in tests/test_sharding.py
+# (test_model_state_bytes_match_the_planner), next to the runtime it measures.
+
+
+# ---------------------------------------------------------------- layouts and search
+
+
+def test_layout_rules():
+    shape = MODEL_SHAPES["tiny"]  # 8 heads, 4 kv heads, 4 layers
+    assert layout_problems(shape, Layout(tp=3, dp_shard=1, global_batch_size=3, micro_batch_size=1)) == [
+        "parallel.tp=3 does not divide model.n_heads=8", "parallel.tp=3 does not divide model.n_kv_heads=4",
+        "parallel.tp=3 does not divide model.vocab_size=256"]
+    assert "exceeds model.n_layers=4" in layout_problems(shape, Layout(pp=8))[0]
+    assert "must be a multiple of parallel.pp=2" in layout_problems(
+        shape, Layout(pp=2, pp_schedule="interleaved_1f1b", global_batch_size=3, micro_batch_size=1))[0]
+    assert "must be at least parallel.pp=4" in layout_problems(
+        shape, Layout(pp=4, global_batch_size=2, micro_batch_size=1))[0]
+    assert layout_problems(shape, Layout(pp=4, pp_schedule="gpipe", global_batch_size=2, micro_batch_size=1)) == []
+    assert split_layers(10, 4) == [2, 2, 3, 3]
+
+
+def test_tensor_and_pipeline_split_the_model_states():
+    shape = MODEL_SHAPES["7b"]
+    base = estimate(shape, Layout(seq_len=4096)).memory
+    tp = estimate(shape, Layout(tp=4, seq_len=4096)).memory
+    pp = estimate(shape, Layout(pp=4, seq_len=4096, global_batch_size=4)).memory
+    assert tp.params_per_rank == pytest.approx(base.params_per_rank / 4, rel=0.01)
+    assert pp.params_per_rank == pytest.approx(base.params_per_rank / 4, rel=0.05)
+    sp = estimate(shape, Layout(tp=4, seq_len=4096, sequence_parallel=True)).memory
+    assert sp.activations.saved < tp.activations.saved < base.activations.saved
+
+
+def _toy_cluster(memory_gb: float, gpus_per_node: int, nodes: int) -> Cluster:
+    gpu = GPUSpec("toy", "toy", {"bf16": 100, "fp16": 100, "tf32": 50, "fp32": 10}, memory_gb, 100, 10, "https://x")
+    return Cluster(gpu, gpus_per_node, nodes)
+
+
+@pytest.mark.parametrize("memory_gb,gpn,nodes", [(4.0, 4, 1), (2.0, 4, 2), (1.0, 2, 2)])
+def test_search_agrees_with_brute_force(memory_gb, gpn, nodes):
+    shape = MODEL_SHAPES["125m"]
+    cluster = _toy_cluster(memory_gb, gpn, nodes)
+    space = SearchSpace(seq_len=1024, global_batch_size=32)
+    result = search(shape, cluster, space, headroom=0.1)
+    reference = brute_force(shape, cluster, space, headroom=0.1)
+    assert reference, "the toy cluster must fit something"
+    assert result.ranked[0].layout == reference[0].layout
+    assert result.fitting == len(reference)
+    assert all(e.memory.total <= memory_gb * 1e9 * 0.9 for e in result.ranked)
+
+
+def test_search_drops_what_does_not_fit():
+    shape = MODEL_SHAPES["7b"]
+    space = SearchSpace(seq_len=4096, global_batch_size=64)
+    assert not search(shape, _toy_cluster(20, 1, 1), space).ranked  # 7B x 16 bytes on one 20 GB GPU
+    assert search(shape, Cluster(GPUS["a100-80g"], 8, 1), space).ranked
+
+
+def test_shape_for_params():
+    name, shape = shape_for_params(13e9)
+    assert name == "13b-shaped" and shape.num_params() == pytest.approx(13e9, rel=0.02)
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def test_estimate_json_has_stable_keys_and_matches_the_api():
+    proc = run_cli("estimate", "--model", "7b", "--gpus", "8", "--zero-stage", "3", "--seq-len", "4096",
+                   "--micro-batch-size", "2", "--activation-checkpointing", "full", "--json")
+    out = json.loads(proc.stdout)
+    assert set(out["bytes_per_rank"]) >= {"params", "grads", "optimizer", "activations", "buffers", "total"}
+    layout = Layout(dp_shard=8, zero_stage=3, seq_len=4096, micro_batch_size=2, global_batch_size=16,
+                    activation_checkpointing="full")
+    est = estimate(MODEL_SHAPES["7b"], layout)
+    assert out["params"] == MODEL_SHAPES["7b"].num_params()
+    assert out["bytes_per_rank"]["total"] == pytest.approx(est.memory.total)
+    assert out["flops_per_token"] == pytest.approx(F.model_flops_per_token(MODEL_SHAPES["7b"], 4096))
+    assert out["flops_per_step"] == pytest.approx(out["flops_per_token"] * 16 * 4096)
+
+
+def test_estimate_from_config_and_zero_paper_accounting():
+    proc = run_cli("estimate", str(REPO / "configs" / "fsdp.yaml"), "--accounting", "zero-paper", "--gpus", "2", "--json")
+    out = json.loads(proc.stdout)
+    cfg = load_config(REPO / "configs" / "fsdp.yaml")
+    assert out["model"] == cfg.model.name and out["layout"]["dp_shard"] == 2
+    assert out["accounting"] == "zero-paper"
+    text = run_cli("estimate", "--model", "13b", "--gpus", "32", "--zero-stage", "3", "--time", "--gpu", "a100-80g",
+                   "--tokens", "300e9").stdout
+    assert "Memory per GPU" in text and "tokens/s" in text and "days" in text
+
+
+def test_plan_writes_a_config_the_runtime_validates(tmp_path):
+    out = tmp_path / "winner.yaml"
+    proc = run_cli("plan", "--model", "7b", "--gpus", "16", "--gpu", "a100-80g", "--seq-len", "4096",
+                   "--global-batch-tokens", "1M", "--tokens", "100e9", "--out", str(out), "--json")
+    result = json.loads(proc.stdout)
+    assert result["winner"]["bytes_per_rank"]["total"] <= 80e9 * 0.9
+    cfg = load_config(out)
+    validate_world(cfg, 16)
+    assert cfg.train.global_batch_size * cfg.data.seq_len == 2 ** 20
+    winner = yaml.safe_load(out.read_text())
+    assert winner["parallel"]["zero_stage"] == result["winner"]["layout"]["zero_stage"]
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["estimate", "--model", "huge"], "--model=huge: unknown model (allowed: debug"),
+    (["estimate", "--model", "tiny", "--tp", "3", "--gpus", "3"], "parallel.tp=3 does not divide model.n_heads=8"),
+    (["estimate", "--model", "tiny", "--time", "--gpu", "tpu9"], "--gpu=tpu9: unknown GPU (allowed: a100-40g"),
+    (["plan", "--model", "70b", "--gpus", "1", "--gpu", "l4"], "no layout of 70b fits 1 x l4"),
+    (["plan", "--model", "tiny", "--gpus", "2", "--global-batch-tokens", "lots"], "--global-batch-tokens=lots"),
+])
+def test_planner_mistakes_are_one_line(args, expected, tmp_path):
+    proc = run_cli(*args, check=False, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("\n") == 1 and expected in proc.stderr and "Traceback" not in proc.stderr
+    assert not any(tmp_path.iterdir())
