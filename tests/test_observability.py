@@ -14,6 +14,7 @@ import math
 
 import pytest
 
+from disttrain.models.registry import MODEL_SHAPES
 from helpers import DEBUG_CONFIG, REPO, cli_env, events, losses, records, run_cli, train
 
 
@@ -74,7 +75,15 @@ def test_every_rank_serves_prometheus_metrics_during_a_run(tmp_path):
 def test_tensorboard_scalars_read_back(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    run = train(tmp_path / "run", "train.steps=6", "train.eval_every=3", "metrics.tensorboard=true")
+    run = train(tmp_path / "run", "train.steps=6", "train.eval_every=3", "metrics.tensorboard=true",
+                "metrics.peak_tflops=0.5")
+    # MFU: PaLM's 6N + 12·L·H·Q·T per token (N without the input embedding lookup) over the peak.
+    shape = MODEL_SHAPES["debug"]
+    per_token = 6 * (shape.num_params() - shape.vocab_size * shape.dim) + 12 * shape.n_layers * shape.dim * 64
+    steps = [r for r in records(run) if "event" not in r]
+    assert len(steps) == 6
+    for record in steps:
+        assert record["mfu"] == pytest_approx(per_token * record["tokens_per_sec"] / 0.5e12)
     acc = EventAccumulator(str(run / "tensorboard"))
     acc.Reload()
     tags = acc.Tags()["scalars"]

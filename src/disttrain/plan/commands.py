@@ -51,6 +51,8 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--intra-node-bw", type=float, default=None, help="GB/s per GPU and direction (NVLink)")
     g.add_argument("--inter-node-bw", type=float, default=None, help="GB/s per GPU and direction (network)")
     g.add_argument("--compute-efficiency", type=float, default=0.5, help="fraction of peak FLOP/s reached (0-1]")
+    g.add_argument("--overlap-efficiency", type=float, default=0.9,
+                   help="share of overlapped communication that is really hidden behind compute [0-1]")
     g.add_argument("--tokens", default=None, help="training tokens, for days to train (e.g. 300e9)")
 
 
@@ -122,8 +124,13 @@ def _cluster(args, gpus: int) -> Cluster:
         raise PlanError(f"--gpus={gpus} is not --gpus-per-node={per_node} x --nodes={nodes}")
     if not 0 < args.compute_efficiency <= 1:
         raise PlanError(f"--compute-efficiency={args.compute_efficiency}: must be in (0, 1]")
+    if not 0 <= args.overlap_efficiency <= 1:
+        raise PlanError(f"--overlap-efficiency={args.overlap_efficiency}: must be in [0, 1]")
+    for flag, value in (("--intra-node-bw", args.intra_node_bw), ("--inter-node-bw", args.inter_node_bw)):
+        if value is not None and value <= 0:
+            raise PlanError(f"{flag}={value}: must be positive (GB/s)")
     return Cluster(gpu, per_node, nodes, args.intra_node_bw, args.inter_node_bw,
-                   compute_efficiency=args.compute_efficiency)
+                   compute_efficiency=args.compute_efficiency, overlap_efficiency=args.overlap_efficiency)
 
 
 def _positive(flag: str, value) -> None:

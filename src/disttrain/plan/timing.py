@@ -11,8 +11,8 @@ latency α per ring step), as NCCL's own performance notes define them:
   all-gather       (n−1)·α + (n−1)/n · M/B      (reduce-scatter the same)
   send/recv        α + M/B
 Overlap follows what the runtime does: DDP and FSDP2 overlap gradient reduction with backward and
-FSDP2 prefetches the next unit's all-gather during compute; tensor-parallel collectives and
-pipeline transfers are counted as exposed.
+FSDP2 prefetches the next unit's all-gather during compute (minus `overlap_efficiency`, see
+`exposed`); tensor-parallel collectives and pipeline transfers are counted as exposed.
 """
 
 from __future__ import annotations
@@ -40,6 +40,9 @@ class Cluster:
     inter_latency_s: float = 15e-6
     compute_efficiency: float = 0.5  # fraction of dense peak the matmuls reach
     comm_efficiency: float = 0.8  # fraction of link bandwidth a collective reaches (NCCL bus bandwidth)
+    # Overlapped collectives still share SMs and memory bandwidth with compute: this fraction of
+    # their hidden time is treated as hidden, the rest still lengthens the step.
+    overlap_efficiency: float = 0.9
 
     @property
     def gpus(self) -> int:
@@ -67,6 +70,14 @@ reduce_scatter_s = all_gather_s
 
 def p2p_s(nbytes: float, bandwidth: float, latency: float) -> float:
     return latency + nbytes / bandwidth
+
+
+def exposed(comm: float, compute: float, overlap_efficiency: float, floor: float = 0.0) -> float:
+    """Communication time a step still pays when `comm` runs concurrently with `compute`: what does
+    not fit under it, plus the overlap's own cost, and at least `floor` (the part that cannot start
+    before compute ends, e.g. the last bucket)."""
+    hidden = min(comm, compute)
+    return max(comm - hidden + (1 - overlap_efficiency) * hidden, min(floor, comm))
 
 
 def bubble_fraction(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1) -> float:
@@ -145,7 +156,8 @@ def step_time(shape: ModelShape, layout: Layout, cluster: Cluster) -> StepTime:
             bw, lat = cluster.link(layout.dp * layout.tp)
             ar = all_reduce_s(layout.dp, rb * n_params, bw, lat)
             dp_comm = ar
-            dp_exposed = max(ar - bwd, all_reduce_s(layout.dp, min(DDP_BUCKET_BYTES, rb * n_params), bw, lat))
+            last_bucket = all_reduce_s(layout.dp, min(DDP_BUCKET_BYTES, rb * n_params), bw, lat)
+            dp_exposed = exposed(ar, bwd, cluster.overlap_efficiency, last_bucket)
             if layout.zero_stage == 1:  # updated parameters broadcast from their owners after the step
                 ag = all_gather_s(layout.dp, 4 * n_params, bw, lat)
                 dp_comm += ag
@@ -161,9 +173,10 @@ def step_time(shape: ModelShape, layout: Layout, cluster: Cluster) -> StepTime:
                 rbw, rlat = cluster.link(dr * ds * layout.tp)
                 rs += all_reduce_s(dr, rb * n_params / ds, rbw, rlat)
             dp_comm = m * gathers * ag + rs
-            exposed_fwd = max(first_unit, ag - fwd)
-            exposed_bwd = max(first_unit, ag - bwd) if gathers == 2 else 0.0
-            dp_exposed = m * (exposed_fwd + exposed_bwd) + max(rs - bwd, reduce_scatter_s(ds, rb * unit, bw, lat))
+            oe = cluster.overlap_efficiency
+            exposed_fwd = exposed(ag, fwd, oe, first_unit)
+            exposed_bwd = exposed(ag, bwd, oe, first_unit) if gathers == 2 else 0.0
+            dp_exposed = m * (exposed_fwd + exposed_bwd) + exposed(rs, bwd, oe, reduce_scatter_s(ds, rb * unit, bw, lat))
     if layout.cpu_offload:  # parameter shards up every micro-batch, gradient shards down, over PCIe
         dp_exposed += (m * e + 4) * n_params / layout.dp_shard / PCIE_BYTES_PER_S
 

@@ -36,7 +36,9 @@ from disttrain.observe.health import NonFiniteError, check_replicas_in_sync, str
 from disttrain.observe.metrics import MetricsLogger, peak_memory_bytes
 from disttrain.parallel.activation_checkpoint import apply_activation_checkpointing
 from disttrain.parallel.apply import apply_parallelism, gradient_sync_disabled
+from disttrain.observe.flops import peak_flops_per_device
 from disttrain.parallel.zero1 import build_zero1_optimizer
+from disttrain.plan.flops import model_flops_per_token
 from disttrain.train import deepspeed_engine
 from disttrain.train.faults import FaultInjector
 from disttrain.train.optim import build_optimizer, build_scheduler
@@ -95,6 +97,8 @@ class Trainer:
             except ValueError as exc:
                 raise ConfigError(f"model.init_from={cfg.model.init_from}: {exc}") from None
         self.num_params = count_params(self.base_model)
+        self.flops_per_token = model_flops_per_token(self.shape, cfg.data.seq_len)
+        self.peak_flops, self.peak_flops_source = peak_flops_per_device(cfg, self.device)
         if cfg.engine == "deepspeed":
             apply_activation_checkpointing(self.base_model, cfg.parallel.activation_checkpointing)
             self.optimizer = build_optimizer(self.base_model, cfg.optim)
@@ -293,8 +297,8 @@ class Trainer:
                   "grad_norm": float(grad_norm), "tokens_per_sec": tokens_per_sec,
                   "step_time_s": elapsed / window_steps, "data_time_s": data_time,
                   "tokens_seen": self.tokens_seen, "mem_peak_bytes": int(mem.item())}
-        if self.cfg.metrics.peak_tflops:
-            record["mfu"] = 6 * self.num_params * tokens_per_sec / (self.cfg.metrics.peak_tflops * 1e12 * self.rt.world_size)
+        if self.peak_flops:
+            record["mfu"] = self.flops_per_token * tokens_per_sec / (self.peak_flops * self.rt.world_size)
         if self.precision.scaler.is_enabled():
             record["loss_scale"] = float(self.precision.scaler.get_scale())
         record.update(straggler_stats(data_time + self.forward_seconds, self.device))
