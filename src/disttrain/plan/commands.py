@@ -250,10 +250,17 @@ def cmd_plan(args) -> None:
         return
     lines = [f"Model: {name}, {shape.num_params() / 1e9:.2f} B parameters; {args.gpus} x {cluster.gpu.description} "
              f"({cluster.nodes} node(s) x {cluster.gpus_per_node}); global batch {gbs} x {seq_len} tokens", "",
-             f"{'#':>2}  {'tokens/s/GPU':>12}  {'MFU':>6}  {'step s':>7}  {'GiB/GPU':>8}  layout"]
+             f"{'':>2}  {'':>12}  {'':>6}  {'step s =':>8} {'compute':>8} {'+bubble':>8} {'+comm':>7}  "
+             f"{'GiB/GPU =':>9} {'states':>7} {'+act':>6} {'+buf':>5}",
+             f"{'#':>2}  {'tokens/s/GPU':>12}  {'MFU':>6}  {'':>8} {'':>8} {'':>8} {'':>7}  {'':>9} {'':>7} {'':>6} "
+             f"{'':>5}  layout"]
     for i, e in enumerate(result.ranked[:args.top], 1):
-        lines.append(f"{i:>2}  {e.time.tokens_per_s_per_gpu:>12,.0f}  {e.time.mfu:>6.1%}  {e.time.step_s:>7.2f}  "
-                     f"{e.memory.total / 2**30:>8.1f}  {describe(e.layout)}")
+        t, m = e.time, e.memory
+        states = m.states.params + m.states.grads + m.states.optimizer
+        lines.append(f"{i:>2}  {t.tokens_per_s_per_gpu:>12,.0f}  {t.mfu:>6.1%}  {t.step_s:>8.2f} {t.compute_s:>8.2f} "
+                     f"{t.bubble_s:>8.2f} {t.tp_comm_s + t.pp_comm_s + t.dp_exposed_s:>7.2f}  {m.total / 2**30:>9.1f} "
+                     f"{states / 2**30:>7.1f} {m.activations.peak / 2**30:>6.1f} {m.buffers / 2**30:>5.1f}  "
+                     f"{describe(e.layout)}")
     lines += ["", "Winner: " + describe(win.layout), *("  " + r for r in why_winner(result)), ""]
     lines += report.memory_table(win) + [""] + report.time_lines(win, tokens, baseline)
     lines.append("  (scaling baseline: one GPU with enough memory, no communication, no recomputation)")
