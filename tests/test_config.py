@@ -60,8 +60,10 @@ MISTAKES = {
     "missing data path": (["data.source=/nonexistent/shards"], [], "data.source=/nonexistent/shards: no such directory"),
     "heads do not divide": (["model.n_kv_heads=3"], [], "model.n_kv_heads=3 does not divide model.n_heads=4"),
     "seq longer than model": (["data.seq_len=1024"], [], "data.seq_len=1024 exceeds model.max_seq_len=256"),
-    "not yet supported layout": (["parallel.tp=2"], ["--nproc-per-node", "2"],
-                                 "parallel.tp=2 is not supported by `disttrain train` in this version yet"),
+    "tensor parallel under DDP": (["parallel.tp=2", "model.n_layers=2"], ["--nproc-per-node", "4"],
+                                  "parallel.tp=2 with 2 data-parallel ranks needs parallel.zero_stage 2 or 3"),
+    "tensor parallel under DeepSpeed": (["engine=deepspeed", "parallel.tp=2"], [],
+                                        "tensor and pipeline parallelism need engine=torch"),
     "tp does not divide heads": (["parallel.tp=3"], [], "parallel.tp=3 does not divide model.n_heads=4"),
     "more stages than layers": (["parallel.pp=4"], [], "parallel.pp=4 x 1 stage(s) per rank = 4 stages exceeds "
                                                        "model.n_layers=2"),

@@ -11,7 +11,7 @@ import time
 PROCESS_START = time.time()  # before torch is imported: recovery benchmarks split start-up time
 from pathlib import Path
 
-from disttrain.config import ConfigError, check_runtime_support, load_config, validate_world
+from disttrain.config import ConfigError, load_config, validate_world
 
 EXIT_USAGE = 2
 EXIT_HEALTH = 3  # a health check (non-finite values, diverged replicas) stopped the run
@@ -53,10 +53,8 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> None:
             if str(opts.nnodes) != "1" and not opts.rdzv_endpoint:
                 raise ConfigError(f"--nnodes={opts.nnodes} needs --rdzv-endpoint HOST:PORT")
             validate_world(cfg, max_world_size(opts))
-            check_runtime_support(cfg)
             sys.exit(relaunch(opts, ["train", args.config, *overrides]))
         validate_world(cfg, env.world_size)
-        check_runtime_support(cfg)
     except ConfigError as exc:
         _fail(str(exc), quiet)
 

@@ -82,7 +82,8 @@ class ParallelConfig(_Section):
     tp: int = Field(1, gt=0)
     pp: int = Field(1, gt=0)
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"] = "1f1b"
-    pp_microbatches: int = Field(0, ge=0)
+    pp_microbatches: int = Field(0, ge=0, description="0: per-rank batch / train.micro_batch_size")
+    pp_layers: list[int] = Field(default_factory=list, description="layers per pipeline stage; []: balanced")
     zero_stage: int = Field(0, ge=0, le=3)
     sequence_parallel: bool = False
     cpu_offload: bool = False
@@ -292,6 +293,11 @@ def validate_semantics(cfg: RunConfig) -> None:
                               p.sequence_parallel, cfg.data.seq_len)
     if problems:
         raise ConfigError(problems[0])
+    if p.pp_layers:
+        stages = p.pp * (2 if p.pp_schedule in MULTI_STAGE_SCHEDULES else 1)
+        if len(p.pp_layers) != stages or sum(p.pp_layers) != shape.n_layers or min(p.pp_layers) < 1:
+            raise ConfigError(f"parallel.pp_layers={p.pp_layers}: needs {stages} positive counts (pp x stages per "
+                              f"rank for pp_schedule={p.pp_schedule}) adding up to model.n_layers={shape.n_layers}")
     if cfg.engine == "deepspeed":
         _check_deepspeed(cfg)
         if cfg.checkpoint.async_save:
@@ -331,6 +337,9 @@ def _check_deepspeed(cfg: RunConfig) -> None:
     from disttrain.train.deepspeed_engine import INSTALL_HINT
 
     p = cfg.parallel
+    if p.tp > 1 or p.pp > 1:
+        raise ConfigError(f"parallel.tp={p.tp}, parallel.pp={p.pp}: tensor and pipeline parallelism need engine=torch "
+                          "(allowed with engine=deepspeed: tp=1, pp=1)")
     if p.dp_replicate != 1:
         raise ConfigError(f"parallel.dp_replicate={p.dp_replicate} needs engine=torch (HSDP); DeepSpeed partitions "
                           "over the whole world (allowed with engine=deepspeed: 1)")
@@ -369,12 +378,3 @@ def validate_world(cfg: RunConfig, world_size: int) -> None:
     problems = layout_problems(resolve_shape(cfg.model), layout_from_config(cfg, world_size))
     if problems:
         raise ConfigError(problems[0])
-
-
-def check_runtime_support(cfg: RunConfig) -> None:
-    """Layouts the schema accepts (and the planner estimates) but this version cannot train yet."""
-    p = cfg.parallel
-    for key, value, default in (("tp", p.tp, 1), ("pp", p.pp, 1), ("sequence_parallel", p.sequence_parallel, False)):
-        if value != default:
-            raise ConfigError(f"parallel.{key}={_show(value)} is not supported by `disttrain train` in this version "
-                              f"yet (allowed: {_show(default)}); `disttrain estimate` and `plan` model it")

@@ -16,7 +16,10 @@ def generate(model: Transformer, prompt: list[int], max_new_tokens: int, tempera
     was_training = model.training
     model.eval()
     for _ in range(max_new_tokens):
-        logits = model(ids[:, -model.shape.max_seq_len:])[:, -1, :].float() / max(temperature, 1e-5)
+        out = model(ids[:, -model.shape.max_seq_len:])
+        if hasattr(out, "full_tensor"):  # vocabulary-sharded logits of a tensor-parallel model
+            out = out.full_tensor()
+        logits = out[:, -1, :].float() / max(temperature, 1e-5)
         if top_k:
             kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
             logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -41,7 +41,9 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
-        # Head counts come from the tensors, so a tensor-parallel shard sees its local heads.
+        # Head counts and length come from the tensors: a tensor-parallel shard sees its local heads,
+        # and under sequence parallelism only attention sees the whole sequence.
+        cos, sin = cos[:t], sin[:t]
         q = apply_rotary(self.wq(x).view(b, t, -1, self.head_dim), cos, sin)
         k = apply_rotary(self.wk(x).view(b, t, -1, self.head_dim), cos, sin)
         v = self.wv(x).view(b, t, -1, self.head_dim)
@@ -104,10 +106,8 @@ class Transformer(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens (batch, seq) int64 -> logits (batch, seq, vocab); on a middle pipeline stage, hidden states."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        seq = h.shape[1]
-        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
         for block in self.layers.values():
-            h = block(h, cos, sin)
+            h = block(h, self.rope_cos, self.rope_sin)
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h

@@ -1,6 +1,5 @@
 """Compose the parallelisms onto a single-device model, always in the same order:
 pipeline split -> tensor parallel -> activation checkpointing -> compile -> FSDP/DDP.
-Pipeline and tensor parallel are refused by config validation in this version.
 """
 
 from __future__ import annotations
@@ -24,6 +23,10 @@ def apply_compile(model: nn.Module) -> None:
 
 def apply_parallelism(model: nn.Module, cfg, dims: ParallelDims, meshes: Meshes, device: torch.device) -> nn.Module:
     parallel = cfg.parallel
+    if dims.tp > 1:
+        from disttrain.parallel.tensor import apply_tensor_parallel
+
+        apply_tensor_parallel(model, meshes.world["tp"], parallel.sequence_parallel)
     apply_activation_checkpointing(model, parallel.activation_checkpointing)
     if parallel.compile:
         apply_compile(model)

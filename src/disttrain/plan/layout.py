@@ -124,6 +124,11 @@ def layout_problems(shape: ModelShape, layout: Layout) -> list[str]:
     elif layout.sequences_per_rank % layout.micro_batch_size:
         problems.append(f"train.micro_batch_size={layout.micro_batch_size} does not divide the per-rank batch "
                         f"{layout.sequences_per_rank}")
+    if (layout.tp > 1 or layout.pp > 1) and layout.dp > 1 and layout.zero_stage < 2:
+        key = f"parallel.tp={layout.tp}" if layout.tp > 1 else f"parallel.pp={layout.pp}"
+        problems.append(f"{key} with {layout.dp} data-parallel ranks needs parallel.zero_stage 2 or 3, not "
+                        f"{layout.zero_stage} (FSDP2 composes with tensor and pipeline parallelism on the mesh; "
+                        "DDP and ZeRO-1 take neither DTensor parameters nor a schedule's many backward passes)")
     if layout.cpu_offload and layout.zero_stage < 2:
         problems.append("parallel.cpu_offload=true needs parallel.zero_stage 2 or 3")
     if layout.activation_checkpointing not in RECOMPUTE:

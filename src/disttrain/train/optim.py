@@ -6,7 +6,9 @@ import math
 from functools import partial
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 
 def build_optimizer(model: nn.Module, optim_cfg) -> torch.optim.Optimizer:
@@ -34,3 +36,35 @@ def build_scheduler(optimizer: torch.optim.Optimizer, optim_cfg, total_steps: in
     fn = partial(lr_factor, warmup=optim_cfg.warmup_steps, total=total_steps, schedule=optim_cfg.schedule,
                  min_ratio=optim_cfg.min_lr / optim_cfg.lr)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)
+
+
+def _grad_groups(params) -> dict:
+    """Gradients grouped so that each group is all plain tensors or all DTensors of one mesh and
+    placement (foreach kernels and DTensor ops refuse mixtures)."""
+    groups: dict = {}
+    for p in params:
+        g = p.grad
+        if g is None:
+            continue
+        key = ("dtensor", id(g.device_mesh), tuple(g.placements)) if isinstance(g, DTensor) else ("plain", g.device)
+        groups.setdefault(key, []).append(p)
+    return groups
+
+
+def clip_grad_norm_global(params, max_norm: float, pp_group=None) -> torch.Tensor:
+    """Clip by the norm of *all* gradients of the model: over sharded (FSDP), tensor-parallel and
+    replicated parameters, and, with `pp_group`, over every pipeline stage. Returns that norm."""
+    groups = _grad_groups(list(params))
+    squares = []
+    for group in groups.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group], foreach=True)
+        if isinstance(norm, DTensor):  # a norm over shards: reduce to the full tensors' norm
+            norm = norm.full_tensor()
+        squares.append(norm.float() ** 2)
+    total_sq = torch.stack(squares).sum() if squares else torch.zeros(())
+    if pp_group is not None:
+        dist.all_reduce(total_sq, group=pp_group)
+    total = total_sq.sqrt()
+    for group in groups.values():
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=True)
+    return total

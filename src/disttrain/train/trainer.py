@@ -19,7 +19,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 
 from disttrain.checkpoint.manager import CheckpointManager
 from disttrain.checkpoint.compat import config_changes
@@ -37,11 +36,13 @@ from disttrain.observe.metrics import MetricsLogger, peak_memory_bytes
 from disttrain.parallel.activation_checkpoint import apply_activation_checkpointing
 from disttrain.parallel.apply import apply_parallelism, gradient_sync_disabled
 from disttrain.observe.flops import peak_flops_per_device
+from disttrain.parallel.pipeline import build_pipeline
+from disttrain.parallel.tensor import local_value, loss_context
 from disttrain.parallel.zero1 import build_zero1_optimizer
 from disttrain.plan.flops import model_flops_per_token
 from disttrain.train import deepspeed_engine
 from disttrain.train.faults import FaultInjector
-from disttrain.train.optim import build_optimizer, build_scheduler
+from disttrain.train.optim import build_optimizer, build_scheduler, clip_grad_norm_global
 from disttrain.train.precision import Precision
 from disttrain.train.resilience import EXIT_PREEMPTED, NullWatchdog, StepControl, Watchdog
 
@@ -99,6 +100,7 @@ class Trainer:
         self.num_params = count_params(self.base_model)
         self.flops_per_token = model_flops_per_token(self.shape, cfg.data.seq_len)
         self.peak_flops, self.peak_flops_source = peak_flops_per_device(cfg, self.device)
+        self.pipeline = None
         if cfg.engine == "deepspeed":
             apply_activation_checkpointing(self.base_model, cfg.parallel.activation_checkpointing)
             self.optimizer = build_optimizer(self.base_model, cfg.optim)
@@ -107,7 +109,15 @@ class Trainer:
                                                      rt.world_size, self.device.type == "cuda")
             self.precision = Precision("fp32", self.device)  # DeepSpeed casts and scales itself
         else:
-            self.model = apply_parallelism(self.base_model, cfg, self.dims, self.meshes, self.device)
+            if self.dims.pp > 1:
+                per_rank = t.global_batch_size // self.dp_size
+                self.pipeline = build_pipeline(
+                    self.base_model, cfg, self.dims, self.meshes, self.device,
+                    local_tokens=per_rank * cfg.data.seq_len,
+                    n_microbatches=cfg.parallel.pp_microbatches or per_rank // (t.micro_batch_size or per_rank))
+                self.model = self.pipeline.model
+            else:
+                self.model = apply_parallelism(self.base_model, cfg, self.dims, self.meshes, self.device)
             if cfg.parallel.zero_stage == 1:
                 self.optimizer = build_zero1_optimizer(self.model, cfg.optim, self.meshes.dp.get_group())
             else:
@@ -186,9 +196,14 @@ class Trainer:
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
 
     def _forward_loss_sum(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Under tensor parallelism the logits are vocabulary-sharded and the loss a replicated
+        DTensor; callers run this (and backward) inside `self.loss_context()`."""
         with self.precision.autocast():
             logits = self.model(inputs)
         return self._loss_sum(logits, targets)
+
+    def loss_context(self):
+        return loss_context(self.dims.tp > 1)
 
     def train_step(self, micro_batches) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (sum of this rank's token losses, global grad norm) as device tensors. The only host
@@ -200,20 +215,28 @@ class Trainer:
         scaler = self.precision.scaler
         last = len(micro_batches) - 1
         self.forward_seconds = 0.0
+        if self.pipeline is not None:  # the schedule splits the rank's batch into its micro-batches
+            x = torch.cat([x for x, _ in micro_batches]).to(self.device)
+            y = torch.cat([y for _, y in micro_batches]).to(self.device)
+            t0 = time.perf_counter()
+            self.faults.before_forward()
+            with self.precision.autocast(), self.loss_context():
+                loss_sum = self.faults.corrupt_loss(self.step + 1, self.pipeline.train_step(x, y))
+            self.forward_seconds = time.perf_counter() - t0
+            micro_batches = []
         for i, (x, y) in enumerate(micro_batches):
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-            with contextlib.nullcontext() if i == last else gradient_sync_disabled(self.model):
+            with contextlib.nullcontext() if i == last else gradient_sync_disabled(self.model), self.loss_context():
                 t0 = time.perf_counter()
                 self.faults.before_forward()
                 loss = self.faults.corrupt_loss(self.step + 1, self._forward_loss_sum(x, y))
                 self.forward_seconds += time.perf_counter() - t0
                 scaler.scale(loss / local_tokens).backward()
-            loss_sum += loss.detach()
+            loss_sum += local_value(loss.detach())
         scaler.unscale_(self.optimizer)
         clip = self.cfg.optim.grad_clip or float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip, foreach=True)
-        if isinstance(grad_norm, DTensor):  # sharded gradients: the norm is already reduced over shards
-            grad_norm = grad_norm.full_tensor()
+        grad_norm = clip_grad_norm_global(self.model.parameters(), clip,
+                                          self.pipeline.group if self.pipeline is not None else None)
         # One scalar to the host per step; fp16 leaves non-finite steps to the GradScaler.
         if not scaler.is_enabled() and not bool(torch.isfinite(grad_norm)):
             if self.cfg.metrics.nonfinite == "stop":
@@ -245,8 +268,16 @@ class Trainer:
         self.model.eval()
         total = torch.zeros((), device=self.device)
         for k in range(1, t.eval_batches + 1):
-            for x, y in loader.micro_batches(k):
-                total += self._forward_loss_sum(x.to(self.device), y.to(self.device))
+            batches = list(loader.micro_batches(k))
+            if self.pipeline is not None:
+                x = torch.cat([x for x, _ in batches]).to(self.device)
+                y = torch.cat([y for _, y in batches]).to(self.device)
+                with self.precision.autocast(), self.loss_context():
+                    total += self.pipeline.eval_loss_sum(x, y)
+                continue
+            for x, y in batches:
+                with self.loss_context():
+                    total += local_value(self._forward_loss_sum(x.to(self.device), y.to(self.device)))
         self.model.train()
         return self._global_mean(total, t.eval_batches * self.tokens_per_step)
 
@@ -386,6 +417,9 @@ class Trainer:
         """Every rank runs the same seeded generation (sharded layouts need all ranks in each
         forward); rank 0 reports it."""
         t = self.cfg.train
+        if self.pipeline is not None:
+            log.info("no sample: generation needs the whole model in one process and pp > 1 splits it")
+            return None
         prompt = self.tokenizer.encode_batch([t.sample_prompt])[0]
         ids = generate(self.base_model, prompt, t.sample_tokens, seed=t.seed, stop_id=self.tokenizer.eos_id)
         return self.tokenizer.decode(ids) if self.rt.is_main else None
