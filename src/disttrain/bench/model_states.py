@@ -30,6 +30,15 @@ def measure(rt: Runtime, stage: int, model: str, run_dir: str, overrides: tuple[
                              "train.micro_batch_size=1", f"parallel.zero_stage={stage}", f"run.dir={run_dir}",
                              f"run.name=stage{stage}", "checkpoint.resume=none", *overrides])
     trainer = Trainer(cfg, rt)
+    if trainer.dims.tp > 1 or trainer.dims.pp > 1:
+        # Model-parallel layouts run the trainer's own step (schedule, loss_parallel); its gradients
+        # are kept for measuring by skipping the step's zero_grad.
+        trainer.optimizer.zero_grad = lambda set_to_none=True: None
+        trainer.train_step(next(trainer.loader))
+        held = model_state_bytes(trainer.model, trainer.optimizer)
+        del trainer
+        gc.collect()
+        return {"stage": stage, "rank": rt.rank, "world": rt.world_size, "model": model, **held}
     x, y = next(trainer.loader)[0]
     logits = trainer.model(x)
     after_forward = model_state_bytes(trainer.model)["params"]

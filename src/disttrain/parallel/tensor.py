@@ -62,9 +62,23 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool) ->
         parallelize_module(model, tp_mesh, top)
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, block_plan(sequence_parallel))
+    if model.tok_embeddings is not None:
+        keep_grad_sharded(model.tok_embeddings.weight)
     if getattr(model.shape, "tie_embeddings", False) and model.output is not None and model.tok_embeddings is not None:
         # Both are vocabulary-sharded the same way (Shard(0) of a (vocab, dim) matrix): share again.
         model.output.weight = model.tok_embeddings.weight
+
+
+def keep_grad_sharded(param: nn.Parameter) -> None:
+    """DTensor's embedding backward returns a replicated (full-size) gradient for the
+    vocabulary-sharded table; slice it back to the parameter's placement as it is accumulated,
+    so each rank holds 1/tp of it (a local slice, no communication)."""
+    def hook(p: torch.Tensor) -> None:
+        g = p.grad
+        if isinstance(g, DTensor) and isinstance(p, DTensor) and g.placements != p.placements:
+            p.grad = g.redistribute(p.device_mesh, p.placements)
+
+    param.register_post_accumulate_grad_hook(hook)
 
 
 def loss_context(model_is_tensor_parallel: bool):

@@ -78,9 +78,17 @@ def add_parsers(sub) -> None:
     est.add_argument("--json", action="store_true")
     add_cluster_args(est)
 
-    plan = sub.add_parser("plan", help="search layouts for a model and cluster; write the fastest as a config")
+    plan = sub.add_parser("plan", help="search layouts for a model and cluster; write the fastest as a config "
+                                       "(or --show-schedule: a pipeline schedule as a time x stage table)")
     add_model_args(plan)
-    plan.add_argument("--gpus", type=int, required=True)
+    plan.add_argument("--gpus", type=int, default=None, help="GPUs to plan for (required unless --show-schedule)")
+    sched = plan.add_argument_group("pipeline schedule table (--show-schedule)")
+    sched.add_argument("--show-schedule", action="store_true")
+    sched.add_argument("--pp", type=int, default=4)
+    sched.add_argument("--microbatches", type=int, default=8)
+    sched.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
+    sched.add_argument("--virtual-stages", type=int, default=2, help="stages per rank (interleaved, zero-bubble)")
+    sched.add_argument("--run", default=None, help="a pipeline run directory: print its measured bubble beside")
     plan.add_argument("--global-batch-tokens", default=None,
                       help="tokens per optimizer step; K/M are powers of two (4M = 1024 x 4096; default 4M)")
     plan.add_argument("--global-batch-size", type=int, default=None, help="sequences per step instead")
@@ -210,7 +218,49 @@ def _global_batch(args, seq_len: int) -> int:
     return max(1, round(tokens / seq_len))
 
 
+def cmd_show_schedule(args) -> None:
+    from disttrain.plan.schedule import describe_schedule
+
+    for flag, value in (("--pp", args.pp), ("--microbatches", args.microbatches), ("--virtual-stages", args.virtual_stages)):
+        _positive(flag, value)
+    multi = args.schedule in ("interleaved_1f1b", "zero_bubble")
+    if multi and args.microbatches % args.pp:
+        raise PlanError(f"--microbatches={args.microbatches} must be a multiple of --pp={args.pp} for {args.schedule}")
+    if args.schedule != "gpipe" and args.microbatches < args.pp:
+        raise PlanError(f"--microbatches={args.microbatches} must be at least --pp={args.pp} for {args.schedule}")
+    d = describe_schedule(args.schedule, args.pp, args.microbatches, args.virtual_stages)
+    measured = _measured_bubble(args.run) if args.run else None
+    if args.json:
+        print(json.dumps({**d, "bubble_measured": measured}, indent=1))
+        return
+    chunks = f", {d['virtual_stages']} stages per rank (cell: micro-batch.chunk)" if multi else ""
+    print(f"{args.schedule}: pp={args.pp}, {args.microbatches} micro-batches{chunks}; F = 1 unit, "
+          f"B = 2 (zero-bubble: B = input gradient, W = weight gradient, 1 each)\n")
+    print(d["table"])
+    print(f"\nbubble: {d['bubble_theory']:.1%} theory, {d['bubble_simulated']:.1%} in this table"
+          + (f", {measured:.1%} measured in {args.run}" if measured is not None else ""))
+
+
+def _measured_bubble(run_dir: str) -> float:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise PlanError(f"--run={run_dir}: no metrics.jsonl there")
+    values = []
+    for line in path.read_text().splitlines():
+        record = json.loads(line)
+        if "pp_bubble" in record and record.get("step", 0) > 1:  # step 1 includes set-up
+            values.append(record["pp_bubble"])
+    if not values:
+        raise PlanError(f"--run={run_dir}: no pp_bubble records (not a pipeline run, or only one step)")
+    values.sort()
+    return values[len(values) // 2]
+
+
 def cmd_plan(args) -> None:
+    if args.show_schedule:
+        return cmd_show_schedule(args)
+    if args.gpus is None:
+        raise PlanError("--gpus is required (or use --show-schedule)")
     name, shape = _shape(args)
     _positive("--gpus", args.gpus)
     seq_len = args.seq_len or min(4096, shape.max_seq_len)

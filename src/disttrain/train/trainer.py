@@ -333,6 +333,10 @@ class Trainer:
         if self.precision.scaler.is_enabled():
             record["loss_scale"] = float(self.precision.scaler.get_scale())
         record.update(straggler_stats(data_time + self.forward_seconds, self.device))
+        if self.pipeline is not None:  # measured pipeline bubble, mean over ranks
+            bubble = torch.tensor([self.pipeline.take_bubble() or 0.0], dtype=torch.float64, device=self.device)
+            dist.all_reduce(bubble)
+            record["pp_bubble"] = float(bubble) / self.rt.world_size
         if self.skipped_steps:
             record["skipped_steps_total"] = len(self.skipped_steps)
         return record
