@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import assert_losses_close, assert_params_close, load_model_params, losses, train
+from helpers import assert_losses_close, assert_params_close, load_model_params, losses, records, train
 
 LR = 3e-3
 # 4 layers so that interleaved schedules get 2 stages per rank on 2 ranks; 4 micro-batches of 1.
@@ -39,6 +39,8 @@ def test_pipeline_schedules_equal_single_process(schedule, reference, tmp_path):
     run = train(tmp_path / "run", *COMMON, "parallel.pp=2", f"parallel.pp_schedule={schedule}",
                 "train.eval_every=10", nproc=2)
     _assert_parity(run, reference)
+    bubbles = [r["pp_bubble"] for r in records(run) if "event" not in r]
+    assert len(bubbles) == 20 and all(0 <= b < 1 for b in bubbles)
 
 
 def test_fsdp_with_tensor_parallel_on_four_ranks(reference, tmp_path):

@@ -321,3 +321,34 @@ def test_planner_mistakes_are_one_line(args, expected, tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.count("\n") == 1 and expected in proc.stderr and "Traceback" not in proc.stderr
     assert not any(tmp_path.iterdir())
+
+
+# ---------------------------------------------------------------- pipeline schedule tables
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"])
+@pytest.mark.parametrize("pp,m", [(2, 4), (4, 8), (4, 16), (8, 16)])
+def test_simulated_schedules_reach_the_closed_form_bubble(schedule, pp, m):
+    """The table is built from each rank's order of work and the data dependencies alone; its idle
+    share must equal the closed forms ((p−1)/(m+p−1), divided by v when interleaved)."""
+    from disttrain.plan.schedule import simulate
+
+    v = 2 if schedule in ("interleaved_1f1b", "zero_bubble") else 1
+    grid, simulated = simulate(schedule, pp, m, 2)
+    assert simulated == pytest.approx(bubble_fraction(schedule, pp, m, v), abs=1e-9)
+    work_per_rank = m * v * 3  # F = 1 unit, backward = 2 (B + W under zero-bubble)
+    for r in range(pp):
+        assert sum(row[r] != "-" for row in grid) == work_per_rank
+
+
+def test_show_schedule_prints_the_time_by_stage_table():
+    out = run_cli("plan", "--show-schedule", "--pp", "4", "--microbatches", "8", "--schedule", "1f1b").stdout
+    lines = out.splitlines()
+    start = lines.index(next(line for line in lines if line.startswith("Time")))
+    assert lines[start].split() == ["Time", "GPU0", "GPU1", "GPU2", "GPU3"]
+    assert lines[start + 1].split() == ["1", "F0", "-", "-", "-"]
+    assert lines[start + 2].split() == ["2", "F1", "F0", "-", "-"]
+    assert "bubble: 27.3% theory, 27.3% in this table" in out
+    proc = run_cli("plan", "--show-schedule", "--pp", "4", "--microbatches", "6", "--schedule", "interleaved_1f1b",
+                   check=False)
+    assert proc.returncode == 2 and "--microbatches=6 must be a multiple of --pp=4" in proc.stderr
