@@ -32,14 +32,22 @@ def _free_port_pair() -> int:
 
 
 def _scrape(port: int) -> dict:
+    """Sample name -> sample; labelled families (phase, collective, kind) also under (name, label value)."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
-    return {s.name: s for f in text_string_to_metric_families(text) for s in f.samples}
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[s.name] = s
+            for key in ("phase", "collective", "kind"):
+                if key in s.labels:
+                    out[(s.name, s.labels[key])] = s
+    return out
 
 
 def test_every_rank_serves_prometheus_metrics_during_a_run(tmp_path):
     port = _free_port_pair()
     cmd = [sys.executable, "-m", "disttrain", "train", str(DEBUG_CONFIG), f"run.dir={tmp_path}", "run.name=run",
-           "train.steps=100000", "metrics.log_every=5", f"metrics.prometheus_port={port}",
+           "train.steps=100000", "metrics.log_every=5", f"metrics.prometheus_port={port}", "metrics.comm_profile_every=5",
            "checkpoint.save_final=false", "distributed.timeout_s=60", "--nproc-per-node", "2"]
     proc = subprocess.Popen(cmd, cwd=REPO, env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
@@ -52,7 +60,7 @@ def test_every_rank_serves_prometheus_metrics_during_a_run(tmp_path):
                 except OSError:
                     continue
                 if samples.get("disttrain_steps_total") and samples["disttrain_steps_total"].value >= 10 \
-                        and "disttrain_tokens_per_second" in samples:
+                        and ("disttrain_collective_seconds", "all_reduce") in samples:
                     scraped[rank] = samples
             time.sleep(0.5)
         assert len(scraped) == 2, f"not both ranks served metrics: {sorted(scraped)}"
@@ -63,6 +71,14 @@ def test_every_rank_serves_prometheus_metrics_during_a_run(tmp_path):
             assert samples["disttrain_memory_peak_bytes"].value > 1e6
             assert samples["disttrain_step_seconds_count"].value >= 10  # the histogram saw every step
             assert samples["disttrain_step_seconds_sum"].value > 0
+            # per-rank step breakdown, communication per collective kind (profiled steps), memory
+            for phase in ("data", "forward", "backward", "comm_exposed", "optimizer"):
+                sample = samples[("disttrain_step_phase_seconds", phase)]
+                assert sample.labels == {"rank": str(rank), "phase": phase} and sample.value >= 0
+            assert samples[("disttrain_step_phase_seconds", "forward")].value > 0
+            assert samples[("disttrain_collective_seconds", "all_reduce")].value > 0
+            assert samples[("disttrain_memory_bytes", "rss")].value > 1e6
+            assert samples["disttrain_slowest_rank"].value in (0, 1)
     finally:
         proc.terminate()
         proc.wait(timeout=120)
@@ -134,3 +150,30 @@ def test_straggler_report_names_the_slow_rank(tmp_path):
     rows = [r for r in records(run) if "loss" in r and r["step"] != 2]
     assert len(rows) == 5
     assert all(r["slowest_rank"] == 1 and r["rank_compute_max_s"] >= 0.2 > r["rank_compute_min_s"] for r in rows)
+
+
+def test_step_breakdown_adds_up_to_the_step_time(tmp_path):
+    """data + forward + backward + exposed communication + optimizer, each measured on its own,
+    account for the wall time of the step (median over steps; what is left is the loop's own
+    bookkeeping). The exposed part is the wait for DDP's last all-reduce after backward compute."""
+    import statistics
+
+    run = train(tmp_path / "run", "model.name=tiny", "data.seq_len=128", "train.global_batch_size=8",
+                "train.micro_batch_size=2", "train.steps=8", "metrics.comm_profile_every=0", nproc=2)
+    steps = [r for r in records(run) if "event" not in r and r["step"] > 1]
+    parts = ("data", "forward", "backward", "comm_exposed", "optimizer")
+    ratios = []
+    for r in steps:
+        assert all(r[f"time_{p}_s"] >= 0 for p in parts) and r["time_forward_s"] > 0 and r["time_backward_s"] > 0
+        ratios.append(sum(r[f"time_{p}_s"] for p in parts) / r["step_time_s"])
+    assert 0.9 <= statistics.median(ratios) <= 1.0 + 1e-6, ratios
+
+
+def test_fp16_overflows_are_counted(tmp_path):
+    """fp16 autocast with dynamic loss scaling: an injected inf/NaN gradient is an overflow step
+    (the GradScaler skips it and lowers the scale); the count and the scale are logged."""
+    run = train(tmp_path / "run", "train.steps=5", "precision.compute_dtype=fp16",
+                env={"DISTTRAIN_FAULT": "nan:rank=0:step=3"})
+    steps = {r["step"]: r for r in records(run) if "event" not in r}
+    assert [steps[s]["fp16_overflows_total"] for s in range(1, 6)] == [0, 0, 1, 1, 1]
+    assert steps[3]["loss_scale"] < steps[2]["loss_scale"]

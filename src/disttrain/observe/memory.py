@@ -35,3 +35,20 @@ def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None 
         out["optimizer"] = sum(local_bytes(v) for s in optimizer_states(optimizer).values()
                                for v in s.values() if isinstance(v, torch.Tensor) and v.ndim > 0)
     return out
+
+
+def memory_stats(device: torch.device) -> dict[str, int]:
+    """This rank's memory now: CUDA allocated / reserved / peak allocated, or the process's resident
+    set size on CPU (from /proc; peak RSS is `mem_peak_bytes`)."""
+    if device.type == "cuda":
+        return {"mem_allocated_bytes": int(torch.cuda.memory_allocated(device)),
+                "mem_reserved_bytes": int(torch.cuda.memory_reserved(device)),
+                "mem_rank_peak_bytes": int(torch.cuda.max_memory_allocated(device))}
+    try:
+        with open("/proc/self/statm") as f:
+            pages = int(f.read().split()[1])
+        import os
+
+        return {"mem_rss_bytes": pages * os.sysconf("SC_PAGE_SIZE")}
+    except (OSError, ValueError, IndexError):
+        return {}

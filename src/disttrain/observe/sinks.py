@@ -48,6 +48,19 @@ class PrometheusSink:
         self.memory_peak = gauge("disttrain_memory_peak_bytes", "Peak memory, max over ranks")
         self.step = gauge("disttrain_step", "Last completed optimizer step")
         self.mfu = gauge("disttrain_mfu_ratio", "Model FLOPs utilisation (0-1), when peak FLOP/s is known")
+        self.phase_seconds = Gauge("disttrain_step_phase_seconds", "Mean seconds per step of each phase on this rank "
+                                   "(data, forward, backward, comm_exposed, optimizer)", ["rank", "phase"],
+                                   registry=self.registry)
+        self.comm_seconds = Gauge("disttrain_collective_seconds", "Seconds per step in each collective kind on this "
+                                  "rank (last profiled step)", ["rank", "collective"], registry=self.registry)
+        self.memory = Gauge("disttrain_memory_bytes", "This rank's memory: allocated/reserved/peak (CUDA) or rss (CPU)",
+                            ["rank", "kind"], registry=self.registry)
+        self.rank_compute = gauge("disttrain_rank_compute_seconds", "Slowest rank's per-step compute time")
+        self.slowest_rank = gauge("disttrain_slowest_rank", "Rank id with the longest compute time at the last log")
+        self.loss_scale = gauge("disttrain_loss_scale", "fp16 dynamic loss scale")
+        self.overflows = gauge("disttrain_fp16_overflow_steps", "fp16 steps skipped for inf/NaN gradients so far")
+        self.pp_bubble = gauge("disttrain_pipeline_bubble_ratio", "Measured idle share of the pipeline schedule")
+        self.rank = str(rank)
         self.steps = Counter("disttrain_steps", "Optimizer steps completed by this process", ["rank"],
                              registry=self.registry).labels(**labels)
         self.step_seconds = Histogram("disttrain_step_seconds", "Wall time of one optimizer step on this rank",
@@ -67,6 +80,18 @@ class PrometheusSink:
         self.memory_peak.set(record["mem_peak_bytes"])
         if "mfu" in record:
             self.mfu.set(record["mfu"])
+        for key, value in record.items():
+            if key.startswith("time_") and key.endswith("_s"):
+                self.phase_seconds.labels(rank=self.rank, phase=key[5:-2]).set(value)
+            elif key.startswith("comm_") and key.endswith("_s") and key != "comm_time_s":
+                self.comm_seconds.labels(rank=self.rank, collective=key[5:-2]).set(value)
+            elif key in ("mem_allocated_bytes", "mem_reserved_bytes", "mem_rank_peak_bytes", "mem_rss_bytes"):
+                self.memory.labels(rank=self.rank, kind=key[4:-6]).set(value)
+        optional = {"rank_compute_max_s": self.rank_compute, "slowest_rank": self.slowest_rank,
+                    "loss_scale": self.loss_scale, "fp16_overflows_total": self.overflows, "pp_bubble": self.pp_bubble}
+        for key, metric in optional.items():
+            if key in record:
+                metric.set(record[key])
 
     def close(self) -> None:
         self.server.shutdown()

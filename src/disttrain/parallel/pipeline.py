@@ -103,7 +103,8 @@ class Pipeline:
     group: object
     is_last: bool
     stage_modules: list[nn.Module] = field(default_factory=list)
-    busy_s: float = 0.0  # compute time inside the stages since the last `take_bubble`
+    forward_s: float = 0.0  # compute time inside the stages (forward, backward) since `take_bubble`
+    backward_s: float = 0.0
     step_s: float = 0.0  # wall time of the schedule over the same steps
 
     def __post_init__(self):
@@ -111,23 +112,23 @@ class Pipeline:
         # 1 - busy/step is the measured bubble plus exposed transfer time.
         for stage in self.stages:
             for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
-                setattr(stage, name, self._timed(getattr(stage, name)))
+                setattr(stage, name, self._timed(getattr(stage, name), "forward_s" if "forward" in name else "backward_s"))
 
-    def _timed(self, fn):
+    def _timed(self, fn, counter: str):
         def wrapper(*args, **kwargs):
             t0 = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.busy_s += time.perf_counter() - t0
+                setattr(self, counter, getattr(self, counter) + time.perf_counter() - t0)
         return wrapper
 
     def take_bubble(self) -> float | None:
         """This rank's idle share of schedule time since the last call (None before any step)."""
         if self.step_s <= 0:
             return None
-        bubble = max(0.0, 1.0 - self.busy_s / self.step_s)
-        self.busy_s = self.step_s = 0.0
+        bubble = max(0.0, 1.0 - (self.forward_s + self.backward_s) / self.step_s)
+        self.forward_s = self.backward_s = self.step_s = 0.0
         return bubble
 
     def _run(self, inputs: torch.Tensor, targets: torch.Tensor, train: bool) -> torch.Tensor:
@@ -139,9 +140,9 @@ class Pipeline:
             self.schedule.step(*args, target=target, losses=losses)
             self.step_s += time.perf_counter() - t0
         else:
-            busy = self.busy_s
+            busy = self.forward_s, self.backward_s
             self.schedule.eval(*args, target=target, losses=losses)
-            self.busy_s = busy  # evaluation is not training time
+            self.forward_s, self.backward_s = busy  # evaluation is not training time
         if losses:
             from disttrain.parallel.tensor import local_value
 

@@ -33,8 +33,10 @@ from disttrain.models.init import build_model, count_params
 from disttrain.models.registry import resolve_shape
 from disttrain.observe.health import NonFiniteError, check_replicas_in_sync, straggler_stats
 from disttrain.observe.metrics import MetricsLogger, peak_memory_bytes
+from disttrain.observe.memory import memory_stats
 from disttrain.parallel.activation_checkpoint import apply_activation_checkpointing
 from disttrain.parallel.apply import apply_parallelism, gradient_sync_disabled
+from disttrain.observe.breakdown import CommProfiler, StepBreakdown
 from disttrain.observe.flops import peak_flops_per_device
 from disttrain.parallel.pipeline import build_pipeline
 from disttrain.parallel.tensor import local_value, loss_context
@@ -133,6 +135,10 @@ class Trainer:
         self.faults = FaultInjector(rt.rank)
         self.forward_seconds = 0.0
         self.skipped_steps: list[int] = []
+        self.fp16_overflows = 0.0
+        self.breakdown = StepBreakdown(self.device)
+        self.breakdown.watch_embedding(self.base_model.tok_embeddings)
+        self.comm_profiler = CommProfiler(cfg.metrics.comm_profile_every, self.device)
         # Replicas hold identical parameters over the whole dp group (DDP, ZeRO-1), or over
         # dp_replicate only (HSDP: copies of the same shard); plain ZeRO-2/3 has none to compare.
         if cfg.engine == "deepspeed" or (cfg.parallel.zero_stage >= 2 and self.dims.dp_replicate == 1):
@@ -215,25 +221,52 @@ class Trainer:
         scaler = self.precision.scaler
         last = len(micro_batches) - 1
         self.forward_seconds = 0.0
+        bd = self.breakdown
         if self.pipeline is not None:  # the schedule splits the rank's batch into its micro-batches
             x = torch.cat([x for x, _ in micro_batches]).to(self.device)
             y = torch.cat([y for _, y in micro_batches]).to(self.device)
-            t0 = time.perf_counter()
+            pipe = self.pipeline
+            busy_f, busy_b, t0 = pipe.forward_s, pipe.backward_s, time.perf_counter()
             self.faults.before_forward()
             with self.precision.autocast(), self.loss_context():
-                loss_sum = self.faults.corrupt_loss(self.step + 1, self.pipeline.train_step(x, y))
-            self.forward_seconds = time.perf_counter() - t0
+                loss_sum = self.faults.corrupt_loss(self.step + 1, pipe.train_step(x, y))
+            self.forward_seconds = elapsed = time.perf_counter() - t0
+            forward, backward = pipe.forward_s - busy_f, pipe.backward_s - busy_b
+            # Host clocks: the schedule blocks on its transfers, so idle time here is bubble + transfers.
+            bd.add_seconds("forward", forward)
+            bd.add_seconds("backward", backward)
+            bd.add_seconds("comm_exposed", max(0.0, elapsed - forward - backward))
             micro_batches = []
         for i, (x, y) in enumerate(micro_batches):
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
             with contextlib.nullcontext() if i == last else gradient_sync_disabled(self.model), self.loss_context():
-                t0 = time.perf_counter()
+                t0, h0 = bd.now(), time.perf_counter()
                 self.faults.before_forward()
                 loss = self.faults.corrupt_loss(self.step + 1, self._forward_loss_sum(x, y))
-                self.forward_seconds += time.perf_counter() - t0
+                t1 = bd.now()
+                self.forward_seconds += time.perf_counter() - h0
                 scaler.scale(loss / local_tokens).backward()
+                t2 = bd.now()
+            compute_end = bd.take_compute_end()
+            bd.add("forward", t0, t1)
+            if i == last and compute_end is not None:  # what follows the last gradient is reduction wait
+                bd.add("backward", t1, compute_end)
+                bd.add("comm_exposed", compute_end, t2)
+            else:
+                bd.add("backward", t1, t2)
             loss_sum += local_value(loss.detach())
+        t_opt = bd.now()
+        try:
+            return self._optimizer_step(loss_sum)
+        finally:
+            bd.add("optimizer", t_opt, bd.now())
+
+    def _optimizer_step(self, loss_sum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scaler = self.precision.scaler
         scaler.unscale_(self.optimizer)
+        if scaler.is_enabled():  # overflow count stays on the device until a logging step reads it
+            found = sum(v.float() for v in scaler._found_inf_per_device(self.optimizer).values())
+            self.fp16_overflows = self.fp16_overflows + found
         clip = self.cfg.optim.grad_clip or float("inf")
         grad_norm = clip_grad_norm_global(self.model.parameters(), clip,
                                           self.pipeline.group if self.pipeline is not None else None)
@@ -332,6 +365,17 @@ class Trainer:
             record["mfu"] = self.flops_per_token * tokens_per_sec / (self.peak_flops * self.rt.world_size)
         if self.precision.scaler.is_enabled():
             record["loss_scale"] = float(self.precision.scaler.get_scale())
+            record["fp16_overflows_total"] = int(float(self.fp16_overflows))
+        breakdown = self.breakdown.collect(window_steps)
+        if self.pipeline is not None or not deepspeed_engine.is_engine(self.model):
+            record.update(breakdown)
+        else:
+            record["time_data_s"] = breakdown["time_data_s"]
+        comm = self.comm_profiler.take()
+        if comm:
+            record.update(comm)
+            record["comm_time_s"] = sum(comm.values())
+        record.update(memory_stats(self.device))
         record.update(straggler_stats(data_time + self.forward_seconds, self.device))
         if self.pipeline is not None:  # measured pipeline bubble, mean over ranks
             bubble = torch.tensor([self.pipeline.take_bubble() or 0.0], dtype=torch.float64, device=self.device)
@@ -360,10 +404,15 @@ class Trainer:
                 watchdog.enter(f"step {self.step + 1}: loading data")
                 micro_batches = next(self.loader)
                 data_time = time.perf_counter() - t_data
+                self.breakdown.add_seconds("data", data_time)
+                self.comm_profiler.start(self.step + 1)
                 lr = self.scheduler.get_last_lr()[0]  # the rate this step uses
                 # forward/backward hold the gradient collectives
                 watchdog.enter(f"step {self.step + 1}: forward/backward/optimizer", collective=True)
-                loss_sum, grad_norm = self.train_step(micro_batches)
+                try:
+                    loss_sum, grad_norm = self.train_step(micro_batches)
+                finally:
+                    self.comm_profiler.stop()
                 self.step += 1
                 self.tokens_seen += self.tokens_per_step
                 window_steps += 1
@@ -379,11 +428,12 @@ class Trainer:
                     check_replicas_in_sync(self.base_model, self.replica_group, self.step)
                 if log_every and (self.step % log_every == 0 or self.step == t.steps):
                     watchdog.enter(f"step {self.step}: metrics all-reduce", collective=True)
-                    record = self._step_record(loss_sum, grad_norm, lr, window_steps,
-                                               time.perf_counter() - window_t0, data_time)
+                    elapsed = time.perf_counter() - window_t0 - self.comm_profiler.take_overhead()
+                    record = self._step_record(loss_sum, grad_norm, lr, window_steps, elapsed, data_time)
                     final_loss = record["loss"]
                     metrics.log_step(record)
                     window_t0, window_steps = time.perf_counter(), 0
+                    self.comm_profiler.take_overhead()
                 if t.eval_every and self.step % t.eval_every == 0:
                     watchdog.enter(f"step {self.step}: evaluation", collective=True)
                     val = self.evaluate()

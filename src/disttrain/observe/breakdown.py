@@ -1,0 +1,155 @@
+"""Where a step's time goes, per rank.
+
+`StepBreakdown` splits each step into data wait, forward, backward, exposed communication and
+optimizer. On CPU it reads the clock at each boundary; on GPU it records CUDA events there and
+reads them only when a step is logged (one synchronisation per logging step, none per step).
+Exposed communication is the gradient reduction that backward compute did not hide: the time from
+the last backward computation (the gradient reaching the embedding output, marked by a tensor
+hook) to the end of `backward()`, which is where DDP and FSDP wait for their last all-reduce or
+reduce-scatter. Collectives inside forward and backward (FSDP all-gathers, tensor-parallel
+all-reduces) are part of those phases; `CommProfiler` reports their time per collective kind.
+
+`CommProfiler` profiles one step every `metrics.comm_profile_every` steps with `torch.profiler`
+and sums the collectives' own records (`gloo:all_reduce`, `nccl:all_gather`, ... from launch to
+completion; NCCL kernels' device time on GPU) by kind. Cost: the profiled step runs slower
+(measured in docs/benchmarks.md); the other steps pay nothing.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+PARTS = ("data", "forward", "backward", "comm_exposed", "optimizer")
+KINDS = {"all_reduce": "all_reduce", "allreduce": "all_reduce", "all_gather": "all_gather", "allgather": "all_gather",
+         "reduce_scatter": "reduce_scatter", "reducescatter": "reduce_scatter", "send": "send_recv",
+         "recv": "send_recv", "sendrecv": "send_recv", "broadcast": "broadcast", "alltoall": "all_to_all",
+         "all_to_all": "all_to_all", "barrier": "barrier", "reduce": "reduce", "gather": "gather", "scatter": "scatter"}
+
+
+class StepBreakdown:
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.totals = dict.fromkeys(PARTS, 0.0)
+        self.pending: list[tuple[str, object, object]] = []
+        self.compute_end = None
+
+    def now(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def add(self, part: str, start, end) -> None:
+        if self.cuda:
+            self.pending.append((part, start, end))
+        else:
+            self.totals[part] += end - start
+
+    def add_seconds(self, part: str, seconds: float) -> None:
+        """Host-measured time (data loading; pipeline schedules, which wait on transfers anyway)."""
+        self.totals[part] += seconds
+
+    def mark_compute_end(self) -> None:
+        self.compute_end = self.now()
+
+    def take_compute_end(self):
+        end, self.compute_end = self.compute_end, None
+        return end
+
+    def collect(self, steps: int) -> dict[str, float]:
+        """Mean seconds per step of each part since the last call, as `time_<part>_s`."""
+        if self.pending:
+            self.pending[-1][2].synchronize()
+            for part, start, end in self.pending:
+                self.totals[part] += start.elapsed_time(end) / 1000.0
+            self.pending.clear()
+        out = {f"time_{part}_s": value / max(steps, 1) for part, value in self.totals.items()}
+        self.totals = dict.fromkeys(PARTS, 0.0)
+        return out
+
+    def watch_embedding(self, embedding: torch.nn.Module | None) -> None:
+        """Mark the end of backward compute when the gradient reaches the embedding output."""
+        if embedding is None:
+            return
+
+        def forward_hook(module, inputs, output):
+            if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad:
+                output.register_hook(self._on_grad)
+
+        embedding.register_forward_hook(forward_hook)
+
+    def _on_grad(self, grad):
+        self.mark_compute_end()
+        return None
+
+
+def collective_kind(name: str) -> str | None:
+    """'gloo:all_reduce' -> 'all_reduce'; NCCL kernels ('ncclDevKernel_AllGather_...') -> 'all_gather'."""
+    lowered = name.lower()
+    if lowered.startswith(("gloo:", "nccl:", "mpi:", "ucc:")):
+        op = lowered.split(":", 1)[1]
+        return KINDS.get(op.replace("_base", "").replace("_coalesced", "").replace("_into_tensor", ""), op)
+    if lowered.startswith("nccl") and "kernel" in lowered:
+        core = lowered.split("_")[1] if "_" in lowered else lowered
+        return KINDS.get(core, core)
+    return None
+
+
+class CommProfiler:
+    """Profiles one step in `every` (0: never) and returns seconds per collective kind for it."""
+
+    def __init__(self, every: int, device: torch.device):
+        self.every = every
+        self.cuda = device.type == "cuda"
+        self.last: dict[str, float] = {}
+        self.active = None
+        self.overhead_s = 0.0  # starting the profiler and reading its events: not step time
+
+    def start(self, step: int) -> None:
+        if not self.every or step % self.every:
+            return
+        from torch.profiler import ProfilerActivity, profile
+
+        t0 = time.perf_counter()
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
+        self.active = profile(activities=activities)
+        self.active.__enter__()
+        self.overhead_s += time.perf_counter() - t0
+
+    def take_overhead(self) -> float:
+        spent, self.overhead_s = self.overhead_s, 0.0
+        return spent
+
+    def stop(self) -> None:
+        if self.active is None:
+            return
+        t0 = time.perf_counter()
+        try:
+            self._read()
+        finally:
+            self.overhead_s += time.perf_counter() - t0
+
+    def _read(self) -> None:
+        prof, self.active = self.active, None
+        prof.__exit__(None, None, None)
+        totals: dict[str, float] = {}
+        for event in prof.events():
+            kind = collective_kind(event.name)
+            if kind is None:
+                continue
+            device_us = getattr(event, "device_time_total", 0) or 0
+            is_kernel = event.name.lower().startswith("nccl") and "kernel" in event.name.lower()
+            seconds = (device_us if is_kernel else event.cpu_time_total) / 1e6
+            if self.cuda and not is_kernel and event.name.lower().startswith("nccl:"):
+                continue  # on GPU the kernels' device time is the communication; the CPU record is the launch
+            totals[kind] = totals.get(kind, 0.0) + seconds
+        self.last = totals
+
+    def take(self) -> dict[str, float]:
+        """`comm_<kind>_s` of the last profiled step (empty until one was profiled)."""
+        out = {f"comm_{k}_s": v for k, v in sorted(self.last.items())}
+        self.last = {}
+        return out
