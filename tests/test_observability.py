@@ -168,6 +168,19 @@ def test_step_breakdown_adds_up_to_the_step_time(tmp_path):
         ratios.append(sum(r[f"time_{p}_s"] for p in parts) / r["step_time_s"])
     assert 0.9 <= statistics.median(ratios) <= 1.0 + 1e-6, ratios
 
+    # The same run directory makes a report: every plot a DDP run can have, a page holding them,
+    # and a summary whose numbers come from metrics.jsonl.
+    proc = run_cli("report", str(run))
+    report = run / "report"
+    expected = {"loss.png", "throughput.png", "step_breakdown.png", "memory.png", "rank_step_time.png"}
+    assert expected <= {p.name for p in report.glob("*.png")}
+    assert all((report / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for name in expected)
+    page = (report / "index.html").read_text()
+    assert all(f'src="{name}"' in page for name in expected)
+    every = [r for r in records(run) if "event" not in r]
+    median_tps = statistics.median(r["tokens_per_sec"] for r in every)
+    assert f"tokens/s (median)" in proc.stdout and f"{median_tps:,.0f}" in proc.stdout
+
 
 def test_fp16_overflows_are_counted(tmp_path):
     """fp16 autocast with dynamic loss scaling: an injected inf/NaN gradient is an overflow step
@@ -177,3 +190,102 @@ def test_fp16_overflows_are_counted(tmp_path):
     steps = {r["step"]: r for r in records(run) if "event" not in r}
     assert [steps[s]["fp16_overflows_total"] for s in range(1, 6)] == [0, 0, 1, 1, 1]
     assert steps[3]["loss_scale"] < steps[2]["loss_scale"]
+
+
+FAKE_TRACKERS = {
+    # Stand-ins with the calls disttrain makes, recording them as JSON lines: the real packages are
+    # large optional installs; what is tested here is what disttrain sends and where (offline).
+    "mlflow": '''
+import json, os
+_log = os.environ["FAKE_TRACKER_LOG"]
+def _rec(*a, **k):
+    with open(_log, "a") as f:
+        f.write(json.dumps({"lib": "mlflow", "args": [str(x) for x in a], "kwargs": {k2: str(v) for k2, v in k.items()}}) + "\\n")
+def set_tracking_uri(uri): _rec("set_tracking_uri", uri)
+def set_experiment(name): _rec("set_experiment", name)
+def start_run(run_name=None): _rec("start_run", run_name=run_name)
+def log_params(p): _rec("log_params", len(p), **{k: v for k, v in p.items() if k.startswith("model.")})
+def log_metrics(m, step): _rec("log_metrics", step=step, loss=m.get("loss"))
+def log_metric(k, v, step): _rec("log_metric", k, step=step)
+def end_run(): _rec("end_run")
+''',
+    "wandb": '''
+import json, os
+_log = os.environ["FAKE_TRACKER_LOG"]
+def _rec(*a, **k):
+    with open(_log, "a") as f:
+        f.write(json.dumps({"lib": "wandb", "args": [str(x) for x in a], "kwargs": {k2: str(v) for k2, v in k.items()}}) + "\\n")
+class _Run:
+    def log(self, d, step): _rec("log", step=step, keys=sorted(d))
+    def finish(self): _rec("finish")
+def init(project, name, dir, mode, config):
+    _rec("init", project=project, name=name, dir=dir, mode=mode, model=config["model"]["name"])
+    return _Run()
+''',
+}
+
+
+def test_mlflow_and_wandb_trackers_log_offline(tmp_path):
+    import json as _json
+
+    fake = tmp_path / "fake_packages"
+    for name, source in FAKE_TRACKERS.items():
+        (fake / name).mkdir(parents=True)
+        (fake / name / "__init__.py").write_text(source)
+    log = tmp_path / "calls.jsonl"
+    env = {"PYTHONPATH": f"{fake}:{REPO / 'src'}", "FAKE_TRACKER_LOG": str(log)}
+    run = train(tmp_path / "run", "train.steps=4", "train.eval_every=2", "metrics.mlflow=true", "metrics.wandb=true",
+                env=env)
+    calls = [_json.loads(line) for line in log.read_text().splitlines()]
+    ml = [c for c in calls if c["lib"] == "mlflow"]
+    wb = [c for c in calls if c["lib"] == "wandb"]
+    assert ml[0]["args"] == ["set_tracking_uri", (run / "mlruns").resolve().as_uri()]  # a local file store
+    assert ml[2]["kwargs"] == {"run_name": "run"}
+    assert any(c["args"][0] == "log_params" and c["kwargs"].get("model.name") == "debug" for c in ml)
+    logged = {int(c["kwargs"]["step"]): float(c["kwargs"]["loss"]) for c in ml if c["args"][0] == "log_metrics"}
+    assert logged == pytest_approx_dict(losses(run))
+    assert [c["kwargs"]["step"] for c in ml if c["args"][:2] == ["log_metric", "eval_loss"]] == ["2", "4"]
+    assert ml[-1]["args"] == ["end_run"]
+    assert wb[0]["args"] == ["init"] and wb[0]["kwargs"]["mode"] == "offline" and wb[0]["kwargs"]["dir"] == str(run)
+    assert [c["kwargs"]["step"] for c in wb if c["args"] == ["log"] and "train/loss" in c["kwargs"]["keys"]] == \
+        ["1", "2", "3", "4"]
+    assert wb[-1]["args"] == ["finish"]
+
+
+def pytest_approx_dict(d):
+    import pytest
+
+    return {k: pytest.approx(v, rel=1e-9) for k, v in d.items()}
+
+
+def test_tracker_without_its_package_is_one_line(tmp_path):
+    proc = run_cli("train", str(DEBUG_CONFIG), f"run.dir={tmp_path}", "metrics.wandb=true", check=False,
+                   env={"PYTHONPATH": str(REPO / "src")})
+    if proc.returncode == 0:
+        raise AssertionError("wandb is installed in this environment; the refusal cannot be observed")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1
+    assert "metrics.wandb=true needs the wandb package" in proc.stderr
+
+
+def test_bench_scaling_table_and_plot(tmp_path):
+    """1 and 2 processes at a fixed per-rank batch: speedup and efficiency follow from the two runs'
+    own metrics (on 2 shared cores the value itself says little; docs/benchmarks.md)."""
+    import json as _json
+    import statistics
+
+    out = tmp_path / "scaling"
+    proc = run_cli("bench", "scaling", str(DEBUG_CONFIG), "--max-procs", "2", "--steps", "10", "--out", str(out),
+                   "--json")
+    rows = _json.loads(proc.stdout.strip().splitlines()[-1])
+    assert [r["procs"] for r in rows] == [1, 2]
+    tps, tokens_per_step = {}, {}
+    for n in (1, 2):
+        recs = [r for r in records(out / f"procs_{n}") if "event" not in r]
+        assert len(recs) == 10
+        tokens_per_step[n] = recs[0]["tokens_seen"]
+        tps[n] = statistics.median(r["tokens_per_sec"] for r in recs if r["step"] > 5)
+    assert tokens_per_step[2] == 2 * tokens_per_step[1]  # weak scaling: the per-rank batch is fixed
+    assert rows[1]["speedup"] == pytest.approx(tps[2] / tps[1])
+    assert rows[1]["efficiency"] == pytest.approx(tps[2] / tps[1] / 2)
+    assert (out / "scaling.png").read_bytes()[:4] == b"\x89PNG"
+    assert "efficiency" in proc.stdout

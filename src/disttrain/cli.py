@@ -1,4 +1,5 @@
-"""Command line: `disttrain train | estimate | plan | convert | config export-deepspeed | bench comm | prepare-data`. User mistakes print one line and exit 2."""
+"""Command line: `disttrain train | estimate | plan | report | convert | config export-deepspeed | bench comm|scaling |
+prepare-data`. User mistakes print one line and exit 2."""
 
 from __future__ import annotations
 
@@ -182,6 +183,37 @@ def cmd_bench_comm(args: argparse.Namespace) -> None:
               f"{rt.world_size} ranks, {rt.backend} on {rt.device.type}\n{comm.format_table(results)}")
 
 
+def cmd_report(args: argparse.Namespace) -> None:
+    from disttrain.observe.report import make_report
+
+    run_dir = Path(args.run_dir)
+    try:
+        index, pngs, rows = make_report(run_dir, Path(args.out) if args.out else None)
+    except (FileNotFoundError, ValueError) as exc:
+        _fail(str(exc))
+    width = max(len(k) for k, _ in rows)
+    print("\n".join(f"{k:<{width}}  {v}" for k, v in rows))
+    print(f"\nwrote {len(pngs)} plots and {index}")
+
+
+def cmd_bench_scaling(args: argparse.Namespace, overrides: list[str]) -> None:
+    from disttrain.bench import scaling
+
+    try:
+        cfg = load_config(args.config, overrides)
+        counts = scaling.process_counts(args.max_procs)
+        for n in counts:
+            validate_world(scaling.scaled_config(cfg, n), n)
+    except ConfigError as exc:
+        _fail(str(exc))
+    rows = scaling.run(args.config, overrides, cfg, counts, args.steps, Path(args.out) if args.out else None)
+    print(scaling.format_table(rows))
+    if args.json:
+        import json
+
+        print(json.dumps(rows))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="disttrain", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -216,6 +248,18 @@ def build_parser() -> argparse.ArgumentParser:
     bcomm.add_argument("--json", action="store_true", help="print JSON (rank 0) instead of a table")
     bcomm.add_argument("--nproc-per-node", default=None, help="self-launch N processes ('auto': GPUs, or 2 on CPU)")
 
+    bscale = bench_sub.add_parser("scaling", help="weak scaling: the config at 1, 2, 4, ... processes, fixed per-rank "
+                                                   "batch; tokens/s, speedup, efficiency, table + PNG")
+    bscale.add_argument("config", help="YAML config (key=value overrides after it)")
+    bscale.add_argument("--max-procs", type=int, default=2, help="largest process count (powers of two up to it)")
+    bscale.add_argument("--steps", type=int, default=30, help="steps per run (the first 5 are not timed)")
+    bscale.add_argument("--out", default=None, help="output folder (default: runs/scaling-<config name>)")
+    bscale.add_argument("--json", action="store_true")
+
+    rep = sub.add_parser("report", help="plots (PNG + one HTML page) and a summary of a run directory")
+    rep.add_argument("run_dir")
+    rep.add_argument("--out", default=None, help="output folder (default: RUN_DIR/report)")
+
     conv = sub.add_parser("convert", help="export a checkpoint as one torch/safetensors file or a HF Llama folder")
     conv.add_argument("checkpoint", help="a run directory (its newest committed checkpoint) or a step directory")
     conv.add_argument("--to", choices=["safetensors", "torch", "hf"], default="safetensors")
@@ -239,11 +283,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    if args.command in ("train", "config"):
+    if args.command in ("train", "config") or (args.command == "bench" and args.bench_command == "scaling"):
         bad = [e for e in extra if "=" not in e or e.startswith("-")]
         if bad:
             parser.error(f"unrecognized arguments: {' '.join(bad)}")
-        (cmd_train if args.command == "train" else cmd_config)(args, extra)
+        {"train": cmd_train, "config": cmd_config, "bench": cmd_bench_scaling}[args.command](args, extra)
     elif args.command in ("estimate", "plan"):
         if extra:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
@@ -253,7 +297,8 @@ def main(argv: list[str] | None = None) -> None:
     else:
         if extra:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
-        {"convert": cmd_convert, "bench": cmd_bench_comm, "prepare-data": cmd_prepare_data}[args.command](args)
+        {"convert": cmd_convert, "bench": cmd_bench_comm, "prepare-data": cmd_prepare_data,
+         "report": cmd_report}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -315,6 +315,13 @@ def validate_semantics(cfg: RunConfig) -> None:
     if p.zero_stage >= 2 and p.ddp_comm_hook != "none":
         raise ConfigError(f"parallel.ddp_comm_hook={p.ddp_comm_hook} applies to DDP (zero_stage 0 or 1), "
                           f"not zero_stage={p.zero_stage} (use precision.reduce_dtype)")
+    for key, package in (("mlflow", "mlflow"), ("wandb", "wandb")):
+        if getattr(cfg.metrics, key):
+            import importlib.util
+
+            if importlib.util.find_spec(package) is None:
+                raise ConfigError(f"metrics.{key}=true needs the {package} package, which is not installed "
+                                  f"(pip install {package}; allowed without it: false)")
     t = cfg.train
     if t.micro_batch_size and t.global_batch_size % t.micro_batch_size:
         raise ConfigError(f"train.global_batch_size={t.global_batch_size} is not a multiple of "

@@ -73,18 +73,25 @@ class ConsoleProgress:
 
 
 class MetricsLogger:
-    """One hub, several sinks: rank 0 writes the console, metrics.jsonl and TensorBoard; every rank
-    serves Prometheus. Every rank holds a logger, so callers need no rank checks."""
+    """One hub, several sinks: rank 0 writes the console, metrics.jsonl and the trackers
+    (TensorBoard, MLflow, Weights & Biases); every rank serves Prometheus. Every rank holds a
+    logger, so callers need no rank checks."""
 
-    def __init__(self, run_dir: Path, metrics_cfg, rank: int, local_rank: int, total_steps: int, start_step: int):
+    def __init__(self, run_dir: Path, metrics_cfg, rank: int, local_rank: int, total_steps: int, start_step: int,
+                 run_config: dict | None = None):
         self.enabled = rank == 0
         self.console = ConsoleProgress(total_steps, start_step, self.enabled)
         self._file = open(run_dir / "metrics.jsonl", "a", buffering=1) if self.enabled and metrics_cfg.jsonl else None
-        self.tensorboard = None
-        if self.enabled and metrics_cfg.tensorboard:
-            from disttrain.observe.sinks import TensorBoardSink
+        self.trackers: list = []  # rank 0: log_step(record), event(name, fields), close()
+        if self.enabled:
+            from disttrain.observe import sinks
 
-            self.tensorboard = TensorBoardSink(run_dir / "tensorboard")
+            if metrics_cfg.tensorboard:
+                self.trackers.append(sinks.TensorBoardSink(run_dir / "tensorboard"))
+            if metrics_cfg.mlflow:
+                self.trackers.append(sinks.MLflowSink(run_dir, run_config or {}))
+            if metrics_cfg.wandb:
+                self.trackers.append(sinks.WandbSink(run_dir, run_config or {}))
         self.prometheus = None
         if metrics_cfg.prometheus_port:
             from disttrain.observe.sinks import PrometheusSink
@@ -106,24 +113,24 @@ class MetricsLogger:
         if self.enabled:
             self._write(record)
             self.console.update(record)
-            if self.tensorboard is not None:
-                self.tensorboard.log_step(record)
+            for tracker in self.trackers:
+                tracker.log_step(record)
 
     def event(self, name: str, **fields) -> None:
         if self.enabled:
             self._write({"event": name, "time": time.time(), **fields})
-            if self.tensorboard is not None:
-                self.tensorboard.event(name, fields)
+            for tracker in self.trackers:
+                tracker.event(name, fields)
 
     def message(self, text: str) -> None:
         self.console.message(text)
 
     def close(self) -> None:
         self.console.close()
-        for sink in (self.tensorboard, self.prometheus):
+        for sink in [*self.trackers, self.prometheus]:
             if sink is not None:
                 sink.close()
-        self.tensorboard = self.prometheus = None
+        self.trackers, self.prometheus = [], None
         if self._file is not None:
             self._file.close()
             self._file = None

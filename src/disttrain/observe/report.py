@@ -8,7 +8,7 @@ import json
 import statistics
 from pathlib import Path
 
-BREAKDOWN = ("data", "forward", "backward", "optimizer", "other")
+from disttrain.observe.breakdown import PARTS as BREAKDOWN
 
 
 def load_records(run_dir: Path) -> tuple[list[dict], list[dict]]:
@@ -40,10 +40,11 @@ def summary(records: list[dict], events: list[dict]) -> list[tuple[str, str]]:
         last = records[-1]
         rows.append(("steps logged", f"{len(records)} (last step {last['step']})"))
         rows.append(("loss", f"{records[0].get('loss', float('nan')):.4f} -> {last.get('loss', float('nan')):.4f}"))
-    evals = [e for e in events if e.get("event") == "eval" and "loss" in e]
+    evals = [e for e in events if e.get("event") == "eval" and "val_loss" in e]
     if evals:
-        best = min(evals, key=lambda e: e["loss"])
-        rows.append(("validation loss", f"last {evals[-1]['loss']:.4f}, best {best['loss']:.4f} at step {best['step']}"))
+        best = min(evals, key=lambda e: e["val_loss"])
+        rows.append(("validation loss", f"last {evals[-1]['val_loss']:.4f}, best {best['val_loss']:.4f} "
+                                        f"at step {best['step']}"))
     for key, label, fmt in (("tokens_per_sec", "tokens/s (median)", "{:,.0f}"), ("mfu", "MFU (median)", "{:.1%}"),
                             ("step_time_s", "step time (median)", "{:.3f} s"), ("pp_bubble", "pipeline bubble (median)", "{:.1%}")):
         _, values = _series(records, key)
@@ -57,7 +58,7 @@ def summary(records: list[dict], events: list[dict]) -> list[tuple[str, str]]:
         total = sum(statistics.median(v) for v in parts.values())
         rows.append(("step breakdown (median)", ", ".join(
             f"{p} {statistics.median(v) / total:.0%}" for p, v in parts.items())))
-    comm = sorted({k for r in records for k in r if k.startswith("comm_") and k.endswith("_s")})
+    comm = sorted({k for r in records for k in r if k.startswith("comm_") and k.endswith("_s") and k != "comm_time_s"})
     if comm:
         rows.append(("communication (median per step)", ", ".join(
             f"{k[5:-2]} {statistics.median(_series(records, k)[1]) * 1e3:.1f} ms" for k in comm)))
@@ -96,9 +97,9 @@ def make_report(run_dir: Path, out_dir: Path | None = None) -> tuple[Path, list[
 
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(*_series(records, "loss"), label="train")
-    evals = [e for e in events if e.get("event") == "eval" and "loss" in e]
+    evals = [e for e in events if e.get("event") == "eval" and "val_loss" in e]
     if evals:
-        ax.plot([e["step"] for e in evals], [e["loss"] for e in evals], "o-", label="validation")
+        ax.plot([e["step"] for e in evals], [e["val_loss"] for e in evals], "o-", label="validation")
     ax.set(xlabel="step", ylabel="loss", title="Loss")
     ax.legend()
     save(fig, "loss.png")
@@ -119,7 +120,7 @@ def make_report(run_dir: Path, out_dir: Path | None = None) -> tuple[Path, list[
     if all(v[1] for v in parts.values()):
         fig, ax = plt.subplots(figsize=(7, 4))
         ax.stackplot(parts["data"][0], *[v[1] for v in parts.values()], labels=list(parts))
-        ax.set(xlabel="step", ylabel="seconds per step (rank 0)", title="Step breakdown")
+        ax.set(xlabel="step", ylabel="seconds per step", title="Step breakdown, rank 0")
         ax.legend(loc="upper right", fontsize="small")
         save(fig, "step_breakdown.png")
 
@@ -145,7 +146,10 @@ def make_report(run_dir: Path, out_dir: Path | None = None) -> tuple[Path, list[
     page = (f"<!doctype html><html><head><meta charset='utf-8'><title>disttrain report: {html.escape(run_dir.name)}"
             "</title><style>body{font-family:sans-serif;margin:2em}th{text-align:left;padding-right:1em}"
             "img{max-width:100%}figure{display:inline-block;margin:0.5em;width:46%}</style></head><body>"
-            f"<h1>{html.escape(str(run_dir))}</h1><table>{table}</table>{images}</body></html>")
+            f"<h1>{html.escape(str(run_dir))}</h1><table>{table}</table>{images}"
+            "<p>Step breakdown: comm_exposed is the gradient reduction still running after the last backward "
+            "computation; collectives inside forward and backward count in those phases and, per kind, in the "
+            "communication row (profiled steps).</p></body></html>")
     index = out / "index.html"
     index.write_text(page)
     return index, pngs, rows

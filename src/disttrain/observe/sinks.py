@@ -1,4 +1,5 @@
-"""Optional metric sinks: TensorBoard (rank 0) and Prometheus (every rank, on port + local_rank).
+"""Optional metric sinks: TensorBoard, MLflow and Weights & Biases (rank 0), Prometheus (every rank,
+on port + local_rank).
 
 Prometheus names follow its conventions: `disttrain_` prefix, base units (`_seconds`, `_bytes`),
 `_total` for counters, and a `rank` label so one dashboard shows every rank of the job.
@@ -26,6 +27,73 @@ class TensorBoardSink:
 
     def close(self) -> None:
         self.writer.close()
+
+
+def _numeric(record: dict) -> dict[str, float]:
+    return {k: float(v) for k, v in record.items()
+            if k not in ("step", "time") and isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def _flatten(d: dict, prefix: str = "") -> dict[str, str]:
+    out = {}
+    for key, value in d.items():
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = str(value)
+    return out
+
+
+class MLflowSink:
+    """MLflow tracking, offline by default: a file store in <run dir>/mlruns unless MLFLOW_TRACKING_URI
+    points at a server. The resolved config is logged as parameters."""
+
+    def __init__(self, run_dir: Path, run_config: dict):
+        import os
+
+        import mlflow
+
+        self.mlflow = mlflow
+        mlflow.set_tracking_uri(os.environ.get("MLFLOW_TRACKING_URI") or (run_dir / "mlruns").resolve().as_uri())
+        mlflow.set_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME", "disttrain"))
+        mlflow.start_run(run_name=run_dir.name)
+        params = _flatten(run_config)
+        keys = sorted(params)
+        for i in range(0, len(keys), 100):  # MLflow takes at most 100 parameters per call
+            mlflow.log_params({k: params[k][:500] for k in keys[i:i + 100]})
+
+    def log_step(self, record: dict) -> None:
+        self.mlflow.log_metrics(_numeric(record), step=int(record["step"]))
+
+    def event(self, name: str, fields: dict) -> None:
+        if name == "eval":
+            self.mlflow.log_metric("eval_loss", float(fields["val_loss"]), step=int(fields["step"]))
+
+    def close(self) -> None:
+        self.mlflow.end_run()
+
+
+class WandbSink:
+    """Weights & Biases, offline by default (WANDB_MODE=online to sync): files in <run dir>/wandb,
+    uploadable later with `wandb sync`."""
+
+    def __init__(self, run_dir: Path, run_config: dict):
+        import os
+
+        import wandb
+
+        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "disttrain"), name=run_dir.name,
+                              dir=str(run_dir), mode=os.environ.get("WANDB_MODE", "offline"), config=run_config)
+
+    def log_step(self, record: dict) -> None:
+        self.run.log({f"train/{k}": v for k, v in _numeric(record).items()}, step=int(record["step"]))
+
+    def event(self, name: str, fields: dict) -> None:
+        if name == "eval":
+            self.run.log({"eval/loss": float(fields["val_loss"])}, step=int(fields["step"]))
+
+    def close(self) -> None:
+        self.run.finish()
 
 
 class PrometheusSink:

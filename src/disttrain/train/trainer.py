@@ -388,7 +388,8 @@ class Trainer:
     def fit(self) -> TrainResult:
         cfg, t = self.cfg, self.cfg.train
         self.maybe_resume()
-        metrics = MetricsLogger(self.run_dir, cfg.metrics, self.rt.rank, self.rt.env.local_rank, t.steps, self.step)
+        metrics = MetricsLogger(self.run_dir, cfg.metrics, self.rt.rank, self.rt.env.local_rank, t.steps, self.step,
+                                run_config=cfg.model_dump(mode="json", by_alias=True))
         self._announce(metrics)
         control = StepControl(cfg.checkpoint.every_minutes, self.rt.rank)
         d = cfg.distributed
