@@ -13,9 +13,11 @@ import argparse
 from overhead import REPO, add_common_args, disttrain_command, interleaved, print_table, summarize, write_results
 
 VARIANTS = {
-    "sinks off": ["metrics.log_every=0", "metrics.jsonl=false", "metrics.sync_check_every=0"],
+    "sinks off": ["metrics.log_every=0", "metrics.jsonl=false", "metrics.sync_check_every=0",
+                  "metrics.comm_profile_every=0"],
     "all sinks on": ["metrics.log_every=1", "metrics.jsonl=true", "metrics.tensorboard=true",
-                     "metrics.prometheus_port=29650", "metrics.sync_check_every=10"],
+                     "metrics.prometheus_port=29650", "metrics.sync_check_every=10",
+                     "metrics.comm_profile_every=50"],
 }
 
 
