@@ -3,7 +3,7 @@ Prometheus on every rank, logging every step, replica check every 10 steps) and 
 (no logging steps, no jsonl, no sync check). 2 processes, start-up removed and interleaved as in
 overhead.py.
 
-    python benchmarks/metrics_overhead.py --reps 3
+    python benchmarks/metrics_overhead.py --reps 3 --short 10 --long 210
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ VARIANTS = {
                   "metrics.comm_profile_every=0"],
     "all sinks on": ["metrics.log_every=1", "metrics.jsonl=true", "metrics.tensorboard=true",
                      "metrics.prometheus_port=29650", "metrics.sync_check_every=10",
-                     "metrics.comm_profile_every=50"],
+                     "metrics.comm_profile_every=200"],  # the default: run with --long 210 to include one
 }
 
 

@@ -43,6 +43,12 @@ def test_pipeline_schedules_equal_single_process(schedule, reference, tmp_path):
     assert len(bubbles) == 20 and all(0 <= b < 1 for b in bubbles)
 
 
+def test_pipeline_with_a_hand_set_split(reference, tmp_path):
+    """parallel.pp_layers=[1,3]: an unbalanced split trains the same numbers."""
+    run = train(tmp_path / "run", *COMMON, "parallel.pp=2", "parallel.pp_layers=[1,3]", nproc=2)
+    _assert_parity(run, reference)
+
+
 def test_fsdp_with_tensor_parallel_on_four_ranks(reference, tmp_path):
     run = train(tmp_path / "run", *COMMON, "parallel.dp_shard=2", "parallel.tp=2", "parallel.zero_stage=3", nproc=4)
     _assert_parity(run, reference)

@@ -147,7 +147,7 @@ class MetricsConfig(_Section):
     prometheus_host: str = "127.0.0.1"
     peak_tflops: float = Field(0.0, ge=0)
     sync_check_every: int = Field(100, ge=0, description="compare data-parallel replicas every N steps (0: off)")
-    comm_profile_every: int = Field(50, ge=0, description="profile one step in N for communication per collective (0: off)")
+    comm_profile_every: int = Field(200, ge=0, description="profile one step in N for communication per collective (0: off)")
     mlflow: bool = False
     wandb: bool = False
     nonfinite: Literal["stop", "skip_step"] = "stop"

@@ -7,6 +7,7 @@ import json
 import math
 import re
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from disttrain.models.registry import MODEL_SHAPES, ModelShape
@@ -184,7 +185,7 @@ def build_layout(args) -> tuple[str, ModelShape, Layout]:
     if layout.cpu_offload and layout.zero_stage < 2:
         layout = layout.with_(zero_stage=3)
     if layout.seq_len > shape.max_seq_len:
-        shape = shape.__class__(**{**shape.__dict__, "max_seq_len": layout.seq_len})
+        shape = replace(shape, max_seq_len=layout.seq_len)
     problems = layout_problems(shape, layout)
     if problems:
         raise PlanError(problems[0])
@@ -265,7 +266,7 @@ def cmd_plan(args) -> None:
     _positive("--gpus", args.gpus)
     seq_len = args.seq_len or min(4096, shape.max_seq_len)
     if seq_len > shape.max_seq_len:
-        shape = shape.__class__(**{**shape.__dict__, "max_seq_len": seq_len})
+        shape = replace(shape, max_seq_len=seq_len)
     gbs = _global_batch(args, seq_len)
     if not 0 <= args.headroom < 1:
         raise PlanError(f"--headroom={args.headroom}: must be in [0, 1)")

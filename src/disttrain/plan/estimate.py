@@ -65,7 +65,7 @@ def shape_for_params(n_params: float) -> tuple[str, ModelShape]:
         raise ValueError(f"--params={n_params}: must be positive")
     name, base = min(((k, v) for k, v in MODEL_SHAPES.items() if k not in ("debug", "tiny")),
                      key=lambda kv: abs(kv[1].num_params() - n_params))
-    fixed = base.num_params() - base.n_layers * (base.num_params() - replace(base, n_layers=base.n_layers - 1).num_params())
     per_layer = base.num_params() - replace(base, n_layers=base.n_layers - 1).num_params()
+    fixed = base.num_params() - base.n_layers * per_layer  # embeddings, output, final norm
     layers = max(1, round((n_params - fixed) / per_layer))
     return f"{name}-shaped", replace(base, n_layers=layers)
