@@ -116,3 +116,18 @@ def test_per_rank_model_states_match_the_planner(override, layout, tmp_path):
         predicted = model_state_bytes(rank_params(shape, lay, pp_rank).total, lay, "runtime")
         for key in ("params", "grads", "optimizer"):
             assert row[key] == getattr(predicted, key), (row, key)
+
+
+def test_sampling_under_sequence_parallel_matches_one_process(tmp_path):
+    """Generation feeds prompts of any length; under sequence parallelism each forward is right-padded
+    to a multiple of tp (causal attention keeps the real positions exact): same text as one process."""
+    from helpers import DEBUG_CONFIG, run_cli
+
+    def sample(*extra, nproc=None):
+        out = run_cli("train", str(DEBUG_CONFIG), f"run.dir={tmp_path}", "train.steps=5", "train.sample_tokens=24",
+                      "model.n_layers=4", *extra, nproc=nproc).stdout
+        return [line for line in out.splitlines() if line.startswith("sample: ")]
+
+    single = sample("run.name=single")
+    assert len(single) == 1 and len(single[0]) > len("sample: ")
+    assert sample("run.name=tp_sp", "parallel.tp=2", "parallel.sequence_parallel=true", nproc=2) == single

@@ -9,17 +9,24 @@ from disttrain.models.llama import Transformer
 
 @torch.no_grad()
 def generate(model: Transformer, prompt: list[int], max_new_tokens: int, temperature: float = 0.8,
-             top_k: int = 40, seed: int = 0, stop_id: int | None = None) -> list[int]:
+             top_k: int = 40, seed: int = 0, stop_id: int | None = None, pad_multiple: int = 1) -> list[int]:
+    """`pad_multiple`: right-pad each forward's input to a multiple of this (a sequence-parallel
+    model splits the sequence evenly); causal attention keeps the real positions unaffected."""
     device = next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(seed)
     ids = torch.tensor([prompt], dtype=torch.long, device=device)
     was_training = model.training
     model.eval()
     for _ in range(max_new_tokens):
-        out = model(ids[:, -model.shape.max_seq_len:])
+        window = ids[:, -(model.shape.max_seq_len - pad_multiple + 1):]
+        n = window.shape[1]
+        pad = -n % pad_multiple
+        if pad:
+            window = torch.cat([window, window.new_zeros((1, pad))], dim=1)
+        out = model(window)
         if hasattr(out, "full_tensor"):  # vocabulary-sharded logits of a tensor-parallel model
             out = out.full_tensor()
-        logits = out[:, -1, :].float() / max(temperature, 1e-5)
+        logits = out[:, n - 1, :].float() / max(temperature, 1e-5)
         if top_k:
             kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
             logits = logits.masked_fill(logits < kth, float("-inf"))

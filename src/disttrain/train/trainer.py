@@ -476,5 +476,7 @@ class Trainer:
             log.info("no sample: generation needs the whole model in one process and pp > 1 splits it")
             return None
         prompt = self.tokenizer.encode_batch([t.sample_prompt])[0]
-        ids = generate(self.base_model, prompt, t.sample_tokens, seed=t.seed, stop_id=self.tokenizer.eos_id)
+        pad = self.dims.tp if self.cfg.parallel.sequence_parallel else 1
+        ids = generate(self.base_model, prompt, t.sample_tokens, seed=t.seed, stop_id=self.tokenizer.eos_id,
+                       pad_multiple=pad)
         return self.tokenizer.decode(ids) if self.rt.is_main else None
