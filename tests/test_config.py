@@ -62,6 +62,8 @@ MISTAKES = {
     "seq longer than model": (["data.seq_len=1024"], [], "data.seq_len=1024 exceeds model.max_seq_len=256"),
     "tensor parallel under DDP": (["parallel.tp=2", "model.n_layers=2"], ["--nproc-per-node", "4"],
                                   "parallel.tp=2 with 2 data-parallel ranks needs parallel.zero_stage 2 or 3"),
+    "fp16 under a pipeline": (["parallel.pp=2", "precision.compute_dtype=fp16"], [],
+                              "precision.compute_dtype=fp16 with parallel.pp=2"),
     "tensor parallel under DeepSpeed": (["engine=deepspeed", "parallel.tp=2"], [],
                                         "tensor and pipeline parallelism need engine=torch"),
     "tp does not divide heads": (["parallel.tp=3"], [], "parallel.tp=3 does not divide model.n_heads=4"),

@@ -296,6 +296,9 @@ def validate_semantics(cfg: RunConfig) -> None:
                               p.sequence_parallel, cfg.data.seq_len)
     if problems:
         raise ConfigError(problems[0])
+    if p.pp > 1 and cfg.precision.compute_dtype == "fp16":
+        raise ConfigError(f"precision.compute_dtype=fp16 with parallel.pp={p.pp}: dynamic loss scaling does not reach "
+                          "inside the pipeline schedule's backward passes (allowed with pp > 1: fp32, bf16)")
     if p.pp_layers:
         stages = p.pp * (2 if p.pp_schedule in MULTI_STAGE_SCHEDULES else 1)
         if len(p.pp_layers) != stages or sum(p.pp_layers) != shape.n_layers or min(p.pp_layers) < 1:

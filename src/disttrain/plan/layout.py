@@ -108,12 +108,13 @@ def layout_problems(shape: ModelShape, layout: Layout) -> list[str]:
                               layout.seq_len)
     if layout.pp > 1:
         m = layout.microbatches
+        what = (f"parallel.pp_microbatches={m}" if layout.pp_microbatches else
+                f"{m} pipeline micro-batches (per-rank batch {layout.sequences_per_rank} / train.micro_batch_size="
+                f"{layout.micro_batch_size}; set parallel.pp_microbatches)")
         if layout.pp_schedule in MULTI_STAGE_SCHEDULES and m % layout.pp:
-            problems.append(f"parallel.pp_microbatches={m} must be a multiple of parallel.pp={layout.pp} "
-                            f"for pp_schedule={layout.pp_schedule}")
+            problems.append(f"{what} must be a multiple of parallel.pp={layout.pp} for pp_schedule={layout.pp_schedule}")
         if layout.pp_schedule != "gpipe" and m < layout.pp:
-            problems.append(f"parallel.pp_microbatches={m} must be at least parallel.pp={layout.pp} "
-                            f"for pp_schedule={layout.pp_schedule}")
+            problems.append(f"{what} must be at least parallel.pp={layout.pp} for pp_schedule={layout.pp_schedule}")
     if layout.global_batch_size % layout.dp:
         problems.append(f"train.global_batch_size={layout.global_batch_size} is not divisible by the "
                         f"data-parallel size {layout.dp}")
