@@ -179,7 +179,7 @@ def test_step_breakdown_adds_up_to_the_step_time(tmp_path):
     assert all(f'src="{name}"' in page for name in expected)
     every = [r for r in records(run) if "event" not in r]
     median_tps = statistics.median(r["tokens_per_sec"] for r in every)
-    assert f"tokens/s (median)" in proc.stdout and f"{median_tps:,.0f}" in proc.stdout
+    assert "tokens/s (median)" in proc.stdout and f"{median_tps:,.0f}" in proc.stdout
 
 
 def test_fp16_overflows_are_counted(tmp_path):

@@ -16,7 +16,7 @@ built.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -102,7 +102,6 @@ class Pipeline:
     loss: PipelineLoss
     group: object
     is_last: bool
-    stage_modules: list[nn.Module] = field(default_factory=list)
     forward_s: float = 0.0  # compute time inside the stages (forward, backward) since `take_bubble`
     backward_s: float = 0.0
     step_s: float = 0.0  # wall time of the schedule over the same steps
@@ -201,4 +200,4 @@ def build_pipeline(model: nn.Module, cfg, dims, meshes, device: torch.device, lo
     loss = PipelineLoss(local_tokens)
     cls = SCHEDULES[parallel.pp_schedule]
     schedule = cls(stages if v > 1 else stages[0], n_microbatches=n_microbatches, loss_fn=loss, scale_grads=False)
-    return Pipeline(model, stages, schedule, loss, group, is_last=(n_stages - 1) in owned, stage_modules=modules)
+    return Pipeline(model, stages, schedule, loss, group, is_last=(n_stages - 1) in owned)

@@ -86,11 +86,6 @@ def loss_context(model_is_tensor_parallel: bool):
     return loss_parallel() if model_is_tensor_parallel else contextlib.nullcontext()
 
 
-def full_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Gathered logits where a caller needs all of them (sampling, evaluation helpers)."""
-    return logits.full_tensor() if isinstance(logits, DTensor) else logits
-
-
 def local_value(t: torch.Tensor) -> torch.Tensor:
     """A replicated DTensor result (e.g. a loss under loss_parallel) as a plain tensor."""
     return t.full_tensor() if isinstance(t, DTensor) else t
