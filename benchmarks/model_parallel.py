@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -19,6 +18,7 @@ from pathlib import Path
 
 from overhead import REPO, add_common_args, disttrain_command, interleaved, print_table, summarize, write_results
 
+from disttrain.bench.model_states import launch
 from disttrain.plan.timing import bubble_fraction
 
 VARIANTS = {
@@ -44,14 +44,7 @@ def bubble(schedule: str, microbatches: int, steps: int, run_dir: Path) -> float
 
 
 def param_bytes(overrides: list[str], run_dir: Path) -> list[int]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           "-m", "disttrain.bench.model_states", str(run_dir), "--stages", "0"]
-    for o in overrides:
-        cmd += ["--override", o]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=True,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
-    rows = sorted((json.loads(m) for m in re.findall(r"MEM (\{[^{}]*\})", proc.stdout)), key=lambda r: r["rank"])
-    return [r["params"] for r in rows]
+    return [r["params"] for r in launch(2, run_dir, stages=[0], overrides=overrides)]
 
 
 def main() -> None:

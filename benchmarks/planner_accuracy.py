@@ -9,15 +9,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import re
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
 
 from disttrain.bench.activations import saved_activation_bytes
+from disttrain.bench.model_states import launch
 from disttrain.models.registry import MODEL_SHAPES
 from disttrain.plan.layout import Layout
 from disttrain.plan.memory import model_state_bytes, stage_activation_bytes
@@ -25,16 +22,6 @@ from disttrain.plan.memory import model_state_bytes, stage_activation_bytes
 REPO = Path(__file__).resolve().parents[1]
 LAYOUTS = [(n, [], {"dp_shard": n}) for n in (1, 2, 4)] + [
     (4, ["parallel.dp_replicate=2", "parallel.dp_shard=2"], {"dp_replicate": 2, "dp_shard": 2})]
-
-
-def measured_states(nproc: int, overrides: list[str], stages: list[int], run_dir: Path) -> list[dict]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "disttrain.bench.model_states", str(run_dir), "--stages", *map(str, stages)]
-    for o in overrides:
-        cmd += ["--override", o]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=True,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
-    return [json.loads(m) for m in re.findall(r"MEM (\{[^{}]*\})", proc.stdout)]
 
 
 def main() -> None:
@@ -50,7 +37,7 @@ def main() -> None:
     for nproc, overrides, dims in LAYOUTS:
         stages = [0, 1, 2, 3] if not overrides else [2, 3]
         for stage in stages:
-            got = [r for r in measured_states(nproc, overrides, [stage], run_dir)]
+            got = launch(nproc, run_dir, stages=[stage], overrides=overrides)
             pred = model_state_bytes(psi, Layout(zero_stage=stage, param_dtype="fp32", **dims), "runtime")
             cells, row = [], {"ranks": nproc, "layout": dims, "stage": stage}
             for key in ("params", "grads", "optimizer"):

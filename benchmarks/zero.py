@@ -7,15 +7,11 @@ and throughput of each stage against DDP (2 ranks, interleaved, start-up removed
 from __future__ import annotations
 
 import argparse
-import json
-import re
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 from overhead import REPO, add_common_args, disttrain_command, interleaved, print_table, summarize, write_results
 
+from disttrain.bench.model_states import launch
 from disttrain.models.registry import MODEL_SHAPES
 
 VARIANTS = {
@@ -28,11 +24,7 @@ VARIANTS = {
 
 
 def memory_rows(nproc: int, run_dir: Path) -> list[dict]:
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-                           "-m", "disttrain.bench.model_states", str(run_dir)],
-                          cwd=REPO, capture_output=True, text=True, check=True,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
-    return [r for r in (json.loads(m) for m in re.findall(r"MEM (\{[^{}]*\})", proc.stdout)) if r["rank"] == 0]
+    return [r for r in launch(nproc, run_dir) if r["rank"] == 0]
 
 
 def main() -> None:

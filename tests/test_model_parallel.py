@@ -94,21 +94,12 @@ def test_per_rank_model_states_match_the_planner(override, layout, tmp_path):
     """Tensor parallel halves every matrix (norms replicated); pipeline ranks hold their stages
     (embedding first, norm and output last): parameter, gradient and Adam bytes per rank equal
     the planner's `rank_params` accounting."""
-    import json
-    import re
-    import subprocess
-    import sys
-
+    from disttrain.bench.model_states import launch
     from disttrain.models.registry import MODEL_SHAPES
     from disttrain.plan.layout import Layout
     from disttrain.plan.memory import model_state_bytes, rank_params
-    from helpers import REPO, cli_env
 
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                           "-m", "disttrain.bench.model_states", str(tmp_path), "--stages", "0", "--override", override],
-                          cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [json.loads(m) for m in re.findall(r"MEM (\{[^{}]*\})", proc.stdout)]
+    rows = launch(2, tmp_path, stages=[0], overrides=[override])
     assert len(rows) == 2
     shape, lay = MODEL_SHAPES["tiny"], Layout(param_dtype="fp32", **layout)
     for row in rows:

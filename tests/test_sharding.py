@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import json
-import re
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from disttrain.models.registry import MODEL_SHAPES
-from helpers import REPO, assert_losses_close, assert_params_close, cli_env, load_model_params, losses, train
+from helpers import assert_losses_close, assert_params_close, load_model_params, losses, train
 
 LR = 3e-3
 COMMON = ("train.steps=20", "train.global_batch_size=4", f"optim.lr={LR}", "checkpoint.save_final=true",
@@ -74,26 +70,19 @@ def test_stage3_checkpoint_resumes_on_other_layouts(stage3_two_ranks, tmp_path):
     assert_losses_close(losses(four), expected, rel=1e-5)
 
 
-def _measure(nproc, tmp_path) -> list[dict]:
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-                           "-m", "disttrain.bench.model_states", str(tmp_path)],
-                          cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return [json.loads(m) for m in re.findall(r"MEM (\{[^{}]*\})", proc.stdout)]
-
-
 @pytest.mark.parametrize("nproc", [1, 2, 4])
 def test_model_state_bytes_match_the_planner(nproc, tmp_path):
     """What each rank allocates for parameters, gradients and Adam states at ZeRO stages 0-3 equals
     the planner's runtime accounting (`disttrain estimate`), within 5% (ZeRO-1 assigns whole
     tensors to ranks, so its optimizer shards are only roughly even)."""
+    from disttrain.bench.model_states import launch
     from disttrain.plan.layout import Layout
     from disttrain.plan.memory import model_state_bytes
 
     shape = MODEL_SHAPES["tiny"]
     psi = shape.num_params()
     root = 2 * shape.vocab_size * shape.dim + shape.dim  # embeddings, output, final norm
-    rows = _measure(nproc, tmp_path)
+    rows = launch(nproc, tmp_path)
     assert len(rows) == 4 * nproc
     for row in rows:
         stage = row["stage"]

@@ -19,20 +19,8 @@ import torch.nn.functional as F
 
 from disttrain.models.llama import Transformer
 from disttrain.models.registry import MODEL_SHAPES, ModelShape
+from disttrain.observe.memory import iter_tensors
 from disttrain.parallel import activation_checkpoint as ac
-
-
-def _tensors(obj):
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for value in obj.values():
-            yield from _tensors(value)
-    elif isinstance(obj, (list, tuple)):
-        for value in obj:
-            yield from _tensors(value)
-    elif hasattr(obj, "val"):  # torch.utils.checkpoint._VersionWrapper
-        yield from _tensors(obj.val)
 
 
 def saved_activation_bytes(shape: ModelShape, micro_batch: int, seq_len: int, recompute: str = "none",
@@ -68,7 +56,7 @@ def saved_activation_bytes(shape: ModelShape, micro_batch: int, seq_len: int, re
         loss = F.cross_entropy(logits.float().flatten(0, 1), tokens.flatten(), reduction="sum")
     del logits
     for storage in caches:
-        for t in _tensors(storage):
+        for t in iter_tensors(storage):
             count(t)
     loss.backward()  # proves the counted graph is the one training uses
     return sum(held.values())

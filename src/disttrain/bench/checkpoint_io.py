@@ -26,7 +26,7 @@ from disttrain.checkpoint.manager import CheckpointManager
 from disttrain.config import load_config
 from disttrain.distributed.env import detect_env
 from disttrain.distributed.runtime import init_distributed
-from disttrain.observe.memory import local_bytes, local_tensor
+from disttrain.observe.memory import iter_tensors, local_bytes, local_tensor
 from disttrain.train.trainer import Trainer
 
 
@@ -53,7 +53,7 @@ def main() -> None:
     trainer = Trainer(cfg, rt)
     trainer.train_step(next(trainer.loader))  # materialise AdamW state
     model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer)
-    nbytes = sum(local_bytes(v) for sd in (model_sd, optim_sd) for v in _tensors(sd))
+    nbytes = sum(local_bytes(v) for sd in (model_sd, optim_sd) for v in iter_tensors(sd))
     sync = CheckpointManager(root / "sync", rt.rank)
     asyn = CheckpointManager(root / "async", rt.rank, async_save=True)
     plain = root / f"torch_rank{rt.rank}.pt"
@@ -81,17 +81,6 @@ def main() -> None:
     del trainer
     gc.collect()
     dist.destroy_process_group()
-
-
-def _tensors(tree):
-    if isinstance(tree, torch.Tensor):
-        yield tree
-    elif isinstance(tree, dict):
-        for v in tree.values():
-            yield from _tensors(v)
-    elif isinstance(tree, (list, tuple)):
-        for v in tree:
-            yield from _tensors(v)
 
 
 if __name__ == "__main__":

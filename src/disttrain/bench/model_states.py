@@ -5,7 +5,8 @@
 
 Prints one `MEM {json}` line per rank and stage: parameter, gradient and optimizer-state bytes this
 rank holds after one step (gradients measured before they are released), and the parameter bytes
-visible between forward and backward (whole for stages 0-2, shards for stage 3).
+visible between forward and backward (whole for stages 0-2, shards for stage 3). `launch` runs it
+on this machine and returns those rows (tests and benchmarks use it).
 """
 
 from __future__ import annotations
@@ -13,7 +14,11 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
+import re
+import subprocess
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -49,6 +54,22 @@ def measure(rt: Runtime, stage: int, model: str, run_dir: str, overrides: tuple[
     gc.collect()
     return {"stage": stage, "rank": rt.rank, "world": rt.world_size, "model": model,
             "params_after_forward": after_forward, **held}
+
+
+def launch(nproc: int, run_dir: str | Path, stages=(0, 1, 2, 3), overrides=(), model: str = "tiny",
+           timeout: float = 600) -> list[dict]:
+    """Run this module under torchrun with `nproc` local processes; every rank's rows, by rank and stage."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "disttrain.bench.model_states", str(run_dir), "--model", model, "--stages", *map(str, stages)]
+    for o in overrides:
+        cmd += ["--override", o]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID")}
+    env["OMP_NUM_THREADS"] = "1"
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"model_states on {nproc} processes exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+    rows = [json.loads(m) for m in re.findall(r"MEM (\{[^{}]*\})", proc.stdout)]
+    return sorted(rows, key=lambda r: (r["rank"], r["stage"]))
 
 
 def main() -> None:

@@ -24,6 +24,21 @@ def local_bytes(t: torch.Tensor | None) -> int:
     return t.numel() * t.element_size()
 
 
+def iter_tensors(tree):
+    """Every tensor in nested dicts, lists and tuples (state dicts, optimizer states), and in
+    objects that wrap one as `.val` (selective activation checkpointing's cache entries)."""
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, dict):
+        for value in tree.values():
+            yield from iter_tensors(value)
+    elif isinstance(tree, (list, tuple)):
+        for value in tree:
+            yield from iter_tensors(value)
+    elif hasattr(tree, "val"):
+        yield from iter_tensors(tree.val)
+
+
 def optimizer_states(optimizer: torch.optim.Optimizer) -> dict:
     return (optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer).state
 
