@@ -19,7 +19,6 @@ import time
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
@@ -148,11 +147,10 @@ class Pipeline:
             local = torch.stack([local_value(x.detach()) for x in losses]).sum() * self.loss.local_tokens
         else:
             local = torch.zeros((), device=inputs.device)
-        dist.all_reduce(local, group=self.group)  # only the last stage has a loss: share it along the pipeline
-        return local
+        return local  # non-zero on the last stage only; summed over `group` when it is logged
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Forward and backward of the whole per-rank batch; returns this data-parallel rank's loss sum."""
+        """Forward and backward of the whole per-rank batch; returns the loss sum this stage saw."""
         return self._run(inputs, targets, train=True)
 
     @torch.no_grad()

@@ -286,8 +286,12 @@ class Trainer:
         return loss_sum, grad_norm
 
     def _global_mean(self, local_sum: torch.Tensor, total_tokens: int) -> float:
+        """Collective (only on logging and evaluation steps): under a pipeline the loss exists on
+        the last stage, so it is summed along the pipeline too."""
         t = local_sum.detach().clone()
         dist.all_reduce(t, group=self.meshes.dp.get_group())
+        if self.pipeline is not None:
+            dist.all_reduce(t, group=self.pipeline.group)
         return float(t) / total_tokens
 
     # ---------------------------------------------------------------- eval
