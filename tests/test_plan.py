@@ -279,7 +279,11 @@ def test_estimate_json_has_stable_keys_and_matches_the_api():
     layout = Layout(dp_shard=8, zero_stage=3, seq_len=4096, micro_batch_size=2, global_batch_size=16,
                     activation_checkpointing="full")
     est = estimate(MODEL_SHAPES["7b"], layout)
-    assert out["params"] == MODEL_SHAPES["7b"].num_params()
+    psi = MODEL_SHAPES["7b"].num_params()
+    assert out["params"] == psi
+    # ZeRO-3 over 8 ranks in this runtime: fp32 parameters, fp32 gradients, two fp32 Adam moments, all / 8
+    assert (out["bytes_per_rank"]["params"], out["bytes_per_rank"]["grads"], out["bytes_per_rank"]["optimizer"]) == \
+        (4 * psi / 8, 4 * psi / 8, 8 * psi / 8)
     assert out["bytes_per_rank"]["total"] == pytest.approx(est.memory.total)
     assert out["flops_per_token"] == pytest.approx(F.model_flops_per_token(MODEL_SHAPES["7b"], 4096))
     assert out["flops_per_step"] == pytest.approx(out["flops_per_token"] * 16 * 4096)

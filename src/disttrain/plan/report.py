@@ -66,7 +66,8 @@ def winner_config(est: Estimate, tokens: float | None = None) -> dict:
     lay, shape = est.layout, est.shape
     from disttrain.models.registry import MODEL_SHAPES
 
-    model: dict = {"name": est.model if est.model in MODEL_SHAPES else _nearest(shape)}
+    # `--params` shapes are a registry shape with another depth, named "<base>-shaped".
+    model: dict = {"name": est.model.removesuffix("-shaped")}
     base = MODEL_SHAPES[model["name"]]
     for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_hidden_dim"):
         if getattr(shape, key) != getattr(base, key):
@@ -86,9 +87,3 @@ def winner_config(est: Estimate, tokens: float | None = None) -> dict:
                       "micro_batch_size": lay.micro_batch},
             "parallel": parallel, "precision": precision}
 
-
-def _nearest(shape) -> str:
-    from disttrain.models.registry import MODEL_SHAPES
-
-    return min(MODEL_SHAPES, key=lambda k: abs(MODEL_SHAPES[k].num_params() - shape.num_params())
-               + 1e12 * (MODEL_SHAPES[k].dim != shape.dim))
