@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from disttrain.config import ConfigError, RunConfig, load_config, parse_overrides, validate_world
+from disttrain.config import ConfigError, RunConfig, load_config, parse_overrides
+from disttrain.validation import validate_world
 from helpers import DEBUG_CONFIG, REPO, run_cli
 
 

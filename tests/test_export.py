@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from disttrain.checkpoint.export import init_from
-from disttrain.models.init import build_model
+from disttrain.models.llama import llama_spec
+from disttrain.models.spec import build_model
 from disttrain.models.registry import MODEL_SHAPES
 from helpers import load_model_params, losses, run_cli, train
 from dataclasses import replace
@@ -24,7 +25,7 @@ def sharded_run(tmp_path_factory):
 
 
 def _reference_model(run):
-    model = build_model(SHAPE, torch.device("cpu"), seed=123)
+    model = build_model(llama_spec(SHAPE), torch.device("cpu"), seed=123)
     params = load_model_params(run / "checkpoints" / "step_00000006")
     model.load_state_dict({k: v for k, v in params.items() if k != "output.weight"}, strict=False)
     return model
@@ -34,8 +35,8 @@ def _reference_model(run):
 def test_exported_weights_reproduce_the_checkpoint_logits(sharded_run, fmt, name, tmp_path):
     proc = run_cli("convert", str(sharded_run), "--to", fmt, "--out", str(tmp_path / name))
     assert "step_00000006" in proc.stdout
-    model = build_model(SHAPE, torch.device("cpu"), seed=999)  # different init: every weight must be overwritten
-    init_from(model, tmp_path / name)
+    model = build_model(llama_spec(SHAPE), torch.device("cpu"), seed=999)  # different init: every weight must be overwritten
+    init_from(model, tmp_path / name, llama_spec(SHAPE))
     x = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(model(x), _reference_model(sharded_run)(x), rtol=0, atol=0)

@@ -6,8 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from disttrain.models.init import build_model, count_params
-from disttrain.models.llama import apply_rotary
+from disttrain.models.llama import llama_spec
+from disttrain.models.spec import build_model, count_params
+from disttrain.models.llama.model import apply_rotary
 from disttrain.models.registry import MODEL_SHAPES
 
 DEBUG = MODEL_SHAPES["debug"]
@@ -16,7 +17,7 @@ DEBUG = MODEL_SHAPES["debug"]
 @pytest.mark.parametrize("name", ["debug", "tiny"])
 def test_param_count_matches_registry_formula(name):
     shape = MODEL_SHAPES[name]
-    assert count_params(build_model(shape, torch.device("cpu"), 0)) == shape.num_params()
+    assert count_params(build_model(llama_spec(shape), torch.device("cpu"), 0)) == shape.num_params()
 
 
 def test_public_shapes_have_their_published_sizes():
@@ -29,34 +30,34 @@ def test_public_shapes_have_their_published_sizes():
 def test_tied_embeddings_share_one_tensor():
     from dataclasses import replace
 
-    model = build_model(replace(DEBUG, tie_embeddings=True), torch.device("cpu"), 0)
+    model = build_model(llama_spec(replace(DEBUG, tie_embeddings=True)), torch.device("cpu"), 0)
     assert model.output.weight is model.tok_embeddings.weight
     assert count_params(model) == replace(DEBUG, tie_embeddings=True).num_params()
 
 
 def test_init_is_deterministic_and_per_parameter():
-    a = build_model(DEBUG, torch.device("cpu"), seed=3)
-    b = build_model(DEBUG, torch.device("cpu"), seed=3)
-    c = build_model(DEBUG, torch.device("cpu"), seed=4)
+    a = build_model(llama_spec(DEBUG), torch.device("cpu"), seed=3)
+    b = build_model(llama_spec(DEBUG), torch.device("cpu"), seed=3)
+    c = build_model(llama_spec(DEBUG), torch.device("cpu"), seed=4)
     for (name, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters()):
         assert torch.equal(pa, pb), name
         if not name.endswith("norm.weight"):
             assert not torch.equal(pa, pc), name
     # A model that lost its first block (as a pipeline stage would) still initialises block 1 identically.
     with torch.device("meta"):
-        from disttrain.models.llama import Transformer
+        from disttrain.models.llama.model import Transformer
 
         stage = Transformer(DEBUG)
     del stage.layers["0"]
     stage.to_empty(device="cpu")
-    from disttrain.models.init import init_weights
+    from disttrain.models.llama.init import init_weights
 
     init_weights(stage, seed=3)
     assert torch.equal(stage.layers["1"].attention.wq.weight, a.layers["1"].attention.wq.weight)
 
 
 def test_forward_is_causal():
-    model = build_model(DEBUG, torch.device("cpu"), 0)
+    model = build_model(llama_spec(DEBUG), torch.device("cpu"), 0)
     x = torch.randint(0, 256, (2, 16))
     y = x.clone()
     y[:, 10:] = torch.randint(0, 256, (2, 6))
@@ -66,7 +67,7 @@ def test_forward_is_causal():
 
 
 def test_gqa_attention_matches_explicit_head_repetition():
-    model = build_model(DEBUG, torch.device("cpu"), 0)
+    model = build_model(llama_spec(DEBUG), torch.device("cpu"), 0)
     attn = model.layers["0"].attention
     x = torch.randn(2, 8, DEBUG.dim)
     cos, sin = model.rope_cos[:8], model.rope_sin[:8]
@@ -84,7 +85,7 @@ def test_gqa_attention_matches_explicit_head_repetition():
 
 
 def test_rotary_preserves_norm_and_relative_position():
-    from disttrain.models.llama import rotary_tables
+    from disttrain.models.llama.model import rotary_tables
 
     cos, sin = rotary_tables(16, 32, 10000.0)
     q, k = torch.randn(1, 1, 1, 16), torch.randn(1, 1, 1, 16)

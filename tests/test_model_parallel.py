@@ -96,7 +96,7 @@ def test_per_rank_model_states_match_the_planner(override, layout, tmp_path):
     the planner's `rank_params` accounting."""
     from disttrain.bench.model_states import launch
     from disttrain.models.registry import MODEL_SHAPES
-    from disttrain.plan.layout import Layout
+    from disttrain.layout import Layout
     from disttrain.plan.memory import model_state_bytes, rank_params
 
     rows = launch(2, tmp_path, stages=[0], overrides=[override])

@@ -9,12 +9,13 @@ from dataclasses import replace
 import pytest
 import yaml
 
-from disttrain.config import load_config, validate_world
+from disttrain.config import load_config
+from disttrain.validation import validate_world
 from disttrain.models.registry import MODEL_SHAPES
-from disttrain.plan import flops as F
+from disttrain import flops as F
 from disttrain.plan.estimate import estimate, shape_for_params
-from disttrain.plan.hardware import GPUS, GPUSpec, find_gpu, match_device_name
-from disttrain.plan.layout import Layout, layout_problems, split_layers
+from disttrain.hardware import GPUS, GPUSpec, find_gpu, match_device_name
+from disttrain.layout import Layout, layout_problems, split_layers
 from disttrain.plan.memory import (korthikanti_in_flight_factor, korthikanti_layer_bytes, model_state_bytes,
                                    stage_activation_bytes)
 from disttrain.plan.search import SearchSpace, brute_force, search

@@ -76,7 +76,7 @@ def test_model_state_bytes_match_the_planner(nproc, tmp_path):
     the planner's runtime accounting (`disttrain estimate`), within 5% (ZeRO-1 assigns whole
     tensors to ranks, so its optimizer shards are only roughly even)."""
     from disttrain.bench.model_states import launch
-    from disttrain.plan.layout import Layout
+    from disttrain.layout import Layout
     from disttrain.plan.memory import model_state_bytes
 
     shape = MODEL_SHAPES["tiny"]
@@ -101,7 +101,8 @@ def test_activation_checkpointing_recomputes():
     forwards, recomputations included); matmuls show whether recomputation redoes them."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from disttrain.models.init import build_model
+    from disttrain.models.llama import llama_spec
+    from disttrain.models.spec import build_model
     from disttrain.parallel.activation_checkpoint import apply_activation_checkpointing
 
     class CountOps(TorchDispatchMode):
@@ -117,8 +118,8 @@ def test_activation_checkpointing_recomputes():
     x = torch.randint(0, 256, (2, 16))
     counts, grads = {}, {}
     for mode in ("none", "full", "selective"):
-        model = build_model(MODEL_SHAPES["debug"], torch.device("cpu"), seed=0)
-        apply_activation_checkpointing(model, mode)
+        model = build_model(llama_spec(MODEL_SHAPES["debug"]), torch.device("cpu"), seed=0)
+        apply_activation_checkpointing(model.layers, mode)
         with CountOps() as ops:
             model(x).float().logsumexp(-1).mean().backward()
         counts[mode] = ops

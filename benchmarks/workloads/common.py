@@ -10,7 +10,8 @@ import argparse
 import torch
 
 from disttrain.data.source import load_splits
-from disttrain.models.init import build_model
+from disttrain.models.llama import llama_spec
+from disttrain.models.spec import build_model
 from disttrain.models.registry import MODEL_SHAPES
 
 SHAPE = "tiny"
@@ -27,7 +28,7 @@ def parse_steps() -> int:
 
 
 def make_model(device="cpu"):
-    return build_model(MODEL_SHAPES[SHAPE], torch.device(device), seed=0)
+    return build_model(llama_spec(MODEL_SHAPES[SHAPE]), torch.device(device), seed=0)
 
 
 def make_optimizer(model):

@@ -1,8 +1,8 @@
 """The RunConfig tree: YAML + dotted ``key=value`` overrides, validated before any process starts.
 
-Every user mistake becomes a :class:`ConfigError` whose message is one line naming the key,
-the value and what is allowed; the CLI prints it and exits with status 2.
-This module imports no torch so that validation is instant and runs in the launcher process.
+Every user mistake becomes a `UserError` (errors.py) whose message is one line naming the key,
+the value and what is allowed; the CLI prints it and exits with status 2. Rules that span
+sections live in validation.py. No torch here: loading is instant and runs in the launcher.
 """
 
 from __future__ import annotations
@@ -14,11 +14,9 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from disttrain.models.registry import MODEL_SHAPES, resolve_shape
+from disttrain.errors import ConfigError, UserError
 
-
-class ConfigError(ValueError):
-    """A user mistake in the config or command line; the message is one line."""
+__all__ = ["ConfigError", "UserError", "RunConfig", "load_config", "parse_overrides"]
 
 
 class _Section(BaseModel):
@@ -98,13 +96,6 @@ class ParallelConfig(_Section):
     ddp_static_graph: bool = False
     ddp_gradient_as_bucket_view: bool = True
 
-    @model_validator(mode="after")
-    def _check(self) -> "ParallelConfig":
-        if self.cpu_offload and self.zero_stage < 2:
-            raise ValueError(f"parallel.cpu_offload=true needs parallel.zero_stage 2 or 3 (FSDP2), "
-                             f"not {self.zero_stage}")
-        return self
-
 
 Dtype = Literal["fp32", "bf16", "fp16"]
 
@@ -113,13 +104,6 @@ class PrecisionConfig(_Section):
     param_dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     compute_dtype: Dtype = "fp32"
     reduce_dtype: Dtype = "fp32"
-
-    def fsdp_param_dtype(self, device_type: str) -> str:
-        """`auto`: bf16 parameters for compute on GPUs (fp32 master copy stays sharded), fp32 on CPU."""
-        if self.param_dtype == "auto":
-            return "bf16" if device_type == "cuda" else "fp32"
-        return self.param_dtype
-
 
 
 class CheckpointConfig(_Section):
@@ -271,123 +255,7 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] | None = No
         raise ConfigError(_format_error(exc)) from None
     if not cfg.run.name:
         cfg.run.name = Path(path).stem if path is not None else "run"
-    validate_semantics(cfg)
+    from disttrain.validation import validate_config
+
+    validate_config(cfg)
     return cfg
-
-
-def validate_semantics(cfg: RunConfig) -> None:
-    """Checks that span sections and need no world size."""
-    if cfg.model.name not in MODEL_SHAPES:
-        raise ConfigError(f"model.name={cfg.model.name}: unknown model (allowed: {', '.join(MODEL_SHAPES)})")
-    shape = resolve_shape(cfg.model)
-    if shape.dim % shape.n_heads:
-        raise ConfigError(f"model.n_heads={shape.n_heads} does not divide model.dim={shape.dim}")
-    if shape.n_heads % shape.n_kv_heads:
-        raise ConfigError(f"model.n_kv_heads={shape.n_kv_heads} does not divide model.n_heads={shape.n_heads}")
-    if (shape.dim // shape.n_heads) % 2:
-        raise ConfigError(f"model.dim={shape.dim} / model.n_heads={shape.n_heads} gives an odd head size; "
-                          "rotary embeddings need an even one")
-    if cfg.data.seq_len > shape.max_seq_len:
-        raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len={shape.max_seq_len}")
-    p = cfg.parallel
-    from disttrain.plan.layout import MULTI_STAGE_SCHEDULES, split_problems
-
-    problems = split_problems(shape, p.tp, p.pp, 2 if p.pp > 1 and p.pp_schedule in MULTI_STAGE_SCHEDULES else 1,
-                              p.sequence_parallel, cfg.data.seq_len)
-    if problems:
-        raise ConfigError(problems[0])
-    if p.pp > 1 and cfg.precision.compute_dtype == "fp16":
-        raise ConfigError(f"precision.compute_dtype=fp16 with parallel.pp={p.pp}: dynamic loss scaling does not reach "
-                          "inside the pipeline schedule's backward passes (allowed with pp > 1: fp32, bf16)")
-    if p.pp_layers:
-        stages = p.pp * (2 if p.pp_schedule in MULTI_STAGE_SCHEDULES else 1)
-        if len(p.pp_layers) != stages or sum(p.pp_layers) != shape.n_layers or min(p.pp_layers) < 1:
-            raise ConfigError(f"parallel.pp_layers={p.pp_layers}: needs {stages} positive counts (pp x stages per "
-                              f"rank for pp_schedule={p.pp_schedule}) adding up to model.n_layers={shape.n_layers}")
-    if cfg.engine == "deepspeed":
-        _check_deepspeed(cfg)
-        if cfg.checkpoint.async_save:
-            raise ConfigError("checkpoint.async=true needs engine=torch (DeepSpeed saves synchronously; allowed: false)")
-    elif p.zero_stage < 2:
-        for key in ("param_dtype", "reduce_dtype"):
-            value = getattr(cfg.precision, key)
-            if value not in ("fp32", "auto"):
-                raise ConfigError(f"precision.{key}={value} needs parallel.zero_stage 2 or 3 (FSDP2's mixed-precision "
-                                  f"policy); with zero_stage={p.zero_stage} allowed: fp32 (use precision.compute_dtype "
-                                  "for autocast, parallel.ddp_comm_hook to compress gradients)")
-    if p.zero_stage >= 2 and p.ddp_comm_hook != "none":
-        raise ConfigError(f"parallel.ddp_comm_hook={p.ddp_comm_hook} applies to DDP (zero_stage 0 or 1), "
-                          f"not zero_stage={p.zero_stage} (use precision.reduce_dtype)")
-    for key, package in (("mlflow", "mlflow"), ("wandb", "wandb")):
-        if getattr(cfg.metrics, key):
-            import importlib.util
-
-            if importlib.util.find_spec(package) is None:
-                raise ConfigError(f"metrics.{key}=true needs the {package} package, which is not installed "
-                                  f"(pip install {package}; allowed without it: false)")
-    t = cfg.train
-    if t.micro_batch_size and t.global_batch_size % t.micro_batch_size:
-        raise ConfigError(f"train.global_batch_size={t.global_batch_size} is not a multiple of "
-                          f"train.micro_batch_size={t.micro_batch_size}")
-    if cfg.optim.min_lr > cfg.optim.lr:
-        raise ConfigError(f"optim.min_lr={cfg.optim.min_lr} exceeds optim.lr={cfg.optim.lr}")
-    if cfg.optim.warmup_steps > t.steps:
-        raise ConfigError(f"optim.warmup_steps={cfg.optim.warmup_steps} exceeds train.steps={t.steps}")
-    if not all(0 <= b < 1 for b in cfg.optim.betas):
-        raise ConfigError(f"optim.betas={list(cfg.optim.betas)}: each beta must be in [0, 1)")
-    # Imported here: data/ must not be needed to import the schema.
-    from disttrain.data.source import describe_source
-
-    info = describe_source(cfg.data.source, cfg.data.tokenizer)
-    if shape.vocab_size < info.vocab_size:
-        raise ConfigError(f"model.vocab_size={shape.vocab_size} is smaller than the tokenizer's vocabulary "
-                          f"({info.vocab_size} tokens from {info.tokenizer_name}); set model.vocab_size>={info.vocab_size}")
-
-
-def _check_deepspeed(cfg: RunConfig) -> None:
-    import importlib.util
-
-    from disttrain.train.deepspeed_engine import INSTALL_HINT
-
-    p = cfg.parallel
-    if p.tp > 1 or p.pp > 1:
-        raise ConfigError(f"parallel.tp={p.tp}, parallel.pp={p.pp}: tensor and pipeline parallelism need engine=torch "
-                          "(allowed with engine=deepspeed: tp=1, pp=1)")
-    if p.dp_replicate != 1:
-        raise ConfigError(f"parallel.dp_replicate={p.dp_replicate} needs engine=torch (HSDP); DeepSpeed partitions "
-                          "over the whole world (allowed with engine=deepspeed: 1)")
-    if p.ddp_comm_hook != "none":
-        raise ConfigError(f"parallel.ddp_comm_hook={p.ddp_comm_hook} needs engine=torch (allowed with "
-                          "engine=deepspeed: none)")
-    for key in ("param_dtype", "reduce_dtype"):
-        if getattr(cfg.precision, key) not in ("fp32", "auto"):
-            raise ConfigError(f"precision.{key}={getattr(cfg.precision, key)} needs engine=torch; with "
-                              "engine=deepspeed set precision.compute_dtype (allowed: auto, fp32)")
-    try:
-        available = importlib.util.find_spec("deepspeed") is not None
-    except (ImportError, ValueError):
-        available = False
-    if not available:
-        raise ConfigError(INSTALL_HINT)
-
-
-def validate_world(cfg: RunConfig, world_size: int) -> None:
-    """Checks that need the number of processes; run by the launcher and by every rank."""
-    from disttrain.distributed.dims import ParallelDims
-
-    dims = ParallelDims.from_config(cfg.parallel, world_size)  # raises ConfigError
-    t = cfg.train
-    if t.global_batch_size % dims.dp:
-        raise ConfigError(f"train.global_batch_size={t.global_batch_size} is not divisible by the "
-                          f"data-parallel size {dims.dp} (world size {world_size})")
-    per_rank = t.global_batch_size // dims.dp
-    if t.micro_batch_size and per_rank % t.micro_batch_size:
-        raise ConfigError(f"train.micro_batch_size={t.micro_batch_size} does not divide the per-rank batch "
-                          f"{per_rank} (train.global_batch_size={t.global_batch_size} over {dims.dp} "
-                          "data-parallel ranks)")
-    # Layout rules shared with the planner (tp divides heads, pp <= layers, schedule micro-batches).
-    from disttrain.plan.layout import layout_from_config, layout_problems
-
-    problems = layout_problems(resolve_shape(cfg.model), layout_from_config(cfg, world_size))
-    if problems:
-        raise ConfigError(problems[0])

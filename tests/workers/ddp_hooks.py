@@ -7,14 +7,15 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from disttrain.models.init import build_model
+from disttrain.models.llama import llama_spec
+from disttrain.models.spec import build_model
 from disttrain.models.registry import MODEL_SHAPES
 from disttrain.parallel.ddp import register_comm_hook
 
 
 def grads_with(hook: str, rank_arg: int = 1, start_iter: int = 2, steps: int = 3) -> list[dict]:
     """Per-step gradients of a DDP model using `hook`, on rank-dependent data."""
-    model = build_model(MODEL_SHAPES["debug"], torch.device("cpu"), seed=0)
+    model = build_model(llama_spec(MODEL_SHAPES["debug"]), torch.device("cpu"), seed=0)
     ddp = DDP(model)
     register_comm_hook(ddp, hook, None, rank_arg, start_iter)
     out = []

@@ -17,9 +17,9 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
-from disttrain.models.llama import Transformer
+from disttrain.models.llama.model import Transformer
 from disttrain.models.registry import MODEL_SHAPES, ModelShape
-from disttrain.observe.memory import iter_tensors
+from disttrain.observe.model_bytes import iter_tensors
 from disttrain.parallel import activation_checkpoint as ac
 
 
@@ -37,7 +37,7 @@ def saved_activation_bytes(shape: ModelShape, micro_batch: int, seq_len: int, re
         for key, block in list(model.layers.items()):
             model.layers[key] = ac.checkpoint_wrapper(block, preserve_rng_state=False, context_fn=capture)
     else:
-        ac.apply_activation_checkpointing(model, recompute)
+        ac.apply_activation_checkpointing(model.layers, recompute)
     excluded = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
     held: dict[int, int] = {}
 

@@ -26,8 +26,9 @@ from disttrain.checkpoint.manager import CheckpointManager
 from disttrain.config import load_config
 from disttrain.distributed.env import detect_env
 from disttrain.distributed.runtime import init_distributed
-from disttrain.observe.memory import iter_tensors, local_bytes, local_tensor
-from disttrain.train.trainer import Trainer
+from disttrain.observe.model_bytes import iter_tensors, local_bytes, local_shard
+from disttrain.train.builder import build_run
+from disttrain.train.resume import Progress, train_state
 
 
 def _timed(fn) -> float:
@@ -50,24 +51,26 @@ def main() -> None:
     cfg = load_config(None, [f"model.name={args.model}", "data.seq_len=16", f"train.global_batch_size={rt.world_size}",
                              f"parallel.zero_stage={args.zero_stage}", f"run.dir={root}", "run.name=io",
                              "checkpoint.resume=none"])
-    trainer = Trainer(cfg, rt)
-    trainer.train_step(next(trainer.loader))  # materialise AdamW state
-    model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer)
+    run = build_run(cfg, rt)
+    engine = run.engine
+    engine.train_step(next(run.loader), 1)  # materialise AdamW state
+    state = train_state(run, Progress())
+    model_sd, optim_sd = get_state_dict(engine.model, engine.optimizer)
     nbytes = sum(local_bytes(v) for sd in (model_sd, optim_sd) for v in iter_tensors(sd))
     sync = CheckpointManager(root / "sync", rt.rank)
     asyn = CheckpointManager(root / "async", rt.rank, async_save=True)
     plain = root / f"torch_rank{rt.rank}.pt"
     for rep in range(args.reps):
         row = {"rank": rt.rank, "world": rt.world_size, "rep": rep, "bytes": nbytes, "model": args.model}
-        row["dcp_save_s"] = _timed(lambda: sync.save(rep + 1, trainer.model, trainer.optimizer, trainer.train_state()))
+        row["dcp_save_s"] = _timed(lambda: sync.save(rep + 1, engine, state))
         t0 = time.perf_counter()
-        asyn.save(rep + 1, trainer.model, trainer.optimizer, trainer.train_state())
+        asyn.save(rep + 1, engine, state)
         row["async_blocking_s"] = time.perf_counter() - t0
         asyn.commit_pending()
         dist.barrier()
         row["async_total_s"] = time.perf_counter() - t0
-        row["dcp_load_s"] = _timed(lambda: sync.load(sync.step_dir(rep + 1), trainer.model, trainer.optimizer))
-        local = {"model": {k: local_tensor(v) for k, v in model_sd.items()}, "optim": optim_sd}
+        row["dcp_load_s"] = _timed(lambda: sync.load(sync.step_dir(rep + 1), engine))
+        local = {"model": {k: local_shard(v) for k, v in model_sd.items()}, "optim": optim_sd}
         row["torch_save_s"] = _timed(lambda: torch.save(local, plain))
         row["torch_load_s"] = _timed(lambda: torch.load(plain, weights_only=False))
         for key in ("dcp_save_s", "async_blocking_s", "dcp_load_s", "torch_save_s", "torch_load_s"):
@@ -78,7 +81,7 @@ def main() -> None:
             for d in (root / "sync", root / "async"):
                 shutil.rmtree(d, ignore_errors=True)
         dist.barrier()
-    del trainer
+    del run, engine
     gc.collect()
     dist.destroy_process_group()
 

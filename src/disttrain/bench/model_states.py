@@ -26,31 +26,32 @@ import torch.distributed as dist
 from disttrain.config import load_config
 from disttrain.distributed.env import detect_env
 from disttrain.distributed.runtime import Runtime, init_distributed
-from disttrain.observe.memory import model_state_bytes
-from disttrain.train.trainer import Trainer
+from disttrain.observe.model_bytes import model_state_bytes
+from disttrain.train.builder import build_run
 
 
 def measure(rt: Runtime, stage: int, model: str, run_dir: str, overrides: tuple[str, ...] = ()) -> dict:
     cfg = load_config(None, [f"model.name={model}", "train.global_batch_size=4", "data.seq_len=32",
                              "train.micro_batch_size=1", f"parallel.zero_stage={stage}", f"run.dir={run_dir}",
                              f"run.name=stage{stage}", "checkpoint.resume=none", *overrides])
-    trainer = Trainer(cfg, rt)
-    if trainer.dims.tp > 1 or trainer.dims.pp > 1:
-        # Model-parallel layouts run the trainer's own step (schedule, loss_parallel); its gradients
+    run = build_run(cfg, rt)
+    engine = run.engine
+    if run.layout.tp > 1 or run.layout.pp > 1:
+        # Model-parallel layouts run the engine's own step (schedule, loss_parallel); its gradients
         # are kept for measuring by skipping the step's zero_grad.
-        trainer.optimizer.zero_grad = lambda set_to_none=True: None
-        trainer.train_step(next(trainer.loader))
-        held = model_state_bytes(trainer.model, trainer.optimizer)
-        del trainer
+        engine.optimizer.zero_grad = lambda set_to_none=True: None
+        engine.train_step(next(run.loader), 1)
+        held = model_state_bytes(engine.model, engine.optimizer)
+        del run, engine
         gc.collect()
         return {"stage": stage, "rank": rt.rank, "world": rt.world_size, "model": model, **held}
-    x, y = next(trainer.loader)[0]
-    logits = trainer.model(x)
-    after_forward = model_state_bytes(trainer.model)["params"]
+    x, y = next(run.loader)[0]
+    logits = engine.model(x)
+    after_forward = model_state_bytes(engine.model)["params"]
     torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()).backward()
-    trainer.optimizer.step()
-    held = model_state_bytes(trainer.model, trainer.optimizer)
-    del trainer, logits
+    engine.optimizer.step()
+    held = model_state_bytes(engine.model, engine.optimizer)
+    del run, engine, logits
     gc.collect()
     return {"stage": stage, "rank": rt.rank, "world": rt.world_size, "model": model,
             "params_after_forward": after_forward, **held}

@@ -9,6 +9,8 @@ efficiency = speedup / n.
 
 from __future__ import annotations
 
+from disttrain.errors import UserError
+
 import json
 import os
 import statistics
@@ -20,10 +22,9 @@ WARMUP_STEPS = 5
 
 
 def process_counts(max_procs: int) -> list[int]:
-    from disttrain.config import ConfigError
 
     if max_procs < 1:
-        raise ConfigError(f"--max-procs={max_procs}: must be at least 1")
+        raise UserError(f"--max-procs={max_procs}: must be at least 1")
     counts, n = [], 1
     while n <= max_procs:
         counts.append(n)

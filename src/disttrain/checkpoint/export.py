@@ -1,29 +1,22 @@
-"""Export a committed checkpoint as one file (torch, safetensors) or a Hugging Face Llama folder,
-and load such weights to start a run (`model.init_from`).
+"""Export a committed checkpoint as one file (torch, safetensors) or a Hugging Face folder, and load
+such weights to start a run (`model.init_from`).
 
-Parameter names are disttrain's (`layers.0.attention.wq.weight`); the `hf` format renames them to
-`transformers`' LlamaForCausalLM names. disttrain's rotary embedding uses the same rotate-half
-convention as HF Llama, so no weight permutation is needed.
+Parameter names are the model's own; the `hf` format renames them through the ModelSpec's
+state-dict adapter (`to_hf`/`from_hf`) and writes its `hf_config`.
 """
 
 from __future__ import annotations
 
 import json
-import re
 import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
-from disttrain.models.registry import ModelShape
+from disttrain.errors import UserError
 
 FORMATS = ("torch", "safetensors", "hf")
-_HF_LAYER = {
-    "attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj", "attention.wv": "self_attn.v_proj",
-    "attention.wo": "self_attn.o_proj", "feed_forward.w1": "mlp.gate_proj", "feed_forward.w3": "mlp.up_proj",
-    "feed_forward.w2": "mlp.down_proj", "attention_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-}
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -46,18 +39,21 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return latest
 
 
-def checkpoint_shape(step_dir: Path) -> ModelShape:
+def checkpoint_spec(step_dir: Path):
+    """The ModelSpec of the model a checkpoint holds (from the config saved with it)."""
     from disttrain.checkpoint.manager import CheckpointManager
     from disttrain.config import ModelConfig
-    from disttrain.models.registry import resolve_shape
+    from disttrain.models.registry import model_spec
 
     state = CheckpointManager.read_train_state(step_dir)
-    return resolve_shape(ModelConfig.model_validate(state["config"]["model"]))
+    return model_spec(ModelConfig.model_validate(state["config"]["model"]))
 
 
 def full_model_state(step_dir: Path) -> dict[str, torch.Tensor]:
     """Unsharded fp32 parameters, whatever layout or engine wrote the checkpoint; no process group needed."""
-    if (step_dir / "deepspeed").is_dir():
+    from disttrain.checkpoint.manager import CheckpointManager
+
+    if CheckpointManager.format_of(step_dir) == "deepspeed":
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         state = get_fp32_state_dict_from_zero_checkpoint(str(step_dir), tag="deepspeed")
@@ -70,86 +66,46 @@ def full_model_state(step_dir: Path) -> dict[str, torch.Tensor]:
     return {k: v.detach().float().contiguous() for k, v in state.items() if not k.startswith("rope_")}
 
 
-def to_hf_names(state: dict[str, torch.Tensor], shape: ModelShape) -> dict[str, torch.Tensor]:
-    out = {}
-    for name, tensor in state.items():
-        if name == "tok_embeddings.weight":
-            out["model.embed_tokens.weight"] = tensor
-        elif name == "norm.weight":
-            out["model.norm.weight"] = tensor
-        elif name == "output.weight":
-            if not shape.tie_embeddings:
-                out["lm_head.weight"] = tensor
-        else:
-            m = re.fullmatch(r"layers\.(\d+)\.(.+)\.weight", name)
-            out[f"model.layers.{m.group(1)}.{_HF_LAYER[m.group(2)]}.weight"] = tensor
-    return out
-
-
-def from_hf_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    back = {v: k for k, v in _HF_LAYER.items()}
-    out = {}
-    for name, tensor in state.items():
-        if name == "model.embed_tokens.weight":
-            out["tok_embeddings.weight"] = tensor
-        elif name == "model.norm.weight":
-            out["norm.weight"] = tensor
-        elif name == "lm_head.weight":
-            out["output.weight"] = tensor
-        else:
-            m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.weight", name)
-            out[f"layers.{m.group(1)}.{back[m.group(2)]}.weight"] = tensor
-    return out
-
-
-def hf_config(shape: ModelShape) -> dict:
-    return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": shape.dim,
-        "intermediate_size": shape.ffn_hidden_dim, "num_hidden_layers": shape.n_layers,
-        "num_attention_heads": shape.n_heads, "num_key_value_heads": shape.n_kv_heads, "head_dim": shape.head_dim,
-        "vocab_size": shape.vocab_size, "max_position_embeddings": shape.max_seq_len, "rms_norm_eps": shape.norm_eps,
-        "rope_theta": shape.rope_theta, "tie_word_embeddings": shape.tie_embeddings, "hidden_act": "silu",
-        "attention_bias": False, "mlp_bias": False, "torch_dtype": "float32",
-    }
-
-
-def _untie(state: dict[str, torch.Tensor], shape: ModelShape) -> dict[str, torch.Tensor]:
-    """safetensors refuses shared storage: a tied output matrix is stored once (as the embedding)."""
-    if shape.tie_embeddings:
-        state = {k: v for k, v in state.items() if k != "output.weight"}
-    return {k: v.clone() for k, v in state.items()}
+def _untie(state: dict[str, torch.Tensor], spec) -> dict[str, torch.Tensor]:
+    """safetensors refuses shared storage: a tied group is stored once (under its first name)."""
+    drop = {name for group in spec.tied_parameters for name in group[1:]}
+    return {k: v.clone() for k, v in state.items() if k not in drop}
 
 
 def export(checkpoint: str | Path, fmt: str, out: str | Path) -> Path:
     from safetensors.torch import save_file
 
     step_dir = resolve_checkpoint(checkpoint)
-    shape = checkpoint_shape(step_dir)
+    spec = checkpoint_spec(step_dir)
     state = full_model_state(step_dir)
     out = Path(out)
-    meta = {"format": "disttrain", "shape": json.dumps(asdict(shape)), "source": str(step_dir)}
+    shape = asdict(spec.shape) if spec.shape is not None else {}
+    meta = {"format": "disttrain", "shape": json.dumps(shape), "source": str(step_dir)}
     if fmt == "torch":
         out.parent.mkdir(parents=True, exist_ok=True)
-        torch.save({"model": state, "shape": asdict(shape)}, out)
+        torch.save({"model": state, "shape": shape}, out)
     elif fmt == "safetensors":
         out.parent.mkdir(parents=True, exist_ok=True)
-        save_file(_untie(state, shape), str(out), metadata=meta)
+        save_file(_untie(state, spec), str(out), metadata=meta)
     elif fmt == "hf":
+        if spec.to_hf is None:
+            raise UserError(f"--to hf: model {spec.name} has no Hugging Face name mapping (allowed: torch, safetensors)")
         out.mkdir(parents=True, exist_ok=True)
-        save_file(_untie(to_hf_names(state, shape), shape), str(out / "model.safetensors"), metadata={"format": "pt"})
-        (out / "config.json").write_text(json.dumps(hf_config(shape), indent=2) + "\n")
+        hf_state = {k: v.clone() for k, v in spec.to_hf(_untie(state, spec)).items()}
+        save_file(hf_state, str(out / "model.safetensors"), metadata={"format": "pt"})
+        (out / "config.json").write_text(json.dumps(spec.hf_config(), indent=2) + "\n")
     else:
         raise ValueError(f"unknown format {fmt!r} (allowed: {', '.join(FORMATS)})")
     return out
 
 
-def load_weights(path: str | Path) -> dict[str, torch.Tensor]:
-    """Weights written by `export` (any format), by disttrain names; never unpickles code."""
+def load_weights(path: str | Path, spec) -> dict[str, torch.Tensor]:
+    """Weights written by `export` (any format), by the model's own names; never unpickles code."""
     path = Path(path)
     if path.is_dir():
         from safetensors.torch import load_file
 
-        return from_hf_names(load_file(str(path / "model.safetensors")))
+        return spec.from_hf(load_file(str(path / "model.safetensors")))
     if path.suffix == ".safetensors":
         from safetensors.torch import load_file
 
@@ -158,9 +114,9 @@ def load_weights(path: str | Path) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def init_from(model: torch.nn.Module, path: str | Path) -> None:
+def init_from(model: torch.nn.Module, path: str | Path, spec) -> None:
     """Copy exported weights into a materialised single-device model (before parallelisation)."""
-    state = load_weights(path)
+    state = load_weights(path, spec)
     params = dict(model.named_parameters())
     missing = sorted(set(params) - set(state))
     if missing:

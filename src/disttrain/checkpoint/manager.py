@@ -2,10 +2,14 @@
 
 Layout of one checkpoint:
     step_00000100/
-        *.distcp, .metadata     model + optimizer, sharded by DCP (reloadable on another layout)
+        *.distcp, .metadata     model + optimizer, sharded by DCP (reloadable on another layout),
+                                or another format the step engine writes (DeepSpeed's folder)
         train_state.pt          step, tokens, LR schedule, grad scaler, loader position, config fingerprint
         rank_00000.pt ...       each rank's RNG states
-        COMMIT                  written last by rank 0, after every rank finished writing
+        COMMIT                  written last by rank 0, after every rank finished writing; names the format
+
+The step engine writes and reads model + optimizer state (`engine.save`/`engine.load`); this
+module owns directories, commit, retention, RNG and the choice of what to resume.
 """
 
 from __future__ import annotations
@@ -19,14 +23,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
-                                                     set_state_dict)
-from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from disttrain.parallel import zero1
-from disttrain.train import deepspeed_engine
+from disttrain.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +59,7 @@ class CheckpointManager:
         # DCP's async writer runs collectives while training runs its own: it needs its own group.
         self._async_group = dist.new_group(backend="gloo") if async_save else None
         self._pending: tuple[int, Path, object, float] | None = None
+        self._format = "dcp"
 
     def step_dir(self, step: int) -> Path:
         return self.dir / f"step_{step:08d}"
@@ -98,7 +98,7 @@ class CheckpointManager:
             self.read_train_state(path)
         except Exception as exc:  # truncated or foreign pickle: torch raises several types
             return f"{path / 'train_state.pt'} is unreadable ({type(exc).__name__})"
-        if (path / deepspeed_engine.TAG).is_dir():
+        if self.format_of(path) != "dcp":
             return None
         try:
             metadata = FileSystemReader(str(path)).read_metadata()
@@ -130,7 +130,15 @@ class CheckpointManager:
         dist.broadcast_object_list(choice, src=0)
         return (Path(choice[0]) if choice[0] else None), choice[1]
 
-    def save(self, step: int, model, optimizer, train_state: dict) -> Path:
+    @staticmethod
+    def format_of(path: Path) -> str:
+        """The state format the engine that saved `path` wrote (from its COMMIT record)."""
+        try:
+            return json.loads((path / COMMIT).read_text()).get("format", "dcp")
+        except (OSError, ValueError):
+            return "dcp"
+
+    def save(self, step: int, engine, train_state: dict) -> Path:
         """Collective: every rank calls it. Returns the step directory (committed unless async)."""
         self.commit_pending()
         path = self.step_dir(step)
@@ -138,19 +146,8 @@ class CheckpointManager:
             shutil.rmtree(path)  # a stale save of the same step (e.g. after a crash and resume)
         dist.barrier()
         path.mkdir(parents=True, exist_ok=True)  # an async writer creates it only in the background
-        future = None
-        if deepspeed_engine.is_engine(model):
-            deepspeed_engine.save(model, path)
-        else:
-            if isinstance(optimizer, ZeroRedundancyOptimizer):  # each rank contributes the states it owns
-                model_sd, optim_sd = get_model_state_dict(model), zero1.zero1_state_dict(model, optimizer)
-            else:
-                model_sd, optim_sd = get_state_dict(model, optimizer)
-            state = {"model": model_sd, "optim": optim_sd}
-            if self.async_save:
-                future = dcp.async_save(state, checkpoint_id=path, process_group=self._async_group)
-            else:
-                dcp.save(state, checkpoint_id=path)
+        self._format = engine.checkpoint_format
+        future = engine.save(path, self._async_group if self.async_save else None)
         torch.save(rng_state(), path / f"rank_{self.rank:05d}.pt")
         if self.rank == 0:
             torch.save(train_state, path / "train_state.pt")
@@ -164,7 +161,8 @@ class CheckpointManager:
     def _commit(self, step: int, path: Path) -> None:
         if self.rank == 0:
             tmp = path / (COMMIT + ".tmp")
-            tmp.write_text(json.dumps({"step": step, "world_size": dist.get_world_size(), "time": time.time()}))
+            tmp.write_text(json.dumps({"step": step, "world_size": dist.get_world_size(), "time": time.time(),
+                                       "format": self._format}))
             tmp.replace(path / COMMIT)
             self._apply_retention()
 
@@ -193,24 +191,14 @@ class CheckpointManager:
         for old in self.committed()[:-self.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
 
-    def load(self, path: Path, model, optimizer) -> dict:
+    def load(self, path: Path, engine) -> dict:
         """Collective: restore model and optimizer in place, this rank's RNG; return the train state."""
-        if deepspeed_engine.is_engine(model):
-            if not (path / deepspeed_engine.TAG).is_dir():
-                raise RuntimeError(f"{path} was not written by engine=deepspeed; DeepSpeed resumes only its own checkpoints")
-            deepspeed_engine.load(model, path)
-        elif (path / deepspeed_engine.TAG).is_dir():
-            raise RuntimeError(f"{path} was written by engine=deepspeed; resume it with engine=deepspeed")
-        elif isinstance(optimizer, ZeroRedundancyOptimizer):
-            state = {"model": get_model_state_dict(model), "optim": zero1.zero1_load_template(model, optimizer)}
-            dcp.load(state, checkpoint_id=path)
-            set_model_state_dict(model, state["model"])
-            zero1.zero1_load_state_dict(model, optimizer, state["optim"])
-        else:
-            model_sd, optim_sd = get_state_dict(model, optimizer)
-            state = {"model": model_sd, "optim": optim_sd}
-            dcp.load(state, checkpoint_id=path)
-            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        saved = self.format_of(path)
+        if saved != engine.checkpoint_format:
+            raise UserError(f"checkpoint.resume: {path} holds {saved} state, and this run's engine reads "
+                            f"{engine.checkpoint_format} (resume with the engine that saved it: "
+                            f"engine={'deepspeed' if saved == 'deepspeed' else 'torch'})")
+        engine.load(path)
         rank_file = path / f"rank_{self.rank:05d}.pt"
         if rank_file.is_file():
             set_rng_state(torch.load(rank_file, weights_only=True))

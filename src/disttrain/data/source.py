@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from disttrain.errors import UserError
+
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,30 +28,29 @@ def _tokenizer_spec(source: str, tokenizer: str) -> str:
 
 
 def describe_source(source: str, tokenizer: str) -> SourceInfo:
-    """Validate the data keys without reading any tokens; raises ConfigError."""
-    from disttrain.config import ConfigError
+    """Validate the data keys without reading any tokens; raises UserError."""
 
     if source != "builtin":
         path = Path(source)
         if not path.is_dir():
-            raise ConfigError(f"data.source={source}: no such directory (allowed: builtin, or a directory "
+            raise UserError(f"data.source={source}: no such directory (allowed: builtin, or a directory "
                               "written by `disttrain prepare-data`)")
         if not (path / "meta.json").is_file():
-            raise ConfigError(f"data.source={source}: no meta.json inside (allowed: builtin, or a directory "
+            raise UserError(f"data.source={source}: no meta.json inside (allowed: builtin, or a directory "
                               "written by `disttrain prepare-data`)")
         try:
             meta = shards.read_meta(path)
         except (ValueError, KeyError) as exc:
-            raise ConfigError(f"data.source={source}: {exc}") from None
+            raise UserError(f"data.source={source}: {exc}") from None
         if meta["splits"].get("train", 0) == 0:
-            raise ConfigError(f"data.source={source}: the train split holds no tokens")
+            raise UserError(f"data.source={source}: the train split holds no tokens")
         return SourceInfo(meta["vocab_size"], f"{source}/meta.json")
     if tokenizer != "byte" and not Path(tokenizer).is_file():
-        raise ConfigError(f"data.tokenizer={tokenizer}: no such file (allowed: byte, or a tokenizer.json path)")
+        raise UserError(f"data.tokenizer={tokenizer}: no such file (allowed: byte, or a tokenizer.json path)")
     try:
         tok = load_tokenizer(tokenizer)
     except Exception as exc:  # tokenizers raises a bare Exception on malformed JSON
-        raise ConfigError(f"data.tokenizer={tokenizer}: cannot be loaded ({str(exc).splitlines()[0]})") from None
+        raise UserError(f"data.tokenizer={tokenizer}: cannot be loaded ({str(exc).splitlines()[0]})") from None
     return SourceInfo(tok.vocab_size, tok.name)
 
 

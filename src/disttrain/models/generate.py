@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from disttrain.models.llama import Transformer
-
 
 @torch.no_grad()
-def generate(model: Transformer, prompt: list[int], max_new_tokens: int, temperature: float = 0.8,
-             top_k: int = 40, seed: int = 0, stop_id: int | None = None, pad_multiple: int = 1) -> list[int]:
+def generate(model: torch.nn.Module, prompt: list[int], max_new_tokens: int, max_seq_len: int,
+             temperature: float = 0.8, top_k: int = 40, seed: int = 0, stop_id: int | None = None,
+             pad_multiple: int = 1) -> list[int]:
     """`pad_multiple`: right-pad each forward's input to a multiple of this (a sequence-parallel
     model splits the sequence evenly); causal attention keeps the real positions unaffected."""
     device = next(model.parameters()).device
@@ -18,7 +17,7 @@ def generate(model: Transformer, prompt: list[int], max_new_tokens: int, tempera
     was_training = model.training
     model.eval()
     for _ in range(max_new_tokens):
-        window = ids[:, -(model.shape.max_seq_len - pad_multiple + 1):]
+        window = ids[:, -(max_seq_len - pad_multiple + 1):]
         n = window.shape[1]
         pad = -n % pad_multiple
         if pad:

@@ -1,62 +1,24 @@
-"""Named model shapes. Pure Python so the planner and config validation can use it without torch."""
+"""Which model family a `model` config section names, and its pure-Python shape.
+
+Pure Python (no torch): config validation and the planner use it. The torch side of a family
+(its ModelSpec) is reached through `models.catalog.build_spec`.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
-from typing import Any
+from disttrain.models.llama.shapes import MODEL_SHAPES, resolve_shape
+from disttrain.models.shape import ModelShape
+
+__all__ = ["MODEL_SHAPES", "ModelShape", "model_shape"]
 
 
-@dataclass(frozen=True)
-class ModelShape:
-    dim: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    vocab_size: int
-    ffn_hidden_dim: int
-    max_seq_len: int
-    tie_embeddings: bool = False
-    norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
-
-    def num_params(self, include_embedding: bool = True) -> int:
-        """Exact parameter count of `models.llama.Transformer` with this shape."""
-        kv_dim = self.n_kv_heads * self.head_dim
-        attn = self.dim * self.dim * 2 + self.dim * kv_dim * 2
-        mlp = 3 * self.dim * self.ffn_hidden_dim
-        per_layer = attn + mlp + 2 * self.dim
-        embedding = self.vocab_size * self.dim
-        output = 0 if self.tie_embeddings else self.vocab_size * self.dim
-        total = self.n_layers * per_layer + self.dim + output
-        return total + (embedding if include_embedding else 0)
+def model_shape(model_cfg) -> ModelShape:
+    """The decoder dimensions the config describes (registry shape + overrides)."""
+    return resolve_shape(model_cfg)
 
 
-# Llama-family shapes: 7b/13b/70b are Llama 2's, 1b is Llama 3.2 1B; 125m is a GPT-3-Small-sized Llama.
-MODEL_SHAPES: dict[str, ModelShape] = {
-    "debug": ModelShape(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256,
-                        ffn_hidden_dim=192, max_seq_len=256),
-    "tiny": ModelShape(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=256,
-                       ffn_hidden_dim=768, max_seq_len=512),
-    "125m": ModelShape(dim=768, n_layers=12, n_heads=12, n_kv_heads=12, vocab_size=32000,
-                       ffn_hidden_dim=2048, max_seq_len=2048),
-    "1b": ModelShape(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128256,
-                     ffn_hidden_dim=8192, max_seq_len=8192, tie_embeddings=True, rope_theta=500000.0),
-    "7b": ModelShape(dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, vocab_size=32000,
-                     ffn_hidden_dim=11008, max_seq_len=4096),
-    "13b": ModelShape(dim=5120, n_layers=40, n_heads=40, n_kv_heads=40, vocab_size=32000,
-                      ffn_hidden_dim=13824, max_seq_len=4096),
-    "70b": ModelShape(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=32000,
-                      ffn_hidden_dim=28672, max_seq_len=4096),
-}
+def model_spec(model_cfg):
+    """The ModelSpec (torch side) of the configured model."""
+    from disttrain.models.llama import llama_spec
 
-
-def resolve_shape(model_cfg: Any) -> ModelShape:
-    """The registry shape for `model_cfg.name` with any non-None shape overrides applied."""
-    base = MODEL_SHAPES[model_cfg.name]
-    overrides = {f.name: getattr(model_cfg, f.name) for f in fields(ModelShape)
-                 if getattr(model_cfg, f.name, None) is not None}
-    return replace(base, **overrides)
+    return llama_spec(model_shape(model_cfg))

@@ -4,8 +4,8 @@
 optimizer. On CPU it reads the clock at each boundary; on GPU it records CUDA events there and
 reads them only when a step is logged (one synchronisation per logging step, none per step).
 Exposed communication is the gradient reduction that backward compute did not hide: the time from
-the last backward computation (the gradient reaching the embedding output, marked by a tensor
-hook) to the end of `backward()`, which is where DDP and FSDP wait for their last all-reduce or
+the last backward computation (the gradient reaching the input embedding's output, marked by a
+tensor hook) to the end of `backward()`, which is where DDP and FSDP wait for their last all-reduce or
 reduce-scatter. Collectives inside forward and backward (FSDP all-gathers, tensor-parallel
 all-reduces) are part of those phases; `CommProfiler` reports their time per collective kind.
 
@@ -70,8 +70,11 @@ class StepBreakdown:
         self.totals = dict.fromkeys(PARTS, 0.0)
         return out
 
-    def watch_embedding(self, embedding: torch.nn.Module | None) -> None:
-        """Mark the end of backward compute when the gradient reaches the embedding output."""
+    def watch_input_module(self, model: torch.nn.Module) -> None:
+        """Mark the end of backward compute when the gradient reaches the output of the first module
+        holding parameters (a language model's input embedding): after it only that module's own
+        weight gradient and the data-parallel reduction remain."""
+        embedding = next((m for m in model.modules() if next(m.parameters(recurse=False), None) is not None), None)
         if embedding is None:
             return
 

@@ -21,7 +21,7 @@ import statistics
 
 import torch
 import torch.distributed as dist
-from disttrain.observe.memory import local_tensor
+from disttrain.observe.model_bytes import local_shard
 from disttrain.parallel.names import clean_fqn
 
 
@@ -37,7 +37,7 @@ class NonFiniteError(RuntimeError):
 def replica_checksums(model: torch.nn.Module) -> tuple[list[str], torch.Tensor]:
     names, sums = [], []
     for name, p in model.named_parameters():
-        local = local_tensor(p).detach().double()
+        local = local_shard(p).detach().double()
         names.append(clean_fqn(name))
         sums.append(torch.stack([local.sum(), (local * local).sum()]))
     return names, torch.stack(sums)

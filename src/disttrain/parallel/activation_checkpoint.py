@@ -34,12 +34,13 @@ def selective_context():
     return create_selective_checkpoint_contexts(_save_matmuls)
 
 
-def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
-    """Wrap each block in place; parameter names gain a wrapper prefix that DCP's state-dict helpers strip."""
+def apply_activation_checkpointing(blocks: nn.Module, mode: str) -> None:
+    """Wrap each block of the container (ModuleDict or ModuleList) in place; parameter names gain a
+    wrapper prefix that DCP's state-dict helpers strip."""
     if mode == "none":
         return
     kwargs = {"preserve_rng_state": False}
     if mode == "selective":
         kwargs["context_fn"] = selective_context
-    for key, block in list(model.layers.items()):
-        model.layers[key] = checkpoint_wrapper(block, **kwargs)
+    for key, block in list(blocks.named_children()):
+        setattr(blocks, key, checkpoint_wrapper(block, **kwargs))

@@ -1,6 +1,6 @@
 """ZeRO stages 2 and 3 and HSDP through FSDP2 (`fully_shard`).
 
-Each transformer block is its own FSDP unit (one all-gather / reduce-scatter per block, so
+Each repeated block is its own FSDP unit (one all-gather / reduce-scatter per block, so
 communication overlaps with the neighbouring block's compute), and the root wraps what is
 left (embeddings, final norm, output layer).
   stage 3: reshard_after_forward=True  - parameters are freed after each block's forward
@@ -18,24 +18,17 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from disttrain.train.precision import DTYPES
+from disttrain.dtypes import DTYPES
+from disttrain.layout import Layout
 
 
-def fsdp_mesh(meshes, dims):
-    """1-D over dp_shard for plain sharding, 2-D (dp_replicate, dp_shard) for HSDP."""
-    if dims.dp_replicate > 1:
-        return meshes.world["dp_replicate", "dp_shard"]
-    return meshes.world["dp_shard"]
-
-
-def apply_fsdp(model: nn.Module, mesh, *, zero_stage: int, param_dtype: str, reduce_dtype: str,
-               cpu_offload: bool) -> nn.Module:
-    mp = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[reduce_dtype])
+def apply_fsdp(model: nn.Module, blocks: nn.Module, mesh, layout: Layout) -> nn.Module:
+    mp = MixedPrecisionPolicy(param_dtype=DTYPES[layout.param_dtype], reduce_dtype=DTYPES[layout.reduce_dtype])
     # Pinned host memory needs an accelerator; on CPU-only machines pinning raises.
-    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
-    reshard = zero_stage == 3
-    for block in model.layers.values():
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=offload)
+    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if layout.cpu_offload else OffloadPolicy()
+    for block in blocks.children():
+        fully_shard(block, mesh=mesh, reshard_after_forward=layout.reshard_after_forward, mp_policy=mp,
+                    offload_policy=offload)
     # The root's parameters (embeddings, norm, output) are needed first in backward: keep them gathered.
     fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp, offload_policy=offload)
     return model

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from disttrain.models.registry import ModelShape
-from disttrain.plan.layout import DTYPE_BYTES, Layout, split_layers
+from disttrain.layout import DTYPE_BYTES, Layout, split_layers
 
 ACCOUNTINGS = ("runtime", "zero-paper")
 FP32 = 4

@@ -14,7 +14,7 @@ from typing import Iterator
 
 from disttrain.models.registry import ModelShape
 from disttrain.plan.estimate import Estimate, estimate
-from disttrain.plan.layout import RECOMPUTE, SCHEDULES, Layout, layout_problems
+from disttrain.layout import RECOMPUTE, SCHEDULES, Layout, layout_problems
 from disttrain.plan.timing import Cluster
 
 

@@ -20,9 +20,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from disttrain.models.registry import ModelShape
-from disttrain.plan import flops as F
-from disttrain.plan.hardware import GPUSpec
-from disttrain.plan.layout import DTYPE_BYTES, Layout
+from disttrain import flops as F
+from disttrain.hardware import GPUSpec
+from disttrain.layout import DTYPE_BYTES, Layout
 from disttrain.plan.memory import layer_params, rank_params
 
 DDP_BUCKET_BYTES = 25 * 2 ** 20

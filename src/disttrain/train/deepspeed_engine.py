@@ -14,12 +14,18 @@ What maps onto what:
                                    to deepspeed.initialize, so both engines follow the same update rule
 Checkpoints use DeepSpeed's own format inside disttrain's committed step directories; they resume
 only under engine=deepspeed with the same ZeRO stage (DeepSpeed's loader unpickles, unlike DCP).
+This engine is the only module that knows a DeepSpeed engine object exists.
 """
 
 from __future__ import annotations
 
-INSTALL_HINT = ("engine=deepspeed needs DeepSpeed: DS_BUILD_OPS=0 pip install -c constraints.txt "
-                "--no-build-isolation 'disttrain[deepspeed]'")
+from pathlib import Path
+
+import torch
+
+from disttrain.errors import UserError
+from disttrain.train.loss import RankMeanLoss
+
 
 
 def deepspeed_config(cfg, world_size: int, cuda: bool = False) -> dict:
@@ -49,48 +55,71 @@ def deepspeed_config(cfg, world_size: int, cuda: bool = False) -> dict:
     return out
 
 
-def import_deepspeed():
-    from disttrain.config import ConfigError
-
-    try:
-        import deepspeed
-    except ImportError:
-        raise ConfigError(INSTALL_HINT) from None
-    return deepspeed
+TAG = "deepspeed"  # DeepSpeed's own checkpoint folder inside a committed step directory
 
 
-def initialize(model, optimizer, scheduler, cfg, world_size: int, cuda: bool):
-    deepspeed = import_deepspeed()
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
-                                           config=deepspeed_config(cfg, world_size, cuda), dist_init_required=False)
-    return engine
+def written_by_deepspeed(path: Path) -> bool:
+    return (Path(path) / TAG).is_dir()
 
 
-def is_engine(model) -> bool:
-    return type(model).__name__ == "DeepSpeedEngine"
+class DeepSpeedEngine:
+    """DeepSpeed owns accumulation (it divides each micro-batch loss by the step count), gradient
+    averaging, clipping, loss scaling, the optimizer and the LR schedule step."""
 
+    checkpoint_format = TAG
 
-def train_step(engine, micro_batches, loss_fn, device):
-    """DeepSpeed owns accumulation (it divides each micro-batch loss by the step count),
-    gradient averaging, clipping, loss scaling, the optimizer and the LR schedule step."""
-    loss_sum = None
-    local_tokens = sum(y.numel() for _, y in micro_batches)
-    for x, y in micro_batches:
-        x, y = x.to(device), y.to(device)
-        loss = loss_fn(engine(x), y)
-        engine.backward(loss * len(micro_batches) / local_tokens)  # mean over the rank's tokens after DS's 1/gas
-        engine.step()
-        loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
-    norm = engine.get_global_grad_norm()
-    return loss_sum, norm if norm is not None else float("nan")
+    def __init__(self, model, optimizer, scheduler, cfg, world_size: int, device, spec, dp_group, breakdown, faults):
+        from disttrain.validation import INSTALL_HINT
 
+        try:
+            import deepspeed
+        except ImportError:
+            raise UserError(INSTALL_HINT) from None
+        self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                                                    config=deepspeed_config(cfg, world_size, device.type == "cuda"),
+                                                    dist_init_required=False)
+        self.model = self.engine  # DCP-free: saves and loads go through DeepSpeed's own format
+        self.scheduler, self.spec, self.device = scheduler, spec, device
+        self.loss_groups = [dp_group]
+        self.breakdown, self.faults = breakdown, faults
+        self.forward_seconds = 0.0
+        self.skipped_steps: list[int] = []  # DeepSpeed skips overflowing fp16 steps itself
 
-TAG = "deepspeed"
+    def train_step(self, micro_batches: list, step: int):
+        mean_loss = RankMeanLoss(self.spec.loss_sum, sum(y.numel() for _, y in micro_batches))
+        loss_sum = torch.zeros((), device=self.device)
+        for x, y in micro_batches:
+            x, y = x.to(self.device), y.to(self.device)
+            self.faults.before_forward()
+            loss = self.faults.corrupt_loss(step, mean_loss(self.engine(x), y))
+            self.engine.backward(loss * len(micro_batches))  # undo DeepSpeed's 1/accumulation: mean over rank tokens
+            self.engine.step()
+            loss_sum += mean_loss.as_sum(loss)
+        norm = self.engine.get_global_grad_norm()
+        return loss_sum, torch.as_tensor(norm if norm is not None else float("nan"))
 
+    @torch.no_grad()
+    def eval_loss_sum(self, micro_batches: list) -> torch.Tensor:
+        total = torch.zeros((), device=self.device)
+        for x, y in micro_batches:
+            total += self.spec.loss_sum(self.engine(x.to(self.device)), y.to(self.device)).detach()
+        return total
 
-def save(engine, path) -> None:
-    engine.save_checkpoint(str(path), tag=TAG, save_latest=False)
+    def lr(self) -> float:
+        return self.scheduler.get_last_lr()[0]
 
+    def state_dict(self) -> dict:
+        return {"scheduler": self.scheduler.state_dict(), "scaler": {}}
 
-def load(engine, path) -> None:
-    engine.load_checkpoint(str(path), tag=TAG, load_optimizer_states=True, load_lr_scheduler_states=True)
+    def load_state_dict(self, state: dict) -> None:
+        self.scheduler.load_state_dict(state["scheduler"])
+
+    def save(self, path: Path, async_group=None):
+        self.engine.save_checkpoint(str(path), tag=TAG, save_latest=False)
+        return None
+
+    def load(self, path: Path) -> None:
+        self.engine.load_checkpoint(str(path), tag=TAG, load_optimizer_states=True, load_lr_scheduler_states=True)
+
+    def extra_metrics(self) -> dict:
+        return {}

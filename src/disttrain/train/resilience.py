@@ -21,15 +21,23 @@ import statistics
 import threading
 import time
 from collections import deque
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
+from disttrain.errors import EXIT_HANG, EXIT_PREEMPTED
+
 log = logging.getLogger(__name__)
 
-EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "try again" - torchrun restarts, SLURM/Kubernetes policies can requeue on it
-EXIT_HANG = 124
+__all__ = ["EXIT_HANG", "EXIT_PREEMPTED", "Decision", "StepControl", "Watchdog", "NullWatchdog"]
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class Decision(NamedTuple):
+    save_due: bool  # the time-based checkpoint interval elapsed (rank 0's clock)
+    preempted: bool  # some rank received SIGTERM/SIGUSR1
+    write_pending: bool  # some rank's async checkpoint write is still running
 
 
 class StepControl:
@@ -47,13 +55,12 @@ class StepControl:
     def _on_signal(self, signum, frame) -> None:
         self.preempt_signal = signum
 
-    def decide(self, write_pending: bool = False) -> tuple[bool, bool, bool]:
-        """Collective: (checkpoint due by time, preemption requested on any rank, an async
-        checkpoint write still running on any rank)."""
+    def decide(self, write_pending: bool = False) -> Decision:
+        """Collective: one small all-reduce (MAX) of this rank's three flags."""
         due = self.rank == 0 and self.every_s > 0 and time.monotonic() - self.last_save >= self.every_s
         flags = torch.tensor([float(due), float(self.preempt_signal is not None), float(write_pending)])
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
-        return bool(flags[0]), bool(flags[1]), bool(flags[2])
+        return Decision(bool(flags[0]), bool(flags[1]), bool(flags[2]))
 
     def saved(self) -> None:
         self.last_save = time.monotonic()

@@ -12,7 +12,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
 
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
+def local_shard(t: torch.Tensor) -> torch.Tensor:
     """The part of a (possibly sharded) tensor this rank stores."""
     return t.to_local() if isinstance(t, DTensor) else t
 
@@ -20,7 +20,7 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 def local_bytes(t: torch.Tensor | None) -> int:
     if t is None:
         return 0
-    t = local_tensor(t)
+    t = local_shard(t)
     return t.numel() * t.element_size()
 
 

@@ -1,24 +1,22 @@
-"""MFU inputs: model FLOPs per token (PaLM's 6N + 12·L·H·Q·T, from the planner) and the peak FLOP/s
-of the device, from `metrics.peak_tflops` or, on a known GPU, the planner's hardware table."""
+"""MFU inputs: the peak FLOP/s of the device, from `metrics.peak_tflops` or, on a known GPU, the
+hardware table (model FLOPs per token come from the ModelSpec)."""
 
 from __future__ import annotations
 
 import torch
 
-from disttrain.plan.hardware import match_device_name
+from disttrain.hardware import match_device_name
 
 
-def matmul_dtype(cfg) -> str:
+def matmul_dtype(layout) -> str:
     """The dtype the matmuls run in: the autocast or FSDP parameter dtype, else fp32/tf32."""
-    prec = cfg.precision
-    if prec.compute_dtype in ("bf16", "fp16"):
-        return prec.compute_dtype
-    if cfg.parallel.zero_stage >= 2 and prec.fsdp_param_dtype("cuda") in ("bf16", "fp16"):
-        return prec.fsdp_param_dtype("cuda")
+    for dtype in (layout.compute_dtype, layout.param_dtype):
+        if dtype in ("bf16", "fp16"):
+            return dtype
     return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "fp32"
 
 
-def peak_flops_per_device(cfg, device: torch.device) -> tuple[float | None, str]:
+def peak_flops_per_device(cfg, layout, device: torch.device) -> tuple[float | None, str]:
     """(peak FLOP/s of one device, where the number comes from); None where it is unknown (CPU
     without `metrics.peak_tflops`), in which case MFU is not logged."""
     if cfg.metrics.peak_tflops:
@@ -27,6 +25,6 @@ def peak_flops_per_device(cfg, device: torch.device) -> tuple[float | None, str]
         name = torch.cuda.get_device_name(device)
         gpu = match_device_name(name)
         if gpu is not None:
-            dtype = matmul_dtype(cfg)
+            dtype = matmul_dtype(layout)
             return gpu.peak_flops(dtype), f"{gpu.description} dense {dtype} peak"
     return None, "unknown"

@@ -1,4 +1,4 @@
-"""`disttrain estimate` and `disttrain plan`: argument parsing and output. Pure Python."""
+"""`disttrain estimate` and `disttrain plan`: arguments, the offline planner, and its output. Pure Python."""
 
 from __future__ import annotations
 
@@ -10,18 +10,15 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from disttrain.models.registry import MODEL_SHAPES, ModelShape
-from disttrain.plan import report
+from disttrain.errors import UserError
+from disttrain.hardware import GPUS, find_gpu
+from disttrain.layout import RECOMPUTE, SCHEDULES, Layout, layout_problems
+from disttrain.models.registry import MODEL_SHAPES, ModelShape, model_shape
+from disttrain.plan import render as report
 from disttrain.plan.estimate import estimate, shape_for_params
-from disttrain.plan.hardware import GPUS, find_gpu
-from disttrain.plan.layout import RECOMPUTE, SCHEDULES, Layout, layout_problems
 from disttrain.plan.memory import ACCOUNTINGS
 from disttrain.plan.search import SearchSpace, describe, search, why_winner
 from disttrain.plan.timing import Cluster, single_gpu_tokens_per_s
-
-
-class PlanError(ValueError):
-    """A user mistake on the command line; the CLI prints it as one line and exits 2."""
 
 
 _SUFFIX = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
@@ -33,7 +30,7 @@ def parse_count(flag: str, text: str, binary: bool = False) -> float:
     `binary` (batch sizes: Llama's "4M tokens" is 1024 x 4096 = 4·2^20)."""
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kmbgt]?)\s*", str(text).lower())
     if not match:
-        raise PlanError(f"{flag}={text}: expected a number like 4M, 300e9 or 1.5T")
+        raise UserError(f"{flag}={text}: expected a number like 4M, 300e9 or 1.5T")
     return float(match.group(1)) * (_BINARY if binary else _SUFFIX).get(match.group(2), 1)
 
 
@@ -99,72 +96,63 @@ def add_parsers(sub) -> None:
     plan.add_argument("--top", type=int, default=5)
     plan.add_argument("--scaling", default=None, help="also plan these GPU counts, e.g. 2,4,8,16,32, and print "
                                                       "the scaling efficiency of each")
-    plan.add_argument("--out", default=None, help="winner config path (default: plan_<model>_<gpus>gpus.yaml)")
+    plan.add_argument("--out", default=None, help="write the winner as a config to this path (default: none)")
     plan.add_argument("--json", action="store_true")
     add_cluster_args(plan)
 
 
 def _shape(args, cfg=None) -> tuple[str, ModelShape]:
     if args.model and args.params:
-        raise PlanError("--model and --params: give one of them")
+        raise UserError("--model and --params: give one of them")
     if args.params:
         return shape_for_params(parse_count("--params", args.params))
     if args.model:
         if args.model not in MODEL_SHAPES:
-            raise PlanError(f"--model={args.model}: unknown model (allowed: {', '.join(MODEL_SHAPES)})")
+            raise UserError(f"--model={args.model}: unknown model (allowed: {', '.join(MODEL_SHAPES)})")
         return args.model, MODEL_SHAPES[args.model]
     if cfg is not None:
-        from disttrain.models.registry import resolve_shape
-
-        return cfg.model.name, resolve_shape(cfg.model)
-    raise PlanError("give a CONFIG, --model NAME or --params N")
+        return cfg.model.name, model_shape(cfg.model)
+    raise UserError("give a CONFIG, --model NAME or --params N")
 
 
 def _cluster(args, gpus: int) -> Cluster:
     try:
         gpu = find_gpu(args.gpu)
     except KeyError as exc:
-        raise PlanError(f"--gpu={exc.args[0]}") from None
+        raise UserError(f"--gpu={exc.args[0]}") from None
     per_node = min(args.gpus_per_node, gpus)
     if per_node < 1:
-        raise PlanError(f"--gpus-per-node={args.gpus_per_node}: must be positive")
+        raise UserError(f"--gpus-per-node={args.gpus_per_node}: must be positive")
     nodes = args.nodes if args.nodes is not None else math.ceil(gpus / per_node)
     if per_node * nodes != gpus:
-        raise PlanError(f"--gpus={gpus} is not --gpus-per-node={per_node} x --nodes={nodes}")
+        raise UserError(f"--gpus={gpus} is not --gpus-per-node={per_node} x --nodes={nodes}")
     if not 0 < args.compute_efficiency <= 1:
-        raise PlanError(f"--compute-efficiency={args.compute_efficiency}: must be in (0, 1]")
+        raise UserError(f"--compute-efficiency={args.compute_efficiency}: must be in (0, 1]")
     if not 0 <= args.overlap_efficiency <= 1:
-        raise PlanError(f"--overlap-efficiency={args.overlap_efficiency}: must be in [0, 1]")
+        raise UserError(f"--overlap-efficiency={args.overlap_efficiency}: must be in [0, 1]")
     for flag, value in (("--intra-node-bw", args.intra_node_bw), ("--inter-node-bw", args.inter_node_bw)):
         if value is not None and value <= 0:
-            raise PlanError(f"{flag}={value}: must be positive (GB/s)")
+            raise UserError(f"{flag}={value}: must be positive (GB/s)")
     return Cluster(gpu, per_node, nodes, args.intra_node_bw, args.inter_node_bw,
                    compute_efficiency=args.compute_efficiency, overlap_efficiency=args.overlap_efficiency)
 
 
 def _positive(flag: str, value) -> None:
     if value is not None and value < 1:
-        raise PlanError(f"{flag}={value}: must be at least 1")
+        raise UserError(f"{flag}={value}: must be at least 1")
 
 
 def build_layout(args) -> tuple[str, ModelShape, Layout]:
     cfg = None
     if args.config:
-        from disttrain.config import ConfigError, load_config
+        from disttrain.config import load_config
 
-        try:
-            cfg = load_config(args.config, [])
-        except ConfigError as exc:
-            raise PlanError(str(exc)) from None
+        cfg = load_config(args.config, [])
     name, shape = _shape(args, cfg)
     for flag in ("gpus", "dp_replicate", "tp", "pp", "microbatches", "micro_batch_size", "global_batch_size", "seq_len"):
         _positive("--" + flag.replace("_", "-"), getattr(args, flag))
-    if cfg is not None:
-        from disttrain.plan.layout import layout_from_config
-
-        p = cfg.parallel
-        world = args.gpus or (p.dp_replicate * max(p.dp_shard, 1) * p.tp * p.pp)
-        layout = layout_from_config(cfg, world, args.dtype)
+    if cfg is not None:  # the degrees as configured; dp_shard follows from --gpus below
+        layout = Layout.from_config(cfg, world_size=None)
     else:
         layout = Layout(seq_len=min(2048, shape.max_seq_len), param_dtype=args.dtype or "bf16")
     changes = {k: v for k, v in {
@@ -176,19 +164,17 @@ def build_layout(args) -> tuple[str, ModelShape, Layout]:
     fixed = layout.dp_replicate * layout.tp * layout.pp
     gpus = args.gpus or (layout.world_size if cfg is not None else fixed)
     if gpus % fixed:
-        raise PlanError(f"--gpus={gpus} is not divisible by dp_replicate x tp x pp = {fixed}")
+        raise UserError(f"--gpus={gpus} is not divisible by dp_replicate x tp x pp = {fixed}")
     layout = layout.with_(dp_shard=gpus // fixed)
     mbs = args.micro_batch_size or (layout.micro_batch_size if cfg is not None else 1)
     gbs = args.global_batch_size or (layout.global_batch_size if cfg is not None else
                                      layout.dp * mbs * max(1, args.microbatches or (layout.pp if layout.pp > 1 else 1)))
     layout = layout.with_(micro_batch_size=mbs, global_batch_size=gbs)
-    if layout.cpu_offload and layout.zero_stage < 2:
-        layout = layout.with_(zero_stage=3)
     if layout.seq_len > shape.max_seq_len:
         shape = replace(shape, max_seq_len=layout.seq_len)
     problems = layout_problems(shape, layout)
     if problems:
-        raise PlanError(problems[0])
+        raise UserError(problems[0])
     return name, shape, layout
 
 
@@ -212,7 +198,7 @@ def cmd_estimate(args) -> None:
 
 def _global_batch(args, seq_len: int) -> int:
     if args.global_batch_size and args.global_batch_tokens:
-        raise PlanError("--global-batch-size and --global-batch-tokens: give one of them")
+        raise UserError("--global-batch-size and --global-batch-tokens: give one of them")
     if args.global_batch_size:
         return args.global_batch_size
     tokens = parse_count("--global-batch-tokens", args.global_batch_tokens or "4M", binary=True)
@@ -226,9 +212,9 @@ def cmd_show_schedule(args) -> None:
         _positive(flag, value)
     multi = args.schedule in ("interleaved_1f1b", "zero_bubble")
     if multi and args.microbatches % args.pp:
-        raise PlanError(f"--microbatches={args.microbatches} must be a multiple of --pp={args.pp} for {args.schedule}")
+        raise UserError(f"--microbatches={args.microbatches} must be a multiple of --pp={args.pp} for {args.schedule}")
     if args.schedule != "gpipe" and args.microbatches < args.pp:
-        raise PlanError(f"--microbatches={args.microbatches} must be at least --pp={args.pp} for {args.schedule}")
+        raise UserError(f"--microbatches={args.microbatches} must be at least --pp={args.pp} for {args.schedule}")
     d = describe_schedule(args.schedule, args.pp, args.microbatches, args.virtual_stages)
     measured = _measured_bubble(args.run) if args.run else None
     if args.json:
@@ -245,14 +231,14 @@ def cmd_show_schedule(args) -> None:
 def _measured_bubble(run_dir: str) -> float:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
-        raise PlanError(f"--run={run_dir}: no metrics.jsonl there")
+        raise UserError(f"--run={run_dir}: no metrics.jsonl there")
     values = []
     for line in path.read_text().splitlines():
         record = json.loads(line)
         if "pp_bubble" in record and record.get("step", 0) > 1:  # step 1 includes set-up
             values.append(record["pp_bubble"])
     if not values:
-        raise PlanError(f"--run={run_dir}: no pp_bubble records (not a pipeline run, or only one step)")
+        raise UserError(f"--run={run_dir}: no pp_bubble records (not a pipeline run, or only one step)")
     values.sort()
     return values[len(values) // 2]
 
@@ -261,7 +247,7 @@ def cmd_plan(args) -> None:
     if args.show_schedule:
         return cmd_show_schedule(args)
     if args.gpus is None:
-        raise PlanError("--gpus is required (or use --show-schedule)")
+        raise UserError("--gpus is required (or use --show-schedule)")
     name, shape = _shape(args)
     _positive("--gpus", args.gpus)
     seq_len = args.seq_len or min(4096, shape.max_seq_len)
@@ -269,35 +255,38 @@ def cmd_plan(args) -> None:
         shape = replace(shape, max_seq_len=seq_len)
     gbs = _global_batch(args, seq_len)
     if not 0 <= args.headroom < 1:
-        raise PlanError(f"--headroom={args.headroom}: must be in [0, 1)")
+        raise UserError(f"--headroom={args.headroom}: must be in [0, 1)")
     try:
         stages = tuple(sorted({int(s) for s in args.zero_stages.split(",")}))
     except ValueError:
-        raise PlanError(f"--zero-stages={args.zero_stages}: expected a comma-separated subset of 0,1,2,3") from None
+        raise UserError(f"--zero-stages={args.zero_stages}: expected a comma-separated subset of 0,1,2,3") from None
     if not set(stages) <= {0, 1, 2, 3}:
-        raise PlanError(f"--zero-stages={args.zero_stages}: allowed stages are 0, 1, 2, 3")
+        raise UserError(f"--zero-stages={args.zero_stages}: allowed stages are 0, 1, 2, 3")
     cluster = _cluster(args, args.gpus)
     space = SearchSpace(seq_len=seq_len, global_batch_size=gbs, zero_stages=stages,
                         allow_offload=args.allow_offload, param_dtype=args.dtype or "bf16")
     result = search(shape, cluster, space, args.headroom, model=name)
     tokens = parse_count("--tokens", args.tokens) if args.tokens else None
     if not result.ranked:
-        raise PlanError(f"no layout of {name} fits {args.gpus} x {cluster.gpu.name} "
+        raise UserError(f"no layout of {name} fits {args.gpus} x {cluster.gpu.name} "
                         f"({result.considered} considered; try more GPUs, --allow-offload or a smaller --headroom)")
     win = result.ranked[0]
     baseline = single_gpu_tokens_per_s(shape, seq_len, cluster, space.param_dtype)
     counts = _counts(args.scaling)
     scaling = scaling_table(shape, args, space, name, counts) if counts else []
-    out = Path(args.out or f"plan_{name}_{args.gpus}gpus.yaml")
-    import yaml
+    out = Path(args.out) if args.out else None
+    if out is not None:
+        import yaml
 
-    out.write_text(yaml.safe_dump(report.winner_config(win, tokens), sort_keys=False))
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text(yaml.safe_dump(report.winner_config(win, tokens), sort_keys=False))
+        tmp.replace(out)
     if args.json:
         print(json.dumps({"winner": win.as_dict(), "top": [e.as_dict() for e in result.ranked[:args.top]],
                           "considered": result.considered, "fitting": result.fitting,
                           "baseline_tokens_per_s_per_gpu": baseline, "scaling": scaling,
                           "days": tokens / win.time.tokens_per_s / 86400 if tokens else None,
-                          "config": str(out)}, indent=1))
+                          "config": str(out) if out else None}, indent=1))
         return
     lines = [f"Model: {name}, {shape.num_params() / 1e9:.2f} B parameters; {args.gpus} x {cluster.gpu.description} "
              f"({cluster.nodes} node(s) x {cluster.gpus_per_node}); global batch {gbs} x {seq_len} tokens", "",
@@ -324,7 +313,8 @@ def cmd_plan(args) -> None:
             else:
                 lines.append(f"{row['gpus']:>5}  {row['tokens_per_s']:>12,.0f}  {row['tokens_per_s_per_gpu']:>9,.0f}  "
                              f"{row['efficiency']:>10.1%}  {row['layout']}")
-    lines += ["", f"Wrote {out} (run it with: disttrain train {out})"]
+    lines += ["", f"Wrote {out} (run it with: disttrain train {out})" if out else
+              "Pass --out FILE.yaml to write the winner as a config."]
     print("\n".join(lines))
 
 
@@ -354,15 +344,7 @@ def _counts(text: str | None) -> list[int]:
     try:
         counts = [int(x) for x in text.split(",")]
     except ValueError:
-        raise PlanError(f"--scaling={text}: expected comma-separated GPU counts like 2,4,8,16,32") from None
+        raise UserError(f"--scaling={text}: expected comma-separated GPU counts like 2,4,8,16,32") from None
     if any(c < 1 for c in counts):
-        raise PlanError(f"--scaling={text}: GPU counts must be positive")
+        raise UserError(f"--scaling={text}: GPU counts must be positive")
     return counts
-
-
-def run(command: str, args) -> None:
-    try:
-        (cmd_estimate if command == "estimate" else cmd_plan)(args)
-    except PlanError as exc:
-        print(f"disttrain: error: {exc}", file=sys.stderr)
-        sys.exit(2)

@@ -14,7 +14,7 @@ Conventions (see docs/PLANNING.md):
 
 from __future__ import annotations
 
-from disttrain.models.registry import ModelShape
+from disttrain.models.shape import ModelShape
 
 
 def matmul_params(shape: ModelShape) -> int:

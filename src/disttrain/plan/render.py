@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from disttrain.plan.estimate import Estimate
-from disttrain.plan.layout import Layout
+from disttrain.layout import Layout
 from disttrain.plan.search import describe
 
 GIB = 2 ** 30

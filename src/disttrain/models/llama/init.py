@@ -10,9 +10,8 @@ import hashlib
 import math
 
 import torch
-from torch import nn
 
-from disttrain.models.llama import Transformer
+from disttrain.models.llama.model import Transformer
 
 INIT_STD = 0.02
 
@@ -33,6 +32,7 @@ def _std_for(name: str, n_layers: int) -> float | None:
 @torch.no_grad()
 def init_weights(model: Transformer, seed: int) -> None:
     """Fill every parameter of a materialised (non-meta) model; call after `to_empty`."""
+    model.tie_weights()
     for name, param in model.named_parameters():
         std = _std_for(name, model.shape.n_layers)
         if std is None:
@@ -41,17 +41,3 @@ def init_weights(model: Transformer, seed: int) -> None:
         gen = torch.Generator(device=param.device).manual_seed(_param_seed(seed, name))
         param.normal_(0.0, std, generator=gen)
     model.reset_buffers()
-
-
-def build_model(shape, device: torch.device, seed: int) -> Transformer:
-    """Build on the meta device (no memory), materialise on `device`, then initialise."""
-    with torch.device("meta"):
-        model = Transformer(shape)
-    model.to_empty(device=device)
-    model.tie_weights()
-    init_weights(model, seed)
-    return model
-
-
-def count_params(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,43 @@
+"""Model + optimizer state through torch.distributed.checkpoint (sharded, reshardable on load).
+
+`get_state_dict`/`set_state_dict` give every layout (DDP, FSDP2, TP DTensors, a pipeline's pruned
+model) the same fully-qualified names, so a checkpoint written by one layout loads into another.
+ZeRO-1's optimizer (each rank owns some parameters' states) supplies its own state dicts.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
+                                                     set_state_dict)
+
+
+def save(path: Path, model, optimizer, async_group=None, optim_state=None):
+    """Collective. `optim_state`: the optimizer's state dict when it is not the standard one (ZeRO-1).
+    Returns a future when `async_group` is given (the write continues in the background)."""
+    if optim_state is None:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+    else:
+        model_sd, optim_sd = get_model_state_dict(model), optim_state
+    state = {"model": model_sd, "optim": optim_sd}
+    if async_group is not None:
+        return dcp.async_save(state, checkpoint_id=path, process_group=async_group)
+    dcp.save(state, checkpoint_id=path)
+    return None
+
+
+def load(path: Path, model, optimizer, optim_template=None):
+    """Collective: restore in place. With `optim_template` (ZeRO-1) returns the loaded optimizer
+    state for the caller to install; otherwise installs it."""
+    if optim_template is not None:
+        state = {"model": get_model_state_dict(model), "optim": optim_template}
+        dcp.load(state, checkpoint_id=path)
+        set_model_state_dict(model, state["model"])
+        return state["optim"]
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return None

@@ -1,0 +1,111 @@
+"""Command line: `disttrain train | estimate | plan | report | convert | config export-deepspeed |
+bench comm|scaling | prepare-data`. One error path: a UserError from any layer, or an argument
+mistake, prints one line and exits 2."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from disttrain.cli import plan as plan_cli
+from disttrain.cli import tools
+from disttrain.cli import train as train_cli
+from disttrain.errors import EXIT_USAGE, UserError
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a mistake is one line (no usage block) and exit 2."""
+
+    def error(self, message: str):
+        raise UserError(f"{self.prog}: {message} (see {self.prog} --help)")
+
+
+def _fail(message: str, quiet: bool = False) -> None:
+    if not quiet:
+        print(f"disttrain: error: {message}", file=sys.stderr)
+    sys.exit(EXIT_USAGE)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineParser(prog="disttrain", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train_cli.add_parser(sub)
+
+    config = sub.add_parser("config", help="config utilities")
+    config_sub = config.add_subparsers(dest="config_command", required=True)
+    export = config_sub.add_parser("export-deepspeed", help="write the DeepSpeed JSON config a RunConfig maps to")
+    export.add_argument("config", help="YAML config file")
+    export.add_argument("--world-size", type=int, default=1, help="processes the JSON is for (sets accumulation)")
+    export.add_argument("--out", default=None, help="output file (default: stdout)")
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    bcomm = bench_sub.add_parser("comm", help="collective bandwidth (algbw/busbw as NCCL's tests define them)")
+    bcomm.add_argument("--sizes", default=None, help="comma-separated buffer sizes, e.g. 1K,1M,64M (default 1K..64M)")
+    bcomm.add_argument("--ops", default=None, help="comma-separated subset of: all_reduce, all_gather, "
+                                                   "reduce_scatter, broadcast, all_to_all")
+    bcomm.add_argument("--iters", type=int, default=20)
+    bcomm.add_argument("--warmup", type=int, default=5)
+    bcomm.add_argument("--json", action="store_true", help="print JSON (rank 0) instead of a table")
+    bcomm.add_argument("--nproc-per-node", default=None, help="self-launch N processes ('auto': GPUs, or 2 on CPU)")
+
+    bscale = bench_sub.add_parser("scaling", help="weak scaling: the config at 1, 2, 4, ... processes, fixed per-rank "
+                                                   "batch; tokens/s, speedup, efficiency, table + PNG")
+    bscale.add_argument("config", help="YAML config (key=value overrides after it)")
+    bscale.add_argument("--max-procs", type=int, default=2, help="largest process count (powers of two up to it)")
+    bscale.add_argument("--steps", type=int, default=30, help="steps per run (the first 5 are not timed)")
+    bscale.add_argument("--out", default=None, help="output folder (default: runs/scaling-<config name>)")
+    bscale.add_argument("--json", action="store_true")
+
+    rep = sub.add_parser("report", help="plots (PNG + one HTML page) and a summary of a run directory")
+    rep.add_argument("run_dir")
+    rep.add_argument("--out", default=None, help="output folder (default: RUN_DIR/report)")
+
+    conv = sub.add_parser("convert", help="export a checkpoint as one torch/safetensors file or a HF Llama folder")
+    conv.add_argument("checkpoint", help="a run directory (its newest committed checkpoint) or a step directory")
+    conv.add_argument("--to", choices=["safetensors", "torch", "hf"], default="safetensors")
+    conv.add_argument("--out", default=None, help="output file (folder for hf); default: <run>/export/...")
+
+    plan_cli.add_parsers(sub)
+
+    prep = sub.add_parser("prepare-data", help="tokenize text/JSONL files into token shards")
+    prep.add_argument("inputs", nargs="+", help=".txt (documents split on blank lines) or .jsonl files")
+    prep.add_argument("--out", required=True, help="output directory (use it as data.source)")
+    prep.add_argument("--tokenizer", default="byte", help="byte, bpe (train one), or a tokenizer.json path")
+    prep.add_argument("--vocab-size", type=int, default=8192, help="BPE vocabulary size")
+    prep.add_argument("--val-fraction", type=float, default=0.05)
+    prep.add_argument("--text-key", default="text", help="JSONL field holding the text")
+    prep.add_argument("--force", action="store_true", help="write into a non-empty --out")
+    return parser
+
+
+def _dispatch(parser: argparse.ArgumentParser, argv: list[str] | None) -> None:
+    args, extra = parser.parse_known_args(argv)
+    takes_overrides = args.command in ("train", "config") or (args.command == "bench" and args.bench_command == "scaling")
+    bad = [e for e in extra if "=" not in e or e.startswith("-")] if takes_overrides else extra
+    if bad:
+        parser.error(f"unrecognized arguments: {' '.join(bad)}")
+    if args.command == "train":
+        train_cli.cmd_train(args, extra)
+    elif args.command == "config":
+        tools.cmd_config(args, extra)
+    elif args.command == "bench":
+        tools.cmd_bench_scaling(args, extra) if args.bench_command == "scaling" else tools.cmd_bench_comm(args)
+    elif args.command in ("estimate", "plan"):
+        (plan_cli.cmd_estimate if args.command == "estimate" else plan_cli.cmd_plan)(args)
+    else:
+        {"convert": tools.cmd_convert, "prepare-data": tools.cmd_prepare_data, "report": tools.cmd_report}[args.command](args)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from disttrain.distributed.env import detect_env
+
+    try:
+        _dispatch(build_parser(), argv)
+    except UserError as exc:  # under torchrun every rank validates; one of them speaks
+        _fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__, quiet=detect_env().rank != 0)
+
+
+if __name__ == "__main__":
+    main()

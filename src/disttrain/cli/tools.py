@@ -1,0 +1,134 @@
+"""The smaller commands: prepare-data, config export-deepspeed, convert, report, bench comm|scaling.
+Each raises UserError for a user mistake; `cli.main` turns it into one line and exit 2."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from disttrain.config import load_config
+from disttrain.errors import UserError
+from disttrain.validation import validate_world
+
+
+def cmd_prepare_data(args: argparse.Namespace) -> None:
+    from disttrain.data.prepare import prepare
+
+    paths = [Path(p) for p in args.inputs]
+    for p in paths:
+        if not p.is_file():
+            raise UserError(f"input {p}: no such file")
+    if args.tokenizer not in ("byte", "bpe") and not Path(args.tokenizer).is_file():
+        raise UserError(f"--tokenizer={args.tokenizer}: no such file (allowed: byte, bpe, or a tokenizer.json path)")
+    if not 0 <= args.val_fraction < 1:
+        raise UserError(f"--val-fraction={args.val_fraction}: must be in [0, 1)")
+    if args.tokenizer == "bpe" and args.vocab_size < 257:
+        raise UserError(f"--vocab-size={args.vocab_size}: must be at least 257 for BPE (256 bytes + end-of-text)")
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()) and not args.force:
+        raise UserError(f"--out={out}: directory is not empty (pass --force to overwrite)")
+    try:
+        meta = prepare(paths, out, args.tokenizer, args.vocab_size, args.val_fraction, args.text_key,
+                       progress=sys.stderr.isatty())
+    except (ValueError, UnicodeError) as exc:
+        raise UserError(str(exc).splitlines()[0]) from None
+    splits = ", ".join(f"{k} {v:,} tokens" for k, v in meta["splits"].items())
+    print(f"wrote {out}: {splits} (vocabulary {meta['vocab_size']}, {meta['dtype']})")
+
+
+def cmd_config(args: argparse.Namespace, overrides: list[str]) -> None:
+    import json
+
+    from disttrain.train.deepspeed_engine import deepspeed_config  # pure Python
+
+    cfg = load_config(args.config, [*overrides, "engine=torch"])  # exporting needs no DeepSpeed installed
+    if args.world_size < 1:
+        raise UserError(f"--world-size={args.world_size}: must be a positive integer")
+    validate_world(cfg, args.world_size)
+    text = json.dumps(deepspeed_config(cfg, args.world_size), indent=2) + "\n"
+    if args.out:
+        tmp = Path(args.out + ".tmp")
+        tmp.write_text(text)
+        tmp.replace(args.out)
+        print(f"wrote {args.out}")
+    else:
+        sys.stdout.write(text)
+
+
+def cmd_convert(args: argparse.Namespace) -> None:
+    from disttrain.checkpoint.export import export, resolve_checkpoint
+
+    try:
+        step_dir = resolve_checkpoint(args.checkpoint)
+    except FileNotFoundError as exc:
+        raise UserError(f"convert {args.checkpoint}: {exc}") from None
+    default = {"torch": "model.pt", "safetensors": "model.safetensors", "hf": "hf"}[args.to]
+    out = Path(args.out) if args.out else step_dir.parent.parent / "export" / default
+    print(f"wrote {export(step_dir, args.to, out)} from {step_dir}")
+
+
+def _parse_size(text: str) -> int:
+    units = {"K": 2**10, "M": 2**20, "G": 2**30}
+    text = text.strip().upper().rstrip("B").rstrip("I")
+    return int(float(text[:-1]) * units[text[-1]]) if text and text[-1] in units else int(text)
+
+
+def cmd_bench_comm(args: argparse.Namespace) -> None:
+    import json
+
+    from disttrain.bench import comm
+    from disttrain.distributed.env import detect_env, under_torchrun
+    from disttrain.launch import LaunchOptions, relaunch
+
+    try:
+        sizes = [_parse_size(x) for x in args.sizes.split(",")] if args.sizes else list(comm.DEFAULT_SIZES)
+    except (ValueError, IndexError):
+        raise UserError(f"--sizes={args.sizes}: expected comma-separated sizes like 1K,1M,64M") from None
+    ops = args.ops.split(",") if args.ops else list(comm.OPS)
+    unknown = [op for op in ops if op not in comm.OPS]
+    if unknown:
+        raise UserError(f"--ops={args.ops}: unknown {unknown[0]} (allowed: {', '.join(comm.OPS)})")
+    if args.nproc_per_node is not None and not under_torchrun():
+        forwarded = ["bench", "comm", "--sizes", ",".join(map(str, sizes)), "--ops", ",".join(ops),
+                     "--iters", str(args.iters), "--warmup", str(args.warmup)] + (["--json"] if args.json else [])
+        sys.exit(relaunch(LaunchOptions(args.nproc_per_node), forwarded))
+    from disttrain.distributed.runtime import init_distributed, shutdown
+
+    env = detect_env()
+    rt = init_distributed(env, "auto", 300)
+    try:
+        results = comm.run(rt.device, ops, sizes, args.iters, args.warmup)
+    finally:
+        shutdown()
+    if env.rank == 0:
+        print(json.dumps(comm.as_dicts(results)) if args.json else
+              f"{rt.world_size} ranks, {rt.backend} on {rt.device.type}\n{comm.format_table(results)}")
+
+
+def cmd_report(args: argparse.Namespace) -> None:
+    from disttrain.observe.run_report import make_report
+
+    run_dir = Path(args.run_dir)
+    try:
+        index, pngs, rows = make_report(run_dir, Path(args.out) if args.out else None)
+    except (FileNotFoundError, ValueError) as exc:
+        raise UserError(str(exc)) from None
+    width = max(len(k) for k, _ in rows)
+    print("\n".join(f"{k:<{width}}  {v}" for k, v in rows))
+    print(f"\nwrote {len(pngs)} plots and {index}")
+
+
+def cmd_bench_scaling(args: argparse.Namespace, overrides: list[str]) -> None:
+    from disttrain.bench import scaling
+
+    cfg = load_config(args.config, overrides)
+    counts = scaling.process_counts(args.max_procs)
+    for n in counts:
+        validate_world(scaling.scaled_config(cfg, n), n)
+    rows = scaling.run(args.config, overrides, cfg, counts, args.steps, Path(args.out) if args.out else None)
+    print(scaling.format_table(rows))
+    if args.json:
+        import json
+
+        print(json.dumps(rows))

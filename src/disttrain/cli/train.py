@@ -1,0 +1,108 @@
+"""`disttrain train`: validate, self-launch under torch.distributed.run if asked, else train this rank."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+from disttrain.config import load_config
+from disttrain.errors import EXIT_HEALTH, EXIT_PREEMPTED, UserError
+from disttrain.validation import validate_world
+
+PROCESS_START = time.time()  # before torch is imported: recovery benchmarks split start-up time
+LAUNCH_FLAGS = ("nnodes", "node_rank", "max_restarts", "rdzv_endpoint", "rdzv_id")
+
+
+def add_parser(sub) -> None:
+    train = sub.add_parser("train", help="train from a YAML config (key=value overrides after it)")
+    train.add_argument("config", help="YAML config file, e.g. configs/demo.yaml")
+    launch = train.add_argument_group("self-launch (ignored under torchrun)")
+    launch.add_argument("--nproc-per-node", default=None,
+                        help="processes per node; 'auto' = all GPUs, or 2 on a CPU-only machine")
+    launch.add_argument("--nnodes", default=None, help="node count or elastic range MIN:MAX (default 1)")
+    launch.add_argument("--node-rank", type=int, default=None)
+    launch.add_argument("--max-restarts", type=int, default=None, help="restart the worker group this often on failure")
+    launch.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of the rendezvous (multi-node)")
+    launch.add_argument("--rdzv-backend", default="c10d")
+    launch.add_argument("--rdzv-id", default=None)
+
+
+def _setup_logging(run_dir: Path, rank: int) -> None:
+    logs = run_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    fmt = logging.Formatter(f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s")
+    file_handler = logging.FileHandler(logs / f"rank_{rank:05d}.log")
+    file_handler.setFormatter(fmt)
+    console = logging.StreamHandler(sys.stderr)
+    console.setLevel(logging.WARNING)
+    console.setFormatter(fmt)
+    root = logging.getLogger("disttrain")
+    root.setLevel(logging.INFO)
+    root.handlers[:] = [file_handler, console]
+
+
+def _self_launch(args: argparse.Namespace, cfg, overrides: list[str]) -> int:
+    from disttrain.launch import LaunchOptions, max_world_size, relaunch
+
+    opts = LaunchOptions(args.nproc_per_node, args.nnodes or "1", args.node_rank, args.max_restarts or 0,
+                         args.rdzv_endpoint, args.rdzv_backend, args.rdzv_id)
+    if opts.nproc_per_node != "auto" and (not opts.nproc_per_node.isdigit() or int(opts.nproc_per_node) < 1):
+        raise UserError(f"--nproc-per-node={opts.nproc_per_node}: must be a positive integer or auto")
+    if str(opts.nnodes) != "1" and not opts.rdzv_endpoint:
+        raise UserError(f"--nnodes={opts.nnodes} needs --rdzv-endpoint HOST:PORT")
+    validate_world(cfg, max_world_size(opts))
+    return relaunch(opts, ["train", args.config, *overrides])
+
+
+def _check_backend(cfg) -> None:
+    if cfg.distributed.backend == "nccl":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UserError("distributed.backend=nccl needs CUDA devices and none are visible "
+                            "(allowed here: auto, gloo)")
+
+
+def cmd_train(args: argparse.Namespace, overrides: list[str]) -> None:
+    from disttrain.distributed.env import detect_env, under_torchrun
+
+    env = detect_env()
+    cfg = load_config(args.config, overrides)
+    if not under_torchrun():
+        given = [f"--{f.replace('_', '-')}" for f in LAUNCH_FLAGS if getattr(args, f) is not None]
+        if given and args.nproc_per_node is None:
+            raise UserError(f"{given[0]} needs --nproc-per-node N (disttrain launches itself through "
+                            "torch.distributed.run only then); or run it under torchrun with these flags")
+        if args.nproc_per_node is not None:
+            _check_backend(cfg)
+            sys.exit(_self_launch(args, cfg, overrides))
+    validate_world(cfg, env.world_size)
+    _check_backend(cfg)
+
+    from disttrain.distributed.runtime import init_distributed, shutdown
+    from disttrain.observe.health import NonFiniteError, ReplicaDivergence
+    from disttrain.train.builder import build_run
+    from disttrain.train.loop import Preempted, Trainer
+
+    _setup_logging(cfg.run_dir, env.rank)
+    logging.getLogger("disttrain.cli").info("process started at %.3f (restart %s)", PROCESS_START,
+                                            os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    rt = init_distributed(env, cfg.distributed.backend, cfg.distributed.timeout_s)
+    try:
+        result = Trainer(build_run(cfg, rt)).fit()
+    except Preempted:
+        sys.exit(EXIT_PREEMPTED)
+    except (NonFiniteError, ReplicaDivergence) as exc:  # a health check stopped the run
+        logging.getLogger("disttrain.health").error("%s", exc)
+        if env.rank == 0:
+            print(f"disttrain: stopped: {exc}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_HEALTH)
+    finally:  # also on SystemExit and on a UserError found once running (it reaches cli.main)
+        shutdown()
+    if env.rank == 0:
+        loss = f"final loss {result.final_loss:.4f}, " if result.final_loss is not None else ""
+        print(f"done: {result.final_step} steps, {loss}run directory {Path(result.run_dir).resolve()}", flush=True)

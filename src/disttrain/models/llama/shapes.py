@@ -1,0 +1,36 @@
+"""The built-in Llama family's named shapes. Pure Python: the planner and config validation use it
+without torch."""
+
+from __future__ import annotations
+
+from dataclasses import fields, replace
+from typing import Any
+
+from disttrain.models.shape import ModelShape
+
+
+# Llama-family shapes: 7b/13b/70b are Llama 2's, 1b is Llama 3.2 1B; 125m is a GPT-3-Small-sized Llama.
+MODEL_SHAPES: dict[str, ModelShape] = {
+    "debug": ModelShape(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256,
+                        ffn_hidden_dim=192, max_seq_len=256),
+    "tiny": ModelShape(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=256,
+                       ffn_hidden_dim=768, max_seq_len=512),
+    "125m": ModelShape(dim=768, n_layers=12, n_heads=12, n_kv_heads=12, vocab_size=32000,
+                       ffn_hidden_dim=2048, max_seq_len=2048),
+    "1b": ModelShape(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128256,
+                     ffn_hidden_dim=8192, max_seq_len=8192, tie_embeddings=True, rope_theta=500000.0),
+    "7b": ModelShape(dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, vocab_size=32000,
+                     ffn_hidden_dim=11008, max_seq_len=4096),
+    "13b": ModelShape(dim=5120, n_layers=40, n_heads=40, n_kv_heads=40, vocab_size=32000,
+                      ffn_hidden_dim=13824, max_seq_len=4096),
+    "70b": ModelShape(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=32000,
+                      ffn_hidden_dim=28672, max_seq_len=4096),
+}
+
+
+def resolve_shape(model_cfg: Any) -> ModelShape:
+    """The registry shape for `model_cfg.name` with any non-None shape overrides applied."""
+    base = MODEL_SHAPES[model_cfg.name]
+    overrides = {f.name: getattr(model_cfg, f.name) for f in fields(ModelShape)
+                 if getattr(model_cfg, f.name, None) is not None}
+    return replace(base, **overrides)

@@ -1,0 +1,42 @@
+"""The dimensions of a decoder-only transformer: what the planner, FLOP counts and layout rules
+need to know about a model, in pure Python (no torch), whatever family it comes from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    vocab_size: int
+    ffn_hidden_dim: int
+    max_seq_len: int
+    tie_embeddings: bool = False
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def num_params(self, include_embedding: bool = True) -> int:
+        """Exact parameter count of a Llama-style decoder (SwiGLU MLP, GQA, RMSNorm, no biases)."""
+        kv_dim = self.n_kv_heads * self.head_dim
+        attn = self.dim * self.dim * 2 + self.dim * kv_dim * 2
+        mlp = 3 * self.dim * self.ffn_hidden_dim
+        per_layer = attn + mlp + 2 * self.dim
+        embedding = self.vocab_size * self.dim
+        output = 0 if self.tie_embeddings else self.vocab_size * self.dim
+        total = self.n_layers * per_layer + self.dim + output
+        return total + (embedding if include_embedding else 0)
+
+    def tp_problems(self, tp: int) -> list[str]:
+        """Why the tensor-parallel degree cannot split this shape (heads, FFN width, vocabulary)."""
+        return [f"parallel.tp={tp} does not divide {key}={value}"
+                for key, value in (("model.n_heads", self.n_heads), ("model.n_kv_heads", self.n_kv_heads),
+                                   ("model.ffn_hidden_dim", self.ffn_hidden_dim), ("model.vocab_size", self.vocab_size))
+                if value % tp]

@@ -1,0 +1,71 @@
+"""ModelSpec: everything the framework needs to know about one model family, in one object.
+
+The trainer, `parallel/parallelize.py`, the pipeline builder, checkpoints and export ask the spec;
+none of them names a model's modules. A family (models/llama/, later models/hf/ or user code
+through `model.spec=FILE.py:function`) returns one of these.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from disttrain.models.shape import ModelShape
+
+
+def token_cross_entropy_sum(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Sum of the token losses of a micro-batch (normalising is the step engine's job, in one place)."""
+    return F.cross_entropy(outputs.float().flatten(0, -2), targets.flatten(), reduction="sum")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    build: Callable[[], nn.Module]
+    """The single-device module; called under `torch.device("meta")`, then materialised."""
+    init_weights: Callable[[nn.Module, int], None]
+    """Fill every parameter and buffer of a materialised model from a seed, the same whatever the
+    layout (e.g. one generator per parameter name); re-tie shared parameters (to_empty unties)."""
+    blocks: Callable[[nn.Module], nn.Module]
+    """The container (ModuleDict or ModuleList) of repeated blocks: FSDP, activation-checkpoint and
+    compile units. Works on a pipeline stage too."""
+    shape: ModelShape | None = None
+    """Decoder dimensions (parameter count, FLOPs, layout rules, planner); None if unknown."""
+    max_seq_len: int = 0
+    loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = token_cross_entropy_sum
+    tensor_parallel: Callable[[nn.Module, object, bool], None] | None = None
+    """Apply the TP (and sequence-parallel) plan in place to a model or a pipeline stage."""
+    pipeline_split: Callable[[nn.Module, list[range], list[int]], list[nn.Module]] | None = None
+    """Prune the model to the stages this rank owns and return one module per owned stage; the
+    parameters keep their names in the pruned model."""
+    tied_parameters: tuple[tuple[str, ...], ...] = ()
+    """Groups of parameter names that are one tensor (e.g. input embedding and output layer)."""
+    to_hf: Callable[[dict], dict] | None = None
+    from_hf: Callable[[dict], dict] | None = None
+    hf_config: Callable[[], dict] | None = None
+    fingerprint: str = ""
+    """Identifies the parameter shapes; a checkpoint resumes only into the same fingerprint."""
+
+    def flops_per_token(self, seq_len: int) -> float | None:
+        if self.shape is None:
+            return None
+        from disttrain.flops import model_flops_per_token
+
+        return model_flops_per_token(self.shape, seq_len)
+
+
+def build_model(spec: ModelSpec, device: torch.device, seed: int) -> nn.Module:
+    """Build on the meta device (no memory), materialise on `device`, then initialise."""
+    with torch.device("meta"):
+        model = spec.build()
+    model.to_empty(device=device)
+    spec.init_weights(model, seed)
+    return model
+
+
+def count_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

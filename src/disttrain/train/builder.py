@@ -1,0 +1,148 @@
+"""Assemble a run from its config: Layout -> meshes -> data -> ModelSpec -> model -> parallelize -> engine.
+
+Every decision about the layout was made when the Layout was resolved; this module only follows it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch import nn
+
+from disttrain.checkpoint.manager import CheckpointManager
+from disttrain.config import RunConfig
+from disttrain.data.loader import DistributedBatchLoader, GlobalBatchSampler, TokenWindows
+from disttrain.data.source import load_splits
+from disttrain.data.tokenizer import Tokenizer
+from disttrain.distributed.mesh import Meshes, build_meshes
+from disttrain.distributed.runtime import Runtime
+from disttrain.errors import UserError
+from disttrain.layout import Layout
+from disttrain.models.registry import model_spec
+from disttrain.models.spec import ModelSpec, build_model, count_params
+from disttrain.observe.breakdown import CommProfiler, StepBreakdown
+from disttrain.observe.mfu import peak_flops_per_device
+from disttrain.train.engine import OptimizerStep, StepEngine
+from disttrain.train.faults import FaultInjector
+from disttrain.train.optim import build_optimizer, build_scheduler
+from disttrain.train.precision import Precision
+from disttrain.validation import validate_world
+
+
+@dataclass
+class Run:
+    """The assembled parts of one training run on this rank."""
+
+    cfg: RunConfig
+    rt: Runtime
+    layout: Layout
+    meshes: Meshes
+    spec: ModelSpec
+    base_model: nn.Module  # the single-device module (pruned to this rank's stages under a pipeline)
+    engine: StepEngine
+    tokenizer: Tokenizer
+    loader: DistributedBatchLoader
+    val_windows: TokenWindows
+    ckpt: CheckpointManager
+    breakdown: StepBreakdown
+    comm_profiler: CommProfiler
+    faults: FaultInjector
+    num_params: int
+    peak_flops: float | None
+    replica_group: object
+
+    @property
+    def dp_rank(self) -> int:
+        return self.meshes.dp.get_local_rank()
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.cfg.train.global_batch_size * self.cfg.data.seq_len
+
+    @property
+    def flops_per_token(self) -> float | None:
+        return self.spec.flops_per_token(self.cfg.data.seq_len)
+
+
+def build_run(cfg: RunConfig, rt: Runtime) -> Run:
+    layout = validate_world(cfg, rt.world_size, rt.device.type)
+    if rt.is_main:
+        cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        (cfg.run_dir / "config.yaml").write_text(cfg.to_yaml())
+    dist.barrier()
+    meshes = build_meshes(layout, rt.device.type)
+    dp_rank, dp_size = meshes.dp.get_local_rank(), meshes.dp.size()
+
+    t = cfg.train
+    tokenizer, splits = load_splits(cfg.data.source, cfg.data.tokenizer)
+    train_windows = TokenWindows(splits["train"], cfg.data.seq_len)
+    sampler = GlobalBatchSampler(len(train_windows), t.global_batch_size, t.seed)
+    loader = DistributedBatchLoader(train_windows, sampler, dp_rank, dp_size, t.micro_batch_size)
+
+    spec = model_spec(cfg.model)
+    model = build_model(spec, rt.device, t.seed)
+    if cfg.model.init_from:
+        from disttrain.checkpoint.export import init_from
+
+        try:
+            init_from(model, cfg.model.init_from, spec)
+        except ValueError as exc:
+            raise UserError(f"model.init_from={cfg.model.init_from}: {exc}") from None
+    num_params = count_params(model)
+    breakdown = StepBreakdown(rt.device)
+    breakdown.watch_input_module(model)
+    faults = FaultInjector(rt.rank)
+    engine = build_engine(cfg, layout, meshes, spec, model, rt, breakdown, faults)
+    peak_flops, _ = peak_flops_per_device(cfg, layout, rt.device)
+    return Run(cfg=cfg, rt=rt, layout=layout, meshes=meshes, spec=spec, base_model=model, engine=engine,
+               tokenizer=tokenizer, loader=loader, val_windows=TokenWindows(splits["val"], cfg.data.seq_len),
+               ckpt=CheckpointManager(cfg.checkpoint_dir, rt.rank, cfg.checkpoint.keep_last, cfg.checkpoint.async_save),
+               breakdown=breakdown, comm_profiler=CommProfiler(cfg.metrics.comm_profile_every, rt.device),
+               faults=faults, num_params=num_params, peak_flops=peak_flops,
+               replica_group=meshes.replica_group(layout))
+
+
+def build_engine(cfg: RunConfig, layout: Layout, meshes: Meshes, spec: ModelSpec, model: nn.Module, rt: Runtime,
+                 breakdown: StepBreakdown, faults: FaultInjector) -> StepEngine:
+    """The one place that picks an engine: DeepSpeed, a pipeline schedule, or plain torch."""
+    device, dp_group = rt.device, meshes.dp.get_group()
+    tensor_parallel = layout.tp > 1
+    if layout.engine == "deepspeed":
+        from disttrain.parallel.activation_checkpoint import apply_activation_checkpointing
+        from disttrain.train.deepspeed_engine import DeepSpeedEngine
+
+        apply_activation_checkpointing(spec.blocks(model), layout.activation_checkpointing)
+        optimizer = build_optimizer(model, cfg.optim)
+        scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
+        return DeepSpeedEngine(model, optimizer, scheduler, cfg, rt.world_size, device, spec, dp_group, breakdown,
+                               faults)
+    precision = Precision(layout.compute_dtype, device)
+    if layout.pp > 1:
+        from disttrain.parallel.pipeline import build_pipeline
+        from disttrain.train.loss import RankMeanLoss
+        from disttrain.train.pipeline_engine import PipelineEngine
+
+        mean_loss = RankMeanLoss(spec.loss_sum, layout.sequences_per_rank * layout.seq_len)
+        parts = build_pipeline(model, spec, layout, meshes, device, cfg.parallel, mean_loss, layout.microbatches)
+        optimizer = build_optimizer(parts.model, cfg.optim)
+        step = _optimizer_step(cfg, optimizer, precision, parts.group)
+        return PipelineEngine(parts, mean_loss, optimizer, step, precision, device, tensor_parallel, dp_group,
+                              breakdown, faults)
+    from disttrain.parallel.parallelize import parallelize
+    from disttrain.train.torch_engine import TorchEngine
+
+    wrapped = parallelize(model, spec, layout, meshes, device, cfg.parallel)
+    if layout.sharded_optimizer:
+        from disttrain.parallel.zero1 import build_zero1_optimizer
+
+        optimizer = build_zero1_optimizer(wrapped, cfg.optim, dp_group)
+    else:
+        optimizer = build_optimizer(wrapped, cfg.optim)
+    step = _optimizer_step(cfg, optimizer, precision, None)
+    return TorchEngine(wrapped, optimizer, step, spec, precision, device, tensor_parallel, dp_group, breakdown, faults)
+
+
+def _optimizer_step(cfg: RunConfig, optimizer, precision: Precision, pp_group) -> OptimizerStep:
+    scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
+    return OptimizerStep(optimizer, scheduler, precision, cfg.optim.grad_clip, cfg.metrics.nonfinite, pp_group)

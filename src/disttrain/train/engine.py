@@ -1,0 +1,94 @@
+"""The step-engine protocol, and the optimizer step the torch and pipeline engines share.
+
+An engine owns one optimizer step end to end: forward and backward of this rank's micro-batches,
+gradient reduction, loss scaling, clipping, the optimizer and LR schedule, and whatever it saves or
+loads differently. The loop (train/loop.py) sees only this protocol, so it never asks which engine
+it drives.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from disttrain.observe.health import NonFiniteError
+from disttrain.train.optim import clip_grad_norm_global
+
+
+class StepEngine(Protocol):
+    model: nn.Module  # every parameter this rank holds, under checkpoint names (a pipeline's pruned model)
+    loss_groups: list  # process groups a local loss sum is added over to make the global sum
+    skipped_steps: list[int]  # steps whose update a non-finite gradient norm skipped
+
+    def train_step(self, micro_batches: list, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this rank's token-loss sum, global gradient norm) as device tensors."""
+
+    def eval_loss_sum(self, micro_batches: list) -> torch.Tensor: ...
+
+    def lr(self) -> float: ...
+
+    def state_dict(self) -> dict:
+        """Small engine state for train_state.pt (LR schedule, loss scaler)."""
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+    def save(self, path: Path, async_group=None):
+        """Write model and optimizer state into `path` (collective). Returns a future when async."""
+
+    def load(self, path: Path) -> None: ...
+
+    def extra_metrics(self) -> dict:
+        """Engine-specific numbers for a logging step (loss scale, pipeline bubble, ...)."""
+
+
+class OptimizerStep:
+    """Unscale, clip over every shard and stage, skip non-finite steps, step, schedule."""
+
+    def __init__(self, optimizer, scheduler, precision, grad_clip: float, nonfinite: str, pp_group=None):
+        self.optimizer, self.scheduler, self.precision = optimizer, scheduler, precision
+        self.clip = grad_clip or float("inf")
+        self.nonfinite, self.pp_group = nonfinite, pp_group
+        self.skipped_steps: list[int] = []
+        self.fp16_overflows = 0.0
+
+    def __call__(self, params, loss_sum: torch.Tensor, step: int) -> torch.Tensor:
+        scaler = self.precision.scaler
+        scaler.unscale_(self.optimizer)
+        if scaler.is_enabled():  # overflow count stays on the device until a logging step reads it
+            found = sum(v.float() for v in scaler._found_inf_per_device(self.optimizer).values())
+            self.fp16_overflows = self.fp16_overflows + found
+        grad_norm = clip_grad_norm_global(params, self.clip, self.pp_group)
+        # One scalar to the host per step; fp16 leaves non-finite steps to the GradScaler.
+        if not scaler.is_enabled() and not bool(torch.isfinite(grad_norm)):
+            if self.nonfinite == "stop":
+                raise NonFiniteError(f"non-finite gradient norm at step {step} (local loss sum "
+                                     f"{float(loss_sum):.4g}); metrics.nonfinite=skip_step would drop such steps")
+            self.optimizer.zero_grad(set_to_none=True)
+            self.scheduler.step()
+            self.skipped_steps.append(step)
+            return grad_norm
+        scaler.step(self.optimizer)
+        scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        return grad_norm
+
+    def lr(self) -> float:
+        return self.scheduler.get_last_lr()[0]
+
+    def state_dict(self) -> dict:
+        return {"scheduler": self.scheduler.state_dict(), "scaler": self.precision.scaler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scheduler.load_state_dict(state["scheduler"])
+        if state["scaler"]:
+            self.precision.scaler.load_state_dict(state["scaler"])
+
+    def metrics(self) -> dict:
+        scaler = self.precision.scaler
+        if not scaler.is_enabled():
+            return {}
+        return {"loss_scale": float(scaler.get_scale()), "fp16_overflows_total": int(float(self.fp16_overflows))}

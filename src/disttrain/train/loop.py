@@ -1,0 +1,233 @@
+"""The training loop: steps through the engine, with hooks around it for timing, faults, the
+watchdog, health checks, metrics, evaluation and checkpoints. It never asks which engine runs."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from disttrain.data.loader import DistributedBatchLoader, GlobalBatchSampler
+from disttrain.errors import EXIT_PREEMPTED
+from disttrain.models.generate import generate
+from disttrain.observe.health import check_replicas_in_sync, straggler_stats
+from disttrain.observe.metrics import MetricsLogger, peak_memory_bytes
+from disttrain.observe.model_bytes import memory_stats
+from disttrain.train.builder import Run
+from disttrain.train.resilience import NullWatchdog, StepControl, Watchdog
+from disttrain.train.resume import Progress, maybe_resume, train_state
+
+log = logging.getLogger(__name__)
+
+
+class Preempted(Exception):
+    """Raised after the emergency checkpoint; the CLI exits with EXIT_PREEMPTED."""
+
+
+@dataclass
+class TrainResult:
+    final_step: int
+    final_loss: float | None
+    run_dir: str
+    sample: str | None = None
+
+
+class Trainer:
+    def __init__(self, run: Run):
+        self.run = run
+        self.cfg, self.engine = run.cfg, run.engine
+        self.progress = Progress()
+
+    @property
+    def step(self) -> int:
+        return self.progress.step
+
+    # ---------------------------------------------------------------- global numbers (collectives)
+    def _global_mean(self, local_sum: torch.Tensor, total_tokens: int) -> float:
+        """Collective (only on logging and evaluation steps): the local loss sum added over every
+        group the engine names (data parallel; the pipeline too, where only the last stage has it)."""
+        t = local_sum.detach().clone().to(self.run.rt.device)
+        for group in self.engine.loss_groups:
+            dist.all_reduce(t, group=group)
+        return float(t) / total_tokens
+
+    def evaluate(self) -> float | None:
+        run, t = self.run, self.cfg.train
+        if len(run.val_windows) == 0:
+            return None
+        sampler = GlobalBatchSampler(len(run.val_windows), t.global_batch_size, t.seed, shuffle=False)
+        loader = DistributedBatchLoader(run.val_windows, sampler, run.dp_rank, run.layout.dp, t.micro_batch_size)
+        self.engine.model.eval()
+        total = torch.zeros((), device=run.rt.device)
+        for k in range(1, t.eval_batches + 1):
+            total += self.engine.eval_loss_sum(loader.micro_batches(k))
+        self.engine.model.train()
+        return self._global_mean(total, t.eval_batches * run.tokens_per_step)
+
+    def _step_record(self, loss_sum, grad_norm, lr: float, window_steps: int, elapsed: float, data_time: float) -> dict:
+        """Collective (loss, peak memory and per-rank compute time over ranks); only on logging steps."""
+        run, device = self.run, self.run.rt.device
+        mem = torch.tensor([peak_memory_bytes(device)], device=device, dtype=torch.float64)
+        dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+        tokens_per_sec = run.tokens_per_step * window_steps / elapsed
+        record = {"step": self.step, "time": time.time(), "loss": self._global_mean(loss_sum, run.tokens_per_step),
+                  "lr": lr, "grad_norm": float(grad_norm), "tokens_per_sec": tokens_per_sec,
+                  "step_time_s": elapsed / window_steps, "data_time_s": data_time,
+                  "tokens_seen": self.progress.tokens_seen, "mem_peak_bytes": int(mem.item())}
+        if run.peak_flops and run.flops_per_token:
+            record["mfu"] = run.flops_per_token * tokens_per_sec / (run.peak_flops * run.rt.world_size)
+        breakdown = run.breakdown.collect(window_steps)
+        record.update(breakdown if run.layout.engine == "torch" else {"time_data_s": breakdown["time_data_s"]})
+        comm = run.comm_profiler.take()
+        if comm:
+            record.update(comm)
+            record["comm_time_s"] = sum(comm.values())
+        record.update(memory_stats(device))
+        record.update(straggler_stats(data_time + self.engine.forward_seconds, device))
+        record.update(self.engine.extra_metrics())
+        if self.engine.skipped_steps:
+            record["skipped_steps_total"] = len(self.engine.skipped_steps)
+        return record
+
+    # ---------------------------------------------------------------- checkpoints
+    def save_checkpoint(self, metrics: MetricsLogger, reason: str = "interval") -> None:
+        """Synchronous: saved and committed. Async: `blocking_s` is what training waited for."""
+        ckpt, t0 = self.run.ckpt, time.perf_counter()
+        path = ckpt.save(self.step, self.engine, train_state(self.run, self.progress))
+        seconds = time.perf_counter() - t0
+        if ckpt.pending_step is None:
+            metrics.event("checkpoint_saved", step=self.step, path=str(path), seconds=seconds, reason=reason)
+        else:
+            metrics.event("checkpoint_started", step=self.step, path=str(path), blocking_s=seconds, reason=reason)
+        self.run.faults.after_save(self.step)
+
+    def _commit_pending(self, metrics: MetricsLogger) -> None:
+        done = self.run.ckpt.commit_pending()
+        if done:
+            metrics.event("checkpoint_saved", step=done[0], path=str(self.run.ckpt.step_dir(done[0])),
+                          seconds=done[1], reason="async")
+
+    # ---------------------------------------------------------------- loop
+    def _announce(self, metrics: MetricsLogger) -> None:
+        run, p = self.run, self.progress
+        metrics.message(f"model {self.cfg.model.name}: {run.num_params / 1e6:.2f}M parameters | world "
+                        f"{run.rt.world_size} (dp {run.layout.dp}) on {run.rt.device.type}/{run.rt.backend} | "
+                        f"{run.tokens_per_step:,} tokens per step")
+        for problem in p.skipped_checkpoints:
+            metrics.event("checkpoint_skipped", reason=problem)
+            metrics.message(f"warning: skipped checkpoint: {problem}")
+        if p.skipped_checkpoints and not p.resumed_from:
+            metrics.message(f"warning: no checkpoint in {run.ckpt.dir} could be loaded: starting fresh")
+        if p.resumed_from:
+            metrics.event("resumed", step=p.step, path=p.resumed_from, world_size=run.rt.world_size,
+                          config_changes=p.config_changes)
+            metrics.message(f"resumed from {p.resumed_from} at step {p.step}")
+            for line in p.config_changes.get("safe", []):
+                metrics.message(f"  changed since the checkpoint (safe): {line}")
+            for line in p.config_changes.get("trajectory", []):
+                metrics.message(f"  changed since the checkpoint (the run will differ): {line}")
+
+    def fit(self) -> TrainResult:
+        run, cfg, t, p = self.run, self.cfg, self.cfg.train, self.progress
+        maybe_resume(run, p)
+        metrics = MetricsLogger(cfg.run_dir, cfg.metrics, run.rt.rank, run.rt.env.local_rank, t.steps, p.step,
+                                run_config=cfg.model_dump(mode="json", by_alias=True))
+        self._announce(metrics)
+        control = StepControl(cfg.checkpoint.every_minutes, run.rt.rank)
+        d = cfg.distributed
+        watchdog = (Watchdog(run.rt.rank, run.rt.world_size, d.watchdog_factor, d.watchdog_min_s,
+                             str(cfg.run_dir / "logs" / f"rank_{run.rt.rank:05d}.log"))
+                    if d.watchdog_factor else NullWatchdog())
+        final_loss = sample = None
+        window_t0, window_steps = time.perf_counter(), 0
+        every, log_every = cfg.checkpoint.every_steps, cfg.metrics.log_every
+        try:
+            while p.step < t.steps:
+                t_data = time.perf_counter()
+                watchdog.enter(f"step {p.step + 1}: loading data")
+                micro_batches = next(run.loader)
+                data_time = time.perf_counter() - t_data
+                run.breakdown.add_seconds("data", data_time)
+                run.comm_profiler.start(p.step + 1)
+                lr = self.engine.lr()  # the rate this step uses
+                # forward/backward hold the gradient collectives
+                watchdog.enter(f"step {p.step + 1}: forward/backward/optimizer", collective=True)
+                try:
+                    loss_sum, grad_norm = self.engine.train_step(micro_batches, p.step + 1)
+                finally:
+                    run.comm_profiler.stop()
+                p.step += 1
+                p.tokens_seen += run.tokens_per_step
+                window_steps += 1
+                watchdog.step_done(p.step)
+                metrics.observe_step(time.perf_counter() - t_data)
+                run.faults.after_step(p.step, run.base_model)
+                if self.engine.skipped_steps and self.engine.skipped_steps[-1] == p.step:
+                    metrics.event("nonfinite_step_skipped", step=p.step)
+                    metrics.message(f"warning: step {p.step} had a non-finite gradient norm: update skipped")
+                sync_every = cfg.metrics.sync_check_every
+                if sync_every and p.step % sync_every == 0:
+                    watchdog.enter(f"step {p.step}: replica sync check", collective=True)
+                    check_replicas_in_sync(run.base_model, run.replica_group, p.step)
+                if log_every and (p.step % log_every == 0 or p.step == t.steps):
+                    watchdog.enter(f"step {p.step}: metrics all-reduce", collective=True)
+                    elapsed = time.perf_counter() - window_t0 - run.comm_profiler.take_overhead()
+                    record = self._step_record(loss_sum, grad_norm, lr, window_steps, elapsed, data_time)
+                    final_loss = record["loss"]
+                    metrics.log_step(record)
+                    window_t0, window_steps = time.perf_counter(), 0
+                    run.comm_profiler.take_overhead()
+                if t.eval_every and p.step % t.eval_every == 0:
+                    watchdog.enter(f"step {p.step}: evaluation", collective=True)
+                    val = self.evaluate()
+                    if val is not None:
+                        metrics.event("eval", step=p.step, val_loss=val)
+                        metrics.message(f"step {p.step}: validation loss {val:.4f}")
+                watchdog.enter(f"step {p.step}: step-boundary agreement", collective=True)
+                self._step_boundary(control, metrics)
+                watchdog.touch()  # evaluation and saving are not step time
+            self._commit_pending(metrics)
+            sample = self.sample() if t.sample_tokens else None
+            if sample is not None:
+                metrics.message(f"sample: {t.sample_prompt}{sample}")
+            metrics.event("finished", step=p.step, run_dir=str(cfg.run_dir))
+        finally:
+            watchdog.close()
+            control.close()
+            metrics.close()
+        return TrainResult(p.step, final_loss, str(cfg.run_dir), sample)
+
+    def _step_boundary(self, control: StepControl, metrics: MetricsLogger) -> None:
+        """Collective: every rank agrees on saving (by time) and on stopping (preemption)."""
+        ckpt, step, every = self.run.ckpt, self.progress.step, self.cfg.checkpoint.every_steps
+        pending = ckpt.pending_step is not None
+        decision = control.decide(not ckpt.local_write_done())
+        if pending and not decision.write_pending:
+            self._commit_pending(metrics)
+        if decision.preempted:
+            self.save_checkpoint(metrics, reason="preemption")
+            self._commit_pending(metrics)
+            metrics.event("preempted", step=step, exit_code=EXIT_PREEMPTED)
+            metrics.message(f"preempted: saved step {step}; exiting with {EXIT_PREEMPTED} so the launcher "
+                            "restarts or requeues the run")
+            raise Preempted(step)
+        final = step == self.cfg.train.steps and self.cfg.checkpoint.save_final
+        if (every and step % every == 0) or decision.save_due or final:
+            self.save_checkpoint(metrics)
+            control.saved()
+
+    def sample(self) -> str | None:
+        """Every rank runs the same seeded generation (sharded layouts need all ranks in each
+        forward); rank 0 reports it."""
+        run, t = self.run, self.cfg.train
+        if run.layout.pp > 1:
+            log.info("no sample: generation needs the whole model in one process and pp > 1 splits it")
+            return None
+        prompt = run.tokenizer.encode_batch([t.sample_prompt])[0]
+        pad = run.layout.tp if run.layout.sequence_parallel else 1
+        ids = generate(run.base_model, prompt, t.sample_tokens, run.spec.max_seq_len, seed=t.seed,
+                       stop_id=run.tokenizer.eos_id, pad_multiple=pad)
+        return run.tokenizer.decode(ids) if run.rt.is_main else None

@@ -1,0 +1,74 @@
+"""What a checkpoint holds besides model and optimizer, and how a run picks one up again."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch.distributed as dist
+
+from disttrain.checkpoint.compat import config_changes
+from disttrain.errors import UserError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Progress:
+    """The loop's position: what train_state.pt records next to the engine's own state."""
+
+    step: int = 0
+    tokens_seen: int = 0
+    resumed_from: str | None = None
+    config_changes: dict = field(default_factory=dict)
+    skipped_checkpoints: list[str] = field(default_factory=list)
+
+
+def train_state(run, progress: Progress) -> dict:
+    return {"step": progress.step, "tokens_seen": progress.tokens_seen, **run.engine.state_dict(),
+            "loader": run.loader.state_dict(), "model_fingerprint": run.spec.fingerprint,
+            "config": run.cfg.model_dump(mode="json", by_alias=True)}
+
+
+def maybe_resume(run, progress: Progress) -> None:
+    """Collective: choose a checkpoint (`checkpoint.resume`), check it fits, and load it."""
+    mode, ckpt = run.cfg.checkpoint.resume, run.ckpt
+    if mode == "none":
+        return
+    ckpt.remove_uncommitted()
+    dist.barrier()
+    if mode == "auto":
+        path, progress.skipped_checkpoints = ckpt.choose_resume()
+        if path is None:
+            if progress.skipped_checkpoints:
+                log.warning("no committed checkpoint in %s could be loaded: starting fresh", ckpt.dir)
+            return
+    else:
+        path = Path(mode)
+        problem = ckpt.verify(path)
+        if problem:
+            raise UserError(f"checkpoint.resume={mode}: {problem}")
+    progress.config_changes = check_compatible(run, path)
+    state = ckpt.load(path, run.engine)
+    progress.step, progress.tokens_seen = int(state["step"]), int(state["tokens_seen"])
+    run.engine.load_state_dict(state)
+    run.loader.load_state_dict(state["loader"])
+    progress.resumed_from = str(path)
+    log.info("resumed from %s at %.3f", path, time.time())
+
+
+def check_compatible(run, path: Path) -> dict:
+    """Refuse another model shape before touching any tensor; report every other change."""
+    saved = run.ckpt.read_train_state(path)
+    if saved["model_fingerprint"] != run.spec.fingerprint:
+        old = saved.get("config", {}).get("model", {})
+        diff = ", ".join(f"model.{k}={old.get(k)!r}" for k in sorted(old)
+                         if old.get(k) != getattr(run.cfg.model, k, None)) or "model shape"
+        raise UserError(f"checkpoint.resume: {path} holds a model of another shape ({diff} when saved); "
+                        "resume with that model config, or start fresh with checkpoint.resume=none")
+    safe, trajectory = config_changes(saved.get("config", {}), run.cfg.model_dump(mode="json", by_alias=True))
+    for line in trajectory:
+        log.warning("resuming with a changed setting, the run will differ from the interrupted one: %s", line)
+    return {"safe": safe, "trajectory": trajectory}

@@ -1,0 +1,98 @@
+"""Rules that span config sections: the one place a RunConfig is judged before any process starts.
+
+`validate_config` needs no world size (run when a config is loaded); `validate_world` adds the
+rules that need one (run by the launcher and by every rank). Layout rules come from layout.py,
+model rules from the model's shape: nothing here re-derives them. Raises UserError.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+from disttrain.errors import UserError
+from disttrain.layout import Layout, cut_problems, layout_problems
+from disttrain.models.registry import MODEL_SHAPES, model_shape
+
+INSTALL_HINT = ("engine=deepspeed needs DeepSpeed: DS_BUILD_OPS=0 pip install -c constraints.txt "
+                "--no-build-isolation 'disttrain[deepspeed]'")
+
+
+def validate_config(cfg) -> None:
+    """Checks that need no world size."""
+    if cfg.model.name not in MODEL_SHAPES:
+        raise UserError(f"model.name={cfg.model.name}: unknown model (allowed: {', '.join(MODEL_SHAPES)})")
+    shape = model_shape(cfg.model)
+    if shape.dim % shape.n_heads:
+        raise UserError(f"model.n_heads={shape.n_heads} does not divide model.dim={shape.dim}")
+    if shape.n_heads % shape.n_kv_heads:
+        raise UserError(f"model.n_kv_heads={shape.n_kv_heads} does not divide model.n_heads={shape.n_heads}")
+    if (shape.dim // shape.n_heads) % 2:
+        raise UserError(f"model.dim={shape.dim} / model.n_heads={shape.n_heads} gives an odd head size; "
+                        "rotary embeddings need an even one")
+    if cfg.data.seq_len > shape.max_seq_len:
+        raise UserError(f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len={shape.max_seq_len}")
+    problems = cut_problems(shape, Layout.from_config(cfg, world_size=None))
+    if problems:
+        raise UserError(problems[0])
+    _check_keys_for_engine(cfg)
+    for key in ("mlflow", "wandb"):
+        if getattr(cfg.metrics, key) and importlib.util.find_spec(key) is None:
+            raise UserError(f"metrics.{key}=true needs the {key} package, which is not installed "
+                            f"(pip install {key}; allowed without it: false)")
+    t = cfg.train
+    if t.micro_batch_size and t.global_batch_size % t.micro_batch_size:
+        raise UserError(f"train.global_batch_size={t.global_batch_size} is not a multiple of "
+                        f"train.micro_batch_size={t.micro_batch_size}")
+    if cfg.optim.min_lr > cfg.optim.lr:
+        raise UserError(f"optim.min_lr={cfg.optim.min_lr} exceeds optim.lr={cfg.optim.lr}")
+    if cfg.optim.warmup_steps > t.steps:
+        raise UserError(f"optim.warmup_steps={cfg.optim.warmup_steps} exceeds train.steps={t.steps}")
+    if not all(0 <= b < 1 for b in cfg.optim.betas):
+        raise UserError(f"optim.betas={list(cfg.optim.betas)}: each beta must be in [0, 1)")
+    from disttrain.data.source import describe_source
+
+    info = describe_source(cfg.data.source, cfg.data.tokenizer)
+    if shape.vocab_size < info.vocab_size:
+        raise UserError(f"model.vocab_size={shape.vocab_size} is smaller than the tokenizer's vocabulary "
+                        f"({info.vocab_size} tokens from {info.tokenizer_name}); set model.vocab_size>={info.vocab_size}")
+
+
+def _check_keys_for_engine(cfg) -> None:
+    """Keys that only one engine or one gradient wrapper reads."""
+    p, prec = cfg.parallel, cfg.precision
+    if cfg.engine == "deepspeed":
+        if p.ddp_comm_hook != "none":
+            raise UserError(f"parallel.ddp_comm_hook={p.ddp_comm_hook} needs engine=torch (allowed with "
+                            "engine=deepspeed: none)")
+        for key in ("param_dtype", "reduce_dtype"):
+            if getattr(prec, key) not in ("fp32", "auto"):
+                raise UserError(f"precision.{key}={getattr(prec, key)} needs engine=torch; with "
+                                "engine=deepspeed set precision.compute_dtype (allowed: auto, fp32)")
+        if cfg.checkpoint.async_save:
+            raise UserError("checkpoint.async=true needs engine=torch (DeepSpeed saves synchronously; allowed: false)")
+        try:
+            available = importlib.util.find_spec("deepspeed") is not None
+        except (ImportError, ValueError):
+            available = False
+        if not available:
+            raise UserError(INSTALL_HINT)
+        return
+    if p.zero_stage < 2:
+        for key in ("param_dtype", "reduce_dtype"):
+            value = getattr(prec, key)
+            if value not in ("fp32", "auto"):
+                raise UserError(f"precision.{key}={value} needs parallel.zero_stage 2 or 3 (FSDP2's mixed-precision "
+                                f"policy); with zero_stage={p.zero_stage} allowed: fp32 (use precision.compute_dtype "
+                                "for autocast, parallel.ddp_comm_hook to compress gradients)")
+    elif p.ddp_comm_hook != "none":
+        raise UserError(f"parallel.ddp_comm_hook={p.ddp_comm_hook} applies to DDP (zero_stage 0 or 1), "
+                        f"not zero_stage={p.zero_stage} (use precision.reduce_dtype)")
+
+
+def validate_world(cfg, world_size: int, device_type: str = "cuda") -> Layout:
+    """Checks that need the number of processes; returns the resolved Layout."""
+    layout = Layout.from_config(cfg, world_size, device_type)  # raises on degrees that miss the world size
+    problems = layout_problems(model_shape(cfg.model), layout)
+    if problems:
+        raise UserError(problems[0])
+    return layout
