@@ -4,5 +4,5 @@ WRAPPER_PARTS = ("module", "_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wra
 
 
 def clean_fqn(name: str) -> str:
-    """`module.layers.0._checkpoint_wrapped_module.attention.wq.weight` -> `layers.0.attention.wq.weight`."""
+    """`module.layers.0._checkpoint_wrapped_module.mlp.weight` -> `layers.0.mlp.weight`."""
     return ".".join(part for part in name.split(".") if part not in WRAPPER_PARTS)

@@ -1,0 +1,62 @@
+"""Rank 0's console: a live progress bar on a terminal, plain lines when output is a file or pipe."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from disttrain.observe.sinks import Sink
+
+
+def _fmt_duration(seconds: float) -> str:
+    seconds = int(max(0, seconds))
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m:02d}:{s:02d}"
+
+
+class ConsoleProgress(Sink):
+    """A live rich progress bar on a terminal; plain lines when output is a file or pipe."""
+
+    def __init__(self, total_steps: int, start_step: int, enabled: bool):
+        self.total, self.enabled = total_steps, enabled
+        self.start_step = start_step
+        self.t0 = time.perf_counter()
+        self._progress = None
+        if enabled and sys.stdout.isatty():
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self._progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                                      TextColumn("{task.fields[info]}"), TimeRemainingColumn())
+            self._task = self._progress.add_task("train", total=total_steps, completed=start_step, info="")
+            self._progress.start()
+
+    def log_step(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        step = record["step"]
+        done = step - self.start_step
+        rate = done / max(1e-9, time.perf_counter() - self.t0)
+        eta = (self.total - step) / rate if rate > 0 else 0.0
+        info = f"loss {record['loss']:.4f} | {record['tokens_per_sec']:,.0f} tok/s"
+        if "mfu" in record:
+            info += f" | mfu {100 * record['mfu']:.1f}%"
+        if self._progress is not None:
+            self._progress.update(self._task, completed=step, info=info)
+        else:
+            width = len(str(self.total))
+            print(f"step {step:>{width}}/{self.total} | {info} | lr {record['lr']:.2e} | eta {_fmt_duration(eta)}",
+                  flush=True)
+
+    def message(self, text: str) -> None:
+        if not self.enabled:
+            return
+        if self._progress is not None:
+            self._progress.console.print(text)
+        else:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
