@@ -10,6 +10,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 DEBUG_CONFIG = REPO / "configs" / "debug.yaml"
+LR = 3e-3  # configs/debug.yaml
+# The parity setting for the debug model: 20 steps of a global batch of 4; replicas compared every 5 steps.
+PARITY = ("train.steps=20", "train.global_batch_size=4", f"optim.lr={LR}", "checkpoint.save_final=true",
+          "metrics.sync_check_every=5")
 
 
 def cli_env() -> dict:
@@ -42,6 +46,27 @@ def train(run_dir: Path, *overrides: str, nproc: int | None = None, config: Path
     return run_dir
 
 
+def train_many(jobs: dict[str, tuple[Path, tuple[str, ...]]], nproc: int, config: Path = DEBUG_CONFIG,
+               timeout: float = 600, env: dict | None = None) -> dict[str, Path]:
+    """Train each job (name -> (run_dir, overrides)) in turn, in ONE launch of `nproc` real gloo
+    processes running the same builder and loop as `disttrain train`; returns name -> run_dir.
+    For tests whose subject is a layout's numbers, not launching (tests of the CLI use `train`)."""
+    spec = [{"config": str(config), "overrides": [f"run.dir={d.parent}", f"run.name={d.name}",
+                                                  "distributed.timeout_s=60", *o]} for d, o in jobs.values()]
+    first = next(iter(jobs.values()))[0]
+    first.parent.mkdir(parents=True, exist_ok=True)
+    job_file = first.parent / f"jobs_{first.name}.json"
+    job_file.write_text(json.dumps(spec))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           str(REPO / "tests" / "workers" / "train_many.py"), str(job_file)]
+    proc = subprocess.run(cmd, cwd=REPO, env={**cli_env(), **(env or {})}, capture_output=True, text=True,
+                          timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"
+                             f"\n--- stderr\n{proc.stderr[-6000:]}")
+    return {name: d for name, (d, _) in jobs.items()}
+
+
 def records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -67,6 +92,16 @@ def load_model_params(checkpoint: Path) -> dict:
         dcp_to_torch_save(checkpoint, out)
         state = torch.load(out, weights_only=True)
     return state["model"]
+
+
+def final_params(run_dir: Path, step: int = 20) -> dict:
+    return load_model_params(run_dir / "checkpoints" / f"step_{step:08d}")
+
+
+def assert_parity(run: Path, reference: Path, rel: float = 1e-5, step: int = 20) -> None:
+    """Same losses and same final parameters as the reference run (fp32)."""
+    assert_losses_close(losses(run), losses(reference), rel=rel)
+    assert_params_close(final_params(run, step), final_params(reference, step), rel=rel, lr=LR)
 
 
 def assert_losses_close(actual: dict[int, float], expected: dict[int, float], rel: float) -> None:

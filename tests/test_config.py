@@ -85,16 +85,50 @@ MISTAKES = {
 }
 
 
-@pytest.mark.parametrize("name", list(MISTAKES))
-def test_user_mistake_is_one_line_exit_2(name, tmp_path):
-    overrides, launch, expected = MISTAKES[name]
-    proc = run_cli("train", str(DEBUG_CONFIG), f"run.dir={tmp_path}", *overrides, *launch, check=False)
-    assert proc.returncode == 2, proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1, proc.stderr
+def run_main(capsys, *args: str) -> tuple[int, str, str]:
+    """The CLI entry point in this process (what `disttrain ...` runs): (exit code, stdout, stderr)."""
+    from disttrain.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(list(args))
+    out = capsys.readouterr()
+    return exc.value.code, out.out, out.err
+
+
+def assert_one_line_exit_2(code: int, out: str, err: str, expected: str) -> None:
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
     assert lines[0].startswith("disttrain: error: ") and expected in lines[0], lines[0]
-    assert "Traceback" not in proc.stderr and proc.stdout == ""
+    assert "Traceback" not in err and out == ""
+
+
+@pytest.mark.parametrize("name", list(MISTAKES))
+def test_user_mistake_is_one_line_exit_2(name, tmp_path, capsys):
+    overrides, launch, expected = MISTAKES[name]
+    assert_one_line_exit_2(*run_main(capsys, "train", str(DEBUG_CONFIG), f"run.dir={tmp_path}", *overrides, *launch),
+                           expected)
     assert not any(tmp_path.iterdir()), "a refused run must leave nothing behind"
+
+
+ARGUMENT_MISTAKES = {
+    "no config": (["train"], "disttrain train: the following arguments are required: config"),
+    "unknown command": (["fly"], "disttrain: argument command: invalid choice: 'fly'"),
+    "unknown flag": (["train", str(DEBUG_CONFIG), "--bogus"], "unrecognized arguments: --bogus"),
+    "bad flag value": (["plan", "--gpus", "many"], "argument --gpus: invalid int value: 'many'"),
+    "launch flag without --nproc-per-node": (["train", str(DEBUG_CONFIG), "--nnodes", "2", "--max-restarts", "3"],
+                                             "--nnodes needs --nproc-per-node N"),
+    "nccl without CUDA": (["train", str(DEBUG_CONFIG), "distributed.backend=nccl"],
+                          "distributed.backend=nccl needs CUDA devices and none are visible"),
+}
+
+
+@pytest.mark.parametrize("name", list(ARGUMENT_MISTAKES))
+def test_argument_mistake_is_one_line_exit_2(name, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    args, expected = ARGUMENT_MISTAKES[name]
+    assert_one_line_exit_2(*run_main(capsys, *args), expected)
+    assert not any(tmp_path.iterdir())
 
 
 def test_missing_config_file_and_bad_yaml(tmp_path):

@@ -56,8 +56,8 @@ def test_missing_deepspeed_is_one_line_with_install_hint(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    return train(tmp_path_factory.mktemp("ref") / "run", *COMMON, "train.micro_batch_size=4")
+def reference(debug_reference):
+    return debug_reference  # the session's single-process run of the same setting
 
 
 def _deepspeed_params(checkpoint) -> dict:
@@ -79,3 +79,21 @@ def test_deepspeed_matches_torch_engine(stage, reference, tmp_path):
     resumed = train(tmp_path / "resumed", *COMMON, "engine=deepspeed", f"parallel.zero_stage={stage}",
                     "train.micro_batch_size=1", f"checkpoint.resume={run}/checkpoints/step_00000010", nproc=2)
     assert_losses_close(losses(resumed), {s: v for s, v in losses(run).items() if s > 10}, rel=1e-6)
+
+
+def test_resuming_under_the_other_engine_is_one_line(tmp_path):
+    """A torch (DCP) checkpoint under engine=deepspeed and a DeepSpeed checkpoint under engine=torch:
+    refused in one line naming the engine that can resume it; DeepSpeed also runs in one process."""
+    pytest.importorskip("deepspeed")
+    for saved, other in (("torch", "deepspeed"), ("deepspeed", "torch")):
+        run = train(tmp_path / saved, "train.steps=2", "checkpoint.every_steps=2", f"engine={saved}")
+        proc = subprocess.run([sys.executable, "-m", "disttrain", "train", str(DEBUG_CONFIG), f"run.dir={tmp_path}",
+                               f"run.name={saved}", "train.steps=4", f"engine={other}"], cwd=REPO, env=cli_env(),
+                              capture_output=True, text=True)
+        lines = [x for x in proc.stderr.splitlines() if x.startswith("disttrain")]
+        assert proc.returncode == 2 and lines == [
+            f"disttrain: error: checkpoint.resume: {run / 'checkpoints' / 'step_00000002'} holds "
+            f"{'dcp' if saved == 'torch' else 'deepspeed'} state, and this run's engine reads "
+            f"{'deepspeed' if saved == 'torch' else 'dcp'} (resume with the engine that saved it: engine={saved}, "
+            "or start fresh with checkpoint.resume=none)"], proc.stderr
+        assert "Traceback" not in proc.stderr

@@ -67,6 +67,12 @@ def test_init_from_starts_a_run_from_exported_weights(sharded_run, tmp_path):
     assert bad.stderr.strip().splitlines() == [f"disttrain: error: model.init_from={tmp_path / 'w.safetensors'}: "
                                                "tok_embeddings.weight has shape (256, 64) in the weights, (256, 32) "
                                                "in the model"]
+    (tmp_path / "garbage.safetensors").write_bytes(b"not weights at all")
+    bad = run_cli("train", "configs/debug.yaml", f"run.dir={tmp_path}", f"model.init_from={tmp_path / 'garbage.safetensors'}",
+                  check=False)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+    assert f"model.init_from={tmp_path / 'garbage.safetensors'}: not a weights file written by `disttrain convert`" \
+        in bad.stderr
 
 
 def test_convert_refuses_a_directory_without_checkpoints(tmp_path):

@@ -6,17 +6,42 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import assert_losses_close, assert_params_close, load_model_params, losses, records, train
+from helpers import assert_losses_close, assert_params_close, load_model_params, losses, records, train, train_many
 
 LR = 3e-3
 # 4 layers so that interleaved schedules get 2 stages per rank on 2 ranks; 4 micro-batches of 1.
 COMMON = ("train.steps=20", "train.global_batch_size=4", "train.micro_batch_size=1", "model.n_layers=4",
           f"optim.lr={LR}", "checkpoint.save_final=true", "metrics.sync_check_every=5")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+TWO_RANKS = {
+    "tp2": ("parallel.tp=2",),
+    "tp2-sp-selective-ac": ("parallel.tp=2", "parallel.sequence_parallel=true",
+                            "parallel.activation_checkpointing=selective"),
+    **{f"pp2-{s}": ("parallel.pp=2", f"parallel.pp_schedule={s}", "train.eval_every=10") for s in SCHEDULES},
+    "pp2-layers-1-3": ("parallel.pp=2", "parallel.pp_layers=[1,3]"),  # an unbalanced, hand-set split
+}
+FOUR_RANKS = {
+    "fsdp x tp": ("parallel.dp_shard=2", "parallel.tp=2", "parallel.zero_stage=3"),
+    "pp x fsdp": ("parallel.pp=2", "parallel.dp_shard=2", "parallel.zero_stage=2", "parallel.pp_schedule=interleaved_1f1b"),
+    "pp x tp + sp": ("parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true", "checkpoint.every_steps=10"),
+}
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     return train(tmp_path_factory.mktemp("ref") / "run", *COMMON)
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("two")
+    return train_many({k: (root / k, (*COMMON, *v)) for k, v in TWO_RANKS.items()}, nproc=2)
+
+
+@pytest.fixture(scope="module")
+def four_rank_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("four")
+    return train_many({k: (root / k.replace(" ", "_"), (*COMMON, *v)) for k, v in FOUR_RANKS.items()}, nproc=4)
 
 
 def _final(run):
@@ -28,53 +53,30 @@ def _assert_parity(run, reference):
     assert_params_close(_final(run), _final(reference), rel=1e-5, lr=LR)
 
 
-@pytest.mark.parametrize("extra", [(), ("parallel.sequence_parallel=true", "parallel.activation_checkpointing=selective")],
-                         ids=["tp2", "tp2-sp-selective-ac"])
-def test_tensor_parallel_equals_single_process(extra, reference, tmp_path):
-    _assert_parity(train(tmp_path / "run", *COMMON, "parallel.tp=2", *extra, nproc=2), reference)
+@pytest.mark.parametrize("layout", ["tp2", "tp2-sp-selective-ac", "pp2-layers-1-3"])
+def test_tensor_parallel_and_hand_split_pipeline_equal_single_process(layout, two_rank_runs, reference):
+    _assert_parity(two_rank_runs[layout], reference)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"])
-def test_pipeline_schedules_equal_single_process(schedule, reference, tmp_path):
-    run = train(tmp_path / "run", *COMMON, "parallel.pp=2", f"parallel.pp_schedule={schedule}",
-                "train.eval_every=10", nproc=2)
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_pipeline_schedules_equal_single_process(schedule, two_rank_runs, reference):
+    run = two_rank_runs[f"pp2-{schedule}"]
     _assert_parity(run, reference)
     bubbles = [r["pp_bubble"] for r in records(run) if "event" not in r]
     assert len(bubbles) == 20 and all(0 <= b < 1 for b in bubbles)
+    assert [e["step"] for e in records(run) if e.get("event") == "eval"] == [10, 20]
 
 
-def test_pipeline_with_a_hand_set_split(reference, tmp_path):
-    """parallel.pp_layers=[1,3]: an unbalanced split trains the same numbers."""
-    run = train(tmp_path / "run", *COMMON, "parallel.pp=2", "parallel.pp_layers=[1,3]", nproc=2)
-    _assert_parity(run, reference)
+@pytest.mark.parametrize("layout", list(FOUR_RANKS))
+def test_four_rank_compositions_equal_single_process(layout, four_rank_runs, reference):
+    _assert_parity(four_rank_runs[layout], reference)
 
 
-def test_fsdp_with_tensor_parallel_on_four_ranks(reference, tmp_path):
-    run = train(tmp_path / "run", *COMMON, "parallel.dp_shard=2", "parallel.tp=2", "parallel.zero_stage=3", nproc=4)
-    _assert_parity(run, reference)
-
-
-def test_pipeline_with_fsdp_on_four_ranks(reference, tmp_path):
-    run = train(tmp_path / "run", *COMMON, "parallel.pp=2", "parallel.dp_shard=2", "parallel.zero_stage=2",
-                "parallel.pp_schedule=interleaved_1f1b", nproc=4)
-    _assert_parity(run, reference)
-
-
-@pytest.fixture(scope="module")
-def pipeline_tensor_run(tmp_path_factory):
-    """pp=2 x tp=2 with sequence parallelism, checkpointing every 10 steps."""
-    return train(tmp_path_factory.mktemp("pptp") / "run", *COMMON, "parallel.pp=2", "parallel.tp=2",
-                 "parallel.sequence_parallel=true", "checkpoint.every_steps=10", nproc=4)
-
-
-def test_pipeline_with_tensor_parallel_on_four_ranks(pipeline_tensor_run, reference):
-    _assert_parity(pipeline_tensor_run, reference)
-
-
-def test_pp_tp_checkpoint_resumes_on_other_layouts(pipeline_tensor_run, tmp_path):
+def test_pp_tp_checkpoint_resumes_on_other_layouts(four_rank_runs, tmp_path):
     """Saved by pp=2 x tp=2; resumed by one process and by ZeRO-3 over 2 ranks: the same losses."""
-    ckpt = pipeline_tensor_run / "checkpoints" / "step_00000010"
-    expected = {s: v for s, v in losses(pipeline_tensor_run).items() if s > 10}
+    run = four_rank_runs["pp x tp + sp"]
+    ckpt = run / "checkpoints" / "step_00000010"
+    expected = {s: v for s, v in losses(run).items() if s > 10}
     single = train(tmp_path / "single", *COMMON, f"checkpoint.resume={ckpt}")
     assert_losses_close(losses(single), expected, rel=1e-5)
     sharded = train(tmp_path / "fsdp", *COMMON, "parallel.zero_stage=3", f"checkpoint.resume={ckpt}", nproc=2)

@@ -314,7 +314,15 @@ def test_plan_writes_a_config_the_runtime_validates(tmp_path):
     assert winner["parallel"]["zero_stage"] == result["winner"]["layout"]["zero_stage"]
 
 
+def test_plan_writes_nothing_unless_asked(tmp_path):
+    proc = run_cli("plan", "--model", "tiny", "--gpus", "2", "--gpu", "a100-80g", cwd=tmp_path)
+    assert "Pass --out FILE.yaml to write the winner as a config." in proc.stdout
+    assert not any(tmp_path.iterdir())
+
+
 @pytest.mark.parametrize("args,expected", [
+    (["estimate", "--model", "tiny", "--cpu-offload", "--zero-stage", "1"],
+     "parallel.cpu_offload=true needs parallel.zero_stage 2 or 3 (FSDP2), not 1"),
     (["estimate", "--model", "huge"], "--model=huge: unknown model (allowed: debug"),
     (["estimate", "--model", "tiny", "--tp", "3", "--gpus", "3"], "parallel.tp=3 does not divide model.n_heads=8"),
     (["estimate", "--model", "tiny", "--time", "--gpu", "tpu9"], "--gpu=tpu9: unknown GPU (allowed: a100-40g"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 
@@ -9,7 +10,7 @@ import pytest
 
 from disttrain.distributed.env import detect_env
 from disttrain.launch import LaunchOptions, torchrun_args
-from helpers import DEBUG_CONFIG, REPO, assert_losses_close, cli_env, losses, records, train
+from helpers import DEBUG_CONFIG, REPO, assert_losses_close, cli_env, losses, records, train, train_many
 
 
 def test_detects_torchrun_slurm_and_single():
@@ -61,3 +62,26 @@ def test_low_precision_tracks_fp32(dtype, bound, tmp_path):
     assert 0 < max(diffs) <= bound, diffs  # autocast really ran (not bitwise fp32) and stays close
     scales = [r.get("loss_scale") for r in records(run) if "loss" in r]
     assert all(s is not None and s > 1 for s in scales) if dtype == "fp16" else not any(scales)
+
+
+def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path):
+    """fp16 with dynamic loss scaling on 2 ranks, DDP and ZeRO-3, a NaN injected into rank 0's loss at
+    step 3 only: every rank skips that update (replicas stay equal: checked every step under DDP), the
+    loss scale halves and stays equal on all ranks, and the run continues as one process with the same
+    fault does."""
+    common = ("train.steps=8", "train.global_batch_size=4", "train.micro_batch_size=1",
+              "precision.compute_dtype=fp16", "metrics.sync_check_every=1")
+    env = {"DISTTRAIN_FAULT": "nan:rank=0:step=3"}
+    runs = train_many({"ddp": (tmp_path / "ddp", common),
+                       "zero3": (tmp_path / "zero3", (*common, "parallel.zero_stage=3"))}, nproc=2, env=env)
+    single = losses(train(tmp_path / "single", *common, env=env))
+    assert math.isnan(single[3])
+    for run in runs.values():
+        steps = {r["step"]: r for r in records(run) if "event" not in r}
+        assert [steps[s]["fp16_overflows_total"] for s in range(1, 9)] == [0, 0] + [1] * 6
+        assert steps[3]["loss_scale"] == steps[2]["loss_scale"] / 2
+        assert all(r["loss_scale_min"] == r["loss_scale_max"] == r["loss_scale"] for r in steps.values())
+        curve = losses(run)
+        assert math.isnan(curve[3])
+        assert_losses_close({s: v for s, v in curve.items() if s != 3}, {s: v for s, v in single.items() if s != 3},
+                            rel=1e-5)

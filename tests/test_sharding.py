@@ -7,67 +7,59 @@ import pytest
 import torch
 
 from disttrain.models.registry import MODEL_SHAPES
-from helpers import assert_losses_close, assert_params_close, load_model_params, losses, train
+from helpers import PARITY, assert_losses_close, assert_parity, final_params, losses, train, train_many
 
-LR = 3e-3
-COMMON = ("train.steps=20", "train.global_batch_size=4", f"optim.lr={LR}", "checkpoint.save_final=true",
-          "metrics.sync_check_every=5")  # replicas are compared during every layout's run
 SHARDED = ("train.micro_batch_size=1", "checkpoint.every_steps=10")  # 2 micro-batches per rank on 2 ranks
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    return train(tmp_path_factory.mktemp("ref") / "run", *COMMON, "train.micro_batch_size=4")
-
-
-@pytest.fixture(scope="module")
-def stage3_two_ranks(tmp_path_factory):
-    return train(tmp_path_factory.mktemp("z3") / "run", *COMMON, *SHARDED, "parallel.zero_stage=3", nproc=2)
-
-
-def _final(run):
-    return load_model_params(run / "checkpoints" / "step_00000020")
-
-
-def _assert_parity(run, reference):
-    assert_losses_close(losses(run), losses(reference), rel=1e-5)
-    assert_params_close(_final(run), _final(reference), rel=1e-5, lr=LR)
-
-
-def test_stage3_two_ranks_parity(stage3_two_ranks, reference):
-    _assert_parity(stage3_two_ranks, reference)
-
-
 LAYOUTS = {
+    "zero3": ("parallel.zero_stage=3",),
     "zero1": ("parallel.zero_stage=1",),
     "zero2 + selective recompute": ("parallel.zero_stage=2", "parallel.activation_checkpointing=selective"),
     "zero3 + full recompute": ("parallel.zero_stage=3", "parallel.activation_checkpointing=full"),
     "zero3 + cpu offload": ("parallel.zero_stage=3", "parallel.cpu_offload=true"),
     "hsdp 2x1": ("parallel.zero_stage=3", "parallel.dp_replicate=2", "parallel.dp_shard=1"),
+    "zero2 bf16 params": ("parallel.zero_stage=2", "precision.param_dtype=bf16", "precision.reduce_dtype=fp32"),
 }
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_two_rank_layouts_match_single_process(layout, reference, tmp_path):
-    _assert_parity(train(tmp_path / "run", *COMMON, *SHARDED, *LAYOUTS[layout], nproc=2), reference)
+@pytest.fixture(scope="module")
+def two_rank_runs(tmp_path_factory):
+    """Every 2-rank layout of this module, in one launch of 2 real processes."""
+    root = tmp_path_factory.mktemp("two")
+    return train_many({name: (root / name.replace(" ", "_"), (*PARITY, *SHARDED, *extra))
+                       for name, extra in LAYOUTS.items()}, nproc=2)
 
 
-def test_stage3_four_ranks_and_hsdp_2x2(reference, tmp_path):
-    # global batch 4 on 4 ranks: one sequence each; HSDP shards within pairs, replicates across them.
-    _assert_parity(train(tmp_path / "z3", *COMMON, "parallel.zero_stage=3", nproc=4), reference)
-    hsdp = train(tmp_path / "hsdp", *COMMON, "parallel.zero_stage=3", "parallel.dp_replicate=2", "parallel.dp_shard=2",
-                 nproc=4)
-    _assert_parity(hsdp, reference)
+@pytest.fixture(scope="module")
+def four_rank_runs(tmp_path_factory, two_rank_runs):
+    """Global batch 4 on 4 ranks (one sequence each): ZeRO-3, HSDP 2x2 (shards within pairs, replicates
+    across them), and ZeRO-3 resumed from the 2-rank ZeRO-3 checkpoint of step 10; one launch."""
+    root = tmp_path_factory.mktemp("four")
+    ckpt = two_rank_runs["zero3"] / "checkpoints" / "step_00000010"
+    return train_many({
+        "zero3": (root / "zero3", (*PARITY, "parallel.zero_stage=3")),
+        "hsdp 2x2": (root / "hsdp", (*PARITY, "parallel.zero_stage=3", "parallel.dp_replicate=2",
+                                     "parallel.dp_shard=2")),
+        "resumed": (root / "resumed", (*PARITY, "parallel.zero_stage=3", f"checkpoint.resume={ckpt}")),
+    }, nproc=4)
 
 
-def test_stage3_checkpoint_resumes_on_other_layouts(stage3_two_ranks, tmp_path):
-    """Saved by ZeRO-3 on 2 ranks; resumed by DDP-less single process and by ZeRO-3 on 4 ranks."""
-    ckpt = stage3_two_ranks / "checkpoints" / "step_00000010"
-    expected = {s: v for s, v in losses(stage3_two_ranks).items() if s > 10}
-    single = train(tmp_path / "single", *COMMON, f"checkpoint.resume={ckpt}")
+@pytest.mark.parametrize("layout", [k for k in LAYOUTS if k != "zero2 bf16 params"])
+def test_two_rank_layouts_match_single_process(layout, two_rank_runs, debug_reference):
+    assert_parity(two_rank_runs[layout], debug_reference)
+
+
+@pytest.mark.parametrize("layout", ["zero3", "hsdp 2x2"])
+def test_four_rank_layouts_match_single_process(layout, four_rank_runs, debug_reference):
+    assert_parity(four_rank_runs[layout], debug_reference)
+
+
+def test_stage3_checkpoint_resumes_on_other_layouts(two_rank_runs, four_rank_runs, tmp_path):
+    """Saved by ZeRO-3 on 2 ranks; resumed by a single process and by ZeRO-3 on 4 ranks."""
+    run = two_rank_runs["zero3"]
+    expected = {s: v for s, v in losses(run).items() if s > 10}
+    single = train(tmp_path / "single", *PARITY, f"checkpoint.resume={run / 'checkpoints' / 'step_00000010'}")
     assert_losses_close(losses(single), expected, rel=1e-5)
-    four = train(tmp_path / "four", *COMMON, "parallel.zero_stage=3", f"checkpoint.resume={ckpt}", nproc=4)
-    assert_losses_close(losses(four), expected, rel=1e-5)
+    assert_losses_close(losses(four_rank_runs["resumed"]), expected, rel=1e-5)
 
 
 @pytest.mark.parametrize("nproc", [1, 2, 4])
@@ -134,12 +126,10 @@ def test_activation_checkpointing_recomputes():
             torch.testing.assert_close(a, b, rtol=0, atol=0)  # recomputation is exact
 
 
-def test_bf16_param_policy_keeps_fp32_master_weights(reference, tmp_path):
-    run = train(tmp_path / "run", *COMMON, *SHARDED, "parallel.zero_stage=2", "precision.param_dtype=bf16",
-                "precision.reduce_dtype=fp32", nproc=2)
-    ref, low = losses(reference), losses(run)
+def test_bf16_param_policy_keeps_fp32_master_weights(two_rank_runs, debug_reference):
+    ref, low = losses(debug_reference), losses(two_rank_runs["zero2 bf16 params"])
     diffs = [abs(low[s] - ref[s]) / ref[s] for s in ref]
     # bf16 compute really ran (not bitwise fp32) and stays within half of bf16's unit roundoff (2^-8).
     assert 0 < max(diffs) <= 2e-3, diffs
-    params = _final(run)
+    params = final_params(two_rank_runs["zero2 bf16 params"])
     assert all(t.dtype == torch.float32 for t in params.values())  # the sharded master copy stays fp32

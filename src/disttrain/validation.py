@@ -90,9 +90,15 @@ def _check_keys_for_engine(cfg) -> None:
 
 
 def validate_world(cfg, world_size: int, device_type: str = "cuda") -> Layout:
-    """Checks that need the number of processes; returns the resolved Layout."""
+    """Checks that need the number of processes (and the device kind); returns the resolved Layout."""
     layout = Layout.from_config(cfg, world_size, device_type)  # raises on degrees that miss the world size
     problems = layout_problems(model_shape(cfg.model), layout)
     if problems:
         raise UserError(problems[0])
+    if cfg.parallel.compile and layout.tp > 1 and device_type == "cpu":
+        # torch 2.13: the compiled block's backward hands a plain tensor to DTensor's redistribute
+        # backward ("'Tensor' object has no attribute '_local_tensor'"); eager TP and compiled DDP/FSDP work.
+        raise UserError(f"parallel.compile=true with parallel.tp={layout.tp} does not run on CPU with this torch "
+                        "(compiled DTensor backward fails); allowed on CPU: parallel.compile=false with tp > 1, "
+                        "or compile with tp=1")
     return layout

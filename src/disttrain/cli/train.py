@@ -54,7 +54,9 @@ def _self_launch(args: argparse.Namespace, cfg, overrides: list[str]) -> int:
         raise UserError(f"--nproc-per-node={opts.nproc_per_node}: must be a positive integer or auto")
     if str(opts.nnodes) != "1" and not opts.rdzv_endpoint:
         raise UserError(f"--nnodes={opts.nnodes} needs --rdzv-endpoint HOST:PORT")
-    validate_world(cfg, max_world_size(opts))
+    import torch
+
+    validate_world(cfg, max_world_size(opts), "cuda" if torch.cuda.is_available() else "cpu")
     return relaunch(opts, ["train", args.config, *overrides])
 
 
@@ -80,8 +82,10 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> None:
         if args.nproc_per_node is not None:
             _check_backend(cfg)
             sys.exit(_self_launch(args, cfg, overrides))
-    validate_world(cfg, env.world_size)
     _check_backend(cfg)
+    import torch
+
+    validate_world(cfg, env.world_size, "cuda" if torch.cuda.is_available() else "cpu")
 
     from disttrain.distributed.runtime import init_distributed, shutdown
     from disttrain.observe.health import NonFiniteError, ReplicaDivergence

@@ -89,6 +89,10 @@ def build_run(cfg: RunConfig, rt: Runtime) -> Run:
             init_from(model, cfg.model.init_from, spec)
         except ValueError as exc:
             raise UserError(f"model.init_from={cfg.model.init_from}: {exc}") from None
+        except Exception as exc:  # not weights at all: safetensors, pickle and zip readers raise their own types
+            reason = (str(exc).splitlines() or [type(exc).__name__])[0]
+            raise UserError(f"model.init_from={cfg.model.init_from}: not a weights file written by "
+                            f"`disttrain convert` ({type(exc).__name__}: {reason})") from None
     num_params = count_params(model)
     breakdown = StepBreakdown(rt.device)
     breakdown.watch_input_module(model)
@@ -145,4 +149,6 @@ def build_engine(cfg: RunConfig, layout: Layout, meshes: Meshes, spec: ModelSpec
 
 def _optimizer_step(cfg: RunConfig, optimizer, precision: Precision, pp_group) -> OptimizerStep:
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
-    return OptimizerStep(optimizer, scheduler, precision, cfg.optim.grad_clip, cfg.metrics.nonfinite, pp_group)
+    control = dist.new_group(backend="gloo") if precision.scaler.is_enabled() else None
+    return OptimizerStep(optimizer, scheduler, precision, cfg.optim.grad_clip, cfg.metrics.nonfinite, pp_group,
+                         control)

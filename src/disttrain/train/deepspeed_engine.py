@@ -75,6 +75,15 @@ class DeepSpeedEngine:
             import deepspeed
         except ImportError:
             raise UserError(INSTALL_HINT) from None
+        # DeepSpeed insists on launcher variables; a single process or an `srun` step has its own names.
+        import os
+
+        import torch.distributed as dist
+
+        os.environ.setdefault("LOCAL_RANK", str(dist.get_rank() % max(1, torch.cuda.device_count() or 1)
+                                                if device.type == "cuda" else 0))
+        os.environ.setdefault("RANK", str(dist.get_rank()))
+        os.environ.setdefault("WORLD_SIZE", str(dist.get_world_size()))
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                                     config=deepspeed_config(cfg, world_size, device.type == "cuda"),
                                                     dist_init_required=False)

@@ -47,8 +47,10 @@ class StepEngine(Protocol):
 class OptimizerStep:
     """Unscale, clip over every shard and stage, skip non-finite steps, step, schedule."""
 
-    def __init__(self, optimizer, scheduler, precision, grad_clip: float, nonfinite: str, pp_group=None):
+    def __init__(self, optimizer, scheduler, precision, grad_clip: float, nonfinite: str, pp_group=None,
+                 control_group=None):
         self.optimizer, self.scheduler, self.precision = optimizer, scheduler, precision
+        self.control_group = control_group  # a CPU (gloo) group over the world, for host-side scalars
         self.clip = grad_clip or float("inf")
         self.nonfinite, self.pp_group = nonfinite, pp_group
         self.skipped_steps: list[int] = []
@@ -88,7 +90,15 @@ class OptimizerStep:
             self.precision.scaler.load_state_dict(state["scaler"])
 
     def metrics(self) -> dict:
+        """Collective when fp16 loss scaling is on: the scale on every rank (min and max over ranks,
+        which agree unless a rank skipped a step the others took)."""
         scaler = self.precision.scaler
         if not scaler.is_enabled():
             return {}
-        return {"loss_scale": float(scaler.get_scale()), "fp16_overflows_total": int(float(self.fp16_overflows))}
+        import torch.distributed as dist
+
+        scale = float(scaler.get_scale())
+        spread = torch.tensor([scale, -scale], dtype=torch.float64)
+        dist.all_reduce(spread, op=dist.ReduceOp.MAX, group=self.control_group)
+        return {"loss_scale": scale, "loss_scale_max": float(spread[0]), "loss_scale_min": -float(spread[1]),
+                "fp16_overflows_total": int(float(self.fp16_overflows))}

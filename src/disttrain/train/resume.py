@@ -60,7 +60,14 @@ def maybe_resume(run, progress: Progress) -> None:
 
 
 def check_compatible(run, path: Path) -> dict:
-    """Refuse another model shape before touching any tensor; report every other change."""
+    """Refuse another model shape or another engine's format before touching any tensor; report every
+    other change."""
+    saved_format, engine_format = run.ckpt.format_of(path), run.engine.checkpoint_format
+    if saved_format != engine_format:
+        raise UserError(f"checkpoint.resume: {path} holds {saved_format} state, and this run's engine reads "
+                        f"{engine_format} (resume with the engine that saved it: "
+                        f"engine={'deepspeed' if saved_format == 'deepspeed' else 'torch'}, or start fresh with "
+                        "checkpoint.resume=none)")
     saved = run.ckpt.read_train_state(path)
     if saved["model_fingerprint"] != run.spec.fingerprint:
         old = saved.get("config", {}).get("model", {})

@@ -1,0 +1,37 @@
+"""Train several configs one after another in one launch of real processes (one gloo process group),
+so that a test module pays the start-up of N processes once rather than once per layout.
+
+    python -m torch.distributed.run --standalone --nproc-per-node N tests/workers/train_many.py JOBS.json
+
+JOBS.json: [{"config": PATH, "overrides": [...]}, ...]. Each job goes through the same builder and
+loop as `disttrain train` (only the process group is shared).
+"""
+
+import gc
+import json
+import sys
+
+import torch.distributed as dist
+
+from disttrain.config import load_config
+from disttrain.distributed.env import detect_env
+from disttrain.distributed.runtime import init_distributed, shutdown
+from disttrain.train.builder import build_run
+from disttrain.train.loop import Trainer
+
+
+def main() -> None:
+    jobs = json.loads(open(sys.argv[1]).read())
+    rt = init_distributed(detect_env(), "auto", 120)
+    try:
+        for job in jobs:
+            cfg = load_config(job["config"], job["overrides"])
+            Trainer(build_run(cfg, rt)).fit()
+            gc.collect()  # DDP reducers and FSDP state of the finished run go before the next one starts
+            dist.barrier()
+    finally:
+        shutdown()
+
+
+if __name__ == "__main__":
+    main()
