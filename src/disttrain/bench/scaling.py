@@ -9,8 +9,6 @@ efficiency = speedup / n.
 
 from __future__ import annotations
 
-from disttrain.errors import UserError
-
 import json
 import os
 import statistics
@@ -18,11 +16,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+from disttrain.errors import UserError
+
 WARMUP_STEPS = 5
 
 
 def process_counts(max_procs: int) -> list[int]:
-
     if max_procs < 1:
         raise UserError(f"--max-procs={max_procs}: must be at least 1")
     counts, n = [], 1

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from disttrain.errors import UserError
-
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,6 +9,7 @@ import numpy as np
 
 from disttrain.data import shards
 from disttrain.data.tokenizer import Tokenizer, load_tokenizer
+from disttrain.errors import UserError
 
 
 @dataclass(frozen=True)
