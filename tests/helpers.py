@@ -110,7 +110,7 @@ def assert_losses_close(actual: dict[int, float], expected: dict[int, float], re
     assert worst <= rel, f"largest relative loss difference {worst:.3e} > {rel:.0e}"
 
 
-def assert_params_close(actual: dict, expected: dict, rel: float, lr: float) -> None:
+def assert_params_close(actual: dict, expected: dict, rel: float, lr: float, zero_gradient: tuple[str, ...] = ()) -> None:
     """Each tensor within `rel` of the reference in norm, and no element off by 1/100 of an Adam step.
 
     Why not elementwise rtol: another fp32 summation order (all-reduce vs local accumulation,
@@ -120,11 +120,16 @@ def assert_params_close(actual: dict, expected: dict, rel: float, lr: float) -> 
     (2 ranks) and 1.04e-3 x lr (4 ranks, embedding) while whole tensors agree to ~1e-6 in norm.
     A real bug (wrong data slice, a missed all-reduce, a shard not updated) moves elements by a
     sizeable fraction of lr per step, i.e. >= 10x this bound after a single step.
+
+    `zero_gradient`: name suffixes of parameters whose exact gradient is zero, e.g. attention's key bias
+    (adding one vector to every key shifts each query's scores by a constant, which softmax ignores).
+    They move only by rounding noise that Adam normalises, so their norm-relative difference compares
+    noise with noise; the element bound still holds for them (measured: <= 1.7e-6 with lr 3e-3).
     """
     assert actual.keys() == expected.keys()
     for name in expected:
         a, b = actual[name].detach().double(), expected[name].detach().double()
         norm_rel = float((a - b).norm() / b.norm())
-        assert norm_rel <= rel, f"{name}: relative difference {norm_rel:.2e} > {rel:.0e}"
+        assert norm_rel <= rel or name.endswith(zero_gradient), f"{name}: relative difference {norm_rel:.2e} > {rel:.0e}"
         worst = float((a - b).abs().max())
         assert worst <= 1e-2 * lr, f"{name}: an element differs by {worst:.2e} > 1e-2 x lr"

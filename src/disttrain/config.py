@@ -23,8 +23,14 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
 
 
+SHAPE_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_hidden_dim", "max_seq_len",
+              "tie_embeddings", "norm_eps", "rope_theta")
+
+
 class ModelConfig(_Section):
     name: str = "debug"
+    hf: str = Field("", description="a local Hugging Face model directory (config.json, optional weights and "
+                                    "tokenizer); replaces name and the shape keys")
     dim: int | None = Field(None, gt=0)
     n_layers: int | None = Field(None, gt=0)
     n_heads: int | None = Field(None, gt=0)
@@ -39,6 +45,11 @@ class ModelConfig(_Section):
 
     @model_validator(mode="after")
     def _init_exists(self) -> "ModelConfig":
+        if self.hf:
+            given = [k for k in SHAPE_KEYS if getattr(self, k) is not None]
+            if given:
+                raise ValueError(f"model.{given[0]}={_show(getattr(self, given[0]))} with model.hf={self.hf}: the "
+                                 "shape comes from the directory's config.json (allowed with model.hf: no shape keys)")
         if self.init_from and not Path(self.init_from).exists():
             raise ValueError(f"model.init_from={self.init_from}: no such file or directory (allowed: empty, or "
                              "a file or folder written by `disttrain convert`)")
@@ -47,7 +58,7 @@ class ModelConfig(_Section):
 
 class DataConfig(_Section):
     source: str = "builtin"
-    tokenizer: str = "byte"
+    tokenizer: str = Field("auto", description="auto: model.hf's tokenizer.json if it has one, else byte")
     seq_len: int = Field(128, gt=0)
 
 

@@ -8,6 +8,7 @@ model rules from the model's shape: nothing here re-derives them. Raises UserErr
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 from disttrain.errors import UserError
 from disttrain.layout import Layout, cut_problems, layout_problems
@@ -19,7 +20,7 @@ INSTALL_HINT = ("engine=deepspeed needs DeepSpeed: DS_BUILD_OPS=0 pip install -c
 
 def validate_config(cfg) -> None:
     """Checks that need no world size."""
-    if cfg.model.name not in MODEL_SHAPES:
+    if not cfg.model.hf and cfg.model.name not in MODEL_SHAPES:
         raise UserError(f"model.name={cfg.model.name}: unknown model (allowed: {', '.join(MODEL_SHAPES)})")
     shape = model_shape(cfg.model)
     if shape.dim % shape.n_heads:
@@ -51,10 +52,19 @@ def validate_config(cfg) -> None:
         raise UserError(f"optim.betas={list(cfg.optim.betas)}: each beta must be in [0, 1)")
     from disttrain.data.source import describe_source
 
-    info = describe_source(cfg.data.source, cfg.data.tokenizer)
+    info = describe_source(cfg.data.source, tokenizer_for(cfg))
     if shape.vocab_size < info.vocab_size:
         raise UserError(f"model.vocab_size={shape.vocab_size} is smaller than the tokenizer's vocabulary "
                         f"({info.vocab_size} tokens from {info.tokenizer_name}); set model.vocab_size>={info.vocab_size}")
+
+
+def tokenizer_for(cfg) -> str:
+    """`data.tokenizer=auto`: the Hugging Face model directory's tokenizer.json when it has one, else bytes."""
+    if cfg.data.tokenizer != "auto":
+        return cfg.data.tokenizer
+    if cfg.model.hf and (Path(cfg.model.hf) / "tokenizer.json").is_file():
+        return str(Path(cfg.model.hf) / "tokenizer.json")
+    return "byte"
 
 
 def _check_keys_for_engine(cfg) -> None:
@@ -89,12 +99,31 @@ def _check_keys_for_engine(cfg) -> None:
                         f"not zero_stage={p.zero_stage} (use precision.reduce_dtype)")
 
 
+def _check_model_can_be_cut(cfg, layout: Layout) -> None:
+    """Model parallelism needs the model's cooperation (its ModelSpec's plan); imports torch."""
+    from disttrain.models.registry import model_spec
+
+    spec = model_spec(cfg.model)
+    what = f"model {spec.name}" + (f" from model.hf={cfg.model.hf}" if cfg.model.hf else "")
+    if layout.tp > 1 and spec.tensor_parallel is None:
+        raise UserError(f"parallel.tp={layout.tp}: {what} has no tensor-parallel plan (allowed for it: parallel.tp=1)")
+    if layout.sequence_parallel and not spec.sequence_parallel:
+        raise UserError(f"parallel.sequence_parallel=true: {what} has no sequence-parallel plan (allowed for it: "
+                        "false)")
+    if layout.pp > 1 and spec.pipeline_split is None:
+        raise UserError(f"parallel.pp={layout.pp}: {what} cannot be split into pipeline stages (needs the usual "
+                        "model.embed_tokens / model.layers / model.norm / lm_head decoder; allowed for it: "
+                        "parallel.pp=1)")
+
+
 def validate_world(cfg, world_size: int, device_type: str = "cuda") -> Layout:
     """Checks that need the number of processes (and the device kind); returns the resolved Layout."""
     layout = Layout.from_config(cfg, world_size, device_type)  # raises on degrees that miss the world size
     problems = layout_problems(model_shape(cfg.model), layout)
     if problems:
         raise UserError(problems[0])
+    if layout.tp > 1 or layout.pp > 1:
+        _check_model_can_be_cut(cfg, layout)
     if cfg.parallel.compile and layout.tp > 1 and device_type == "cpu":
         # torch 2.13: the compiled block's backward hands a plain tensor to DTensor's redistribute
         # backward ("'Tensor' object has no attribute '_local_tensor'"); eager TP and compiled DDP/FSDP work.

@@ -37,6 +37,7 @@ def parse_count(flag: str, text: str, binary: bool = False) -> float:
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help=f"registry shape ({', '.join(MODEL_SHAPES)})")
     p.add_argument("--params", default=None, help="parameter count instead of --model, e.g. 13e9 or 6.7B")
+    p.add_argument("--hf", default=None, help="a local Hugging Face model directory (its config.json) instead of --model")
     p.add_argument("--seq-len", type=int, default=None)
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="compute dtype (default bf16)")
 
@@ -102,8 +103,12 @@ def add_parsers(sub) -> None:
 
 
 def _shape(args, cfg=None) -> tuple[str, ModelShape]:
-    if args.model and args.params:
-        raise UserError("--model and --params: give one of them")
+    if sum(bool(x) for x in (args.model, args.params, args.hf)) > 1:
+        raise UserError("--model, --params and --hf: give one of them")
+    if args.hf:
+        from disttrain.models.hf.shape import hf_shape
+
+        return args.hf, hf_shape(args.hf)
     if args.params:
         return shape_for_params(parse_count("--params", args.params))
     if args.model:
@@ -111,8 +116,8 @@ def _shape(args, cfg=None) -> tuple[str, ModelShape]:
             raise UserError(f"--model={args.model}: unknown model (allowed: {', '.join(MODEL_SHAPES)})")
         return args.model, MODEL_SHAPES[args.model]
     if cfg is not None:
-        return cfg.model.name, model_shape(cfg.model)
-    raise UserError("give a CONFIG, --model NAME or --params N")
+        return cfg.model.hf or cfg.model.name, model_shape(cfg.model)
+    raise UserError("give a CONFIG, --model NAME, --params N or --hf DIR")
 
 
 def _cluster(args, gpus: int) -> Cluster:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -92,12 +93,21 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> None:
     from disttrain.train.builder import build_run
     from disttrain.train.loop import Preempted, Trainer
 
+    fresh = not cfg.run_dir.exists()
     _setup_logging(cfg.run_dir, env.rank)
     logging.getLogger("disttrain.cli").info("process started at %.3f (restart %s)", PROCESS_START,
                                             os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     rt = init_distributed(env, cfg.distributed.backend, cfg.distributed.timeout_s)
     try:
-        result = Trainer(build_run(cfg, rt)).fit()
+        try:
+            run = build_run(cfg, rt)
+        except UserError:  # found while assembling (weights that do not fit): leave nothing behind
+            if fresh and env.rank == 0:
+                for handler in logging.getLogger("disttrain").handlers:
+                    handler.close()
+                shutil.rmtree(cfg.run_dir, ignore_errors=True)
+            raise
+        result = Trainer(run).fit()
     except Preempted:
         sys.exit(EXIT_PREEMPTED)
     except (NonFiniteError, ReplicaDivergence) as exc:  # a health check stopped the run

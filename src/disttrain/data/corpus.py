@@ -3,13 +3,25 @@
 It is the language reference topics behind `help()` plus the docstrings of a fixed list of
 standard-library modules (about 1 MB of text). Documents are ordered deterministically; every
 20th goes to the validation split. The exact text follows the Python version in use.
+
+What a module's namespace holds depends on what else the process imported (lazy attributes,
+submodules that other packages pull in), so the documents are always collected in a fresh
+interpreter that imports nothing else, and cached per Python version: every process, whatever
+it imported before (torch, transformers, a test runner), trains on the same corpus.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import inspect
+import json
+import os
+import subprocess
+import sys
+import tempfile
 import warnings
+from pathlib import Path
 
 _MODULES = (
     "abc argparse ast asyncio base64 bisect calendar collections concurrent.futures contextlib copy csv "
@@ -41,7 +53,7 @@ def _module_docs(name: str) -> list[str]:
     return [d for d in docs if len(d) > 40]
 
 
-def builtin_documents() -> list[str]:
+def _collect_documents() -> list[str]:
     from pydoc_data.topics import topics
 
     docs = [topics[k] for k in sorted(topics)]
@@ -52,9 +64,38 @@ def builtin_documents() -> list[str]:
     return list(dict.fromkeys(docs))  # inherited docstrings repeat; keep each text once
 
 
+def _cache_file() -> Path:
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "disttrain"
+    key = hashlib.sha256(f"{sys.version}|{' '.join(_MODULES)}".encode()).hexdigest()[:16]
+    return root / f"builtin_corpus_{key}.json"
+
+
+def builtin_documents() -> list[str]:
+    cache = _cache_file()
+    if cache.is_file():
+        try:
+            return json.loads(cache.read_text())
+        except ValueError:
+            pass  # a torn file from another interpreter: rebuild it
+    out = subprocess.run([sys.executable, "-I", __file__], capture_output=True, check=True).stdout
+    docs = json.loads(out)
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=cache.parent, delete=False, suffix=".tmp") as f:
+            f.write(out.decode())
+        os.replace(f.name, cache)  # atomic: ranks building it at once all write the same text
+    except OSError:
+        pass  # a read-only home: collect again next time
+    return docs
+
+
 def builtin_splits() -> dict[str, list[str]]:
     docs = builtin_documents()
     return {
         "train": [d for i, d in enumerate(docs) if i % VAL_EVERY != VAL_EVERY - 1],
         "val": [d for i, d in enumerate(docs) if i % VAL_EVERY == VAL_EVERY - 1],
     }
+
+
+if __name__ == "__main__":  # run by builtin_documents in a fresh interpreter
+    sys.stdout.write(json.dumps(_collect_documents()))

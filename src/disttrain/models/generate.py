@@ -8,7 +8,7 @@ import torch
 @torch.no_grad()
 def generate(model: torch.nn.Module, prompt: list[int], max_new_tokens: int, max_seq_len: int,
              temperature: float = 0.8, top_k: int = 40, seed: int = 0, stop_id: int | None = None,
-             pad_multiple: int = 1) -> list[int]:
+             pad_multiple: int = 1, logits_of=lambda out: out) -> list[int]:
     """`pad_multiple`: right-pad each forward's input to a multiple of this (a sequence-parallel
     model splits the sequence evenly); causal attention keeps the real positions unaffected."""
     device = next(model.parameters()).device
@@ -22,7 +22,7 @@ def generate(model: torch.nn.Module, prompt: list[int], max_new_tokens: int, max
         pad = -n % pad_multiple
         if pad:
             window = torch.cat([window, window.new_zeros((1, pad))], dim=1)
-        out = model(window)
+        out = logits_of(model(window))
         if hasattr(out, "full_tensor"):  # vocabulary-sharded logits of a tensor-parallel model
             out = out.full_tensor()
         logits = out[:, n - 1, :].float() / max(temperature, 1e-5)

@@ -13,12 +13,21 @@ __all__ = ["MODEL_SHAPES", "ModelShape", "model_shape"]
 
 
 def model_shape(model_cfg) -> ModelShape:
-    """The decoder dimensions the config describes (registry shape + overrides)."""
+    """The decoder dimensions the config describes: a Hugging Face directory's config.json, or the
+    built-in registry shape with its overrides."""
+    if getattr(model_cfg, "hf", ""):
+        from disttrain.models.hf.shape import hf_shape
+
+        return hf_shape(model_cfg.hf)
     return resolve_shape(model_cfg)
 
 
 def model_spec(model_cfg):
     """The ModelSpec (torch side) of the configured model."""
+    if getattr(model_cfg, "hf", ""):
+        from disttrain.models.hf.spec import hf_spec
+
+        return hf_spec(model_cfg.hf)
     from disttrain.models.llama import llama_spec
 
     return llama_spec(model_shape(model_cfg))

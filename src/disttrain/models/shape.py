@@ -18,15 +18,17 @@ class ModelShape:
     tie_embeddings: bool = False
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    qkv_bias: bool = False  # q/k/v projections with biases (Qwen2)
+    head_size: int = 0  # 0: dim / n_heads; set when a family decouples the two (Qwen3, Gemma)
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.head_size or self.dim // self.n_heads
 
     def num_params(self, include_embedding: bool = True) -> int:
         """Exact parameter count of a Llama-style decoder (SwiGLU MLP, GQA, RMSNorm, no biases)."""
-        kv_dim = self.n_kv_heads * self.head_dim
-        attn = self.dim * self.dim * 2 + self.dim * kv_dim * 2
+        q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        attn = self.dim * q_dim * 2 + self.dim * kv_dim * 2 + (q_dim + 2 * kv_dim if self.qkv_bias else 0)
         mlp = 3 * self.dim * self.ffn_hidden_dim
         per_layer = attn + mlp + 2 * self.dim
         embedding = self.vocab_size * self.dim

@@ -36,9 +36,14 @@ class ModelSpec:
     shape: ModelShape | None = None
     """Decoder dimensions (parameter count, FLOPs, layout rules, planner); None if unknown."""
     max_seq_len: int = 0
-    loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = token_cross_entropy_sum
+    loss_sum: Callable[[object, torch.Tensor], torch.Tensor] = token_cross_entropy_sum
+    """Token-loss sum of a micro-batch from the module's output and the targets."""
+    logits: Callable[[object], torch.Tensor] = lambda out: out
+    """The next-token logits in the module's output (for sampling)."""
     tensor_parallel: Callable[[nn.Module, object, bool], None] | None = None
     """Apply the TP (and sequence-parallel) plan in place to a model or a pipeline stage."""
+    sequence_parallel: bool = True
+    """Whether `tensor_parallel` also implements sequence parallelism."""
     pipeline_split: Callable[[nn.Module, list[range], list[int]], list[nn.Module]] | None = None
     """Prune the model to the stages this rank owns and return one module per owned stage; the
     parameters keep their names in the pruned model."""
@@ -47,6 +52,8 @@ class ModelSpec:
     to_hf: Callable[[dict], dict] | None = None
     from_hf: Callable[[dict], dict] | None = None
     hf_config: Callable[[], dict] | None = None
+    load_pretrained: Callable[[nn.Module], None] | None = None
+    """Copy pretrained weights into the initialised single-device model, if the family has them."""
     fingerprint: str = ""
     """Identifies the parameter shapes; a checkpoint resumes only into the same fingerprint."""
 
@@ -64,6 +71,8 @@ def build_model(spec: ModelSpec, device: torch.device, seed: int) -> nn.Module:
         model = spec.build()
     model.to_empty(device=device)
     spec.init_weights(model, seed)
+    if spec.load_pretrained is not None:
+        spec.load_pretrained(model)
     return model
 
 

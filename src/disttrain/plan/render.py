@@ -66,6 +66,9 @@ def winner_config(est: Estimate, tokens: float | None = None) -> dict:
     lay, shape = est.layout, est.shape
     from disttrain.models.registry import MODEL_SHAPES
 
+    steps = max(1, round(tokens / est.tokens_per_step)) if tokens else 1000
+    if est.model not in MODEL_SHAPES and not est.model.endswith("-shaped"):  # a Hugging Face directory
+        return _config(est, {"hf": est.model}, steps)
     # `--params` shapes are a registry shape with another depth, named "<base>-shaped".
     model: dict = {"name": est.model.removesuffix("-shaped")}
     base = MODEL_SHAPES[model["name"]]
@@ -74,7 +77,11 @@ def winner_config(est: Estimate, tokens: float | None = None) -> dict:
             model[key] = getattr(shape, key)
     if lay.seq_len > base.max_seq_len:
         model["max_seq_len"] = lay.seq_len
-    steps = max(1, round(tokens / est.tokens_per_step)) if tokens else 1000
+    return _config(est, model, steps)
+
+
+def _config(est: Estimate, model: dict, steps: int) -> dict:
+    lay = est.layout
     parallel = {"dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard, "tp": lay.tp, "pp": lay.pp,
                 "zero_stage": lay.zero_stage, "sequence_parallel": lay.sequence_parallel,
                 "activation_checkpointing": lay.activation_checkpointing, "cpu_offload": lay.cpu_offload}

@@ -5,6 +5,7 @@ Every decision about the layout was made when the Layout was resolved; this modu
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -27,7 +28,9 @@ from disttrain.train.engine import OptimizerStep, StepEngine
 from disttrain.train.faults import FaultInjector
 from disttrain.train.optim import build_optimizer, build_scheduler
 from disttrain.train.precision import Precision
-from disttrain.validation import validate_world
+from disttrain.validation import tokenizer_for, validate_world
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -75,12 +78,14 @@ def build_run(cfg: RunConfig, rt: Runtime) -> Run:
     dp_rank, dp_size = meshes.dp.get_local_rank(), meshes.dp.size()
 
     t = cfg.train
-    tokenizer, splits = load_splits(cfg.data.source, cfg.data.tokenizer)
+    tokenizer, splits = load_splits(cfg.data.source, tokenizer_for(cfg))
     train_windows = TokenWindows(splits["train"], cfg.data.seq_len)
     sampler = GlobalBatchSampler(len(train_windows), t.global_batch_size, t.seed)
     loader = DistributedBatchLoader(train_windows, sampler, dp_rank, dp_size, t.micro_batch_size)
 
     spec = model_spec(cfg.model)
+    if cfg.model.hf:
+        log.info("model from %s (%s); model.name=%s is ignored", cfg.model.hf, spec.name, cfg.model.name)
     model = build_model(spec, rt.device, t.seed)
     if cfg.model.init_from:
         from disttrain.checkpoint.export import init_from
@@ -127,12 +132,15 @@ def build_engine(cfg: RunConfig, layout: Layout, meshes: Meshes, spec: ModelSpec
         from disttrain.train.loss import RankMeanLoss
         from disttrain.train.pipeline_engine import PipelineEngine
 
+        from disttrain.parallel.tied import TiedAcrossStages
+
         mean_loss = RankMeanLoss(spec.loss_sum, layout.sequences_per_rank * layout.seq_len)
         parts = build_pipeline(model, spec, layout, meshes, device, cfg.parallel, mean_loss, layout.microbatches)
+        tied = TiedAcrossStages(parts.model, spec.tied_parameters, layout, meshes)
         optimizer = build_optimizer(parts.model, cfg.optim)
         step = _optimizer_step(cfg, optimizer, precision, parts.group)
         return PipelineEngine(parts, mean_loss, optimizer, step, precision, device, tensor_parallel, dp_group,
-                              breakdown, faults)
+                              breakdown, faults, tied)
     from disttrain.parallel.parallelize import parallelize
     from disttrain.train.torch_engine import TorchEngine
 

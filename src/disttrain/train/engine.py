@@ -56,13 +56,13 @@ class OptimizerStep:
         self.skipped_steps: list[int] = []
         self.fp16_overflows = 0.0
 
-    def __call__(self, params, loss_sum: torch.Tensor, step: int) -> torch.Tensor:
+    def __call__(self, params, loss_sum: torch.Tensor, step: int, norm_params=None) -> torch.Tensor:
         scaler = self.precision.scaler
         scaler.unscale_(self.optimizer)
         if scaler.is_enabled():  # overflow count stays on the device until a logging step reads it
             found = sum(v.float() for v in scaler._found_inf_per_device(self.optimizer).values())
             self.fp16_overflows = self.fp16_overflows + found
-        grad_norm = clip_grad_norm_global(params, self.clip, self.pp_group)
+        grad_norm = clip_grad_norm_global(params, self.clip, self.pp_group, norm_params)
         # One scalar to the host per step; fp16 leaves non-finite steps to the GradScaler.
         if not scaler.is_enabled() and not bool(torch.isfinite(grad_norm)):
             if self.nonfinite == "stop":

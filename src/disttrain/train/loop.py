@@ -113,7 +113,7 @@ class Trainer:
     # ---------------------------------------------------------------- loop
     def _announce(self, metrics: MetricsLogger) -> None:
         run, p = self.run, self.progress
-        metrics.message(f"model {self.cfg.model.name}: {run.num_params / 1e6:.2f}M parameters | world "
+        metrics.message(f"model {self.cfg.model.hf or self.cfg.model.name}: {run.num_params / 1e6:.2f}M parameters | world "
                         f"{run.rt.world_size} (dp {run.layout.dp}) on {run.rt.device.type}/{run.rt.backend} | "
                         f"{run.tokens_per_step:,} tokens per step")
         for problem in p.skipped_checkpoints:
@@ -229,5 +229,5 @@ class Trainer:
         prompt = run.tokenizer.encode_batch([t.sample_prompt])[0]
         pad = run.layout.tp if run.layout.sequence_parallel else 1
         ids = generate(run.base_model, prompt, t.sample_tokens, run.spec.max_seq_len, seed=t.seed,
-                       stop_id=run.tokenizer.eos_id, pad_multiple=pad)
+                       stop_id=run.tokenizer.eos_id, pad_multiple=pad, logits_of=run.spec.logits)
         return run.tokenizer.decode(ids) if run.rt.is_main else None

@@ -22,8 +22,8 @@ class PipelineEngine:
     checkpoint_format = "dcp"
 
     def __init__(self, parts: PipelineParts, mean_loss: RankMeanLoss, optimizer, step: OptimizerStep, precision,
-                 device, tensor_parallel: bool, dp_group, breakdown, faults):
-        self.parts, self.mean_loss = parts, mean_loss
+                 device, tensor_parallel: bool, dp_group, breakdown, faults, tied):
+        self.parts, self.mean_loss, self.tied = parts, mean_loss, tied
         self.model, self.optimizer, self.optimizer_step = parts.model, optimizer, step
         self.precision, self.device, self.tensor_parallel = precision, device, tensor_parallel
         self.loss_groups = [dp_group, parts.group]
@@ -79,7 +79,9 @@ class PipelineEngine:
         bd.add_seconds("comm_exposed", max(0.0, elapsed - forward - backward))
         t_opt = bd.now()
         try:
-            return loss_sum, self.optimizer_step(self.model.parameters(), loss_sum, step)
+            self.tied.sync_grads()
+            params = list(self.model.parameters())
+            return loss_sum, self.optimizer_step(params, loss_sum, step, self.tied.norm_params(params))
         finally:
             bd.add("optimizer", t_opt, bd.now())
 

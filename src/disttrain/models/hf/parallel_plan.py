@@ -1,0 +1,114 @@
+"""How a Hugging Face decoder is cut: its own `base_model_tp_plan` for tensor parallelism, and a
+pipeline split of `model.layers` (embeddings with the first stage; final norm and head with the last)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from disttrain.errors import UserError
+
+
+class HFStage(nn.Module):
+    """One pipeline stage of a transformers decoder: what LlamaModel.forward does, on some layers."""
+
+    def __init__(self, config, embed_tokens, layers: dict, norm, lm_head, rotary_emb):
+        super().__init__()
+        self.config = config
+        self.embed_tokens, self.norm, self.lm_head = embed_tokens, norm, lm_head
+        self.layers = nn.ModuleDict(layers)
+        self.rotary_emb = rotary_emb
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        from transformers.masking_utils import create_causal_mask
+
+        if self.embed_tokens is not None:
+            h = self.embed_tokens(h)
+        position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+        mask = create_causal_mask(config=self.config, inputs_embeds=h, attention_mask=None, past_key_values=None,
+                                  position_ids=position_ids)
+        position_embeddings = self.rotary_emb(h, position_ids=position_ids)
+        for layer in self.layers.values():
+            h = layer(h, attention_mask=mask, position_ids=position_ids, position_embeddings=position_embeddings)
+        if self.norm is not None:
+            h = self.lm_head(self.norm(h))
+        return h
+
+
+def _decoder(model: nn.Module, key: str = "parallel.pp") -> nn.Module:
+    base = getattr(model, getattr(model, "base_model_prefix", ""), None)
+    if base is None or not all(hasattr(base, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
+        raise UserError(f"{key} > 1 with model.hf ({model.config.model_type}): the pipeline split needs a decoder "
+                        "with model.embed_tokens, model.layers, model.norm and model.rotary_emb (Llama, Qwen2, "
+                        f"Mistral); allowed for {model.config.model_type}: {key}=1")
+    return base
+
+
+def can_split(model: nn.Module) -> bool:
+    base = getattr(model, getattr(model, "base_model_prefix", ""), None)
+    return base is not None and all(hasattr(base, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")) \
+        and hasattr(model, "lm_head")
+
+
+def blocks(module: nn.Module) -> nn.Module:
+    """The repeated blocks: `model.layers` (Llama-like), else the base model's largest ModuleList (GPT-2's `h`)."""
+    if isinstance(module, HFStage):
+        return module.layers
+    base = getattr(module, getattr(module, "base_model_prefix", ""), None) or module
+    if hasattr(base, "layers"):
+        return base.layers
+    lists = [m for m in base.children() if isinstance(m, nn.ModuleList)]
+    if not lists:
+        raise UserError(f"model {type(module).__name__} has no list of repeated blocks to shard and checkpoint")
+    return max(lists, key=len)
+
+
+def _parts(module: nn.Module):
+    """(config, embedding, layers, output head) of a whole model or of a stage."""
+    if isinstance(module, HFStage):
+        return module.config, module.embed_tokens, module.layers, module.lm_head
+    decoder = _decoder(module, "parallel.tp")
+    return module.config, decoder.embed_tokens, decoder.layers, module.lm_head
+
+
+def tensor_parallel(module: nn.Module, tp_mesh, sequence_parallel: bool) -> None:
+    config, embed, layers, head = _parts(module)
+    if sequence_parallel:
+        raise UserError(f"parallel.sequence_parallel=true with model.hf ({config.model_type}): not supported "
+                        "(transformers derives positions from the local sequence length); allowed: false")
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    block_plan = {}
+    for key, style in type(config).base_model_tp_plan.items():
+        if not key.startswith("layers.*.") or style not in styles:
+            raise UserError(f"model.hf ({config.model_type}): tensor-parallel plan entry {key}={style} is not "
+                            "supported (allowed: colwise/rowwise entries under layers.*); set parallel.tp=1")
+        block_plan[key[len("layers.*."):]] = styles[style]()
+    for block in layers.children():
+        parallelize_module(block, tp_mesh, block_plan)
+    if embed is not None:
+        parallelize_module(embed, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
+    if head is not None:
+        # Vocabulary-sharded logits stay a DTensor for loss_parallel.
+        parallelize_module(head, tp_mesh, ColwiseParallel(output_layouts=Shard(-1), use_local_output=False))
+    if getattr(config, "tie_word_embeddings", False) and embed is not None and head is not None:
+        head.weight = embed.weight  # both Shard(0) of the (vocab, dim) matrix: share again
+
+
+def pipeline_split(model: nn.Module, ranges: list[range], owned: list[int]) -> list[nn.Module]:
+    """Prune to this rank's layers (kept under their original names `model.layers.<i>`), one view per stage."""
+    decoder = _decoder(model)
+    keep = sorted({i for s in owned for i in ranges[s]})
+    decoder.layers = nn.ModuleDict({str(i): decoder.layers[i] for i in keep})
+    last = len(ranges) - 1
+    stages = [HFStage(model.config, decoder.embed_tokens if s == 0 else None,
+                      {str(i): decoder.layers[str(i)] for i in ranges[s]},
+                      decoder.norm if s == last else None, model.lm_head if s == last else None, decoder.rotary_emb)
+              for s in owned]
+    if 0 not in owned:
+        decoder.embed_tokens = None
+    if last not in owned:
+        decoder.norm = None
+        model.lm_head = None
+    return stages

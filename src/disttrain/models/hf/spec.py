@@ -1,0 +1,132 @@
+"""A Hugging Face causal LM (a local `save_pretrained` directory) as a ModelSpec.
+
+The module is transformers' own `AutoModelForCausalLM` built from config.json (sdpa attention, no KV
+cache), so parameter names are the checkpoint's and `disttrain convert --to hf` is an identity
+mapping. What the framework adds from outside: deterministic initialisation by parameter name (the
+same on every layout), the model's own tensor-parallel plan (`base_model_tp_plan`), a pipeline split
+of `model.layers`, and weights read with safetensors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from disttrain.errors import UserError
+from disttrain.models.hf.shape import hf_shape, read_config
+from disttrain.models.spec import ModelSpec, token_cross_entropy_sum
+
+
+def _load_config(directory: str):
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(directory, local_files_only=True)
+    except (ValueError, KeyError, OSError) as exc:
+        raise UserError(f"model.hf={directory}: transformers cannot read its config.json "
+                        f"({str(exc).splitlines()[0]})") from None
+    config.use_cache = False
+    return config
+
+
+def _param_seed(seed: int, name: str) -> int:
+    return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") >> 1
+
+
+@torch.no_grad()
+def init_weights(model: nn.Module, seed: int, std: float) -> None:
+    """Normal(0, initializer_range) for matrices, ones for norm weights, zeros for biases: one generator
+    per parameter name, so every layout starts from the same weights. Non-persistent buffers (rotary
+    frequencies) are rebuilt, since `to_empty` left them uninitialised."""
+    model.tie_weights()
+    for name, param in model.named_parameters():
+        if param.ndim == 1:
+            param.fill_(0.0 if name.endswith(".bias") else 1.0)
+        else:
+            gen = torch.Generator(device=param.device).manual_seed(_param_seed(seed, name))
+            param.normal_(0.0, std, generator=gen)
+    rebuild_buffers(model)
+
+
+@torch.no_grad()
+def rebuild_buffers(model: nn.Module) -> None:
+    for module in model.modules():
+        persistent = set(module.state_dict(keep_vars=True).keys())
+        lost = [n for n, _ in module.named_buffers(recurse=False) if n not in persistent]
+        if lost and hasattr(module, "config"):
+            device = getattr(module, lost[0]).device
+            with torch.device(device):
+                fresh = type(module)(module.config)
+            for n in lost:
+                getattr(module, n).copy_(getattr(fresh, n))
+
+
+def _weight_files(directory: Path) -> list[Path]:
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [directory / n for n in names]
+    single = directory / "model.safetensors"
+    return [single] if single.is_file() else []
+
+
+@torch.no_grad()
+def load_pretrained(model: nn.Module, directory: str) -> None:
+    """Copy the directory's safetensors weights into a materialised model (before parallelisation)."""
+    from safetensors.torch import load_file
+
+    files = _weight_files(Path(directory))
+    if not files:
+        return
+    state: dict = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    params = dict(model.named_parameters())
+    missing = sorted(set(params) - set(state))
+    if missing:
+        raise UserError(f"model.hf={directory}: the weights lack {len(missing)} parameter(s) of the model its "
+                        f"config.json describes (e.g. {missing[0]})")
+    for name, param in params.items():
+        if state[name].shape != param.shape:
+            raise UserError(f"model.hf={directory}: {name} has shape {tuple(state[name].shape)} in the weights, "
+                            f"{tuple(param.shape)} in the model config.json describes")
+        param.copy_(state[name])
+
+
+def hf_spec(directory: str) -> ModelSpec:
+    from disttrain.models.hf import parallel_plan
+
+    shape = hf_shape(directory)
+    config = _load_config(directory)
+
+    def build() -> nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+
+    with torch.device("meta"):
+        splittable = parallel_plan.can_split(build())
+    raw = read_config(directory)
+    tied = (("model.embed_tokens.weight", "lm_head.weight"),) if shape.tie_embeddings else ()
+    has_tp = bool(getattr(config, "base_model_tp_plan", None))
+    fingerprint = hashlib.sha256(json.dumps({k: raw.get(k) for k in sorted(raw) if k not in (
+        "transformers_version", "torch_dtype", "dtype", "use_cache", "architectures")}, sort_keys=True,
+        default=str).encode()).hexdigest()[:16]
+    return ModelSpec(
+        name=config.model_type, build=build,
+        init_weights=lambda m, seed: init_weights(m, seed, float(getattr(config, "initializer_range", 0.02))),
+        blocks=lambda m: parallel_plan.blocks(m), shape=shape, max_seq_len=shape.max_seq_len,
+        loss_sum=lambda out, targets: token_cross_entropy_sum(logits_of(out), targets), logits=logits_of,
+        tensor_parallel=parallel_plan.tensor_parallel if has_tp else None, sequence_parallel=False,
+        pipeline_split=parallel_plan.pipeline_split if splittable else None, tied_parameters=tied,
+        to_hf=dict, from_hf=dict, hf_config=lambda: {**raw, "use_cache": True},
+        load_pretrained=lambda m: load_pretrained(m, directory), fingerprint=fingerprint)
+
+
+def logits_of(out) -> torch.Tensor:
+    """transformers returns a ModelOutput; a pipeline stage returns the logits tensor itself."""
+    return out if isinstance(out, torch.Tensor) else out.logits

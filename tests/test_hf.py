@@ -1,0 +1,150 @@
+"""Hugging Face causal LMs (`model.hf=DIR`): transformers' own modules trained under DDP, ZeRO-3, TP and
+PP with the losses and parameters of one process; weights in (equal logits) and out (`convert --to hf`)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from hf_models import save_tiny
+from helpers import (DEBUG_CONFIG, assert_losses_close, assert_params_close, final_params, losses, run_cli, train,
+                     train_many)
+
+LR = 3e-3
+COMMON = ("train.steps=10", "train.global_batch_size=4", "train.micro_batch_size=1", "data.seq_len=64",
+          f"optim.lr={LR}", "checkpoint.save_final=true", "checkpoint.every_steps=5", "metrics.sync_check_every=5")
+LAYOUTS = {"ddp": (), "zero3": ("parallel.zero_stage=3",), "tp2": ("parallel.tp=2",), "pp2": ("parallel.pp=2",)}
+KINDS = ("llama", "qwen2")  # qwen2: q/k/v biases and tied input/output embeddings
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf")
+    return {kind: save_tiny(kind, root / kind) for kind in (*KINDS, "gpt2")}
+
+
+@pytest.fixture(scope="module")
+def references(hf_dirs, tmp_path_factory):
+    root = tmp_path_factory.mktemp("ref")
+    return train_many({k: (root / k, (*COMMON, f"model.hf={d}")) for k, d in hf_dirs.items()}, nproc=1)
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(hf_dirs, tmp_path_factory):
+    root = tmp_path_factory.mktemp("two")
+    jobs = {f"{kind} {name}": (root / f"{kind}_{name}", (*COMMON, f"model.hf={hf_dirs[kind]}", *extra))
+            for kind in KINDS for name, extra in LAYOUTS.items()}
+    jobs["gpt2 zero3"] = (root / "gpt2_zero3", (*COMMON, f"model.hf={hf_dirs['gpt2']}", "parallel.zero_stage=3"))
+    return train_many(jobs, nproc=2)
+
+
+def _assert_parity(run, reference):
+    assert_losses_close(losses(run), losses(reference), rel=1e-5)
+    # Key biases get a zero gradient (see assert_params_close): Qwen2's k_proj.bias, and GPT-2's fused
+    # q/k/v bias c_attn.bias, whose middle third is the key bias. The element bound still covers them.
+    assert_params_close(final_params(run, 10), final_params(reference, 10), rel=1e-5, lr=LR,
+                        zero_gradient=("self_attn.k_proj.bias", "attn.c_attn.bias"))
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("kind", KINDS)
+def test_hf_model_trains_like_one_process(kind, layout, two_rank_runs, references):
+    _assert_parity(two_rank_runs[f"{kind} {layout}"], references[kind])
+
+
+def test_a_model_without_the_llama_structure_trains_under_zero3(two_rank_runs, references):
+    """GPT-2 (blocks in `transformer.h`, Conv1D, learned positions): FSDP units come from its block list."""
+    _assert_parity(two_rank_runs["gpt2 zero3"], references["gpt2"])
+
+
+@pytest.mark.parametrize("layout", ["ddp", "zero3", "tp2", "pp2"])
+def test_tied_embeddings_stay_tied(layout, two_rank_runs):
+    params = final_params(two_rank_runs[f"qwen2 {layout}"], 10)
+    assert params["lm_head.weight"].equal(params["model.embed_tokens.weight"])
+
+
+def test_initialisation_does_not_depend_on_the_layout(two_rank_runs, references):
+    """Step 1's loss comes from the initial weights: equal everywhere, seeded by parameter name."""
+    for kind in KINDS:
+        first = losses(references[kind])[1]
+        assert all(losses(two_rank_runs[f"{kind} {lay}"])[1] == pytest.approx(first, rel=1e-6) for lay in LAYOUTS)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_loaded_weights_give_transformers_logits(kind, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from disttrain.models.hf.spec import hf_spec
+    from disttrain.models.spec import build_model
+
+    directory = save_tiny(kind, tmp_path / kind, weights_seed=7)
+    spec = hf_spec(str(directory))
+    ours = build_model(spec, torch.device("cpu"), seed=0)  # init, then the directory's weights over it
+    theirs = AutoModelForCausalLM.from_pretrained(directory).eval()
+    x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(spec.logits(ours.eval()(x)), theirs(x).logits, rtol=0, atol=0)
+
+
+def test_checkpoint_resumes_on_one_process(two_rank_runs, tmp_path, hf_dirs):
+    run = two_rank_runs["qwen2 zero3"]
+    resumed = train(tmp_path / "resumed", *COMMON, f"model.hf={hf_dirs['qwen2']}",
+                    f"checkpoint.resume={run / 'checkpoints' / 'step_00000005'}")
+    assert_losses_close(losses(resumed), {s: v for s, v in losses(run).items() if s > 5}, rel=1e-5)
+
+
+@pytest.mark.parametrize("source", ["qwen2 zero3", "llama pp2", "builtin"])
+def test_convert_to_hf_loads_in_transformers(source, two_rank_runs, tmp_path, debug_reference):
+    """Weights gathered from shards (ZeRO-3) or stages (PP) load with `from_pretrained`, parameters equal to
+    the checkpoint's; for HF-sourced models the names are the checkpoint's own."""
+    from transformers import AutoModelForCausalLM
+
+    run = debug_reference if source == "builtin" else two_rank_runs[source]
+    out = tmp_path / "hf"
+    run_cli("convert", str(run), "--to", "hf", "--out", str(out))
+    model = AutoModelForCausalLM.from_pretrained(out)
+    loaded = dict(model.named_parameters())
+    saved = final_params(run, 20 if source == "builtin" else 10)
+    if source == "builtin":
+        assert loaded["model.embed_tokens.weight"].equal(saved["tok_embeddings.weight"])
+        assert loaded["model.layers.1.mlp.down_proj.weight"].equal(saved["layers.1.feed_forward.w2.weight"])
+    else:
+        for name, param in loaded.items():
+            assert param.detach().equal(saved[name]), name
+
+
+BAD = {
+    "no config.json": (lambda d: d.mkdir(), [], "no config.json inside"),
+    "shape key with hf": (lambda d: save_tiny("llama", d), ["model.dim=32"],
+                          "model.dim=32 with model.hf="),
+    "no TP plan": (lambda d: save_tiny("gpt2", d), ["parallel.tp=2"],
+                   "parallel.tp=2: model gpt2 from model.hf="),
+    "no pipeline structure": (lambda d: save_tiny("gpt2", d), ["parallel.pp=2", "train.micro_batch_size=1"],
+                              "cannot be split into pipeline stages"),
+    "sequence parallel": (lambda d: save_tiny("llama", d), ["parallel.tp=2", "parallel.sequence_parallel=true"],
+                          "parallel.sequence_parallel=true: model llama from model.hf="),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD))
+def test_bad_hf_input_is_one_line(name, tmp_path):
+    make, overrides, expected = BAD[name]
+    make(tmp_path / "model")
+    proc = run_cli("train", str(DEBUG_CONFIG), f"run.dir={tmp_path / 'runs'}", f"model.hf={tmp_path / 'model'}",
+                   *overrides, "--nproc-per-node", "2", check=False)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and expected in lines[0], proc.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_weights_that_do_not_fit_the_config_are_one_line(tmp_path):
+    directory = save_tiny("llama", tmp_path / "model", weights_seed=0)
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "intermediate_size": 128}))
+    proc = run_cli("train", str(DEBUG_CONFIG), f"run.dir={tmp_path / 'runs'}", f"model.hf={directory}",
+                   "train.steps=2", check=False)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert "model.layers.0.mlp.gate_proj.weight has shape (192, 64) in the weights, (128, 64)" in lines[0]
