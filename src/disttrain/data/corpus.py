@@ -6,8 +6,9 @@ standard-library modules (about 1 MB of text). Documents are ordered determinist
 
 What a module's namespace holds depends on what else the process imported (lazy attributes,
 submodules that other packages pull in), so the documents are always collected in a fresh
-interpreter that imports nothing else, and cached per Python version: every process, whatever
-it imported before (torch, transformers, a test runner), trains on the same corpus.
+interpreter in one fixed state (the training modules loaded, nothing else) and cached per Python
+version: every process, whatever it imported before (transformers, a test runner), trains on the
+same corpus.
 """
 
 from __future__ import annotations
@@ -77,7 +78,9 @@ def builtin_documents() -> list[str]:
             return json.loads(cache.read_text())
         except ValueError:
             pass  # a torn file from another interpreter: rebuild it
-    out = subprocess.run([sys.executable, "-I", __file__], capture_output=True, check=True).stdout
+    src = str(Path(__file__).resolve().parents[2])  # disttrain importable however this process found it
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))}
+    out = subprocess.run([sys.executable, __file__], capture_output=True, check=True, env=env).stdout
     docs = json.loads(out)
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)
@@ -98,4 +101,5 @@ def builtin_splits() -> dict[str, list[str]]:
 
 
 if __name__ == "__main__":  # run by builtin_documents in a fresh interpreter
+    import disttrain.train.loop  # noqa: F401  the modules a training process has loaded when it reads data
     sys.stdout.write(json.dumps(_collect_documents()))

@@ -102,3 +102,22 @@ class OptimizerStep:
         dist.all_reduce(spread, op=dist.ReduceOp.MAX, group=self.control_group)
         return {"loss_scale": scale, "loss_scale_max": float(spread[0]), "loss_scale_min": -float(spread[1]),
                 "fp16_overflows_total": int(float(self.fp16_overflows))}
+
+
+class OwnOptimizerStep:
+    """What an engine that steps through an `OptimizerStep` (torch, pipeline) delegates to it."""
+
+    optimizer_step: OptimizerStep
+
+    @property
+    def skipped_steps(self) -> list[int]:
+        return self.optimizer_step.skipped_steps
+
+    def lr(self) -> float:
+        return self.optimizer_step.lr()
+
+    def state_dict(self) -> dict:
+        return self.optimizer_step.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer_step.load_state_dict(state)

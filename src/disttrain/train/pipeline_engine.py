@@ -14,11 +14,11 @@ import torch
 
 from disttrain.checkpoint import dcp_io
 from disttrain.parallel.pipeline import PipelineParts
-from disttrain.train.engine import OptimizerStep
+from disttrain.train.engine import OptimizerStep, OwnOptimizerStep
 from disttrain.train.loss import RankMeanLoss, loss_context
 
 
-class PipelineEngine:
+class PipelineEngine(OwnOptimizerStep):
     checkpoint_format = "dcp"
 
     def __init__(self, parts: PipelineParts, mean_loss: RankMeanLoss, optimizer, step: OptimizerStep, precision,
@@ -36,10 +36,6 @@ class PipelineEngine:
         for stage in parts.stages:
             for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
                 setattr(stage, name, self._timed(getattr(stage, name), "forward" if "forward" in name else "backward"))
-
-    @property
-    def skipped_steps(self) -> list[int]:
-        return self.optimizer_step.skipped_steps
 
     def _timed(self, fn, phase: str):
         def wrapper(*args, **kwargs):
@@ -101,15 +97,6 @@ class PipelineEngine:
         self.busy = {"forward": 0.0, "backward": 0.0}
         self.schedule_s = 0.0
         return bubble
-
-    def lr(self) -> float:
-        return self.optimizer_step.lr()
-
-    def state_dict(self) -> dict:
-        return self.optimizer_step.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.optimizer_step.load_state_dict(state)
 
     def save(self, path: Path, async_group=None):
         return dcp_io.save(path, self.model, self.optimizer, async_group)

@@ -12,11 +12,11 @@ from torch import nn
 
 from disttrain.checkpoint import dcp_io
 from disttrain.parallel.parallelize import gradient_sync_disabled
-from disttrain.train.engine import OptimizerStep
+from disttrain.train.engine import OptimizerStep, OwnOptimizerStep
 from disttrain.train.loss import RankMeanLoss, loss_context, replicated_value
 
 
-class TorchEngine:
+class TorchEngine(OwnOptimizerStep):
     checkpoint_format = "dcp"
 
     def __init__(self, model: nn.Module, optimizer, step: OptimizerStep, spec, precision, device,
@@ -27,10 +27,6 @@ class TorchEngine:
         self.loss_groups = [dp_group]
         self.breakdown, self.faults = breakdown, faults
         self.forward_seconds = 0.0  # host time in forward this step (straggler statistics)
-
-    @property
-    def skipped_steps(self) -> list[int]:
-        return self.optimizer_step.skipped_steps
 
     def _loss(self, mean_loss: RankMeanLoss, x, y, step: int | None) -> torch.Tensor:
         with self.precision.autocast():
@@ -78,15 +74,6 @@ class TorchEngine:
             with loss_context(self.tensor_parallel):
                 total += mean_loss.as_sum(self._loss(mean_loss, x.to(self.device), y.to(self.device), None))
         return total
-
-    def lr(self) -> float:
-        return self.optimizer_step.lr()
-
-    def state_dict(self) -> dict:
-        return self.optimizer_step.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.optimizer_step.load_state_dict(state)
 
     def _zero1(self) -> bool:
         from torch.distributed.optim import ZeroRedundancyOptimizer
