@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade -c constraints.txt pip setuptools wheel
 	$(BIN)/python -m pip install -q -c constraints.txt -e '.[test]'
-	DS_BUILD_OPS=0 $(BIN)/python -m pip install -q -c constraints.txt --no-build-isolation -e '.[test,deepspeed,hf,trackers]'
+	DS_BUILD_OPS=0 $(BIN)/python -m pip install -q -c constraints.txt --no-build-isolation -e '.[test,deepspeed,trackers]'
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -65,6 +65,12 @@ def _collect_documents() -> list[str]:
     return list(dict.fromkeys(docs))  # inherited docstrings repeat; keep each text once
 
 
+# The fixed state the documents are collected in: the training modules loaded (what every training
+# process has imported when it reads data, and what the corpus has always been collected under).
+_COLLECT = ("import sys, json, disttrain.train.loop; from disttrain.data.corpus import _collect_documents; "
+            "sys.stdout.write(json.dumps(_collect_documents()))")
+
+
 def _cache_file() -> Path:
     root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "disttrain"
     key = hashlib.sha256(f"{sys.version}|{' '.join(_MODULES)}".encode()).hexdigest()[:16]
@@ -80,7 +86,7 @@ def builtin_documents() -> list[str]:
             pass  # a torn file from another interpreter: rebuild it
     src = str(Path(__file__).resolve().parents[2])  # disttrain importable however this process found it
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))}
-    out = subprocess.run([sys.executable, __file__], capture_output=True, check=True, env=env).stdout
+    out = subprocess.run([sys.executable, "-c", _COLLECT], capture_output=True, check=True, env=env).stdout
     docs = json.loads(out)
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)
@@ -98,8 +104,3 @@ def builtin_splits() -> dict[str, list[str]]:
         "train": [d for i, d in enumerate(docs) if i % VAL_EVERY != VAL_EVERY - 1],
         "val": [d for i, d in enumerate(docs) if i % VAL_EVERY == VAL_EVERY - 1],
     }
-
-
-if __name__ == "__main__":  # run by builtin_documents in a fresh interpreter
-    import disttrain.train.loop  # noqa: F401  the modules a training process has loaded when it reads data
-    sys.stdout.write(json.dumps(_collect_documents()))
