@@ -12,7 +12,7 @@ from pathlib import Path
 
 from disttrain.errors import UserError
 from disttrain.hardware import GPUS, find_gpu
-from disttrain.layout import RECOMPUTE, SCHEDULES, Layout, layout_problems
+from disttrain.layout import RECOMPUTE, SCHEDULES, VIRTUAL_STAGES, Layout, layout_problems
 from disttrain.models.registry import MODEL_SHAPES, ModelShape, model_shape
 from disttrain.plan import render as report
 from disttrain.plan.estimate import estimate, shape_for_params
@@ -86,7 +86,7 @@ def add_parsers(sub) -> None:
     sched.add_argument("--pp", type=int, default=4)
     sched.add_argument("--microbatches", type=int, default=8)
     sched.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
-    sched.add_argument("--virtual-stages", type=int, default=2, help="stages per rank (interleaved, zero-bubble)")
+    sched.add_argument("--virtual-stages", type=int, default=VIRTUAL_STAGES, help="stages per rank (interleaved, zero-bubble)")
     sched.add_argument("--run", default=None, help="a pipeline run directory: print its measured bubble beside")
     plan.add_argument("--global-batch-tokens", default=None,
                       help="tokens per optimizer step; K/M are powers of two (4M = 1024 x 4096; default 4M)")

@@ -10,6 +10,7 @@ idle slots / all slots, to compare with the closed forms in `plan.timing.bubble_
 
 from __future__ import annotations
 
+from disttrain.layout import VIRTUAL_STAGES
 from disttrain.plan.timing import bubble_fraction
 
 
@@ -25,7 +26,7 @@ def _one_f_one_b(forwards: list[tuple[int, int]], backwards: list[tuple[int, int
     return order
 
 
-def rank_orders(schedule: str, pp: int, microbatches: int, virtual_stages: int = 2) -> list[list[tuple[str, int, int]]]:
+def rank_orders(schedule: str, pp: int, microbatches: int, virtual_stages: int = VIRTUAL_STAGES) -> list[list[tuple[str, int, int]]]:
     """Per rank, the (kind, stage, micro-batch) sequence the schedule runs."""
     m = microbatches
     orders = []
@@ -47,7 +48,7 @@ def rank_orders(schedule: str, pp: int, microbatches: int, virtual_stages: int =
     return orders
 
 
-def simulate(schedule: str, pp: int, microbatches: int, virtual_stages: int = 2) -> tuple[list[list[str]], float]:
+def simulate(schedule: str, pp: int, microbatches: int, virtual_stages: int = VIRTUAL_STAGES) -> tuple[list[list[str]], float]:
     """(grid[time][rank] cell text, bubble fraction) for the schedule."""
     v = virtual_stages if schedule in ("interleaved_1f1b", "zero_bubble") else 1
     n_stages = pp * v
@@ -118,7 +119,7 @@ def format_table(grid: list[list[str]]) -> str:
     return "\n".join(line.rstrip() for line in lines)
 
 
-def describe_schedule(schedule: str, pp: int, microbatches: int, virtual_stages: int = 2) -> dict:
+def describe_schedule(schedule: str, pp: int, microbatches: int, virtual_stages: int = VIRTUAL_STAGES) -> dict:
     v = virtual_stages if schedule in ("interleaved_1f1b", "zero_bubble") else 1
     grid, simulated = simulate(schedule, pp, microbatches, virtual_stages)
     return {"schedule": schedule, "pp": pp, "microbatches": microbatches, "virtual_stages": v,

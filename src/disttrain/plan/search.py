@@ -14,7 +14,7 @@ from typing import Iterator
 
 from disttrain.models.registry import ModelShape
 from disttrain.plan.estimate import Estimate, estimate
-from disttrain.layout import RECOMPUTE, SCHEDULES, Layout, layout_problems
+from disttrain.layout import RECOMPUTE, SCHEDULES, VIRTUAL_STAGES, Layout, layout_problems
 from disttrain.plan.timing import Cluster
 
 
@@ -32,7 +32,7 @@ class SearchSpace:
     max_micro_batch_size: int = 64
     allow_offload: bool = False
     param_dtype: str = "bf16"
-    virtual_stages: int = 2
+    virtual_stages: int = VIRTUAL_STAGES
 
 
 def layout_families(shape: ModelShape, cluster: Cluster, space: SearchSpace) -> Iterator[Layout]:
