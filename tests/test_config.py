@@ -45,7 +45,7 @@ def test_world_size_checks():
 
 # (overrides, launch args, text the single line must contain)
 MISTAKES = {
-    "unknown key": (["model.depth=3"], [], "model.depth: unknown key (allowed in model: name, hf, dim"),
+    "unknown key": (["model.depth=3"], [], "model.depth: unknown key (allowed in model: name, hf, spec, dim"),
     "unknown section": (["trainer.steps=3"], [], "trainer: unknown key (allowed in the top level: engine, model"),
     "wrong type": (["train.steps=abc"], [], "train.steps=abc: input should be a valid integer"),
     "negative lr": (["optim.lr=-1"], [], "optim.lr=-1: input should be greater than 0"),

@@ -31,6 +31,7 @@ class ModelConfig(_Section):
     name: str = "debug"
     hf: str = Field("", description="a local Hugging Face model directory (config.json, optional weights and "
                                     "tokenizer); replaces name and the shape keys")
+    spec: str = Field("", description="FILE.py:function or package.module:function returning a ModelSpec")
     dim: int | None = Field(None, gt=0)
     n_layers: int | None = Field(None, gt=0)
     n_heads: int | None = Field(None, gt=0)
@@ -45,11 +46,14 @@ class ModelConfig(_Section):
 
     @model_validator(mode="after")
     def _init_exists(self) -> "ModelConfig":
-        if self.hf:
-            given = [k for k in SHAPE_KEYS if getattr(self, k) is not None]
-            if given:
-                raise ValueError(f"model.{given[0]}={_show(getattr(self, given[0]))} with model.hf={self.hf}: the "
-                                 "shape comes from the directory's config.json (allowed with model.hf: no shape keys)")
+        if self.hf and self.spec:
+            raise ValueError(f"model.hf={self.hf} and model.spec={self.spec}: give one of them")
+        source = ("model.hf", self.hf, "the directory's config.json") if self.hf else \
+            ("model.spec", self.spec, "the ModelSpec") if self.spec else None
+        given = [k for k in SHAPE_KEYS if getattr(self, k) is not None]
+        if source and given:
+            raise ValueError(f"model.{given[0]}={_show(getattr(self, given[0]))} with {source[0]}={source[1]}: the "
+                             f"shape comes from {source[2]} (allowed with {source[0]}: no shape keys)")
         if self.init_from and not Path(self.init_from).exists():
             raise ValueError(f"model.init_from={self.init_from}: no such file or directory (allowed: empty, or "
                              "a file or folder written by `disttrain convert`)")

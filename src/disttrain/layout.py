@@ -196,31 +196,32 @@ def split_layers(n_layers: int, n_stages: int) -> list[int]:
     return counts
 
 
-def split_problems(shape: ModelShape, tp: int, pp: int, stages_per_rank: int = 1,
+def split_problems(shape: ModelShape | None, tp: int, pp: int, stages_per_rank: int = 1,
                    sequence_parallel: bool = False, seq_len: int = 1) -> list[str]:
-    """Reasons the model cannot be cut this way, whatever the world size and batch."""
-    problems = shape.tp_problems(tp) if tp > 1 else []
+    """Reasons the model cannot be cut this way, whatever the world size and batch (`shape` None: a
+    model without known dimensions; its ModelSpec decides at build time)."""
+    problems = shape.tp_problems(tp) if tp > 1 and shape is not None else []
     if sequence_parallel and tp == 1:
         problems.append("parallel.sequence_parallel=true needs parallel.tp > 1")
     if sequence_parallel and seq_len % tp:
         problems.append(f"parallel.tp={tp} does not divide data.seq_len={seq_len} (sequence parallel)")
     stages = pp * stages_per_rank
-    if stages > shape.n_layers:
+    if shape is not None and stages > shape.n_layers:
         problems.append(f"parallel.pp={pp} x {stages_per_rank} stage(s) per rank = {stages} stages "
                         f"exceeds model.n_layers={shape.n_layers}")
     return problems
 
 
-def layout_problems(shape: ModelShape, layout: Layout) -> list[str]:
+def layout_problems(shape: ModelShape | None, layout: Layout) -> list[str]:
     """Every reason this layout cannot run this model (empty list: valid). Messages name config keys."""
     return cut_problems(shape, layout) + batch_problems(layout)
 
 
-def cut_problems(shape: ModelShape, layout: Layout) -> list[str]:
+def cut_problems(shape: ModelShape | None, layout: Layout) -> list[str]:
     """Rules that hold whatever the world size: how the model is split, and what composes with what."""
     problems = split_problems(shape, layout.tp, layout.pp, layout.stages_per_rank, layout.sequence_parallel,
                               layout.seq_len)
-    if layout.pp_layers:
+    if layout.pp_layers and shape is not None:
         n = layout.n_stages
         if len(layout.pp_layers) != n or sum(layout.pp_layers) != shape.n_layers or min(layout.pp_layers) < 1:
             problems.append(f"parallel.pp_layers={list(layout.pp_layers)}: needs {n} positive counts (pp x stages "

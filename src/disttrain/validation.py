@@ -20,18 +20,11 @@ INSTALL_HINT = ("engine=deepspeed needs DeepSpeed: DS_BUILD_OPS=0 pip install -c
 
 def validate_config(cfg) -> None:
     """Checks that need no world size."""
-    if not cfg.model.hf and cfg.model.name not in MODEL_SHAPES:
+    if not (cfg.model.hf or cfg.model.spec) and cfg.model.name not in MODEL_SHAPES:
         raise UserError(f"model.name={cfg.model.name}: unknown model (allowed: {', '.join(MODEL_SHAPES)})")
-    shape = model_shape(cfg.model)
-    if shape.dim % shape.n_heads:
-        raise UserError(f"model.n_heads={shape.n_heads} does not divide model.dim={shape.dim}")
-    if shape.n_heads % shape.n_kv_heads:
-        raise UserError(f"model.n_kv_heads={shape.n_kv_heads} does not divide model.n_heads={shape.n_heads}")
-    if (shape.dim // shape.n_heads) % 2:
-        raise UserError(f"model.dim={shape.dim} / model.n_heads={shape.n_heads} gives an odd head size; "
-                        "rotary embeddings need an even one")
-    if cfg.data.seq_len > shape.max_seq_len:
-        raise UserError(f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len={shape.max_seq_len}")
+    shape = model_shape(cfg.model)  # None: a user ModelSpec without known dimensions
+    if shape is not None:
+        _check_shape(cfg, shape)
     problems = cut_problems(shape, Layout.from_config(cfg, world_size=None))
     if problems:
         raise UserError(problems[0])
@@ -53,9 +46,21 @@ def validate_config(cfg) -> None:
     from disttrain.data.source import describe_source
 
     info = describe_source(cfg.data.source, tokenizer_for(cfg))
-    if shape.vocab_size < info.vocab_size:
+    if shape is not None and shape.vocab_size < info.vocab_size:
         raise UserError(f"model.vocab_size={shape.vocab_size} is smaller than the tokenizer's vocabulary "
                         f"({info.vocab_size} tokens from {info.tokenizer_name}); set model.vocab_size>={info.vocab_size}")
+
+
+def _check_shape(cfg, shape) -> None:
+    if shape.dim % shape.n_heads:
+        raise UserError(f"model.n_heads={shape.n_heads} does not divide model.dim={shape.dim}")
+    if shape.n_heads % shape.n_kv_heads:
+        raise UserError(f"model.n_kv_heads={shape.n_kv_heads} does not divide model.n_heads={shape.n_heads}")
+    if (shape.dim // shape.n_heads) % 2:
+        raise UserError(f"model.dim={shape.dim} / model.n_heads={shape.n_heads} gives an odd head size; "
+                        "rotary embeddings need an even one")
+    if cfg.data.seq_len > shape.max_seq_len:
+        raise UserError(f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len={shape.max_seq_len}")
 
 
 def tokenizer_for(cfg) -> str:
@@ -110,7 +115,7 @@ def _check_model_can_be_cut(cfg, layout: Layout) -> None:
     if layout.sequence_parallel and not spec.sequence_parallel:
         raise UserError(f"parallel.sequence_parallel=true: {what} has no sequence-parallel plan (allowed for it: "
                         "false)")
-    if layout.pp > 1 and spec.pipeline_split is None:
+    if layout.pp > 1 and (spec.pipeline_split is None or spec.shape is None):
         raise UserError(f"parallel.pp={layout.pp}: {what} cannot be split into pipeline stages (needs the usual "
                         "model.embed_tokens / model.layers / model.norm / lm_head decoder; allowed for it: "
                         "parallel.pp=1)")

@@ -23,15 +23,36 @@ class TokenWindows:
     def __init__(self, tokens: np.ndarray, seq_len: int):
         self.tokens = tokens
         self.seq_len = seq_len
+        self.targets_per_sample = seq_len
         self.num_samples = max(0, (len(tokens) - 1) // seq_len)
 
     def __len__(self) -> int:
         return self.num_samples
 
-    def gather(self, ids: np.ndarray) -> torch.Tensor:
+    def batch(self, ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         rows = [np.asarray(self.tokens[i * self.seq_len: i * self.seq_len + self.seq_len + 1], dtype=np.int64)
                 for i in ids]
-        return torch.from_numpy(np.stack(rows))
+        rows = torch.from_numpy(np.stack(rows))
+        return rows[:, :-1], rows[:, 1:]
+
+
+class DatasetSamples:
+    """A user's map-style Dataset of (input, target) pairs, read by sample id like the token windows."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+        self.num_samples = len(dataset) if dataset is not None else 0
+        first = dataset[0][1] if self.num_samples else torch.zeros(())
+        self.targets_per_sample = max(1, torch.as_tensor(first).numel())
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def batch(self, ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        from torch.utils.data import default_collate
+
+        x, y = default_collate([self.dataset[int(i)] for i in ids])
+        return x, y
 
 
 class GlobalBatchSampler:
@@ -69,8 +90,8 @@ class DistributedBatchLoader:
         self.next_step = 1
 
     def micro_batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        rows = self.windows.gather(self.sampler.indices(step)[self.lo:self.hi])
-        return [(chunk[:, :-1], chunk[:, 1:]) for chunk in rows.split(self.micro_batch_size)]
+        x, y = self.windows.batch(self.sampler.indices(step)[self.lo:self.hi])
+        return list(zip(x.split(self.micro_batch_size), y.split(self.micro_batch_size)))
 
     def __next__(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         batches = self.micro_batches(self.next_step)

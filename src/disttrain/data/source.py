@@ -26,8 +26,31 @@ def _tokenizer_spec(source: str, tokenizer: str) -> str:
     return "byte" if meta["tokenizer"] == "byte" else str(Path(source) / meta["tokenizer"])
 
 
+PY_PREFIX = "py:"
+
+
+def user_datasets(source: str) -> dict:
+    """`py:FILE.py:function` -> {"train": Dataset, "val": Dataset or None}; the function returns a map-style
+    Dataset of (input, target) pairs, or a dict with "train" (and optionally "val")."""
+    from torch.utils.data import Dataset
+
+    from disttrain.user_code import call_user
+
+    value = call_user("data.source", source[len(PY_PREFIX):], (Dataset, dict),
+                      "a map-style torch.utils.data.Dataset (or a dict of them with key 'train')", PY_PREFIX)
+    splits = value if isinstance(value, dict) else {"train": value}
+    if not isinstance(splits.get("train"), Dataset) or not hasattr(splits["train"], "__len__"):
+        raise UserError(f"data.source={source}: needs a map-style Dataset (with __len__) for 'train'")
+    if len(splits["train"]) == 0:
+        raise UserError(f"data.source={source}: the train dataset is empty")
+    return {"train": splits["train"], "val": splits.get("val")}
+
+
 def describe_source(source: str, tokenizer: str) -> SourceInfo:
     """Validate the data keys without reading any tokens; raises UserError."""
+    if source.startswith(PY_PREFIX):
+        user_datasets(source)
+        return SourceInfo(0, source)
 
     if source != "builtin":
         path = Path(source)
@@ -56,6 +79,17 @@ def describe_source(source: str, tokenizer: str) -> SourceInfo:
 def _concat(token_lists: list[list[int]], eos_id: int | None, dtype: np.dtype) -> np.ndarray:
     sep = [] if eos_id is None else [eos_id]
     return np.fromiter((t for ids in token_lists for t in (*ids, *sep)), dtype=dtype)
+
+
+def load_samples(source: str, tokenizer: str, seq_len: int):
+    """(tokenizer or None, train samples, val samples): token windows of text, or a user's datasets."""
+    from disttrain.data.loader import DatasetSamples, TokenWindows
+
+    if source.startswith(PY_PREFIX):
+        splits = user_datasets(source)
+        return None, DatasetSamples(splits["train"]), DatasetSamples(splits["val"])
+    tok, splits = load_splits(source, tokenizer)
+    return tok, TokenWindows(splits["train"], seq_len), TokenWindows(splits["val"], seq_len)
 
 
 def load_splits(source: str, tokenizer: str) -> tuple[Tokenizer, dict[str, np.ndarray]]:

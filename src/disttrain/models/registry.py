@@ -12,9 +12,11 @@ from disttrain.models.shape import ModelShape
 __all__ = ["MODEL_SHAPES", "ModelShape", "model_shape"]
 
 
-def model_shape(model_cfg) -> ModelShape:
-    """The decoder dimensions the config describes: a Hugging Face directory's config.json, or the
-    built-in registry shape with its overrides."""
+def model_shape(model_cfg) -> ModelShape | None:
+    """The decoder dimensions the config describes: a Hugging Face directory's config.json, a user
+    ModelSpec's own shape (None when it has none), or the built-in registry shape with its overrides."""
+    if getattr(model_cfg, "spec", ""):
+        return model_spec(model_cfg).shape
     if getattr(model_cfg, "hf", ""):
         from disttrain.models.hf.shape import hf_shape
 
@@ -24,6 +26,11 @@ def model_shape(model_cfg) -> ModelShape:
 
 def model_spec(model_cfg):
     """The ModelSpec (torch side) of the configured model."""
+    if getattr(model_cfg, "spec", ""):
+        from disttrain.models.spec import ModelSpec
+        from disttrain.user_code import call_user
+
+        return call_user("model.spec", model_cfg.spec, ModelSpec, "a disttrain.models.spec.ModelSpec")
     if getattr(model_cfg, "hf", ""):
         from disttrain.models.hf.spec import hf_spec
 

@@ -47,6 +47,8 @@ class ModelSpec:
     pipeline_split: Callable[[nn.Module, list[range], list[int]], list[nn.Module]] | None = None
     """Prune the model to the stages this rank owns and return one module per owned stage; the
     parameters keep their names in the pruned model."""
+    sync_batchnorm: bool = False
+    """Normalise BatchNorm layers over the whole data-parallel batch (SyncBatchNorm) when dp > 1."""
     tied_parameters: tuple[tuple[str, ...], ...] = ()
     """Groups of parameter names that are one tensor (e.g. input embedding and output layer)."""
     to_hf: Callable[[dict], dict] | None = None

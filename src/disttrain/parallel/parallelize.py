@@ -1,5 +1,5 @@
 """Compose the parallelisms onto a single-device model (or one pipeline stage of it), always in
-the same order: tensor parallel -> activation checkpointing -> compile -> FSDP/DDP.
+the same order: (SyncBatchNorm) -> tensor parallel -> activation checkpointing -> compile -> FSDP/DDP.
 
 The pipeline split comes first, in parallel/pipeline.py, which calls `parallelize` per stage.
 What each step does is decided by the Layout; which modules it touches, by the ModelSpec.
@@ -24,6 +24,10 @@ def parallelize(model: nn.Module, spec, layout: Layout, meshes: Meshes, device: 
                 options) -> nn.Module:
     """`options`: the config's `parallel` section (compile, DDP knobs). Returns the module to call
     (a DDP wrapper, or the same module sharded in place)."""
+    if spec.sync_batchnorm and layout.dp > 1:
+        from disttrain.parallel.sync_batchnorm import convert_sync_batchnorm
+
+        model = convert_sync_batchnorm(model, meshes.dp.get_group(), device)
     if layout.tp > 1:
         from disttrain.parallel.tensor import apply_tensor_parallel
 

@@ -5,16 +5,18 @@ Every decision about the layout was made when the Layout was resolved; this modu
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch.distributed as dist
 from torch import nn
 
 from disttrain.checkpoint.manager import CheckpointManager
 from disttrain.config import RunConfig
-from disttrain.data.loader import DistributedBatchLoader, GlobalBatchSampler, TokenWindows
-from disttrain.data.source import load_splits
+from disttrain.data.loader import DatasetSamples, DistributedBatchLoader, GlobalBatchSampler, TokenWindows
+from disttrain.data.source import load_samples
 from disttrain.data.tokenizer import Tokenizer
 from disttrain.distributed.mesh import Meshes, build_meshes
 from disttrain.distributed.runtime import Runtime
@@ -44,9 +46,9 @@ class Run:
     spec: ModelSpec
     base_model: nn.Module  # the single-device module (pruned to this rank's stages under a pipeline)
     engine: StepEngine
-    tokenizer: Tokenizer
+    tokenizer: Tokenizer | None  # None for a user's dataset of (input, target) pairs
     loader: DistributedBatchLoader
-    val_windows: TokenWindows
+    val_windows: TokenWindows | DatasetSamples
     ckpt: CheckpointManager
     breakdown: StepBreakdown
     comm_profiler: CommProfiler
@@ -61,7 +63,8 @@ class Run:
 
     @property
     def tokens_per_step(self) -> int:
-        return self.cfg.train.global_batch_size * self.cfg.data.seq_len
+        """Targets per optimizer step (tokens for a language model, samples for a classifier)."""
+        return self.cfg.train.global_batch_size * self.loader.windows.targets_per_sample
 
     @property
     def flops_per_token(self) -> float | None:
@@ -78,10 +81,9 @@ def build_run(cfg: RunConfig, rt: Runtime) -> Run:
     dp_rank, dp_size = meshes.dp.get_local_rank(), meshes.dp.size()
 
     t = cfg.train
-    tokenizer, splits = load_splits(cfg.data.source, tokenizer_for(cfg))
-    train_windows = TokenWindows(splits["train"], cfg.data.seq_len)
-    sampler = GlobalBatchSampler(len(train_windows), t.global_batch_size, t.seed)
-    loader = DistributedBatchLoader(train_windows, sampler, dp_rank, dp_size, t.micro_batch_size)
+    tokenizer, train_samples, val_samples = load_samples(cfg.data.source, tokenizer_for(cfg), cfg.data.seq_len)
+    sampler = GlobalBatchSampler(len(train_samples), t.global_batch_size, t.seed)
+    loader = DistributedBatchLoader(train_samples, sampler, dp_rank, dp_size, t.micro_batch_size)
 
     spec = model_spec(cfg.model)
     if cfg.model.hf:
@@ -98,6 +100,9 @@ def build_run(cfg: RunConfig, rt: Runtime) -> Run:
             reason = (str(exc).splitlines() or [type(exc).__name__])[0]
             raise UserError(f"model.init_from={cfg.model.init_from}: not a weights file written by "
                             f"`disttrain convert` ({type(exc).__name__}: {reason})") from None
+    if not spec.fingerprint:  # a user spec: identify checkpoints by parameter names and shapes
+        shapes = json.dumps([(n, list(p.shape)) for n, p in model.named_parameters()])
+        spec = replace(spec, fingerprint=hashlib.sha256(shapes.encode()).hexdigest()[:16])
     num_params = count_params(model)
     breakdown = StepBreakdown(rt.device)
     breakdown.watch_input_module(model)
@@ -105,7 +110,7 @@ def build_run(cfg: RunConfig, rt: Runtime) -> Run:
     engine = build_engine(cfg, layout, meshes, spec, model, rt, breakdown, faults)
     peak_flops, _ = peak_flops_per_device(cfg, layout, rt.device)
     return Run(cfg=cfg, rt=rt, layout=layout, meshes=meshes, spec=spec, base_model=model, engine=engine,
-               tokenizer=tokenizer, loader=loader, val_windows=TokenWindows(splits["val"], cfg.data.seq_len),
+               tokenizer=tokenizer, loader=loader, val_windows=val_samples,
                ckpt=CheckpointManager(cfg.checkpoint_dir, rt.rank, cfg.checkpoint.keep_last, cfg.checkpoint.async_save),
                breakdown=breakdown, comm_profiler=CommProfiler(cfg.metrics.comm_profile_every, rt.device),
                faults=faults, num_params=num_params, peak_flops=peak_flops,

@@ -113,9 +113,10 @@ class Trainer:
     # ---------------------------------------------------------------- loop
     def _announce(self, metrics: MetricsLogger) -> None:
         run, p = self.run, self.progress
-        metrics.message(f"model {self.cfg.model.hf or self.cfg.model.name}: {run.num_params / 1e6:.2f}M parameters | world "
+        name = self.cfg.model.hf or (run.spec.name if self.cfg.model.spec else self.cfg.model.name)
+        metrics.message(f"model {name}: {run.num_params / 1e6:.2f}M parameters | world "
                         f"{run.rt.world_size} (dp {run.layout.dp}) on {run.rt.device.type}/{run.rt.backend} | "
-                        f"{run.tokens_per_step:,} tokens per step")
+                        f"{run.tokens_per_step:,} {'tokens' if run.tokenizer is not None else 'samples'} per step")
         for problem in p.skipped_checkpoints:
             metrics.event("checkpoint_skipped", reason=problem)
             metrics.message(f"warning: skipped checkpoint: {problem}")
@@ -223,8 +224,8 @@ class Trainer:
         """Every rank runs the same seeded generation (sharded layouts need all ranks in each
         forward); rank 0 reports it."""
         run, t = self.run, self.cfg.train
-        if run.layout.pp > 1:
-            log.info("no sample: generation needs the whole model in one process and pp > 1 splits it")
+        if run.layout.pp > 1 or run.tokenizer is None:
+            log.info("no sample: generation needs a tokenizer and the whole model in one process")
             return None
         prompt = run.tokenizer.encode_batch([t.sample_prompt])[0]
         pad = run.layout.tp if run.layout.sequence_parallel else 1

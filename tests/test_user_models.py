@@ -1,0 +1,86 @@
+"""Any nn.Module through `model.spec=FILE.py:function` and any map-style Dataset through
+`data.source=py:FILE.py:function`, shown with the ResNet-18 image classifier of examples/vision."""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers import REPO, assert_losses_close, final_params, losses, run_cli, train, train_many
+
+EXAMPLE = REPO / "examples" / "vision"
+CONFIG = EXAMPLE / "vision.yaml"
+# lr 1e-5: ResNet's convolutions feed BatchNorm, so the loss is invariant to scaling them and their
+# gradients have an exactly-zero component along the weights; Adam normalises the rounding there into
+# whole-lr moves, which at lr 1e-3 change the losses by 2e-2 within 4 steps for ANY change of reduction
+# order (the 1-rank GroupBatchNorm against nn.BatchNorm2d already differs by 7e-6 in gradients). At 1e-5
+# the trajectories stay within 1e-5 and a layout bug (statistics of 4 samples instead of 8) still moves
+# step 1's loss itself.
+LR = 1e-5
+# One forward per rank per step (no accumulation), so BatchNorm sees the same samples as one process's
+# single forward over the whole global batch of 8.
+COMMON = ("train.steps=4", "train.global_batch_size=8", "train.eval_every=0", "checkpoint.every_steps=0",
+          "checkpoint.save_final=true", "metrics.log_every=1", f"optim.lr={LR}", "optim.warmup_steps=0")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return train(tmp_path_factory.mktemp("ref") / "run", *COMMON, "train.micro_batch_size=8",
+                 "parallel.zero_stage=0", config=CONFIG)
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("two")
+    return train_many({layout: (root / layout, (*COMMON, "train.micro_batch_size=4", f"parallel.zero_stage={stage}"))
+                       for layout, stage in (("ddp", 0), ("zero3", 3))}, nproc=2, config=CONFIG)
+
+
+@pytest.mark.parametrize("layout", ["ddp", "zero3"])
+def test_resnet_with_sync_batchnorm_equals_one_process(layout, two_rank_runs, reference):
+    """Same losses and parameters as one process on the same global batch; BatchNorm's running
+    statistics (in the checkpoint with the parameters) equal one process's: every rank normalised with
+    the statistics of the whole batch."""
+    run = two_rank_runs[layout]
+    assert_losses_close(losses(run), losses(reference), rel=1e-5)
+    ours, theirs = final_params(run, 4), final_params(reference, 4)
+    stats = [k for k in theirs if k.endswith(("running_mean", "running_var"))]
+    assert len(stats) == 2 * 20  # 20 BatchNorm layers in ResNet-18
+    # Running statistics: within 1e-5 of one process's. Weights: within 1e-5 in norm plus, per element,
+    # 1% of an Adam step in RMS (assert_params_close's element bound, 1e-2 x lr = 1e-7, is finer than
+    # float32 resolves BatchNorm weights near 1, and biases that start at zero have almost no norm).
+    assert ours.keys() == theirs.keys()
+    for name, expected in theirs.items():
+        a, b = ours[name].double(), expected.double()
+        slack = 0.0 if name in stats or not b.is_floating_point() else 1e-2 * LR * b.numel() ** 0.5
+        assert float((a - b).norm()) <= 1e-5 * float(b.norm()) + slack, name
+
+
+def test_the_example_runs_from_its_readme(tmp_path):
+    """The command examples/vision/README.md gives, shortened: trains, evaluates and checkpoints."""
+    run = train(tmp_path / "vision", "train.steps=10", "train.eval_every=5", "checkpoint.every_steps=5",
+                config=CONFIG, nproc=2)
+    curve = losses(run)
+    assert len(curve) >= 2 and curve[10] < curve[min(curve)]
+    assert (run / "checkpoints" / "step_00000010" / "COMMIT").is_file()
+
+
+BAD = {
+    "spec file missing": (["model.spec=nowhere.py:f"], "model.spec=nowhere.py:f: no such file nowhere.py"),
+    "spec not importable": (["model.spec=broken.py:f"], "importing broken.py failed (SyntaxError"),
+    "spec wrong type": (["model.spec=wrong.py:f"], "model.spec=wrong.py:f: returned int, expected a "
+                                                   "disttrain.models.spec.ModelSpec"),
+    "spec no function": (["model.spec=wrong.py:g"], "model.spec=wrong.py:g: wrong.py has no function g"),
+    "dataset wrong type": ([f"model.spec={EXAMPLE / 'resnet.py'}:resnet18_spec", "data.source=py:wrong.py:f"],
+                           "data.source=py:wrong.py:f: returned int, expected a map-style torch.utils.data.Dataset"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD))
+def test_user_code_mistakes_are_one_line(name, tmp_path):
+    (tmp_path / "broken.py").write_text("def f(:\n")
+    (tmp_path / "wrong.py").write_text("def f():\n    return 3\n")
+    overrides, expected = BAD[name]
+    proc = run_cli("train", str(CONFIG), f"run.dir={tmp_path / 'runs'}", *overrides, check=False, cwd=tmp_path)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and expected in lines[0], proc.stderr
+    assert not (tmp_path / "runs").exists()
