@@ -16,6 +16,13 @@ LR = 3e-3
 COMMON = ("train.steps=10", "train.global_batch_size=4", "train.micro_batch_size=1", "data.seq_len=64",
           f"optim.lr={LR}", "checkpoint.save_final=true", "checkpoint.every_steps=5", "metrics.sync_check_every=5")
 LAYOUTS = {"ddp": (), "zero3": ("parallel.zero_stage=3",), "tp2": ("parallel.tp=2",), "pp2": ("parallel.pp=2",)}
+MORE_LAYOUTS = {  # the other data-parallel layouts, on the Llama directory
+    "zero1": ("parallel.zero_stage=1",),
+    "zero2-selective-ac": ("parallel.zero_stage=2", "parallel.activation_checkpointing=selective"),
+    "hsdp-full-ac": ("parallel.zero_stage=3", "parallel.dp_replicate=2", "parallel.dp_shard=1",
+                     "parallel.activation_checkpointing=full"),
+    "zero3-offload": ("parallel.zero_stage=3", "parallel.cpu_offload=true"),
+}
 KINDS = ("llama", "qwen2")  # qwen2: q/k/v biases and tied input/output embeddings
 
 
@@ -37,6 +44,8 @@ def two_rank_runs(hf_dirs, tmp_path_factory):
     jobs = {f"{kind} {name}": (root / f"{kind}_{name}", (*COMMON, f"model.hf={hf_dirs[kind]}", *extra))
             for kind in KINDS for name, extra in LAYOUTS.items()}
     jobs["gpt2 zero3"] = (root / "gpt2_zero3", (*COMMON, f"model.hf={hf_dirs['gpt2']}", "parallel.zero_stage=3"))
+    for name, extra in MORE_LAYOUTS.items():
+        jobs[f"llama {name}"] = (root / f"llama_{name}", (*COMMON, f"model.hf={hf_dirs['llama']}", *extra))
     return train_many(jobs, nproc=2)
 
 
@@ -52,6 +61,11 @@ def _assert_parity(run, reference):
 @pytest.mark.parametrize("kind", KINDS)
 def test_hf_model_trains_like_one_process(kind, layout, two_rank_runs, references):
     _assert_parity(two_rank_runs[f"{kind} {layout}"], references[kind])
+
+
+@pytest.mark.parametrize("layout", list(MORE_LAYOUTS))
+def test_hf_model_under_the_other_data_parallel_layouts(layout, two_rank_runs, references):
+    _assert_parity(two_rank_runs[f"llama {layout}"], references["llama"])
 
 
 def test_a_model_without_the_llama_structure_trains_under_zero3(two_rank_runs, references):
