@@ -38,14 +38,15 @@ def make_optimizer(model):
 class RandomWindows:
     """Uniformly sampled windows of the built-in corpus: what a hand-written loop would do."""
 
-    def __init__(self, rank: int):
+    def __init__(self, rank: int, seq_len: int = SEQ_LEN, micro_batch: int = MICRO_BATCH):
         _, splits = load_splits("builtin", "byte")
         self.tokens = torch.from_numpy(splits["train"].astype("int64"))
         self.gen = torch.Generator().manual_seed(rank)
+        self.seq_len, self.size = seq_len, micro_batch
 
     def micro_batch(self):
-        starts = torch.randint(0, len(self.tokens) - SEQ_LEN - 1, (MICRO_BATCH,), generator=self.gen)
-        rows = torch.stack([self.tokens[s:s + SEQ_LEN + 1] for s in starts.tolist()])
+        starts = torch.randint(0, len(self.tokens) - self.seq_len - 1, (self.size,), generator=self.gen)
+        rows = torch.stack([self.tokens[s:s + self.seq_len + 1] for s in starts.tolist()])
         return rows[:, :-1], rows[:, 1:]
 
 

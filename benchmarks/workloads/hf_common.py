@@ -33,18 +33,10 @@ def make_optimizer(model):
     return torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.1)
 
 
-class RandomWindows:
-    def __init__(self, rank: int):
-        from disttrain.data.source import load_splits
+def RandomWindows(rank: int):  # noqa: N802 - the same sampler as the tiny workload, at this shape
+    from common import RandomWindows as Windows
 
-        _, splits = load_splits("builtin", "byte")
-        self.tokens = torch.from_numpy(splits["train"].astype("int64"))
-        self.gen = torch.Generator().manual_seed(rank)
-
-    def micro_batch(self):
-        starts = torch.randint(0, len(self.tokens) - SEQ_LEN - 1, (MICRO_BATCH,), generator=self.gen)
-        rows = torch.stack([self.tokens[s:s + SEQ_LEN + 1] for s in starts.tolist()])
-        return rows[:, :-1], rows[:, 1:]
+    return Windows(rank, SEQ_LEN, MICRO_BATCH)
 
 
 def loss_fn(out, targets):

@@ -20,6 +20,9 @@ def main():
         x, y = data.micro_batch()
         engine.backward(loss_fn(engine(x), y))
         engine.step()
+    engine.destroy()
+    dist.barrier()
+    dist.destroy_process_group()  # a worker that exits with the group alive can abort in teardown
 
 
 
