@@ -6,7 +6,6 @@ import argparse
 import json
 import math
 import re
-import sys
 from dataclasses import replace
 from pathlib import Path
 

@@ -13,7 +13,7 @@ from torch import nn
 from disttrain.checkpoint import dcp_io
 from disttrain.parallel.parallelize import gradient_sync_disabled
 from disttrain.train.engine import OptimizerStep, OwnOptimizerStep
-from disttrain.train.loss import RankMeanLoss, loss_context, replicated_value
+from disttrain.train.loss import RankMeanLoss, loss_context
 
 
 class TorchEngine(OwnOptimizerStep):
