@@ -4,6 +4,8 @@ PP with the losses and parameters of one process; weights in (equal logits) and 
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +24,11 @@ MORE_LAYOUTS = {  # the other data-parallel layouts, on the Llama directory
     "hsdp-full-ac": ("parallel.zero_stage=3", "parallel.dp_replicate=2", "parallel.dp_shard=1",
                      "parallel.activation_checkpointing=full"),
     "zero3-offload": ("parallel.zero_stage=3", "parallel.cpu_offload=true"),
+    "zero3-compile": ("parallel.zero_stage=3", "parallel.compile=true"),
+}
+LOW_PRECISION = {  # compute dtype -> bound on the relative loss difference to fp32 (as for the built-in model)
+    "bf16": 2e-3,  # half of bf16's unit roundoff (2^-8)
+    "fp16": 2.5e-4,  # fp16 autocast with dynamic loss scaling
 }
 KINDS = ("llama", "qwen2")  # qwen2: q/k/v biases and tied input/output embeddings
 
@@ -46,7 +53,11 @@ def two_rank_runs(hf_dirs, tmp_path_factory):
     jobs["gpt2 zero3"] = (root / "gpt2_zero3", (*COMMON, f"model.hf={hf_dirs['gpt2']}", "parallel.zero_stage=3"))
     for name, extra in MORE_LAYOUTS.items():
         jobs[f"llama {name}"] = (root / f"llama_{name}", (*COMMON, f"model.hf={hf_dirs['llama']}", *extra))
-    return train_many(jobs, nproc=2)
+    for dtype in LOW_PRECISION:
+        jobs[f"llama {dtype}"] = (root / f"llama_{dtype}", (*COMMON, f"model.hf={hf_dirs['llama']}",
+                                                             f"precision.compute_dtype={dtype}"))
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "disttrain-tests" / "inductor"
+    return train_many(jobs, nproc=2, env={"TORCHINDUCTOR_CACHE_DIR": str(cache)})
 
 
 def _assert_parity(run, reference):
@@ -66,6 +77,14 @@ def test_hf_model_trains_like_one_process(kind, layout, two_rank_runs, reference
 @pytest.mark.parametrize("layout", list(MORE_LAYOUTS))
 def test_hf_model_under_the_other_data_parallel_layouts(layout, two_rank_runs, references):
     _assert_parity(two_rank_runs[f"llama {layout}"], references["llama"])
+
+
+@pytest.mark.parametrize("dtype", list(LOW_PRECISION))
+def test_hf_model_in_low_precision_tracks_fp32(dtype, two_rank_runs, references):
+    """Autocast really ran (not fp32's numbers) and stays within that precision's rounding."""
+    ref, run = losses(references["llama"]), losses(two_rank_runs[f"llama {dtype}"])
+    diffs = [abs(run[s] - ref[s]) / ref[s] for s in ref]
+    assert 0 < max(diffs) <= LOW_PRECISION[dtype], diffs
 
 
 def test_a_model_without_the_llama_structure_trains_under_zero3(two_rank_runs, references):
