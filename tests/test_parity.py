@@ -3,6 +3,8 @@ options, communication hooks and torch.compile reached through the config."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from helpers import PARITY, assert_losses_close, assert_parity, losses, train, train_many
@@ -74,7 +76,11 @@ def compiled_runs(tmp_path_factory):
 
 
 @pytest.mark.parametrize("layout", ["ddp", "zero3"])
-def test_compile_equals_eager(layout, compiled_runs, debug_reference):
+def test_compile_equals_eager(layout, compiled_runs, ddp_runs, debug_reference):
+    """Compiled blocks (dynamo captured graphs in this run, none in an eager run) give eager's numbers."""
+    stats = json.loads((compiled_runs[layout] / "dynamo_stats.json").read_text())
+    assert stats.get("unique_graphs", 0) >= 1, stats
+    assert json.loads((ddp_runs["micro_1"] / "dynamo_stats.json").read_text()).get("unique_graphs", 0) == 0
     assert_parity(compiled_runs[layout], debug_reference)
 
 

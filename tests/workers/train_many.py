@@ -12,6 +12,7 @@ import json
 import sys
 
 import torch.distributed as dist
+from torch._dynamo.utils import counters
 
 from disttrain.config import load_config
 from disttrain.distributed.env import detect_env
@@ -26,7 +27,10 @@ def main() -> None:
     try:
         for job in jobs:
             cfg = load_config(job["config"], job["overrides"])
+            counters.clear()
             Trainer(build_run(cfg, rt)).fit()
+            if rt.rank == 0:  # what torch.compile did in this job: tests check compile really ran
+                (cfg.run_dir / "dynamo_stats.json").write_text(json.dumps(dict(counters["stats"])))
             gc.collect()  # DDP reducers and FSDP state of the finished run go before the next one starts
             dist.barrier()
     finally:

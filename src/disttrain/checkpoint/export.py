@@ -116,14 +116,6 @@ def load_weights(path: str | Path, spec) -> dict[str, torch.Tensor]:
 @torch.no_grad()
 def init_from(model: torch.nn.Module, path: str | Path, spec) -> None:
     """Copy exported weights into a materialised single-device model (before parallelisation)."""
-    state = load_weights(path, spec)
-    params = dict(model.named_parameters())
-    missing = sorted(set(params) - set(state))
-    if missing:
-        raise ValueError(f"the weights lack {len(missing)} parameters of this model (e.g. {missing[0]}; "
-                         "is model.tie_embeddings as when they were saved?)")
-    for name, param in params.items():
-        source = state[name]
-        if source.shape != param.shape:
-            raise ValueError(f"{name} has shape {tuple(source.shape)} in the weights, {tuple(param.shape)} in the model")
-        param.copy_(source)
+    from disttrain.models.spec import copy_weights
+
+    copy_weights(model, load_weights(path, spec), hint="; is model.tie_embeddings as when they were saved?")

@@ -7,6 +7,7 @@ through `model.spec=FILE.py:function`) returns one of these.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Callable
 
@@ -76,6 +77,29 @@ def build_model(spec: ModelSpec, device: torch.device, seed: int) -> nn.Module:
     if spec.load_pretrained is not None:
         spec.load_pretrained(model)
     return model
+
+
+@torch.no_grad()
+def seeded_normal_(param: torch.Tensor, seed: int, name: str, std: float) -> None:
+    """Fill from a generator seeded by (seed, parameter name): the same values whether the model is whole,
+    wrapped or split across stages, so every layout starts from identical weights."""
+    key = int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") >> 1
+    param.normal_(0.0, std, generator=torch.Generator(device=param.device).manual_seed(key))
+
+
+@torch.no_grad()
+def copy_weights(model: nn.Module, state: dict, hint: str = "") -> None:
+    """Copy `state` (by parameter name) into a materialised single-device model; ValueError naming the first
+    missing or misshapen parameter."""
+    params = dict(model.named_parameters())
+    missing = sorted(set(params) - set(state))
+    if missing:
+        raise ValueError(f"the weights lack {len(missing)} parameter(s) of this model (e.g. {missing[0]}{hint})")
+    for name, param in params.items():
+        if state[name].shape != param.shape:
+            raise ValueError(f"{name} has shape {tuple(state[name].shape)} in the weights, {tuple(param.shape)} "
+                             "in the model")
+        param.copy_(state[name])
 
 
 def count_params(model: nn.Module) -> int:

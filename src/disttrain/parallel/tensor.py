@@ -19,16 +19,15 @@ def apply_tensor_parallel(model: nn.Module, spec, tp_mesh, sequence_parallel: bo
         raise UserError(f"parallel.tp={tp_mesh.size()}: model {spec.name} has no tensor-parallel plan "
                         "(allowed for it: parallel.tp=1)")
     spec.tensor_parallel(model, tp_mesh, sequence_parallel)
-    for param in model.parameters():
-        if isinstance(param, DTensor):
-            keep_grad_sharded(param)
+    for module in model.modules():  # vocabulary-parallel embeddings, whatever the model calls them
+        if isinstance(module, nn.Embedding) and isinstance(module.weight, DTensor):
+            keep_grad_sharded(module.weight)
 
 
 def keep_grad_sharded(param: nn.Parameter) -> None:
     """DTensor's embedding backward returns a *replicated* (full-size) gradient for a
     vocabulary-sharded table; slice it back to the parameter's placement as it is accumulated,
-    so each rank holds 1/tp of it (a local slice, no communication). Other gradients already
-    match their parameter and pass untouched."""
+    so each rank holds 1/tp of it (a local slice, no communication)."""
     def hook(p: torch.Tensor) -> None:
         g = p.grad
         if isinstance(g, DTensor) and isinstance(p, DTensor) and g.placements != p.placements:

@@ -48,7 +48,7 @@ class Run:
     engine: StepEngine
     tokenizer: Tokenizer | None  # None for a user's dataset of (input, target) pairs
     loader: DistributedBatchLoader
-    val_windows: TokenWindows | DatasetSamples
+    val_samples: TokenWindows | DatasetSamples
     ckpt: CheckpointManager
     breakdown: StepBreakdown
     comm_profiler: CommProfiler
@@ -110,7 +110,7 @@ def build_run(cfg: RunConfig, rt: Runtime) -> Run:
     engine = build_engine(cfg, layout, meshes, spec, model, rt, breakdown, faults)
     peak_flops, _ = peak_flops_per_device(cfg, layout, rt.device)
     return Run(cfg=cfg, rt=rt, layout=layout, meshes=meshes, spec=spec, base_model=model, engine=engine,
-               tokenizer=tokenizer, loader=loader, val_windows=val_samples,
+               tokenizer=tokenizer, loader=loader, val_samples=val_samples,
                ckpt=CheckpointManager(cfg.checkpoint_dir, rt.rank, cfg.checkpoint.keep_last, cfg.checkpoint.async_save),
                breakdown=breakdown, comm_profiler=CommProfiler(cfg.metrics.comm_profile_every, rt.device),
                faults=faults, num_params=num_params, peak_flops=peak_flops,
@@ -157,7 +157,8 @@ def build_engine(cfg: RunConfig, layout: Layout, meshes: Meshes, spec: ModelSpec
     else:
         optimizer = build_optimizer(wrapped, cfg.optim)
     step = _optimizer_step(cfg, optimizer, precision, None)
-    return TorchEngine(wrapped, optimizer, step, spec, precision, device, tensor_parallel, dp_group, breakdown, faults)
+    return TorchEngine(wrapped, optimizer, step, spec, precision, device, tensor_parallel, dp_group, breakdown, faults,
+                       sharded_optimizer=layout.sharded_optimizer)
 
 
 def _optimizer_step(cfg: RunConfig, optimizer, precision: Precision, pp_group) -> OptimizerStep:

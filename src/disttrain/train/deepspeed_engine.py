@@ -67,6 +67,7 @@ class DeepSpeedEngine:
     averaging, clipping, loss scaling, the optimizer and the LR schedule step."""
 
     checkpoint_format = TAG
+    measures_phases = False  # whether it feeds the step breakdown (forward, backward, ...)
 
     def __init__(self, model, optimizer, scheduler, cfg, world_size: int, device, spec, dp_group, breakdown, faults):
         from disttrain.validation import INSTALL_HINT
@@ -80,8 +81,7 @@ class DeepSpeedEngine:
 
         import torch.distributed as dist
 
-        os.environ.setdefault("LOCAL_RANK", str(dist.get_rank() % max(1, torch.cuda.device_count() or 1)
-                                                if device.type == "cuda" else 0))
+        os.environ.setdefault("LOCAL_RANK", str(device.index or 0))
         os.environ.setdefault("RANK", str(dist.get_rank()))
         os.environ.setdefault("WORLD_SIZE", str(dist.get_world_size()))
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,

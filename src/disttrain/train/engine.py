@@ -22,6 +22,8 @@ class StepEngine(Protocol):
     model: nn.Module  # every parameter this rank holds, under checkpoint names (a pipeline's pruned model)
     loss_groups: list  # process groups a local loss sum is added over to make the global sum
     skipped_steps: list[int]  # steps whose update a non-finite gradient norm skipped
+    checkpoint_format: str  # what `save` writes ("dcp", "deepspeed"): recorded in COMMIT, checked on resume
+    measures_phases: bool  # whether the step feeds the breakdown's forward/backward/optimizer phases
 
     def train_step(self, micro_batches: list, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this rank's token-loss sum, global gradient norm) as device tensors."""

@@ -56,10 +56,10 @@ class Trainer:
 
     def evaluate(self) -> float | None:
         run, t = self.run, self.cfg.train
-        if len(run.val_windows) == 0:
+        if len(run.val_samples) == 0:
             return None
-        sampler = GlobalBatchSampler(len(run.val_windows), t.global_batch_size, t.seed, shuffle=False)
-        loader = DistributedBatchLoader(run.val_windows, sampler, run.dp_rank, run.layout.dp, t.micro_batch_size)
+        sampler = GlobalBatchSampler(len(run.val_samples), t.global_batch_size, t.seed, shuffle=False)
+        loader = DistributedBatchLoader(run.val_samples, sampler, run.dp_rank, run.layout.dp, t.micro_batch_size)
         self.engine.model.eval()
         total = torch.zeros((), device=run.rt.device)
         for k in range(1, t.eval_batches + 1):
@@ -80,7 +80,7 @@ class Trainer:
         if run.peak_flops and run.flops_per_token:
             record["mfu"] = run.flops_per_token * tokens_per_sec / (run.peak_flops * run.rt.world_size)
         breakdown = run.breakdown.collect(window_steps)
-        record.update(breakdown if run.layout.engine == "torch" else {"time_data_s": breakdown["time_data_s"]})
+        record.update(breakdown if self.engine.measures_phases else {"time_data_s": breakdown["time_data_s"]})
         comm = run.comm_profiler.take()
         if comm:
             record.update(comm)

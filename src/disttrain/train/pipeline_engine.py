@@ -20,6 +20,7 @@ from disttrain.train.loss import RankMeanLoss, loss_context
 
 class PipelineEngine(OwnOptimizerStep):
     checkpoint_format = "dcp"
+    measures_phases = True  # whether it feeds the step breakdown (forward, backward, ...)
 
     def __init__(self, parts: PipelineParts, mean_loss: RankMeanLoss, optimizer, step: OptimizerStep, precision,
                  device, tensor_parallel: bool, dp_group, breakdown, faults, tied):
@@ -29,6 +30,8 @@ class PipelineEngine(OwnOptimizerStep):
         self.loss_groups = [dp_group, parts.group]
         self.breakdown, self.faults = breakdown, faults
         self.forward_seconds = 0.0
+        self.params = list(self.model.parameters())  # fixed after the split: not rebuilt every step
+        self.norm_params = tied.norm_params(self.params)
         # Time the stages' own compute (receives happen before, sends after these calls), so
         # 1 - busy/step is the measured bubble plus exposed transfer time.
         self.busy = {"forward": 0.0, "backward": 0.0}
@@ -76,8 +79,7 @@ class PipelineEngine(OwnOptimizerStep):
         t_opt = bd.now()
         try:
             self.tied.sync_grads()
-            params = list(self.model.parameters())
-            return loss_sum, self.optimizer_step(params, loss_sum, step, self.tied.norm_params(params))
+            return loss_sum, self.optimizer_step(self.params, loss_sum, step, self.norm_params)
         finally:
             bd.add("optimizer", t_opt, bd.now())
 

@@ -18,12 +18,14 @@ from disttrain.train.loss import RankMeanLoss, loss_context
 
 class TorchEngine(OwnOptimizerStep):
     checkpoint_format = "dcp"
+    measures_phases = True  # whether it feeds the step breakdown (forward, backward, ...)
 
     def __init__(self, model: nn.Module, optimizer, step: OptimizerStep, spec, precision, device,
-                 tensor_parallel: bool, dp_group, breakdown, faults):
+                 tensor_parallel: bool, dp_group, breakdown, faults, sharded_optimizer: bool = False):
         self.model, self.optimizer, self.optimizer_step = model, optimizer, step
         self.spec, self.precision, self.device = spec, precision, device
         self.tensor_parallel = tensor_parallel
+        self.sharded_optimizer = sharded_optimizer  # ZeRO-1: each rank saves and loads the states it owns
         self.loss_groups = [dp_group]
         self.breakdown, self.faults = breakdown, faults
         self.forward_seconds = 0.0  # host time in forward this step (straggler statistics)
@@ -75,21 +77,16 @@ class TorchEngine(OwnOptimizerStep):
                 total += mean_loss.as_sum(self._loss(mean_loss, x.to(self.device), y.to(self.device), None))
         return total
 
-    def _zero1(self) -> bool:
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-
-        return isinstance(self.optimizer, ZeroRedundancyOptimizer)
-
     def save(self, path: Path, async_group=None):
         optim_state = None
-        if self._zero1():  # each rank contributes the states it owns
+        if self.sharded_optimizer:  # each rank contributes the states it owns
             from disttrain.parallel import zero1
 
             optim_state = zero1.zero1_state_dict(self.model, self.optimizer)
         return dcp_io.save(path, self.model, self.optimizer, async_group, optim_state)
 
     def load(self, path: Path) -> None:
-        if self._zero1():
+        if self.sharded_optimizer:
             from disttrain.parallel import zero1
 
             loaded = dcp_io.load(path, self.model, self.optimizer, zero1.zero1_load_template(self.model, self.optimizer))

@@ -38,18 +38,23 @@ class HFStage(nn.Module):
 
 
 def _decoder(model: nn.Module, key: str = "parallel.pp") -> nn.Module:
-    base = getattr(model, getattr(model, "base_model_prefix", ""), None)
-    if base is None or not all(hasattr(base, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
+    base = _llama_like_decoder(model)
+    if base is None:
         raise UserError(f"{key} > 1 with model.hf ({model.config.model_type}): the pipeline split needs a decoder "
                         "with model.embed_tokens, model.layers, model.norm and model.rotary_emb (Llama, Qwen2, "
                         f"Mistral); allowed for {model.config.model_type}: {key}=1")
     return base
 
 
-def can_split(model: nn.Module) -> bool:
+def _llama_like_decoder(model: nn.Module) -> nn.Module | None:
+    """The base model when it has the usual decoder structure the split and the TP plan rely on."""
     base = getattr(model, getattr(model, "base_model_prefix", ""), None)
-    return base is not None and all(hasattr(base, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")) \
-        and hasattr(model, "lm_head")
+    parts = ("embed_tokens", "layers", "norm", "rotary_emb")
+    return base if base is not None and all(hasattr(base, a) for a in parts) and hasattr(model, "lm_head") else None
+
+
+def can_split(model: nn.Module) -> bool:
+    return _llama_like_decoder(model) is not None
 
 
 def blocks(module: nn.Module) -> nn.Module:

@@ -18,7 +18,7 @@ from torch import nn
 
 from disttrain.errors import UserError
 from disttrain.models.hf.shape import hf_shape, read_config
-from disttrain.models.spec import ModelSpec, token_cross_entropy_sum
+from disttrain.models.spec import ModelSpec, copy_weights, seeded_normal_, token_cross_entropy_sum
 
 
 def _load_config(directory: str):
@@ -33,10 +33,6 @@ def _load_config(directory: str):
     return config
 
 
-def _param_seed(seed: int, name: str) -> int:
-    return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") >> 1
-
-
 @torch.no_grad()
 def init_weights(model: nn.Module, seed: int, std: float) -> None:
     """Normal(0, initializer_range) for matrices, ones for norm weights, zeros for biases: one generator
@@ -47,8 +43,7 @@ def init_weights(model: nn.Module, seed: int, std: float) -> None:
         if param.ndim == 1:
             param.fill_(0.0 if name.endswith(".bias") else 1.0)
         else:
-            gen = torch.Generator(device=param.device).manual_seed(_param_seed(seed, name))
-            param.normal_(0.0, std, generator=gen)
+            seeded_normal_(param, seed, name, std)
     rebuild_buffers(model)
 
 
@@ -85,16 +80,10 @@ def load_pretrained(model: nn.Module, directory: str) -> None:
     state: dict = {}
     for f in files:
         state.update(load_file(str(f)))
-    params = dict(model.named_parameters())
-    missing = sorted(set(params) - set(state))
-    if missing:
-        raise UserError(f"model.hf={directory}: the weights lack {len(missing)} parameter(s) of the model its "
-                        f"config.json describes (e.g. {missing[0]})")
-    for name, param in params.items():
-        if state[name].shape != param.shape:
-            raise UserError(f"model.hf={directory}: {name} has shape {tuple(state[name].shape)} in the weights, "
-                            f"{tuple(param.shape)} in the model config.json describes")
-        param.copy_(state[name])
+    try:
+        copy_weights(model, state)
+    except ValueError as exc:
+        raise UserError(f"model.hf={directory}: {exc} its config.json describes") from None
 
 
 def hf_spec(directory: str) -> ModelSpec:

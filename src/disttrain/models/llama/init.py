@@ -6,18 +6,14 @@ parameter gets the same values whether the model is whole, wrapped, or split acr
 
 from __future__ import annotations
 
-import hashlib
 import math
 
 import torch
 
 from disttrain.models.llama.model import Transformer
+from disttrain.models.spec import seeded_normal_
 
 INIT_STD = 0.02
-
-
-def _param_seed(seed: int, name: str) -> int:
-    return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") >> 1
 
 
 def _std_for(name: str, n_layers: int) -> float | None:
@@ -38,6 +34,5 @@ def init_weights(model: Transformer, seed: int) -> None:
         if std is None:
             param.fill_(1.0)
             continue
-        gen = torch.Generator(device=param.device).manual_seed(_param_seed(seed, name))
-        param.normal_(0.0, std, generator=gen)
+        seeded_normal_(param, seed, name, std)
     model.reset_buffers()
