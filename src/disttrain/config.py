@@ -110,6 +110,10 @@ class ParallelConfig(_Section):
     ddp_find_unused_parameters: bool = False
     ddp_static_graph: bool = False
     ddp_gradient_as_bucket_view: bool = True
+    balance_weights: list[float] = Field(default_factory=list, description="one weight per data-parallel rank: "
+                                         "uneven shares of the global batch; []: equal")
+    balance: Literal["off", "auto"] = Field("off", description="auto: re-split the global batch by measured speed")
+    balance_every: int = Field(20, gt=0, description="steps between re-splits under balance=auto")
 
 
 Dtype = Literal["fp32", "bf16", "fp16"]

@@ -52,6 +52,8 @@ class Layout:
     reduce_dtype: str = "fp32"
     cpu_offload: bool = False
     engine: str = "torch"
+    balance: str = "off"  # "auto": re-split the global batch by measured speed
+    balance_weights: tuple[float, ...] = ()  # one per data-parallel rank; (): equal (or auto's start)
 
     # ------------------------------------------------------------ degrees and batches
     @property
@@ -69,6 +71,20 @@ class Layout:
     @property
     def sequences_per_rank(self) -> int:
         return self.global_batch_size // self.dp
+
+    @property
+    def balanced(self) -> bool:
+        """Data-parallel ranks take uneven shares of the global batch (in whole micro-batches)."""
+        return self.balance == "auto" or bool(self.balance_weights)
+
+    @property
+    def total_microbatches(self) -> int:
+        """Micro-batches of the whole global batch, over every data-parallel rank."""
+        return max(1, self.global_batch_size // self.micro_batch_size)
+
+    def initial_shares(self) -> list[int]:
+        """Micro-batches per data-parallel rank before any measurement."""
+        return balance_shares(self.total_microbatches, list(self.balance_weights) or [1.0] * self.dp)
 
     @property
     def microbatches(self) -> int:
@@ -115,8 +131,10 @@ class Layout:
 
     @property
     def reshard_after_forward(self) -> bool:
-        """ZeRO-3 frees gathered parameters after each block's forward; ZeRO-2 keeps them to backward."""
-        return self.zero_stage == 3
+        """ZeRO-3 frees gathered parameters after each block's forward; ZeRO-2 keeps them to backward.
+        Under uneven shares ZeRO-3 keeps them too (ranks with fewer micro-batches would otherwise
+        miss all-gathers the others issue): its step then holds ZeRO-2's gathered parameters."""
+        return self.zero_stage == 3 and not self.balanced
 
     @property
     def sharded_optimizer(self) -> bool:
@@ -167,7 +185,8 @@ class Layout:
                    pp_microbatches=p.pp_microbatches, pp_layers=tuple(p.pp_layers),
                    sequence_parallel=p.sequence_parallel, activation_checkpointing=p.activation_checkpointing,
                    param_dtype=param_dtype, compute_dtype=prec.compute_dtype, reduce_dtype=prec.reduce_dtype,
-                   cpu_offload=p.cpu_offload, engine=cfg.engine)
+                   cpu_offload=p.cpu_offload, engine=cfg.engine, balance=p.balance,
+                   balance_weights=tuple(float(w) for w in p.balance_weights))
 
 
 def resolve_dp_shard(parallel, world_size: int) -> int:
@@ -184,6 +203,22 @@ def resolve_dp_shard(parallel, world_size: int) -> int:
                         f"parallel.tp={parallel.tp} x parallel.pp={parallel.pp} = {fixed * dp_shard} does not equal "
                         f"the world size {world_size}")
     return dp_shard
+
+
+def balance_shares(total: int, weights: list[float]) -> list[int]:
+    """`total` micro-batches split in proportion to `weights`, at least one each (every rank joins the
+    gradient reduction), by largest remainder; ties go to the lower rank, so every rank computes the
+    same split from the same weights."""
+    s = float(sum(weights))
+    ideal = [total * w / s for w in weights]
+    counts = [max(1, int(x)) for x in ideal]
+    while sum(counts) > total:
+        i = max((i for i in range(len(counts)) if counts[i] > 1), key=lambda i: (counts[i] - ideal[i], -i))
+        counts[i] -= 1
+    while sum(counts) < total:
+        i = max(range(len(counts)), key=lambda i: (ideal[i] - counts[i], -i))
+        counts[i] += 1
+    return counts
 
 
 def split_layers(n_layers: int, n_stages: int) -> list[int]:
@@ -232,6 +267,8 @@ def cut_problems(shape: ModelShape | None, layout: Layout) -> list[str]:
                         "not reach inside the pipeline schedule's backward passes (allowed with pp > 1: fp32, bf16)")
     if layout.engine == "deepspeed":
         problems += _deepspeed_problems(layout)
+    if layout.balanced:
+        problems += _balance_cut_problems(layout)
     if layout.cpu_offload and layout.zero_stage < 2:
         problems.append(f"parallel.cpu_offload=true needs parallel.zero_stage 2 or 3 (FSDP2), not {layout.zero_stage}")
     if layout.activation_checkpointing not in RECOMPUTE:
@@ -254,7 +291,9 @@ def batch_problems(layout: Layout) -> list[str]:
             problems.append(f"{what} must be a multiple of parallel.pp={layout.pp} for pp_schedule={layout.pp_schedule}")
         if layout.pp_schedule != "gpipe" and m < layout.pp:
             problems.append(f"{what} must be at least parallel.pp={layout.pp} for pp_schedule={layout.pp_schedule}")
-    if layout.global_batch_size % layout.dp:
+    if layout.balanced:
+        problems += _balance_batch_problems(layout)
+    elif layout.global_batch_size % layout.dp:
         problems.append(f"train.global_batch_size={layout.global_batch_size} is not divisible by the "
                         f"data-parallel size {layout.dp} (world size {layout.world_size})")
     elif layout.pp > 1 and layout.pp_microbatches:
@@ -281,4 +320,32 @@ def _deepspeed_problems(layout: Layout) -> list[str]:
     if layout.dp_replicate != 1:
         problems.append(f"parallel.dp_replicate={layout.dp_replicate} needs engine=torch (HSDP); DeepSpeed "
                         "partitions over the whole world (allowed with engine=deepspeed: 1)")
+    return problems
+
+
+def _balance_cut_problems(layout: Layout) -> list[str]:
+    what = "parallel.balance=auto" if layout.balance == "auto" else "parallel.balance_weights"
+    problems = []
+    if layout.engine != "torch":
+        problems.append(f"{what} needs engine=torch (DeepSpeed splits the batch evenly itself)")
+    if layout.pp > 1:
+        problems.append(f"{what} with parallel.pp={layout.pp}: a pipeline schedule runs the same number of "
+                        "micro-batches on every rank (allowed: pp=1)")
+    if any(not w > 0 for w in layout.balance_weights):
+        problems.append(f"parallel.balance_weights={list(layout.balance_weights)}: every weight must be positive")
+    return problems
+
+
+def _balance_batch_problems(layout: Layout) -> list[str]:
+    g, m, dp = layout.global_batch_size, layout.micro_batch_size, layout.dp
+    problems = []
+    if layout.balance_weights and len(layout.balance_weights) != dp:
+        problems.append(f"parallel.balance_weights={list(layout.balance_weights)}: {len(layout.balance_weights)} "
+                        f"weight(s) for {dp} data-parallel rank(s) (world size {layout.world_size}); give one per rank")
+    if g % m:
+        problems.append(f"train.micro_batch_size={m} does not divide train.global_batch_size={g} (uneven "
+                        "shares are counted in whole micro-batches)")
+    elif g // m < dp:
+        problems.append(f"train.global_batch_size={g} / train.micro_batch_size={m} = {g // m} micro-batches, fewer "
+                        f"than the {dp} data-parallel ranks (each needs at least one)")
     return problems

@@ -37,6 +37,10 @@ def validate_config(cfg) -> None:
     if t.micro_batch_size and t.global_batch_size % t.micro_batch_size:
         raise UserError(f"train.global_batch_size={t.global_batch_size} is not a multiple of "
                         f"train.micro_batch_size={t.micro_batch_size}")
+    p = cfg.parallel
+    if (p.balance == "auto" or p.balance_weights) and not t.micro_batch_size:
+        key = "parallel.balance=auto" if p.balance == "auto" else f"parallel.balance_weights={p.balance_weights}"
+        raise UserError(f"{key} needs train.micro_batch_size > 0: uneven shares are counted in micro-batches")
     if cfg.optim.min_lr > cfg.optim.lr:
         raise UserError(f"optim.min_lr={cfg.optim.min_lr} exceeds optim.lr={cfg.optim.lr}")
     if cfg.optim.warmup_steps > t.steps:
@@ -121,6 +125,17 @@ def _check_model_can_be_cut(cfg, layout: Layout) -> None:
                         "parallel.pp=1)")
 
 
+def _check_model_can_be_balanced(cfg) -> None:
+    """Uneven shares mean ranks run different numbers of forward passes: nothing may communicate in one."""
+    from disttrain.models.registry import model_spec
+
+    spec = model_spec(cfg.model)
+    if spec.sync_batchnorm:
+        raise UserError(f"parallel.balance/balance_weights: model {spec.name} synchronises BatchNorm over data "
+                        "parallel in every forward pass, which needs the same number of micro-batches on every "
+                        "rank (allowed for it: equal shares)")
+
+
 def validate_world(cfg, world_size: int, device_type: str = "cuda") -> Layout:
     """Checks that need the number of processes (and the device kind); returns the resolved Layout."""
     layout = Layout.from_config(cfg, world_size, device_type)  # raises on degrees that miss the world size
@@ -129,6 +144,8 @@ def validate_world(cfg, world_size: int, device_type: str = "cuda") -> Layout:
         raise UserError(problems[0])
     if layout.tp > 1 or layout.pp > 1:
         _check_model_can_be_cut(cfg, layout)
+    if layout.balanced and layout.dp > 1:
+        _check_model_can_be_balanced(cfg)
     if cfg.parallel.compile and layout.tp > 1 and device_type == "cpu":
         # torch 2.13: the compiled block's backward hands a plain tensor to DTensor's redistribute
         # backward ("'Tensor' object has no attribute '_local_tensor'"); eager TP and compiled DDP/FSDP work.

@@ -79,15 +79,24 @@ class GlobalBatchSampler:
 
 
 class DistributedBatchLoader:
-    """Yields this rank's micro-batches for successive steps; its position is checkpointed."""
+    """Yields this rank's micro-batches for successive steps; its position is checkpointed.
+
+    `shares` (micro-batches per data-parallel rank, summing to the global batch's micro-batches)
+    gives ranks uneven slices of the same global batch, in rank order; None: equal slices."""
 
     def __init__(self, windows: TokenWindows, sampler: GlobalBatchSampler, dp_rank: int, dp_size: int,
-                 micro_batch_size: int):
-        per_rank = sampler.g // dp_size
-        self.windows, self.sampler = windows, sampler
-        self.lo, self.hi = dp_rank * per_rank, (dp_rank + 1) * per_rank
-        self.micro_batch_size = micro_batch_size or per_rank
+                 micro_batch_size: int, shares: list[int] | None = None):
+        self.windows, self.sampler, self.dp_rank = windows, sampler, dp_rank
+        self.micro_batch_size = micro_batch_size or sampler.g // dp_size
+        self.set_shares(shares or [sampler.g // dp_size // self.micro_batch_size] * dp_size)
         self.next_step = 1
+
+    def set_shares(self, shares: list[int]) -> None:
+        """From the next step on, rank r reads micro-batches sum(shares[:r]) .. sum(shares[:r+1])."""
+        self.shares = list(shares)
+        m = self.micro_batch_size
+        self.lo = sum(self.shares[:self.dp_rank]) * m
+        self.hi = self.lo + self.shares[self.dp_rank] * m
 
     def micro_batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         x, y = self.windows.batch(self.sampler.indices(step)[self.lo:self.hi])

@@ -49,16 +49,38 @@ def parallelize(model: nn.Module, spec, layout: Layout, meshes: Meshes, device: 
 
 
 @contextlib.contextmanager
-def gradient_sync_disabled(model: nn.Module):
-    """Accumulate gradients locally (DDP `no_sync`, FSDP2 `set_requires_gradient_sync(False)`)."""
+def gradient_sync_disabled(model: nn.Module, keep_gathered: bool = False):
+    """Accumulate gradients locally (DDP `no_sync`, FSDP2 `set_requires_gradient_sync(False)`).
+    `keep_gathered`: FSDP2 also keeps parameters gathered after backward, so the next micro-batch
+    issues no all-gather (uneven shares: ranks run different numbers of micro-batches)."""
     if isinstance(model, DistributedDataParallel):
         with model.no_sync():
             yield
     elif isinstance(model, FSDPModule):
         model.set_requires_gradient_sync(False)
+        if keep_gathered:
+            model.set_reshard_after_backward(False)
         try:
             yield
         finally:
             model.set_requires_gradient_sync(True)
+            if keep_gathered:
+                model.set_reshard_after_backward(True)
     else:
         yield
+
+
+def gather(model: nn.Module) -> None:
+    """All-gather every FSDP2 unit's parameters now (all units at once), so the forward passes that
+    follow issue no collective."""
+    handles = [m.unshard(async_op=True) for m in model.modules() if isinstance(m, FSDPModule)]
+    for handle in handles:
+        if handle is not None:
+            handle.wait()
+
+
+def reshard(model: nn.Module) -> None:
+    """Free FSDP2's gathered parameters (after forward-only passes that kept them gathered)."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()

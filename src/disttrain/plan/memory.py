@@ -100,7 +100,7 @@ def model_state_bytes(n_params: float, layout: Layout, accounting: str = "runtim
         return ModelStates(p, g, o / (layout.dp if stage == 1 else 1), buffers)
     d = layout.dp_shard
     rb = DTYPE_BYTES[layout.reduce_dtype]
-    if stage == 2:  # gathered parameters stay from forward to backward; one unit's gradients unsharded
+    if not layout.reshard_after_forward:  # gathered parameters stay from forward to backward; one unit's gradients unsharded
         buffers = pb * n_params + (pb + rb) * largest_unit
     else:  # current + prefetched block gathered, the root unit kept gathered for backward
         buffers = pb * (2 * largest_unit + root_params) + (pb + rb) * largest_unit

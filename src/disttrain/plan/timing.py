@@ -165,18 +165,20 @@ def step_time(shape: ModelShape, layout: Layout, cluster: Cluster) -> StepTime:
         else:
             ds, dr = layout.dp_shard, layout.dp_replicate
             bw, lat = cluster.link(ds * layout.tp)
-            gathers = 1 if layout.zero_stage == 2 else 2  # stage 3 gathers again for backward
+            gathers = 2 if layout.reshard_after_forward else 1  # stage 3 gathers again for backward
+            # uneven shares keep parameters gathered across a rank's micro-batches: one gather per step
+            rounds = 1 if layout.balanced else m
             ag = all_gather_s(ds, e * n_params, bw, lat)
             first_unit = all_gather_s(ds, e * unit, bw, lat)
             rs = reduce_scatter_s(ds, rb * n_params, bw, lat)
             if dr > 1:
                 rbw, rlat = cluster.link(dr * ds * layout.tp)
                 rs += all_reduce_s(dr, rb * n_params / ds, rbw, rlat)
-            dp_comm = m * gathers * ag + rs
+            dp_comm = rounds * gathers * ag + rs
             oe = cluster.overlap_efficiency
             exposed_fwd = exposed(ag, fwd, oe, first_unit)
             exposed_bwd = exposed(ag, bwd, oe, first_unit) if gathers == 2 else 0.0
-            dp_exposed = m * (exposed_fwd + exposed_bwd) + exposed(rs, bwd, oe, reduce_scatter_s(ds, rb * unit, bw, lat))
+            dp_exposed = rounds * (exposed_fwd + exposed_bwd) + exposed(rs, bwd, oe, reduce_scatter_s(ds, rb * unit, bw, lat))
     if layout.cpu_offload:  # parameter shards up every micro-batch, gradient shards down, over PCIe
         dp_exposed += (m * e + 4) * n_params / layout.dp_shard / PCIE_BYTES_PER_S
 

@@ -26,6 +26,7 @@ from disttrain.models.registry import model_spec
 from disttrain.models.spec import ModelSpec, build_model, count_params
 from disttrain.observe.breakdown import CommProfiler, StepBreakdown
 from disttrain.observe.mfu import peak_flops_per_device
+from disttrain.train.balance import Balancer
 from disttrain.train.engine import OptimizerStep, StepEngine
 from disttrain.train.faults import FaultInjector
 from disttrain.train.optim import build_optimizer, build_scheduler
@@ -56,6 +57,7 @@ class Run:
     num_params: int
     peak_flops: float | None
     replica_group: object
+    balancer: Balancer
 
     @property
     def dp_rank(self) -> int:
@@ -83,7 +85,9 @@ def build_run(cfg: RunConfig, rt: Runtime) -> Run:
     t = cfg.train
     tokenizer, train_samples, val_samples = load_samples(cfg.data.source, tokenizer_for(cfg), cfg.data.seq_len)
     sampler = GlobalBatchSampler(len(train_samples), t.global_batch_size, t.seed)
-    loader = DistributedBatchLoader(train_samples, sampler, dp_rank, dp_size, t.micro_batch_size)
+    balancer = Balancer(layout, dp_rank, cfg.parallel.balance_every, train_samples.targets_per_sample)
+    loader = DistributedBatchLoader(train_samples, sampler, dp_rank, dp_size, t.micro_batch_size,
+                                    balancer.shares if layout.balanced else None)
 
     spec = model_spec(cfg.model)
     if cfg.model.hf:
@@ -107,18 +111,19 @@ def build_run(cfg: RunConfig, rt: Runtime) -> Run:
     breakdown = StepBreakdown(rt.device)
     breakdown.watch_input_module(model)
     faults = FaultInjector(rt.rank)
-    engine = build_engine(cfg, layout, meshes, spec, model, rt, breakdown, faults)
+    engine = build_engine(cfg, layout, meshes, spec, model, rt, breakdown, faults,
+                          balancer if layout.balanced else None)
     peak_flops, _ = peak_flops_per_device(cfg, layout, rt.device)
     return Run(cfg=cfg, rt=rt, layout=layout, meshes=meshes, spec=spec, base_model=model, engine=engine,
                tokenizer=tokenizer, loader=loader, val_samples=val_samples,
                ckpt=CheckpointManager(cfg.checkpoint_dir, rt.rank, cfg.checkpoint.keep_last, cfg.checkpoint.async_save),
                breakdown=breakdown, comm_profiler=CommProfiler(cfg.metrics.comm_profile_every, rt.device),
                faults=faults, num_params=num_params, peak_flops=peak_flops,
-               replica_group=meshes.replica_group(layout))
+               replica_group=meshes.replica_group(layout), balancer=balancer)
 
 
 def build_engine(cfg: RunConfig, layout: Layout, meshes: Meshes, spec: ModelSpec, model: nn.Module, rt: Runtime,
-                 breakdown: StepBreakdown, faults: FaultInjector) -> StepEngine:
+                 breakdown: StepBreakdown, faults: FaultInjector, balancer: Balancer | None = None) -> StepEngine:
     """The one place that picks an engine: DeepSpeed, a pipeline schedule, or plain torch."""
     device, dp_group = rt.device, meshes.dp.get_group()
     tensor_parallel = layout.tp > 1
@@ -158,7 +163,7 @@ def build_engine(cfg: RunConfig, layout: Layout, meshes: Meshes, spec: ModelSpec
         optimizer = build_optimizer(wrapped, cfg.optim)
     step = _optimizer_step(cfg, optimizer, precision, None)
     return TorchEngine(wrapped, optimizer, step, spec, precision, device, tensor_parallel, dp_group, breakdown, faults,
-                       sharded_optimizer=layout.sharded_optimizer)
+                       sharded_optimizer=layout.sharded_optimizer, balance=balancer)
 
 
 def _optimizer_step(cfg: RunConfig, optimizer, precision: Precision, pp_group) -> OptimizerStep:

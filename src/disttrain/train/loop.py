@@ -59,7 +59,8 @@ class Trainer:
         if len(run.val_samples) == 0:
             return None
         sampler = GlobalBatchSampler(len(run.val_samples), t.global_batch_size, t.seed, shuffle=False)
-        loader = DistributedBatchLoader(run.val_samples, sampler, run.dp_rank, run.layout.dp, t.micro_batch_size)
+        loader = DistributedBatchLoader(run.val_samples, sampler, run.dp_rank, run.layout.dp, t.micro_batch_size,
+                                        run.loader.shares if run.layout.balanced else None)
         self.engine.model.eval()
         total = torch.zeros((), device=run.rt.device)
         for k in range(1, t.eval_batches + 1):
@@ -88,6 +89,8 @@ class Trainer:
         record.update(memory_stats(device))
         record.update(straggler_stats(data_time + self.engine.forward_seconds, device))
         record.update(self.engine.extra_metrics())
+        if run.layout.balanced:
+            record["balance_shares"] = list(run.balancer.shares)
         if self.engine.skipped_steps:
             record["skipped_steps_total"] = len(self.engine.skipped_steps)
         return record
@@ -117,6 +120,12 @@ class Trainer:
         metrics.message(f"model {name}: {run.num_params / 1e6:.2f}M parameters | world "
                         f"{run.rt.world_size} (dp {run.layout.dp}) on {run.rt.device.type}/{run.rt.backend} | "
                         f"{run.tokens_per_step:,} {'tokens' if run.tokenizer is not None else 'samples'} per step")
+        if run.layout.balanced:
+            metrics.event("balance", step=p.step, shares=list(run.loader.shares), mode=run.layout.balance,
+                          weights=list(run.layout.balance_weights))
+            metrics.message(f"uneven shares: micro-batches per data-parallel rank {run.loader.shares}"
+                            + (f", re-split every {self.cfg.parallel.balance_every} steps by measured speed"
+                               if run.balancer.auto else ""))
         for problem in p.skipped_checkpoints:
             metrics.event("checkpoint_skipped", reason=problem)
             metrics.message(f"warning: skipped checkpoint: {problem}")
@@ -187,6 +196,9 @@ class Trainer:
                     if val is not None:
                         metrics.event("eval", step=p.step, val_loss=val)
                         metrics.message(f"step {p.step}: validation loss {val:.4f}")
+                if run.balancer.due(p.step):
+                    watchdog.enter(f"step {p.step}: balance measurement all-gather", collective=True)
+                    self._rebalance(metrics)
                 watchdog.enter(f"step {p.step}: step-boundary agreement", collective=True)
                 self._step_boundary(control, metrics)
                 watchdog.touch()  # evaluation and saving are not step time
@@ -200,6 +212,16 @@ class Trainer:
             control.close()
             metrics.close()
         return TrainResult(p.step, final_loss, str(cfg.run_dir), sample)
+
+    def _rebalance(self, metrics: MetricsLogger) -> None:
+        """Collective: a new split of the global batch from measured speed, used from the next step."""
+        event = self.run.balancer.rebalance(self.progress.step)
+        if event is not None:
+            self.run.loader.set_shares(self.run.balancer.shares)
+            metrics.event("rebalance", **event)
+            metrics.message(f"step {event['step']}: rebalanced micro-batches per data-parallel rank "
+                            f"{event['previous_shares']} -> {event['shares']} (seconds per micro-batch "
+                            f"{event['seconds_per_micro_batch']})")
 
     def _step_boundary(self, control: StepControl, metrics: MetricsLogger) -> None:
         """Collective: every rank agrees on saving (by time) and on stopping (preemption)."""

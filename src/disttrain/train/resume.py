@@ -28,7 +28,8 @@ class Progress:
 
 def train_state(run, progress: Progress) -> dict:
     return {"step": progress.step, "tokens_seen": progress.tokens_seen, **run.engine.state_dict(),
-            "loader": run.loader.state_dict(), "model_fingerprint": run.spec.fingerprint,
+            "loader": run.loader.state_dict(), "balance": run.balancer.state_dict(),
+            "model_fingerprint": run.spec.fingerprint,
             "config": run.cfg.model_dump(mode="json", by_alias=True)}
 
 
@@ -55,6 +56,9 @@ def maybe_resume(run, progress: Progress) -> None:
     progress.step, progress.tokens_seen = int(state["step"]), int(state["tokens_seen"])
     run.engine.load_state_dict(state)
     run.loader.load_state_dict(state["loader"])
+    if run.layout.balanced:
+        run.balancer.load_state_dict(state.get("balance"))
+        run.loader.set_shares(run.balancer.shares)
     progress.resumed_from = str(path)
     log.info("resumed from %s at %.3f", path, time.time())
 

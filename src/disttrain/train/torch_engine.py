@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from disttrain.checkpoint import dcp_io
-from disttrain.parallel.parallelize import gradient_sync_disabled
+from disttrain.parallel.parallelize import gather, gradient_sync_disabled, reshard
 from disttrain.train.engine import OptimizerStep, OwnOptimizerStep
 from disttrain.train.loss import RankMeanLoss, loss_context
 
@@ -21,7 +21,8 @@ class TorchEngine(OwnOptimizerStep):
     measures_phases = True  # whether it feeds the step breakdown (forward, backward, ...)
 
     def __init__(self, model: nn.Module, optimizer, step: OptimizerStep, spec, precision, device,
-                 tensor_parallel: bool, dp_group, breakdown, faults, sharded_optimizer: bool = False):
+                 tensor_parallel: bool, dp_group, breakdown, faults, sharded_optimizer: bool = False,
+                 balance=None):
         self.model, self.optimizer, self.optimizer_step = model, optimizer, step
         self.spec, self.precision, self.device = spec, precision, device
         self.tensor_parallel = tensor_parallel
@@ -29,6 +30,10 @@ class TorchEngine(OwnOptimizerStep):
         self.loss_groups = [dp_group]
         self.breakdown, self.faults = breakdown, faults
         self.forward_seconds = 0.0  # host time in forward this step (straggler statistics)
+        # Uneven shares (train/balance.py): normalise by the mean rank's tokens, so the gradient
+        # average over ranks is still the mean token loss of the global batch; keep FSDP's
+        # parameters gathered between a rank's micro-batches; time forward passes for `auto`.
+        self.balance = balance or NoBalance()
 
     def _loss(self, mean_loss: RankMeanLoss, x, y, step: int | None) -> torch.Tensor:
         with self.precision.autocast():
@@ -38,20 +43,25 @@ class TorchEngine(OwnOptimizerStep):
 
     def train_step(self, micro_batches: list, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The only host sync is the finiteness test of the norm (one scalar), which decides whether to step."""
-        mean_loss = RankMeanLoss(self.spec.loss_sum, sum(y.numel() for _, y in micro_batches))
+        balance = self.balance
+        mean_loss = RankMeanLoss(self.spec.loss_sum, balance.tokens_per_rank or sum(y.numel() for _, y in micro_batches))
         loss_sum = torch.zeros((), device=self.device)
         scaler, bd = self.precision.scaler, self.breakdown
         last = len(micro_batches) - 1
         self.forward_seconds = 0.0
+        if balance.keep_gathered:  # every rank gathers once, whatever its number of micro-batches
+            gather(self.model)
         for i, (x, y) in enumerate(micro_batches):
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-            sync = contextlib.nullcontext() if i == last else gradient_sync_disabled(self.model)
+            sync = contextlib.nullcontext() if i == last else gradient_sync_disabled(self.model, balance.keep_gathered)
             with sync, loss_context(self.tensor_parallel):
                 t0, h0 = bd.now(), time.perf_counter()
                 self.faults.before_forward()
                 loss = self._loss(mean_loss, x, y, step)
                 t1 = bd.now()
                 self.forward_seconds += time.perf_counter() - h0
+                if balance.timer is not None:
+                    balance.timer.add(t0, t1)
                 scaler.scale(loss).backward()
                 t2 = bd.now()
             compute_end = bd.take_compute_end()
@@ -72,9 +82,13 @@ class TorchEngine(OwnOptimizerStep):
     def eval_loss_sum(self, micro_batches: list) -> torch.Tensor:
         mean_loss = RankMeanLoss(self.spec.loss_sum, 1)
         total = torch.zeros((), device=self.device)
+        if self.balance.keep_gathered:
+            gather(self.model)
         for x, y in micro_batches:
             with loss_context(self.tensor_parallel):
                 total += mean_loss.as_sum(self._loss(mean_loss, x.to(self.device), y.to(self.device), None))
+        if self.balance.keep_gathered:  # forward-only passes left parameters gathered
+            reshard(self.model)
         return total
 
     def save(self, path: Path, async_group=None):
@@ -96,3 +110,11 @@ class TorchEngine(OwnOptimizerStep):
 
     def extra_metrics(self) -> dict:
         return self.optimizer_step.metrics()
+
+
+class NoBalance:
+    """Equal shares: each rank normalises by its own tokens, FSDP reshards as configured, nothing is timed."""
+
+    tokens_per_rank = None
+    keep_gathered = False
+    timer = None

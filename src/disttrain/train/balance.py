@@ -1,0 +1,108 @@
+"""Uneven data-parallel shares: faster ranks take more micro-batches of the same global batch.
+
+The sequences of a step never change (they come from (seed, step)); only how many of its
+micro-batches each data-parallel rank computes. With `parallel.balance=auto` every rank times its
+forward passes, and every `parallel.balance_every` steps the ranks exchange one small all-gather and
+each computes the same new split from the same numbers (shares in inverse proportion to the time per
+micro-batch). Splits take effect at the next step and are recorded in metrics.jsonl and checkpoints.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+import torch.distributed as dist
+
+from disttrain.layout import Layout, balance_shares
+
+log = logging.getLogger(__name__)
+
+
+class ComputeTimer:
+    """Forward time per micro-batch on this rank, from the step breakdown's own marks (host clock on CPU,
+    CUDA events on GPU, read only at a re-split, so no host sync per step). Backward scales with forward."""
+
+    def __init__(self):
+        self.spans: list[tuple[object, object]] = []
+        self.seconds, self.count = 0.0, 0
+
+    def add(self, start, end) -> None:
+        if isinstance(start, float):
+            self.seconds += end - start
+        else:
+            self.spans.append((start, end))
+        self.count += 1
+
+    def take(self) -> tuple[float, int]:
+        if self.spans:
+            self.spans[-1][1].synchronize()
+            self.seconds += sum(s.elapsed_time(e) / 1000.0 for s, e in self.spans)
+            self.spans.clear()
+        out = (self.seconds, self.count)
+        self.seconds, self.count = 0.0, 0
+        return out
+
+
+class Balancer:
+    """The current split of the global batch over data-parallel ranks, and (auto) its re-splitting."""
+
+    def __init__(self, layout: Layout, dp_rank: int, every: int, targets_per_sample: int):
+        self.layout, self.dp_rank, self.every = layout, dp_rank, every
+        self.auto = layout.balance == "auto" and layout.dp > 1
+        # what the engine reads: the mean rank's targets (the loss normaliser) and whether FSDP2
+        # keeps parameters gathered between micro-batches
+        self.tokens_per_rank = layout.global_batch_size * targets_per_sample / layout.dp
+        self.keep_gathered = layout.gradient_wrapper == "fsdp"
+        self.shares = layout.initial_shares()
+        self.timer = ComputeTimer() if self.auto else None
+        self.group = dist.new_group(backend="gloo") if self.auto else None  # CPU: no device sync
+        self.decisions = 0
+
+    @property
+    def active(self) -> bool:
+        return self.layout.balanced
+
+    def due(self, step: int) -> bool:
+        return self.auto and step % self.every == 0
+
+    def measure(self) -> list[float] | None:
+        """Collective (the balance group): seconds per micro-batch of each data-parallel rank, the
+        slowest of its tensor-parallel members; None until every rank has a measurement."""
+        seconds, count = self.timer.take()
+        mine = torch.tensor([float(self.dp_rank), seconds, float(count)], dtype=torch.float64)
+        gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(self.group))]
+        dist.all_gather(gathered, mine, group=self.group)
+        per_rank = [0.0] * self.layout.dp
+        for dp_rank, s, n in (g.tolist() for g in gathered):
+            if n == 0:
+                return None
+            per_rank[int(dp_rank)] = max(per_rank[int(dp_rank)], s / n)
+        return per_rank
+
+    def rebalance(self, step: int) -> dict | None:
+        """At a re-split point: the new shares from measured speed (the same on every rank), or None
+        when nothing changes. Returns the event to record."""
+        per_mb = self.measure()
+        if per_mb is None or min(per_mb) <= 0:
+            return None
+        new = balance_shares(self.layout.total_microbatches, [1.0 / t for t in per_mb])
+        event = {"step": step, "shares": new, "previous_shares": self.shares,
+                 "seconds_per_micro_batch": [round(t, 6) for t in per_mb]}
+        if new == self.shares:
+            return None
+        self.shares = new
+        self.decisions += 1
+        return event
+
+    def state_dict(self) -> dict:
+        return {"shares": self.shares, "dp": self.layout.dp, "auto": self.auto}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        """Auto re-splits continue from the saved split when the data-parallel size is unchanged; fixed
+        weights always come from the config (they are a setting, not a measurement)."""
+        if not state or not self.auto or state.get("dp") != self.layout.dp or not state.get("auto"):
+            return
+        self.shares = list(state["shares"])
+        log.info("balance: resumed with shares %s at %.3f", self.shares, time.time())
