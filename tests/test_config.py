@@ -80,6 +80,17 @@ MISTAKES = {
     "DDP hook under FSDP": (["parallel.zero_stage=3", "parallel.ddp_comm_hook=fp16"], [],
                             "parallel.ddp_comm_hook=fp16 applies to DDP (zero_stage 0 or 1), not zero_stage=3"),
     "zero stage out of range": (["parallel.zero_stage=4"], [], "parallel.zero_stage=4: input should be less than or equal to 3"),
+    "balance weights per rank": (["parallel.balance_weights=[1,2,3]", "train.micro_batch_size=1"],
+                                 ["--nproc-per-node", "2"], "parallel.balance_weights=[1.0, 2.0, 3.0]: 3 weight(s) "
+                                 "for 2 data-parallel rank(s)"),
+    "balance without micro-batches": (["parallel.balance=auto"], [],
+                                      "parallel.balance=auto needs train.micro_batch_size > 0"),
+    "balance under a pipeline": (["parallel.balance=auto", "parallel.pp=2", "train.micro_batch_size=1"], [],
+                                 "parallel.balance=auto with parallel.pp=2: a pipeline schedule runs the same"),
+    "balance weight not positive": (["parallel.balance_weights=[1,0]", "train.micro_batch_size=1"], [],
+                                    "parallel.balance_weights=[1.0, 0.0]: every weight must be positive"),
+    "balance fewer micro-batches than ranks": (["parallel.balance_weights=[1,1]", "train.micro_batch_size=4"],
+                                               ["--nproc-per-node", "2"], "= 1 micro-batches, fewer than the 2"),
     "HSDP under DeepSpeed": (["engine=deepspeed", "parallel.dp_replicate=2"], [],
                              "parallel.dp_replicate=2 needs engine=torch (HSDP)"),
 }

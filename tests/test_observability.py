@@ -38,7 +38,7 @@ def _scrape(port: int) -> dict:
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             out[s.name] = s
-            for key in ("phase", "collective", "kind"):
+            for key in ("phase", "collective", "kind", "dp_rank"):
                 if key in s.labels:
                     out[(s.name, s.labels[key])] = s
     return out
@@ -48,7 +48,8 @@ def test_every_rank_serves_prometheus_metrics_during_a_run(tmp_path):
     port = _free_port_pair()
     cmd = [sys.executable, "-m", "disttrain", "train", str(DEBUG_CONFIG), f"run.dir={tmp_path}", "run.name=run",
            "train.steps=100000", "metrics.log_every=5", f"metrics.prometheus_port={port}", "metrics.comm_profile_every=5",
-           "checkpoint.save_final=false", "distributed.timeout_s=60", "--nproc-per-node", "2"]
+           "checkpoint.save_final=false", "distributed.timeout_s=60", "train.micro_batch_size=1",
+           "parallel.balance_weights=[3,1]", "--nproc-per-node", "2"]
     proc = subprocess.Popen(cmd, cwd=REPO, env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         scraped = {}
@@ -79,6 +80,8 @@ def test_every_rank_serves_prometheus_metrics_during_a_run(tmp_path):
             assert samples[("disttrain_collective_seconds", "all_reduce")].value > 0
             assert samples[("disttrain_memory_bytes", "rss")].value > 1e6
             assert samples["disttrain_slowest_rank"].value in (0, 1)
+            # uneven shares: micro-batches per data-parallel rank, as configured
+            assert [samples[("disttrain_balance_share_microbatches", str(r))].value for r in (0, 1)] == [3, 1]
     finally:
         proc.terminate()
         proc.wait(timeout=120)

@@ -41,6 +41,9 @@ class PrometheusSink(Sink):
         self.loss_scale = gauge("disttrain_loss_scale", "fp16 dynamic loss scale")
         self.overflows = gauge("disttrain_fp16_overflow_steps", "fp16 steps skipped for inf/NaN gradients so far")
         self.pp_bubble = gauge("disttrain_pipeline_bubble_ratio", "Measured idle share of the pipeline schedule")
+        self.balance_share = Gauge("disttrain_balance_share_microbatches", "Micro-batches of the global batch each "
+                                   "data-parallel rank computes (uneven shares)", ["rank", "dp_rank"],
+                                   registry=self.registry)
         self.rank = str(rank)
         self.steps = Counter("disttrain_steps", "Optimizer steps completed by this process", ["rank"],
                              registry=self.registry).labels(**labels)
@@ -70,6 +73,8 @@ class PrometheusSink(Sink):
                 self.memory.labels(rank=self.rank, kind=key[4:-6]).set(value)
         optional = {"rank_compute_max_s": self.rank_compute, "slowest_rank": self.slowest_rank,
                     "loss_scale": self.loss_scale, "fp16_overflows_total": self.overflows, "pp_bubble": self.pp_bubble}
+        for dp_rank, share in enumerate(record.get("balance_shares", ())):
+            self.balance_share.labels(rank=self.rank, dp_rank=str(dp_rank)).set(share)
         for key, metric in optional.items():
             if key in record:
                 metric.set(record[key])

@@ -66,6 +66,12 @@ def summary(records: list[dict], events: list[dict]) -> list[tuple[str, str]]:
     if slowest:
         most = max(set(slowest), key=slowest.count)
         rows.append(("slowest rank", f"{most} ({slowest.count(most)} of {len(slowest)} logged steps)"))
+    shares = [r["balance_shares"] for r in records if "balance_shares" in r]
+    if shares:
+        splits = [e for e in events if e.get("event") == "rebalance"]
+        rows.append(("micro-batches per data-parallel rank", f"{shares[0]} -> {shares[-1]}" + (
+            f" ({len(splits)} re-split(s): " + "; ".join(f"step {e['step']}: {e['shares']}" for e in splits[:6])
+            + (" ..." if len(splits) > 6 else "") + ")" if splits else " (fixed)")))
     counts: dict[str, int] = {}
     for e in events:
         counts[e["event"]] = counts.get(e["event"], 0) + 1

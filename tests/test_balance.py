@@ -1,0 +1,128 @@
+"""Uneven data-parallel shares (heterogeneous clusters): the same losses and parameters as one process
+whatever the split, fixed weights and measured re-splits, recorded and resumed."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from disttrain.data.loader import DistributedBatchLoader, GlobalBatchSampler, TokenWindows
+from disttrain.layout import balance_shares
+from helpers import LR, PARITY, assert_losses_close, assert_parity, events, losses, records, train, train_many
+
+MICRO = ("train.micro_batch_size=1",)  # 4 micro-batches of the global batch of 4
+SLOW_RANK_1 = {"DISTTRAIN_FAULT": "slow:rank=1:step=0:seconds=0.02"}  # a straggler: +20 ms per forward
+
+
+@pytest.mark.parametrize("total,weights,expected", [
+    (4, [3, 1], [3, 1]), (8, [1, 1], [4, 4]), (8, [2, 1, 1], [4, 2, 2]), (7, [1, 1], [4, 3]),
+    (4, [1e-6, 1, 1, 1], [1, 1, 1, 1]), (16, [312, 312, 125, 125], [6, 6, 2, 2]), (10, [0.2, 0.3, 0.5], [2, 3, 5]),
+])
+def test_shares_are_proportional_whole_and_at_least_one(total, weights, expected):
+    assert balance_shares(total, weights) == expected
+
+
+def test_shares_stay_close_to_the_ideal_split():
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        n = int(rng.integers(1, 9))
+        total = int(rng.integers(n, 64))
+        weights = list(rng.uniform(0.05, 5, n))
+        shares = balance_shares(total, weights)
+        ideal = [total * w / sum(weights) for w in weights]
+        assert sum(shares) == total and min(shares) >= 1
+        assert all(abs(s - i) < 1 or s == 1 for s, i in zip(shares, ideal)), (shares, ideal)
+
+
+@pytest.mark.parametrize("shares", [[3, 1], [1, 3], [2, 2], [1, 1, 1, 5]])
+def test_uneven_slices_cover_the_global_batch_in_order(shares):
+    windows = TokenWindows(np.arange(10_000, dtype=np.uint16) % 256, seq_len=16)
+    sampler = GlobalBatchSampler(len(windows), 8 if len(shares) == 4 else 4, seed=3)
+    mbs = sampler.g // sum(shares)
+    for step in (1, 5):
+        whole = windows.batch(sampler.indices(step))[0]
+        parts = [x for r in range(len(shares))
+                 for x, _ in DistributedBatchLoader(windows, sampler, r, len(shares), mbs, shares).micro_batches(step)]
+        assert [len(p) for p in parts] == [mbs] * sum(shares)
+        assert torch.equal(torch.cat(parts), whole)
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(tmp_path_factory):
+    """One launch of 2 processes with rank 1 slowed: fixed weights under DDP, ZeRO-2 and ZeRO-3, and
+    `auto` (re-split every 5 steps) saved at step 10 and resumed from there."""
+    root = tmp_path_factory.mktemp("balance2")
+    auto = ("parallel.zero_stage=3", "parallel.balance=auto", "parallel.balance_every=5")
+    return train_many({
+        "ddp 3:1": (root / "ddp", (*PARITY, *MICRO, "parallel.balance_weights=[3,1]")),
+        "zero2 1:3": (root / "zero2", (*PARITY, *MICRO, "parallel.zero_stage=2", "parallel.balance_weights=[1,3]")),
+        "zero3 3:1": (root / "zero3", (*PARITY, *MICRO, "parallel.zero_stage=3", "parallel.balance_weights=[3,1]",
+                                       "train.eval_every=10")),
+        "auto": (root / "auto", (*PARITY, *MICRO, *auto, "checkpoint.every_steps=10")),
+        "auto resumed": (root / "resumed", (*PARITY, *MICRO, *auto,
+                                            f"checkpoint.resume={root / 'auto' / 'checkpoints' / 'step_00000010'}")),
+    }, nproc=2, env=SLOW_RANK_1)
+
+
+@pytest.mark.parametrize("layout", ["ddp 3:1", "zero2 1:3", "zero3 3:1", "auto"])
+def test_two_rank_uneven_shares_match_single_process(layout, two_rank_runs, debug_reference):
+    assert_parity(two_rank_runs[layout], debug_reference)
+
+
+def test_fixed_weights_are_logged(two_rank_runs):
+    run = two_rank_runs["zero3 3:1"]
+    assert events(run, "balance")[0]["shares"] == [3, 1]
+    assert {tuple(r["balance_shares"]) for r in records(run) if "balance_shares" in r} == {(3, 1)}
+    assert not events(run, "rebalance")
+    assert [e["step"] for e in events(run, "eval")] == [10, 20]  # evaluation under uneven shares
+
+
+def test_report_shows_the_splits(two_rank_runs, tmp_path):
+    from disttrain.observe.run_report import load_records, summary
+
+    rows = dict(summary(*load_records(two_rank_runs["auto"])))
+    assert rows["micro-batches per data-parallel rank"].startswith("[2, 2] -> [3, 1] (")
+    assert "step 5: [3, 1]" in rows["micro-batches per data-parallel rank"]
+
+
+def test_auto_moves_work_off_the_slow_rank(two_rank_runs):
+    """Rank 1 sleeps 20 ms per forward: at the first re-split (step 5) it gives micro-batches to rank 0."""
+    run = two_rank_runs["auto"]
+    first = events(run, "rebalance")[0]
+    assert first["step"] == 5 and first["previous_shares"] == [2, 2] and first["shares"] == [3, 1]
+    slow, fast = first["seconds_per_micro_batch"][1], first["seconds_per_micro_batch"][0]
+    assert slow > 0.02 > fast
+    by_step = {r["step"]: r["balance_shares"] for r in records(run) if "balance_shares" in r}
+    assert by_step[5] == [2, 2] and by_step[6] == [3, 1]  # a new split takes effect at the next step
+
+
+def test_auto_split_is_resumed_from_the_checkpoint(two_rank_runs):
+    run, resumed = two_rank_runs["auto"], two_rank_runs["auto resumed"]
+    saved = {r["step"]: r["balance_shares"] for r in records(run) if "balance_shares" in r}[10]
+    assert events(resumed, "balance")[0]["shares"] == saved
+    expected = {s: v for s, v in losses(run).items() if s > 10}
+    assert_losses_close(losses(resumed), expected, rel=1e-5)
+
+
+@pytest.fixture(scope="module")
+def four_rank_runs(tmp_path_factory):
+    """Global batch 8 (one sequence per micro-batch) on 4 ranks, uneven weights, one launch; and its
+    one-process reference."""
+    root = tmp_path_factory.mktemp("balance4")
+    common = ("train.steps=10", "train.global_batch_size=8", f"optim.lr={LR}", "checkpoint.save_final=true",
+              *MICRO)
+    reference = train(root / "reference", *common[:-1], "train.micro_batch_size=8")
+    runs = train_many({
+        "ddp": (root / "ddp", (*common, "parallel.balance_weights=[1,2,3,2]")),
+        "zero2": (root / "zero2", (*common, "parallel.zero_stage=2", "parallel.balance_weights=[2,1,1,4]")),
+        "zero3": (root / "zero3", (*common, "parallel.zero_stage=3", "parallel.balance_weights=[3,1,2,2]")),
+    }, nproc=4)
+    return runs, reference
+
+
+@pytest.mark.parametrize("layout,shares", [("ddp", [1, 2, 3, 2]), ("zero2", [2, 1, 1, 4]), ("zero3", [3, 1, 2, 2])])
+def test_four_rank_uneven_shares_match_single_process(layout, shares, four_rank_runs):
+    runs, reference = four_rank_runs
+    assert events(runs[layout], "balance")[0]["shares"] == shares
+    assert_parity(runs[layout], reference, step=10)
