@@ -314,6 +314,49 @@ def test_plan_writes_a_config_the_runtime_validates(tmp_path):
     assert winner["parallel"]["zero_stage"] == result["winner"]["layout"]["zero_stage"]
 
 
+# ---------------------------------------------------------------- mixed GPU types
+
+
+def test_mixed_cluster_shares_follow_peak_flops_and_balance_the_busy_time(tmp_path):
+    """8 x A100-80G + 8 x V100-32G in fp16: weights are the peak ratio (312 : 125 TFLOP/s), the split
+    gives each type about the same busy time, and the step beats equal shares."""
+    from disttrain.plan.mixed import parse_cluster, plan_mixed
+
+    groups = parse_cluster("8xa100-80g,8xv100-32g")
+    space = SearchSpace(seq_len=4096, global_batch_size=64, param_dtype="fp16")
+    plans = plan_mixed(MODEL_SHAPES["13b"], groups, space, model="13b", dtype="fp16")
+    win = plans[0]
+    lay = win.estimate.layout
+    assert lay.pp == 1 and lay.dp > 1 and lay.balanced
+    n_a100 = win.rank_types.count("a100-80g")
+    assert list(lay.balance_weights) == [round(312 / 125, 2)] * n_a100 + [1.0] * (lay.dp - n_a100)
+    busy = {t: max(n for n, r in zip(win.shares, win.rank_types) if r == t) * win.per_micro_batch_s[t]
+            for t in ("a100-80g", "v100-32g")}
+    per_mb = max(win.per_micro_batch_s.values())
+    assert abs(busy["a100-80g"] - busy["v100-32g"]) <= per_mb  # within one micro-batch of the slower type
+    assert win.equal_step_s > 1.5 * win.step_s
+    assert all(p.estimate.memory.total <= 32.5e9 * 0.9 for p in plans)  # fits the smaller GPU
+    # the written config trains on the 16 ranks with those shares
+    out = tmp_path / "mixed.yaml"
+    proc = run_cli("plan", "--model", "13b", "--cluster", "8xa100-80g,8xv100-32g", "--dtype", "fp16",
+                   "--seq-len", "4096", "--global-batch-size", "64", "--out", str(out), "--json")
+    result = json.loads(proc.stdout)
+    assert result["winner"]["shares"] == win.shares
+    cfg = load_config(out)
+    layout = validate_world(cfg, 16)
+    assert layout.initial_shares() == win.shares and cfg.parallel.balance == "auto"
+
+
+def test_one_gpu_type_as_a_cluster_is_the_plain_planner():
+    from disttrain.plan.mixed import parse_cluster, plan_mixed
+
+    space = SearchSpace(seq_len=4096, global_batch_size=64)
+    mixed = plan_mixed(MODEL_SHAPES["13b"], parse_cluster("16xa100-80g"), space, model="13b")[0]
+    plain = search(MODEL_SHAPES["13b"], Cluster(find_gpu("a100-80g"), 8, 2), space, model="13b").ranked[0]
+    assert mixed.estimate.layout == plain.layout and not mixed.estimate.layout.balanced
+    assert mixed.step_s == pytest.approx(plain.time.step_s, rel=1e-12)
+
+
 def test_plan_writes_nothing_unless_asked(tmp_path):
     proc = run_cli("plan", "--model", "tiny", "--gpus", "2", "--gpu", "a100-80g", cwd=tmp_path)
     assert "Pass --out FILE.yaml to write the winner as a config." in proc.stdout
@@ -328,6 +371,9 @@ def test_plan_writes_nothing_unless_asked(tmp_path):
     (["estimate", "--model", "tiny", "--time", "--gpu", "tpu9"], "--gpu=tpu9: unknown GPU (allowed: a100-40g"),
     (["plan", "--model", "70b", "--gpus", "1", "--gpu", "l4"], "no layout of 70b fits 1 x l4"),
     (["plan", "--model", "tiny", "--gpus", "2", "--global-batch-tokens", "lots"], "--global-batch-tokens=lots"),
+    (["plan", "--model", "tiny", "--cluster", "2xa100-80g,2xk80"], "--cluster=2xa100-80g,2xk80: k80: unknown GPU"),
+    (["plan", "--model", "tiny", "--cluster", "two a100"], "expected COUNTxGPU, e.g. 8xa100-80g"),
+    (["plan", "--model", "70b", "--cluster", "1xl4,1xv100"], "no layout of 70b fits 1xl4,1xv100"),
 ])
 def test_planner_mistakes_are_one_line(args, expected, tmp_path):
     proc = run_cli(*args, check=False, cwd=tmp_path)

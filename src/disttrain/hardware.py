@@ -45,6 +45,10 @@ GPUS: dict[str, GPUSpec] = {g.name: g for g in [
             "https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/"
             "nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf",
             "NVLink 3: 600 GB/s bidirectional; DGX A100: 8x 200 Gb/s HDR InfiniBand"),
+    GPUSpec("v100-32g", "NVIDIA V100 SXM2 32GB", {"bf16": 15.7, "fp16": 125, "tf32": 15.7, "fp32": 15.7}, 32.5, 150,
+            12.5, "https://images.nvidia.com/content/technologies/volta/pdf/volta-v100-datasheet-update-us-1165301-r5.pdf",
+            "NVLink 2: 300 GB/s bidirectional; no bf16 or tf32 tensor cores (bf16 runs at the fp32 rate: "
+            "train V100s in fp16); 100 Gb/s network typical", ("v100",)),
     GPUSpec("h100", "NVIDIA H100 SXM5 80GB", _tflops(989.4, 494.7, 66.9), 80, 450, 50,
             "https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet",
             "NVLink 4: 900 GB/s bidirectional; DGX H100: 8x 400 Gb/s NDR InfiniBand", ("h100-sxm",)),

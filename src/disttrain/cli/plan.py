@@ -79,7 +79,10 @@ def add_parsers(sub) -> None:
     plan = sub.add_parser("plan", help="search layouts for a model and cluster; write the fastest as a config "
                                        "(or --show-schedule: a pipeline schedule as a time x stage table)")
     add_model_args(plan)
-    plan.add_argument("--gpus", type=int, default=None, help="GPUs to plan for (required unless --show-schedule)")
+    plan.add_argument("--gpus", type=int, default=None, help="GPUs to plan for (required unless --show-schedule "
+                      "or --cluster)")
+    plan.add_argument("--cluster", default=None, help="a mixed cluster instead of --gpus/--gpu, in rank order, "
+                      "e.g. 8xa100-80g,8xv100-32g: uneven batch shares by GPU speed")
     sched = plan.add_argument_group("pipeline schedule table (--show-schedule)")
     sched.add_argument("--show-schedule", action="store_true")
     sched.add_argument("--pp", type=int, default=4)
@@ -250,8 +253,10 @@ def _measured_bubble(run_dir: str) -> float:
 def cmd_plan(args) -> None:
     if args.show_schedule:
         return cmd_show_schedule(args)
+    if args.cluster:
+        return cmd_plan_mixed(args)
     if args.gpus is None:
-        raise UserError("--gpus is required (or use --show-schedule)")
+        raise UserError("--gpus is required (or use --show-schedule, or --cluster for mixed GPU types)")
     name, shape = _shape(args)
     _positive("--gpus", args.gpus)
     seq_len = args.seq_len or min(4096, shape.max_seq_len)
@@ -317,6 +322,54 @@ def cmd_plan(args) -> None:
             else:
                 lines.append(f"{row['gpus']:>5}  {row['tokens_per_s']:>12,.0f}  {row['tokens_per_s_per_gpu']:>9,.0f}  "
                              f"{row['efficiency']:>10.1%}  {row['layout']}")
+    lines += ["", f"Wrote {out} (run it with: disttrain train {out})" if out else
+              "Pass --out FILE.yaml to write the winner as a config."]
+    print("\n".join(lines))
+
+
+def cmd_plan_mixed(args) -> None:
+    from disttrain.plan.mixed import describe_types, parse_cluster, plan_mixed
+
+    if args.gpus is not None:
+        raise UserError("--cluster and --gpus: give one of them (--cluster names every GPU)")
+    try:
+        groups = parse_cluster(args.cluster)
+    except (KeyError, ValueError) as exc:
+        raise UserError(f"--cluster={args.cluster}: {exc.args[0]}") from None
+    name, shape = _shape(args)
+    seq_len = args.seq_len or min(4096, shape.max_seq_len)
+    if seq_len > shape.max_seq_len:
+        shape = replace(shape, max_seq_len=seq_len)
+    dtype = args.dtype or "bf16"
+    space = SearchSpace(seq_len=seq_len, global_batch_size=_global_batch(args, seq_len), allow_offload=args.allow_offload,
+                        param_dtype=dtype)
+    plans = plan_mixed(shape, groups, space, args.gpus_per_node, args.headroom, name, dtype, args.compute_efficiency)
+    if not plans:
+        raise UserError(f"no layout of {name} fits {args.cluster} (try more GPUs, --allow-offload or a smaller --headroom)")
+    win = plans[0]
+    out = Path(args.out) if args.out else None
+    if out is not None:
+        import yaml
+
+        config = report.winner_config(win.estimate)
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text(yaml.safe_dump(config, sort_keys=False))
+        tmp.replace(out)
+    if args.json:
+        print(json.dumps({"winner": win.as_dict(), "top": [p.as_dict() for p in plans[:args.top]],
+                          "fitting": len(plans), "config": str(out) if out else None}, indent=1))
+        return
+    lines = [f"Model: {name}, {shape.num_params() / 1e9:.2f} B parameters; cluster {args.cluster} ({dtype}); global "
+             f"batch {space.global_batch_size} x {seq_len} tokens", "",
+             f"{'#':>2}  {'tokens/s':>10}  {'step s':>7}  {'equal shares':>12}  {'GiB/GPU':>7}  layout"]
+    for i, p in enumerate(plans[:args.top], 1):
+        lines.append(f"{i:>2}  {p.tokens_per_s:>10,.0f}  {p.step_s:>7.2f}  {p.equal_step_s:>11.2f}s  "
+                     f"{p.estimate.memory.total / 2**30:>7.1f}  {describe(p.estimate.layout)}")
+    lines += ["", f"Winner: {describe(win.estimate.layout)}; {win.equal_step_s / win.step_s:.2f}x the speed of equal "
+                  "shares", *describe_types(win)]
+    if win.estimate.layout.balanced:
+        lines.append(f"  parallel.balance_weights={list(win.estimate.layout.balance_weights)} (peak FLOP/s; "
+                     "parallel.balance=auto refines them from measured speed)")
     lines += ["", f"Wrote {out} (run it with: disttrain train {out})" if out else
               "Pass --out FILE.yaml to write the winner as a config."]
     print("\n".join(lines))

@@ -87,10 +87,12 @@ def _config(est: Estimate, model: dict, steps: int) -> dict:
                 "activation_checkpointing": lay.activation_checkpointing, "cpu_offload": lay.cpu_offload}
     if lay.pp > 1:
         parallel.update(pp_schedule=lay.pp_schedule, pp_microbatches=lay.microbatches)
+    if lay.balanced:  # a mixed cluster: shares by peak FLOP/s to start, then by measured speed
+        parallel.update(balance_weights=list(lay.balance_weights), balance="auto")
     precision = ({"param_dtype": lay.param_dtype, "compute_dtype": lay.param_dtype, "reduce_dtype": lay.reduce_dtype}
                  if lay.zero_stage >= 2 else {"param_dtype": "fp32", "compute_dtype": lay.param_dtype})
     return {"model": model, "data": {"seq_len": lay.seq_len},
             "train": {"steps": steps, "global_batch_size": lay.global_batch_size,
-                      "micro_batch_size": lay.micro_batch},
+                      "micro_batch_size": lay.micro_batch_size if lay.balanced else lay.micro_batch},
             "parallel": parallel, "precision": precision}
 
