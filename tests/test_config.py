@@ -91,6 +91,11 @@ MISTAKES = {
                                     "parallel.balance_weights=[1.0, 0.0]: every weight must be positive"),
     "balance fewer micro-batches than ranks": (["parallel.balance_weights=[1,1]", "train.micro_batch_size=4"],
                                                ["--nproc-per-node", "2"], "= 1 micro-batches, fewer than the 2"),
+    "balance with buffer broadcast": (["parallel.balance=auto", "train.micro_batch_size=1",
+                                       "parallel.ddp_broadcast_buffers=true"], [],
+                                      "parallel.ddp_broadcast_buffers=true broadcasts buffers in every forward"),
+    "balance under DeepSpeed": (["parallel.balance=auto", "train.micro_batch_size=1", "engine=deepspeed"], [],
+                                "parallel.balance=auto needs engine=torch"),
     "HSDP under DeepSpeed": (["engine=deepspeed", "parallel.dp_replicate=2"], [],
                              "parallel.dp_replicate=2 needs engine=torch (HSDP)"),
 }

@@ -17,7 +17,8 @@ from helpers import (DEBUG_CONFIG, assert_losses_close, assert_params_close, fin
 LR = 3e-3
 COMMON = ("train.steps=10", "train.global_batch_size=4", "train.micro_batch_size=1", "data.seq_len=64",
           f"optim.lr={LR}", "checkpoint.save_final=true", "checkpoint.every_steps=5", "metrics.sync_check_every=5")
-LAYOUTS = {"ddp": (), "zero3": ("parallel.zero_stage=3",), "tp2": ("parallel.tp=2",), "pp2": ("parallel.pp=2",)}
+LAYOUTS = {"ddp": (), "zero3": ("parallel.zero_stage=3",), "tp2": ("parallel.tp=2",), "pp2": ("parallel.pp=2",),
+           "tp2-sp": ("parallel.tp=2", "parallel.sequence_parallel=true")}
 MORE_LAYOUTS = {  # the other data-parallel layouts, on the Llama directory
     "zero1": ("parallel.zero_stage=1",),
     "zero2-selective-ac": ("parallel.zero_stage=2", "parallel.activation_checkpointing=selective"),
@@ -95,7 +96,7 @@ def test_a_model_without_the_llama_structure_trains_under_zero3(two_rank_runs, r
     _assert_parity(two_rank_runs["gpt2 zero3"], references["gpt2"])
 
 
-@pytest.mark.parametrize("layout", ["ddp", "zero3", "tp2", "pp2"])
+@pytest.mark.parametrize("layout", ["ddp", "zero3", "tp2", "pp2", "tp2-sp"])
 def test_tied_embeddings_stay_tied(layout, two_rank_runs):
     params = final_params(two_rank_runs[f"qwen2 {layout}"], 10)
     assert params["lm_head.weight"].equal(params["model.embed_tokens.weight"])
@@ -159,17 +160,19 @@ BAD = {
                    "parallel.tp=2: model gpt2 from model.hf="),
     "no pipeline structure": (lambda d: save_tiny("gpt2", d), ["parallel.pp=2", "train.micro_batch_size=1"],
                               "cannot be split into pipeline stages"),
-    "sequence parallel": (lambda d: save_tiny("llama", d), ["parallel.tp=2", "parallel.sequence_parallel=true"],
-                          "parallel.sequence_parallel=true: model llama from model.hf="),
+    "sequence parallel under a pipeline": (lambda d: save_tiny("llama", d),
+                                           ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.pp=2",
+                                            "parallel.zero_stage=2", "train.micro_batch_size=1"],
+                                           "parallel.sequence_parallel=true with parallel.pp=2: model llama from", "4"),
 }
 
 
 @pytest.mark.parametrize("name", list(BAD))
 def test_bad_hf_input_is_one_line(name, tmp_path):
-    make, overrides, expected = BAD[name]
+    make, overrides, expected, *nproc = BAD[name]
     make(tmp_path / "model")
     proc = run_cli("train", str(DEBUG_CONFIG), f"run.dir={tmp_path / 'runs'}", f"model.hf={tmp_path / 'model'}",
-                   *overrides, "--nproc-per-node", "2", check=False)
+                   *overrides, "--nproc-per-node", nproc[0] if nproc else "2", check=False)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and expected in lines[0], proc.stderr
     assert not (tmp_path / "runs").exists()

@@ -154,6 +154,9 @@ def test_hardware_table_is_complete_and_sourced():
     assert find_gpu("A100").name == "a100-40g"
     assert match_device_name("NVIDIA H100 80GB HBM3").name == "h100"
     assert match_device_name("NVIDIA A100-SXM4-80GB").name == "a100-80g"
+    assert match_device_name("Tesla V100-SXM2-32GB").name == "v100-32g"
+    v100 = GPUS["v100-32g"]  # no bf16 tensor cores: bf16 at the fp32 rate, fp16 on tensor cores
+    assert v100.peak_tflops["fp16"] == 125 and v100.peak_tflops["bf16"] == v100.peak_tflops["fp32"] == 15.7
     with pytest.raises(KeyError):
         find_gpu("tpu")
 

@@ -91,6 +91,8 @@ def match_device_name(device_name: str) -> GPUSpec | None:
         return GPUS["h100-pcie"] if "pcie" in text else GPUS["h100"]
     if "a100" in text:
         return GPUS["a100-80g"] if "80g" in text.replace(" ", "") else GPUS["a100-40g"]
+    if "v100" in text:
+        return GPUS["v100-32g"]  # (a 16 GB V100 has the same peaks; only memory differs)
     for key in ("b200", "l40s", "mi300x"):
         if key in text:
             return GPUS[key]

@@ -41,6 +41,9 @@ def validate_config(cfg) -> None:
     if (p.balance == "auto" or p.balance_weights) and not t.micro_batch_size:
         key = "parallel.balance=auto" if p.balance == "auto" else f"parallel.balance_weights={p.balance_weights}"
         raise UserError(f"{key} needs train.micro_batch_size > 0: uneven shares are counted in micro-batches")
+    if (p.balance == "auto" or p.balance_weights) and p.ddp_broadcast_buffers:
+        raise UserError("parallel.ddp_broadcast_buffers=true broadcasts buffers in every forward pass, which needs "
+                        "the same number of micro-batches on every rank (with uneven shares allowed: false)")
     if cfg.optim.min_lr > cfg.optim.lr:
         raise UserError(f"optim.min_lr={cfg.optim.min_lr} exceeds optim.lr={cfg.optim.lr}")
     if cfg.optim.warmup_steps > t.steps:
@@ -119,6 +122,10 @@ def _check_model_can_be_cut(cfg, layout: Layout) -> None:
     if layout.sequence_parallel and not spec.sequence_parallel:
         raise UserError(f"parallel.sequence_parallel=true: {what} has no sequence-parallel plan (allowed for it: "
                         "false)")
+    if layout.sequence_parallel and layout.pp > 1 and cfg.model.hf:
+        raise UserError(f"parallel.sequence_parallel=true with parallel.pp={layout.pp}: {what} (a later pipeline "
+                        "stage of a transformers model sees only its sequence slice and cannot derive positions); "
+                        "allowed for it: sequence parallel or pipeline, not both")
     if layout.pp > 1 and (spec.pipeline_split is None or spec.shape is None):
         raise UserError(f"parallel.pp={layout.pp}: {what} cannot be split into pipeline stages (needs the usual "
                         "model.embed_tokens / model.layers / model.norm / lm_head decoder; allowed for it: "

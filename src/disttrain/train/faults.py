@@ -8,6 +8,7 @@ to kill, signal or stall one rank at a chosen step of the first attempt (not aft
     DISTTRAIN_FAULT="nan:rank=0:step=3"             make this rank's loss NaN in step 3
     DISTTRAIN_FAULT="desync:rank=1:step=4"          nudge one parameter on this rank after step 4
     DISTTRAIN_FAULT="slow:rank=1:step=0:seconds=0.05" sleep before every step's forward (a straggler)
+    DISTTRAIN_FAULT="slowdown:rank=1:step=0:factor=2" every forward and backward takes 2x as long (a slower GPU)
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ class Fault:
     step: int
     sig: str = "TERM"
     seconds: float = 0.0
+    factor: float = 1.0
 
 
 def parse_fault(spec: str | None) -> Fault | None:
@@ -32,7 +34,8 @@ def parse_fault(spec: str | None) -> Fault | None:
         return None
     kind, *fields = spec.split(":")
     kv = dict(f.split("=", 1) for f in fields)
-    return Fault(kind, int(kv["rank"]), int(kv["step"]), kv.get("sig", "TERM"), float(kv.get("seconds", 0)))
+    return Fault(kind, int(kv["rank"]), int(kv["step"]), kv.get("sig", "TERM"), float(kv.get("seconds", 0)),
+                 float(kv.get("factor", 1)))
 
 
 class FaultInjector:
@@ -40,6 +43,7 @@ class FaultInjector:
         fault = parse_fault(environ.get("DISTTRAIN_FAULT"))
         first_attempt = environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
         self.fault = fault if fault and fault.rank == rank and first_attempt else None
+        self._phase_start = time.perf_counter()
 
     def _record(self, kind: str, step: int) -> None:
         """DISTTRAIN_FAULT_LOG names a file that gets the moment of the fault (for recovery benchmarks)."""
@@ -64,6 +68,20 @@ class FaultInjector:
     def before_forward(self) -> None:
         if self.fault is not None and self.fault.kind == "slow":
             time.sleep(self.fault.seconds)
+        self._phase_start = time.perf_counter()
+
+    def after_forward(self) -> None:
+        self._stretch()
+
+    def after_backward(self) -> None:
+        self._stretch()
+
+    def _stretch(self) -> None:
+        """`slowdown`: wait (factor - 1) x the phase that just ran, so it took factor x as long."""
+        now = time.perf_counter()
+        if self.fault is not None and self.fault.kind == "slowdown":
+            time.sleep((self.fault.factor - 1) * (now - self._phase_start))
+        self._phase_start = time.perf_counter()
 
     def after_step(self, step: int, model=None) -> None:
         f = self.fault

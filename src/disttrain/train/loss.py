@@ -1,8 +1,9 @@
 """Loss semantics, in one place (what makes layouts comparable).
 
 Each micro-batch contributes the *sum* of its token losses (the ModelSpec's `loss_sum`) divided by
-this data-parallel rank's token count for the step; gradient averaging over data-parallel ranks,
-which all hold the same token count, then gives the gradient of the mean token loss over the whole
+the mean data-parallel rank's token count for the step (global tokens / dp: with equal shares, this
+rank's own count; with uneven shares, train/balance.py, the same divisor on every rank); gradient
+averaging over data-parallel ranks then gives the gradient of the mean token loss over the whole
 global batch. The logged loss is that same mean: local sums added over ranks, divided by the
 global token count.
 """

@@ -58,11 +58,13 @@ class TorchEngine(OwnOptimizerStep):
                 t0, h0 = bd.now(), time.perf_counter()
                 self.faults.before_forward()
                 loss = self._loss(mean_loss, x, y, step)
+                self.faults.after_forward()
                 t1 = bd.now()
                 self.forward_seconds += time.perf_counter() - h0
                 if balance.timer is not None:
                     balance.timer.add(t0, t1)
                 scaler.scale(loss).backward()
+                self.faults.after_backward()
                 t2 = bd.now()
             compute_end = bd.take_compute_end()
             bd.add("forward", t0, t1)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
+                                               parallelize_module)
 
 from disttrain.errors import UserError
 
@@ -79,26 +80,60 @@ def _parts(module: nn.Module):
 
 
 def tensor_parallel(module: nn.Module, tp_mesh, sequence_parallel: bool) -> None:
+    """The model's own `base_model_tp_plan` on every block. With sequence parallelism the residual stream
+    between blocks is split along the sequence: the model-level forward still sees the whole sequence
+    (the embedding output is replicated, so transformers derives positions and the causal mask from the
+    full length), the first block takes its slice locally, norms run on slices, attention and MLP gather
+    the sequence on entry and reduce-scatter on exit, and the head gathers it back."""
     config, embed, layers, head = _parts(module)
-    if sequence_parallel:
-        raise UserError(f"parallel.sequence_parallel=true with model.hf ({config.model_type}): not supported "
-                        "(transformers derives positions from the local sequence length); allowed: false")
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     block_plan = {}
     for key, style in type(config).base_model_tp_plan.items():
         if not key.startswith("layers.*.") or style not in styles:
             raise UserError(f"model.hf ({config.model_type}): tensor-parallel plan entry {key}={style} is not "
                             "supported (allowed: colwise/rowwise entries under layers.*); set parallel.tp=1")
-        block_plan[key[len("layers.*."):]] = styles[style]()
-    for block in layers.children():
+        sub = key[len("layers.*."):]
+        if sequence_parallel and style == "rowwise":
+            block_plan[sub] = RowwiseParallel(output_layouts=Shard(1))
+        else:
+            block_plan[sub] = styles[style]()
+    if sequence_parallel:
+        block_plan.update(_sequence_parallel_entries(next(iter(layers.children()))))
+    for i, block in enumerate(layers.children()):
         parallelize_module(block, tp_mesh, block_plan)
+        if sequence_parallel and i == 0:  # replicated embeddings in, this rank's slice out (no communication)
+            parallelize_module(block, tp_mesh, PrepareModuleInput(input_layouts=(Replicate(),),
+                                                                  desired_input_layouts=(Shard(1),),
+                                                                  use_local_output=True))
     if embed is not None:
         parallelize_module(embed, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
     if head is not None:
         # Vocabulary-sharded logits stay a DTensor for loss_parallel.
-        parallelize_module(head, tp_mesh, ColwiseParallel(output_layouts=Shard(-1), use_local_output=False))
+        head_input = Shard(1) if sequence_parallel else Replicate()
+        parallelize_module(head, tp_mesh, ColwiseParallel(input_layouts=head_input, output_layouts=Shard(-1),
+                                                          use_local_output=False))
+        if sequence_parallel:
+            parallelize_module(_decoder(module, "parallel.tp").norm, tp_mesh, SequenceParallel(use_local_output=True))
     if getattr(config, "tie_word_embeddings", False) and embed is not None and head is not None:
         head.weight = embed.weight  # both Shard(0) of the (vocab, dim) matrix: share again
+
+
+def _sequence_parallel_entries(block: nn.Module) -> dict:
+    """Norms on sequence slices; attention and MLP gather the sequence once on entry (transformers calls
+    attention with `hidden_states=` and the MLP positionally)."""
+    entries = {}
+    for name, child in block.named_children():
+        if "norm" in name.lower():
+            entries[name] = SequenceParallel(use_local_output=True)
+    if not entries or not hasattr(block, "self_attn") or not hasattr(block, "mlp"):
+        raise UserError(f"parallel.sequence_parallel=true: block {type(block).__name__} has no norms / self_attn / mlp "
+                        "to place sequence parallelism on; allowed for it: false")
+    entries["self_attn"] = PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                              desired_input_kwarg_layouts={"hidden_states": Replicate()},
+                                              use_local_output=True)
+    entries["mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                        use_local_output=True)
+    return entries
 
 
 def pipeline_split(model: nn.Module, ranges: list[range], owned: list[int]) -> list[nn.Module]:

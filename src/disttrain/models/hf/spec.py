@@ -110,7 +110,7 @@ def hf_spec(directory: str) -> ModelSpec:
         init_weights=lambda m, seed: init_weights(m, seed, float(getattr(config, "initializer_range", 0.02))),
         blocks=lambda m: parallel_plan.blocks(m), shape=shape, max_seq_len=shape.max_seq_len,
         loss_sum=lambda out, targets: token_cross_entropy_sum(logits_of(out), targets), logits=logits_of,
-        tensor_parallel=parallel_plan.tensor_parallel if has_tp else None, sequence_parallel=False,
+        tensor_parallel=parallel_plan.tensor_parallel if has_tp else None, sequence_parallel=has_tp,
         pipeline_split=parallel_plan.pipeline_split if splittable else None, tied_parameters=tied,
         to_hf=dict, from_hf=dict, hf_config=lambda: {**raw, "use_cache": True},
         load_pretrained=lambda m: load_pretrained(m, directory), fingerprint=fingerprint)
