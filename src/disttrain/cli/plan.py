@@ -328,7 +328,7 @@ def cmd_plan(args) -> None:
 
 
 def cmd_plan_mixed(args) -> None:
-    from disttrain.plan.mixed import describe_types, parse_cluster, plan_mixed
+    from disttrain.plan.mixed import parse_cluster, plan_mixed, render_plans
 
     if args.gpus is not None:
         raise UserError("--cluster and --gpus: give one of them (--cluster names every GPU)")
@@ -346,33 +346,22 @@ def cmd_plan_mixed(args) -> None:
     plans = plan_mixed(shape, groups, space, args.gpus_per_node, args.headroom, name, dtype, args.compute_efficiency)
     if not plans:
         raise UserError(f"no layout of {name} fits {args.cluster} (try more GPUs, --allow-offload or a smaller --headroom)")
-    win = plans[0]
     out = Path(args.out) if args.out else None
     if out is not None:
         import yaml
 
-        config = report.winner_config(win.estimate)
         tmp = out.with_name(out.name + ".tmp")
-        tmp.write_text(yaml.safe_dump(config, sort_keys=False))
+        tmp.write_text(yaml.safe_dump(report.winner_config(plans[0].estimate), sort_keys=False))
         tmp.replace(out)
     if args.json:
-        print(json.dumps({"winner": win.as_dict(), "top": [p.as_dict() for p in plans[:args.top]],
+        print(json.dumps({"winner": plans[0].as_dict(), "top": [p.as_dict() for p in plans[:args.top]],
                           "fitting": len(plans), "config": str(out) if out else None}, indent=1))
         return
-    lines = [f"Model: {name}, {shape.num_params() / 1e9:.2f} B parameters; cluster {args.cluster} ({dtype}); global "
-             f"batch {space.global_batch_size} x {seq_len} tokens", "",
-             f"{'#':>2}  {'tokens/s':>10}  {'step s':>7}  {'equal shares':>12}  {'GiB/GPU':>7}  layout"]
-    for i, p in enumerate(plans[:args.top], 1):
-        lines.append(f"{i:>2}  {p.tokens_per_s:>10,.0f}  {p.step_s:>7.2f}  {p.equal_step_s:>11.2f}s  "
-                     f"{p.estimate.memory.total / 2**30:>7.1f}  {describe(p.estimate.layout)}")
-    lines += ["", f"Winner: {describe(win.estimate.layout)}; {win.equal_step_s / win.step_s:.2f}x the speed of equal "
-                  "shares", *describe_types(win)]
-    if win.estimate.layout.balanced:
-        lines.append(f"  parallel.balance_weights={list(win.estimate.layout.balance_weights)} (peak FLOP/s; "
-                     "parallel.balance=auto refines them from measured speed)")
-    lines += ["", f"Wrote {out} (run it with: disttrain train {out})" if out else
-              "Pass --out FILE.yaml to write the winner as a config."]
-    print("\n".join(lines))
+    header = (f"Model: {name}, {shape.num_params() / 1e9:.2f} B parameters; cluster {args.cluster} ({dtype}); global "
+              f"batch {space.global_batch_size} x {seq_len} tokens")
+    print("\n".join([header, "", *render_plans(plans, args.top), "",
+                     f"Wrote {out} (run it with: disttrain train {out})" if out else
+                     "Pass --out FILE.yaml to write the winner as a config."]))
 
 
 def scaling_table(shape, args, space: SearchSpace, name: str, counts: list[int]) -> list[dict]:

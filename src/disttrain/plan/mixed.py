@@ -122,6 +122,23 @@ def _evaluate(shape, layout: Layout, groups, rank_types, per_node, headroom, mod
     return MixedPlan(least, rank_types, shares, per_mb, step, equal, fits)
 
 
+def render_plans(plans: list[MixedPlan], top: int) -> list[str]:
+    """The ranked table, the winner's speed-up over equal shares and its per-type lines."""
+    from disttrain.plan.search import describe
+
+    win = plans[0]
+    lines = [f"{'#':>2}  {'tokens/s':>10}  {'step s':>7}  {'equal shares':>12}  {'GiB/GPU':>7}  layout"]
+    for i, p in enumerate(plans[:top], 1):
+        lines.append(f"{i:>2}  {p.tokens_per_s:>10,.0f}  {p.step_s:>7.2f}  {p.equal_step_s:>11.2f}s  "
+                     f"{p.estimate.memory.total / 2**30:>7.1f}  {describe(p.estimate.layout)}")
+    lines += ["", f"Winner: {describe(win.estimate.layout)}; {win.equal_step_s / win.step_s:.2f}x the speed of equal "
+                  "shares", *describe_types(win)]
+    if win.estimate.layout.balanced:
+        lines.append(f"  parallel.balance_weights={list(win.estimate.layout.balance_weights)} (peak FLOP/s; "
+                     "parallel.balance=auto refines them from measured speed)")
+    return lines
+
+
 def describe_types(plan: MixedPlan) -> list[str]:
     """One line per GPU type: its ranks, their shares, time per micro-batch and the busy time per step."""
     lines = []
