@@ -11,7 +11,8 @@ import torch
 
 from disttrain.config import load_config
 from disttrain.train.deepspeed_engine import deepspeed_config
-from helpers import DEBUG_CONFIG, REPO, assert_losses_close, assert_params_close, cli_env, load_model_params, losses, train
+from helpers import (DEBUG_CONFIG, REPO, assert_losses_close, assert_params_close, cli_env, load_model_params, losses,
+                     train, train_many)
 
 LR = 3e-3
 COMMON = ("train.steps=20", "train.global_batch_size=4", f"optim.lr={LR}", "checkpoint.save_final=true")
@@ -67,17 +68,28 @@ def _deepspeed_params(checkpoint) -> dict:
             if not k.startswith("rope_")}
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_deepspeed_matches_torch_engine(stage, reference, tmp_path):
+@pytest.fixture(scope="module")
+def deepspeed_runs(tmp_path_factory):
+    """ZeRO-2 and ZeRO-3 under DeepSpeed, each saved at step 10 and resumed from there: one launch."""
     pytest.importorskip("deepspeed")
-    run = train(tmp_path / "run", *COMMON, "engine=deepspeed", f"parallel.zero_stage={stage}",
-                "train.micro_batch_size=1", "checkpoint.every_steps=10", nproc=2)
+    root = tmp_path_factory.mktemp("ds")
+    jobs = {}
+    for stage in (2, 3):
+        common = (*COMMON, "engine=deepspeed", f"parallel.zero_stage={stage}", "train.micro_batch_size=1")
+        jobs[f"{stage}"] = (root / f"zero{stage}", (*common, "checkpoint.every_steps=10"))
+        jobs[f"{stage} resumed"] = (root / f"zero{stage}_resumed", (
+            *common, f"checkpoint.resume={root / f'zero{stage}' / 'checkpoints' / 'step_00000010'}"))
+    return train_many(jobs, nproc=2)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_matches_torch_engine(stage, reference, deepspeed_runs):
+    run = deepspeed_runs[f"{stage}"]
     assert_losses_close(losses(run), losses(reference), rel=1e-5)
     expected = load_model_params(reference / "checkpoints" / "step_00000020")
     assert_params_close(_deepspeed_params(run / "checkpoints" / "step_00000020"), expected, rel=1e-5, lr=LR)
-    # Resume from step 10 under DeepSpeed: the same losses for steps 11-20.
-    resumed = train(tmp_path / "resumed", *COMMON, "engine=deepspeed", f"parallel.zero_stage={stage}",
-                    "train.micro_batch_size=1", f"checkpoint.resume={run}/checkpoints/step_00000010", nproc=2)
+    # Resumed from step 10 under DeepSpeed: the same losses for steps 11-20.
+    resumed = deepspeed_runs[f"{stage} resumed"]
     assert_losses_close(losses(resumed), {s: v for s, v in losses(run).items() if s > 10}, rel=1e-6)
 
 
