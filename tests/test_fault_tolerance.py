@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -49,20 +50,36 @@ def test_resume_on_another_world_size_continues_the_stream(uninterrupted, nproc,
     assert_losses_close(losses(run), expected, rel=1e-5)  # same global batches; reduction order differs
 
 
-def test_truncated_newest_checkpoint_falls_back_to_the_previous(tmp_path):
-    run = train(tmp_path / "run", "train.steps=12", "checkpoint.every_steps=6")
+def test_corrupted_or_truncated_checkpoints_fall_back_to_the_previous(tmp_path):
+    """Every file's size and CRC-32 is in COMMIT (hashed by both ranks, each its share); a flipped bit
+    in the newest checkpoint and a truncated shard in the one before are both caught, named, and the
+    run resumes from the one before those."""
+    import zlib
+
+    run = train(tmp_path / "run", "train.steps=18", "checkpoint.every_steps=6", nproc=2)
     first = losses(run)
+    newest = run / "checkpoints" / "step_00000018"
+    files = json.loads((newest / "COMMIT").read_text())["files"]
+    assert sorted(files) == sorted(p.name for p in newest.iterdir() if p.name != "COMMIT")
+    for name, (size, crc) in files.items():
+        data = (newest / name).read_bytes()
+        assert (len(data), f"{zlib.crc32(data):08x}") == (size, crc), name
+    flipped = newest / "__1_0.distcp"
+    data = bytearray(flipped.read_bytes())
+    data[len(data) // 2] ^= 0x10  # one bit, same size: only the checksum sees it
+    flipped.write_bytes(bytes(data))
     shard = run / "checkpoints" / "step_00000012" / "__0_0.distcp"
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
-    proc = run_cli("train", str(DEBUG_CONFIG), f"run.dir={tmp_path}", "run.name=run", "train.steps=12",
-                   "checkpoint.every_steps=6")
-    assert f"{shard} is truncated" in proc.stdout
-    assert events(run, "checkpoint_skipped")[0]["reason"].startswith(f"{shard} is truncated")
+    proc = run_cli("train", str(DEBUG_CONFIG), f"run.dir={tmp_path}", "run.name=run", "train.steps=18",
+                   "checkpoint.every_steps=6", nproc=2)
+    assert f"{flipped} does not match its checksum" in proc.stdout and f"{shard} is truncated" in proc.stdout
+    reasons = [e["reason"] for e in events(run, "checkpoint_skipped")]
+    assert reasons[0].startswith(f"{flipped} does not match its checksum") and reasons[1].startswith(f"{shard} is truncated")
     assert events(run, "resumed")[-1]["step"] == 6
-    assert losses(run) == first  # steps 7-12 redone from step 6, identically
+    assert losses(run) == first  # steps 7-18 redone from step 6, identically
 
     # Nothing loadable at all: start fresh, and say so.
-    for step in (6, 12):
+    for step in (6, 12, 18):
         (run / "checkpoints" / f"step_{step:08d}" / "train_state.pt").write_bytes(b"")
     proc = run_cli("train", str(DEBUG_CONFIG), f"run.dir={tmp_path}", "run.name=run", "train.steps=2",
                    "checkpoint.save_final=false")

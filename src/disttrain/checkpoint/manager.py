@@ -7,6 +7,7 @@ Layout of one checkpoint:
         train_state.pt          step, tokens, LR schedule, grad scaler, loader position, config fingerprint
         rank_00000.pt ...       each rank's RNG states
         COMMIT                  written last by rank 0, after every rank finished writing; names the format
+                                and records every file's size and CRC-32 (checked before a resume)
 
 The step engine writes and reads model + optimizer state (`engine.save`/`engine.load`); this
 module owns directories, commit, retention, RNG and the choice of what to resume.
@@ -25,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemReader
 
+from disttrain.checkpoint import integrity
 from disttrain.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -115,20 +117,32 @@ class CheckpointManager:
                 return f"{file} is truncated ({file.stat().st_size} of {size} bytes)"
         return None
 
+    def verify_checksums(self, path: Path) -> str | None:
+        """Collective: every file against the size and CRC-32 its COMMIT records (checkpoints written
+        before checksums existed pass)."""
+        try:
+            files = json.loads((path / COMMIT).read_text()).get("files")
+        except (OSError, ValueError):
+            files = None
+        return integrity.check(path, files) if files else None
+
     def choose_resume(self) -> tuple[Path | None, list[str]]:
-        """Rank 0 picks the newest committed checkpoint that verifies (the checkpoint directory is
-        shared storage), every rank takes its choice; also returns why newer ones were skipped."""
-        choice: list = [None, []]
-        if self.rank == 0:
-            for path in reversed(self.committed()):
-                problem = self.verify(path)
-                if problem is None:
-                    choice[0] = str(path)
-                    break
-                log.warning("checkpoint %s cannot be loaded: %s; trying an older one", path.name, problem)
-                choice[1].append(problem)
-        dist.broadcast_object_list(choice, src=0)
-        return (Path(choice[0]) if choice[0] else None), choice[1]
+        """Collective: the newest committed checkpoint that verifies (rank 0 checks the structure, all
+        ranks share the checksums; the directory is shared storage), and why newer ones were skipped."""
+        box: list = [[str(p) for p in reversed(self.committed())] if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        skipped = []
+        for name in box[0]:
+            path = Path(name)
+            problem = [self.verify(path) if self.rank == 0 else None]
+            dist.broadcast_object_list(problem, src=0)
+            reason = problem[0] or self.verify_checksums(path)
+            if reason is None:
+                return path, skipped
+            if self.rank == 0:
+                log.warning("checkpoint %s cannot be loaded: %s; trying an older one", path.name, reason)
+            skipped.append(reason)
+        return None, skipped
 
     @staticmethod
     def format_of(path: Path) -> str:
@@ -158,11 +172,13 @@ class CheckpointManager:
         self._commit(step, path)
         return path
 
-    def _commit(self, step: int, path: Path) -> None:
+    def _commit(self, step: int, path: Path, group=None) -> None:
+        """Collective: checksum every file (spread over the ranks), then rank 0 writes the marker."""
+        files = integrity.record(path, group)
         if self.rank == 0:
             tmp = path / (COMMIT + ".tmp")
             tmp.write_text(json.dumps({"step": step, "world_size": dist.get_world_size(), "time": time.time(),
-                                       "format": self._format}))
+                                       "format": self._format, "files": files}))
             tmp.replace(path / COMMIT)
             self._apply_retention()
 
@@ -182,7 +198,7 @@ class CheckpointManager:
         self._pending = None
         future.result()  # re-raises a failed write
         dist.barrier(group=self._async_group)
-        self._commit(step, path)
+        self._commit(step, path, self._async_group)
         return step, time.perf_counter() - t0
 
     def _apply_retention(self) -> None:

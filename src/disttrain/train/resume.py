@@ -48,7 +48,7 @@ def maybe_resume(run, progress: Progress) -> None:
             return
     else:
         path = Path(mode)
-        problem = ckpt.verify(path)
+        problem = ckpt.verify(path) or ckpt.verify_checksums(path)
         if problem:
             raise UserError(f"checkpoint.resume={mode}: {problem}")
     progress.config_changes = check_compatible(run, path)
