@@ -17,6 +17,9 @@ completion; NCCL kernels' device time on GPU) by kind. Cost: the profiled step r
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 import time
 
 import torch
@@ -119,7 +122,8 @@ class CommProfiler:
         t0 = time.perf_counter()
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
         self.active = profile(activities=activities)
-        self.active.__enter__()
+        with _native_stderr_silenced():
+            self.active.__enter__()
         self.overhead_s += time.perf_counter() - t0
 
     def take_overhead(self) -> float:
@@ -137,7 +141,8 @@ class CommProfiler:
 
     def _read(self) -> None:
         prof, self.active = self.active, None
-        prof.__exit__(None, None, None)
+        with _native_stderr_silenced():
+            prof.__exit__(None, None, None)
         totals: dict[str, float] = {}
         for event in prof.events():
             kind = collective_kind(event.name)
@@ -156,3 +161,19 @@ class CommProfiler:
         out = {f"comm_{k}_s": v for k, v in sorted(self.last.items())}
         self.last = {}
         return out
+
+
+@contextlib.contextmanager
+def _native_stderr_silenced():
+    """Kineto writes `USDT:... profiler_start/profiler_stop` lines to file descriptor 2 from C++ at
+    every profiler start and stop; the console stays clean if fd 2 points at /dev/null meanwhile."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(devnull)
+        os.close(saved)
