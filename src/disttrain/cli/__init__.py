@@ -69,13 +69,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan_cli.add_parsers(sub)
 
-    prep = sub.add_parser("prepare-data", help="tokenize text/JSONL files into token shards")
-    prep.add_argument("inputs", nargs="+", help=".txt (documents split on blank lines) or .jsonl files")
+    prep = sub.add_parser("prepare-data", help="tokenize text, JSONL, Parquet or saved datasets into token shards")
+    prep.add_argument("inputs", nargs="+", help=".txt (documents split on blank lines), .jsonl(.gz/.zst), .parquet, "
+                                                "a datasets.save_to_disk directory, or a folder of such files")
     prep.add_argument("--out", required=True, help="output directory (use it as data.source)")
-    prep.add_argument("--tokenizer", default="byte", help="byte, bpe (train one), or a tokenizer.json path")
+    prep.add_argument("--tokenizer", default="byte", help="byte, bpe (train one), a tokenizer.json path, or a "
+                                                          "Hugging Face model directory (its tokenizer.json)")
+    prep.add_argument("--workers", type=int, default=None, help="tokenizing processes (default: every core)")
     prep.add_argument("--vocab-size", type=int, default=8192, help="BPE vocabulary size")
     prep.add_argument("--val-fraction", type=float, default=0.05)
-    prep.add_argument("--text-key", default="text", help="JSONL field holding the text")
+    prep.add_argument("--text-key", default="text", help="JSONL field / Parquet or dataset column holding the text")
     prep.add_argument("--force", action="store_true", help="write into a non-empty --out")
     return parser
 
@@ -105,6 +108,10 @@ def main(argv: list[str] | None = None) -> None:
         _dispatch(build_parser(), argv)
     except UserError as exc:  # under torchrun every rank validates; one of them speaks
         _fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__, quiet=detect_env().rank != 0)
+    except KeyboardInterrupt:  # Ctrl-C: whatever was being written has been cleaned up on the way out
+        if detect_env().rank == 0:
+            print("disttrain: interrupted", file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

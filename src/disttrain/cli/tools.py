@@ -15,23 +15,32 @@ from disttrain.validation import validate_world
 def cmd_prepare_data(args: argparse.Namespace) -> None:
     from disttrain.data.prepare import prepare
 
+    from disttrain.data.readers import SUFFIXES, kind_of
+
     paths = [Path(p) for p in args.inputs]
     for p in paths:
-        if not p.is_file():
-            raise UserError(f"input {p}: no such file")
-    if args.tokenizer not in ("byte", "bpe") and not Path(args.tokenizer).is_file():
-        raise UserError(f"--tokenizer={args.tokenizer}: no such file (allowed: byte, bpe, or a tokenizer.json path)")
+        if not p.exists():
+            raise UserError(f"input {p}: no such file or directory")
+        if kind_of(p) is None:
+            raise UserError(f"input {p}: not a corpus this reads (allowed: {', '.join(SUFFIXES)} files, a directory "
+                            "written by datasets.Dataset.save_to_disk, or a folder of such files)")
+    tok = args.tokenizer
+    if tok not in ("byte", "bpe") and not Path(tok).is_file() and not (Path(tok) / "tokenizer.json").is_file():
+        raise UserError(f"--tokenizer={tok}: no such file (allowed: byte, bpe, a tokenizer.json path, or a Hugging "
+                        "Face model directory holding tokenizer.json)")
     if not 0 <= args.val_fraction < 1:
         raise UserError(f"--val-fraction={args.val_fraction}: must be in [0, 1)")
     if args.tokenizer == "bpe" and args.vocab_size < 257:
         raise UserError(f"--vocab-size={args.vocab_size}: must be at least 257 for BPE (256 bytes + end-of-text)")
+    if args.workers is not None and args.workers < 1:
+        raise UserError(f"--workers={args.workers}: must be at least 1")
     out = Path(args.out)
     if out.exists() and any(out.iterdir()) and not args.force:
         raise UserError(f"--out={out}: directory is not empty (pass --force to overwrite)")
     try:
         meta = prepare(paths, out, args.tokenizer, args.vocab_size, args.val_fraction, args.text_key,
-                       progress=sys.stderr.isatty())
-    except (ValueError, UnicodeError) as exc:
+                       progress=sys.stderr.isatty(), workers=args.workers)
+    except (ValueError, UnicodeError, OSError) as exc:
         raise UserError(str(exc).splitlines()[0]) from None
     splits = ", ".join(f"{k} {v:,} tokens" for k, v in meta["splits"].items())
     print(f"wrote {out}: {splits} (vocabulary {meta['vocab_size']}, {meta['dtype']})")

@@ -1,34 +1,27 @@
-"""`disttrain prepare-data`: text or JSONL files -> token shards (+ tokenizer.json when BPE)."""
+"""`disttrain prepare-data`: documents (data/readers.py) -> token shards (+ tokenizer.json when BPE).
+
+Streams the input (memory bounded by a few batches of documents), tokenises batches in worker
+processes (`workers`; results are taken in input order, so the shards are the same for any number
+of workers), shows documents/s and tokens/s, and builds the shard directory under a temporary name
+that becomes `out` only when everything is written: an error or Ctrl-C leaves nothing behind.
+"""
 
 from __future__ import annotations
 
-import json
+import itertools
+import os
 import shutil
 from pathlib import Path
 from typing import Iterator
 
 import numpy as np
 
+from disttrain.data.readers import iter_documents
 from disttrain.data.shards import ShardWriter
-from disttrain.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from disttrain.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
 BATCH_DOCS = 256
-
-
-def iter_documents(paths: list[Path], text_key: str) -> Iterator[str]:
-    """A .jsonl line is one document (its `text_key` field); a text file splits on blank lines."""
-    for path in paths:
-        if path.suffix == ".jsonl":
-            with path.open(encoding="utf-8") as f:
-                for lineno, line in enumerate(f, 1):
-                    if line.strip():
-                        record = json.loads(line)
-                        if text_key not in record:
-                            raise ValueError(f"{path}:{lineno} has no {text_key!r} field (use --text-key)")
-                        yield str(record[text_key])
-        else:
-            text = path.read_text(encoding="utf-8", errors="replace")
-            yield from (p.strip() for p in text.split("\n\n") if p.strip())
+_worker_tok: Tokenizer | None = None
 
 
 def train_bpe(paths: list[Path], text_key: str, vocab_size: int, out: Path) -> HFTokenizer:
@@ -49,46 +42,97 @@ def _is_val(doc_index: int, val_fraction: float) -> bool:
     return val_fraction > 0 and doc_index % max(1, round(1 / val_fraction)) == 0
 
 
+def _init_worker(tokenizer: str) -> None:
+    global _worker_tok
+    _worker_tok = load_tokenizer(tokenizer)
+
+
+def _encode(batch: list[str]) -> tuple[list[np.ndarray], int]:
+    """(token arrays, input bytes) of one batch, in a worker."""
+    return [np.asarray(ids, dtype=np.int64) for ids in _worker_tok.encode_batch(batch)], \
+        sum(len(d.encode("utf-8")) for d in batch)
+
+
+def _batches(paths: list[Path], text_key: str) -> Iterator[list[str]]:
+    docs = iter_documents(paths, text_key)
+    while batch := list(itertools.islice(docs, BATCH_DOCS)):
+        yield batch
+
+
+def _encoded(paths: list[Path], text_key: str, tokenizer: str, workers: int) -> Iterator[tuple[list[np.ndarray], int]]:
+    if workers <= 1:
+        _init_worker(tokenizer)
+        yield from map(_encode, _batches(paths, text_key))
+        return
+    import multiprocessing as mp
+
+    with mp.get_context("spawn").Pool(workers, initializer=_init_worker, initargs=(tokenizer,)) as pool:
+        # imap keeps input order; `chunksize` 1 bounds what is in flight to a few batches per worker
+        yield from pool.imap(_encode, _batches(paths, text_key), chunksize=1)
+
+
+def resolve_tokenizer(spec: str) -> str:
+    """byte, bpe, a tokenizer.json, or a Hugging Face model directory holding one."""
+    if spec not in ("byte", "bpe") and Path(spec).is_dir():
+        return str(Path(spec) / "tokenizer.json")
+    return spec
+
+
 def prepare(paths: list[Path], out: Path, tokenizer: str = "byte", vocab_size: int = 8192,
-            val_fraction: float = 0.05, text_key: str = "text", progress: bool = True) -> dict:
-    out.mkdir(parents=True, exist_ok=True)
+            val_fraction: float = 0.05, text_key: str = "text", progress: bool = True,
+            workers: int | None = None) -> dict:
+    workers = workers or os.cpu_count() or 1
+    out = Path(out)
+    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        meta = _write(paths, tmp, resolve_tokenizer(tokenizer), vocab_size, val_fraction, text_key, progress,
+                      workers)
+        if out.exists():  # --force: the old directory goes only once the new one is complete
+            shutil.rmtree(out)
+        tmp.rename(out)
+        return meta
+    except BaseException:  # errors and Ctrl-C alike: nothing half-written stays
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _write(paths, out: Path, tokenizer: str, vocab_size: int, val_fraction: float, text_key: str, progress: bool,
+           workers: int) -> dict:
     if tokenizer == "byte":
         tok: Tokenizer = ByteTokenizer()
-        tok_ref = "byte"
+        tok_ref = tok_path = "byte"
     elif tokenizer == "bpe":
         tok = train_bpe(paths, text_key, vocab_size, out / "tokenizer.json")
-        tok_ref = "tokenizer.json"
+        tok_ref, tok_path = "tokenizer.json", str(out / "tokenizer.json")
     else:
         shutil.copyfile(tokenizer, out / "tokenizer.json")
         tok = HFTokenizer(out / "tokenizer.json")
-        tok_ref = "tokenizer.json"
+        tok_ref, tok_path = "tokenizer.json", str(out / "tokenizer.json")
     writer = ShardWriter(out, tok.vocab_size, tok_ref, tok.eos_id)
-    sep = [] if tok.eos_id is None else [tok.eos_id]
-    total_bytes = sum(p.stat().st_size for p in paths)
+    sep = np.array([] if tok.eos_id is None else [tok.eos_id], dtype=np.int64)
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (TextColumn("tokenizing"), BarColumn(), TextColumn("{task.fields[docs]:,} docs ({task.fields[dps]:,.0f}/s)"),
+               TextColumn("{task.fields[tokens]:,} tokens ({task.fields[tps]:,.0f}/s)"), TimeElapsedColumn())
+    doc_index = tokens = 0
     try:
-        from rich.progress import Progress
-
-        with Progress(disable=not progress, transient=True) as bar:
-            task = bar.add_task("tokenizing", total=total_bytes)
-            batch: list[str] = []
-            doc_index = 0
-
-            def flush() -> None:
-                nonlocal doc_index
-                for ids in tok.encode_batch(batch):
-                    split = "val" if _is_val(doc_index, val_fraction) else "train"
-                    writer.append(split, np.array(ids + sep))
+        with Progress(*columns, disable=not progress, transient=True) as bar:
+            task = bar.add_task("tokenizing", total=None, docs=0, dps=0.0, tokens=0, tps=0.0)
+            for arrays, nbytes in _encoded(paths, text_key, tok_path, workers):
+                for ids in arrays:
+                    writer.append("val" if _is_val(doc_index, val_fraction) else "train", np.concatenate([ids, sep]))
                     doc_index += 1
-                bar.advance(task, sum(len(d.encode("utf-8")) for d in batch))
-                batch.clear()
-
-            for doc in iter_documents(paths, text_key):
-                batch.append(doc)
-                if len(batch) >= BATCH_DOCS:
-                    flush()
-            flush()
+                    tokens += len(ids) + len(sep)
+                elapsed = max(bar.tasks[0].elapsed or 0.0, 1e-9)
+                bar.update(task, advance=nbytes, docs=doc_index, dps=doc_index / elapsed, tokens=tokens,
+                           tps=tokens / elapsed)
     except BaseException:
         writer.abort()
         raise
+    if doc_index == 0:
+        writer.abort()
+        raise ValueError(f"inputs {', '.join(map(str, paths))}: no documents (empty corpus)")
     writer.close()
     return writer.meta
