@@ -108,3 +108,24 @@ def test_prepare_data_mistakes(tmp_path):
     proc = run_cli("prepare-data", str(tmp_path / "missing.txt"), "--out", str(tmp_path / "o"), check=False)
     assert proc.returncode == 2 and "no such file" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "o").exists()
+
+
+def test_prefetch_reads_the_same_batches_even_when_the_split_or_position_changes():
+    """The background reader hands out exactly what a synchronous read gives, also after a re-split
+    (uneven shares) and a resume to another position, which discard what it read ahead."""
+    windows = TokenWindows(np.arange(20_000, dtype=np.uint16) % 256, seq_len=16)
+    plain, ahead = (DistributedBatchLoader(windows, GlobalBatchSampler(len(windows), 8, 3), 1, 2, 1, [4, 4],
+                                           prefetch=p) for p in (False, True))
+    try:
+        for step in range(1, 9):
+            if step == 4:
+                for loader in (plain, ahead):
+                    loader.set_shares([6, 2])
+            if step == 6:
+                for loader in (plain, ahead):
+                    loader.load_state_dict({"next_step": 40})
+            a, b = next(plain), next(ahead)
+            assert len(a) == len(b) and all(torch.equal(x, u) and torch.equal(y, v) for (x, y), (u, v) in zip(a, b))
+        assert ahead.state_dict() == plain.state_dict()  # the step consumed next, not the one read ahead
+    finally:
+        ahead.close()

@@ -64,6 +64,7 @@ class DataConfig(_Section):
     source: str = "builtin"
     tokenizer: str = Field("auto", description="auto: model.hf's tokenizer.json if it has one, else byte")
     seq_len: int = Field(128, gt=0)
+    prefetch: bool = Field(True, description="read the next step's batches on a background thread")
 
 
 class TrainConfig(_Section):

@@ -8,6 +8,7 @@ World size, layout and micro-batching only decide which part of that batch a ran
 from __future__ import annotations
 
 import hashlib
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -85,14 +86,21 @@ class DistributedBatchLoader:
     gives ranks uneven slices of the same global batch, in rank order; None: equal slices."""
 
     def __init__(self, windows: TokenWindows, sampler: GlobalBatchSampler, dp_rank: int, dp_size: int,
-                 micro_batch_size: int, shares: list[int] | None = None):
+                 micro_batch_size: int, shares: list[int] | None = None, prefetch: bool = False,
+                 pin_memory: bool = False):
         self.windows, self.sampler, self.dp_rank = windows, sampler, dp_rank
         self.micro_batch_size = micro_batch_size or sampler.g // dp_size
+        # Prefetch: the next step's batches are read (and pinned, for a GPU's non-blocking copy) on a
+        # background thread while this step computes; reading order and content are unchanged.
+        self.pin_memory = pin_memory
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="disttrain-prefetch") if prefetch else None
+        self._ahead: tuple[int, Future] | None = None
         self.set_shares(shares or [sampler.g // dp_size // self.micro_batch_size] * dp_size)
         self.next_step = 1
 
     def set_shares(self, shares: list[int]) -> None:
         """From the next step on, rank r reads micro-batches sum(shares[:r]) .. sum(shares[:r+1])."""
+        self._drop_ahead()
         self.shares = list(shares)
         m = self.micro_batch_size
         self.lo = sum(self.shares[:self.dp_rank]) * m
@@ -102,13 +110,34 @@ class DistributedBatchLoader:
         x, y = self.windows.batch(self.sampler.indices(step)[self.lo:self.hi])
         return list(zip(x.split(self.micro_batch_size), y.split(self.micro_batch_size)))
 
+    def _read(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        batches = self.micro_batches(step)
+        return [(x.pin_memory(), y.pin_memory()) for x, y in batches] if self.pin_memory else batches
+
     def __next__(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        batches = self.micro_batches(self.next_step)
+        step = self.next_step
+        ahead, self._ahead = self._ahead, None
+        batches = ahead[1].result() if ahead is not None and ahead[0] == step else self._read(step)
         self.next_step += 1
+        if self._pool is not None:
+            self._ahead = (self.next_step, self._pool.submit(self._read, self.next_step))
         return batches
 
+    def _drop_ahead(self) -> None:
+        """Forget a prefetched step (its slice or position changed); waits for it so nothing races."""
+        ahead, self._ahead = getattr(self, "_ahead", None), None
+        if ahead is not None:
+            ahead[1].result()
+
+    def close(self) -> None:
+        self._drop_ahead()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
     def state_dict(self) -> dict:
+        """The next step to be consumed (not one prefetched ahead of it)."""
         return {"next_step": self.next_step, "global_batch_size": self.sampler.g, "seed": self.sampler.seed}
 
     def load_state_dict(self, state: dict) -> None:
+        self._drop_ahead()
         self.next_step = int(state["next_step"])

@@ -211,6 +211,7 @@ class Trainer:
             watchdog.close()
             control.close()
             metrics.close()
+            run.loader.close()
         return TrainResult(p.step, final_loss, str(cfg.run_dir), sample)
 
     def _rebalance(self, metrics: MetricsLogger) -> None:
