@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
-from helpers import assert_losses_close, events, losses, run_cli, train, DEBUG_CONFIG
+from helpers import DEBUG_CONFIG, REPO, assert_losses_close, cli_env, events, losses, run_cli, train
 
 RUN = ("train.steps=16", "train.global_batch_size=4", "train.micro_batch_size=1", "checkpoint.every_steps=4")
 
@@ -124,3 +128,41 @@ def test_async_save_commits_and_a_kill_mid_save_keeps_the_previous(uninterrupted
     committed = sorted(p.name for p in (run / "checkpoints").iterdir() if (p / "COMMIT").is_file())
     assert committed == ["step_00000004", "step_00000008", "step_00000012", "step_00000016"]
     assert losses(run) == losses(uninterrupted)
+
+
+def _signal_after_steps(cmd: list[str], run: Path, sig: int, steps: int = 4) -> subprocess.CompletedProcess:
+    proc = subprocess.Popen(cmd, cwd=REPO, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        metrics = run / "metrics.jsonl"
+        if metrics.is_file() and sum('"loss"' in line for line in metrics.read_text().splitlines()) >= steps:
+            break
+        time.sleep(0.05)
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=180)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def test_sigusr1_to_the_launchers_ends_in_a_committed_checkpoint(tmp_path):
+    """SLURM's warning signal, sent for real: to `disttrain train --nproc-per-node` (its torchrun child
+    handles SIGUSR1 and passes it on; the launcher exits 75), and to a plain `torchrun` that does not
+    handle it and dies of it (the orphaned workers notice their agent is gone, save and stop)."""
+    common = [str(DEBUG_CONFIG), f"run.dir={tmp_path}", "train.steps=100000", "checkpoint.save_final=false",
+              "metrics.comm_profile_every=0", "distributed.timeout_s=60"]
+    launchers = {
+        "disttrain": [sys.executable, "-m", "disttrain", "train", *common, "run.name=disttrain",
+                      "--nproc-per-node", "2"],
+        "torchrun": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                     "-m", "disttrain", "train", *common, "run.name=torchrun"],
+    }
+    for name, cmd in launchers.items():
+        run = tmp_path / name
+        proc = _signal_after_steps(cmd, run, signal.SIGUSR1)
+        assert proc.returncode == (75 if name == "disttrain" else -signal.SIGUSR1), (name, proc.stderr[-3000:])
+        step = events(run, "preempted")[0]["step"]
+        assert (run / "checkpoints" / f"step_{step:08d}" / "COMMIT").is_file()
+        deadline = time.monotonic() + 30  # the workers exit on their own, nothing trains on unsupervised
+        while subprocess.run(["pgrep", "-f", f"run.name={name}"], capture_output=True).returncode == 0:
+            assert time.monotonic() < deadline, f"{name}: workers still running after the launcher exited"
+            time.sleep(0.2)
+        assert losses(run)[step] and max(losses(run)) == step

@@ -20,6 +20,7 @@ class LaunchOptions:
     rdzv_endpoint: str | None = None
     rdzv_backend: str = "c10d"
     rdzv_id: str | None = None
+    shutdown_timeout: int = 120  # seconds the agent waits for workers to save after SIGTERM/SIGUSR1
 
 
 def resolve_nproc(value: str) -> int:
@@ -36,9 +37,15 @@ def max_world_size(opts: LaunchOptions) -> int:
     return resolve_nproc(opts.nproc_per_node) * nnodes
 
 
+# The agent's default list lacks SIGUSR1 (SLURM's warning signal): it would die of it and orphan the
+# workers. Handled, the agent passes the signal on to the workers and waits `--shutdown-timeout`.
+AGENT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+
+
 def torchrun_args(opts: LaunchOptions, module_args: list[str]) -> list[str]:
     args = [f"--nproc-per-node={resolve_nproc(opts.nproc_per_node)}", f"--nnodes={opts.nnodes}",
-            f"--max-restarts={opts.max_restarts}"]
+            f"--max-restarts={opts.max_restarts}", f"--signals-to-handle={AGENT_SIGNALS}",
+            f"--shutdown-timeout={opts.shutdown_timeout}"]
     if opts.rdzv_endpoint:
         args += [f"--rdzv-backend={opts.rdzv_backend}", f"--rdzv-endpoint={opts.rdzv_endpoint}"]
         if opts.rdzv_id:
@@ -55,16 +62,27 @@ def torchrun_args(opts: LaunchOptions, module_args: list[str]) -> list[str]:
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)
 
 
-def relaunch(opts: LaunchOptions, module_args: list[str]) -> int:
+def relaunch(opts: LaunchOptions, module_args: list[str]) -> tuple[int, int | None]:
     """Run torchrun as a child and pass on the signals a scheduler sends to us (SIGTERM before a
-    kill, SIGUSR1 as SLURM's warning), so workers can save; returns torchrun's exit status."""
+    kill, SIGUSR1 as SLURM's warning), so workers can save. Returns torchrun's exit status and the
+    last signal passed on (None if none)."""
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # torchrun would set it too, with a warning per launch
     cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args(opts, module_args)]
     child = subprocess.Popen(cmd, env=env)
-    previous = {sig: signal.signal(sig, lambda signum, frame: child.send_signal(signum)) for sig in FORWARDED_SIGNALS}
+    received: list[int] = []
+
+    def forward(signum, frame) -> None:
+        received.append(signum)
+        child.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in FORWARDED_SIGNALS}
     try:
-        return child.wait()
+        while True:
+            try:
+                return child.wait(), (received[-1] if received else None)
+            except InterruptedError:  # a signal arrived mid-wait: keep waiting for the save
+                continue
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

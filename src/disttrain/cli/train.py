@@ -30,6 +30,9 @@ def add_parser(sub) -> None:
     launch.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of the rendezvous (multi-node)")
     launch.add_argument("--rdzv-backend", default="c10d")
     launch.add_argument("--rdzv-id", default=None)
+    launch.add_argument("--shutdown-timeout", type=int, default=120,
+                        help="seconds workers get to save an emergency checkpoint after SIGTERM/SIGUSR1 before the "
+                             "agent kills them (default 120; keep it under the scheduler's grace period)")
 
 
 def _setup_logging(run_dir: Path, rank: int) -> None:
@@ -50,7 +53,9 @@ def _self_launch(args: argparse.Namespace, cfg, overrides: list[str]) -> int:
     from disttrain.launch import LaunchOptions, max_world_size, relaunch
 
     opts = LaunchOptions(args.nproc_per_node, args.nnodes or "1", args.node_rank, args.max_restarts or 0,
-                         args.rdzv_endpoint, args.rdzv_backend, args.rdzv_id)
+                         args.rdzv_endpoint, args.rdzv_backend, args.rdzv_id, args.shutdown_timeout)
+    if opts.shutdown_timeout < 0:
+        raise UserError(f"--shutdown-timeout={opts.shutdown_timeout}: must be at least 0 seconds")
     if opts.nproc_per_node != "auto" and (not opts.nproc_per_node.isdigit() or int(opts.nproc_per_node) < 1):
         raise UserError(f"--nproc-per-node={opts.nproc_per_node}: must be a positive integer or auto")
     if str(opts.nnodes) != "1" and not opts.rdzv_endpoint:
@@ -58,7 +63,28 @@ def _self_launch(args: argparse.Namespace, cfg, overrides: list[str]) -> int:
     import torch
 
     validate_world(cfg, max_world_size(opts), "cuda" if torch.cuda.is_available() else "cpu")
-    return relaunch(opts, ["train", args.config, *overrides])
+    started = time.time()
+    code, signum = relaunch(opts, ["train", args.config, *overrides])
+    if signum is not None and code != 0 and _preempted_since(cfg.run_dir, started):
+        return EXIT_PREEMPTED  # the agent re-raises the signal; the workers saved and exited 75
+    return code
+
+
+def _preempted_since(run_dir: Path, since: float) -> bool:
+    """Whether this launch's workers recorded an emergency checkpoint (metrics.jsonl `preempted`)."""
+    import json
+
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return False
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if record.get("event") == "preempted" and record.get("time", 0) >= since:
+            return True
+    return False
 
 
 def _check_backend(cfg) -> None:

@@ -47,6 +47,10 @@ class StepControl:
         self.every_s = 60 * every_minutes
         self.rank = rank
         self.preempt_signal: int | None = None
+        # Under torchrun the agent is this process's parent. An agent killed by a signal it does not
+        # handle (plain torchrun and SIGUSR1) leaves its workers orphaned in their own sessions: a
+        # changed parent counts as preemption, so they still save and stop before the scheduler's kill.
+        self.agent_pid = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None
         self.last_save = time.monotonic()
         self.group = dist.new_group(backend="gloo")  # CPU: no device sync in the hot path
         for sig in PREEMPT_SIGNALS:
@@ -58,6 +62,9 @@ class StepControl:
     def decide(self, write_pending: bool = False) -> Decision:
         """Collective: one small all-reduce (MAX) of this rank's three flags."""
         due = self.rank == 0 and self.every_s > 0 and time.monotonic() - self.last_save >= self.every_s
+        if self.agent_pid is not None and self.preempt_signal is None and os.getppid() != self.agent_pid:
+            log.warning("the launcher (pid %d) is gone: saving an emergency checkpoint and stopping", self.agent_pid)
+            self.preempt_signal = signal.SIGHUP
         flags = torch.tensor([float(due), float(self.preempt_signal is not None), float(write_pending)])
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
         return Decision(bool(flags[0]), bool(flags[1]), bool(flags[2]))
