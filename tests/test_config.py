@@ -134,6 +134,8 @@ ARGUMENT_MISTAKES = {
     "bad flag value": (["plan", "--gpus", "many"], "argument --gpus: invalid int value: 'many'"),
     "launch flag without --nproc-per-node": (["train", str(DEBUG_CONFIG), "--nnodes", "2", "--max-restarts", "3"],
                                              "--nnodes needs --nproc-per-node N"),
+    "shutdown timeout without --nproc-per-node": (["train", str(DEBUG_CONFIG), "--shutdown-timeout", "60"],
+                                                  "--shutdown-timeout needs --nproc-per-node N"),
     "nccl without CUDA": (["train", str(DEBUG_CONFIG), "distributed.backend=nccl"],
                           "distributed.backend=nccl needs CUDA devices and none are visible"),
 }

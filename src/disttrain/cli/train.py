@@ -15,7 +15,7 @@ from disttrain.errors import EXIT_HEALTH, EXIT_PREEMPTED, UserError
 from disttrain.validation import validate_world
 
 PROCESS_START = time.time()  # before torch is imported: recovery benchmarks split start-up time
-LAUNCH_FLAGS = ("nnodes", "node_rank", "max_restarts", "rdzv_endpoint", "rdzv_id")
+LAUNCH_FLAGS = ("nnodes", "node_rank", "max_restarts", "rdzv_endpoint", "rdzv_id", "shutdown_timeout")
 
 
 def add_parser(sub) -> None:
@@ -30,7 +30,7 @@ def add_parser(sub) -> None:
     launch.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of the rendezvous (multi-node)")
     launch.add_argument("--rdzv-backend", default="c10d")
     launch.add_argument("--rdzv-id", default=None)
-    launch.add_argument("--shutdown-timeout", type=int, default=120,
+    launch.add_argument("--shutdown-timeout", type=int, default=None,
                         help="seconds workers get to save an emergency checkpoint after SIGTERM/SIGUSR1 before the "
                              "agent kills them (default 120; keep it under the scheduler's grace period)")
 
@@ -53,7 +53,8 @@ def _self_launch(args: argparse.Namespace, cfg, overrides: list[str]) -> int:
     from disttrain.launch import LaunchOptions, max_world_size, relaunch
 
     opts = LaunchOptions(args.nproc_per_node, args.nnodes or "1", args.node_rank, args.max_restarts or 0,
-                         args.rdzv_endpoint, args.rdzv_backend, args.rdzv_id, args.shutdown_timeout)
+                         args.rdzv_endpoint, args.rdzv_backend, args.rdzv_id,
+                         120 if args.shutdown_timeout is None else args.shutdown_timeout)
     if opts.shutdown_timeout < 0:
         raise UserError(f"--shutdown-timeout={opts.shutdown_timeout}: must be at least 0 seconds")
     if opts.nproc_per_node != "auto" and (not opts.nproc_per_node.isdigit() or int(opts.nproc_per_node) < 1):
