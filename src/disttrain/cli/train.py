@@ -65,9 +65,9 @@ def _self_launch(args: argparse.Namespace, cfg, overrides: list[str]) -> int:
 
     validate_world(cfg, max_world_size(opts), "cuda" if torch.cuda.is_available() else "cpu")
     started = time.time()
-    code, signum = relaunch(opts, ["train", args.config, *overrides])
-    if signum is not None and code != 0 and _preempted_since(cfg.run_dir, started):
-        return EXIT_PREEMPTED  # the agent re-raises the signal; the workers saved and exited 75
+    code, _ = relaunch(opts, ["train", args.config, *overrides])
+    if code != 0 and _preempted_since(cfg.run_dir, started):
+        return EXIT_PREEMPTED  # the workers saved and exited 75 (torchrun reports that as a failure)
     return code
 
 
