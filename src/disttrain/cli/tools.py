@@ -101,7 +101,7 @@ def cmd_bench_comm(args: argparse.Namespace) -> None:
     if args.nproc_per_node is not None and not under_torchrun():
         forwarded = ["bench", "comm", "--sizes", ",".join(map(str, sizes)), "--ops", ",".join(ops),
                      "--iters", str(args.iters), "--warmup", str(args.warmup)] + (["--json"] if args.json else [])
-        sys.exit(relaunch(LaunchOptions(args.nproc_per_node), forwarded))
+        sys.exit(relaunch(LaunchOptions(args.nproc_per_node), forwarded)[0])
     from disttrain.distributed.runtime import init_distributed, shutdown
 
     env = detect_env()
