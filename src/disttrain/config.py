@@ -64,7 +64,8 @@ class DataConfig(_Section):
     source: str = "builtin"
     tokenizer: str = Field("auto", description="auto: model.hf's tokenizer.json if it has one, else byte")
     seq_len: int = Field(128, gt=0)
-    prefetch: bool = Field(True, description="read the next step's batches on a background thread")
+    prefetch: bool | None = Field(None, description="read the next step's batches on a background thread; "
+                                  "empty: on with a GPU, off on CPU")
 
 
 class TrainConfig(_Section):

@@ -87,7 +87,8 @@ def build_run(cfg: RunConfig, rt: Runtime) -> Run:
     sampler = GlobalBatchSampler(len(train_samples), t.global_batch_size, t.seed)
     balancer = Balancer(layout, dp_rank, cfg.parallel.balance_every, train_samples.targets_per_sample)
     loader = DistributedBatchLoader(train_samples, sampler, dp_rank, dp_size, t.micro_batch_size,
-                                    balancer.shares if layout.balanced else None, prefetch=cfg.data.prefetch,
+                                    balancer.shares if layout.balanced else None,
+                                    prefetch=cfg.data.prefetch if cfg.data.prefetch is not None else rt.device.type == "cuda",
                                     pin_memory=rt.device.type == "cuda")
 
     spec = model_spec(cfg.model)
