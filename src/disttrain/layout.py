@@ -209,6 +209,8 @@ def balance_shares(total: int, weights: list[float]) -> list[int]:
     """`total` micro-batches split in proportion to `weights`, at least one each (every rank joins the
     gradient reduction), by largest remainder; ties go to the lower rank, so every rank computes the
     same split from the same weights."""
+    if total < len(weights):
+        raise ValueError(f"{total} micro-batches cannot give each of {len(weights)} ranks one")
     s = float(sum(weights))
     ideal = [total * w / s for w in weights]
     counts = [max(1, int(x)) for x in ideal]

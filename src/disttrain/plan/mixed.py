@@ -64,7 +64,7 @@ def _proxy(groups: list[GPUGroup]) -> GPUSpec:
     """One GPU spec that is no better than any of the groups (for the layout enumeration)."""
     gpus = [g.gpu for g in groups]
     least = min(gpus, key=lambda g: g.memory_gb)
-    return replace(least, memory_gb=least.memory_gb, intra_node_gbs=min(g.intra_node_gbs for g in gpus),
+    return replace(least, intra_node_gbs=min(g.intra_node_gbs for g in gpus),
                    inter_node_gbs=min(g.inter_node_gbs for g in gpus))
 
 

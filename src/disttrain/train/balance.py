@@ -55,7 +55,7 @@ class Balancer:
         # keeps parameters gathered between micro-batches
         self.tokens_per_rank = layout.global_batch_size * targets_per_sample / layout.dp
         self.keep_gathered = layout.gradient_wrapper == "fsdp"
-        self.shares = layout.initial_shares()
+        self.shares = layout.initial_shares() if layout.balanced else []
         self.timer = ComputeTimer() if self.auto else None
         self.group = dist.new_group(backend="gloo") if self.auto else None  # CPU: no device sync
         self.decisions = 0
