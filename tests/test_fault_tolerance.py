@@ -166,3 +166,58 @@ def test_sigusr1_to_the_launchers_ends_in_a_committed_checkpoint(tmp_path):
             assert time.monotonic() < deadline, f"{name}: workers still running after the launcher exited"
             time.sleep(0.2)
         assert losses(run)[step] and max(losses(run)) == step
+
+
+def _srun_step(tmp_path: Path, name: str, *overrides: str, signal_after: int | None = None,
+               tasks: int = 2, env: dict | None = None) -> list[subprocess.CompletedProcess]:
+    """What `srun --ntasks=N disttrain train ...` starts: N plain processes that find their rank, the world
+    size and the rendezvous in SLURM's variables (no torchrun); with `signal_after`, SLURM's warning
+    signal reaches every task after that many logged steps (as `--signal=USR1@...` delivers it)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(tasks):
+        task_env = {**cli_env(), **(env or {}), "SLURM_JOB_ID": "777", "SLURM_STEP_NUM_TASKS": str(tasks), "SLURM_PROCID": str(rank),
+               "SLURM_LOCALID": str(rank), "SLURM_STEP_TASKS_PER_NODE": str(tasks), "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port)}
+        cmd = [sys.executable, "-m", "disttrain", "train", str(DEBUG_CONFIG), f"run.dir={tmp_path}", f"run.name={name}",
+               "distributed.timeout_s=60", *overrides]
+        procs.append(subprocess.Popen(cmd, cwd=REPO, env=task_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))
+    if signal_after is not None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and all(p.poll() is None for p in procs):
+            metrics = tmp_path / name / "metrics.jsonl"
+            if metrics.is_file() and sum('"loss"' in line for line in metrics.read_text().splitlines()) >= signal_after:
+                break
+            time.sleep(0.05)
+        for p in procs:
+            p.send_signal(signal.SIGUSR1)
+    return [subprocess.CompletedProcess(p.args, p.wait(timeout=180), *p.communicate()) for p in procs]
+
+
+def test_srun_tasks_preempted_then_requeued_resume_the_same_run(uninterrupted, tmp_path):
+    """The srun-without-torchrun path on 2 processes: SIGUSR1 to every task -> committed emergency checkpoint
+    and exit 75 from each; the requeued job (same run name) resumes it and ends with the losses of a run
+    that was never interrupted."""
+    slow = {"DISTTRAIN_FAULT": "slow:rank=0:step=0:seconds=0.1"}  # steps long enough to signal mid-run
+    first = _srun_step(tmp_path, "job", *RUN, "checkpoint.every_steps=0", signal_after=3, env=slow)
+    assert [p.returncode for p in first] == [75, 75], [p.stderr[-2000:] for p in first]
+    step = events(tmp_path / "job", "preempted")[0]["step"]
+    assert (tmp_path / "job" / "checkpoints" / f"step_{step:08d}" / "COMMIT").is_file()
+    again = _srun_step(tmp_path, "job", *RUN)
+    assert [p.returncode for p in again] == [0, 0], [p.stderr[-2000:] for p in again]
+    assert events(tmp_path / "job", "resumed")[-1]["step"] == step
+    assert losses(tmp_path / "job") == losses(uninterrupted)  # bitwise: same global batches, same reductions
+
+
+@pytest.mark.slow
+def test_deepspeed_under_srun_and_in_one_process(tmp_path):
+    pytest.importorskip("deepspeed")
+    runs = _srun_step(tmp_path, "ds", "engine=deepspeed", "parallel.zero_stage=2", "train.steps=3")
+    assert [p.returncode for p in runs] == [0, 0], [p.stderr[-2000:] for p in runs]
+    one = train(tmp_path / "one", "engine=deepspeed", "train.steps=3")
+    assert len(losses(tmp_path / "ds")) == len(losses(one)) == 3
