@@ -108,14 +108,17 @@ def test_watchdog_names_the_stalled_rank_and_dumps_stacks(tmp_path):
     t0 = time.monotonic()
     proc = run_cli("train", str(DEBUG_CONFIG), f"run.dir={tmp_path}", "run.name=run", "train.steps=100",
                    "distributed.watchdog_min_s=3", "distributed.watchdog_factor=5", "distributed.timeout_s=120",
-                   nproc=2, check=False, env={"DISTTRAIN_FAULT": "sleep:rank=1:step=4:seconds=300"})
+                   nproc=2, check=False, env={"DISTTRAIN_FAULT": "hang_backward:rank=1:step=5:seconds=300"})
     assert proc.returncode != 0 and time.monotonic() - t0 < 90
     for rank in (0, 1):
         text = (tmp_path / "run" / "logs" / f"rank_{rank:05d}.log").read_text()
-        assert "completed no step for" in text and "stalled rank(s): 1 (last completed step 4; rank 0: step 4: metrics all-reduce; rank 1: after step 4)" in text, text[-2000:]
+        # Rank 1 stops inside step 5's backward; rank 0 finishes step 5 and then waits for it in the next
+        # collective (the metrics all-reduce), which makes it a victim, not a cause.
+        assert "completed no step for" in text and ("stalled rank(s): 1 (last completed step 4; rank 0: step 5: "
+                                                    "metrics all-reduce; rank 1: step 5: backward)") in text, text[-2000:]
         assert 'File "' in text and "Thread 0x" in text  # faulthandler's stacks of every thread
     sleeper = (tmp_path / "run" / "logs" / "rank_00001.log").read_text()
-    assert "in after_step" in sleeper  # the stalled rank's stack shows where it is stuck
+    assert "in after_backward" in sleeper  # the stalled rank's stack shows where it is stuck
 
 
 def test_async_save_commits_and_a_kill_mid_save_keeps_the_previous(uninterrupted, tmp_path):

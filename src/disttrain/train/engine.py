@@ -24,6 +24,7 @@ class StepEngine(Protocol):
     skipped_steps: list[int]  # steps whose update a non-finite gradient norm skipped
     checkpoint_format: str  # what `save` writes ("dcp", "deepspeed"): recorded in COMMIT, checked on resume
     measures_phases: bool  # whether the step feeds the breakdown's forward/backward/optimizer phases
+    on_phase: object  # callable(name): called as the step enters "forward", "backward", "optimizer" (the watchdog)
 
     def train_step(self, micro_batches: list, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this rank's token-loss sum, global gradient norm) as device tensors."""

@@ -9,6 +9,7 @@ to kill, signal or stall one rank at a chosen step of the first attempt (not aft
     DISTTRAIN_FAULT="desync:rank=1:step=4"          nudge one parameter on this rank after step 4
     DISTTRAIN_FAULT="slow:rank=1:step=0:seconds=0.05" sleep before every step's forward (a straggler)
     DISTTRAIN_FAULT="slowdown:rank=1:step=0:factor=2" every forward and backward takes 2x as long (a slower GPU)
+    DISTTRAIN_FAULT="hang_backward:rank=1:step=5:seconds=600" stop inside step 5's (first) backward
 """
 
 from __future__ import annotations
@@ -73,7 +74,11 @@ class FaultInjector:
     def after_forward(self) -> None:
         self._stretch()
 
-    def after_backward(self) -> None:
+    def after_backward(self, step: int | None = None) -> None:
+        f = self.fault
+        if f is not None and f.kind == "hang_backward" and step == f.step:
+            self._record(f.kind, step)
+            time.sleep(f.seconds)
         self._stretch()
 
     def _stretch(self) -> None:

@@ -40,6 +40,7 @@ class Trainer:
         self.run = run
         self.cfg, self.engine = run.cfg, run.engine
         self.progress = Progress()
+        self.watchdog = NullWatchdog()
 
     @property
     def step(self) -> int:
@@ -99,6 +100,7 @@ class Trainer:
     def save_checkpoint(self, metrics: MetricsLogger, reason: str = "interval") -> None:
         """Synchronous: saved and committed. Async: `blocking_s` is what training waited for."""
         ckpt, t0 = self.run.ckpt, time.perf_counter()
+        self.watchdog.enter(f"step {self.step}: checkpoint save", collective=True)
         path = ckpt.save(self.step, self.engine, train_state(self.run, self.progress))
         seconds = time.perf_counter() - t0
         if ckpt.pending_step is None:
@@ -151,6 +153,7 @@ class Trainer:
         watchdog = (Watchdog(run.rt.rank, run.rt.world_size, d.watchdog_factor, d.watchdog_min_s,
                              str(cfg.run_dir / "logs" / f"rank_{run.rt.rank:05d}.log"))
                     if d.watchdog_factor else NullWatchdog())
+        self.watchdog = watchdog
         final_loss = sample = None
         window_t0, window_steps = time.perf_counter(), 0
         every, log_every = cfg.checkpoint.every_steps, cfg.metrics.log_every
@@ -163,8 +166,10 @@ class Trainer:
                 run.breakdown.add_seconds("data", data_time)
                 run.comm_profiler.start(p.step + 1)
                 lr = self.engine.lr()  # the rate this step uses
-                # forward/backward hold the gradient collectives
-                watchdog.enter(f"step {p.step + 1}: forward/backward/optimizer", collective=True)
+                # the engine names its phases: forward (this rank's compute), backward and optimizer (they
+                # hold the gradient collectives: a rank waiting there is a victim, not a cause)
+                self.engine.on_phase = lambda name, step=p.step + 1: watchdog.enter(
+                    f"step {step}: {name}", collective=name != "forward")
                 try:
                     loss_sum, grad_norm = self.engine.train_step(micro_batches, p.step + 1)
                 finally:

@@ -64,7 +64,10 @@ class PipelineEngine(OwnOptimizerStep):
             return torch.zeros((), device=self.device)  # non-zero on the last stage only
         return torch.stack([self.mean_loss.as_sum(x) for x in losses]).sum()
 
+    on_phase = staticmethod(lambda name: None)  # the loop sets the watchdog's
+
     def train_step(self, micro_batches: list, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        self.on_phase("pipeline schedule (forward and backward)")
         busy_f, busy_b, t0 = self.busy["forward"], self.busy["backward"], time.perf_counter()
         self.faults.before_forward()
         loss_sum = self.faults.corrupt_loss(step, self._run(micro_batches, train=True))

@@ -34,6 +34,7 @@ class TorchEngine(OwnOptimizerStep):
         # average over ranks is still the mean token loss of the global batch; keep FSDP's
         # parameters gathered between a rank's micro-batches; time forward passes for `auto`.
         self.balance = balance or NoBalance()
+        self.on_phase = lambda name: None
 
     def _loss(self, mean_loss: RankMeanLoss, x, y, step: int | None) -> torch.Tensor:
         with self.precision.autocast():
@@ -55,6 +56,7 @@ class TorchEngine(OwnOptimizerStep):
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
             sync = contextlib.nullcontext() if i == last else gradient_sync_disabled(self.model, balance.keep_gathered)
             with sync, loss_context(self.tensor_parallel):
+                self.on_phase("forward")
                 t0, h0 = bd.now(), time.perf_counter()
                 self.faults.before_forward()
                 loss = self._loss(mean_loss, x, y, step)
@@ -63,8 +65,9 @@ class TorchEngine(OwnOptimizerStep):
                 self.forward_seconds += time.perf_counter() - h0
                 if balance.timer is not None:
                     balance.timer.add(t0, t1)
+                self.on_phase("backward")
                 scaler.scale(loss).backward()
-                self.faults.after_backward()
+                self.faults.after_backward(step)
                 t2 = bd.now()
             compute_end = bd.take_compute_end()
             bd.add("forward", t0, t1)
@@ -74,6 +77,7 @@ class TorchEngine(OwnOptimizerStep):
             else:
                 bd.add("backward", t1, t2)
             loss_sum += mean_loss.as_sum(loss)
+        self.on_phase("optimizer")
         t_opt = bd.now()
         try:
             return loss_sum, self.optimizer_step(self.model.parameters(), loss_sum, step)
