@@ -18,25 +18,25 @@ import datetime
 import json
 import os
 import platform
-import resource
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from overhead import measure_command  # wall and CPU seconds of one command (this folder)
 
 REPO = Path(__file__).resolve().parents[1]
 DATASETS_SCRIPT = r"""
 import sys, datasets
 from tokenizers import Tokenizer
-parquet, tok_path, cache = sys.argv[1:4]
+parquet, tok_path, cache, count_file = sys.argv[1:5]
 tok = Tokenizer.from_file(tok_path)
 def encode(batch):
     return {"ids": [e.ids for e in tok.encode_batch(batch["text"], add_special_tokens=False)]}
 ds = datasets.load_dataset("parquet", data_files=parquet, cache_dir=cache)["train"]
 out = ds.map(encode, batched=True, num_proc=2, remove_columns=ds.column_names)
-print(sum(len(x) for x in out["ids"]) + len(out))  # + one end-of-document token each, as prepare-data writes
+# + one end-of-document token each, as prepare-data writes
+open(count_file, "w").write(str(sum(len(x) for x in out["ids"]) + len(out)))
 """
 
 
@@ -56,18 +56,6 @@ def make_inputs(root: Path, megabytes: float) -> tuple[Path, Path]:
     return root / "corpus.parquet", root / "tokenizer.json"
 
 
-def timed(cmd: list[str]) -> tuple[float, float, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_DATASETS_OFFLINE="1")
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    if proc.returncode:
-        raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
-    return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime), proc.stdout
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=4)
@@ -83,13 +71,15 @@ def main() -> None:
             for name in (["disttrain", "datasets"] if rep % 2 == 0 else ["datasets", "disttrain"]):
                 out = root / f"{name}{rep}"
                 if name == "disttrain":
-                    wall, cpu, _ = timed([sys.executable, "-m", "disttrain", "prepare-data", str(parquet), "--out",
-                                          str(out), "--tokenizer", str(tok), "--workers", "2"])
+                    wall, cpu = measure_command([sys.executable, "-m", "disttrain", "prepare-data", str(parquet),
+                                                 "--out", str(out), "--tokenizer", str(tok), "--workers", "2"])
                     meta = json.loads((out / "meta.json").read_text())
                     tokens = sum(meta["splits"].values())
                 else:
-                    wall, cpu, stdout = timed([sys.executable, "-c", DATASETS_SCRIPT, str(parquet), str(tok), str(out)])
-                    tokens = int(stdout.split()[-1])
+                    count = root / f"count{rep}"
+                    wall, cpu = measure_command([sys.executable, "-c", DATASETS_SCRIPT, str(parquet), str(tok),
+                                                 str(out), str(count)])
+                    tokens = int(count.read_text())
                 row[name] = {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall, "cpu_s_per_token": cpu / tokens}
             row["ratio"] = row["disttrain"]["tokens_per_s"] / row["datasets"]["tokens_per_s"]
             reps.append(row)
