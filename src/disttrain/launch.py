@@ -62,27 +62,16 @@ def torchrun_args(opts: LaunchOptions, module_args: list[str]) -> list[str]:
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)
 
 
-def relaunch(opts: LaunchOptions, module_args: list[str]) -> tuple[int, int | None]:
+def relaunch(opts: LaunchOptions, module_args: list[str]) -> int:
     """Run torchrun as a child and pass on the signals a scheduler sends to us (SIGTERM before a
-    kill, SIGUSR1 as SLURM's warning), so workers can save. Returns torchrun's exit status and the
-    last signal passed on (None if none)."""
+    kill, SIGUSR1 as SLURM's warning), so workers can save; returns torchrun's exit status."""
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # torchrun would set it too, with a warning per launch
     cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args(opts, module_args)]
     child = subprocess.Popen(cmd, env=env)
-    received: list[int] = []
-
-    def forward(signum, frame) -> None:
-        received.append(signum)
-        child.send_signal(signum)
-
-    previous = {sig: signal.signal(sig, forward) for sig in FORWARDED_SIGNALS}
+    previous = {sig: signal.signal(sig, lambda signum, frame: child.send_signal(signum)) for sig in FORWARDED_SIGNALS}
     try:
-        while True:
-            try:
-                return child.wait(), (received[-1] if received else None)
-            except InterruptedError:  # a signal arrived mid-wait: keep waiting for the save
-                continue
+        return child.wait()  # a handled signal does not interrupt the wait (PEP 475)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

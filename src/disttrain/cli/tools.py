@@ -13,8 +13,7 @@ from disttrain.validation import validate_world
 
 
 def cmd_prepare_data(args: argparse.Namespace) -> None:
-    from disttrain.data.prepare import prepare
-
+    from disttrain.data.prepare import prepare, resolve_tokenizer
     from disttrain.data.readers import SUFFIXES, kind_of
 
     paths = [Path(p) for p in args.inputs]
@@ -25,7 +24,7 @@ def cmd_prepare_data(args: argparse.Namespace) -> None:
             raise UserError(f"input {p}: not a corpus this reads (allowed: {', '.join(SUFFIXES)} files, a directory "
                             "written by datasets.Dataset.save_to_disk, or a folder of such files)")
     tok = args.tokenizer
-    if tok not in ("byte", "bpe") and not Path(tok).is_file() and not (Path(tok) / "tokenizer.json").is_file():
+    if tok not in ("byte", "bpe") and not Path(resolve_tokenizer(tok)).is_file():
         raise UserError(f"--tokenizer={tok}: no such file (allowed: byte, bpe, a tokenizer.json path, or a Hugging "
                         "Face model directory holding tokenizer.json)")
     if not 0 <= args.val_fraction < 1:
@@ -101,7 +100,7 @@ def cmd_bench_comm(args: argparse.Namespace) -> None:
     if args.nproc_per_node is not None and not under_torchrun():
         forwarded = ["bench", "comm", "--sizes", ",".join(map(str, sizes)), "--ops", ",".join(ops),
                      "--iters", str(args.iters), "--warmup", str(args.warmup)] + (["--json"] if args.json else [])
-        sys.exit(relaunch(LaunchOptions(args.nproc_per_node), forwarded)[0])
+        sys.exit(relaunch(LaunchOptions(args.nproc_per_node), forwarded))
     from disttrain.distributed.runtime import init_distributed, shutdown
 
     env = detect_env()

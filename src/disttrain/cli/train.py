@@ -65,7 +65,7 @@ def _self_launch(args: argparse.Namespace, cfg, overrides: list[str]) -> int:
 
     validate_world(cfg, max_world_size(opts), "cuda" if torch.cuda.is_available() else "cpu")
     started = time.time()
-    code, _ = relaunch(opts, ["train", args.config, *overrides])
+    code = relaunch(opts, ["train", args.config, *overrides])
     if code != 0 and _preempted_since(cfg.run_dir, started):
         return EXIT_PREEMPTED  # the workers saved and exited 75 (torchrun reports that as a failure)
     return code
@@ -73,19 +73,13 @@ def _self_launch(args: argparse.Namespace, cfg, overrides: list[str]) -> int:
 
 def _preempted_since(run_dir: Path, since: float) -> bool:
     """Whether this launch's workers recorded an emergency checkpoint (metrics.jsonl `preempted`)."""
-    import json
+    from disttrain.observe.run_report import load_records
 
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
+    try:
+        _, events = load_records(run_dir)
+    except FileNotFoundError:  # stopped before the run directory had metrics
         return False
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if record.get("event") == "preempted" and record.get("time", 0) >= since:
-            return True
-    return False
+    return any(e["event"] == "preempted" and e.get("time", 0) >= since for e in events)
 
 
 def _check_backend(cfg) -> None:

@@ -125,7 +125,7 @@ class DistributedBatchLoader:
 
     def _drop_ahead(self) -> None:
         """Forget a prefetched step (its slice or position changed); waits for it so nothing races."""
-        ahead, self._ahead = getattr(self, "_ahead", None), None
+        ahead, self._ahead = self._ahead, None
         if ahead is not None:
             ahead[1].result()
 

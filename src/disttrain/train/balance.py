@@ -10,7 +10,6 @@ micro-batch). Splits take effect at the next step and are recorded in metrics.js
 from __future__ import annotations
 
 import logging
-import time
 
 import torch
 import torch.distributed as dist
@@ -58,11 +57,6 @@ class Balancer:
         self.shares = layout.initial_shares() if layout.balanced else []
         self.timer = ComputeTimer() if self.auto else None
         self.group = dist.new_group(backend="gloo") if self.auto else None  # CPU: no device sync
-        self.decisions = 0
-
-    @property
-    def active(self) -> bool:
-        return self.layout.balanced
 
     def due(self, step: int) -> bool:
         return self.auto and step % self.every == 0
@@ -93,7 +87,6 @@ class Balancer:
         if new == self.shares:
             return None
         self.shares = new
-        self.decisions += 1
         return event
 
     def state_dict(self) -> dict:
@@ -105,4 +98,4 @@ class Balancer:
         if not state or not self.auto or state.get("dp") != self.layout.dp or not state.get("auto"):
             return
         self.shares = list(state["shares"])
-        log.info("balance: resumed with shares %s at %.3f", self.shares, time.time())
+        log.info("balance: resumed with shares %s", self.shares)

@@ -154,6 +154,9 @@ class Trainer:
                              str(cfg.run_dir / "logs" / f"rank_{run.rt.rank:05d}.log"))
                     if d.watchdog_factor else NullWatchdog())
         self.watchdog = watchdog
+        # the engine names its phases: forward (this rank's compute), backward and optimizer (they hold
+        # the gradient collectives: a rank waiting there is a victim, not a cause)
+        self.engine.on_phase = lambda name: watchdog.enter(f"step {p.step + 1}: {name}", collective=name != "forward")
         final_loss = sample = None
         window_t0, window_steps = time.perf_counter(), 0
         every, log_every = cfg.checkpoint.every_steps, cfg.metrics.log_every
@@ -166,10 +169,6 @@ class Trainer:
                 run.breakdown.add_seconds("data", data_time)
                 run.comm_profiler.start(p.step + 1)
                 lr = self.engine.lr()  # the rate this step uses
-                # the engine names its phases: forward (this rank's compute), backward and optimizer (they
-                # hold the gradient collectives: a rank waiting there is a victim, not a cause)
-                self.engine.on_phase = lambda name, step=p.step + 1: watchdog.enter(
-                    f"step {step}: {name}", collective=name != "forward")
                 try:
                     loss_sum, grad_norm = self.engine.train_step(micro_batches, p.step + 1)
                 finally:

@@ -19,6 +19,7 @@ from disttrain.train.loss import RankMeanLoss, loss_context
 class TorchEngine(OwnOptimizerStep):
     checkpoint_format = "dcp"
     measures_phases = True  # whether it feeds the step breakdown (forward, backward, ...)
+    on_phase = staticmethod(lambda name: None)  # the loop sets the watchdog's
 
     def __init__(self, model: nn.Module, optimizer, step: OptimizerStep, spec, precision, device,
                  tensor_parallel: bool, dp_group, breakdown, faults, sharded_optimizer: bool = False,
@@ -34,7 +35,6 @@ class TorchEngine(OwnOptimizerStep):
         # average over ranks is still the mean token loss of the global batch; keep FSDP's
         # parameters gathered between a rank's micro-batches; time forward passes for `auto`.
         self.balance = balance or NoBalance()
-        self.on_phase = lambda name: None
 
     def _loss(self, mean_loss: RankMeanLoss, x, y, step: int | None) -> torch.Tensor:
         with self.precision.autocast():
