@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from disttrain.data.loader import DistributedBatchLoader, GlobalBatchSampler, TokenWindows
+from disttrain.data.loader import DistributedBatchLoader, TokenWindows
+from disttrain.data.sampling import GlobalBatchSampler
 from disttrain.layout import balance_shares
 from helpers import LR, PARITY, assert_losses_close, assert_parity, events, losses, records, train, train_many
 

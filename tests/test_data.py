@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from disttrain.data.corpus import builtin_splits
-from disttrain.data.loader import DistributedBatchLoader, GlobalBatchSampler, TokenWindows
+from disttrain.data.loader import DistributedBatchLoader, TokenWindows
+from disttrain.data.sampling import GlobalBatchSampler
 from disttrain.data.shards import open_split, read_meta
 from disttrain.data.source import load_splits
 from disttrain.data.tokenizer import ByteTokenizer

@@ -61,7 +61,10 @@ class ModelConfig(_Section):
 
 
 class DataConfig(_Section):
-    source: str = "builtin"
+    source: str | dict[str, float] = Field("builtin", description="builtin, a prepare-data directory, "
+                                           "py:FILE.py:function, or a mixture {DIR: weight, ...}")
+    document_masking: bool = Field(False, description="attention stops at end-of-document tokens and "
+                                   "positions restart per document")
     tokenizer: str = Field("auto", description="auto: model.hf's tokenizer.json if it has one, else byte")
     seq_len: int = Field(128, gt=0)
     prefetch: bool | None = Field(None, description="read the next step's batches on a background thread; "

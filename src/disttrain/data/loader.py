@@ -1,21 +1,14 @@
-"""Deterministic global batches, sliced per data-parallel rank.
+"""Samples read by id, and the loader that gives each data-parallel rank its slice of a step.
 
-The sequences of optimizer step k depend only on (seed, k, global_batch_size): global sample
-slot s = (k-1)*G + j maps to epoch s // N and position s % N of that epoch's permutation.
-World size, layout and micro-batching only decide which part of that batch a rank computes.
+Which ids a step reads is data/sampling.py's job; everything here follows that order.
 """
 
 from __future__ import annotations
 
-import hashlib
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
-
-
-def _epoch_seed(seed: int, epoch: int) -> int:
-    return int.from_bytes(hashlib.sha256(f"disttrain-data:{seed}:{epoch}".encode()).digest()[:8], "little") >> 1
 
 
 class TokenWindows:
@@ -56,27 +49,28 @@ class DatasetSamples:
         return x, y
 
 
-class GlobalBatchSampler:
-    def __init__(self, num_samples: int, global_batch_size: int, seed: int, shuffle: bool = True):
-        if num_samples == 0:
-            raise ValueError("the data split is shorter than one sequence")
-        self.n, self.g, self.seed, self.shuffle = num_samples, global_batch_size, seed, shuffle
-        self._perms: dict[int, np.ndarray] = {}
+class MixtureSamples:
+    """Several sources read by (source, id) rows, e.g. a weighted mixture of shard directories."""
 
-    def _perm(self, epoch: int) -> np.ndarray:
-        if epoch not in self._perms:
-            if len(self._perms) > 2:
-                self._perms.pop(min(self._perms))
-            gen = torch.Generator().manual_seed(_epoch_seed(self.seed, epoch))
-            self._perms[epoch] = torch.randperm(self.n, generator=gen).numpy()
-        return self._perms[epoch]
+    def __init__(self, names: list[str], parts: list):
+        self.names, self.parts = names, parts
+        self.targets_per_sample = parts[0].targets_per_sample
+        self.num_samples = sum(len(p) for p in parts)
 
-    def indices(self, step: int) -> np.ndarray:
-        """Sample ids of 1-based optimizer step `step`, in global-batch order."""
-        slots = np.arange((step - 1) * self.g, step * self.g)
-        if not self.shuffle:
-            return slots % self.n
-        return np.array([self._perm(int(s) // self.n)[int(s) % self.n] for s in slots])
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def batch(self, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        x = y = None
+        for i, part in enumerate(self.parts):
+            at = np.flatnonzero(rows[:, 0] == i)
+            if len(at) == 0:
+                continue
+            xi, yi = part.batch(rows[at, 1])
+            if x is None:
+                x, y = xi.new_empty((len(rows), *xi.shape[1:])), yi.new_empty((len(rows), *yi.shape[1:]))
+            x[at], y[at] = xi, yi
+        return x, y
 
 
 class DistributedBatchLoader:
@@ -85,7 +79,7 @@ class DistributedBatchLoader:
     `shares` (micro-batches per data-parallel rank, summing to the global batch's micro-batches)
     gives ranks uneven slices of the same global batch, in rank order; None: equal slices."""
 
-    def __init__(self, windows: TokenWindows, sampler: GlobalBatchSampler, dp_rank: int, dp_size: int,
+    def __init__(self, windows, sampler, dp_rank: int, dp_size: int,
                  micro_batch_size: int, shares: list[int] | None = None, prefetch: bool = False,
                  pin_memory: bool = False):
         self.windows, self.sampler, self.dp_rank = windows, sampler, dp_rank
@@ -136,8 +130,11 @@ class DistributedBatchLoader:
 
     def state_dict(self) -> dict:
         """The next step to be consumed (not one prefetched ahead of it)."""
-        return {"next_step": self.next_step, "global_batch_size": self.sampler.g, "seed": self.sampler.seed}
+        return {"next_step": self.next_step, "global_batch_size": self.sampler.g, "seed": self.sampler.seed,
+                "sampler": self.sampler.state_dict(self.next_step)}
 
     def load_state_dict(self, state: dict) -> None:
+        """Raises ValueError when the saved position cannot continue this loader's stream."""
         self._drop_ahead()
         self.next_step = int(state["next_step"])
+        self.sampler.load_state_dict(state.get("sampler", {}), self.next_step)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,10 +19,12 @@ class SourceInfo:
     tokenizer_name: str
 
 
-def _tokenizer_spec(source: str, tokenizer: str) -> str:
+def _tokenizer_spec(source, tokenizer: str) -> str:
     """A shard directory carries its own tokenizer; `data.tokenizer` applies to the built-in corpus."""
     if source == "builtin":
         return tokenizer
+    if isinstance(source, dict):  # a mixture: its sources share one tokenizer (checked by describe_source)
+        source = next(iter(source))
     meta = shards.read_meta(source)
     return "byte" if meta["tokenizer"] == "byte" else str(Path(source) / meta["tokenizer"])
 
@@ -46,8 +49,44 @@ def user_datasets(source: str) -> dict:
     return {"train": splits["train"], "val": splits.get("val")}
 
 
-def describe_source(source: str, tokenizer: str) -> SourceInfo:
+def source_names(mixture: dict) -> list[str]:
+    """Short names of a mixture's sources (for metrics): directory names, whole paths where they clash."""
+    names = [Path(p).name or str(p) for p in mixture]
+    return [n if names.count(n) == 1 else str(p) for n, p in zip(names, mixture)]
+
+
+def _tokenizer_identity(directory: str) -> tuple:
+    meta = shards.read_meta(directory)
+    name = meta["tokenizer"]
+    content = name if name == "byte" else hashlib.sha256((Path(directory) / name).read_bytes()).hexdigest()
+    return meta["vocab_size"], meta["eos_id"], content
+
+
+def describe_mixture(mixture: dict) -> SourceInfo:
+    """data.source={DIR: weight, ...}: shard directories with positive weights and one tokenizer."""
+    if not mixture:
+        raise UserError("data.source={}: a mixture needs at least one DIR: weight entry")
+    for path, weight in mixture.items():
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
+            shown = f"{weight:g}" if isinstance(weight, (int, float)) else repr(weight)
+            raise UserError(f"data.source: the weight of {path} is {shown} (allowed: a number > 0)")
+        if path == "builtin" or str(path).startswith(PY_PREFIX):
+            raise UserError(f"data.source: {path} cannot be part of a mixture (allowed: directories written by "
+                            "`disttrain prepare-data`)")
+        describe_source(str(path), "byte")
+    first, *rest = list(mixture)
+    for other in rest:
+        if _tokenizer_identity(other) != _tokenizer_identity(first):
+            raise UserError(f"data.source: {other} was tokenised differently from {first} (a mixture needs one "
+                            "tokenizer; prepare both with the same --tokenizer)")
+    meta = shards.read_meta(first)
+    return SourceInfo(meta["vocab_size"], f"{first}/meta.json")
+
+
+def describe_source(source, tokenizer: str) -> SourceInfo:
     """Validate the data keys without reading any tokens; raises UserError."""
+    if isinstance(source, dict):
+        return describe_mixture(source)
     if source.startswith(PY_PREFIX):
         user_datasets(source)
         return SourceInfo(0, source)
@@ -81,15 +120,32 @@ def _concat(token_lists: list[list[int]], eos_id: int | None, dtype: np.dtype) -
     return np.fromiter((t for ids in token_lists for t in (*ids, *sep)), dtype=dtype)
 
 
-def load_samples(source: str, tokenizer: str, seq_len: int):
-    """(tokenizer or None, train samples, val samples): token windows of text, or a user's datasets."""
-    from disttrain.data.loader import DatasetSamples, TokenWindows
+def load_samples(source, tokenizer: str, seq_len: int):
+    """(tokenizer or None, train samples, val samples): token windows of text (per source, for a
+    mixture), or a user's datasets."""
+    from disttrain.data.loader import DatasetSamples, MixtureSamples, TokenWindows
 
+    if isinstance(source, dict):
+        tok = load_tokenizer(_tokenizer_spec(source, tokenizer))
+        names = source_names(source)
+        return tok, *(MixtureSamples(names, [TokenWindows(shards.open_split(d, split), seq_len) for d in source])
+                      for split in ("train", "val"))
     if source.startswith(PY_PREFIX):
         splits = user_datasets(source)
         return None, DatasetSamples(splits["train"]), DatasetSamples(splits["val"])
     tok, splits = load_splits(source, tokenizer)
     return tok, TokenWindows(splits["train"], seq_len), TokenWindows(splits["val"], seq_len)
+
+
+def make_sampler(samples, source, global_batch_size: int, seed: int, shuffle: bool = True):
+    """The order a run reads `samples` in: one seeded stream, or one per source of a mixture."""
+    from disttrain.data.loader import MixtureSamples
+    from disttrain.data.sampling import GlobalBatchSampler, MixtureSampler
+
+    if isinstance(samples, MixtureSamples):
+        return MixtureSampler([len(p) for p in samples.parts], list(source.values()), global_batch_size, seed,
+                              shuffle)
+    return GlobalBatchSampler(len(samples), global_batch_size, seed, shuffle)
 
 
 def load_splits(source: str, tokenizer: str) -> tuple[Tokenizer, dict[str, np.ndarray]]:

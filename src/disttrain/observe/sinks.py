@@ -70,6 +70,8 @@ class TensorBoardSink(Sink):
     def event(self, name: str, fields: dict) -> None:
         if name == "eval":
             self.writer.add_scalar("eval/loss", fields["val_loss"], fields["step"])
+            for source, value in fields.get("val_loss_by_source", {}).items():
+                self.writer.add_scalar(f"eval/loss/{source}", value, fields["step"])
 
     def close(self) -> None:
         self.writer.close()
@@ -115,7 +117,9 @@ class MLflowSink(Sink):
 
     def event(self, name: str, fields: dict) -> None:
         if name == "eval":
-            self.mlflow.log_metric("eval_loss", float(fields["val_loss"]), step=int(fields["step"]))
+            self.mlflow.log_metrics({"eval_loss": float(fields["val_loss"]), **{
+                f"eval_loss_{k}": float(v) for k, v in fields.get("val_loss_by_source", {}).items()}},
+                step=int(fields["step"]))
 
     def close(self) -> None:
         self.mlflow.end_run()
@@ -138,7 +142,9 @@ class WandbSink(Sink):
 
     def event(self, name: str, fields: dict) -> None:
         if name == "eval":
-            self.run.log({"eval/loss": float(fields["val_loss"])}, step=int(fields["step"]))
+            self.run.log({"eval/loss": float(fields["val_loss"]), **{
+                f"eval/loss/{k}": float(v) for k, v in fields.get("val_loss_by_source", {}).items()}},
+                step=int(fields["step"]))
 
     def close(self) -> None:
         self.run.finish()

@@ -15,8 +15,8 @@ from torch import nn
 
 from disttrain.checkpoint.manager import CheckpointManager
 from disttrain.config import RunConfig
-from disttrain.data.loader import DatasetSamples, DistributedBatchLoader, GlobalBatchSampler, TokenWindows
-from disttrain.data.source import load_samples
+from disttrain.data.loader import DatasetSamples, DistributedBatchLoader, MixtureSamples, TokenWindows
+from disttrain.data.source import load_samples, make_sampler
 from disttrain.data.tokenizer import Tokenizer
 from disttrain.distributed.mesh import Meshes, build_meshes
 from disttrain.distributed.runtime import Runtime
@@ -49,7 +49,7 @@ class Run:
     engine: StepEngine
     tokenizer: Tokenizer | None  # None for a user's dataset of (input, target) pairs
     loader: DistributedBatchLoader
-    val_samples: TokenWindows | DatasetSamples
+    val_samples: TokenWindows | DatasetSamples | MixtureSamples
     ckpt: CheckpointManager
     breakdown: StepBreakdown
     comm_profiler: CommProfiler
@@ -84,7 +84,7 @@ def build_run(cfg: RunConfig, rt: Runtime) -> Run:
 
     t = cfg.train
     tokenizer, train_samples, val_samples = load_samples(cfg.data.source, tokenizer_for(cfg), cfg.data.seq_len)
-    sampler = GlobalBatchSampler(len(train_samples), t.global_batch_size, t.seed)
+    sampler = make_sampler(train_samples, cfg.data.source, t.global_batch_size, t.seed)
     balancer = Balancer(layout, dp_rank, cfg.parallel.balance_every, train_samples.targets_per_sample)
     loader = DistributedBatchLoader(train_samples, sampler, dp_rank, dp_size, t.micro_batch_size,
                                     balancer.shares if layout.balanced else None,

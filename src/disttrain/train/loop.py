@@ -10,7 +10,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from disttrain.data.loader import DistributedBatchLoader, GlobalBatchSampler
+from disttrain.data.loader import DistributedBatchLoader, MixtureSamples
+from disttrain.data.sampling import GlobalBatchSampler
 from disttrain.errors import EXIT_PREEMPTED
 from disttrain.models.generate import generate
 from disttrain.observe.health import check_replicas_in_sync, straggler_stats
@@ -55,12 +56,23 @@ class Trainer:
             dist.all_reduce(t, group=group)
         return float(t) / total_tokens
 
-    def evaluate(self) -> float | None:
+    def evaluate(self) -> tuple[float | None, dict[str, float]]:
+        """Validation loss, and for a mixture each source's (the overall figure weighs them like training)."""
+        val = self.run.val_samples
+        if not isinstance(val, MixtureSamples):
+            return (self._eval_split(val) if len(val) else None), {}
+        weights = list(self.cfg.data.source.values())
+        by_source = {name: (self._eval_split(part), w) for name, part, w in zip(val.names, val.parts, weights)
+                     if len(part)}
+        if not by_source:
+            return None, {}
+        total = sum(w for _, w in by_source.values())
+        return sum(v * w for v, w in by_source.values()) / total, {n: v for n, (v, _) in by_source.items()}
+
+    def _eval_split(self, samples) -> float:
         run, t = self.run, self.cfg.train
-        if len(run.val_samples) == 0:
-            return None
-        sampler = GlobalBatchSampler(len(run.val_samples), t.global_batch_size, t.seed, shuffle=False)
-        loader = DistributedBatchLoader(run.val_samples, sampler, run.dp_rank, run.layout.dp, t.micro_batch_size,
+        sampler = GlobalBatchSampler(len(samples), t.global_batch_size, t.seed, shuffle=False)
+        loader = DistributedBatchLoader(samples, sampler, run.dp_rank, run.layout.dp, t.micro_batch_size,
                                         run.loader.shares if run.layout.balanced else None)
         self.engine.model.eval()
         total = torch.zeros((), device=run.rt.device)
@@ -196,10 +208,12 @@ class Trainer:
                     run.comm_profiler.take_overhead()
                 if t.eval_every and p.step % t.eval_every == 0:
                     watchdog.enter(f"step {p.step}: evaluation", collective=True)
-                    val = self.evaluate()
+                    val, by_source = self.evaluate()
                     if val is not None:
-                        metrics.event("eval", step=p.step, val_loss=val)
-                        metrics.message(f"step {p.step}: validation loss {val:.4f}")
+                        extra = {"val_loss_by_source": by_source} if by_source else {}
+                        metrics.event("eval", step=p.step, val_loss=val, **extra)
+                        metrics.message(f"step {p.step}: validation loss {val:.4f}" + "".join(
+                            f", {n} {v:.4f}" for n, v in by_source.items()))
                 if run.balancer.due(p.step):
                     watchdog.enter(f"step {p.step}: balance measurement all-gather", collective=True)
                     self._rebalance(metrics)

@@ -55,7 +55,10 @@ def maybe_resume(run, progress: Progress) -> None:
     state = ckpt.load(path, run.engine)
     progress.step, progress.tokens_seen = int(state["step"]), int(state["tokens_seen"])
     run.engine.load_state_dict(state)
-    run.loader.load_state_dict(state["loader"])
+    try:
+        run.loader.load_state_dict(state["loader"])
+    except ValueError as exc:
+        raise UserError(f"checkpoint.resume: {path}: {exc}") from None
     if run.layout.balanced:
         run.balancer.load_state_dict(state.get("balance"))
         run.loader.set_shares(run.balancer.shares)
