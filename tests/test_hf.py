@@ -31,6 +31,7 @@ LOW_PRECISION = {  # compute dtype -> bound on the relative loss difference to f
     "bf16": 2e-3,  # half of bf16's unit roundoff (2^-8)
     "fp16": 2.5e-4,  # fp16 autocast with dynamic loss scaling
 }
+DOCUMENT_LAYOUTS = {"zero3": ("parallel.zero_stage=3",), "tp2-sp": ("parallel.tp=2", "parallel.sequence_parallel=true")}
 KINDS = ("llama", "qwen2")  # qwen2: q/k/v biases and tied input/output embeddings
 
 
@@ -43,7 +44,10 @@ def hf_dirs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def references(hf_dirs, tmp_path_factory):
     root = tmp_path_factory.mktemp("ref")
-    return train_many({k: (root / k, (*COMMON, f"model.hf={d}")) for k, d in hf_dirs.items()}, nproc=1)
+    jobs = {k: (root / k, (*COMMON, f"model.hf={d}")) for k, d in hf_dirs.items()}
+    jobs["llama documents"] = (root / "llama_documents", (*COMMON, f"model.hf={hf_dirs['llama']}",
+                                                          "data.document_masking=true"))
+    return train_many(jobs, nproc=1)
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +58,9 @@ def two_rank_runs(hf_dirs, tmp_path_factory):
     jobs["gpt2 zero3"] = (root / "gpt2_zero3", (*COMMON, f"model.hf={hf_dirs['gpt2']}", "parallel.zero_stage=3"))
     for name, extra in MORE_LAYOUTS.items():
         jobs[f"llama {name}"] = (root / f"llama_{name}", (*COMMON, f"model.hf={hf_dirs['llama']}", *extra))
+    for name, extra in DOCUMENT_LAYOUTS.items():
+        jobs[f"llama documents {name}"] = (root / f"llama_documents_{name}", (
+            *COMMON, f"model.hf={hf_dirs['llama']}", "data.document_masking=true", *extra))
     for dtype in LOW_PRECISION:
         jobs[f"llama {dtype}"] = (root / f"llama_{dtype}", (*COMMON, f"model.hf={hf_dirs['llama']}",
                                                              f"precision.compute_dtype={dtype}"))
@@ -94,6 +101,14 @@ def test_hf_model_in_low_precision_tracks_fp32(dtype, two_rank_runs, references)
 def test_a_model_without_the_llama_structure_trains_under_zero3(two_rank_runs, references):
     """GPT-2 (blocks in `transformer.h`, Conv1D, learned positions): FSDP units come from its block list."""
     _assert_parity(two_rank_runs["gpt2 zero3"], references["gpt2"])
+
+
+@pytest.mark.parametrize("layout", list(DOCUMENT_LAYOUTS))
+def test_hf_document_masking_trains_like_one_process(layout, two_rank_runs, references):
+    """Positions restart per document (transformers masks between packed sequences), on every layout."""
+    _assert_parity(two_rank_runs[f"llama documents {layout}"], references["llama documents"])
+    masked, plain = losses(references["llama documents"]), losses(references["llama"])
+    assert masked[10] != pytest.approx(plain[10], rel=1e-3)
 
 
 @pytest.mark.parametrize("layout", ["ddp", "zero3", "tp2", "pp2", "tp2-sp"])

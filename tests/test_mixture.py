@@ -117,7 +117,7 @@ def test_resume_continues_every_source_even_when_the_weights_change():
 
 
 def _shards(directory, text: bytes, val: bytes = b""):
-    writer = ShardWriter(directory, 257, "byte", 256)
+    writer = ShardWriter(directory, 256, "byte", 0)
     writer.append("train", np.frombuffer(text, dtype=np.uint8))
     writer.append("val", np.frombuffer(val, dtype=np.uint8))
     writer.close()
@@ -147,8 +147,7 @@ def test_mixture_trains_evaluates_per_source_and_resumes_in_the_stream(tmp_path)
     a = _shards(tmp_path / "prose", corpus, corpus[:4000])
     b = _shards(tmp_path / "digits", bytes(str(list(range(4000))), "ascii"), b"0123456789" * 400)
     mix = f"data.source={{{a}: 0.7, {b}: 0.3}}"
-    common = (mix, "train.steps=8", "train.eval_every=4", "train.eval_batches=1", "checkpoint.every_steps=4",
-              "model.vocab_size=257")
+    common = (mix, "train.steps=8", "train.eval_every=4", "train.eval_batches=1", "checkpoint.every_steps=4")
     step4 = tmp_path / "full" / "checkpoints" / "step_00000004"
     runs = train_many({"full": (tmp_path / "full", common),
                        "resumed": (tmp_path / "resumed", (*common, f"checkpoint.resume={step4}"))}, nproc=2)

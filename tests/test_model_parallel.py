@@ -21,6 +21,7 @@ TWO_RANKS = {
     "pp2-layers-1-3": ("parallel.pp=2", "parallel.pp_layers=[1,3]"),  # an unbalanced, hand-set split
     "pp2-tied": ("parallel.pp=2", "model.tie_embeddings=true"),
     "pp2-interleaved-tied": ("parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "model.tie_embeddings=true"),
+    "tp2-sp-documents": ("parallel.tp=2", "parallel.sequence_parallel=true", "data.document_masking=true"),
 }
 FOUR_RANKS = {
     "fsdp x tp": ("parallel.dp_shard=2", "parallel.tp=2", "parallel.zero_stage=3"),
@@ -30,13 +31,21 @@ FOUR_RANKS = {
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    return train(tmp_path_factory.mktemp("ref") / "run", *COMMON)
+def references(tmp_path_factory):
+    """One process: plain, with tied embeddings, with document masking."""
+    root = tmp_path_factory.mktemp("ref")
+    return train_many({"plain": (root / "run", COMMON), "tied": (root / "tied", (*COMMON, "model.tie_embeddings=true")),
+                       "documents": (root / "documents", (*COMMON, "data.document_masking=true"))}, nproc=1)
 
 
 @pytest.fixture(scope="module")
-def tied_reference(tmp_path_factory):
-    return train(tmp_path_factory.mktemp("tied") / "run", *COMMON, "model.tie_embeddings=true")
+def reference(references):
+    return references["plain"]
+
+
+@pytest.fixture(scope="module")
+def tied_reference(references):
+    return references["tied"]
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +91,12 @@ def test_pipeline_schedules_equal_single_process(schedule, two_rank_runs, refere
     bubbles = [r["pp_bubble"] for r in records(run) if "event" not in r]
     assert len(bubbles) == 20 and all(0 <= b < 1 for b in bubbles)
     assert [e["step"] for e in records(run) if e.get("event") == "eval"] == [10, 20]
+
+
+def test_document_masking_under_tensor_and_sequence_parallel_equals_one_process(two_rank_runs, references):
+    """Masking changes training (windows of the built-in corpus cross documents), the same on every layout."""
+    _assert_parity(two_rank_runs["tp2-sp-documents"], references["documents"])
+    assert losses(references["documents"])[20] != pytest.approx(losses(references["plain"])[20], rel=1e-3)
 
 
 @pytest.mark.parametrize("layout", list(FOUR_RANKS))

@@ -53,6 +53,9 @@ def validate_config(cfg) -> None:
     from disttrain.data.source import describe_source
 
     info = describe_source(cfg.data.source, tokenizer_for(cfg))
+    if cfg.data.document_masking and info.eos_id is None and not str(cfg.data.source).startswith("py:"):
+        raise UserError(f"data.document_masking=true: the tokenizer of data.source={cfg.data.source} has no "
+                        "end-of-document token to mask at (allowed with it: false)")
     if shape is not None and shape.vocab_size < info.vocab_size:
         raise UserError(f"model.vocab_size={shape.vocab_size} is smaller than the tokenizer's vocabulary "
                         f"({info.vocab_size} tokens from {info.tokenizer_name}); set model.vocab_size>={info.vocab_size}")
@@ -132,6 +135,25 @@ def _check_model_can_be_cut(cfg, layout: Layout) -> None:
                         "parallel.pp=1)")
 
 
+def _check_document_masking(cfg, layout: Layout) -> None:
+    """Masking needs token ids with end-of-document tokens, seen by the whole model at once."""
+    from disttrain.data.source import PY_PREFIX
+    from disttrain.models.registry import model_spec
+
+    source = cfg.data.source
+    if isinstance(source, str) and source.startswith(PY_PREFIX):
+        raise UserError(f"data.document_masking=true needs token windows with end-of-document tokens; "
+                        f"data.source={source} gives (input, target) pairs (allowed with it: false)")
+    if layout.pp > 1:
+        raise UserError(f"data.document_masking=true with parallel.pp={layout.pp}: a later pipeline stage sees "
+                        "hidden states, not the token ids the document boundaries come from (allowed: "
+                        "parallel.pp=1, or document_masking=false)")
+    spec = model_spec(cfg.model)
+    if spec.mask_documents is None:
+        raise UserError(f"data.document_masking=true: model {spec.name} has no document masking (its ModelSpec "
+                        "sets no mask_documents; allowed for it: false)")
+
+
 def _check_model_can_be_balanced(cfg) -> None:
     """Uneven shares mean ranks run different numbers of forward passes: nothing may communicate in one."""
     from disttrain.models.registry import model_spec
@@ -153,6 +175,8 @@ def validate_world(cfg, world_size: int, device_type: str = "cuda") -> Layout:
         _check_model_can_be_cut(cfg, layout)
     if layout.balanced and layout.dp > 1:
         _check_model_can_be_balanced(cfg)
+    if cfg.data.document_masking:
+        _check_document_masking(cfg, layout)
     if cfg.parallel.compile and layout.tp > 1 and device_type == "cpu":
         # torch 2.13: the compiled block's backward hands a plain tensor to DTensor's redistribute
         # backward ("'Tensor' object has no attribute '_local_tensor'"); eager TP and compiled DDP/FSDP work.

@@ -17,6 +17,7 @@ from disttrain.errors import UserError
 class SourceInfo:
     vocab_size: int
     tokenizer_name: str
+    eos_id: int | None = None
 
 
 def _tokenizer_spec(source, tokenizer: str) -> str:
@@ -80,7 +81,7 @@ def describe_mixture(mixture: dict) -> SourceInfo:
             raise UserError(f"data.source: {other} was tokenised differently from {first} (a mixture needs one "
                             "tokenizer; prepare both with the same --tokenizer)")
     meta = shards.read_meta(first)
-    return SourceInfo(meta["vocab_size"], f"{first}/meta.json")
+    return SourceInfo(meta["vocab_size"], f"{first}/meta.json", meta.get("eos_id"))
 
 
 def describe_source(source, tokenizer: str) -> SourceInfo:
@@ -105,14 +106,14 @@ def describe_source(source, tokenizer: str) -> SourceInfo:
             raise UserError(f"data.source={source}: {exc}") from None
         if meta["splits"].get("train", 0) == 0:
             raise UserError(f"data.source={source}: the train split holds no tokens")
-        return SourceInfo(meta["vocab_size"], f"{source}/meta.json")
+        return SourceInfo(meta["vocab_size"], f"{source}/meta.json", meta.get("eos_id"))
     if tokenizer != "byte" and not Path(tokenizer).is_file():
         raise UserError(f"data.tokenizer={tokenizer}: no such file (allowed: byte, or a tokenizer.json path)")
     try:
         tok = load_tokenizer(tokenizer)
     except Exception as exc:  # tokenizers raises a bare Exception on malformed JSON
         raise UserError(f"data.tokenizer={tokenizer}: cannot be loaded ({str(exc).splitlines()[0]})") from None
-    return SourceInfo(tok.vocab_size, tok.name)
+    return SourceInfo(tok.vocab_size, tok.name, tok.eos_id)
 
 
 def _concat(token_lists: list[list[int]], eos_id: int | None, dtype: np.dtype) -> np.ndarray:

@@ -52,6 +52,9 @@ class ModelSpec:
     """Normalise BatchNorm layers over the whole data-parallel batch (SyncBatchNorm) when dp > 1."""
     tied_parameters: tuple[tuple[str, ...], ...] = ()
     """Groups of parameter names that are one tensor (e.g. input embedding and output layer)."""
+    mask_documents: Callable[[nn.Module, int], None] | None = None
+    """Make the whole (unsplit) module stop attention at an end-of-document id and restart positions
+    after it (`data.document_masking`); None: the family cannot."""
     to_hf: Callable[[dict], dict] | None = None
     from_hf: Callable[[dict], dict] | None = None
     hf_config: Callable[[], dict] | None = None

@@ -95,6 +95,8 @@ def build_run(cfg: RunConfig, rt: Runtime) -> Run:
     if cfg.model.hf:
         log.info("model from %s (%s); model.name=%s is ignored", cfg.model.hf, spec.name, cfg.model.name)
     model = build_model(spec, rt.device, t.seed)
+    if cfg.data.document_masking:  # validation checked the spec can and the tokenizer has an end token
+        spec.mask_documents(model, tokenizer.eos_id)
     if cfg.model.init_from:
         from disttrain.checkpoint.export import init_from
 

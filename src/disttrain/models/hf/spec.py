@@ -112,8 +112,15 @@ def hf_spec(directory: str) -> ModelSpec:
         loss_sum=lambda out, targets: token_cross_entropy_sum(logits_of(out), targets), logits=logits_of,
         tensor_parallel=parallel_plan.tensor_parallel if has_tp else None, sequence_parallel=has_tp,
         pipeline_split=parallel_plan.pipeline_split if splittable else None, tied_parameters=tied,
+        mask_documents=mask_documents,
         to_hf=dict, from_hf=dict, hf_config=lambda: {**raw, "use_cache": True},
         load_pretrained=lambda m: load_pretrained(m, directory), fingerprint=fingerprint)
+
+
+def mask_documents(model: nn.Module, eos_id: int) -> None:
+    from disttrain.models.documents import position_ids_from_documents
+
+    model.register_forward_pre_hook(position_ids_from_documents(eos_id), with_kwargs=True)
 
 
 def logits_of(out) -> torch.Tensor:

@@ -13,14 +13,14 @@ from disttrain.models.shape import ModelShape
 def llama_spec(shape: ModelShape):
     from disttrain.models.llama import hf_names, parallel_plan
     from disttrain.models.llama.init import init_weights
-    from disttrain.models.llama.model import Transformer
+    from disttrain.models.llama.model import Transformer, mask_documents
     from disttrain.models.spec import ModelSpec
 
     tied = (("tok_embeddings.weight", "output.weight"),) if shape.tie_embeddings else ()
     return ModelSpec(
         name="llama", build=partial(Transformer, shape), init_weights=init_weights, blocks=lambda m: m.layers,
         shape=shape, max_seq_len=shape.max_seq_len, tensor_parallel=parallel_plan.tensor_parallel,
-        pipeline_split=parallel_plan.pipeline_split, tied_parameters=tied,
+        pipeline_split=parallel_plan.pipeline_split, tied_parameters=tied, mask_documents=mask_documents,
         to_hf=partial(hf_names.to_hf, shape=shape), from_hf=hf_names.from_hf,
         hf_config=partial(hf_names.hf_config, shape), fingerprint=shape_fingerprint(shape))
 

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from disttrain.models.documents import block_causal_mask, document_positions
 from disttrain.models.shape import ModelShape
 
 
@@ -22,10 +23,11 @@ def rotary_tables(head_dim: int, max_seq_len: int, theta: float, device=None) ->
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (batch, seq, heads, head_dim); the rotate-half convention used by HF Llama checkpoints."""
+    """x: (batch, seq, heads, head_dim); cos/sin (seq, head_dim), or (batch, seq, head_dim) when positions
+    differ per sequence; the rotate-half convention used by HF Llama checkpoints."""
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    cos, sin = (cos[None, :, None, :], sin[None, :, None, :]) if cos.ndim == 2 else (cos[:, :, None], sin[:, :, None])
     return (x.float() * cos + rotated.float() * sin).type_as(x)
 
 
@@ -39,16 +41,18 @@ class Attention(nn.Module):
         self.wv = nn.Linear(shape.dim, shape.n_kv_heads * hd, bias=False)
         self.wo = nn.Linear(shape.n_heads * hd, shape.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
         b, t, _ = x.shape
         # Head counts and length come from the tensors: a tensor-parallel shard sees its local heads,
         # and under sequence parallelism only attention sees the whole sequence.
-        cos, sin = cos[:t], sin[:t]
+        cos, sin = cos[..., :t, :], sin[..., :t, :]
         q = apply_rotary(self.wq(x).view(b, t, -1, self.head_dim), cos, sin)
         k = apply_rotary(self.wk(x).view(b, t, -1, self.head_dim), cos, sin)
         v = self.wv(x).view(b, t, -1, self.head_dim)
         q, k, v = (y.transpose(1, 2) for y in (q, k, v))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                             enable_gqa=q.shape[1] != k.shape[1])
         return self.wo(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -73,8 +77,9 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = nn.RMSNorm(shape.dim, eps=shape.norm_eps)
         self.feed_forward = FeedForward(shape.dim, shape.ffn_hidden_dim)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -90,6 +95,7 @@ class Transformer(nn.Module):
         cos, sin = rotary_tables(shape.head_dim, shape.max_seq_len, shape.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        self.document_eos: int | None = None  # set by `mask_documents`
 
     def tie_weights(self) -> None:
         """Share the output matrix with the embedding; redo after `to_empty`, which unties them."""
@@ -106,8 +112,17 @@ class Transformer(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens (batch, seq) int64 -> logits (batch, seq, vocab); on a middle pipeline stage, hidden states."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        cos, sin, mask = self.rope_cos, self.rope_sin, None
+        if self.document_eos is not None:  # whole-model only (a pipeline stage never sees token ids)
+            positions, documents = document_positions(tokens, self.document_eos)
+            cos, sin, mask = cos[positions], sin[positions], block_causal_mask(documents)
         for block in self.layers.values():
-            h = block(h, self.rope_cos, self.rope_sin)
+            h = block(h, cos, sin, mask)
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h
+
+
+def mask_documents(model: Transformer, eos_id: int) -> None:
+    """Attention stops at `eos_id` and rotary positions restart after it (data.document_masking)."""
+    model.document_eos = eos_id

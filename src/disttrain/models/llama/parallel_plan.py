@@ -38,9 +38,9 @@ def block_plan(sequence_parallel: bool) -> dict:
         plan.update({
             "attention_norm": SequenceParallel(),
             "ffn_norm": SequenceParallel(),
-            # gather the sequence before the column-wise projections (rotary tables stay local)
-            "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
-                                            desired_input_layouts=(Replicate(), None, None)),
+            # gather the sequence before the column-wise projections (rotary tables and mask stay local)
+            "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None, None),
+                                            desired_input_layouts=(Replicate(), None, None, None)),
             "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
         })
     return plan
@@ -79,6 +79,7 @@ class StageModule(nn.Module):
         self.output = model.output if last else None
         self.register_buffer("rope_cos", model.rope_cos, persistent=False)
         self.register_buffer("rope_sin", model.rope_sin, persistent=False)
+        self.document_eos = None  # document masking needs token ids, which only the first stage has
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return Transformer.forward(self, h)
