@@ -136,6 +136,10 @@ ARGUMENT_MISTAKES = {
                                              "--nnodes needs --nproc-per-node N"),
     "shutdown timeout without --nproc-per-node": (["train", str(DEBUG_CONFIG), "--shutdown-timeout", "60"],
                                                   "--shutdown-timeout needs --nproc-per-node N"),
+    "malformed rdzv conf": (["train", str(DEBUG_CONFIG), "--nproc-per-node", "2", "--rdzv-conf", "last_call_timeout"],
+                            "--rdzv-conf=last_call_timeout: 'last_call_timeout' is not key=value"),
+    "negative exit barrier": (["train", str(DEBUG_CONFIG), "--nproc-per-node", "2", "--exit-barrier-timeout", "-1"],
+                              "--exit-barrier-timeout=-1: must be at least 0 seconds"),
     "nccl without CUDA": (["train", str(DEBUG_CONFIG), "distributed.backend=nccl"],
                           "distributed.backend=nccl needs CUDA devices and none are visible"),
 }

@@ -32,6 +32,11 @@ def test_self_launch_passes_elastic_options_through():
                                        rdzv_id="job7"), ["train", "c.yaml", "optim.lr=1e-3"])
     assert args[:3] == ["--nproc-per-node=8", "--nnodes=1:4", "--max-restarts=3"]
     assert "--rdzv-endpoint=head:29400" in args and "--rdzv-id=job7" in args and "--standalone" not in args
+    # disttrain's rendezvous defaults, each overridable
+    assert "--rdzv-conf=last_call_timeout=5,keep_alive_interval=2,keep_alive_max_attempt=3" in args
+    custom = torchrun_args(LaunchOptions("8", nnodes="2", rdzv_endpoint="head:29400",
+                                         rdzv_conf="last_call_timeout=60, join_timeout=900"), ["train"])
+    assert "--rdzv-conf=last_call_timeout=60,keep_alive_interval=2,keep_alive_max_attempt=3,join_timeout=900" in custom
     assert args[-5:] == ["-m", "disttrain", "train", "c.yaml", "optim.lr=1e-3"]
     assert "--standalone" in torchrun_args(LaunchOptions("2"), ["train", "c.yaml"])
 

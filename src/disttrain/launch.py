@@ -21,6 +21,8 @@ class LaunchOptions:
     rdzv_backend: str = "c10d"
     rdzv_id: str | None = None
     shutdown_timeout: int = 120  # seconds the agent waits for workers to save after SIGTERM/SIGUSR1
+    rdzv_conf: str = ""  # key=value,... for the rendezvous, over RDZV_DEFAULTS
+    exit_barrier_timeout: int = 30  # seconds a finished agent waits for the other nodes' agents
 
 
 def resolve_nproc(value: str) -> int:
@@ -37,6 +39,25 @@ def max_world_size(opts: LaunchOptions) -> int:
     return resolve_nproc(opts.nproc_per_node) * nnodes
 
 
+# Multi-node rendezvous settings (torch's defaults: 30 s last call, 5 s x 3 heartbeats). A lost node is
+# declared dead after keep_alive_interval x keep_alive_max_attempt seconds, and a rendezvous that has its
+# minimum of nodes waits last_call_timeout for more: with torch's values a node loss took 47 s to recover
+# here, with these under 10 s (docs/benchmarks.md). A node that arrives after the last call is admitted
+# by a restart at the next rendezvous, so a short last call costs nothing but that restart.
+RDZV_DEFAULTS = {"last_call_timeout": "5", "keep_alive_interval": "2", "keep_alive_max_attempt": "3"}
+
+
+def rdzv_conf(user: str) -> str:
+    """RDZV_DEFAULTS overridden by the user's `key=value,...`; ValueError on a malformed item."""
+    conf = dict(RDZV_DEFAULTS)
+    for item in filter(None, (x.strip() for x in user.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key or not value:
+            raise ValueError(f"{item!r} is not key=value")
+        conf[key] = value
+    return ",".join(f"{k}={v}" for k, v in conf.items())
+
+
 # The agent's default list lacks SIGUSR1 (SLURM's warning signal): it would die of it and orphan the
 # workers. Handled, the agent passes the signal on to the workers and waits `--shutdown-timeout`.
 AGENT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
@@ -47,7 +68,8 @@ def torchrun_args(opts: LaunchOptions, module_args: list[str]) -> list[str]:
             f"--max-restarts={opts.max_restarts}", f"--signals-to-handle={AGENT_SIGNALS}",
             f"--shutdown-timeout={opts.shutdown_timeout}"]
     if opts.rdzv_endpoint:
-        args += [f"--rdzv-backend={opts.rdzv_backend}", f"--rdzv-endpoint={opts.rdzv_endpoint}"]
+        args += [f"--rdzv-backend={opts.rdzv_backend}", f"--rdzv-endpoint={opts.rdzv_endpoint}",
+                 f"--rdzv-conf={rdzv_conf(opts.rdzv_conf)}"]
         if opts.rdzv_id:
             args.append(f"--rdzv-id={opts.rdzv_id}")
         if opts.node_rank is not None:
@@ -67,7 +89,13 @@ def relaunch(opts: LaunchOptions, module_args: list[str]) -> int:
     kill, SIGUSR1 as SLURM's warning), so workers can save; returns torchrun's exit status."""
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # torchrun would set it too, with a warning per launch
-    cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args(opts, module_args)]
+    env["DISTTRAIN_EXIT_BARRIER_S"] = str(opts.exit_barrier_timeout)
+    if opts.rdzv_endpoint:
+        # torch 2.13: with the agents' shared TCPStore, an agent that was rank 0 before a membership change
+        # does not publish the new round's MASTER_ADDR, and a node that joins (a replacement, or one scaling
+        # the run back up) waits for it until it times out. Without sharing, each round publishes its own.
+        env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    cmd = [sys.executable, "-m", "disttrain.distributed.agent", *torchrun_args(opts, module_args)]
     child = subprocess.Popen(cmd, env=env)
     previous = {sig: signal.signal(sig, lambda signum, frame: child.send_signal(signum)) for sig in FORWARDED_SIGNALS}
     try:

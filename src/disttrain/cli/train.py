@@ -15,7 +15,8 @@ from disttrain.errors import EXIT_HEALTH, EXIT_PREEMPTED, UserError
 from disttrain.validation import validate_world
 
 PROCESS_START = time.time()  # before torch is imported: recovery benchmarks split start-up time
-LAUNCH_FLAGS = ("nnodes", "node_rank", "max_restarts", "rdzv_endpoint", "rdzv_id", "shutdown_timeout")
+LAUNCH_FLAGS = ("nnodes", "node_rank", "max_restarts", "rdzv_endpoint", "rdzv_id", "shutdown_timeout", "rdzv_conf",
+                "exit_barrier_timeout")
 
 
 def add_parser(sub) -> None:
@@ -33,6 +34,12 @@ def add_parser(sub) -> None:
     launch.add_argument("--shutdown-timeout", type=int, default=None,
                         help="seconds workers get to save an emergency checkpoint after SIGTERM/SIGUSR1 before the "
                              "agent kills them (default 120; keep it under the scheduler's grace period)")
+    launch.add_argument("--rdzv-conf", default=None,
+                        help="rendezvous settings key=value,... over disttrain's defaults (last_call_timeout=5, "
+                             "keep_alive_interval=2, keep_alive_max_attempt=3)")
+    launch.add_argument("--exit-barrier-timeout", type=int, default=None,
+                        help="seconds a node whose workers finished waits for the other nodes (default 30; "
+                             "torchrun's own is 300)")
 
 
 def _setup_logging(run_dir: Path, rank: int) -> None:
@@ -50,13 +57,20 @@ def _setup_logging(run_dir: Path, rank: int) -> None:
 
 
 def _self_launch(args: argparse.Namespace, cfg, overrides: list[str]) -> int:
-    from disttrain.launch import LaunchOptions, max_world_size, relaunch
+    from disttrain.launch import LaunchOptions, max_world_size, rdzv_conf, relaunch
 
     opts = LaunchOptions(args.nproc_per_node, args.nnodes or "1", args.node_rank, args.max_restarts or 0,
                          args.rdzv_endpoint, args.rdzv_backend, args.rdzv_id,
-                         120 if args.shutdown_timeout is None else args.shutdown_timeout)
-    if opts.shutdown_timeout < 0:
-        raise UserError(f"--shutdown-timeout={opts.shutdown_timeout}: must be at least 0 seconds")
+                         120 if args.shutdown_timeout is None else args.shutdown_timeout, args.rdzv_conf or "",
+                         30 if args.exit_barrier_timeout is None else args.exit_barrier_timeout)
+    for flag in ("shutdown_timeout", "exit_barrier_timeout"):
+        if getattr(opts, flag) < 0:
+            raise UserError(f"--{flag.replace('_', '-')}={getattr(opts, flag)}: must be at least 0 seconds")
+    try:
+        rdzv_conf(opts.rdzv_conf)
+    except ValueError as exc:
+        raise UserError(f"--rdzv-conf={opts.rdzv_conf}: {exc} (allowed: key=value,... e.g. "
+                        "last_call_timeout=5,join_timeout=600)") from None
     if opts.nproc_per_node != "auto" and (not opts.nproc_per_node.isdigit() or int(opts.nproc_per_node) < 1):
         raise UserError(f"--nproc-per-node={opts.nproc_per_node}: must be a positive integer or auto")
     if str(opts.nnodes) != "1" and not opts.rdzv_endpoint:
@@ -138,6 +152,7 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> None:
         sys.exit(EXIT_HEALTH)
     finally:  # also on SystemExit and on a UserError found once running (it reaches cli.main)
         shutdown()
+    run.faults.at_exit()
     if env.rank == 0:
         loss = f"final loss {result.final_loss:.4f}, " if result.final_loss is not None else ""
         print(f"done: {result.final_step} steps, {loss}run directory {Path(result.run_dir).resolve()}", flush=True)

@@ -50,15 +50,19 @@ def pick_device(env: DistEnv) -> torch.device:
 def _job_store(env: DistEnv, timeout: timedelta) -> dist.Store:
     """The job's key-value store, with keys private to this restart attempt.
 
-    Under torchrun the agent hosts one store for the whole job and keeps it across restarts;
-    without a per-attempt prefix, a restarted worker can read the previous attempt's gloo
-    addresses and fail with "connectFullMesh ... Connection refused" (seen with torch 2.13 when
-    the lowest rank died first).
+    Under torchrun the agent may host one store for the whole job and keep it across restarts; without a
+    per-attempt prefix, a restarted worker can read the previous attempt's gloo addresses and fail with
+    "connectFullMesh ... Connection refused" (seen with torch 2.13 when the lowest rank died first). The
+    restart count is per agent, so this needs every agent to have restarted alike (one node). Multi-node
+    launches by disttrain turn the shared store off (launch.py): each rendezvous round then publishes a fresh
+    store that rank 0 hosts, and nodes that restarted a different number of times (a replacement, a node
+    rejoining) still agree on the keys.
     """
     agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = dist.TCPStore(env.master_addr, env.master_port, env.world_size,
                           is_master=not agent_hosts and env.rank == 0, timeout=timeout)
-    return dist.PrefixStore(f"disttrain/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") if agent_hosts else "fresh"
+    return dist.PrefixStore(f"disttrain/attempt_{attempt}", store)
 
 
 def init_distributed(env: DistEnv, backend: str = "auto", timeout_s: float = 600.0) -> Runtime:

@@ -8,6 +8,9 @@ to kill, signal or stall one rank at a chosen step of the first attempt (not aft
     DISTTRAIN_FAULT="nan:rank=0:step=3"             make this rank's loss NaN in step 3
     DISTTRAIN_FAULT="desync:rank=1:step=4"          nudge one parameter on this rank after step 4
     DISTTRAIN_FAULT="slow:rank=1:step=0:seconds=0.05" sleep before every step's forward (a straggler)
+    DISTTRAIN_FAULT="kill_agent_at_exit:rank=1:step=0" SIGKILL the torchrun agent as this worker finishes
+                                                    (a node that vanishes once training is done)
+    (add ":attempts=all" to apply a fault after restarts too; by default only the first attempt has it)
     DISTTRAIN_FAULT="slowdown:rank=1:step=0:factor=2" every forward and backward takes 2x as long (a slower GPU)
     DISTTRAIN_FAULT="hang_backward:rank=1:step=5:seconds=600" stop inside step 5's (first) backward
 """
@@ -28,6 +31,7 @@ class Fault:
     sig: str = "TERM"
     seconds: float = 0.0
     factor: float = 1.0
+    every_attempt: bool = False
 
 
 def parse_fault(spec: str | None) -> Fault | None:
@@ -36,14 +40,14 @@ def parse_fault(spec: str | None) -> Fault | None:
     kind, *fields = spec.split(":")
     kv = dict(f.split("=", 1) for f in fields)
     return Fault(kind, int(kv["rank"]), int(kv["step"]), kv.get("sig", "TERM"), float(kv.get("seconds", 0)),
-                 float(kv.get("factor", 1)))
+                 float(kv.get("factor", 1)), kv.get("attempts", "first") == "all")
 
 
 class FaultInjector:
     def __init__(self, rank: int, environ=os.environ):
         fault = parse_fault(environ.get("DISTTRAIN_FAULT"))
         first_attempt = environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-        self.fault = fault if fault and fault.rank == rank and first_attempt else None
+        self.fault = fault if fault and fault.rank == rank and (first_attempt or fault.every_attempt) else None
         self._phase_start = time.perf_counter()
 
     def _record(self, kind: str, step: int) -> None:
@@ -52,6 +56,12 @@ class FaultInjector:
         if path:
             with open(path, "a") as f:
                 f.write(f'{{"fault": "{kind}", "step": {step}, "time": {time.time()}}}\n')
+
+    def at_exit(self) -> None:
+        """Called after a run completed, just before the worker exits 0."""
+        if self.fault is not None and self.fault.kind == "kill_agent_at_exit":
+            self._record(self.fault.kind, 0)
+            os.kill(os.getppid(), signal.SIGKILL)
 
     def after_save(self, step: int) -> None:
         f = self.fault

@@ -1,0 +1,114 @@
+"""Nodes that come and go: two `disttrain train` launchers on loopback act as two nodes of an elastic run
+(`--nnodes 1:2`, one worker each). Real processes, real SIGKILLs of a whole node (launcher, agent, worker)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers import DEBUG_CONFIG, REPO, assert_losses_close, cli_env, events, losses, train
+
+# 0.3 s per step (a sleep on rank 0, after restarts too) leaves time to kill and rejoin mid-run.
+PACE = "slow:rank=0:step=0:seconds=0.3:attempts=all"
+RUN = ("train.steps=60", "train.global_batch_size=4", "checkpoint.every_steps=5")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _node(run_dir: Path, port: int, *extra: str, fault: str = PACE) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "disttrain", "train", str(DEBUG_CONFIG), f"run.dir={run_dir.parent}",
+           f"run.name={run_dir.name}", "distributed.timeout_s=60", *extra, "--nproc-per-node", "1", "--nnodes", "1:2",
+           "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_dir.name, "--max-restarts", "3"]
+    env = {**cli_env(), "DISTTRAIN_FAULT": fault, "DISTTRAIN_FAULT_LOG": str(run_dir.parent / "faults.jsonl")}
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def _process_tree(pid: int) -> list[int]:
+    """The process and its descendants (torchrun starts workers in sessions of their own)."""
+    tree = [pid]
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            children = (task / "children").read_text().split()
+        except OSError:
+            children = []
+        for child in children:
+            tree += _process_tree(int(child))
+    return tree
+
+
+def _kill_node(node: subprocess.Popen) -> None:
+    for pid in _process_tree(node.pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    node.wait()
+
+
+def _wait_for(predicate, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+def _logged_steps(run_dir: Path, after: float = 0.0) -> list[int]:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r["step"] for r in records if "loss" in r and "event" not in r and r["time"] > after]
+
+
+@pytest.mark.slow
+def test_a_lost_node_is_survived_and_a_returning_node_rejoins_the_same_stream(tmp_path):
+    """Node B is killed whole: node A resumes alone (world 1) from the last checkpoint; B started again is
+    admitted at the next restart point (A's worker saves on the agent's SIGTERM, both resume at world 2) and
+    the losses of every step are those of one uninterrupted process."""
+    run, port = tmp_path / "elastic", _free_port()
+    a = _node(run, port, *RUN)
+    time.sleep(1)  # A hosts the rendezvous
+    b = _node(run, port, *RUN)
+    _wait_for(lambda: max(_logged_steps(run), default=0) >= 12)
+    killed = time.time()
+    _kill_node(b)
+    _wait_for(lambda: max(_logged_steps(run, after=killed), default=0) >= 25)
+    b = _node(run, port, *RUN)
+    assert a.wait(timeout=300) == 0 and b.wait(timeout=300) == 0, a.stdout.read()[-3000:]
+
+    resumed = [(e["step"], e["world_size"]) for e in events(run, "resumed")]
+    assert [w for _, w in resumed] == [1, 2], resumed
+    assert resumed[0][0] <= 12 and resumed[1][0] >= 25  # scale-down from a checkpoint, scale-up mid-run
+    reference = train(tmp_path / "one_process", *RUN)
+    assert sorted(losses(run)) == list(range(1, 61))
+    assert_losses_close(losses(run), losses(reference), rel=1e-5)
+
+
+@pytest.mark.slow
+def test_a_node_vanishing_after_the_end_does_not_hold_the_other_in_the_exit_barrier(tmp_path):
+    """torchrun's agent waits 300 s for the other agents once its workers finish; `--exit-barrier-timeout`
+    bounds it: node B's agent dies as training ends, node A exits 0 within seconds."""
+    run, port = tmp_path / "ending", _free_port()
+    common = ("train.steps=6", "--exit-barrier-timeout", "3")
+    nodes = [_node(run, port, *common, fault="kill_agent_at_exit:rank=1:step=0")]
+    time.sleep(1)
+    nodes.append(_node(run, port, *common, fault="kill_agent_at_exit:rank=1:step=0"))
+    _wait_for(lambda: any(n.poll() is not None for n in nodes))  # the node whose worker had rank 1
+    started_waiting = time.monotonic()
+    survivor = next(n for n in nodes if n.poll() is None)
+    assert survivor.wait(timeout=120) == 0
+    assert time.monotonic() - started_waiting < 60  # torchrun's own barrier would hold it for 300 s
+    assert max(losses(run)) == 6 and events(run, "finished")
