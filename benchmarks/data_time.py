@@ -10,10 +10,8 @@ over its logged steps after the second; repetitions interleave prefetch on and o
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -21,6 +19,10 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+
+from disttrain.bench.results import write_results  # noqa: E402
+
 SHAPES = {"tiny": ["model.name=tiny", "data.seq_len=128", "train.global_batch_size=16", "train.micro_batch_size=8",
                    "train.steps=40"],
           "125m": ["model.name=125m", "data.seq_len=256", "train.global_batch_size=4", "train.micro_batch_size=2",
@@ -58,10 +60,7 @@ def main() -> None:
     summary = {f"{shape} prefetch={'on' if p else 'off'}": {
         k: statistics.median(r[k] for r in rows if r["shape"] == shape and r["prefetch"] == p)
         for k in ("data_share", "data_s", "step_s")} for shape in SHAPES for p in (True, False)}
-    Path(args.out).write_text(json.dumps({"date": datetime.date.today().isoformat(),
-                                          "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-                                          "command": "python benchmarks/data_time.py " + " ".join(sys.argv[1:]),
-                                          "rows": rows, "summary": summary}, indent=1))
+    write_results(args.out, rows=rows, summary=summary)
     print(json.dumps(summary, indent=1))
 
 

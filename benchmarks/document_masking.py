@@ -10,10 +10,7 @@ figures are medians with ranges, wall and CPU seconds per token, and the ratio w
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -25,6 +22,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
+from disttrain.bench.results import write_results  # noqa: E402
 from disttrain.data.loader import TokenWindows  # noqa: E402
 from disttrain.data.source import load_splits  # noqa: E402
 from disttrain.models.llama import llama_spec  # noqa: E402
@@ -88,10 +86,7 @@ def main() -> None:
                          "masked_s": statistics.median(r["masked_s"] for r in mine),
                          "plain_cpu_s_per_token": statistics.median(r["plain_cpu_s_per_token"] for r in mine),
                          "masked_cpu_s_per_token": statistics.median(r["masked_cpu_s_per_token"] for r in mine)}
-    Path(args.out).write_text(json.dumps({"date": datetime.date.today().isoformat(),
-                                          "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-                                          "command": "python benchmarks/document_masking.py " + " ".join(sys.argv[1:]),
-                                          "rows": rows, "summary": summary}, indent=1))
+    write_results(args.out, rows=rows, summary=summary)
     print(json.dumps(summary, indent=1))
 
 

@@ -14,7 +14,6 @@ import argparse
 import json
 import os
 import re
-import signal
 import socket
 import statistics
 import subprocess
@@ -25,6 +24,11 @@ from datetime import datetime
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+
+from disttrain.bench.processes import kill_tree  # noqa: E402
+from disttrain.bench.results import write_results  # noqa: E402
+
 SETTINGS = {"disttrain": "", "torch": "last_call_timeout=30,keep_alive_interval=5,keep_alive_max_attempt=3"}
 AGENT_FAILED = re.compile(r"^E(\d\d)(\d\d) (\d\d:\d\d:\d\d\.\d+) .*\] failed \(exitcode")
 STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \[rank 0\] INFO (\S+): (.*)$")
@@ -39,22 +43,8 @@ def _node(root: Path, port: int, conf: str, log: Path) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def _tree(pid: int) -> list[int]:
-    out = [pid]
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            out += [p for c in (task / "children").read_text().split() for p in _tree(int(c))]
-        except OSError:
-            pass
-    return out
-
-
 def _kill(node: subprocess.Popen) -> None:
-    for pid in _tree(node.pid):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    kill_tree(node.pid)
     node.wait()
 
 
@@ -124,9 +114,7 @@ def main() -> None:
                           "min": min(r[k] for r in rows if r["settings"] == name),
                           "max": max(r[k] for r in rows if r["settings"] == name)} for k in keys}
                for name in SETTINGS}
-    Path(args.out).write_text(json.dumps({"date": datetime.now().date().isoformat(), "command":
-                                          "python benchmarks/node_recovery.py " + " ".join(sys.argv[1:]),
-                                          "runs": rows, "summary": summary}, indent=1))
+    write_results(args.out, runs=rows, summary=summary)
     for name, phases in summary.items():
         print(f"\n{name}: " + ", ".join(f"{k} {v['median']:.2f} ({v['min']:.2f}-{v['max']:.2f})"
                                          for k, v in phases.items()))

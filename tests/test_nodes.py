@@ -4,8 +4,6 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
 import socket
 import subprocess
 import sys
@@ -14,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from disttrain.bench.processes import kill_tree
 from helpers import DEBUG_CONFIG, REPO, assert_losses_close, cli_env, events, losses, train
 
 # 0.3 s per step (a sleep on rank 0, after restarts too) leaves time to kill and rejoin mid-run.
@@ -36,25 +35,8 @@ def _node(run_dir: Path, port: int, *extra: str, fault: str = PACE) -> subproces
                             start_new_session=True)
 
 
-def _process_tree(pid: int) -> list[int]:
-    """The process and its descendants (torchrun starts workers in sessions of their own)."""
-    tree = [pid]
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            children = (task / "children").read_text().split()
-        except OSError:
-            children = []
-        for child in children:
-            tree += _process_tree(int(child))
-    return tree
-
-
 def _kill_node(node: subprocess.Popen) -> None:
-    for pid in _process_tree(node.pid):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    kill_tree(node.pid)
     node.wait()
 
 
