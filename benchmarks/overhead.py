@@ -16,7 +16,6 @@ because wall time on a shared 2-core VM drifts by 2-3x.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
 import statistics
@@ -86,8 +85,10 @@ def add_common_args(parser: argparse.ArgumentParser, out_name: str) -> None:
 
 
 def write_results(path: str, payload: dict) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(payload, indent=2))
+    """The payload with the date, machine and command line (disttrain.bench.results)."""
+    from disttrain.bench.results import write_results as write
+
+    write(path, **payload)
 
 
 def summarize(results: dict[str, list[dict]], baseline: str) -> dict:

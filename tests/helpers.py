@@ -110,7 +110,8 @@ def assert_losses_close(actual: dict[int, float], expected: dict[int, float], re
     assert worst <= rel, f"largest relative loss difference {worst:.3e} > {rel:.0e}"
 
 
-def assert_params_close(actual: dict, expected: dict, rel: float, lr: float, zero_gradient: tuple[str, ...] = ()) -> None:
+def assert_params_close(actual: dict, expected: dict, rel: float | dict, lr: float,
+                        zero_gradient: tuple[str, ...] = ()) -> None:
     """Each tensor within `rel` of the reference in norm, and no element off by 1/100 of an Adam step.
 
     Why not elementwise rtol: another fp32 summation order (all-reduce vs local accumulation,
@@ -125,11 +126,30 @@ def assert_params_close(actual: dict, expected: dict, rel: float, lr: float, zer
     (adding one vector to every key shifts each query's scores by a constant, which softmax ignores).
     They move only by rounding noise that Adam normalises, so their norm-relative difference compares
     noise with noise; the element bound still holds for them (measured: <= 1.7e-6 with lr 3e-3).
+
+    `rel` may be a dict (parameter name -> bound), e.g. from `noise_floor`.
     """
     assert actual.keys() == expected.keys()
     for name in expected:
         a, b = actual[name].detach().double(), expected[name].detach().double()
-        norm_rel = float((a - b).norm() / b.norm())
-        assert norm_rel <= rel or name.endswith(zero_gradient), f"{name}: relative difference {norm_rel:.2e} > {rel:.0e}"
+        norm_rel, bound = float((a - b).norm() / b.norm()), rel[name] if isinstance(rel, dict) else rel
+        assert norm_rel <= bound or name.endswith(zero_gradient), f"{name}: relative difference {norm_rel:.2e} > {bound:.1e}"
         worst = float((a - b).abs().max())
         assert worst <= 1e-2 * lr, f"{name}: an element differs by {worst:.2e} > 1e-2 x lr"
+
+
+def noise_floor(one: dict, other: dict, rel: float, factor: float = 10.0) -> dict[str, float]:
+    """Per-parameter norm bounds: `rel`, or `factor` x how far two single-process runs that differ only in
+    fp32 summation order (e.g. micro-batches of 1 and of 4) already are, where that is larger.
+
+    For layouts that reorder many more sums than data parallelism does (tensor parallel's partial products,
+    pipeline stages): after 20 Adam steps a few tensors of the debug model amplify fp32 reassociation noise
+    more than others, and which ones depends on the data order. Measured: one process with micro-batches of 4
+    vs 1 differs by 4.6e-6 in `layers.3.attention.wo.weight`, TP=2 by 2.0e-5 there (losses 2.3e-7 apart),
+    while every tensor without that sensitivity stays under 2e-6. A bug moves every tensor, not just these.
+    """
+    bounds = {}
+    for name in one:
+        a, b = one[name].detach().double(), other[name].detach().double()
+        bounds[name] = max(rel, factor * float((a - b).norm() / b.norm()))
+    return bounds

@@ -108,7 +108,7 @@ def test_hf_document_masking_trains_like_one_process(layout, two_rank_runs, refe
     """Positions restart per document (transformers masks between packed sequences), on every layout."""
     _assert_parity(two_rank_runs[f"llama documents {layout}"], references["llama documents"])
     masked, plain = losses(references["llama documents"]), losses(references["llama"])
-    assert masked[10] != pytest.approx(plain[10], rel=1e-3)
+    assert max(abs(masked[s] - plain[s]) / plain[s] for s in plain) > 1e-4  # 10x the parity tolerance
 
 
 @pytest.mark.parametrize("layout", ["ddp", "zero3", "tp2", "pp2", "tp2-sp"])

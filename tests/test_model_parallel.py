@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import assert_losses_close, assert_params_close, load_model_params, losses, records, train, train_many
+from helpers import (assert_losses_close, assert_params_close, load_model_params, losses, noise_floor, records, train,
+                     train_many)
 
 LR = 3e-3
 # 4 layers so that interleaved schedules get 2 stages per rank on 2 ranks; 4 micro-batches of 1.
@@ -32,10 +33,14 @@ FOUR_RANKS = {
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
-    """One process: plain, with tied embeddings, with document masking."""
+    """One process: plain, with tied embeddings, with document masking; each again with micro-batches of 4
+    (another fp32 summation order: the noise floor, in `<dir>_mb4`)."""
     root = tmp_path_factory.mktemp("ref")
-    return train_many({"plain": (root / "run", COMMON), "tied": (root / "tied", (*COMMON, "model.tie_embeddings=true")),
-                       "documents": (root / "documents", (*COMMON, "data.document_masking=true"))}, nproc=1)
+    jobs = {"plain": (root / "run", COMMON), "tied": (root / "tied", (*COMMON, "model.tie_embeddings=true")),
+            "documents": (root / "documents", (*COMMON, "data.document_masking=true"))}
+    for name, (run_dir, overrides) in list(jobs.items()):
+        jobs[f"{name} mb4"] = (root / f"{run_dir.name}_mb4", (*overrides, "train.micro_batch_size=4"))
+    return train_many(jobs, nproc=1)
 
 
 @pytest.fixture(scope="module")
@@ -65,8 +70,11 @@ def _final(run):
 
 
 def _assert_parity(run, reference):
+    """Losses within 1e-5; parameters within 1e-5 in norm, or 10x the noise floor of one process where
+    that is larger (helpers.noise_floor), and no element off by 1/100 of an Adam step."""
     assert_losses_close(losses(run), losses(reference), rel=1e-5)
-    assert_params_close(_final(run), _final(reference), rel=1e-5, lr=LR)
+    floor = noise_floor(_final(reference), _final(reference.parent / f"{reference.name}_mb4"), rel=1e-5)
+    assert_params_close(_final(run), _final(reference), rel=floor, lr=LR)
 
 
 @pytest.mark.parametrize("layout", ["tp2", "tp2-sp-selective-ac", "pp2-layers-1-3"])
@@ -96,7 +104,8 @@ def test_pipeline_schedules_equal_single_process(schedule, two_rank_runs, refere
 def test_document_masking_under_tensor_and_sequence_parallel_equals_one_process(two_rank_runs, references):
     """Masking changes training (windows of the built-in corpus cross documents), the same on every layout."""
     _assert_parity(two_rank_runs["tp2-sp-documents"], references["documents"])
-    assert losses(references["documents"])[20] != pytest.approx(losses(references["plain"])[20], rel=1e-3)
+    masked, plain = losses(references["documents"]), losses(references["plain"])
+    assert max(abs(masked[s] - plain[s]) / plain[s] for s in plain) > 1e-4  # 10x the parity tolerance
 
 
 @pytest.mark.parametrize("layout", list(FOUR_RANKS))

@@ -134,15 +134,18 @@ def test_prepare_data_mistakes_are_one_line(name, expected, tmp_path, capsys):
 
 def test_ctrl_c_leaves_no_shard_directory(tmp_path):
     big = tmp_path / "big.txt"
-    big.write_text(("lorem ipsum dolor sit amet " * 40 + "\n\n") * 40_000)  # ~43 MB: seconds of tokenising
+    big.write_text(("lorem ipsum dolor sit amet " * 40 + "\n\n") * 80_000)  # ~86 MB: ~2 s of byte tokenising
     cmd = [sys.executable, "-m", "disttrain", "prepare-data", str(big), "--out", str(tmp_path / "out"),
            "--workers", "1"]
     proc = subprocess.Popen(cmd, cwd=REPO, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def writing() -> bool:  # inside the tokenising loop: the first tokens are in the partial directory
+        return any(f.stat().st_size > 0 for f in tmp_path.glob(".out.partial-*/train.bin.tmp"))
+
     deadline = time.monotonic() + 60
-    while not list(tmp_path.glob(".out.partial-*")) and time.monotonic() < deadline and proc.poll() is None:
-        time.sleep(0.05)
+    while not writing() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.005)
     assert proc.poll() is None, "prepare-data finished before it could be interrupted"
-    time.sleep(0.3)  # inside the tokenising loop
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130 and err.strip().splitlines() == ["disttrain: interrupted"], err
