@@ -9,6 +9,7 @@ from disttrain.config import load_config
 from disttrain.models.documents import block_causal_mask, document_positions
 from disttrain.models.registry import model_spec
 from disttrain.models.spec import build_model
+from helpers import DEBUG_CONFIG
 from hf_models import save_tiny
 
 EOS = 0
@@ -25,7 +26,7 @@ def test_positions_restart_after_each_end_of_document_token():
 
 
 def _model(tmp_path, *overrides):
-    cfg = load_config("configs/debug.yaml", [f"run.dir={tmp_path}", *overrides])
+    cfg = load_config(DEBUG_CONFIG, [f"run.dir={tmp_path}", *overrides])
     spec = model_spec(cfg.model)
     model = build_model(spec, torch.device("cpu"), seed=0)
     masked = build_model(spec, torch.device("cpu"), seed=0)

@@ -31,7 +31,7 @@ LOW_PRECISION = {  # compute dtype -> bound on the relative loss difference to f
     "bf16": 2e-3,  # half of bf16's unit roundoff (2^-8)
     "fp16": 2.5e-4,  # fp16 autocast with dynamic loss scaling
 }
-DOCUMENT_LAYOUTS = {"zero3": ("parallel.zero_stage=3",), "tp2-sp": ("parallel.tp=2", "parallel.sequence_parallel=true")}
+DOCUMENT_LAYOUTS = {"tp2-sp": ("parallel.tp=2", "parallel.sequence_parallel=true")}  # positions under TP + SP
 KINDS = ("llama", "qwen2")  # qwen2: q/k/v biases and tied input/output embeddings
 
 

@@ -13,7 +13,7 @@ from disttrain.data.sampling import FeistelPermutation, GlobalBatchSampler, Mixt
 from disttrain.data.shards import ShardWriter
 from disttrain.data.source import describe_source
 from disttrain.errors import UserError
-from helpers import events, losses, run_cli, train_many
+from helpers import DEBUG_CONFIG, events, losses, run_cli, train_many
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 7, 64, 1000, 4097])
@@ -136,7 +136,7 @@ def test_mixture_mistakes_are_one_line(tmp_path):
                              ({a: 1, bpe: 1}, "tokenised differently")):
         with pytest.raises(UserError, match=expected):
             describe_source({str(k): v for k, v in source.items()}, "byte")
-    proc = run_cli("train", "configs/debug.yaml", f"data.source={{{a}: 0}}", f"run.dir={tmp_path}", check=False)
+    proc = run_cli("train", str(DEBUG_CONFIG), f"data.source={{{a}: 0}}", f"run.dir={tmp_path}", check=False)
     assert proc.returncode == 2 and proc.stderr.strip().endswith(f"the weight of {a} is 0 (allowed: a number > 0)")
     assert len(proc.stderr.strip().splitlines()) == 1 and not list(tmp_path.glob("*/config.yaml"))
 

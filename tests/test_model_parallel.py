@@ -33,12 +33,13 @@ FOUR_RANKS = {
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
-    """One process: plain, with tied embeddings, with document masking; each again with micro-batches of 4
-    (another fp32 summation order: the noise floor, in `<dir>_mb4`)."""
+    """One process: plain, with tied embeddings, with document masking; plain and masked again with
+    micro-batches of 4 (another fp32 summation order: the noise floor, in `<dir>_mb4`)."""
     root = tmp_path_factory.mktemp("ref")
     jobs = {"plain": (root / "run", COMMON), "tied": (root / "tied", (*COMMON, "model.tie_embeddings=true")),
             "documents": (root / "documents", (*COMMON, "data.document_masking=true"))}
-    for name, (run_dir, overrides) in list(jobs.items()):
+    for name in ("plain", "documents"):  # (tied layouts agree within 1e-5 without one)
+        run_dir, overrides = jobs[name]
         jobs[f"{name} mb4"] = (root / f"{run_dir.name}_mb4", (*overrides, "train.micro_batch_size=4"))
     return train_many(jobs, nproc=1)
 
@@ -73,7 +74,8 @@ def _assert_parity(run, reference):
     """Losses within 1e-5; parameters within 1e-5 in norm, or 10x the noise floor of one process where
     that is larger (helpers.noise_floor), and no element off by 1/100 of an Adam step."""
     assert_losses_close(losses(run), losses(reference), rel=1e-5)
-    floor = noise_floor(_final(reference), _final(reference.parent / f"{reference.name}_mb4"), rel=1e-5)
+    other_order = reference.parent / f"{reference.name}_mb4"
+    floor = noise_floor(_final(reference), _final(other_order), rel=1e-5) if other_order.is_dir() else 1e-5
     assert_params_close(_final(run), _final(reference), rel=floor, lr=LR)
 
 

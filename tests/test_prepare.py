@@ -137,7 +137,9 @@ def test_ctrl_c_leaves_no_shard_directory(tmp_path):
     big.write_text(("lorem ipsum dolor sit amet " * 40 + "\n\n") * 80_000)  # ~86 MB: ~2 s of byte tokenising
     cmd = [sys.executable, "-m", "disttrain", "prepare-data", str(big), "--out", str(tmp_path / "out"),
            "--workers", "1"]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # As from a shell: Ctrl-C's SIGINT at its default disposition (a test run may have inherited it ignored).
+    proc = subprocess.Popen(cmd, cwd=REPO, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
     def writing() -> bool:  # inside the tokenising loop: the first tokens are in the partial directory
         return any(f.stat().st_size > 0 for f in tmp_path.glob(".out.partial-*/train.bin.tmp"))

@@ -22,9 +22,17 @@ LR = 3e-3
 
 
 def parse_steps() -> int:
+    return parse_args().steps
+
+
+def parse_args(extra=None) -> argparse.Namespace:
+    """--steps N and --micro-batch M (default MICRO_BATCH); `extra(parser)` adds a workload's own flags."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, required=True)
-    return parser.parse_args().steps
+    parser.add_argument("--micro-batch", type=int, default=MICRO_BATCH)
+    if extra is not None:
+        extra(parser)
+    return parser.parse_args()
 
 
 def make_model(device="cpu"):

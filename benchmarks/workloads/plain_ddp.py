@@ -4,16 +4,17 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common import GLOBAL_BATCH, MICRO_BATCH, RandomWindows, loss_fn, make_model, make_optimizer, parse_steps
+from common import GLOBAL_BATCH, RandomWindows, loss_fn, make_model, make_optimizer, parse_args
 
 
 def main():
-    steps = parse_steps()
+    args = parse_args()
+    steps = args.steps
     dist.init_process_group("gloo")
-    accum = GLOBAL_BATCH // dist.get_world_size() // MICRO_BATCH
+    accum = GLOBAL_BATCH // dist.get_world_size() // args.micro_batch
     model = DDP(make_model())
     opt = make_optimizer(model)
-    data = RandomWindows(dist.get_rank())
+    data = RandomWindows(dist.get_rank(), micro_batch=args.micro_batch)
     for _ in range(steps):
         for i in range(accum):
             x, y = data.micro_batch()

@@ -1,0 +1,130 @@
+"""Collectives and host syncs per non-logging training step, counted with torch.profiler: disttrain against
+hand-written loops (DDP; FSDP2 with and without resharding after forward; tensor parallel with the same
+plan; a 1F1B pipeline with the same split), on 2 processes. Counts are immune to this machine's noise.
+
+Each variant trains S and S+K steps under the profiler (recording shapes); the difference divided by K is
+one steady-state step, whatever happens once (model set-up, the final log record, process-group work).
+Host syncs are `aten::_local_scalar_dense` calls (`.item()`, `float(t)`, `bool(t)`): on a GPU each one
+waits for the device.
+
+    python benchmarks/step_counts.py [--micro-batch 8]      # re-launches itself under torchrun
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+WORKLOADS = REPO / "benchmarks" / "workloads"
+LAYOUTS = {"ddp": ["parallel.zero_stage=0"], "zero2": ["parallel.zero_stage=2"], "zero3": ["parallel.zero_stage=3"],
+           "tp2": ["parallel.tp=2"], "pp2 1f1b": ["parallel.pp=2", "parallel.pp_schedule=1f1b"]}
+SHORT, EXTRA = 3, 4  # steps of the short run; the long run has EXTRA more
+
+
+def count_events(prof) -> Counter:
+    from disttrain.observe.breakdown import collective_kind
+
+    counts: Counter = Counter()
+    for e in prof.events():
+        kind = collective_kind(e.name)
+        if kind is not None:
+            size = sum(math.prod(s) * _itemsize(t) for s, t in zip(e.input_shapes, e.input_dtypes) if s)
+            counts[f"{kind} count"] += 1
+            counts[f"{kind} bytes"] += size
+        elif e.name == "aten::_local_scalar_dense":
+            counts["host syncs"] += 1
+    return counts
+
+
+def _itemsize(dtype_name: str) -> int:
+    import torch
+
+    name = dtype_name.replace("c10::", "").lower()
+    table = {"float": 4, "double": 8, "half": 2, "bfloat16": 2, "long int": 8, "int": 4, "bool": 1,
+             "unsigned char": 1, "signed char": 1, "short int": 2, "c10::bfloat16": 2}
+    return table.get(name, torch.empty(0).element_size())
+
+
+def per_step(run_steps) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    totals = []
+    for steps in (SHORT, SHORT + EXTRA):
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+            run_steps(steps)
+        totals.append(count_events(prof))
+    keys = sorted(set(totals[0]) | set(totals[1]))
+    return {k: (totals[1][k] - totals[0][k]) / EXTRA for k in keys if totals[1][k] != totals[0][k]}
+
+
+def disttrain_steps(rt, overrides: list[str], micro_batch: int):
+    from disttrain.config import load_config
+    from disttrain.train.builder import build_run
+    from disttrain.train.loop import Trainer
+
+    def run(steps: int) -> None:
+        cfg = load_config(REPO / "configs" / "bench.yaml", [
+            *overrides, f"train.steps={steps}", f"train.micro_batch_size={micro_batch}", "metrics.log_every=100000",
+            "metrics.comm_profile_every=0", f"run.dir={REPO / 'runs' / 'bench-counts'}", "run.name=counts",
+            "train.sample_tokens=0", "train.eval_every=0"])
+        Trainer(build_run(cfg, rt)).fit()
+
+    return run
+
+
+def handwritten_steps(layout: str, micro_batch: int):
+    import handwritten  # benchmarks/workloads/handwritten.py
+
+    return lambda steps: handwritten.train(layout, steps, micro_batch)
+
+
+def worker(micro_batch: int, out: Path) -> None:
+    import torch.distributed as dist
+
+    from disttrain.distributed.env import detect_env
+    from disttrain.distributed.runtime import init_distributed, shutdown
+
+    rt = init_distributed(detect_env(), "gloo", 300)
+    rows = {}
+    try:
+        for layout, overrides in LAYOUTS.items():
+            rows[f"disttrain {layout}"] = per_step(disttrain_steps(rt, overrides, micro_batch))
+            dist.barrier()
+            rows[f"hand-written {layout}"] = per_step(handwritten_steps(layout, micro_batch))
+            dist.barrier()
+            if rt.rank == 0:
+                print(f"{layout}: disttrain {rows[f'disttrain {layout}']}\n      hand-written "
+                      f"{rows[f'hand-written {layout}']}", flush=True)
+        if rt.rank == 0:
+            from disttrain.bench.results import write_results
+
+            write_results(out, micro_batch=micro_batch, steps=[SHORT, SHORT + EXTRA], rank0_per_step=rows)
+    finally:
+        shutdown()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    out = Path(args.out or REPO / "benchmarks" / "results" / f"step_counts_mb{args.micro_batch}.json")
+    if "LOCAL_RANK" in os.environ:
+        worker(args.micro_batch, out)
+        return
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(WORKLOADS), str(REPO / "src"), os.environ.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
+           "--micro-batch", str(args.micro_batch), "--out", str(out)]
+    sys.exit(subprocess.run(cmd, env=env, cwd=REPO).returncode)
+
+
+if __name__ == "__main__":
+    main()
