@@ -4,8 +4,9 @@ plan; a 1F1B pipeline with the same split), on 2 processes. Counts are immune to
 
 Each variant trains S and S+K steps under the profiler (recording shapes); the difference divided by K is
 one steady-state step, whatever happens once (model set-up, the final log record, process-group work).
-Host syncs are `aten::_local_scalar_dense` calls (`.item()`, `float(t)`, `bool(t)`): on a GPU each one
-waits for the device.
+Host syncs are `aten::_local_scalar_dense` calls (`.item()`, `float(t)`, `bool(t)`) of device tensors: on a
+GPU each one waits for the device. AdamW's per-parameter step counters are CPU tensors (not capturable), so
+their reads, inside `Optimizer.step`, are counted apart.
 
     python benchmarks/step_counts.py [--micro-batch 8]      # re-launches itself under torchrun
 """
@@ -35,12 +36,23 @@ def count_events(prof) -> Counter:
     for e in prof.events():
         kind = collective_kind(e.name)
         if kind is not None:
-            size = sum(math.prod(s) * _itemsize(t) for s, t in zip(e.input_shapes, e.input_dtypes) if s)
+            size = sum(math.prod(s) * _itemsize(t) for s, t in zip(e.input_shapes, e.input_dtypes) if t)
             counts[f"{kind} count"] += 1
             counts[f"{kind} bytes"] += size
         elif e.name == "aten::_local_scalar_dense":
-            counts["host syncs"] += 1
+            counts["optimizer step counters" if _inside(e, "Optimizer.step") else "host syncs"] += 1
     return counts
+
+
+def _inside(event, prefix: str) -> bool:
+    """Whether a profiler event ran inside a record named `prefix...` (AdamW keeps its step counters on the
+    CPU unless capturable: reading them is no device sync on a GPU)."""
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name.startswith(prefix):
+            return True
+        parent = parent.cpu_parent
+    return False
 
 
 def _itemsize(dtype_name: str) -> int:

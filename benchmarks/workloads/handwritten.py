@@ -12,7 +12,17 @@ from plain_fsdp import shard
 
 
 def _step(opt, params) -> None:
-    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    """Clip to a global norm of 1, step, clear. With tensor parallel some gradients are DTensors and some
+    (norm weights) plain tensors, which one foreach call refuses: norm each kind apart, as torchtitan does."""
+    from torch.distributed.tensor import DTensor
+
+    params = [p for p in params if p.grad is not None]
+    groups = [[p for p in params if isinstance(p.grad, DTensor) == kind] for kind in (True, False)]
+    groups = [g for g in groups if g]
+    norms = [torch.nn.utils.get_total_norm([p.grad for p in g], foreach=True) for g in groups]
+    total = torch.stack([n.full_tensor() if isinstance(n, DTensor) else n for n in norms]).norm()
+    for g in groups:
+        torch.nn.utils.clip_grads_with_norm_(g, 1.0, total, foreach=True)
     opt.step()
     opt.zero_grad(set_to_none=True)
 

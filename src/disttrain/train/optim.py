@@ -39,14 +39,14 @@ def build_scheduler(optimizer: torch.optim.Optimizer, optim_cfg, total_steps: in
 
 
 def _grad_groups(params) -> dict:
-    """Gradients grouped so that each group is all plain tensors or all DTensors of one mesh and
-    placement (foreach kernels and DTensor ops refuse mixtures)."""
+    """Gradients grouped so that each group is all plain tensors or all DTensors of one mesh (foreach
+    kernels and DTensor ops refuse mixtures; placements may differ: one group's norm is one all-reduce)."""
     groups: dict = {}
     for p in params:
         g = p.grad
         if g is None:
             continue
-        key = ("dtensor", id(g.device_mesh), tuple(g.placements)) if isinstance(g, DTensor) else ("plain", g.device)
+        key = ("dtensor", id(g.device_mesh)) if isinstance(g, DTensor) else ("plain", g.device)
         groups.setdefault(key, []).append(p)
     return groups
 

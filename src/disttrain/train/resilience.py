@@ -67,7 +67,7 @@ class StepControl:
             self.preempt_signal = signal.SIGHUP
         flags = torch.tensor([float(due), float(self.preempt_signal is not None), float(write_pending)])
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
-        return Decision(bool(flags[0]), bool(flags[1]), bool(flags[2]))
+        return Decision(*(bool(f) for f in flags.tolist()))  # a CPU tensor: one read, no device sync
 
     def saved(self) -> None:
         self.last_save = time.monotonic()
