@@ -51,12 +51,16 @@ def command(variant: str, steps: int, directory) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(parser, "hf_frameworks.json")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset (plain is the baseline)")
     args = parser.parse_args()
+    variants = args.variants.split(",")
+    if "plain" not in variants or not set(variants) <= set(VARIANTS):
+        raise SystemExit(f"--variants: a subset of {','.join(VARIANTS)} that includes plain")
     if not BENCH_PY.exists():
         raise SystemExit("the comparison environment is missing: run `make bench-env` first")
     overhead.TOKENS_PER_STEP = SEQ * GLOBAL_BATCH
     directory = model_dir()
-    results = interleaved(list(VARIANTS), lambda v, steps: command(v, steps, directory), args.reps, args.short,
+    results = interleaved(variants, lambda v, steps: command(v, steps, directory), args.reps, args.short,
                           args.long)
     summary = summarize(results, "plain")
     write_results(args.out, {"args": vars(args), "runs": results, "summary": summary})
