@@ -11,7 +11,7 @@ import torch
 from disttrain.data.loader import DistributedBatchLoader, MixtureSamples, TokenWindows
 from disttrain.data.sampling import FeistelPermutation, GlobalBatchSampler, MixtureSampler, SourceSchedule
 from disttrain.data.shards import ShardWriter
-from disttrain.data.source import describe_source
+from disttrain.data.source import describe_source, load_samples
 from disttrain.errors import UserError
 from helpers import DEBUG_CONFIG, events, losses, run_cli, train_many
 
@@ -136,6 +136,9 @@ def test_mixture_mistakes_are_one_line(tmp_path):
                              ({a: 1, bpe: 1}, "tokenised differently")):
         with pytest.raises(UserError, match=expected):
             describe_source({str(k): v for k, v in source.items()}, "byte")
+    tiny = _shards(tmp_path / "tiny", b"abc")
+    with pytest.raises(UserError, match=f"{tiny} holds fewer than data.seq_len\\+1=65 training tokens"):
+        load_samples({str(a): 1, str(tiny): 1}, "byte", 64)
     proc = run_cli("train", str(DEBUG_CONFIG), f"data.source={{{a}: 0}}", f"run.dir={tmp_path}", check=False)
     assert proc.returncode == 2 and proc.stderr.strip().endswith(f"the weight of {a} is 0 (allowed: a number > 0)")
     assert len(proc.stderr.strip().splitlines()) == 1 and not list(tmp_path.glob("*/config.yaml"))

@@ -129,8 +129,13 @@ def load_samples(source, tokenizer: str, seq_len: int):
     if isinstance(source, dict):
         tok = load_tokenizer(_tokenizer_spec(source, tokenizer))
         names = source_names(source)
-        return tok, *(MixtureSamples(names, [TokenWindows(shards.open_split(d, split), seq_len) for d in source])
+        train, val = (MixtureSamples(names, [TokenWindows(shards.open_split(d, split), seq_len) for d in source])
                       for split in ("train", "val"))
+        for directory, part in zip(source, train.parts):
+            if len(part) == 0:
+                raise UserError(f"data.source: {directory} holds fewer than data.seq_len+1={seq_len + 1} training "
+                                "tokens (a mixture's every source needs at least one sequence)")
+        return tok, train, val
     if source.startswith(PY_PREFIX):
         splits = user_datasets(source)
         return None, DatasetSamples(splits["train"]), DatasetSamples(splits["val"])
