@@ -6,7 +6,7 @@ clip 1.0; with accumulation (micro-batch 4: two per rank) or without (`--micro-b
 out (short and long runs, as in overhead.py); repetitions interleave every variant; ratios are taken within
 a repetition, disttrain over its hand-written counterpart, for throughput and CPU-seconds per token.
 
-    python benchmarks/sharded_vs_handwritten.py --reps 4 [--micro-batch 8]
+    python benchmarks/sharded_vs_handwritten.py --reps 4 [--micro-batch 8] [--layouts zero2,zero3]
 """
 
 from __future__ import annotations
@@ -38,13 +38,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_common_args(parser, "sharded_vs_handwritten.json")
     parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--layouts", default=",".join(PAIRS), help="comma-separated subset of ddp,zero2,zero3")
     args = parser.parse_args()
+    pairs = {k: PAIRS[k] for k in args.layouts.split(",") if k in PAIRS}
+    if not pairs:
+        raise SystemExit(f"--layouts={args.layouts}: choose from {','.join(PAIRS)}")
     run_dir = REPO / "runs" / "bench-sharded"
-    names = [n for pair in PAIRS.values() for n in pair]
+    names = [n for pair in pairs.values() for n in pair]
     results = interleaved(names, lambda name, steps: command(name, steps, args.micro_batch, run_dir), args.reps,
                           args.short, args.long)
     summary = {}
-    for key, (ours, theirs) in PAIRS.items():
+    for key, (ours, theirs) in pairs.items():
         ratios = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(results[ours], results[theirs])]
         cpu = [a["cpu_s_per_token"] / b["cpu_s_per_token"] for a, b in zip(results[ours], results[theirs])]
         summary[key] = {"throughput_ratio_median": statistics.median(ratios), "throughput_ratio_range": [min(ratios), max(ratios)],
