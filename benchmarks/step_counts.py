@@ -14,7 +14,6 @@ their reads, inside `Optimizer.step`, are counted apart.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import subprocess
@@ -56,12 +55,10 @@ def _inside(event, prefix: str) -> bool:
 
 
 def _itemsize(dtype_name: str) -> int:
-    import torch
-
-    name = dtype_name.replace("c10::", "").lower()
-    table = {"float": 4, "double": 8, "half": 2, "bfloat16": 2, "long int": 8, "int": 4, "bool": 1,
-             "unsigned char": 1, "signed char": 1, "short int": 2, "c10::bfloat16": 2}
-    return table.get(name, torch.empty(0).element_size())
+    """Bytes per element of a profiler dtype name ('float', 'c10::BFloat16', 'long int', ...)."""
+    sizes = {"double": 8, "long int": 8, "half": 2, "bfloat16": 2, "short int": 2, "bool": 1,
+             "unsigned char": 1, "signed char": 1}
+    return sizes.get(dtype_name.replace("c10::", "").lower(), 4)  # float, int
 
 
 def per_step(run_steps) -> dict:

@@ -50,10 +50,10 @@ def validate_config(cfg) -> None:
         raise UserError(f"optim.warmup_steps={cfg.optim.warmup_steps} exceeds train.steps={t.steps}")
     if not all(0 <= b < 1 for b in cfg.optim.betas):
         raise UserError(f"optim.betas={list(cfg.optim.betas)}: each beta must be in [0, 1)")
-    from disttrain.data.source import describe_source
+    from disttrain.data.source import PY_PREFIX, describe_source
 
     info = describe_source(cfg.data.source, tokenizer_for(cfg))
-    if cfg.data.document_masking and info.eos_id is None and not str(cfg.data.source).startswith("py:"):
+    if cfg.data.document_masking and info.eos_id is None and not str(cfg.data.source).startswith(PY_PREFIX):
         raise UserError(f"data.document_masking=true: the tokenizer of data.source={cfg.data.source} has no "
                         "end-of-document token to mask at (allowed with it: false)")
     if shape is not None and shape.vocab_size < info.vocab_size:

@@ -11,10 +11,12 @@ of every window (3.9 GB at 1T tokens and seq 2048 with an explicit permutation).
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 
 import numpy as np
 
+log = logging.getLogger(__name__)
 _ROUNDS = 6
 _M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 
@@ -87,7 +89,9 @@ class GlobalBatchSampler:
         return {"order": "feistel-v1"}
 
     def load_state_dict(self, state: dict, next_step: int) -> None:
-        pass
+        if state.get("order") != "feistel-v1":  # saved before the order was computed on the fly
+            log.warning("the checkpoint's loader used another sample order: steps from %d on read a different "
+                        "(still seeded, world-size-independent) stream", next_step)
 
 
 def _suffix_shares(weights: list[float]) -> list[float]:
