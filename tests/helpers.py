@@ -57,7 +57,7 @@ def train_many(jobs: dict[str, tuple[Path, tuple[str, ...]]], nproc: int, config
     first.parent.mkdir(parents=True, exist_ok=True)
     job_file = first.parent / f"jobs_{first.name}.json"
     job_file.write_text(json.dumps(spec))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+    cmd = [sys.executable, "-m", "disttrain.distributed.agent", "--standalone", f"--nproc-per-node={nproc}",
            str(REPO / "tests" / "workers" / "train_many.py"), str(job_file)]
     proc = subprocess.run(cmd, cwd=REPO, env={**cli_env(), **(env or {})}, capture_output=True, text=True,
                           timeout=timeout)

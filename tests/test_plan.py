@@ -321,8 +321,9 @@ def test_plan_writes_a_config_the_runtime_validates(tmp_path):
 
 
 def test_mixed_cluster_shares_follow_peak_flops_and_balance_the_busy_time(tmp_path):
-    """8 x A100-80G + 8 x V100-32G in fp16: weights are the peak ratio (312 : 125 TFLOP/s), the split
-    gives each type about the same busy time, and the step beats equal shares."""
+    """8 x A100-80G + 8 x V100-32G in fp16: weights are the ratio of modelled time per micro-batch (not
+    far from the peak ratio 312 : 125 TFLOP/s), the split gives each type about the same busy time,
+    and the step beats equal shares."""
     from disttrain.plan.mixed import parse_cluster, plan_mixed
 
     groups = parse_cluster("8xa100-80g,8xv100-32g")
@@ -332,7 +333,10 @@ def test_mixed_cluster_shares_follow_peak_flops_and_balance_the_busy_time(tmp_pa
     lay = win.estimate.layout
     assert lay.pp == 1 and lay.dp > 1 and lay.balanced
     n_a100 = win.rank_types.count("a100-80g")
-    assert list(lay.balance_weights) == [round(312 / 125, 2)] * n_a100 + [1.0] * (lay.dp - n_a100)
+    per = win.per_micro_batch_s
+    speed = round(per["v100-32g"] / per["a100-80g"], 2)
+    assert list(lay.balance_weights) == [speed] * n_a100 + [1.0] * (lay.dp - n_a100)
+    assert 0.8 < speed / (312 / 125) < 1.0  # tensor-parallel communication does not speed up with FLOP/s
     busy = {t: max(n for n, r in zip(win.shares, win.rank_types) if r == t) * win.per_micro_batch_s[t]
             for t in ("a100-80g", "v100-32g")}
     per_mb = max(win.per_micro_batch_s.values())

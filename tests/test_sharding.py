@@ -86,6 +86,10 @@ def test_model_state_bytes_match_the_planner(nproc, tmp_path):
         # root module's (kept gathered for backward) plus the blocks' shards.
         gathered = 4 * psi if stage <= 2 else 4 * ((psi - root) / nproc + root)
         assert row["params_after_forward"] == pytest.approx(gathered, rel=0.05), row
+        if stage >= 2:  # accumulating micro-batches: every parameter's gradient unsharded, fp32
+            accumulating = model_state_bytes(psi, layout.with_(global_batch_size=2 * nproc), "runtime")
+            assert accumulating.unsharded_grads == 4 * psi
+            assert row["unsharded_grads"] == accumulating.unsharded_grads, row
 
 
 def test_activation_checkpointing_recomputes():

@@ -1,4 +1,4 @@
-from disttrain.cli import main
+from disttrain.cli import run
 
 if __name__ == "__main__":
-    main()
+    run()

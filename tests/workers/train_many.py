@@ -19,6 +19,7 @@ from disttrain.distributed.env import detect_env
 from disttrain.distributed.runtime import init_distributed, shutdown
 from disttrain.train.builder import build_run
 from disttrain.train.loop import Trainer
+from disttrain.process import exit_now
 
 
 def main() -> None:
@@ -39,3 +40,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_now(0)  # skip the interpreter teardown (see disttrain.process)

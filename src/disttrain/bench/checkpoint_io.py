@@ -29,6 +29,7 @@ from disttrain.distributed.runtime import init_distributed
 from disttrain.observe.model_bytes import iter_tensors, local_bytes, local_shard
 from disttrain.train.builder import build_run
 from disttrain.train.resume import Progress, train_state
+from disttrain.process import exit_now
 
 
 def _timed(fn) -> float:
@@ -88,3 +89,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_now(0)  # skip the interpreter teardown (see disttrain.process)

@@ -4,8 +4,9 @@
         [--override parallel.dp_replicate=2 ...]
 
 Prints one `MEM {json}` line per rank and stage: parameter, gradient and optimizer-state bytes this
-rank holds after one step (gradients measured before they are released), and the parameter bytes
-visible between forward and backward (whole for stages 0-2, shards for stage 3). `launch` runs it
+rank holds after one step (gradients measured before they are released), the parameter bytes
+visible between forward and backward (whole for stages 0-2, shards for stage 3), and for stages 2-3
+the unsharded gradients FSDP2 holds after a micro-batch run without gradient sync (accumulating). `launch` runs it
 on this machine and returns those rows (tests and benchmarks use it).
 """
 
@@ -26,8 +27,10 @@ import torch.distributed as dist
 from disttrain.config import load_config
 from disttrain.distributed.env import detect_env
 from disttrain.distributed.runtime import Runtime, init_distributed
-from disttrain.observe.model_bytes import model_state_bytes
+from disttrain.observe.model_bytes import model_state_bytes, unsharded_grad_bytes
+from disttrain.parallel.parallelize import gradient_sync_disabled
 from disttrain.train.builder import build_run
+from disttrain.process import exit_now
 
 
 def measure(rt: Runtime, stage: int, model: str, run_dir: str, overrides: tuple[str, ...] = ()) -> dict:
@@ -46,6 +49,11 @@ def measure(rt: Runtime, stage: int, model: str, run_dir: str, overrides: tuple[
         gc.collect()
         return {"stage": stage, "rank": rt.rank, "world": rt.world_size, "model": model, **held}
     x, y = next(run.loader)[0]
+    accumulating = {}
+    if stage >= 2:  # one micro-batch without gradient sync, as while accumulating: unsharded gradients stay
+        with gradient_sync_disabled(engine.model):
+            torch.nn.functional.cross_entropy(engine.model(x).flatten(0, 1), y.flatten()).backward()
+        accumulating = {"unsharded_grads": unsharded_grad_bytes(engine.model)}
     logits = engine.model(x)
     after_forward = model_state_bytes(engine.model)["params"]
     torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()).backward()
@@ -54,13 +62,13 @@ def measure(rt: Runtime, stage: int, model: str, run_dir: str, overrides: tuple[
     del run, engine, logits
     gc.collect()
     return {"stage": stage, "rank": rt.rank, "world": rt.world_size, "model": model,
-            "params_after_forward": after_forward, **held}
+            "params_after_forward": after_forward, **held, **accumulating}
 
 
 def launch(nproc: int, run_dir: str | Path, stages=(0, 1, 2, 3), overrides=(), model: str = "tiny",
            timeout: float = 600) -> list[dict]:
     """Run this module under torchrun with `nproc` local processes; every rank's rows, by rank and stage."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+    cmd = [sys.executable, "-m", "disttrain.distributed.agent", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "disttrain.bench.model_states", str(run_dir), "--model", model, "--stages", *map(str, stages)]
     for o in overrides:
         cmd += ["--override", o]
@@ -91,3 +99,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_now(0)  # skip the interpreter teardown (see disttrain.process)

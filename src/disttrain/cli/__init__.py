@@ -9,6 +9,7 @@ import sys
 
 from disttrain.cli import plan as plan_cli
 from disttrain.cli import tools
+from disttrain.process import exit_now
 from disttrain.cli import train as train_cli
 from disttrain.errors import EXIT_USAGE, UserError
 
@@ -114,5 +115,15 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(130)
 
 
+def run() -> None:
+    """The `disttrain` command and `python -m disttrain`: `main`, then a quick exit."""
+    try:
+        main()
+        code = 0
+    except SystemExit as exc:
+        code = exc.code
+    exit_now(code)
+
+
 if __name__ == "__main__":
-    main()
+    run()

@@ -305,7 +305,7 @@ def cmd_plan(args) -> None:
              f"{'':>5}  layout"]
     for i, e in enumerate(result.ranked[:args.top], 1):
         t, m = e.time, e.memory
-        states = m.states.params + m.states.grads + m.states.optimizer
+        states = m.states.params + m.states.grads + m.states.unsharded_grads + m.states.optimizer
         lines.append(f"{i:>2}  {t.tokens_per_s_per_gpu:>12,.0f}  {t.mfu:>6.1%}  {t.step_s:>8.2f} {t.compute_s:>8.2f} "
                      f"{t.bubble_s:>8.2f} {t.tp_comm_s + t.pp_comm_s + t.dp_exposed_s:>7.2f}  {m.total / 2**30:>9.1f} "
                      f"{states / 2**30:>7.1f} {m.activations.peak / 2**30:>6.1f} {m.buffers / 2**30:>5.1f}  "

@@ -15,6 +15,8 @@ from torch.distributed import run
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.launcher import api
 
+from disttrain.process import exit_now
+
 
 class BoundedExitBarrierAgent(LocalElasticAgent):
     def __init__(self, *args, **kwargs):
@@ -24,7 +26,8 @@ class BoundedExitBarrierAgent(LocalElasticAgent):
 
 def main() -> None:
     api.LocalElasticAgent = BoundedExitBarrierAgent  # what torchrun's launch_agent constructs
-    run.main()
+    run.main()  # a failed worker group raises (torchrun's own report and exit status)
+    exit_now(0)
 
 
 if __name__ == "__main__":

@@ -75,6 +75,9 @@ class ModelStates:
     optimizer: float
     buffers: float
     cpu: float = 0.0  # bytes moved to host memory by CPU offload
+    # FSDP2 accumulating micro-batches without gradient sync keeps every held parameter's gradient
+    # unsharded (in reduce_dtype) until the last micro-batch's reduce-scatter.
+    unsharded_grads: float = 0.0
 
 
 def model_state_bytes(n_params: float, layout: Layout, accounting: str = "runtime",
@@ -105,6 +108,8 @@ def model_state_bytes(n_params: float, layout: Layout, accounting: str = "runtim
     else:  # current + prefetched block gathered, the root unit kept gathered for backward
         buffers = pb * (2 * largest_unit + root_params) + (pb + rb) * largest_unit
     states = ModelStates(p / d, g / d, o / d, buffers)
+    if layout.microbatches > 1:  # on the device even with CPU offload
+        states.unsharded_grads = rb * n_params
     if layout.cpu_offload:
         states.cpu = states.params + states.grads + states.optimizer
         states.params = states.grads = states.optimizer = 0.0
@@ -241,11 +246,11 @@ class MemoryEstimate:
     @property
     def total(self) -> float:
         s = self.states
-        return s.params + s.grads + s.optimizer + self.activations.peak + self.buffers
+        return s.params + s.grads + s.unsharded_grads + s.optimizer + self.activations.peak + self.buffers
 
     def as_dict(self) -> dict:
         s = self.states
-        return {"params": s.params, "grads": s.grads, "optimizer": s.optimizer,
+        return {"params": s.params, "grads": s.grads, "unsharded_grads": s.unsharded_grads, "optimizer": s.optimizer,
                 "activations": self.activations.peak, "buffers": self.buffers, "total": self.total,
                 "cpu_offloaded": s.cpu}
 

@@ -1,8 +1,10 @@
 """Planning for a cluster of mixed GPU types: which layout, and what share of the batch each rank takes.
 
 A model replica (its tp x pp GPUs) is made of one GPU type; data-parallel ranks of different types
-take uneven shares of the global batch in whole micro-batches (`parallel.balance_weights`), in
-proportion to peak FLOP/s, which the runtime then refines from measured speed (`balance=auto`).
+take uneven shares of the global batch in whole micro-batches (`parallel.balance_weights`), inverse
+to each type's modelled time per micro-batch (compute and tensor-parallel communication; peak FLOP/s
+alone misses the communication share), which the runtime then refines from measured speed
+(`balance=auto`).
 Memory does not grow with a rank's share (micro-batches run one after another), so a layout fits
 when it fits the GPU type with the least memory. Step time: the slowest rank's micro-batches times
 its time per micro-batch, plus the data-parallel communication of the slowest link. Pipelines keep
@@ -90,6 +92,12 @@ def plan_mixed(shape: ModelShape, groups: list[GPUGroup], space: SearchSpace, gp
             if layout_problems(shape, layout):
                 continue
             plan = _evaluate(shape, layout, groups, rank_types, per_node, headroom, model, compute_efficiency)
+            if layout.balanced:  # re-weight by the modelled time of a micro-batch on each type, not its peak
+                slowest = max(plan.per_micro_batch_s.values())
+                timed = layout.with_(balance_weights=tuple(round(slowest / plan.per_micro_batch_s[t], 2)
+                                                           for t in rank_types))
+                plan = min(plan, _evaluate(shape, timed, groups, rank_types, per_node, headroom, model,
+                                           compute_efficiency), key=lambda p: p.step_s)
             if not all(plan.fits.values()):
                 break  # larger micro-batches need more memory still
             plans.append(plan)
@@ -134,7 +142,7 @@ def render_plans(plans: list[MixedPlan], top: int) -> list[str]:
     lines += ["", f"Winner: {describe(win.estimate.layout)}; {win.equal_step_s / win.step_s:.2f}x the speed of equal "
                   "shares", *describe_types(win)]
     if win.estimate.layout.balanced:
-        lines.append(f"  parallel.balance_weights={list(win.estimate.layout.balance_weights)} (peak FLOP/s; "
+        lines.append(f"  parallel.balance_weights={list(win.estimate.layout.balance_weights)} (modelled speed; "
                      "parallel.balance=auto refines them from measured speed)")
     return lines
 

@@ -19,6 +19,8 @@ def memory_table(est: Estimate) -> list[str]:
     lines = [f"Memory per GPU{stage}, {est.accounting} accounting:"]
     labels = [("params", "parameters"), ("grads", "gradients"), ("optimizer", "optimizer states"),
               ("activations", "activations (peak)"), ("buffers", "communication buffers")]
+    if m["unsharded_grads"]:
+        labels.insert(2, ("unsharded_grads", "gradients, accumulating"))
     for key, label in labels:
         lines.append(_row(label, m[key]))
     lines.append("  " + "-" * 60)

@@ -1,0 +1,115 @@
+"""`disttrain bench hardware`: measure this machine once, so `estimate --time` and `plan` can predict its
+step times (`--hardware FILE`).
+
+Every rank of the launch measures at once, as they train at once (on a CPU the ranks share cores and
+memory bandwidth):
+- matmul FLOP/s at the shapes a model's step runs: for each linear layer the forward product and the
+  two backward products (input and weight gradients) of `micro_batch x seq_len` tokens, FLOP-weighted
+  (total FLOPs over total time), per model and dtype;
+- the bytes/s of element-wise work (a fused multiply-add over tensors far larger than cache), which
+  bounds norms, activations, residual adds, rotary and the optimizer;
+- the collectives' α and β: all-reduce times at sizes from 4 KiB to 16 MiB fitted to
+  2(n−1)·α + 2(n−1)/n·M/β, the same α-β model the planner uses.
+The slowest rank's time counts for each figure, as it does in a step.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from disttrain.models.shape import ModelShape
+
+ALL_REDUCE_SIZES = tuple(2 ** k for k in range(12, 25, 2))  # 4 KiB .. 16 MiB
+PROFILE_KIND = "disttrain-hardware-profile"
+
+
+def linear_shapes(shape: ModelShape, tp: int = 1) -> list[tuple[int, int]]:
+    """(in, out) features of every matmul weight in one step's model (per layer, then the output)."""
+    kv = shape.n_kv_heads * shape.head_dim
+    h, f = shape.dim, shape.ffn_hidden_dim
+    layer = [(h, h // tp), (h, kv // tp), (h, kv // tp), (h // tp, h), (h, f // tp), (h, f // tp), (f // tp, h)]
+    return layer * shape.n_layers + [(h, shape.vocab_size // tp)]
+
+
+def _slowest(seconds: float) -> float:
+    if not dist.is_initialized():
+        return seconds
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def _timed(fn, reps: int) -> float:
+    fn()  # warm-up: allocation, kernel selection
+    if dist.is_initialized():
+        dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return _slowest((time.perf_counter() - t0) / reps)
+
+
+def matmul_flops(shape: ModelShape, tokens: int, dtype: torch.dtype, reps: int = 3) -> float:
+    """FLOP/s over the forward and both backward matmuls of each distinct linear shape, weighted by how
+    often the model runs it."""
+    counts: dict[tuple[int, int], int] = {}
+    for key in linear_shapes(shape):
+        counts[key] = counts.get(key, 0) + 1
+    flops = seconds = 0.0
+    for (k, n), count in counts.items():
+        x, w, g = (torch.randn(tokens, k, dtype=dtype), torch.randn(k, n, dtype=dtype),
+                   torch.randn(tokens, n, dtype=dtype))
+        t = _timed(lambda: (x @ w, g @ w.T, x.T @ g), reps)
+        flops += count * 3 * 2.0 * tokens * k * n
+        seconds += count * t
+    return flops / seconds
+
+
+def elementwise_bytes_per_s(numel: int = 2 ** 24, reps: int = 5) -> float:
+    """addcmul over fp32 tensors of 64 MiB each: three read, one written."""
+    a, b, c = (torch.rand(numel) for _ in range(3))
+    out = torch.empty(numel)
+    return 4 * 4 * numel / _timed(lambda: torch.addcmul(a, b, c, out=out), reps)
+
+
+def all_reduce_alpha_beta(sizes=ALL_REDUCE_SIZES, reps: int = 10) -> dict:
+    """Least-squares fit of t(M) = 2(n−1)·α + 2(n−1)/n·M/β over the measured sizes."""
+    n = dist.get_world_size() if dist.is_initialized() else 1
+    if n < 2:
+        return {"latency_s": None, "bandwidth_gbs": None, "ranks": n, "points": []}
+    points = []
+    for size in sizes:
+        buf = torch.ones(size // 4)
+        points.append((size, _timed(lambda: dist.all_reduce(buf), reps)))
+    xs = [2 * (n - 1) / n * m for m, _ in points]
+    ys = [t for _, t in points]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    intercept = max(my - slope * mx, 0.0)
+    return {"latency_s": intercept / (2 * (n - 1)), "bandwidth_gbs": 1 / slope / 1e9, "ranks": n,
+            "points": [{"bytes": m, "seconds": t} for m, t in points]}
+
+
+def measure(models: dict[str, ModelShape], micro_batch: int, seq_len: int, dtypes=("fp32", "bf16")) -> dict:
+    from disttrain.dtypes import DTYPES
+
+    tokens = micro_batch * seq_len
+    matmul = {}
+    for name, shape in models.items():
+        matmul[name] = {d: matmul_flops(shape, tokens, DTYPES[d]) for d in dtypes}
+    try:
+        memory_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+    except (ValueError, OSError):
+        memory_gb = 0.0
+    ranks = dist.get_world_size() if dist.is_initialized() else 1
+    return {"kind": PROFILE_KIND, "host": platform.node(), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+            "torch": torch.__version__, "ranks": ranks, "threads_per_rank": torch.get_num_threads(),
+            "memory_gb_per_rank": memory_gb / ranks, "micro_batch": micro_batch, "seq_len": seq_len,
+            "matmul_flops": matmul, "elementwise_bytes_per_s": elementwise_bytes_per_s(),
+            "all_reduce": all_reduce_alpha_beta()}
