@@ -113,3 +113,16 @@ def measure(models: dict[str, ModelShape], micro_batch: int, seq_len: int, dtype
             "memory_gb_per_rank": memory_gb / ranks, "micro_batch": micro_batch, "seq_len": seq_len,
             "matmul_flops": matmul, "elementwise_bytes_per_s": elementwise_bytes_per_s(),
             "all_reduce": all_reduce_alpha_beta()}
+
+
+def summary(profile: dict) -> str:
+    lines = [f"{profile['ranks']} rank(s) x {profile['threads_per_rank']} thread(s) on {profile['machine']}, "
+             f"micro-batch {profile['micro_batch']} x {profile['seq_len']} tokens"]
+    for name, rates in profile["matmul_flops"].items():
+        lines.append(f"  matmul {name:<6} " + ", ".join(f"{d} {r / 1e9:.1f} GFLOP/s" for d, r in rates.items()))
+    lines.append(f"  element-wise {profile['elementwise_bytes_per_s'] / 1e9:.2f} GB/s")
+    ar = profile["all_reduce"]
+    if ar["latency_s"] is not None:
+        lines.append(f"  all-reduce over {ar['ranks']} ranks: α {ar['latency_s'] * 1e6:.1f} us, "
+                     f"β {ar['bandwidth_gbs']:.2f} GB/s")
+    return "\n".join(lines)

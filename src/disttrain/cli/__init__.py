@@ -51,6 +51,16 @@ def build_parser() -> argparse.ArgumentParser:
     bcomm.add_argument("--json", action="store_true", help="print JSON (rank 0) instead of a table")
     bcomm.add_argument("--nproc-per-node", default=None, help="self-launch N processes ('auto': GPUs, or 2 on CPU)")
 
+    bhw = bench_sub.add_parser("hardware", help="measure this machine for the planner (--hardware FILE of "
+                                                "estimate --time and plan): matmul FLOP/s, element-wise bytes/s, "
+                                                "all-reduce latency and bandwidth")
+    bhw.add_argument("--models", default="tiny,125m", help="comma-separated registry shapes whose matmuls to time")
+    bhw.add_argument("--micro-batch", type=int, default=8)
+    bhw.add_argument("--seq-len", type=int, default=256)
+    bhw.add_argument("--out", default="hardware.json", help="profile to write (JSON)")
+    bhw.add_argument("--nproc-per-node", default="auto", help="processes measuring at once, as they will train "
+                                                              "('auto': GPUs, or 2 on CPU)")
+
     bscale = bench_sub.add_parser("scaling", help="weak scaling: the config at 1, 2, 4, ... processes, fixed per-rank "
                                                    "batch; tokens/s, speedup, efficiency, table + PNG")
     bscale.add_argument("config", help="YAML config (key=value overrides after it)")
@@ -95,7 +105,8 @@ def _dispatch(parser: argparse.ArgumentParser, argv: list[str] | None) -> None:
     elif args.command == "config":
         tools.cmd_config(args, extra)
     elif args.command == "bench":
-        tools.cmd_bench_scaling(args, extra) if args.bench_command == "scaling" else tools.cmd_bench_comm(args)
+        {"scaling": lambda a: tools.cmd_bench_scaling(a, extra), "comm": tools.cmd_bench_comm,
+         "hardware": tools.cmd_bench_hardware}[args.bench_command](args)
     elif args.command in ("estimate", "plan"):
         (plan_cli.cmd_estimate if args.command == "estimate" else plan_cli.cmd_plan)(args)
     else:

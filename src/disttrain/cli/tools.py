@@ -114,6 +114,44 @@ def cmd_bench_comm(args: argparse.Namespace) -> None:
               f"{rt.world_size} ranks, {rt.backend} on {rt.device.type}\n{comm.format_table(results)}")
 
 
+def cmd_bench_hardware(args: argparse.Namespace) -> None:
+    import json
+
+    from disttrain.distributed.env import detect_env, under_torchrun
+    from disttrain.launch import LaunchOptions, relaunch
+    from disttrain.models.registry import MODEL_SHAPES
+
+    names = [m for m in args.models.split(",") if m]
+    unknown = [m for m in names if m not in MODEL_SHAPES]
+    if unknown or not names:
+        raise UserError(f"--models={args.models}: unknown model {unknown[0] if unknown else '(none)'} "
+                        f"(allowed: {', '.join(MODEL_SHAPES)})")
+    for flag, value in (("--micro-batch", args.micro_batch), ("--seq-len", args.seq_len)):
+        if value < 1:
+            raise UserError(f"{flag}={value}: must be at least 1")
+    out = Path(args.out)
+    if not out.parent.is_dir():
+        raise UserError(f"--out={args.out}: folder {out.parent} does not exist")
+    if args.nproc_per_node and not under_torchrun():
+        forwarded = ["bench", "hardware", "--models", ",".join(names), "--micro-batch", str(args.micro_batch),
+                     "--seq-len", str(args.seq_len), "--out", str(out.resolve())]
+        sys.exit(relaunch(LaunchOptions(args.nproc_per_node), forwarded))
+    from disttrain.bench import hardware
+    from disttrain.distributed.runtime import init_distributed, shutdown
+
+    env = detect_env()
+    rt = init_distributed(env, "auto", 300)
+    try:
+        profile = hardware.measure({m: MODEL_SHAPES[m] for m in names}, args.micro_batch, args.seq_len)
+    finally:
+        shutdown()
+    if env.rank == 0:
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text(json.dumps(profile, indent=1))
+        tmp.replace(out)
+        print(hardware.summary(profile) + f"\nwrote {out}")
+
+
 def cmd_report(args: argparse.Namespace) -> None:
     from disttrain.observe.run_report import make_report
 

@@ -1,0 +1,57 @@
+"""A measured hardware profile (`disttrain bench hardware`) as the planner's cluster: `--hardware FILE`.
+
+The profile's rates are what this machine reaches, not datasheet peaks, so compute and communication
+efficiencies are 1; the element-wise rate turns on the step-time terms a GPU table folds into its
+compute efficiency (norms, activations, the loss and the optimizer, see `timing.step_time`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from disttrain.errors import UserError
+from disttrain.hardware import GPUSpec
+from disttrain.models.shape import ModelShape
+from disttrain.plan.timing import Cluster
+
+PROFILE_KIND = "disttrain-hardware-profile"
+
+
+def load_profile(path: str | Path) -> dict:
+    try:
+        profile = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise UserError(f"--hardware={path}: no such file (write one with `disttrain bench hardware --out {path}`)") from None
+    except (OSError, ValueError) as exc:
+        raise UserError(f"--hardware={path}: not a readable JSON profile ({exc})") from None
+    if not isinstance(profile, dict) or profile.get("kind") != PROFILE_KIND:
+        raise UserError(f"--hardware={path}: not a hardware profile (write one with `disttrain bench hardware`)")
+    return profile
+
+
+def _matmul_rates(profile: dict, model: str, shape: ModelShape) -> dict[str, float]:
+    """The rates measured for this model's shapes, else those of the measured model nearest in width."""
+    rates = profile["matmul_flops"]
+    if model in rates:
+        return rates[model]
+    nearest = min(rates, key=lambda name: abs(rates[name].get("dim", 0) - shape.dim))
+    return rates[nearest]
+
+
+def profile_cluster(profile: dict, gpus: int, model: str, shape: ModelShape, overlap_efficiency: float = 0.9) -> Cluster:
+    """Every rank on this one machine: one node of `gpus` ranks, links at the measured all-reduce α and β."""
+    rates = _matmul_rates(profile, model, shape)
+    tflops = {d: r / 1e12 for d, r in rates.items() if d in ("fp32", "bf16")}
+    tflops.setdefault("bf16", tflops["fp32"])
+    tflops.update(tf32=tflops["fp32"], fp16=tflops["bf16"])
+    ar = profile["all_reduce"]
+    bandwidth = ar["bandwidth_gbs"] or 1e9  # one rank: no collective ever runs
+    latency = ar["latency_s"] or 0.0
+    spec = GPUSpec(f"profile:{profile.get('host', '?')}", f"measured {profile.get('machine', '')}", tflops,
+                   profile["memory_gb_per_rank"], bandwidth, bandwidth, "disttrain bench hardware")
+    return Cluster(spec, gpus_per_node=gpus, nodes=1, intra_latency_s=latency, inter_latency_s=latency,
+                   compute_efficiency=1.0, comm_efficiency=1.0, overlap_efficiency=overlap_efficiency,
+                   elementwise_bytes_per_s=profile["elementwise_bytes_per_s"],
+                   op_overhead_s=profile.get("op_overhead_s", 0.0),
+                   attention_flops=profile.get("attention_flops", {}).get(model))
