@@ -6,8 +6,10 @@ memory bandwidth):
 - matmul FLOP/s at the shapes a model's step runs: for each linear layer the forward product and the
   two backward products (input and weight gradients) of `micro_batch x seq_len` tokens, FLOP-weighted
   (total FLOPs over total time), per model and dtype;
+- causal attention (SDPA forward + backward) FLOP/s at each model's heads and sequence length;
 - the bytes/s of element-wise work (a fused multiply-add over tensors far larger than cache), which
-  bounds norms, activations, residual adds, rotary and the optimizer;
+  bounds norms, activations, residual adds and rotary; the fixed cost of one eager op; and the seconds
+  per parameter of an AdamW step with gradient clipping;
 - the collectives' α and β: all-reduce times at sizes from 4 KiB to 16 MiB fitted to
   2(n−1)·α + 2(n−1)/n·M/β, the same α-β model the planner uses.
 The slowest rank's time counts for each figure, as it does in a step.
@@ -78,6 +80,41 @@ def elementwise_bytes_per_s(numel: int = 2 ** 24, reps: int = 5) -> float:
     return 4 * 4 * numel / _timed(lambda: torch.addcmul(a, b, c, out=out), reps)
 
 
+def attention_flops(shape: ModelShape, micro_batch: int, seq_len: int, reps: int = 3) -> float:
+    """Causal SDPA forward + backward at the model's heads, in the planner's FLOP convention
+    (12·H·Q·T per token and layer, the full score matrix): what `flops.attention_flops_per_token` counts."""
+    q = torch.randn(micro_batch, shape.n_heads, seq_len, shape.head_dim, requires_grad=True)
+    k = torch.randn(micro_batch, shape.n_heads, seq_len, shape.head_dim, requires_grad=True)
+    v = torch.randn(micro_batch, shape.n_heads, seq_len, shape.head_dim, requires_grad=True)
+    grad = torch.randn(micro_batch, shape.n_heads, seq_len, shape.head_dim)
+
+    def run():
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        torch.autograd.grad(out, (q, k, v), grad)
+
+    return 12.0 * shape.n_heads * shape.head_dim * seq_len * micro_batch * seq_len / _timed(run, reps)
+
+
+def optimizer_seconds_per_param(numel: int = 2 ** 22, tensors: int = 16, reps: int = 3) -> float:
+    """A step of AdamW (foreach, as the trainer builds it) with gradient-norm clipping, per parameter."""
+    params = [torch.nn.Parameter(torch.randn(numel // tensors)) for _ in range(tensors)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW(params, lr=1e-4, foreach=True)
+
+    def run():
+        torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
+        opt.step()
+
+    return _timed(run, reps) / numel
+
+
+def op_overhead_seconds(reps: int = 2000) -> float:
+    """The fixed cost of one eager op (dispatch, allocation) on a tensor too small to take time itself."""
+    a, b = torch.ones(8), torch.ones(8)
+    return _timed(lambda: [torch.add(a, b) for _ in range(reps)], 1) / reps
+
+
 def all_reduce_alpha_beta(sizes=ALL_REDUCE_SIZES, reps: int = 10) -> dict:
     """Least-squares fit of t(M) = 2(n−1)·α + 2(n−1)/n·M/β over the measured sizes."""
     n = dist.get_world_size() if dist.is_initialized() else 1
@@ -100,18 +137,20 @@ def measure(models: dict[str, ModelShape], micro_batch: int, seq_len: int, dtype
     from disttrain.dtypes import DTYPES
 
     tokens = micro_batch * seq_len
-    matmul = {}
+    matmul, attention = {}, {}
     for name, shape in models.items():
-        matmul[name] = {d: matmul_flops(shape, tokens, DTYPES[d]) for d in dtypes}
+        matmul[name] = {"dim": shape.dim, **{d: matmul_flops(shape, tokens, DTYPES[d]) for d in dtypes}}
+        attention[name] = attention_flops(shape, micro_batch, seq_len)
     try:
         memory_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
     except (ValueError, OSError):
         memory_gb = 0.0
     ranks = dist.get_world_size() if dist.is_initialized() else 1
-    return {"kind": PROFILE_KIND, "host": platform.node(), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+    return {"kind": PROFILE_KIND, "device": "cpu", "host": platform.node(), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
             "torch": torch.__version__, "ranks": ranks, "threads_per_rank": torch.get_num_threads(),
             "memory_gb_per_rank": memory_gb / ranks, "micro_batch": micro_batch, "seq_len": seq_len,
-            "matmul_flops": matmul, "elementwise_bytes_per_s": elementwise_bytes_per_s(),
+            "matmul_flops": matmul, "attention_flops": attention, "elementwise_bytes_per_s": elementwise_bytes_per_s(),
+            "optimizer_s_per_param": optimizer_seconds_per_param(), "op_overhead_s": op_overhead_seconds(),
             "all_reduce": all_reduce_alpha_beta()}
 
 
@@ -119,8 +158,11 @@ def summary(profile: dict) -> str:
     lines = [f"{profile['ranks']} rank(s) x {profile['threads_per_rank']} thread(s) on {profile['machine']}, "
              f"micro-batch {profile['micro_batch']} x {profile['seq_len']} tokens"]
     for name, rates in profile["matmul_flops"].items():
-        lines.append(f"  matmul {name:<6} " + ", ".join(f"{d} {r / 1e9:.1f} GFLOP/s" for d, r in rates.items()))
-    lines.append(f"  element-wise {profile['elementwise_bytes_per_s'] / 1e9:.2f} GB/s")
+        lines.append(f"  matmul {name:<6} " + ", ".join(f"{d} {r / 1e9:.1f} GFLOP/s" for d, r in rates.items() if d != "dim")
+                     + f"; causal attention {profile['attention_flops'][name] / 1e9:.1f} GFLOP/s")
+    lines.append(f"  element-wise {profile['elementwise_bytes_per_s'] / 1e9:.2f} GB/s, one eager op "
+                 f"{profile['op_overhead_s'] * 1e6:.1f} us, AdamW + clipping {profile['optimizer_s_per_param'] * 1e9:.2f} ns "
+                 "per parameter")
     ar = profile["all_reduce"]
     if ar["latency_s"] is not None:
         lines.append(f"  all-reduce over {ar['ranks']} ranks: α {ar['latency_s'] * 1e6:.1f} us, "

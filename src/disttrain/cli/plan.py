@@ -51,6 +51,8 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--compute-efficiency", type=float, default=0.5, help="fraction of peak FLOP/s reached (0-1]")
     g.add_argument("--overlap-efficiency", type=float, default=0.9,
                    help="share of overlapped communication that is really hidden behind compute [0-1]")
+    g.add_argument("--hardware", default=None, help="a profile from `disttrain bench hardware` (this machine, "
+                                                    "measured) instead of --gpu and the efficiencies")
     g.add_argument("--tokens", default=None, help="training tokens, for days to train (e.g. 300e9)")
 
 
@@ -122,7 +124,12 @@ def _shape(args, cfg=None) -> tuple[str, ModelShape]:
     raise UserError("give a CONFIG, --model NAME, --params N or --hf DIR")
 
 
-def _cluster(args, gpus: int) -> Cluster:
+def _cluster(args, gpus: int, name: str = "custom", shape: ModelShape | None = None) -> Cluster:
+    if getattr(args, "hardware", None):
+        from disttrain.plan.profile import load_profile, profile_cluster
+
+        return profile_cluster(load_profile(args.hardware), gpus, name, shape or MODEL_SHAPES["tiny"],
+                               args.overlap_efficiency)
     try:
         gpu = find_gpu(args.gpu)
     except KeyError as exc:
@@ -159,7 +166,7 @@ def build_layout(args) -> tuple[str, ModelShape, Layout]:
     for flag in ("gpus", "dp_replicate", "tp", "pp", "microbatches", "micro_batch_size", "global_batch_size", "seq_len"):
         _positive("--" + flag.replace("_", "-"), getattr(args, flag))
     if cfg is not None:  # the degrees as configured; dp_shard follows from --gpus below
-        layout = Layout.from_config(cfg, world_size=None)
+        layout = Layout.from_config(cfg, world_size=None, device_type="cpu" if args.hardware else "cuda")
     else:
         layout = Layout(seq_len=min(2048, shape.max_seq_len), param_dtype=args.dtype or "bf16")
     changes = {k: v for k, v in {
@@ -187,7 +194,7 @@ def build_layout(args) -> tuple[str, ModelShape, Layout]:
 
 def cmd_estimate(args) -> None:
     name, shape, layout = build_layout(args)
-    cluster = _cluster(args, layout.world_size) if args.time else None
+    cluster = _cluster(args, layout.world_size, name, shape) if args.time else None
     est = estimate(shape, layout, cluster, model=name, accounting=args.accounting)
     tokens = parse_count("--tokens", args.tokens) if args.tokens else None
     if args.json:
@@ -271,7 +278,7 @@ def cmd_plan(args) -> None:
         raise UserError(f"--zero-stages={args.zero_stages}: expected a comma-separated subset of 0,1,2,3") from None
     if not set(stages) <= {0, 1, 2, 3}:
         raise UserError(f"--zero-stages={args.zero_stages}: allowed stages are 0, 1, 2, 3")
-    cluster = _cluster(args, args.gpus)
+    cluster = _cluster(args, args.gpus, name, shape)
     space = SearchSpace(seq_len=seq_len, global_batch_size=gbs, zero_stages=stages,
                         allow_offload=args.allow_offload, param_dtype=args.dtype or "bf16")
     result = search(shape, cluster, space, args.headroom, model=name)
@@ -368,7 +375,7 @@ def scaling_table(shape, args, space: SearchSpace, name: str, counts: list[int])
     """Best layout per GPU count at the same global batch, with efficiency against one GPU."""
     rows = []
     for gpus in counts:
-        cluster = _cluster(argparse.Namespace(**{**vars(args), "nodes": None}), gpus)
+        cluster = _cluster(argparse.Namespace(**{**vars(args), "nodes": None}), gpus, name, shape)
         if space.global_batch_size % gpus and space.global_batch_size < gpus:
             continue
         result = search(shape, cluster, space, args.headroom, name)

@@ -54,4 +54,6 @@ def profile_cluster(profile: dict, gpus: int, model: str, shape: ModelShape, ove
                    compute_efficiency=1.0, comm_efficiency=1.0, overlap_efficiency=overlap_efficiency,
                    elementwise_bytes_per_s=profile["elementwise_bytes_per_s"],
                    op_overhead_s=profile.get("op_overhead_s", 0.0),
+                   optimizer_s_per_param=profile.get("optimizer_s_per_param", 0.0),
+                   fsdp_overlap=profile.get("device", "cpu") != "cpu",
                    attention_flops=profile.get("attention_flops", {}).get(model))

@@ -26,6 +26,7 @@ from disttrain.layout import DTYPE_BYTES, Layout
 from disttrain.plan.memory import layer_params, rank_params
 
 DDP_BUCKET_BYTES = 25 * 2 ** 20
+TP_COLLECTIVES_PER_LAYER = 7
 PCIE_BYTES_PER_S = 25e9  # host<->GPU, PCIe Gen4/5 x16 as reached in practice
 
 
@@ -43,6 +44,14 @@ class Cluster:
     # Overlapped collectives still share SMs and memory bandwidth with compute: this fraction of
     # their hidden time is treated as hidden, the rest still lengthens the step.
     overlap_efficiency: float = 0.9
+    # A measured profile (`disttrain bench hardware`, plan/profile.py) sets these; the GPU table leaves
+    # them None and folds element-wise work and the optimizer into `compute_efficiency`.
+    elementwise_bytes_per_s: float | None = None
+    attention_flops: float | None = None  # causal attention, FLOPs as flops.attention_flops_per_token counts
+    optimizer_s_per_param: float = 0.0
+    op_overhead_s: float = 0.0
+    # FSDP2 overlaps its collectives with compute through CUDA streams; on a CPU it waits for each.
+    fsdp_overlap: bool = True
 
     @property
     def gpus(self) -> int:
@@ -108,6 +117,7 @@ class StepTime:
     tokens_per_s_per_gpu: float
     mfu: float
     hfu: float
+    optimizer_s: float = 0.0  # measured profiles only: the GPU table folds it into compute
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -123,6 +133,9 @@ def step_time(shape: ModelShape, layout: Layout, cluster: Cluster) -> StepTime:
     hw_per_token = F.hardware_flops_per_token(shape, s, layout.activation_checkpointing)
     model_per_token = F.model_flops_per_token(shape, s)
     compute = hw_per_token * tokens / world / (peak * cluster.compute_efficiency)
+    optimizer = 0.0
+    if cluster.elementwise_bytes_per_s is not None:
+        compute, optimizer = measured_compute(shape, layout, cluster, peak)
     per_mb = compute / m  # one micro-batch through this rank's stage(s): forward + backward
     recompute_share = F.recompute_flops_per_token(shape, s, layout.activation_checkpointing) / hw_per_token
     fwd = per_mb * (1 - recompute_share) / 3
@@ -132,14 +145,18 @@ def step_time(shape: ModelShape, layout: Layout, cluster: Cluster) -> StepTime:
     bubble = compute * bubble_frac / (1 - bubble_frac) if bubble_frac else 0.0
 
     e = DTYPE_BYTES[layout.param_dtype]
-    # Tensor parallel: two all-reduces (or all-gather + reduce-scatter with SP, same bytes) per
-    # layer in forward, two in backward, two more per recomputed forward.
+    # Tensor parallel (all-reduces, or all-gather + reduce-scatter with SP: the same bytes), per layer
+    # and micro-batch: two in forward (after wo and w2); five in backward, one per column-parallel linear
+    # (wq, wk, wv, w1, w3 each reduce their own input gradient: the plan's linears are separate modules,
+    # counted with the profiler in docs/benchmarks.md); two more per recomputed forward. The vocabulary-
+    # parallel embedding reduces its output and the output layer its input gradient.
     held = rank_params(shape, layout, 0)
     tp_comm = 0.0
     if layout.tp > 1:
         bw, lat = cluster.link(layout.tp)
-        per_layer = 4 + (2 if layout.activation_checkpointing == "full" else 0)
-        tp_comm = m * held.layers * per_layer * all_reduce_s(layout.tp, e * mb * s * shape.dim, bw, lat)
+        per_layer = TP_COLLECTIVES_PER_LAYER + (2 if layout.activation_checkpointing == "full" else 0)
+        per_step = m * (held.layers * per_layer + int(held.embedding) + int(held.output))
+        tp_comm = per_step * all_reduce_s(layout.tp, e * mb * s * shape.dim, bw, lat)
 
     pp_comm = 0.0
     if layout.pp > 1:
@@ -175,18 +192,56 @@ def step_time(shape: ModelShape, layout: Layout, cluster: Cluster) -> StepTime:
                 rbw, rlat = cluster.link(dr * ds * layout.tp)
                 rs += all_reduce_s(dr, rb * n_params / ds, rbw, rlat)
             dp_comm = rounds * gathers * ag + rs
-            oe = cluster.overlap_efficiency
+            oe = cluster.overlap_efficiency if cluster.fsdp_overlap else 0.0
             exposed_fwd = exposed(ag, fwd, oe, first_unit)
             exposed_bwd = exposed(ag, bwd, oe, first_unit) if gathers == 2 else 0.0
             dp_exposed = rounds * (exposed_fwd + exposed_bwd) + exposed(rs, bwd, oe, reduce_scatter_s(ds, rb * unit, bw, lat))
     if layout.cpu_offload:  # parameter shards up every micro-batch, gradient shards down, over PCIe
         dp_exposed += (m * e + 4) * n_params / layout.dp_shard / PCIE_BYTES_PER_S
 
-    step = compute + bubble + tp_comm + pp_comm + dp_exposed
+    step = compute + bubble + tp_comm + pp_comm + dp_exposed + optimizer
     tps = tokens / step
     per_gpu = tps / world
     return StepTime(compute, bubble, tp_comm, pp_comm, dp_comm, dp_exposed, step, tps, per_gpu,
-                    F.mfu(model_per_token, per_gpu, peak), F.mfu(hw_per_token, per_gpu, peak))
+                    F.mfu(model_per_token, per_gpu, peak), F.mfu(hw_per_token, per_gpu, peak), optimizer)
+
+
+# Elements each token reads or writes per layer outside matmuls and attention, forward + backward,
+# for models/llama (norms, rotary, SiLU gate, residual adds, casts): fitted by counting every
+# non-matmul op's operands under a dispatch mode for six shapes (residual < 0.2%; docs/benchmarks.md).
+EW_PER_LAYER = {"dim": 107.0, "kv": 24.0, "ffn": 14.0, "heads": 4.3}
+EW_ROOT_DIM, EW_VOCAB = 31.0, 5.0  # the final norm and embedding per token; log-softmax and loss per logit
+OPS_PER_LAYER = 100  # eager ops per layer, forward + backward (76 element-wise, 21 matmuls, attention)
+
+
+def measured_compute(shape: ModelShape, layout: Layout, cluster: Cluster, matmul_rate: float) -> tuple[float, float]:
+    """(compute, optimizer) seconds of one rank's step from a measured profile: matmul FLOPs at the
+    measured matmul rate, attention at the measured attention rate, element-wise bytes at the measured
+    bandwidth, a fixed cost per eager op, and AdamW + clipping per parameter this rank updates."""
+    return max((_stage_compute(shape, layout, cluster, matmul_rate, pp_rank) for pp_rank in {0, layout.pp - 1}),
+               key=lambda times: times[0])
+
+
+def _stage_compute(shape: ModelShape, layout: Layout, cluster: Cluster, matmul_rate: float, pp_rank: int):
+    s, m, mb = layout.seq_len, layout.microbatches, layout.micro_batch
+    held = rank_params(shape, layout, pp_rank)
+    tokens = mb * s * m  # this rank's tokens per step (tensor-parallel ranks share theirs)
+    t, r = layout.tp, layout.tp if layout.sequence_parallel else 1
+    full = layout.activation_checkpointing == "full"  # recomputes every block's forward: matmuls and attention
+    layer_matmul = (8.0 if full else 6.0) * F.block_params(shape) / shape.n_layers
+    matmul = held.layers * layer_matmul / t + (6.0 * shape.vocab_size * shape.dim / t if held.output else 0.0)
+    attention = F.attention_flops_per_token(shape, s) / shape.n_layers * held.layers / t * (4 / 3 if full else 1.0)
+    kv = shape.n_kv_heads * shape.head_dim
+    c = EW_PER_LAYER
+    per_layer = c["dim"] * shape.dim / r + c["kv"] * kv / t + c["ffn"] * shape.ffn_hidden_dim / t + c["heads"] * shape.n_heads / t
+    rerun = {"full": 4 / 3, "selective": 7 / 6}.get(layout.activation_checkpointing, 1.0)
+    elements = per_layer * held.layers * rerun + (EW_VOCAB * shape.vocab_size / t + EW_ROOT_DIM * shape.dim if held.output else 0)
+    e = DTYPE_BYTES[layout.param_dtype]
+    attention_rate = cluster.attention_flops or matmul_rate
+    seconds = tokens * (matmul / matmul_rate + attention / attention_rate + e * elements / cluster.elementwise_bytes_per_s)
+    seconds += m * OPS_PER_LAYER * held.layers * cluster.op_overhead_s
+    updated = held.total / (layout.dp_shard if layout.zero_stage >= 2 else layout.dp if layout.zero_stage == 1 else 1)
+    return seconds, updated * cluster.optimizer_s_per_param
 
 
 def single_gpu_tokens_per_s(shape: ModelShape, seq_len: int, cluster: Cluster, param_dtype: str = "bf16") -> float:
