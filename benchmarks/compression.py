@@ -61,7 +61,7 @@ def worker(steps: int, reps: int, out: Path) -> None:
     rows = {hook: {"step_s": []} for hook in HOOKS}
     try:
         for hook, overrides in HOOKS.items():
-            counts = per_step(lambda n: _train(rt, overrides, n, "counts"))
+            counts = per_step(lambda n: _train(rt, [*overrides, "optim.warmup_steps=0"], n, "counts"))
             rows[hook]["all_reduce_bytes"] = counts.get("all_reduce bytes", 0.0)
             rows[hook]["all_reduce_count"] = counts.get("all_reduce count", 0.0)
             recs = _train(rt, overrides, steps, hook.replace(" ", "_"), eval_every=steps)

@@ -418,3 +418,67 @@ def test_show_schedule_prints_the_time_by_stage_table():
     proc = run_cli("plan", "--show-schedule", "--pp", "4", "--microbatches", "6", "--schedule", "interleaved_1f1b",
                    check=False)
     assert proc.returncode == 2 and "--microbatches=6 must be a multiple of --pp=4" in proc.stderr
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_peak_activations_match_the_planner(recompute):
+    """At the memory peak of a real step (torch's MemTracker on CPU tensors), activations + temporaries
+    are within 20% of the planner's peak activations (saved + what backward adds)."""
+    from disttrain.bench.activations import peak_activation_bytes
+    from disttrain.plan.memory import stage_activation_bytes
+
+    shape = MODEL_SHAPES["debug"]
+    measured = peak_activation_bytes(shape, 4, 128, recompute)
+    layout = Layout(micro_batch_size=4, global_batch_size=4, seq_len=128, activation_checkpointing=recompute,
+                    param_dtype="fp32")
+    predicted = stage_activation_bytes(shape, layout, 0, fused_norm=False).peak
+    held = measured["activations"] + measured["temporary"]
+    assert abs(predicted / held - 1) <= 0.2, (predicted, measured)
+
+
+def test_hardware_profile_feeds_estimate(tmp_path):
+    """`bench hardware` on 2 processes writes a profile whose rates are measured (positive, α-β fitted
+    from the all-reduce points it lists); `estimate --time --hardware` then predicts from it: a step is
+    its parts, the optimizer counts this rank's share, and a layout that issues more collectives
+    (TP=2) pays for them at the measured link."""
+    out = tmp_path / "hw.json"
+    run_cli("bench", "hardware", "--models", "debug", "--micro-batch", "2", "--seq-len", "32", "--out", str(out),
+            timeout=300)
+    profile = json.loads(out.read_text())
+    ar = profile["all_reduce"]
+    assert profile["ranks"] == 2 and ar["ranks"] == 2 and len(ar["points"]) >= 5
+    assert ar["bandwidth_gbs"] > 0 and ar["latency_s"] >= 0
+    assert profile["matmul_flops"]["debug"]["fp32"] > 0 and profile["attention_flops"]["debug"] > 0
+    assert profile["elementwise_bytes_per_s"] > 0 and profile["optimizer_s_per_param"] > 0
+
+    def predict(*flags):
+        proc = run_cli("estimate", "--model", "debug", "--gpus", "2", "--seq-len", "32", "--micro-batch-size", "2",
+                       "--dtype", "fp32", "--time", "--hardware", str(out), "--json", *flags)
+        return json.loads(proc.stdout)["time"]
+
+    ddp, zero3, tp = predict("--zero-stage", "0"), predict("--zero-stage", "3"), predict("--tp", "2")
+    for t in (ddp, zero3, tp):
+        parts = t["compute_s"] + t["optimizer_s"] + t["bubble_s"] + t["tp_comm_s"] + t["pp_comm_s"] + t["dp_exposed_s"]
+        assert t["step_s"] == pytest.approx(parts)
+    psi = MODEL_SHAPES["debug"].num_params()
+    assert ddp["optimizer_s"] == pytest.approx(psi * profile["optimizer_s_per_param"])
+    assert zero3["optimizer_s"] == pytest.approx(ddp["optimizer_s"] / 2)  # each rank updates its shard
+    assert zero3["dp_exposed_s"] == pytest.approx(zero3["dp_comm_s"])  # FSDP2 on a CPU: nothing overlapped
+    assert tp["tp_comm_s"] > 0 and ddp["tp_comm_s"] == 0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--models", "gpt9"], "--models=gpt9: unknown model gpt9 (allowed: "),
+    (["--seq-len", "0"], "--seq-len=0: must be at least 1"),
+    (["--out", "/nonexistent/dir/hw.json"], "--out=/nonexistent/dir/hw.json: folder /nonexistent/dir does not exist"),
+])
+def test_bench_hardware_bad_input_is_one_line(argv, message):
+    proc = run_cli("bench", "hardware", *argv, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().startswith(f"disttrain: error: {message}"), proc.stderr
+
+
+def test_estimate_with_a_missing_hardware_profile_is_one_line(tmp_path):
+    proc = run_cli("estimate", "--model", "debug", "--time", "--hardware", str(tmp_path / "none.json"), check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert f"--hardware={tmp_path / 'none.json'}: no such file" in proc.stderr

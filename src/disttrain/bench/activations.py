@@ -79,3 +79,31 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def peak_activation_bytes(shape: ModelShape, micro_batch: int, seq_len: int, recompute: str = "none",
+                          dtype: torch.dtype = torch.float32, seed: int = 0) -> dict[str, int]:
+    """Activations and temporaries at the step's memory peak, from torch's `MemTracker` (tensor
+    accounting through a dispatch mode: works on CPU, where there is no allocator peak to read).
+    The second of two steps is tracked, so the optimizer states exist as they do in training."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    torch.manual_seed(seed)
+    model = Transformer(shape).to(dtype)
+    ac.apply_activation_checkpointing(model.layers, recompute)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    tokens = torch.randint(0, shape.vocab_size, (micro_batch, seq_len))
+    tracker = MemTracker()
+    tracker.track_external(model, opt)
+    with tracker:
+        for step in range(2):
+            loss = F.cross_entropy(model(tokens).float().flatten(0, 1), tokens.flatten(), reduction="sum")
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if step == 0:
+                tracker.reset_mod_stats()
+    peak = next(iter(tracker.get_tracker_snapshot("peak").values()))
+    by_kind = {str(getattr(k, "value", k)): int(v) for k, v in peak.items()}
+    return {"activations": by_kind.get("Activation", 0), "temporary": by_kind.get("Temp", 0),
+            "total": by_kind.get("Total", 0)}
