@@ -51,8 +51,7 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--compute-efficiency", type=float, default=0.5, help="fraction of peak FLOP/s reached (0-1]")
     g.add_argument("--overlap-efficiency", type=float, default=0.9,
                    help="share of overlapped communication that is really hidden behind compute [0-1]")
-    g.add_argument("--hardware", default=None, help="a profile from `disttrain bench hardware` (this machine, "
-                                                    "measured) instead of --gpu and the efficiencies")
+    g.add_argument("--hardware", default=None, help="a `disttrain bench hardware` profile instead of --gpu")
     g.add_argument("--tokens", default=None, help="training tokens, for days to train (e.g. 300e9)")
 
 
@@ -127,9 +126,7 @@ def _shape(args, cfg=None) -> tuple[str, ModelShape]:
 def _cluster(args, gpus: int, name: str = "custom", shape: ModelShape | None = None) -> Cluster:
     if getattr(args, "hardware", None):
         from disttrain.plan.profile import load_profile, profile_cluster
-
-        return profile_cluster(load_profile(args.hardware), gpus, name, shape or MODEL_SHAPES["tiny"],
-                               args.overlap_efficiency)
+        return profile_cluster(load_profile(args.hardware), gpus, name, shape or MODEL_SHAPES["tiny"], args.overlap_efficiency)
     try:
         gpu = find_gpu(args.gpu)
     except KeyError as exc:
