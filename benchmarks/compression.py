@@ -2,8 +2,11 @@
 profiler, not estimated), step time, and the loss after a fixed number of steps of the demo config, for
 none / fp16 / bf16 / PowerSGD rank 1 and 4, on 2 processes.
 
-Bytes per step come from benchmarks/step_counts.py's method (steps S and S+K under the profiler, the
-difference over K); PowerSGD's first `powersgd_start_iter` steps are uncompressed, so S is past them.
+Bytes per step are counted by differencing runs of S and S+K steps (over K), as benchmarks/step_counts.py
+does: with the profiler, and with a wrapper around `torch.distributed.all_reduce` that also sees what the
+hooks launch from future callbacks (PowerSGD's P and Q, which the profiler does not record); the table
+takes the wrapper's count for hooks and the profiler's without one (DDP's buckets are issued from C++).
+PowerSGD's first `powersgd_start_iter` steps are uncompressed, so S is past them.
 Step times are the median `step_time_s` of steps after the first 5, in `--reps` interleaved repetitions
 (every hook once per repetition); the loss is the final training loss and validation loss of one run of
 `--steps` steps (deterministic: the same in every repetition).
@@ -25,6 +28,7 @@ HOOKS = {"none": [], "fp16": ["parallel.ddp_comm_hook=fp16"], "bf16": ["parallel
          "powersgd r1": ["parallel.ddp_comm_hook=powersgd", "parallel.powersgd_rank=1"],
          "powersgd r4": ["parallel.ddp_comm_hook=powersgd", "parallel.powersgd_rank=4"]}
 WARMUP = 5
+SHORT, EXTRA = 3, 4  # as benchmarks/step_counts.py: steps of the short run; the long run has EXTRA more
 
 
 def _cfg(overrides: list[str], steps: int, name: str, eval_every: int):
@@ -48,6 +52,35 @@ def _train(rt, overrides: list[str], steps: int, name: str, eval_every: int = 0)
     return [json.loads(line) for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def python_all_reduce_bytes(run_steps) -> tuple[float, float]:
+    """(bytes, calls) per step of every `torch.distributed.all_reduce` called from Python, on any thread.
+    The profiler misses PowerSGD's P and Q all-reduces (launched from future callbacks on gloo's thread);
+    a wrapper around the function sees them. DDP's own bucket all-reduce (no hook) is issued from C++ and
+    is not seen here: that row is the profiler's."""
+    import threading
+
+    import torch.distributed as dist
+
+    original, lock = dist.all_reduce, threading.Lock()
+    totals = []
+    for n in (SHORT, SHORT + EXTRA):
+        seen = {"bytes": 0, "calls": 0}
+
+        def counting(tensor, *args, _seen=seen, **kwargs):
+            with lock:
+                _seen["bytes"] += tensor.numel() * tensor.element_size()
+                _seen["calls"] += 1
+            return original(tensor, *args, **kwargs)
+
+        dist.all_reduce = counting
+        try:
+            run_steps(n)
+        finally:
+            dist.all_reduce = original
+        totals.append(seen)
+    return ((totals[1]["bytes"] - totals[0]["bytes"]) / EXTRA, (totals[1]["calls"] - totals[0]["calls"]) / EXTRA)
+
+
 def worker(steps: int, reps: int, out: Path) -> None:
     import torch.distributed as dist
 
@@ -61,9 +94,15 @@ def worker(steps: int, reps: int, out: Path) -> None:
     rows = {hook: {"step_s": []} for hook in HOOKS}
     try:
         for hook, overrides in HOOKS.items():
-            counts = per_step(lambda n: _train(rt, [*overrides, "optim.warmup_steps=0"], n, "counts"))
-            rows[hook]["all_reduce_bytes"] = counts.get("all_reduce bytes", 0.0)
-            rows[hook]["all_reduce_count"] = counts.get("all_reduce count", 0.0)
+            run_steps = lambda n, o=overrides: _train(rt, [*o, "optim.warmup_steps=0"], n, "counts")  # noqa: E731
+            counts = per_step(run_steps)
+            rows[hook]["profiler_all_reduce_bytes"] = counts.get("all_reduce bytes", 0.0)
+            rows[hook]["profiler_all_reduce_count"] = counts.get("all_reduce count", 0.0)
+            wrapped, calls = python_all_reduce_bytes(run_steps)
+            rows[hook]["python_all_reduce_bytes"], rows[hook]["python_all_reduce_count"] = wrapped, calls
+            # A hook's communication is all Python-issued; without one DDP's buckets go from C++.
+            rows[hook]["all_reduce_bytes"] = wrapped if overrides else counts.get("all_reduce bytes", 0.0)
+            rows[hook]["all_reduce_count"] = calls if overrides else counts.get("all_reduce count", 0.0)
             recs = _train(rt, overrides, steps, hook.replace(" ", "_"), eval_every=steps)
             losses = [r for r in recs if "loss" in r and "event" not in r]
             rows[hook]["loss"] = losses[-1]["loss"]
@@ -86,7 +125,8 @@ def worker(steps: int, reps: int, out: Path) -> None:
             print("|---|---|---|---|---|---|---|---|")
             for hook, r in rows.items():
                 ratios = [t / b for t, b in zip(r["step_s"], base["step_s"])]
-                print(f"| {hook} | {r['all_reduce_bytes']:,.0f} | {base['all_reduce_bytes'] / r['all_reduce_bytes']:.1f}x "
+                print(f"| {hook} | {r['all_reduce_bytes']:,.0f} (profiler {r['profiler_all_reduce_bytes']:,.0f}, "
+                      f"wrapper {r['python_all_reduce_bytes']:,.0f}) | {base['all_reduce_bytes'] / r['all_reduce_bytes']:.1f}x "
                       f"smaller | {r['all_reduce_count']:.0f} | {statistics.median(r['step_s']) * 1e3:.1f} "
                       f"({min(r['step_s']) * 1e3:.1f}-{max(r['step_s']) * 1e3:.1f}) | {statistics.median(ratios):.3f} "
                       f"({min(ratios):.3f}-{max(ratios):.3f}) | {r['loss']:.4f} | {r['val_loss']:.4f} |")

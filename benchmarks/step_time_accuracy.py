@@ -2,9 +2,10 @@
 with a profile from `disttrain bench hardware`, for DDP, ZeRO-2, ZeRO-3, TP=2, PP=2 (1F1B and GPipe) at
 `tiny` and `125m` on 2 processes, fp32.
 
-Each layout trains `--steps` steps of configs/bench.yaml per repetition (layouts interleaved within a
-repetition); the measured figure is the median `step_time_s` of the steps after the first 3, the
-median over repetitions, with the range. The error is predicted / measured - 1.
+Each repetition first measures a hardware profile (this machine's rates drift over minutes), then trains
+`--steps` steps of configs/bench.yaml per layout and model; a run's figure is the median `step_time_s`
+of the steps after the first 3. Each repetition's prediction uses that repetition's profile; the error
+is predicted / measured - 1 per repetition, reported as median and range.
 
     python benchmarks/step_time_accuracy.py [--hardware hardware.json] [--reps 3]
 """
@@ -66,35 +67,45 @@ def main() -> None:
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "step_time_accuracy.json"))
     args = parser.parse_args()
     run_dir = REPO / "runs" / "bench-step-time"
-    hw = Path(args.hardware or run_dir / "hardware.json")
-    if not args.hardware:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        subprocess.run([sys.executable, "-m", "disttrain", "bench", "hardware", "--out", str(hw)], check=True, cwd=REPO)
-    profile = json.loads(hw.read_text())
+    run_dir.mkdir(parents=True, exist_ok=True)
     models = args.models.split(",")
     steps = {"tiny": 12, "125m": 8}
-    measured: dict[tuple[str, str], list[float]] = {}
+    # name -> [(measured s, predicted StepTime)] per repetition; each repetition measures its own profile
+    # first (this machine's memory and network rates drift by 2x over minutes), unless one is given.
+    results: dict[tuple[str, str], list] = {}
+    profiles = []
     for rep in range(args.reps):
+        hw = Path(args.hardware) if args.hardware else run_dir / f"hardware_{rep}.json"
+        if not args.hardware:
+            subprocess.run([sys.executable, "-m", "disttrain", "bench", "hardware", "--models", ",".join(models),
+                            "--out", str(hw)], check=True, cwd=REPO)
+        profile = json.loads(hw.read_text())
+        profiles.append(profile)
         for model in models:
             for layout in LAYOUTS:
                 t = measure(model, layout, args.steps or steps[model], run_dir)
-                measured.setdefault((model, layout), []).append(t)
-                print(f"rep {rep + 1}: {model} {layout}: {t * 1e3:.1f} ms", flush=True)
+                p = predict(model, layout, profile)
+                results.setdefault((model, layout), []).append((t, p))
+                print(f"rep {rep + 1}: {model} {layout}: measured {t * 1e3:.1f} ms, predicted {p.step_s * 1e3:.1f} ms",
+                      flush=True)
     rows = []
-    print("\n| model | layout | predicted ms (compute + optimizer + bubble + comm) | measured ms, median (range) | error |")
+    print("\n| model | layout | predicted ms (compute + optimizer + bubble + comm), median | measured ms, median "
+          "(range) | error per repetition, median (range) |")
     print("|---|---|---|---|---|")
-    for (model, layout), times in measured.items():
-        p = predict(model, layout, profile)
-        med = statistics.median(times)
-        parts = f"{p.compute_s * 1e3:.0f} + {p.optimizer_s * 1e3:.0f} + {p.bubble_s * 1e3:.0f} + " \
-                f"{(p.tp_comm_s + p.pp_comm_s + p.dp_exposed_s) * 1e3:.0f}"
-        print(f"| {model} | {layout} | {p.step_s * 1e3:.0f} ({parts}) | {med * 1e3:.0f} ({min(times) * 1e3:.0f}-"
-              f"{max(times) * 1e3:.0f}) | {p.step_s / med - 1:+.1%} |")
-        rows.append({"model": model, "layout": layout, "predicted": p.as_dict(), "measured_s": times,
-                     "error": p.step_s / med - 1})
+    for (model, layout), pairs in results.items():
+        times = [t for t, _ in pairs]
+        errors = [p.step_s / t - 1 for t, p in pairs]
+        mid = sorted(pairs, key=lambda tp: tp[1].step_s)[len(pairs) // 2][1]
+        parts = f"{mid.compute_s * 1e3:.0f} + {mid.optimizer_s * 1e3:.0f} + {mid.bubble_s * 1e3:.0f} + " \
+                f"{(mid.tp_comm_s + mid.pp_comm_s + mid.dp_exposed_s) * 1e3:.0f}"
+        print(f"| {model} | {layout} | {mid.step_s * 1e3:.0f} ({parts}) | {statistics.median(times) * 1e3:.0f} "
+              f"({min(times) * 1e3:.0f}-{max(times) * 1e3:.0f}) | {statistics.median(errors):+.1%} "
+              f"({min(errors):+.1%} to {max(errors):+.1%}) |")
+        rows.append({"model": model, "layout": layout, "measured_s": times, "errors": errors,
+                     "predicted": [p.as_dict() for _, p in pairs]})
     from disttrain.bench.results import write_results
 
-    write_results(args.out, hardware=profile, rows=rows)
+    write_results(args.out, profiles=profiles, rows=rows)
 
 
 if __name__ == "__main__":

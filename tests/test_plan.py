@@ -438,16 +438,17 @@ def test_peak_activations_match_the_planner(recompute):
 
 def test_hardware_profile_feeds_estimate(tmp_path):
     """`bench hardware` on 2 processes writes a profile whose rates are measured (positive, α-β fitted
-    from the all-reduce points it lists); `estimate --time --hardware` then predicts from it: a step is
+    per collective from the points it lists); `estimate --time --hardware` then predicts from it: a step is
     its parts, the optimizer counts this rank's share, and a layout that issues more collectives
     (TP=2) pays for them at the measured link."""
     out = tmp_path / "hw.json"
     run_cli("bench", "hardware", "--models", "debug", "--micro-batch", "2", "--seq-len", "32", "--out", str(out),
             timeout=300)
     profile = json.loads(out.read_text())
-    ar = profile["all_reduce"]
-    assert profile["ranks"] == 2 and ar["ranks"] == 2 and len(ar["points"]) >= 5
-    assert ar["bandwidth_gbs"] > 0 and ar["latency_s"] >= 0
+    assert profile["ranks"] == 2
+    for fit in profile["collectives"].values():  # all-reduce, all-gather, reduce-scatter
+        assert fit["ranks"] == 2 and len(fit["points"]) >= 5
+        assert fit["bandwidth_gbs"] > 0 and fit["latency_s"] >= 0
     assert profile["matmul_flops"]["debug"]["fp32"] > 0 and profile["attention_flops"]["debug"] > 0
     assert profile["elementwise_bytes_per_s"] > 0 and profile["optimizer_s_per_param"] > 0
 

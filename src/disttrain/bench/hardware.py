@@ -8,10 +8,11 @@ memory bandwidth):
   (total FLOPs over total time), per model and dtype;
 - causal attention (SDPA forward + backward) FLOP/s at each model's heads and sequence length;
 - the bytes/s of element-wise work (a fused multiply-add over tensors far larger than cache), which
-  bounds norms, activations, residual adds and rotary; the fixed cost of one eager op; and the seconds
+  bounds norms, activations, residual adds and rotary; the fixed cost of one eager op and of one
+  DTensor op (tensor parallelism dispatches every op of a block through DTensor); and the seconds
   per parameter of an AdamW step with gradient clipping;
-- the collectives' α and β: all-reduce times at sizes from 4 KiB to 16 MiB fitted to
-  2(n−1)·α + 2(n−1)/n·M/β, the same α-β model the planner uses.
+- each collective's α and β (all-reduce, all-gather, reduce-scatter): times at sizes from 4 KiB to
+  16 MiB fitted to the same α-β cost the planner uses for that kind.
 The slowest rank's time counts for each figure, as it does in a step.
 """
 
@@ -48,13 +49,16 @@ def _slowest(seconds: float) -> float:
 
 
 def _timed(fn, reps: int) -> float:
+    """Median over `reps` calls of the slowest rank's time (after one warm-up call)."""
     fn()  # warm-up: allocation, kernel selection
-    if dist.is_initialized():
-        dist.barrier()
-    t0 = time.perf_counter()
+    times = []
     for _ in range(reps):
+        if dist.is_initialized():
+            dist.barrier()
+        t0 = time.perf_counter()
         fn()
-    return _slowest((time.perf_counter() - t0) / reps)
+        times.append(_slowest(time.perf_counter() - t0))
+    return statistics.median(times)
 
 
 def matmul_flops(shape: ModelShape, tokens: int, dtype: torch.dtype, reps: int = 3) -> float:
@@ -115,21 +119,42 @@ def op_overhead_seconds(reps: int = 2000) -> float:
     return _timed(lambda: [torch.add(a, b) for _ in range(reps)], 1) / reps
 
 
-def all_reduce_alpha_beta(sizes=ALL_REDUCE_SIZES, reps: int = 10) -> dict:
-    """Least-squares fit of t(M) = 2(n−1)·α + 2(n−1)/n·M/β over the measured sizes."""
+def dtensor_op_seconds(reps: int = 300) -> float:
+    """The host cost of one DTensor op (Python dispatch, sharding propagation from its cache) on a mesh
+    of every rank: what tensor parallelism adds to each op of a block on top of the eager op."""
+    if not dist.is_initialized():
+        return 0.0
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    a, b = (distribute_tensor(torch.ones(8), mesh, [Replicate()]) for _ in range(2))
+    return _timed(lambda: [a + b for _ in range(reps)], 3) / reps
+
+
+def collective_alpha_beta(op: str = "all_reduce", sizes=ALL_REDUCE_SIZES, reps: int = 7) -> dict:
+    """Least-squares fit of the planner's α-β cost of `op` over the measured sizes: all-reduce
+    t = 2(n−1)·α + 2(n−1)/n·M/β, all-gather and reduce-scatter t = (n−1)·α + (n−1)/n·M/β (M: the whole
+    tensor). Fitted per kind because backends differ: gloo's reduce-scatter costs an all-reduce."""
+    from disttrain.bench import comm
+
     n = dist.get_world_size() if dist.is_initialized() else 1
     if n < 2:
         return {"latency_s": None, "bandwidth_gbs": None, "ranks": n, "points": []}
+    steps = 2 * (n - 1) if op == "all_reduce" else n - 1
+    share = steps / n
+    device, rank = torch.device("cpu"), dist.get_rank()
     points = []
     for size in sizes:
-        buf = torch.ones(size // 4)
-        points.append((size, _timed(lambda: dist.all_reduce(buf), reps)))
-    xs = [2 * (n - 1) / n * m for m, _ in points]
+        inp, out = comm._buffers(op, size, n, rank, device)
+        whole = (out if op == "all_gather" else inp).numel() * 4
+        points.append((whole, _timed(lambda: comm._run(op, inp, out), reps)))
+    xs = [share * m for m, _ in points]
     ys = [t for _, t in points]
     mx, my = statistics.fmean(xs), statistics.fmean(ys)
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
     intercept = max(my - slope * mx, 0.0)
-    return {"latency_s": intercept / (2 * (n - 1)), "bandwidth_gbs": 1 / slope / 1e9, "ranks": n,
+    return {"latency_s": intercept / steps, "bandwidth_gbs": 1 / slope / 1e9, "ranks": n,
             "points": [{"bytes": m, "seconds": t} for m, t in points]}
 
 
@@ -151,7 +176,8 @@ def measure(models: dict[str, ModelShape], micro_batch: int, seq_len: int, dtype
             "memory_gb_per_rank": memory_gb / ranks, "micro_batch": micro_batch, "seq_len": seq_len,
             "matmul_flops": matmul, "attention_flops": attention, "elementwise_bytes_per_s": elementwise_bytes_per_s(),
             "optimizer_s_per_param": optimizer_seconds_per_param(), "op_overhead_s": op_overhead_seconds(),
-            "all_reduce": all_reduce_alpha_beta()}
+            "dtensor_op_s": dtensor_op_seconds(),
+            "collectives": {op: collective_alpha_beta(op) for op in ("all_reduce", "all_gather", "reduce_scatter")}}
 
 
 def summary(profile: dict) -> str:
@@ -161,10 +187,10 @@ def summary(profile: dict) -> str:
         lines.append(f"  matmul {name:<6} " + ", ".join(f"{d} {r / 1e9:.1f} GFLOP/s" for d, r in rates.items() if d != "dim")
                      + f"; causal attention {profile['attention_flops'][name] / 1e9:.1f} GFLOP/s")
     lines.append(f"  element-wise {profile['elementwise_bytes_per_s'] / 1e9:.2f} GB/s, one eager op "
-                 f"{profile['op_overhead_s'] * 1e6:.1f} us, AdamW + clipping {profile['optimizer_s_per_param'] * 1e9:.2f} ns "
+                 f"{profile['op_overhead_s'] * 1e6:.1f} us (DTensor {profile['dtensor_op_s'] * 1e6:.0f} us), AdamW + clipping {profile['optimizer_s_per_param'] * 1e9:.2f} ns "
                  "per parameter")
-    ar = profile["all_reduce"]
-    if ar["latency_s"] is not None:
-        lines.append(f"  all-reduce over {ar['ranks']} ranks: α {ar['latency_s'] * 1e6:.1f} us, "
-                     f"β {ar['bandwidth_gbs']:.2f} GB/s")
+    for op, fit in profile["collectives"].items():
+        if fit["latency_s"] is not None:
+            lines.append(f"  {op.replace('_', '-')} over {fit['ranks']} ranks: α {fit['latency_s'] * 1e6:.1f} us, "
+                         f"β {fit['bandwidth_gbs']:.2f} GB/s")
     return "\n".join(lines)

@@ -45,15 +45,17 @@ def profile_cluster(profile: dict, gpus: int, model: str, shape: ModelShape, ove
     tflops = {d: r / 1e12 for d, r in rates.items() if d in ("fp32", "bf16")}
     tflops.setdefault("bf16", tflops["fp32"])
     tflops.update(tf32=tflops["fp32"], fp16=tflops["bf16"])
-    ar = profile["all_reduce"]
+    fits = profile["collectives"]
+    ar = fits["all_reduce"]
     bandwidth = ar["bandwidth_gbs"] or 1e9  # one rank: no collective ever runs
     latency = ar["latency_s"] or 0.0
+    links = {op: (fit["bandwidth_gbs"] * 1e9, fit["latency_s"]) for op, fit in fits.items() if fit["bandwidth_gbs"]}
     spec = GPUSpec(f"profile:{profile.get('host', '?')}", f"measured {profile.get('machine', '')}", tflops,
                    profile["memory_gb_per_rank"], bandwidth, bandwidth, "disttrain bench hardware")
     return Cluster(spec, gpus_per_node=gpus, nodes=1, intra_latency_s=latency, inter_latency_s=latency,
                    compute_efficiency=1.0, comm_efficiency=1.0, overlap_efficiency=overlap_efficiency,
                    elementwise_bytes_per_s=profile["elementwise_bytes_per_s"],
-                   op_overhead_s=profile.get("op_overhead_s", 0.0),
+                   op_overhead_s=profile.get("op_overhead_s", 0.0), dtensor_op_s=profile.get("dtensor_op_s", 0.0),
                    optimizer_s_per_param=profile.get("optimizer_s_per_param", 0.0),
-                   fsdp_overlap=profile.get("device", "cpu") != "cpu",
+                   fsdp_overlap=profile.get("device", "cpu") != "cpu", collective_links=links,
                    attention_flops=profile.get("attention_flops", {}).get(model))

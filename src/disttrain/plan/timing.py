@@ -50,15 +50,20 @@ class Cluster:
     attention_flops: float | None = None  # causal attention, FLOPs as flops.attention_flops_per_token counts
     optimizer_s_per_param: float = 0.0
     op_overhead_s: float = 0.0
+    dtensor_op_s: float = 0.0  # host cost of one DTensor op (tensor parallelism), measured
     # FSDP2 overlaps its collectives with compute through CUDA streams; on a CPU it waits for each.
     fsdp_overlap: bool = True
+    collective_links: dict | None = None  # kind -> (bytes/s, latency), measured
 
     @property
     def gpus(self) -> int:
         return self.gpus_per_node * self.nodes
 
-    def link(self, span: int) -> tuple[float, float]:
-        """(bytes/s, latency) for a collective whose ranks lie within `span` consecutive ranks."""
+    def link(self, span: int, kind: str = "all_reduce") -> tuple[float, float]:
+        """(bytes/s, latency) for a collective whose ranks lie within `span` consecutive ranks; a measured
+        profile has its own fit per collective kind."""
+        if self.collective_links and kind in self.collective_links:
+            return self.collective_links[kind]
         if span <= self.gpus_per_node:
             gbs = self.intra_node_gbs if self.intra_node_gbs is not None else self.gpu.intra_node_gbs
             return gbs * 1e9 * self.comm_efficiency, self.intra_latency_s
@@ -176,18 +181,19 @@ def step_time(shape: ModelShape, layout: Layout, cluster: Cluster) -> StepTime:
             last_bucket = all_reduce_s(layout.dp, min(DDP_BUCKET_BYTES, rb * n_params), bw, lat)
             dp_exposed = exposed(ar, bwd, cluster.overlap_efficiency, last_bucket)
             if layout.zero_stage == 1:  # updated parameters broadcast from their owners after the step
-                ag = all_gather_s(layout.dp, 4 * n_params, bw, lat)
+                ag = all_gather_s(layout.dp, 4 * n_params, *cluster.link(layout.dp * layout.tp, "all_gather"))
                 dp_comm += ag
                 dp_exposed += ag
         else:
             ds, dr = layout.dp_shard, layout.dp_replicate
-            bw, lat = cluster.link(ds * layout.tp)
+            bw, lat = cluster.link(ds * layout.tp, "all_gather")
+            rbw_s, rlat_s = cluster.link(ds * layout.tp, "reduce_scatter")
             gathers = 2 if layout.reshard_after_forward else 1  # stage 3 gathers again for backward
             # uneven shares keep parameters gathered across a rank's micro-batches: one gather per step
             rounds = 1 if layout.balanced else m
             ag = all_gather_s(ds, e * n_params, bw, lat)
             first_unit = all_gather_s(ds, e * unit, bw, lat)
-            rs = reduce_scatter_s(ds, rb * n_params, bw, lat)
+            rs = reduce_scatter_s(ds, rb * n_params, rbw_s, rlat_s)
             if dr > 1:
                 rbw, rlat = cluster.link(dr * ds * layout.tp)
                 rs += all_reduce_s(dr, rb * n_params / ds, rbw, rlat)
@@ -195,7 +201,7 @@ def step_time(shape: ModelShape, layout: Layout, cluster: Cluster) -> StepTime:
             oe = cluster.overlap_efficiency if cluster.fsdp_overlap else 0.0
             exposed_fwd = exposed(ag, fwd, oe, first_unit)
             exposed_bwd = exposed(ag, bwd, oe, first_unit) if gathers == 2 else 0.0
-            dp_exposed = rounds * (exposed_fwd + exposed_bwd) + exposed(rs, bwd, oe, reduce_scatter_s(ds, rb * unit, bw, lat))
+            dp_exposed = rounds * (exposed_fwd + exposed_bwd) + exposed(rs, bwd, oe, reduce_scatter_s(ds, rb * unit, rbw_s, rlat_s))
     if layout.cpu_offload:  # parameter shards up every micro-batch, gradient shards down, over PCIe
         dp_exposed += (m * e + 4) * n_params / layout.dp_shard / PCIE_BYTES_PER_S
 
@@ -212,6 +218,11 @@ def step_time(shape: ModelShape, layout: Layout, cluster: Cluster) -> StepTime:
 EW_PER_LAYER = {"dim": 107.0, "kv": 24.0, "ffn": 14.0, "heads": 4.3}
 EW_ROOT_DIM, EW_VOCAB = 31.0, 5.0  # the final norm and embedding per token; log-softmax and loss per logit
 OPS_PER_LAYER = 100  # eager ops per layer, forward + backward (76 element-wise, 21 matmuls, attention)
+# Ops dispatched on DTensors under the runtime's tensor-parallel plan, forward + backward with the
+# loss under loss_parallel, counted with a dispatch mode: per layer and outside the layers, without
+# and with sequence parallelism.
+DTENSOR_OPS_PER_LAYER = {False: 91, True: 144}
+DTENSOR_OPS_ROOT = {False: 25, True: 50}
 
 
 def measured_compute(shape: ModelShape, layout: Layout, cluster: Cluster, matmul_rate: float) -> tuple[float, float]:
@@ -240,6 +251,10 @@ def _stage_compute(shape: ModelShape, layout: Layout, cluster: Cluster, matmul_r
     attention_rate = cluster.attention_flops or matmul_rate
     seconds = tokens * (matmul / matmul_rate + attention / attention_rate + e * elements / cluster.elementwise_bytes_per_s)
     seconds += m * OPS_PER_LAYER * held.layers * cluster.op_overhead_s
+    if t > 1:
+        sp = layout.sequence_parallel
+        root = DTENSOR_OPS_ROOT[sp] if held.embedding or held.output else 0
+        seconds += m * (DTENSOR_OPS_PER_LAYER[sp] * held.layers + root) * cluster.dtensor_op_s
     updated = held.total / (layout.dp_shard if layout.zero_stage >= 2 else layout.dp if layout.zero_stage == 1 else 1)
     return seconds, updated * cluster.optimizer_s_per_param
 
