@@ -51,8 +51,6 @@ class Cluster:
     optimizer_s_per_param: float = 0.0
     op_overhead_s: float = 0.0
     dtensor_op_s: float = 0.0  # host cost of one DTensor op (tensor parallelism), measured
-    # FSDP2 overlaps its collectives with compute through CUDA streams; on a CPU it waits for each.
-    fsdp_overlap: bool = True
     collective_links: dict | None = None  # kind -> (bytes/s, latency), measured
 
     @property
@@ -198,7 +196,7 @@ def step_time(shape: ModelShape, layout: Layout, cluster: Cluster) -> StepTime:
                 rbw, rlat = cluster.link(dr * ds * layout.tp)
                 rs += all_reduce_s(dr, rb * n_params / ds, rbw, rlat)
             dp_comm = rounds * gathers * ag + rs
-            oe = cluster.overlap_efficiency if cluster.fsdp_overlap else 0.0
+            oe = cluster.overlap_efficiency
             exposed_fwd = exposed(ag, fwd, oe, first_unit)
             exposed_bwd = exposed(ag, bwd, oe, first_unit) if gathers == 2 else 0.0
             dp_exposed = rounds * (exposed_fwd + exposed_bwd) + exposed(rs, bwd, oe, reduce_scatter_s(ds, rb * unit, rbw_s, rlat_s))
