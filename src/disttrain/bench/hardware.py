@@ -29,7 +29,7 @@ import torch.distributed as dist
 from disttrain.models.shape import ModelShape
 
 ALL_REDUCE_SIZES = tuple(2 ** k for k in range(12, 25, 2))  # 4 KiB .. 16 MiB
-from disttrain.plan.profile import PROFILE_KIND  # noqa: E402  (pure Python: the planner reads what this writes)
+PROFILE_KIND = "disttrain-hardware-profile"  # plan/profile.py checks the same string (the runtime may not import the planner)
 
 
 def linear_shapes(shape: ModelShape, tp: int = 1) -> list[tuple[int, int]]:
