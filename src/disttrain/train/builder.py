@@ -127,8 +127,11 @@ def build_run(cfg: RunConfig, rt: Runtime) -> Run:
 
 
 def build_engine(cfg: RunConfig, layout: Layout, meshes: Meshes, spec: ModelSpec, model: nn.Module, rt: Runtime,
-                 breakdown: StepBreakdown, faults: FaultInjector, balancer: Balancer | None = None) -> StepEngine:
-    """The one place that picks an engine: DeepSpeed, a pipeline schedule, or plain torch."""
+                 breakdown: StepBreakdown, faults: FaultInjector, balancer: Balancer | None = None,
+                 materialize=None) -> StepEngine:
+    """The one place that picks an engine: DeepSpeed, a pipeline schedule, or plain torch.
+    `materialize(module)`: for a model built on the meta device (the dry run), called once the
+    layout is applied and before the optimizer sees the parameters."""
     device, dp_group = rt.device, meshes.dp.get_group()
     tensor_parallel = layout.tp > 1
     if layout.engine == "deepspeed":
@@ -158,7 +161,11 @@ def build_engine(cfg: RunConfig, layout: Layout, meshes: Meshes, spec: ModelSpec
     from disttrain.parallel.parallelize import parallelize
     from disttrain.train.torch_engine import TorchEngine
 
+    if materialize is not None and layout.gradient_wrapper != "fsdp":
+        materialize(model)  # DDP checks and broadcasts parameter storage as it wraps
     wrapped = parallelize(model, spec, layout, meshes, device, cfg.parallel)
+    if materialize is not None and layout.gradient_wrapper == "fsdp":
+        materialize(wrapped)  # fully_shard takes meta parameters, not fake ones
     if layout.sharded_optimizer:
         from disttrain.parallel.zero1 import build_zero1_optimizer
 

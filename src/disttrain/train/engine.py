@@ -13,6 +13,7 @@ from typing import Protocol
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from disttrain.observe.health import NonFiniteError
 from disttrain.train.optim import clip_grad_norm_global
@@ -66,8 +67,9 @@ class OptimizerStep:
             found = sum(v.float() for v in scaler._found_inf_per_device(self.optimizer).values())
             self.fp16_overflows = self.fp16_overflows + found
         grad_norm = clip_grad_norm_global(params, self.clip, self.pp_group, norm_params)
-        # One scalar to the host per step; fp16 leaves non-finite steps to the GradScaler.
-        if not scaler.is_enabled() and not bool(torch.isfinite(grad_norm)):
+        # One scalar to the host per step; fp16 leaves non-finite steps to the GradScaler. A fake
+        # tensor (the dry run) has no value to read: it counts as finite.
+        if not scaler.is_enabled() and not is_fake(grad_norm) and not bool(torch.isfinite(grad_norm)):
             if self.nonfinite == "stop":
                 raise NonFiniteError(f"non-finite gradient norm at step {step} (local loss sum "
                                      f"{float(loss_sum):.4g}); metrics.nonfinite=skip_step would drop such steps")

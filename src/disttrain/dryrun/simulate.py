@@ -1,0 +1,253 @@
+"""One simulated rank: the real builder, parallelize and step engine under a fake process group,
+with the model built on the meta device and materialised as fake tensors (shapes, no storage).
+
+torch's memory trackers (`FSDPMemTracker` under FSDP2, `MemTracker` otherwise) attribute every
+tensor the step creates to a category; `CollectiveCounter` records what the step sends. Two steps
+run (optimizer states exist from the second); the collectives are the second step's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed._tools.mem_tracker import MemTracker
+
+from disttrain.dryrun.collectives import CollectiveCounter
+from disttrain.errors import UserError
+from disttrain.layout import MESH_DIMS, Layout
+from disttrain.train.faults import FaultInjector
+
+CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporary", "communication")
+# torch's tracker categories -> ours. Gathered (unsharded) parameters and collective buffers are
+# communication: they exist because the states are sharded.
+_FROM_TRACKER = {"Sharded Param": "parameters", "Parameter": "parameters", "Buffer": "parameters",
+                 "Sharded Grad": "gradients", "Gradient": "gradients", "Unsharded Grad": "gradients",
+                 "Optstate": "optimizer", "OptState": "optimizer", "Activation": "activations",
+                 "Inputs": "activations", "Temp": "temporary", "Unsharded Param": "communication",
+                 "All Gather": "communication", "Reduce Scatter": "communication", "Other": "temporary"}
+
+
+@dataclass
+class RankRun:
+    """What one simulated rank measured."""
+
+    rank: int
+    role: str
+    peak_bytes: int
+    bytes: dict[str, int]  # by category, at the peak
+    collectives: list[dict] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+class _BackwardHook(FaultInjector):
+    """No faults; calls `after` once each micro-batch's backward is done (the engine's hook point)."""
+
+    def __init__(self):
+        super().__init__(rank=-1, environ={})
+        self.after = lambda: None
+
+    def after_backward(self, step=None) -> None:
+        self.after()
+
+
+def unsupported(cfg, layout: Layout) -> str | None:
+    """What the dry run cannot simulate, in one line (None: it can)."""
+    if layout.engine != "torch":
+        return (f"parallel.engine={layout.engine} cannot be dry-run (DeepSpeed allocates real buffers at start); "
+                "allowed: parallel.engine=torch")
+    if layout.pp > 1:
+        return (f"parallel.pp={layout.pp} cannot be dry-run yet (pipeline stages exchange shapes at the first "
+                "step, which a fake process group cannot carry); allowed: parallel.pp=1")
+    if layout.gradient_wrapper == "ddp" and cfg.parallel.ddp_comm_hook != "none":
+        return (f"parallel.ddp_comm_hook={cfg.parallel.ddp_comm_hook} cannot be dry-run (the hook reads the "
+                "reduced values back from the process group); allowed: none")
+    if layout.compute_dtype == "fp16":
+        return ("precision.compute_dtype=fp16 cannot be dry-run (the loss scaler reads gradient values); "
+                "allowed: bf16, fp32")
+    return None
+
+
+def simulate(cfg, layout: Layout, rank: int, steps: int = 2) -> RankRun:
+    """Play `rank` of `layout.world_size` in this process, with no real memory for the model.
+    UserError for what cannot be simulated."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from disttrain.models.registry import model_spec
+
+    problem = unsupported(cfg, layout)
+    if problem:
+        raise UserError(problem)
+    spec = model_spec(cfg.model)
+    if spec.shape is None:
+        raise UserError(f"model.spec={cfg.model.spec} cannot be dry-run: its ModelSpec has no shape, so there is "
+                        "no token batch to make; allowed: built-in or Hugging Face language models")
+    t0 = time.perf_counter()
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=layout.world_size)
+    try:
+        with torch.device("meta"):
+            model = spec.build()
+        fake = FakeTensorMode(allow_non_fake_inputs=True)
+
+        def materialize(module):
+            with fake:
+                module.to_empty(device=torch.device("cpu"))
+
+        return measure_step(cfg, layout, spec, model, steps, materialize, fake, t0)
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_step(cfg, layout: Layout, spec, model, steps: int = 2, materialize=None, tensor_mode=None,
+                 t0: float | None = None) -> RankRun:
+    """Build the engine for `model` through the training code path, run `steps` steps of random tokens
+    under torch's memory tracker and the collective counter. Also used on real tensors and a real
+    process group, to check the simulation (tests/test_dryrun.py)."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel
+
+    from disttrain.distributed.env import DistEnv
+    from disttrain.distributed.mesh import build_meshes
+    from disttrain.distributed.runtime import Runtime
+    from disttrain.observe.breakdown import StepBreakdown
+    from disttrain.train.builder import build_engine
+
+    t0 = time.perf_counter() if t0 is None else t0
+    rank, world, device = dist.get_rank(), layout.world_size, torch.device("cpu")
+    meshes = build_meshes(layout, "cpu")
+    rt = Runtime(DistEnv(rank, world, rank % 8, min(world, 8), "dryrun"), device, dist.get_backend())
+    hook = _BackwardHook()
+    engine = build_engine(cfg, layout, meshes, spec, model, rt, StepBreakdown(device), hook, materialize=materialize)
+    buckets = _DDPBuckets()
+    if isinstance(engine.model, DistributedDataParallel):
+        engine.model.register_comm_hook(engine.model.process_group, buckets.all_reduce)
+        engine.model.reducer = _KeepBuckets(engine.model.reducer)
+    counter = CollectiveCounter(_group_dims(layout, meshes))
+    with tensor_mode or contextlib.nullcontext():
+        return _tracked_steps(cfg, layout, spec, engine, steps, counter, hook, buckets, rank, t0)
+
+
+def _tracked_steps(cfg, layout, spec, engine, steps, counter, hook, buckets, rank, t0) -> RankRun:
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed.fsdp import FSDPModule
+
+    generator = torch.Generator().manual_seed(cfg.train.seed)
+    tokens = torch.randint(0, spec.shape.vocab_size, (layout.micro_batch_size, layout.seq_len + 1), generator=generator)
+    batch = [(tokens[:, :-1], tokens[:, 1:])] * layout.microbatches
+    if isinstance(engine.model, FSDPModule):
+        tracker = FSDPMemTracker(engine.model, engine.optimizer)
+    else:
+        tracker = _Tracker(buckets)
+        tracker.track_external(engine.model, engine.optimizer)
+    with tracker, counter:
+        # The trackers refuse a second forward of the root module until their per-module
+        # statistics are cleared; the peak is kept across.
+        hook.after = tracker.reset_mod_stats
+        buckets.tracker = tracker
+        for step in range(1, steps + 1):
+            counter.reset()
+            engine.train_step(batch, step)
+    snapshot = tracker.get_tracker_snapshot("peak")
+    by_kind = next(iter(snapshot.values())) if snapshot else {}
+    categories = dict.fromkeys(CATEGORIES, 0)
+    total = 0
+    for key, value in by_kind.items():
+        name = getattr(key, "value", str(key))
+        if name == "Total":
+            total = int(value)
+        elif name in _FROM_TRACKER:
+            categories[_FROM_TRACKER[name]] += int(value)
+        else:
+            raise AssertionError(f"memory tracker category {name!r} has no dry-run category")
+    return RankRun(rank, role_of(layout, rank), total or sum(categories.values()), categories, counter.table(),
+                   time.perf_counter() - t0)
+
+
+class _DDPBuckets:
+    """DDP's bucket all-reduce as a comm hook (the fake group's futures carry no tensor; DDP needs one
+    back) that also files each bucket under gradients: the tracker first sees a bucket's storage
+    inside backward and would call it a temporary, but gradients are views into it for the whole run.
+    On fake tensors the reducer's per-parameter views into the bucket (made in C++ at wrap time) do not
+    share the bucket's storage object, so the tracker would count a second bucket-sized temporary that a
+    real run does not have: `phantom` names it (tests/test_dryrun.py compares with real tensors)."""
+
+    tracker = None
+
+    def __init__(self):
+        self.storages: dict[int, int] = {}  # bucket storage nbytes -> that storage's id
+
+    def all_reduce(self, group, bucket):
+        from torch.distributed._tools.mem_tracker import _MemRefType
+
+        buffer = bucket.buffer()
+        dist.all_reduce(buffer, group=group)
+        if self.tracker is not None:
+            self.tracker._update_and_maybe_create_winfos(buffer, _MemRefType.GRAD)
+            self.storages[buffer.untyped_storage().nbytes()] = buffer.untyped_storage()._cdata
+        done = torch.futures.Future()
+        done.set_result(bucket.buffer())
+        return done
+
+
+    def phantom(self, t: torch.Tensor) -> bool:
+        from torch._subclasses.fake_tensor import is_fake
+
+        if not self.storages or not is_fake(t):
+            return False
+        st = t.untyped_storage()
+        return self.storages.get(st.nbytes(), st._cdata) != st._cdata
+
+
+class _Tracker(MemTracker):
+    """torch's MemTracker, blind to the fake-only copies of DDP buckets (see `_DDPBuckets`)."""
+
+    def __init__(self, buckets: _DDPBuckets):
+        super().__init__()
+        self._buckets = buckets
+
+    def _track(self, reftype, t: torch.Tensor) -> None:
+        if not self._buckets.phantom(t):
+            super()._track(reftype, t)
+
+
+class _KeepBuckets:
+    """DDP's reducer, except that it keeps its first bucket order: rebuilding copies gradient storage,
+    which fake tensors do not have (same bucket sizes, so the same bytes)."""
+
+    def __init__(self, reducer):
+        self._reducer = reducer
+
+    def _rebuild_buckets(self) -> bool:
+        return False
+
+    def __getattr__(self, name):
+        return getattr(self._reducer, name)
+
+
+def _group_dims(layout: Layout, meshes) -> dict[str, str]:
+    dims = {}
+    for dim, size in zip(MESH_DIMS, layout.mesh_shape):
+        if size > 1:
+            dims[meshes.world[dim].get_group().group_name] = dim
+    if layout.dp > 1 and layout.dp_replicate > 1 and layout.dp_shard > 1:
+        dims[meshes.dp.get_group().group_name] = "dp"
+    return dims
+
+
+def role_of(layout: Layout, rank: int) -> str:
+    coords = dict(zip(MESH_DIMS, _coordinates(layout, rank)))
+    return ", ".join(f"{d} {coords[d]}" for d in MESH_DIMS if dict(zip(MESH_DIMS, layout.mesh_shape))[d] > 1) or "rank 0"
+
+
+def _coordinates(layout: Layout, rank: int) -> list[int]:
+    out = []
+    for size in reversed(layout.mesh_shape):
+        out.append(rank % size)
+        rank //= size
+    return list(reversed(out))

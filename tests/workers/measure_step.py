@@ -1,0 +1,46 @@
+"""Run `disttrain.dryrun.simulate.measure_step` on REAL tensors in a real gloo launch, for each of
+several configs, so a test can compare the dry run's simulated bytes and collectives with a real run.
+
+    python -m disttrain.distributed.agent --standalone --nproc-per-node N tests/workers/measure_step.py JOBS.json OUT.json
+
+JOBS.json: {name: [override, ...]} on configs/debug.yaml. OUT.json (rank 0): {name: RankRun as a dict}.
+"""
+
+import dataclasses
+import gc
+import json
+import sys
+
+import torch.distributed as dist
+
+from disttrain.config import load_config
+from disttrain.distributed.env import detect_env
+from disttrain.distributed.runtime import init_distributed, shutdown
+from disttrain.dryrun.simulate import measure_step
+from disttrain.models.registry import model_spec
+from disttrain.models.spec import build_model
+from disttrain.process import exit_now
+from disttrain.validation import validate_world
+
+
+def main() -> None:
+    jobs = json.loads(open(sys.argv[1]).read())
+    rt = init_distributed(detect_env(), "auto", 120)
+    out = {}
+    try:
+        for name, overrides in jobs.items():
+            cfg = load_config(None, overrides)
+            layout = validate_world(cfg, rt.world_size, "cpu")
+            spec = model_spec(cfg.model)
+            out[name] = dataclasses.asdict(measure_step(cfg, layout, spec, build_model(spec, rt.device, cfg.train.seed)))
+            gc.collect()
+            dist.barrier()
+        if rt.rank == 0:
+            open(sys.argv[2], "w").write(json.dumps(out))
+    finally:
+        shutdown()
+
+
+if __name__ == "__main__":
+    main()
+    exit_now(0)
