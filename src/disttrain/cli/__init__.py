@@ -1,5 +1,5 @@
-"""Command line: `disttrain train | estimate | plan | report | convert | config export-deepspeed |
-bench comm|scaling | prepare-data`. One error path: a UserError from any layer, or an argument
+"""Command line: `disttrain train | estimate | plan | dryrun | report | convert | config export-deepspeed |
+bench comm|scaling|hardware | prepare-data`. One error path: a UserError from any layer, or an argument
 mistake, prints one line and exits 2."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from disttrain.cli import dryrun as dryrun_cli
 from disttrain.cli import plan as plan_cli
 from disttrain.cli import tools
 from disttrain.process import exit_now
@@ -79,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--out", default=None, help="output file (folder for hf); default: <run>/export/...")
 
     plan_cli.add_parsers(sub)
+    dryrun_cli.add_parser(sub)
 
     prep = sub.add_parser("prepare-data", help="tokenize text, JSONL, Parquet or saved datasets into token shards")
     prep.add_argument("inputs", nargs="+", help=".txt (documents split on blank lines), .jsonl(.gz/.zst), .parquet, "
@@ -96,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _dispatch(parser: argparse.ArgumentParser, argv: list[str] | None) -> None:
     args, extra = parser.parse_known_args(argv)
-    takes_overrides = args.command in ("train", "config") or (args.command == "bench" and args.bench_command == "scaling")
+    takes_overrides = args.command in ("train", "config", "dryrun") or (args.command == "bench" and args.bench_command == "scaling")
     bad = [e for e in extra if "=" not in e or e.startswith("-")] if takes_overrides else extra
     if bad:
         parser.error(f"unrecognized arguments: {' '.join(bad)}")
@@ -107,6 +109,8 @@ def _dispatch(parser: argparse.ArgumentParser, argv: list[str] | None) -> None:
     elif args.command == "bench":
         {"scaling": lambda a: tools.cmd_bench_scaling(a, extra), "comm": tools.cmd_bench_comm,
          "hardware": tools.cmd_bench_hardware}[args.bench_command](args)
+    elif args.command == "dryrun":
+        dryrun_cli.cmd_dryrun(args, extra)
     elif args.command in ("estimate", "plan"):
         (plan_cli.cmd_estimate if args.command == "estimate" else plan_cli.cmd_plan)(args)
     else:

@@ -146,9 +146,7 @@ def _tracked_steps(cfg, layout, spec, engine, steps, counter, hook, buckets, ran
         tracker = _Tracker(buckets)
         tracker.track_external(engine.model, engine.optimizer)
     with tracker, counter:
-        # The trackers refuse a second forward of the root module until their per-module
-        # statistics are cleared; the peak is kept across.
-        hook.after = tracker.reset_mod_stats
+        hook.after = lambda: _after_backward(tracker, engine.model)
         buckets.tracker = tracker
         for step in range(1, steps + 1):
             counter.reset()
@@ -167,6 +165,20 @@ def _tracked_steps(cfg, layout, spec, engine, steps, counter, hook, buckets, ran
             raise AssertionError(f"memory tracker category {name!r} has no dry-run category")
     return RankRun(rank, role_of(layout, rank), total or sum(categories.values()), categories, counter.table(),
                    time.perf_counter() - t0)
+
+
+def _after_backward(tracker, model) -> None:
+    """Between micro-batches: clear the per-module statistics (the trackers refuse a second forward of
+    the root otherwise; the peak is kept), and file the gradients FSDP2 accumulates unsharded under
+    gradients (created in backward, the tracker first called them temporaries)."""
+    tracker.reset_mod_stats()
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
+
+    if isinstance(tracker, FSDPMemTracker):
+        from disttrain.observe.model_bytes import unsharded_grads
+
+        for grad in unsharded_grads(model):
+            tracker._update_and_maybe_create_winfos(grad, _FSDPRefType.UNSHARDED_GRAD)
 
 
 class _DDPBuckets:

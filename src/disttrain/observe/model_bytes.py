@@ -52,13 +52,12 @@ def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None 
     return out
 
 
-def unsharded_grad_bytes(model: nn.Module) -> int:
-    """Bytes of the unsharded gradients FSDP2 holds between micro-batches while gradient sync is off
+def unsharded_grads(model: nn.Module):
+    """The unsharded gradients FSDP2 holds between micro-batches while gradient sync is off
     (`set_requires_gradient_sync(False)`): in `reduce_dtype` when it differs from the parameters'
     dtype, else the unsharded parameters' own `.grad`. Reads FSDP2's per-parameter state (private)."""
     from torch.distributed.fsdp import FSDPModule
 
-    total = 0
     for module in model.modules():
         group = module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
         for fsdp_param in group.fsdp_params if group is not None else ():
@@ -66,8 +65,12 @@ def unsharded_grad_bytes(model: nn.Module) -> int:
             if grad is None:
                 grad = getattr(fsdp_param, "_unsharded_param", None)
                 grad = grad.grad if grad is not None else None
-            total += local_bytes(grad)
-    return total
+            if grad is not None:
+                yield grad
+
+
+def unsharded_grad_bytes(model: nn.Module) -> int:
+    return sum(local_bytes(g) for g in unsharded_grads(model))
 
 
 def memory_stats(device: torch.device) -> dict[str, int]:

@@ -248,6 +248,15 @@ class MemoryEstimate:
         s = self.states
         return s.params + s.grads + s.unsharded_grads + s.optimizer + self.activations.peak + self.buffers
 
+    def categories(self) -> dict:
+        """The dry run's categories (dryrun/simulate.py): gathered parameters, FSDP's and DDP's
+        collective buffers and pipeline transfer buffers are `communication`; what backward adds on
+        top of the saved activations is `temporary`."""
+        s = self.states
+        return {"parameters": s.params, "gradients": s.grads + s.unsharded_grads, "optimizer": s.optimizer,
+                "activations": self.activations.saved, "temporary": self.activations.transient,
+                "communication": self.buffers}
+
     def as_dict(self) -> dict:
         s = self.states
         return {"params": s.params, "grads": s.grads, "unsharded_grads": s.unsharded_grads, "optimizer": s.optimizer,

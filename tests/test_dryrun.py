@@ -1,0 +1,127 @@
+"""The dry run (disttrain.dryrun): one rank of a large job simulated with a fake process group and fake
+tensors. Checked against a real run on real tensors (same code, same tracker), against the ZeRO
+arithmetic, and against the collectives a layout implies."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from helpers import REPO, cli_env, run_cli
+
+from disttrain.config import load_config
+from disttrain.dryrun.simulate import simulate
+from disttrain.models.registry import MODEL_SHAPES
+from disttrain.validation import validate_world
+
+TINY = ["model.name=tiny", "data.seq_len=128", "train.micro_batch_size=2"]
+# DDP and ZeRO-3 with two micro-batches (accumulation: DDP's no_sync gradients, FSDP's unsharded ones).
+REAL_LAYOUTS = {
+    "ddp": [*TINY, "train.global_batch_size=8", "parallel.dp_shard=1", "parallel.dp_replicate=2"],
+    "zero3": [*TINY, "train.global_batch_size=8", "parallel.dp_shard=2", "parallel.zero_stage=3"],
+    "tp2": [*TINY, "train.global_batch_size=4", "parallel.dp_shard=1", "parallel.tp=2"],
+}
+
+
+def _simulate(overrides: list[str], world: int, rank: int = 0, device_type: str = "cpu"):
+    cfg = load_config(None, overrides)
+    return simulate(cfg, validate_world(cfg, world, device_type), rank)
+
+
+def test_dry_run_equals_a_real_run(tmp_path):
+    """tiny on 2 real gloo ranks, measured by the same tracker on real tensors, against the dry run of the
+    same configs: model states to the byte, activations and temporaries within 5%, the same collectives."""
+    jobs, out = tmp_path / "jobs.json", tmp_path / "out.json"
+    jobs.write_text(json.dumps(REAL_LAYOUTS))
+    cmd = [sys.executable, "-m", "disttrain.distributed.agent", "--standalone", "--nproc-per-node=2",
+           str(REPO / "tests" / "workers" / "measure_step.py"), str(jobs), str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    real = json.loads(out.read_text())
+    for name, overrides in REAL_LAYOUTS.items():
+        fake = _simulate(overrides, 2)
+        measured = real[name]["bytes"]
+        for key in ("parameters", "gradients", "optimizer", "communication"):
+            assert fake.bytes[key] == measured[key], (name, key, fake.bytes, measured)
+        for key in ("activations", "temporary"):
+            assert abs(fake.bytes[key] - measured[key]) <= 0.05 * measured[key], (name, key, fake.bytes, measured)
+        assert fake.collectives == real[name]["collectives"], name
+        assert measured["parameters"] > 0 and measured["activations"] > 0
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_model_states_follow_the_zero_arithmetic_at_32_ranks(stage):
+    """Per-rank bytes at the peak of step 2, 32 simulated ranks, fp32 + AdamW: parameters 4Ψ (sharded by 32
+    under FSDP2, stages 2 and 3), optimizer 8Ψ (sharded at stages 1-3), DDP's gradient bucket 4Ψ (sharded
+    gradients are freed by zero_grad and not yet back at the peak). tiny's dims all divide by 32."""
+    n = MODEL_SHAPES["tiny"].num_params()
+    wrapper = ["parallel.dp_shard=1", "parallel.dp_replicate=32"] if stage < 2 else ["parallel.dp_shard=32"]
+    run = _simulate([*TINY, "train.global_batch_size=64", f"parallel.zero_stage={stage}", *wrapper], 32,
+                    device_type="cuda")
+    model = _meta_model("tiny")
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())  # filed under parameters
+    params, opt = run.bytes["parameters"] - buffers, run.bytes["optimizer"]
+    steps = 4 * len(list(model.parameters()))  # AdamW's fp32 step counter per parameter tensor
+    assert params == (4 * n // 32 if stage >= 2 else 4 * n)  # FSDP2 keeps ZeRO-2's parameters sharded at rest too
+    if stage == 1:  # ZeroRedundancyOptimizer gives whole tensors to ranks: rank 0's share is near 1/32
+        assert 0 < opt < 3 * (8 * n // 32)
+    else:
+        assert opt == (8 * n // 32 if stage >= 2 else 8 * n) + steps
+    if stage == 0:
+        assert run.bytes["gradients"] == 4 * n  # DDP's bucket, whose views the gradients are
+
+
+def _meta_model(name: str):
+    import torch
+
+    from disttrain.models.llama import llama_spec
+
+    with torch.device("meta"):
+        return llama_spec(MODEL_SHAPES[name]).build()
+
+
+def test_zero3_collectives_at_8_ranks():
+    """One step of ZeRO-3 on 8 simulated ranks, one micro-batch: an all-gather per FSDP unit in forward and
+    again in backward (the root, kept gathered after forward, only once) sending this rank's bf16 shard,
+    a reduce-scatter per unit sending the whole fp32 gradient, and the gradient norm's one all-reduce."""
+    shape = MODEL_SHAPES["tiny"]
+    cfg = load_config(None, [*TINY, "train.global_batch_size=16", "parallel.dp_shard=8", "parallel.zero_stage=3",
+                             "precision.param_dtype=bf16", "precision.reduce_dtype=fp32"])
+    layout = validate_world(cfg, 8, "cuda")
+    run = simulate(cfg, layout, 0)
+    table = {(c["kind"], c["dim"]): c for c in run.collectives}
+    assert set(table) == {("all_gather", "dp_shard"), ("reduce_scatter", "dp_shard"), ("all_reduce", "dp_shard")}
+    units = shape.n_layers + 1
+    assert table["all_gather", "dp_shard"]["count"] == 2 * units - 1
+    gathered = shape.num_params() + shape.n_layers * _layer(shape)  # every unit, then the blocks again
+    assert table["all_gather", "dp_shard"]["bytes"] == 2 * gathered // 8  # this rank's bf16 shards
+    assert table["reduce_scatter", "dp_shard"]["count"] == units
+    assert table["reduce_scatter", "dp_shard"]["bytes"] == 4 * shape.num_params()
+    assert table["all_reduce", "dp_shard"]["count"] == 1
+
+
+def _layer(shape) -> int:
+    kv = shape.n_kv_heads * shape.head_dim
+    return 2 * shape.dim * shape.dim + 2 * shape.dim * kv + 3 * shape.dim * shape.ffn_hidden_dim + 2 * shape.dim
+
+
+def test_dryrun_cli_json_and_bad_input():
+    proc = run_cli("dryrun", "configs/debug.yaml", "parallel.zero_stage=3", "parallel.dp_shard=-1",
+                   "train.global_batch_size=8", "--world-size", "8", "--gpu", "a100-80g", "--json")
+    result = json.loads(proc.stdout)
+    for key in ("peak_bytes", "bytes", "planner", "collectives", "fits"):
+        assert key in result
+    assert set(result["bytes"]) == {"parameters", "gradients", "optimizer", "activations", "temporary", "communication"}
+    assert set(result["planner"]) == set(result["bytes"]) | {"peak_bytes"}
+    assert result["fits"] is True and result["peak_bytes"] == sum(result["bytes"].values())
+    for args, message in [(["parallel.pp=2", "parallel.dp_shard=4", "train.global_batch_size=32", "train.micro_batch_size=1",
+                            "parallel.zero_stage=3"],
+                           "parallel.pp=2 cannot be dry-run"),
+                          (["--rank", "9"], "--rank=9: not a rank of --world-size=8"),
+                          (["--gpu", "z80"], "z80")]:
+        bad = run_cli("dryrun", "configs/debug.yaml", "--world-size", "8", *args, check=False)
+        assert bad.returncode == 2 and message in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
+        assert len(bad.stderr.strip().splitlines()) == 1
