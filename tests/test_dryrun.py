@@ -122,6 +122,6 @@ def test_dryrun_cli_json_and_bad_input():
                            "parallel.pp=2 cannot be dry-run"),
                           (["--rank", "9"], "--rank=9: not a rank of --world-size=8"),
                           (["--gpu", "z80"], "z80")]:
-        bad = run_cli("dryrun", "configs/debug.yaml", "--world-size", "8", *args, check=False)
+        bad = run_cli("dryrun", "configs/debug.yaml", "--world-size", "8", "train.global_batch_size=8", *args, check=False)
         assert bad.returncode == 2 and message in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
         assert len(bad.stderr.strip().splitlines()) == 1

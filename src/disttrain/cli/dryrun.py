@@ -47,7 +47,10 @@ def dry_run(cfg, world_size: int, ranks: list[int] | None = None, gpu_name: str 
 
     if world_size < 1:
         raise UserError(f"--world-size={world_size}: must be at least 1")
-    gpu = find_gpu(gpu_name) if gpu_name else None
+    try:
+        gpu = find_gpu(gpu_name) if gpu_name else None
+    except KeyError as exc:
+        raise UserError(f"--gpu={exc.args[0]}") from None
     layout = validate_world(cfg, world_size, "cuda")
     problem = unsupported(cfg, layout)
     if problem:  # before any progress line: a refusal is one line
