@@ -1,0 +1,55 @@
+"""The planner against the dry run (disttrain.dryrun) at cluster scale: peak bytes and each category
+for one rank of a 32-rank job, and how long each dry run takes on this machine.
+
+    python benchmarks/dryrun_vs_planner.py --models 1b,7b,13b --out benchmarks/results/dryrun_vs_planner.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from disttrain.cli.dryrun import dry_run
+from disttrain.config import load_config
+
+LAYOUTS = {  # name -> (overrides, data-parallel ranks at 32); bf16 compute (autocast under DDP, FSDP2's policy)
+    "DDP": (["parallel.dp_shard=1", "parallel.dp_replicate=32", "parallel.zero_stage=0", "precision.compute_dtype=bf16"], 32),
+    "ZeRO-1": (["parallel.dp_shard=1", "parallel.dp_replicate=32", "parallel.zero_stage=1", "precision.compute_dtype=bf16"], 32),
+    "ZeRO-2": (["parallel.dp_shard=32", "parallel.zero_stage=2", "precision.param_dtype=bf16"], 32),
+    "ZeRO-3": (["parallel.dp_shard=32", "parallel.zero_stage=3", "precision.param_dtype=bf16"], 32),
+    "TP=8 + ZeRO-3": (["parallel.dp_shard=4", "parallel.tp=8", "parallel.zero_stage=3", "precision.param_dtype=bf16"], 4),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="1b,7b,13b")
+    parser.add_argument("--layouts", default=",".join(LAYOUTS))
+    parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument("--out", default="benchmarks/results/dryrun_vs_planner.json")
+    args = parser.parse_args()
+    rows = []
+    for model in args.models.split(","):
+        for name in args.layouts.split(","):
+            overrides, dp = LAYOUTS[name]
+            # two micro-batches of one sequence per rank: accumulation is part of what is measured
+            cfg = load_config(None, [f"model.name={model}", f"data.seq_len={args.seq_len}", "train.micro_batch_size=1",
+                                     f"train.global_batch_size={2 * dp}",
+                                     "parallel.activation_checkpointing=selective", *overrides])
+            t0 = time.perf_counter()
+            result = dry_run(cfg, 32, gpu_name="a100-80g")
+            row = {"model": model, "layout": name, "seconds": round(time.perf_counter() - t0, 1),
+                   "peak_bytes": result["peak_bytes"], "planner_peak_bytes": result["planner"]["peak_bytes"],
+                   "bytes": result["bytes"], "planner": result["planner"], "error": result["error"],
+                   "fits_a100_80g": result["fits"]}
+            rows.append(row)
+            print(f"| {model} | {name} | {row['peak_bytes'] / 2**30:.2f} | {row['planner_peak_bytes'] / 2**30:.2f} | "
+                  f"{result['error']['peak_bytes']:+.1%} | {row['seconds']:.0f} s |", flush=True)
+    Path(args.out).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "seq_len": args.seq_len, "ranks": 32,
+                                          "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
