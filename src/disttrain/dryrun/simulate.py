@@ -123,7 +123,11 @@ def measure_step(cfg, layout: Layout, spec, model, steps: int = 2, materialize=N
     meshes = build_meshes(layout, "cpu")
     rt = Runtime(DistEnv(rank, world, rank % 8, min(world, 8), "dryrun"), device, dist.get_backend())
     hook = _BackwardHook()
-    engine = build_engine(cfg, layout, meshes, spec, model, rt, StepBreakdown(device), hook, materialize=materialize)
+    building = _ddp_on_fake(tensor_mode) if tensor_mode is not None and layout.gradient_wrapper == "ddp" \
+        else contextlib.nullcontext()
+    with building:
+        engine = build_engine(cfg, layout, meshes, spec, model, rt, StepBreakdown(device), hook,
+                              materialize=materialize)
     buckets = _DDPBuckets()
     if isinstance(engine.model, DistributedDataParallel):
         engine.model.register_comm_hook(engine.model.process_group, buckets.all_reduce)
@@ -179,6 +183,23 @@ def _after_backward(tracker, model) -> None:
 
         for grad in unsharded_grads(model):
             tracker._update_and_maybe_create_winfos(grad, _FSDPRefType.UNSHARDED_GRAD)
+
+
+@contextlib.contextmanager
+def _ddp_on_fake(mode):
+    """Wrap in DDP inside the fake mode, so that its reducer's gradient buckets are fake too (outside
+    it they would be real memory of the whole model's size). DDP's start-up checks read parameter
+    values across ranks, which fake tensors and a fake group do not have: skipped here."""
+    from torch.nn.parallel import distributed
+
+    saved = distributed._verify_param_shape_across_processes, distributed._sync_module_states
+    distributed._verify_param_shape_across_processes = lambda *a, **k: None
+    distributed._sync_module_states = lambda *a, **k: None
+    try:
+        with mode:
+            yield
+    finally:
+        distributed._verify_param_shape_across_processes, distributed._sync_module_states = saved
 
 
 class _DDPBuckets:
