@@ -23,6 +23,7 @@ REAL_LAYOUTS = {
     "ddp": [*TINY, "train.global_batch_size=8", "parallel.dp_shard=1", "parallel.dp_replicate=2"],
     "zero3": [*TINY, "train.global_batch_size=8", "parallel.dp_shard=2", "parallel.zero_stage=3"],
     "tp2": [*TINY, "train.global_batch_size=4", "parallel.dp_shard=1", "parallel.tp=2"],
+    "pp2": [*TINY, "train.global_batch_size=4", "train.micro_batch_size=1", "parallel.dp_shard=1", "parallel.pp=2"],
 }
 
 
@@ -33,7 +34,8 @@ def _simulate(overrides: list[str], world: int, rank: int = 0, device_type: str 
 
 def test_dry_run_equals_a_real_run(tmp_path):
     """tiny on 2 real gloo ranks, measured by the same tracker on real tensors, against the dry run of the
-    same configs: model states to the byte, activations and temporaries within 5%, the same collectives."""
+    same configs: model states to the byte, activations and temporaries within 5%, the same collectives.
+    The pipeline's stage shapes come from meta copies of the stages in both (tests pass them up front)."""
     jobs, out = tmp_path / "jobs.json", tmp_path / "out.json"
     jobs.write_text(json.dumps(REAL_LAYOUTS))
     cmd = [sys.executable, "-m", "disttrain.distributed.agent", "--standalone", "--nproc-per-node=2",
@@ -42,14 +44,16 @@ def test_dry_run_equals_a_real_run(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     real = json.loads(out.read_text())
     for name, overrides in REAL_LAYOUTS.items():
-        fake = _simulate(overrides, 2)
-        measured = real[name]["bytes"]
-        for key in ("parameters", "gradients", "optimizer", "communication"):
-            assert fake.bytes[key] == measured[key], (name, key, fake.bytes, measured)
-        for key in ("activations", "temporary"):
-            assert abs(fake.bytes[key] - measured[key]) <= 0.05 * measured[key], (name, key, fake.bytes, measured)
-        assert fake.collectives == real[name]["collectives"], name
-        assert measured["parameters"] > 0 and measured["activations"] > 0
+        for rank in (0, 1) if name.startswith("pp") else (0,):  # pipeline stages differ; other ranks alike
+            fake = _simulate(overrides, 2, rank)
+            measured = real[name][rank]["bytes"]
+            for key in ("parameters", "gradients", "optimizer", "communication"):
+                assert fake.bytes[key] == measured[key], (name, rank, key, fake.bytes, measured)
+            for key in ("activations", "temporary"):
+                assert abs(fake.bytes[key] - measured[key]) <= 0.05 * measured[key], (name, rank, key, fake.bytes,
+                                                                                      measured)
+            assert fake.collectives == real[name][rank]["collectives"], (name, rank)
+            assert measured["parameters"] > 0 and measured["activations"] > 0
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -101,6 +105,27 @@ def test_zero3_collectives_at_8_ranks():
     assert table["reduce_scatter", "dp_shard"]["count"] == units
     assert table["reduce_scatter", "dp_shard"]["bytes"] == 4 * shape.num_params()
     assert table["all_reduce", "dp_shard"]["count"] == 1
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "interleaved_1f1b", "zero_bubble"])
+def test_pipeline_transfers_at_8_ranks(schedule):
+    """Stage 0 of a 2-stage pipeline (x ZeRO-3 over 4) sends each micro-batch's activations once per stage
+    boundary it owns and receives as many gradients: per step, (stage boundaries this rank sends across) x
+    micro-batches transfers of micro-batch x seq x dim in the compute dtype, and no other point-to-point."""
+    shape = MODEL_SHAPES["tiny"]
+    micro_batches = 4
+    cfg = load_config(None, [*TINY, "train.micro_batch_size=1", f"train.global_batch_size={4 * micro_batches}",
+                             "parallel.dp_shard=4", "parallel.zero_stage=3", "parallel.pp=2",
+                             f"parallel.pp_schedule={schedule}", "precision.param_dtype=fp32"])
+    layout = validate_world(cfg, 8, "cuda")
+    run = simulate(cfg, layout, 0)
+    table = {(c["kind"], c["dim"]): c for c in run.collectives}
+    # rank 0 owns stages 0 (and 2 when interleaved): it sends forward from each, and backward from stage 2
+    boundaries = 1 if layout.stages_per_rank == 1 else 3
+    one = 128 * shape.dim * 4
+    for kind in ("send", "recv"):
+        assert table[kind, "pp"]["count"] == boundaries * micro_batches
+        assert table[kind, "pp"]["bytes"] == boundaries * micro_batches * one
 
 
 def _layer(shape) -> int:

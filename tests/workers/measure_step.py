@@ -3,7 +3,7 @@ several configs, so a test can compare the dry run's simulated bytes and collect
 
     python -m disttrain.distributed.agent --standalone --nproc-per-node N tests/workers/measure_step.py JOBS.json OUT.json
 
-JOBS.json: {name: [override, ...]} on configs/debug.yaml. OUT.json (rank 0): {name: RankRun as a dict}.
+JOBS.json: {name: [override, ...]}. OUT.json (written by rank 0): {name: [RankRun as a dict, one per rank]}.
 """
 
 import dataclasses
@@ -32,7 +32,9 @@ def main() -> None:
             cfg = load_config(None, overrides)
             layout = validate_world(cfg, rt.world_size, "cpu")
             spec = model_spec(cfg.model)
-            out[name] = dataclasses.asdict(measure_step(cfg, layout, spec, build_model(spec, rt.device, cfg.train.seed)))
+            run = dataclasses.asdict(measure_step(cfg, layout, spec, build_model(spec, rt.device, cfg.train.seed)))
+            out[name] = [None] * rt.world_size
+            dist.all_gather_object(out[name], run)
             gc.collect()
             dist.barrier()
         if rt.rank == 0:

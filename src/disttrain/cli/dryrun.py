@@ -28,18 +28,48 @@ def add_parser(sub) -> None:
     p.add_argument("--gpu", default=None, help=f"fits on this GPU? ({', '.join(GPUS)})")
     p.add_argument("--steps", type=int, default=2, help="steps to run (the peak is over all; optimizer states exist "
                                                         "from the second)")
+    p.add_argument("--microbatches", type=int, default=None,
+                   help="simulate this many micro-batches per rank instead of the config's (faster; the peak of "
+                        "accumulation stops growing after 2, of 1F1B-like schedules after pp; GPipe's does not)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
 
 def default_ranks(layout) -> list[int]:
-    """One rank per distinct role. Without pipeline stages every rank holds the same shapes (FSDP pads
-    shards to equal size; TP splits evenly, which validation checks), so rank 0 stands for all."""
-    return [0]
+    """One rank per distinct role: the first and last pipeline stage and one in between (they hold
+    different layers, embeddings or head, and micro-batches in flight). Within a stage every rank
+    holds the same shapes (FSDP pads shards to equal size; TP splits evenly, which validation checks)."""
+    per_stage = layout.world_size // layout.pp
+    return [p * per_stage for p in sorted({0, layout.pp - 1} | ({1} if layout.pp > 2 else set()))]
+
+
+def pp_rank_of(layout, rank: int) -> int:
+    return rank // (layout.world_size // layout.pp)
+
+
+def with_microbatches(cfg, world_size: int, n: int):
+    """The config with `n` micro-batches per data-parallel rank (the global batch shrinks to match)."""
+    from disttrain.config import RunConfig
+    from disttrain.validation import validate_world
+
+    if n < 1:
+        raise UserError(f"--microbatches={n}: must be at least 1")
+    layout = validate_world(cfg, world_size, "cuda")
+    if layout.pp > 1 and layout.pp_schedule == "gpipe" and n < layout.microbatches:
+        raise UserError(f"--microbatches={n} with parallel.pp_schedule=gpipe: GPipe keeps every micro-batch in "
+                        f"flight, so fewer than the config's {layout.microbatches} would understate its peak")
+    data = cfg.model_dump()
+    data["train"]["global_batch_size"] = layout.dp * layout.micro_batch * n
+    data["train"]["micro_batch_size"] = layout.micro_batch
+    if layout.pp > 1:
+        data["parallel"]["pp_microbatches"] = n
+    return RunConfig.model_validate(data)
 
 
 def dry_run(cfg, world_size: int, ranks: list[int] | None = None, gpu_name: str | None = None, steps: int = 2,
-            progress=None) -> dict:
+            progress=None, microbatches: int | None = None) -> dict:
     """Simulate each rank and compare with the planner; the JSON `disttrain dryrun --json` prints."""
+    if microbatches is not None:
+        cfg = with_microbatches(cfg, world_size, microbatches)
     from disttrain.dryrun.simulate import simulate, unsupported
     from disttrain.models.registry import model_shape
     from disttrain.plan.memory import estimate_memory
@@ -60,10 +90,10 @@ def dry_run(cfg, world_size: int, ranks: list[int] | None = None, gpu_name: str 
         if not 0 <= r < world_size:
             raise UserError(f"--rank={r}: not a rank of --world-size={world_size} (allowed: 0..{world_size - 1})")
     shape = model_shape(cfg.model)
-    planned = estimate_memory(shape, layout)
-    planner = {**planned.categories(), "peak_bytes": planned.total}
     out = []
     for rank in ranks:
+        planned = estimate_memory(shape, layout, pp_rank=pp_rank_of(layout, rank))
+        planner = {**planned.categories(), "peak_bytes": planned.total}
         if progress:
             progress(f"dry run: rank {rank} of {world_size} ...")
         with _quiet():
@@ -116,7 +146,8 @@ def cmd_dryrun(args: argparse.Namespace, overrides: list[str]) -> None:
 
     cfg = load_config(args.config, overrides)
     result = dry_run(cfg, args.world_size, args.rank, args.gpu, args.steps,
-                     progress=None if args.json else lambda m: print(m, file=sys.stderr, flush=True))
+                     progress=None if args.json else lambda m: print(m, file=sys.stderr, flush=True),
+                     microbatches=args.microbatches)
     print(json.dumps(result, indent=2) if args.json else render(result))
 
 
@@ -148,3 +179,44 @@ def render(result: dict) -> str:
             lines.append(f"  on {result['gpu']}: {verdict} (headroom {r['headroom_bytes'] / GIB:+.1f} GiB); largest "
                          f"micro-batch ~{r['largest_micro_batch']} (from the measured bytes per sequence)")
     return "\n".join(lines)
+
+
+def verify_plan(estimates: list, gpus: int, gpu_name: str, progress=None) -> list[dict]:
+    """`disttrain plan --verify N`: dry-run each of the best layouts on `gpus` simulated ranks and set
+    the measured peak beside the planner's. Micro-batches are capped where that cannot lower the peak
+    (see --microbatches), so a 13B check takes about a minute per stage."""
+    from disttrain.config import RunConfig
+    from disttrain.plan.render import winner_config
+    from disttrain.plan.search import describe
+
+    rows = []
+    for est in estimates:
+        cfg = RunConfig.model_validate(winner_config(est))
+        lay = est.layout
+        cap = None if lay.pp > 1 and lay.pp_schedule == "gpipe" else max(2, 2 * lay.pp)
+        if cap is not None and cap >= lay.microbatches:
+            cap = None
+        try:
+            result = dry_run(cfg, gpus, gpu_name=gpu_name, progress=progress, microbatches=cap)
+        except UserError as exc:
+            rows.append({"layout": describe(lay), "planner_peak_bytes": est.memory.total, "error": str(exc)})
+            continue
+        worst = max(result["ranks"], key=lambda r: r["peak_bytes"])
+        rows.append({"layout": describe(lay), "planner_peak_bytes": est.memory.total, "peak_bytes": worst["peak_bytes"],
+                     "rank": worst["rank"], "fits": worst["fits"], "headroom_bytes": worst["headroom_bytes"],
+                     "planner_error": _error(est.memory.total, worst["peak_bytes"]),
+                     "seconds": sum(r["seconds"] for r in result["ranks"])})
+    return rows
+
+
+def verify_lines(rows: list[dict]) -> list[str]:
+    lines = ["Checked by dry run (the real step of the fullest ranks, fake tensors):",
+             f"  {'planner':>10}  {'dry run':>10}  {'error':>7}  {'fits':>4}  layout"]
+    for r in rows:
+        if "error" in r and "peak_bytes" not in r:
+            lines.append(f"  {_size(r['planner_peak_bytes']):>10}  {'-':>10}  {'':>7}  {'':>4}  {r['layout']}: {r['error']}")
+            continue
+        lines.append(f"  {_size(r['planner_peak_bytes']):>10}  {_size(r['peak_bytes']):>10}  {r['planner_error']:>+7.1%}  "
+                     f"{'yes' if r['fits'] else 'NO':>4}  {r['layout']}"
+                     + ("  <- the planner says it fits; the dry run does not" if not r["fits"] else ""))
+    return lines

@@ -6,6 +6,7 @@ import argparse
 import json
 import math
 import re
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -101,6 +102,8 @@ def add_parsers(sub) -> None:
     plan.add_argument("--scaling", default=None, help="also plan these GPU counts, e.g. 2,4,8,16,32, and print "
                                                       "the scaling efficiency of each")
     plan.add_argument("--out", default=None, help="write the winner as a config to this path (default: none)")
+    plan.add_argument("--verify", type=int, default=0, help="dry-run the best N layouts (disttrain dryrun) and "
+                                                            "show where they disagree with the plan")
     plan.add_argument("--json", action="store_true")
     add_cluster_args(plan)
 
@@ -216,46 +219,10 @@ def _global_batch(args, seq_len: int) -> int:
     return max(1, round(tokens / seq_len))
 
 
-def cmd_show_schedule(args) -> None:
-    from disttrain.plan.schedule import describe_schedule
-
-    for flag, value in (("--pp", args.pp), ("--microbatches", args.microbatches), ("--virtual-stages", args.virtual_stages)):
-        _positive(flag, value)
-    multi = args.schedule in ("interleaved_1f1b", "zero_bubble")
-    if multi and args.microbatches % args.pp:
-        raise UserError(f"--microbatches={args.microbatches} must be a multiple of --pp={args.pp} for {args.schedule}")
-    if args.schedule != "gpipe" and args.microbatches < args.pp:
-        raise UserError(f"--microbatches={args.microbatches} must be at least --pp={args.pp} for {args.schedule}")
-    d = describe_schedule(args.schedule, args.pp, args.microbatches, args.virtual_stages)
-    measured = _measured_bubble(args.run) if args.run else None
-    if args.json:
-        print(json.dumps({**d, "bubble_measured": measured}, indent=1))
-        return
-    chunks = f", {d['virtual_stages']} stages per rank (cell: micro-batch.chunk)" if multi else ""
-    print(f"{args.schedule}: pp={args.pp}, {args.microbatches} micro-batches{chunks}; F = 1 unit, "
-          f"B = 2 (zero-bubble: B = input gradient, W = weight gradient, 1 each)\n")
-    print(d["table"])
-    print(f"\nbubble: {d['bubble_theory']:.1%} theory, {d['bubble_simulated']:.1%} in this table"
-          + (f", {measured:.1%} measured in {args.run}" if measured is not None else ""))
-
-
-def _measured_bubble(run_dir: str) -> float:
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.is_file():
-        raise UserError(f"--run={run_dir}: no metrics.jsonl there")
-    values = []
-    for line in path.read_text().splitlines():
-        record = json.loads(line)
-        if "pp_bubble" in record and record.get("step", 0) > 1:  # step 1 includes set-up
-            values.append(record["pp_bubble"])
-    if not values:
-        raise UserError(f"--run={run_dir}: no pp_bubble records (not a pipeline run, or only one step)")
-    values.sort()
-    return values[len(values) // 2]
-
-
 def cmd_plan(args) -> None:
     if args.show_schedule:
+        from disttrain.cli.schedule import cmd_show_schedule
+
         return cmd_show_schedule(args)
     if args.cluster:
         return cmd_plan_mixed(args)
@@ -294,10 +261,11 @@ def cmd_plan(args) -> None:
         tmp = out.with_name(out.name + ".tmp")
         tmp.write_text(yaml.safe_dump(report.winner_config(win, tokens), sort_keys=False))
         tmp.replace(out)
+    verified = _verify(args, result.ranked[:args.verify], cluster.gpu.name) if args.verify > 0 else []
     if args.json:
         print(json.dumps({"winner": win.as_dict(), "top": [e.as_dict() for e in result.ranked[:args.top]],
                           "considered": result.considered, "fitting": result.fitting,
-                          "baseline_tokens_per_s_per_gpu": baseline, "scaling": scaling,
+                          "baseline_tokens_per_s_per_gpu": baseline, "scaling": scaling, "verified": verified,
                           "days": tokens / win.time.tokens_per_s / 86400 if tokens else None,
                           "config": str(out) if out else None}, indent=1))
         return
@@ -326,9 +294,19 @@ def cmd_plan(args) -> None:
             else:
                 lines.append(f"{row['gpus']:>5}  {row['tokens_per_s']:>12,.0f}  {row['tokens_per_s_per_gpu']:>9,.0f}  "
                              f"{row['efficiency']:>10.1%}  {row['layout']}")
+    if verified:
+        from disttrain.cli.dryrun import verify_lines
+
+        lines += [""] + verify_lines(verified)
     lines += ["", f"Wrote {out} (run it with: disttrain train {out})" if out else
               "Pass --out FILE.yaml to write the winner as a config."]
     print("\n".join(lines))
+
+
+def _verify(args, estimates, gpu_name: str) -> list[dict]:
+    from disttrain.cli.dryrun import verify_plan
+
+    return verify_plan(estimates, args.gpus, gpu_name, None if args.json else lambda m: print(m, file=sys.stderr))
 
 
 def cmd_plan_mixed(args) -> None:

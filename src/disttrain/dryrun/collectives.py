@@ -10,6 +10,7 @@ from collections import Counter
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -30,20 +31,27 @@ class CollectiveCounter(TorchDispatchMode):
 
     def __init__(self, group_dims: dict[str, str] | None = None):
         super().__init__()
-        self.group_dims = group_dims or {}  # process-group name -> mesh dimension it spans
+        self.group_dims = group_dims or {}  # the ranks of a group (frozenset) -> mesh dimension it spans
         self.counts: Counter = Counter()
         self.bytes: Counter = Counter()
 
     def _dim(self, args) -> str:
         for a in args:
-            if isinstance(a, str) and a in self.group_dims:  # a functional collective names its group
-                return self.group_dims[a]
-            if isinstance(a, torch.ScriptObject):
+            group = None
+            if isinstance(a, str):  # a functional collective names its group
+                try:
+                    group = c10d._resolve_process_group(a)
+                except (KeyError, RuntimeError, ValueError):
+                    continue
+            elif isinstance(a, torch.ScriptObject):
                 try:
                     group = dist.ProcessGroup.unbox(a)
                 except (RuntimeError, TypeError):
                     continue
-                return self.group_dims.get(group.group_name, f"{group.size()} ranks")
+            if group is not None:
+                ranks = frozenset(dist.get_process_group_ranks(group))
+                return self.group_dims.get(ranks, "world" if len(ranks) == dist.get_world_size() else
+                                           f"{len(ranks)} ranks")
         return "world"
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

@@ -14,7 +14,10 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed._tools.mod_tracker import ModTracker
 
 from disttrain.dryrun.collectives import CollectiveCounter
 from disttrain.errors import UserError
@@ -59,9 +62,6 @@ def unsupported(cfg, layout: Layout) -> str | None:
     if layout.engine != "torch":
         return (f"parallel.engine={layout.engine} cannot be dry-run (DeepSpeed allocates real buffers at start); "
                 "allowed: parallel.engine=torch")
-    if layout.pp > 1:
-        return (f"parallel.pp={layout.pp} cannot be dry-run yet (pipeline stages exchange shapes at the first "
-                "step, which a fake process group cannot carry); allowed: parallel.pp=1")
     if layout.gradient_wrapper == "ddp" and cfg.parallel.ddp_comm_hook != "none":
         return (f"parallel.ddp_comm_hook={cfg.parallel.ddp_comm_hook} cannot be dry-run (the hook reads the "
                 "reduced values back from the process group); allowed: none")
@@ -125,32 +125,41 @@ def measure_step(cfg, layout: Layout, spec, model, steps: int = 2, materialize=N
     hook = _BackwardHook()
     building = _ddp_on_fake(tensor_mode) if tensor_mode is not None and layout.gradient_wrapper == "ddp" \
         else contextlib.nullcontext()
+    stage_io = stage_shapes(spec, layout) if layout.pp > 1 else None  # real runs too: same code measured
     with building:
         engine = build_engine(cfg, layout, meshes, spec, model, rt, StepBreakdown(device), hook,
-                              materialize=materialize)
+                              materialize=materialize, stage_io=stage_io)
     buckets = _DDPBuckets()
     if isinstance(engine.model, DistributedDataParallel):
         engine.model.register_comm_hook(engine.model.process_group, buckets.all_reduce)
         engine.model.reducer = _KeepBuckets(engine.model.reducer)
     counter = CollectiveCounter(_group_dims(layout, meshes))
-    with tensor_mode or contextlib.nullcontext():
+    static = _static_pipeline() if stage_io is not None else contextlib.nullcontext()
+    with tensor_mode or contextlib.nullcontext(), static:
         return _tracked_steps(cfg, layout, spec, engine, steps, counter, hook, buckets, rank, t0)
 
 
 def _tracked_steps(cfg, layout, spec, engine, steps, counter, hook, buckets, rank, t0) -> RankRun:
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed.fsdp import FSDPModule
 
     generator = torch.Generator().manual_seed(cfg.train.seed)
-    tokens = torch.randint(0, spec.shape.vocab_size, (layout.micro_batch_size, layout.seq_len + 1), generator=generator)
+    tokens = torch.randint(0, spec.shape.vocab_size, (layout.micro_batch, layout.seq_len + 1), generator=generator)
     batch = [(tokens[:, :-1], tokens[:, 1:])] * layout.microbatches
+    stages = getattr(getattr(engine, "parts", None), "stages", [])
     if isinstance(engine.model, FSDPModule):
         tracker = FSDPMemTracker(engine.model, engine.optimizer)
+    elif stages and isinstance(stages[0].submod, FSDPModule):  # pipeline stages, each an FSDP root
+        tracker = _StagesTracker(nn.ModuleList([stage.submod for stage in stages]), engine.optimizer)
     else:
         tracker = _Tracker(buckets)
         tracker.track_external(engine.model, engine.optimizer)
+    if stages:
+        tracker._mod_tracker = _LeafInputsSafe()
     with tracker, counter:
         hook.after = lambda: _after_backward(tracker, engine.model)
+        for stage in stages:
+            stage.forward_one_chunk = _each_chunk_afresh(stage.forward_one_chunk, stage.submod, tracker)
+            stage.backward_one_chunk = _then(stage.backward_one_chunk, lambda m=stage.submod: _file_grads(tracker, m))
         buckets.tracker = tracker
         for step in range(1, steps + 1):
             counter.reset()
@@ -171,11 +180,35 @@ def _tracked_steps(cfg, layout, spec, engine, steps, counter, hook, buckets, ran
                    time.perf_counter() - t0)
 
 
+def _each_chunk_afresh(forward_one_chunk, module, tracker):
+    """A pipeline stage runs its root module once per micro-batch before any backward; the trackers
+    take a second root forward for a new iteration and refuse it unless that module's statistics
+    are dropped first (the peak is kept)."""
+    def run(*args, **kwargs):
+        tracker.memory_tracking.pop(module, None)
+        return forward_one_chunk(*args, **kwargs)
+    return run
+
+
+def _then(fn, after):
+    def run(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            after()
+    return run
+
+
 def _after_backward(tracker, model) -> None:
     """Between micro-batches: clear the per-module statistics (the trackers refuse a second forward of
-    the root otherwise; the peak is kept), and file the gradients FSDP2 accumulates unsharded under
-    gradients (created in backward, the tracker first called them temporaries)."""
+    the root otherwise; the peak is kept), and file the gradients FSDP2 accumulates."""
     tracker.reset_mod_stats()
+    _file_grads(tracker, model)
+
+
+def _file_grads(tracker, model) -> None:
+    """The unsharded gradients FSDP2 accumulates between micro-batches are gradients (created in
+    backward, the tracker first called them temporaries)."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
 
     if isinstance(tracker, FSDPMemTracker):
@@ -183,6 +216,51 @@ def _after_backward(tracker, model) -> None:
 
         for grad in unsharded_grads(model):
             tracker._update_and_maybe_create_winfos(grad, _FSDPRefType.UNSHARDED_GRAD)
+
+
+def stage_shapes(spec, layout: Layout):
+    """Each pipeline stage's example input and output, from running meta copies of the stages in order
+    (shapes only). In a real run the stages exchange these at the first step; a fake group cannot."""
+    ranges = layout.stage_layer_ranges(spec.shape.n_layers)
+    dtype = getattr(torch, {"bf16": "bfloat16", "fp16": "float16"}.get(layout.param_dtype, "float32"))
+    x = torch.empty(layout.micro_batch, layout.seq_len, dtype=torch.long, device="meta")
+    io = {}
+    for stage in range(layout.n_stages):
+        with torch.device("meta"):
+            (module,) = spec.pipeline_split(spec.build(), ranges, [stage])
+        if layout.gradient_wrapper == "fsdp":  # FSDP2's mixed-precision policy computes in param_dtype
+            module.to(dtype)
+        with torch.no_grad():
+            y = module(x.to(dtype) if x.is_floating_point() else x)
+        io[stage] = (x, y)
+        x = y
+
+    def example(stage: int):
+        x, y = io[stage]
+        inputs = x if stage == 0 else torch.empty_like(x, device="cpu").requires_grad_()
+        return inputs if stage > 0 else torch.empty_like(x, device="cpu"), torch.empty_like(y, device="cpu").requires_grad_()
+
+    return example
+
+
+@contextlib.contextmanager
+def _static_pipeline():
+    """Every stage takes its shapes from `stage_shapes` (torch's STATIC mode): the schedule's first-step
+    vote on that reads a tensor sent between stages, which a fake group never delivers."""
+    from torch.distributed.pipelining import schedules
+    from torch.distributed.pipelining._utils import InferenceMode
+
+    saved = schedules._PipelineSchedule._warmup_p2p
+
+    def static(self, stages, has_backward, p2p_done):
+        for stage in stages:
+            stage._inference_mode = InferenceMode.STATIC
+
+    schedules._PipelineSchedule._warmup_p2p = static
+    try:
+        yield
+    finally:
+        schedules._PipelineSchedule._warmup_p2p = saved
 
 
 @contextlib.contextmanager
@@ -249,6 +327,33 @@ class _Tracker(MemTracker):
             super()._track(reftype, t)
 
 
+class _LeafInputsSafe(ModTracker):
+    """torch's ModTracker, without backward hooks on a module's leaf inputs (a pipeline stage's received
+    activations): autograd refuses them inside `autograd.grad`, which zero-bubble schedules use to
+    split input from weight gradients. Those modules leave the tracked hierarchy at the end of
+    backward instead, as modules without differentiable inputs do."""
+
+    def _fw_pre_hook(self, mod, input):
+        detached = tuple(a.detach() if isinstance(a, torch.Tensor) and a.is_leaf and a.requires_grad else a
+                         for a in (input if isinstance(input, tuple) else (input,)))
+        return super()._fw_pre_hook(mod, detached)
+
+
+class _StagesTracker(FSDPMemTracker):
+    """torch's FSDPMemTracker over several FSDP roots (this rank's pipeline stages): it only walks the
+    module tree below its root, which it otherwise insists is one FSDP module."""
+
+    def __init__(self, stages: nn.Module, optimizer):
+        from torch.utils.weak import WeakIdKeyDictionary
+        from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType, _FSDPState
+
+        MemTracker.__init__(self)
+        self._root_mod, self._optm = stages, optimizer
+        self._fsdp_mod_to_saved_methods = WeakIdKeyDictionary()
+        self._fsdp_state = _FSDPState.PRE_FW
+        self._ref_class = _FSDPRefType
+
+
 class _KeepBuckets:
     """DDP's reducer, except that it keeps its first bucket order: rebuilding copies gradient storage,
     which fake tensors do not have (same bucket sizes, so the same bytes)."""
@@ -263,13 +368,15 @@ class _KeepBuckets:
         return getattr(self._reducer, name)
 
 
-def _group_dims(layout: Layout, meshes) -> dict[str, str]:
+def _group_dims(layout: Layout, meshes) -> dict[frozenset, str]:
+    """This rank's group along each mesh dimension, by its ranks (a group object or name differs between
+    the ranks of one dimension; the members tell which dimension it is)."""
     dims = {}
-    for dim, size in zip(MESH_DIMS, layout.mesh_shape):
-        if size > 1:
-            dims[meshes.world[dim].get_group().group_name] = dim
-    if layout.dp > 1 and layout.dp_replicate > 1 and layout.dp_shard > 1:
-        dims[meshes.dp.get_group().group_name] = "dp"
+    groups = [(dim, meshes.world[dim].get_group()) for dim, size in zip(MESH_DIMS, layout.mesh_shape) if size > 1]
+    if layout.dp_replicate > 1 and layout.dp_shard > 1:
+        groups.append(("dp", meshes.dp.get_group()))
+    for dim, group in groups:
+        dims[frozenset(dist.get_process_group_ranks(group))] = dim
     return dims
 
 

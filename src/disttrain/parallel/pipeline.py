@@ -40,7 +40,10 @@ class PipelineParts:
 
 
 def build_pipeline(model: nn.Module, spec, layout: Layout, meshes: Meshes, device: torch.device, options,
-                   loss_fn, n_microbatches: int) -> PipelineParts:
+                   loss_fn, n_microbatches: int, materialize=None, stage_io=None) -> PipelineParts:
+    """`materialize(module)` and `stage_io(stage) -> (example inputs, example outputs)`: the dry run's
+    meta-to-fake step after parallelisation, and stage shapes given up front (a fake process group
+    cannot carry the shape exchange of the first step)."""
     if spec.pipeline_split is None:
         raise UserError(f"parallel.pp={layout.pp}: model {spec.name} has no pipeline split (allowed for it: "
                         "parallel.pp=1)")
@@ -48,9 +51,14 @@ def build_pipeline(model: nn.Module, spec, layout: Layout, meshes: Meshes, devic
     ranges = layout.stage_layer_ranges(spec.shape.n_layers)
     owned = layout.owned_stages(pp_rank)
     modules = [parallelize(m, spec, layout, meshes, device, options) for m in spec.pipeline_split(model, ranges, owned)]
+    if materialize is not None:  # the stages hold every parameter of the pruned model, and their own buffers
+        for module in modules:
+            materialize(module)
     group = meshes.pp.get_group()
     n_stages = layout.n_stages
-    stages = [PipelineStage(m, s, n_stages, device, group=group) for m, s in zip(modules, owned)]
+    io = [stage_io(s) if stage_io is not None else (None, None) for s in owned]
+    stages = [PipelineStage(m, s, n_stages, device, input_args=i, output_args=o, group=group)
+              for m, s, (i, o) in zip(modules, owned, io)]
     cls = SCHEDULES[layout.pp_schedule]
     schedule = cls(stages if len(stages) > 1 else stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn,
                    scale_grads=False)

@@ -265,10 +265,12 @@ class MemoryEstimate:
 
 
 def estimate_memory(shape: ModelShape, layout: Layout, accounting: str = "runtime",
-                    fused_norm: bool = True) -> MemoryEstimate:
-    """The rank that needs the most memory (over pipeline stages), with every stage's total kept."""
+                    fused_norm: bool = True, pp_rank: int | None = None) -> MemoryEstimate:
+    """The rank that needs the most memory (over pipeline stages), with every stage's total kept;
+    with `pp_rank`, that pipeline rank's."""
     candidates = []
-    for pp_rank in sorted({0, layout.pp - 1} | ({1} if layout.pp > 2 else set())):
+    ranks = {0, layout.pp - 1} | ({1} if layout.pp > 2 else set()) if pp_rank is None else {pp_rank}
+    for pp_rank in sorted(ranks):
         held = rank_params(shape, layout, pp_rank)
         unit = layer_params(shape, layout.tp)
         states = model_state_bytes(held.total, layout, accounting, largest_unit=unit, root_params=held.root)

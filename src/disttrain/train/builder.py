@@ -128,10 +128,11 @@ def build_run(cfg: RunConfig, rt: Runtime) -> Run:
 
 def build_engine(cfg: RunConfig, layout: Layout, meshes: Meshes, spec: ModelSpec, model: nn.Module, rt: Runtime,
                  breakdown: StepBreakdown, faults: FaultInjector, balancer: Balancer | None = None,
-                 materialize=None) -> StepEngine:
+                 materialize=None, stage_io=None) -> StepEngine:
     """The one place that picks an engine: DeepSpeed, a pipeline schedule, or plain torch.
     `materialize(module)`: for a model built on the meta device (the dry run), called once the
-    layout is applied and before the optimizer sees the parameters."""
+    layout is applied and before the optimizer sees the parameters; `stage_io`: pipeline stage shapes
+    given up front (parallel/pipeline.py)."""
     device, dp_group = rt.device, meshes.dp.get_group()
     tensor_parallel = layout.tp > 1
     if layout.engine == "deepspeed":
@@ -152,7 +153,8 @@ def build_engine(cfg: RunConfig, layout: Layout, meshes: Meshes, spec: ModelSpec
         from disttrain.parallel.tied import TiedAcrossStages
 
         mean_loss = RankMeanLoss(spec.loss_sum, layout.sequences_per_rank * layout.seq_len)
-        parts = build_pipeline(model, spec, layout, meshes, device, cfg.parallel, mean_loss, layout.microbatches)
+        parts = build_pipeline(model, spec, layout, meshes, device, cfg.parallel, mean_loss, layout.microbatches,
+                               materialize, stage_io)
         tied = TiedAcrossStages(parts.model, spec.tied_parameters, layout, meshes)
         optimizer = build_optimizer(parts.model, cfg.optim)
         step = _optimizer_step(cfg, optimizer, precision, parts.group)
