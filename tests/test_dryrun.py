@@ -142,11 +142,22 @@ def test_dryrun_cli_json_and_bad_input():
     assert set(result["bytes"]) == {"parameters", "gradients", "optimizer", "activations", "temporary", "communication"}
     assert set(result["planner"]) == set(result["bytes"]) | {"peak_bytes"}
     assert result["fits"] is True and result["peak_bytes"] == sum(result["bytes"].values())
-    for args, message in [(["parallel.pp=2", "parallel.dp_shard=4", "train.global_batch_size=32", "train.micro_batch_size=1",
-                            "parallel.zero_stage=3"],
-                           "parallel.pp=2 cannot be dry-run"),
+    for args, message in [(["precision.compute_dtype=fp16"], "precision.compute_dtype=fp16 cannot be dry-run"),
                           (["--rank", "9"], "--rank=9: not a rank of --world-size=8"),
                           (["--gpu", "z80"], "z80")]:
         bad = run_cli("dryrun", "configs/debug.yaml", "--world-size", "8", "train.global_batch_size=8", *args, check=False)
         assert bad.returncode == 2 and message in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
         assert len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_plan_verify_is_the_dry_run_of_the_planned_config(tmp_path):
+    """`plan --verify 1` dry-runs the winner it writes with --out: its measured peak is the one `disttrain dryrun`
+    reports for that config, and the planner's figure beside it is the plan's own."""
+    out = tmp_path / "winner.yaml"
+    plan = json.loads(run_cli("plan", "--model", "debug", "--gpus", "2", "--gpu", "a100-80g", "--seq-len", "64",
+                              "--global-batch-size", "4", "--verify", "1", "--out", str(out), "--json").stdout)
+    (checked,) = plan["verified"]
+    assert checked["planner_peak_bytes"] == plan["winner"]["bytes_per_rank"]["total"]
+    direct = json.loads(run_cli("dryrun", str(out), "--world-size", "2", "--json").stdout)
+    assert checked["peak_bytes"] == max(r["peak_bytes"] for r in direct["ranks"])
+    assert checked["planner_error"] == pytest.approx(checked["planner_peak_bytes"] / checked["peak_bytes"] - 1, abs=1e-4)
