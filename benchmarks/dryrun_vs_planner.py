@@ -1,7 +1,9 @@
 """The planner against the dry run (disttrain.dryrun) at cluster scale: peak bytes and each category
 for one rank of a 32-rank job, and how long each dry run takes on this machine.
 
-    python benchmarks/dryrun_vs_planner.py --models 1b,7b,13b --out benchmarks/results/dryrun_vs_planner.json
+    python benchmarks/dryrun_vs_planner.py --models 1b,7b,13b,70b --out benchmarks/results/dryrun_vs_planner.json
+
+Each row's time is the whole `dry_run` (every simulated rank: 3 pipeline ranks for PP=4).
 """
 
 from __future__ import annotations
@@ -20,12 +22,14 @@ LAYOUTS = {  # name -> (overrides, data-parallel ranks at 32); bf16 compute (aut
     "ZeRO-2": (["parallel.dp_shard=32", "parallel.zero_stage=2", "precision.param_dtype=bf16"], 32),
     "ZeRO-3": (["parallel.dp_shard=32", "parallel.zero_stage=3", "precision.param_dtype=bf16"], 32),
     "TP=8 + ZeRO-3": (["parallel.dp_shard=4", "parallel.tp=8", "parallel.zero_stage=3", "precision.param_dtype=bf16"], 4),
+    "PP=4 (1F1B) + ZeRO-2": (["parallel.dp_shard=8", "parallel.pp=4", "parallel.zero_stage=2", "precision.param_dtype=bf16",
+                              "parallel.pp_microbatches=8"], 8),
 }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default="1b,7b,13b")
+    parser.add_argument("--models", default="1b,7b,13b,70b")
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--out", default="benchmarks/results/dryrun_vs_planner.json")
@@ -34,16 +38,20 @@ def main() -> None:
     for model in args.models.split(","):
         for name in args.layouts.split(","):
             overrides, dp = LAYOUTS[name]
-            # two micro-batches of one sequence per rank: accumulation is part of what is measured
+            # two micro-batches of one sequence per rank (accumulation is part of what is measured); 8 = 2 x pp
+            # for the pipeline, where 1F1B's peak is reached
+            per_rank = 8 if "pp_microbatches=8" in " ".join(overrides) else 2
             cfg = load_config(None, [f"model.name={model}", f"data.seq_len={args.seq_len}", "train.micro_batch_size=1",
-                                     f"train.global_batch_size={2 * dp}",
+                                     f"train.global_batch_size={per_rank * dp}",
                                      "parallel.activation_checkpointing=selective", *overrides])
             t0 = time.perf_counter()
             result = dry_run(cfg, 32, gpu_name="a100-80g")
             row = {"model": model, "layout": name, "seconds": round(time.perf_counter() - t0, 1),
+                   "ranks_simulated": [r["rank"] for r in result["ranks"]],
                    "peak_bytes": result["peak_bytes"], "planner_peak_bytes": result["planner"]["peak_bytes"],
                    "bytes": result["bytes"], "planner": result["planner"], "error": result["error"],
-                   "fits_a100_80g": result["fits"]}
+                   "per_rank": [{k: r[k] for k in ("rank", "role", "peak_bytes", "bytes", "planner", "seconds")}
+                                for r in result["ranks"]], "fits_a100_80g": result["fits"]}
             rows.append(row)
             print(f"| {model} | {name} | {row['peak_bytes'] / 2**30:.2f} | {row['planner_peak_bytes'] / 2**30:.2f} | "
                   f"{result['error']['peak_bytes']:+.1%} | {row['seconds']:.0f} s |", flush=True)
