@@ -29,7 +29,7 @@ REAL_LAYOUTS = {
 
 def _simulate(overrides: list[str], world: int, rank: int = 0, device_type: str = "cpu"):
     cfg = load_config(None, overrides)
-    return simulate(cfg, validate_world(cfg, world, device_type), rank)
+    return simulate(cfg, validate_world(cfg, world, device_type), rank, device_type=device_type)
 
 
 def test_dry_run_equals_a_real_run(tmp_path):

@@ -71,9 +71,10 @@ def unsupported(cfg, layout: Layout) -> str | None:
     return None
 
 
-def simulate(cfg, layout: Layout, rank: int, steps: int = 2) -> RankRun:
+def simulate(cfg, layout: Layout, rank: int, steps: int = 2, device_type: str = "cuda") -> RankRun:
     """Play `rank` of `layout.world_size` in this process, with no real memory for the model.
-    UserError for what cannot be simulated."""
+    `device_type`: the kind of rank simulated ("cuda": torch's defaults there, e.g. foreach AdamW; the
+    tensors still live on this CPU). UserError for what cannot be simulated."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -96,10 +97,31 @@ def simulate(cfg, layout: Layout, rank: int, steps: int = 2) -> RankRun:
         def materialize(module):
             with fake:
                 module.to_empty(device=torch.device("cpu"))
+            _retie(module, spec.tied_parameters)
 
-        return measure_step(cfg, layout, spec, model, steps, materialize, fake, t0)
+        on_gpu = _gpu_defaults() if device_type == "cuda" else contextlib.nullcontext()
+        with on_gpu:
+            return measure_step(cfg, layout, spec, model, steps, materialize, fake, t0)
     finally:
         dist.destroy_process_group()
+
+
+def _retie(module, groups) -> None:
+    """`to_empty` gives every registered parameter its own tensor: share the tied ones again (what
+    `init_weights` does for a real model), wherever this module (or pipeline stage) holds them."""
+    for names in groups:
+        held = [n for n in names if _has_parameter(module, n)]
+        for name in held[1:]:
+            owner, _, leaf = name.rpartition(".")
+            setattr(module.get_submodule(owner) if owner else module, leaf, module.get_parameter(held[0]))
+
+
+def _has_parameter(module, name: str) -> bool:
+    try:
+        module.get_parameter(name)
+        return True
+    except AttributeError:
+        return False
 
 
 def measure_step(cfg, layout: Layout, spec, model, steps: int = 2, materialize=None, tensor_mode=None,
@@ -135,7 +157,8 @@ def measure_step(cfg, layout: Layout, spec, model, steps: int = 2, materialize=N
         engine.model.reducer = _KeepBuckets(engine.model.reducer)
     counter = CollectiveCounter(_group_dims(layout, meshes))
     static = _static_pipeline() if stage_io is not None else contextlib.nullcontext()
-    with tensor_mode or contextlib.nullcontext(), static:
+    own = _propagation_in_its_own_fake_mode() if tensor_mode is not None else contextlib.nullcontext()
+    with tensor_mode or contextlib.nullcontext(), static, own:
         return _tracked_steps(cfg, layout, spec, engine, steps, counter, hook, buckets, rank, t0)
 
 
@@ -241,6 +264,36 @@ def stage_shapes(spec, layout: Layout):
         return inputs if stage > 0 else torch.empty_like(x, device="cpu"), torch.empty_like(y, device="cpu").requires_grad_()
 
     return example
+
+
+@contextlib.contextmanager
+def _gpu_defaults():
+    """What torch picks by itself on a GPU but not for tensors on this CPU: AdamW's foreach kernels
+    (whose temporaries span every parameter at once, the optimizer step's own peak)."""
+    from torch.optim import adam
+
+    saved = adam._default_to_fused_or_foreach
+    adam._default_to_fused_or_foreach = lambda params, differentiable, use_fused=False: (False, not differentiable)
+    try:
+        yield
+    finally:
+        adam._default_to_fused_or_foreach = saved
+
+
+@contextlib.contextmanager
+def _propagation_in_its_own_fake_mode():
+    """DTensor computes each op's output shape on global-shape fake tensors, in the active fake mode if
+    there is one. Under the dry run's mode the memory tracker would count those (whole, unsharded
+    weight-sized) tensors as this rank's, as long as garbage collection leaves them alive; a real run
+    has no active fake mode, so DTensor makes its own, which the tracker ignores. Do the same here."""
+    from torch.distributed.tensor import _sharding_prop
+
+    saved = _sharding_prop.detect_fake_mode
+    _sharding_prop.detect_fake_mode = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        _sharding_prop.detect_fake_mode = saved
 
 
 @contextlib.contextmanager
