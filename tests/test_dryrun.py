@@ -161,3 +161,24 @@ def test_plan_verify_is_the_dry_run_of_the_planned_config(tmp_path):
     direct = json.loads(run_cli("dryrun", str(out), "--world-size", "2", "--json").stdout)
     assert checked["peak_bytes"] == max(r["peak_bytes"] for r in direct["ranks"])
     assert checked["planner_error"] == pytest.approx(checked["planner_peak_bytes"] / checked["peak_bytes"] - 1, abs=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_hugging_face_models_follow_the_zero_arithmetic(kind, tmp_path):
+    """A transformers model from its config.json, ZeRO-3 over 8 simulated ranks: parameters and AdamW states
+    are 4Ψ/8 and 8Ψ/8 of the model transformers builds (Qwen2's tied embedding counted once: the tie is
+    restored after the fake materialisation)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hf_models import save_tiny
+
+    directory = save_tiny(kind, tmp_path / kind)
+    with torch.device("meta"):
+        reference = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory))
+    n = sum(p.numel() for p in reference.parameters())  # shared tensors once
+    buffers = sum(b.numel() * b.element_size() for b in reference.buffers())
+    run = _simulate([f"model.hf={directory}", "data.seq_len=64", "train.micro_batch_size=1",
+                     "train.global_batch_size=8", "parallel.dp_shard=8", "parallel.zero_stage=3"], 8)
+    assert run.bytes["parameters"] - buffers == 4 * n // 8
+    assert run.bytes["optimizer"] == 8 * n // 8 + 4 * len(list(reference.parameters()))

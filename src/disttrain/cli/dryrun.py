@@ -97,7 +97,14 @@ def dry_run(cfg, world_size: int, ranks: list[int] | None = None, gpu_name: str 
         if progress:
             progress(f"dry run: rank {rank} of {world_size} ...")
         with _quiet():
-            run = simulate(cfg, layout, rank, steps)
+            try:
+                run = simulate(cfg, layout, rank, steps)
+            except UserError:
+                raise
+            except Exception as exc:  # an op or feature the fake tensors or fake group cannot run
+                reason = (str(exc).strip().splitlines() or [""])[-1].strip()[:300]
+                raise UserError(f"rank {rank} of this layout cannot be dry-run: {type(exc).__name__}: {reason} "
+                                "(a real run may still work; report it with the config)") from None
         entry = {"rank": rank, "role": run.role, "peak_bytes": run.peak_bytes, "bytes": run.bytes,
                  "planner": {k: int(v) for k, v in planner.items()},
                  "error": {k: _error(planner[k], v) for k, v in [*run.bytes.items(), ("peak_bytes", run.peak_bytes)]},

@@ -242,28 +242,28 @@ def _file_grads(tracker, model) -> None:
 
 
 def stage_shapes(spec, layout: Layout):
-    """Each pipeline stage's example input and output, from running meta copies of the stages in order
-    (shapes only). In a real run the stages exchange these at the first step; a fake group cannot."""
-    ranges = layout.stage_layer_ranges(spec.shape.n_layers)
-    dtype = getattr(torch, {"bf16": "bfloat16", "fp16": "float16"}.get(layout.param_dtype, "float32"))
-    x = torch.empty(layout.micro_batch, layout.seq_len, dtype=torch.long, device="meta")
-    io = {}
-    for stage in range(layout.n_stages):
-        with torch.device("meta"):
-            (module,) = spec.pipeline_split(spec.build(), ranges, [stage])
-        if layout.gradient_wrapper == "fsdp":  # FSDP2's mixed-precision policy computes in param_dtype
-            module.to(dtype)
-        with torch.no_grad():
-            y = module(x.to(dtype) if x.is_floating_point() else x)
-        io[stage] = (x, y)
-        x = y
+    """Each pipeline stage's example input and output, given up front (torch's static mode): in a real run
+    the stages exchange them at the first step, which a fake group cannot carry. Pipeline parallelism is for
+    decoder-only language models (validation), whose stages pass hidden states (micro-batch, sequence,
+    hidden) - in the parameters' compute dtype under FSDP2's mixed-precision policy, else the fp32
+    residual stream - and whose last stage returns logits over the vocabulary."""
+    mp = layout.gradient_wrapper == "fsdp" and layout.param_dtype != "fp32"
+    dtype = _DTYPES[layout.param_dtype] if mp else torch.float32
+    logits_dtype = _DTYPES[layout.param_dtype if mp else layout.compute_dtype]
+    b, t, shape = layout.micro_batch, layout.seq_len, spec.shape
 
     def example(stage: int):
-        x, y = io[stage]
-        inputs = x if stage == 0 else torch.empty_like(x, device="cpu").requires_grad_()
-        return inputs if stage > 0 else torch.empty_like(x, device="cpu"), torch.empty_like(y, device="cpu").requires_grad_()
+        inputs = (torch.zeros(b, t, dtype=torch.long) if stage == 0
+                  else torch.empty(b, t, shape.dim, dtype=dtype, requires_grad=True))
+        last = stage == layout.n_stages - 1
+        outputs = torch.empty(b, t, shape.vocab_size if last else shape.dim, dtype=logits_dtype if last else dtype,
+                              requires_grad=True)
+        return inputs, outputs
 
     return example
+
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @contextlib.contextmanager
