@@ -174,13 +174,14 @@ def build_engine(cfg: RunConfig, layout: Layout, meshes: Meshes, spec: ModelSpec
         optimizer = build_zero1_optimizer(wrapped, cfg.optim, dp_group)
     else:
         optimizer = build_optimizer(wrapped, cfg.optim)
-    step = _optimizer_step(cfg, optimizer, precision, None)
+    step = _optimizer_step(cfg, optimizer, precision, None, keep_gradients=layout.gradient_wrapper == "ddp")
     return TorchEngine(wrapped, optimizer, step, spec, precision, device, tensor_parallel, dp_group, breakdown, faults,
                        sharded_optimizer=layout.sharded_optimizer, balance=balancer)
 
 
-def _optimizer_step(cfg: RunConfig, optimizer, precision: Precision, pp_group) -> OptimizerStep:
+def _optimizer_step(cfg: RunConfig, optimizer, precision: Precision, pp_group,
+                    keep_gradients: bool = False) -> OptimizerStep:
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
     control = dist.new_group(backend="gloo") if precision.scaler.is_enabled() else None
     return OptimizerStep(optimizer, scheduler, precision, cfg.optim.grad_clip, cfg.metrics.nonfinite, pp_group,
-                         control)
+                         control, keep_gradients)

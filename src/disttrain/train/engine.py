@@ -52,12 +52,16 @@ class OptimizerStep:
     """Unscale, clip over every shard and stage, skip non-finite steps, step, schedule."""
 
     def __init__(self, optimizer, scheduler, precision, grad_clip: float, nonfinite: str, pp_group=None,
-                 control_group=None):
+                 control_group=None, keep_gradients: bool = False):
         self.optimizer, self.scheduler, self.precision = optimizer, scheduler, precision
         self.control_group = control_group  # a CPU (gloo) group over the world, for host-side scalars
         self.clip = grad_clip or float("inf")
         self.nonfinite, self.pp_group = nonfinite, pp_group
         self.skipped_steps: list[int] = []
+        # DDP: gradients are views into its buckets. Zeroed in place they stay views, so the micro-batches
+        # before the synchronising one accumulate into the buckets; set to None, those micro-batches
+        # would allocate a second copy of every gradient beside the buckets (measured by the dry run).
+        self.set_to_none = not keep_gradients
         self.fp16_overflows = 0.0
 
     def __call__(self, params, loss_sum: torch.Tensor, step: int, norm_params=None) -> torch.Tensor:
@@ -73,13 +77,13 @@ class OptimizerStep:
             if self.nonfinite == "stop":
                 raise NonFiniteError(f"non-finite gradient norm at step {step} (local loss sum "
                                      f"{float(loss_sum):.4g}); metrics.nonfinite=skip_step would drop such steps")
-            self.optimizer.zero_grad(set_to_none=True)
+            self.optimizer.zero_grad(set_to_none=self.set_to_none)
             self.scheduler.step()
             self.skipped_steps.append(step)
             return grad_norm
         scaler.step(self.optimizer)
         scaler.update()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=self.set_to_none)
         self.scheduler.step()
         return grad_norm
 
