@@ -78,6 +78,9 @@ class ModelStates:
     # FSDP2 accumulating micro-batches without gradient sync keeps every held parameter's gradient
     # unsharded (in reduce_dtype) until the last micro-batch's reduce-scatter.
     unsharded_grads: float = 0.0
+    # AdamW's foreach kernels (the default on GPUs) hold one fp32 temporary per updated parameter, all at
+    # once, during the step (measured by `disttrain dryrun`); none on the device when the step runs on the CPU.
+    step_temporary: float = 0.0
 
 
 def model_state_bytes(n_params: float, layout: Layout, accounting: str = "runtime",
@@ -92,7 +95,8 @@ def model_state_bytes(n_params: float, layout: Layout, accounting: str = "runtim
         d_opt = layout.dp if stage == 1 else layout.dp_shard
         return ModelStates(params=p / (layout.dp_shard if stage >= 3 else 1),
                            grads=g / (layout.dp_shard if stage >= 2 else 1),
-                           optimizer=o / (d_opt if stage >= 1 else 1), buffers=0.0)
+                           optimizer=o / (d_opt if stage >= 1 else 1), buffers=0.0,
+                           step_temporary=FP32 * n_params / (d_opt if stage >= 1 else 1))
     if accounting != "runtime":
         raise ValueError(f"accounting={accounting} (allowed: {', '.join(ACCOUNTINGS)})")
     p, g, o = FP32 * n_params, FP32 * n_params, ADAM_MOMENT_BYTES * n_params
@@ -100,19 +104,20 @@ def model_state_bytes(n_params: float, layout: Layout, accounting: str = "runtim
         # DDP: gradients are views into its buckets (gradient_as_bucket_view); autocast keeps a
         # low-precision copy of each weight for the backward.
         buffers = pb * n_params if pb != FP32 else 0.0
-        return ModelStates(p, g, o / (layout.dp if stage == 1 else 1), buffers)
+        d_opt = layout.dp if stage == 1 else 1
+        return ModelStates(p, g, o / d_opt, buffers, step_temporary=FP32 * n_params / d_opt)
     d = layout.dp_shard
     rb = DTYPE_BYTES[layout.reduce_dtype]
     if not layout.reshard_after_forward:  # gathered parameters stay from forward to backward; one unit's gradients unsharded
         buffers = pb * n_params + (pb + rb) * largest_unit
     else:  # current + prefetched block gathered, the root unit kept gathered for backward
         buffers = pb * (2 * largest_unit + root_params) + (pb + rb) * largest_unit
-    states = ModelStates(p / d, g / d, o / d, buffers)
+    states = ModelStates(p / d, g / d, o / d, buffers, step_temporary=FP32 * n_params / d)
     if layout.microbatches > 1:  # on the device even with CPU offload
         states.unsharded_grads = rb * n_params
     if layout.cpu_offload:
         states.cpu = states.params + states.grads + states.optimizer
-        states.params = states.grads = states.optimizer = 0.0
+        states.params = states.grads = states.optimizer = states.step_temporary = 0.0
     return states
 
 
@@ -244,15 +249,30 @@ class MemoryEstimate:
         return self.states.buffers + self.pipeline_buffers
 
     @property
-    def total(self) -> float:
+    def backward_total(self) -> float:
+        """Forward/backward: states, activations, gather and transfer buffers."""
         s = self.states
         return s.params + s.grads + s.unsharded_grads + s.optimizer + self.activations.peak + self.buffers
 
-    def categories(self) -> dict:
-        """The dry run's categories (dryrun/simulate.py): gathered parameters, FSDP's and DDP's
-        collective buffers and pipeline transfer buffers are `communication`; what backward adds on
-        top of the saved activations is `temporary`."""
+    @property
+    def step_total(self) -> float:
+        """The optimizer step: activations and buffers are freed, AdamW's temporaries are not yet."""
         s = self.states
+        return s.params + s.grads + s.optimizer + s.step_temporary
+
+    @property
+    def total(self) -> float:
+        return max(self.backward_total, self.step_total)
+
+    def categories(self) -> dict:
+        """The dry run's categories (dryrun/simulate.py) at whichever peak is higher: gathered parameters,
+        FSDP's and DDP's collective buffers and pipeline transfer buffers are `communication`; what
+        backward adds on top of the saved activations is `temporary`; the optimizer step's temporaries
+        count with the optimizer (the tracker files what the step creates there)."""
+        s = self.states
+        if self.step_total > self.backward_total:
+            return {"parameters": s.params, "gradients": s.grads, "optimizer": s.optimizer + s.step_temporary,
+                    "activations": 0.0, "temporary": 0.0, "communication": 0.0}
         return {"parameters": s.params, "gradients": s.grads + s.unsharded_grads, "optimizer": s.optimizer,
                 "activations": self.activations.saved, "temporary": self.activations.transient,
                 "communication": self.buffers}
@@ -261,7 +281,7 @@ class MemoryEstimate:
         s = self.states
         return {"params": s.params, "grads": s.grads, "unsharded_grads": s.unsharded_grads, "optimizer": s.optimizer,
                 "activations": self.activations.peak, "buffers": self.buffers, "total": self.total,
-                "cpu_offloaded": s.cpu}
+                "backward_total": self.backward_total, "optimizer_step_total": self.step_total, "cpu_offloaded": s.cpu}
 
 
 def estimate_memory(shape: ModelShape, layout: Layout, accounting: str = "runtime",

@@ -24,7 +24,9 @@ def memory_table(est: Estimate) -> list[str]:
     for key, label in labels:
         lines.append(_row(label, m[key]))
     lines.append("  " + "-" * 60)
-    lines.append(_row("total", m["total"]))
+    lines.append(_row("forward/backward peak", m["backward_total"]))
+    lines.append(_row("optimizer step peak", m["optimizer_step_total"]))
+    lines.append(_row("total (the higher)", m["total"]))
     if m["cpu_offloaded"]:
         lines.append(_row("host memory (CPU offload)", m["cpu_offloaded"]))
     if est.layout.pp > 1:
