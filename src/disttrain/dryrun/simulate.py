@@ -60,14 +60,11 @@ class _BackwardHook(FaultInjector):
 def unsupported(cfg, layout: Layout) -> str | None:
     """What the dry run cannot simulate, in one line (None: it can)."""
     if layout.engine != "torch":
-        return (f"parallel.engine={layout.engine} cannot be dry-run (DeepSpeed allocates real buffers at start); "
-                "allowed: parallel.engine=torch")
+        return (f"engine={layout.engine} cannot be dry-run (DeepSpeed allocates real buffers at start); "
+                "allowed: engine=torch")
     if layout.gradient_wrapper == "ddp" and cfg.parallel.ddp_comm_hook != "none":
         return (f"parallel.ddp_comm_hook={cfg.parallel.ddp_comm_hook} cannot be dry-run (the hook reads the "
                 "reduced values back from the process group); allowed: none")
-    if layout.compute_dtype == "fp16":
-        return ("precision.compute_dtype=fp16 cannot be dry-run (the loss scaler reads gradient values); "
-                "allowed: bf16, fp32")
     return None
 
 
@@ -148,7 +145,7 @@ def measure_step(cfg, layout: Layout, spec, model, steps: int = 2, materialize=N
     building = _ddp_on_fake(tensor_mode) if tensor_mode is not None and layout.gradient_wrapper == "ddp" \
         else contextlib.nullcontext()
     stage_io = stage_shapes(spec, layout) if layout.pp > 1 else None  # real runs too: same code measured
-    with building:
+    with building, _groups_on_the_fake_backend(tensor_mode is not None):
         engine = build_engine(cfg, layout, meshes, spec, model, rt, StepBreakdown(device), hook,
                               materialize=materialize, stage_io=stage_io)
     buckets = _DDPBuckets()
@@ -158,7 +155,8 @@ def measure_step(cfg, layout: Layout, spec, model, steps: int = 2, materialize=N
     counter = CollectiveCounter(_group_dims(layout, meshes))
     static = _static_pipeline() if stage_io is not None else contextlib.nullcontext()
     own = _propagation_in_its_own_fake_mode() if tensor_mode is not None else contextlib.nullcontext()
-    with tensor_mode or contextlib.nullcontext(), static, own:
+    finite = _scaler_finds_no_overflow() if tensor_mode is not None else contextlib.nullcontext()
+    with tensor_mode or contextlib.nullcontext(), static, own, finite:
         return _tracked_steps(cfg, layout, spec, engine, steps, counter, hook, buckets, rank, t0)
 
 
@@ -278,6 +276,31 @@ def _gpu_defaults():
         yield
     finally:
         adam._default_to_fused_or_foreach = saved
+
+
+@contextlib.contextmanager
+def _groups_on_the_fake_backend(active: bool):
+    """A group asked for on gloo (the fp16 step's host-side control group) on the fake backend instead:
+    gloo would need a real store to connect through."""
+    saved = dist.new_group
+    if active:
+        dist.new_group = lambda *args, backend=None, **kwargs: saved(*args, **kwargs)
+    try:
+        yield
+    finally:
+        dist.new_group = saved
+
+
+@contextlib.contextmanager
+def _scaler_finds_no_overflow():
+    """fp16's loss scaler reads whether any gradient overflowed before it lets the optimizer step; fake
+    gradients have no values, so the step is taken (the common case, and the one with the optimizer's peak)."""
+    saved = torch.amp.GradScaler._maybe_opt_step
+    torch.amp.GradScaler._maybe_opt_step = lambda self, optimizer, state, *args, **kwargs: optimizer.step(*args, **kwargs)
+    try:
+        yield
+    finally:
+        torch.amp.GradScaler._maybe_opt_step = saved
 
 
 @contextlib.contextmanager
