@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import time
 from pathlib import Path
 
@@ -51,10 +52,14 @@ def main() -> None:
                    "peak_bytes": result["peak_bytes"], "planner_peak_bytes": result["planner"]["peak_bytes"],
                    "bytes": result["bytes"], "planner": result["planner"], "error": result["error"],
                    "per_rank": [{k: r[k] for k in ("rank", "role", "peak_bytes", "bytes", "planner", "seconds")}
-                                for r in result["ranks"]], "fits_a100_80g": result["fits"]}
+                                for r in result["ranks"]], "fits_a100_80g": result["fits"],
+                   "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
             rows.append(row)
             print(f"| {model} | {name} | {row['peak_bytes'] / 2**30:.2f} | {row['planner_peak_bytes'] / 2**30:.2f} | "
-                  f"{result['error']['peak_bytes']:+.1%} | {row['seconds']:.0f} s |", flush=True)
+                  f"{result['error']['peak_bytes']:+.1%} | {row['seconds']:.0f} s | "
+                  f"{row['max_rss_bytes'] / 2**30:.2f} |", flush=True)
+            Path(args.out).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "seq_len": args.seq_len,
+                                                  "ranks": 32, "rows": rows}, indent=1))
     Path(args.out).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "seq_len": args.seq_len, "ranks": 32,
                                           "rows": rows}, indent=1))
 
