@@ -73,6 +73,10 @@ MISTAKES = {
     "pipeline microbatches": (["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "model.n_layers=4",
                                "train.global_batch_size=6", "parallel.pp_microbatches=3"], ["--nproc-per-node", "2"],
                               "parallel.pp_microbatches=3 must be a multiple of parallel.pp=2"),
+    "zero-bubble under selective checkpointing": (  # found by the dry run; the real run raised mid-step
+        ["parallel.pp=2", "parallel.pp_schedule=zero_bubble", "parallel.activation_checkpointing=selective",
+         "model.n_layers=4", "train.global_batch_size=4"], ["--nproc-per-node", "2"],
+        "parallel.activation_checkpointing=selective with parallel.pp_schedule=zero_bubble"),
     "offload without sharding": (["parallel.cpu_offload=true"], [],
                                  "parallel.cpu_offload=true needs parallel.zero_stage 2 or 3 (FSDP2), not 0"),
     "param dtype under DDP": (["precision.param_dtype=bf16"], [],

@@ -267,6 +267,13 @@ def cut_problems(shape: ModelShape | None, layout: Layout) -> list[str]:
     if layout.pp > 1 and layout.compute_dtype == "fp16":
         problems.append(f"precision.compute_dtype=fp16 with parallel.pp={layout.pp}: dynamic loss scaling does "
                         "not reach inside the pipeline schedule's backward passes (allowed with pp > 1: fp32, bf16)")
+    if layout.pp > 1 and layout.pp_schedule == "zero_bubble" and layout.activation_checkpointing == "selective":
+        # Found by `disttrain dryrun`, then seen in a real run: the schedule's separate input- and
+        # weight-gradient passes are two backwards through each checkpointed region, which torch's
+        # selective checkpointing refuses ("Trying to backward an extra time").
+        problems.append("parallel.activation_checkpointing=selective with parallel.pp_schedule=zero_bubble: the "
+                        "schedule runs two backward passes per block, which selective checkpointing refuses "
+                        "(allowed with zero_bubble: none, full; or another pp_schedule)")
     if layout.engine == "deepspeed":
         problems += _deepspeed_problems(layout)
     if layout.balanced:
