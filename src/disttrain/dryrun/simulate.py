@@ -92,8 +92,13 @@ def simulate(cfg, layout: Layout, rank: int, steps: int = 2, device_type: str = 
         fake = FakeTensorMode(allow_non_fake_inputs=True)
 
         def materialize(module):
+            shared = _shared_buffers(module)
             with fake:
                 module.to_empty(device=torch.device("cpu"))
+            for holders in shared:  # one tensor again, as in the model it came from
+                first = holders[0][0]._buffers[holders[0][1]]
+                for owner, name in holders[1:]:
+                    owner._buffers[name] = first
             _retie(module, spec.tied_parameters)
 
         on_gpu = _gpu_defaults() if device_type == "cuda" else contextlib.nullcontext()
@@ -101,6 +106,17 @@ def simulate(cfg, layout: Layout, rank: int, steps: int = 2, device_type: str = 
             return measure_step(cfg, layout, spec, model, steps, materialize, fake, t0)
     finally:
         dist.destroy_process_group()
+
+
+def _shared_buffers(module) -> list[list[tuple]]:
+    """(module, name) of every buffer registered more than once (e.g. a rotary table each pipeline stage
+    holds): `to_empty` would give each registration its own tensor."""
+    holders: dict[int, list[tuple]] = {}
+    for sub in module.modules():
+        for name, buf in sub._buffers.items():
+            if buf is not None:
+                holders.setdefault(id(buf), []).append((sub, name))
+    return [h for h in holders.values() if len(h) > 1]
 
 
 def _retie(module, groups) -> None:

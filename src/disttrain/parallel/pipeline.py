@@ -51,9 +51,8 @@ def build_pipeline(model: nn.Module, spec, layout: Layout, meshes: Meshes, devic
     ranges = layout.stage_layer_ranges(spec.shape.n_layers)
     owned = layout.owned_stages(pp_rank)
     modules = [parallelize(m, spec, layout, meshes, device, options) for m in spec.pipeline_split(model, ranges, owned)]
-    if materialize is not None:  # the stages hold every parameter of the pruned model, and their own buffers
-        for module in modules:
-            materialize(module)
+    if materialize is not None:  # the stages hold every parameter of the pruned model (and share buffers)
+        materialize(nn.ModuleList(modules))
     group = meshes.pp.get_group()
     n_stages = layout.n_stages
     io = [stage_io(s) if stage_io is not None else (None, None) for s in owned]
