@@ -383,7 +383,8 @@ class _DDPBuckets:
     tracker = None
 
     def __init__(self):
-        self.storages: dict[int, int] = {}  # bucket storage nbytes -> that storage's id
+        self.sizes: set[int] = set()  # bytes of each bucket
+        self.storages: set[int] = set()  # the buckets' own storages
 
     def all_reduce(self, group, bucket):
         from torch.distributed._tools.mem_tracker import _MemRefType
@@ -392,7 +393,8 @@ class _DDPBuckets:
         dist.all_reduce(buffer, group=group)
         if self.tracker is not None:
             self.tracker._update_and_maybe_create_winfos(buffer, _MemRefType.GRAD)
-            self.storages[buffer.untyped_storage().nbytes()] = buffer.untyped_storage()._cdata
+            self.sizes.add(buffer.untyped_storage().nbytes())
+            self.storages.add(buffer.untyped_storage()._cdata)
         done = torch.futures.Future()
         done.set_result(bucket.buffer())
         return done
@@ -404,7 +406,7 @@ class _DDPBuckets:
         if not self.storages or not is_fake(t):
             return False
         st = t.untyped_storage()
-        return self.storages.get(st.nbytes(), st._cdata) != st._cdata
+        return st.nbytes() in self.sizes and st._cdata not in self.storages
 
 
 class _Tracker(MemTracker):

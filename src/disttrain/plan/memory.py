@@ -84,9 +84,11 @@ class ModelStates:
 
 
 def model_state_bytes(n_params: float, layout: Layout, accounting: str = "runtime",
-                      largest_unit: float = 0.0, root_params: float = 0.0) -> ModelStates:
+                      largest_unit: float = 0.0, root_params: float = 0.0, largest_tensor: float = 0.0) -> ModelStates:
     """Bytes of parameters, gradients and optimizer states one rank holds for `n_params` parameters
-    (already split by tp/pp). `largest_unit`/`root_params` size FSDP's gather buffers."""
+    (already split by tp/pp). `largest_unit`/`root_params` size FSDP's gather buffers; `largest_tensor`
+    (parameters of the biggest one) bounds ZeRO-1's share from below: torch's ZeroRedundancyOptimizer
+    gives whole tensors to ranks, so one rank holds the embedding's states (measured by the dry run)."""
     pb = DTYPE_BYTES[layout.param_dtype]
     stage = layout.zero_stage
     if accounting == "zero-paper":
@@ -104,8 +106,8 @@ def model_state_bytes(n_params: float, layout: Layout, accounting: str = "runtim
         # DDP: gradients are views into its buckets (gradient_as_bucket_view); autocast keeps a
         # low-precision copy of each weight for the backward.
         buffers = pb * n_params if pb != FP32 else 0.0
-        d_opt = layout.dp if stage == 1 else 1
-        return ModelStates(p, g, o / d_opt, buffers, step_temporary=FP32 * n_params / d_opt)
+        owned = max(n_params / layout.dp, largest_tensor) if stage == 1 else n_params
+        return ModelStates(p, g, ADAM_MOMENT_BYTES * owned, buffers, step_temporary=FP32 * owned)
     d = layout.dp_shard
     rb = DTYPE_BYTES[layout.reduce_dtype]
     if not layout.reshard_after_forward:  # gathered parameters stay from forward to backward; one unit's gradients unsharded
@@ -293,7 +295,10 @@ def estimate_memory(shape: ModelShape, layout: Layout, accounting: str = "runtim
     for pp_rank in sorted(ranks):
         held = rank_params(shape, layout, pp_rank)
         unit = layer_params(shape, layout.tp)
-        states = model_state_bytes(held.total, layout, accounting, largest_unit=unit, root_params=held.root)
+        largest = max(shape.dim * shape.ffn_hidden_dim // layout.tp,  # an MLP matrix, or the vocabulary's
+                      shape.vocab_size * shape.dim // layout.tp if held.embedding or held.output else 0)
+        states = model_state_bytes(held.total, layout, accounting, largest_unit=unit, root_params=held.root,
+                                   largest_tensor=largest)
         acts = stage_activation_bytes(shape, layout, pp_rank, fused_norm)
         e = DTYPE_BYTES[layout.param_dtype]
         pipe = 0.0
