@@ -108,7 +108,8 @@ def dry_run(cfg, world_size: int, ranks: list[int] | None = None, gpu_name: str 
         entry = {"rank": rank, "role": run.role, "peak_bytes": run.peak_bytes, "bytes": run.bytes,
                  "planner": {k: int(v) for k, v in planner.items()},
                  "error": {k: _error(planner[k], v) for k, v in [*run.bytes.items(), ("peak_bytes", run.peak_bytes)]},
-                 "collectives": run.collectives, "seconds": round(run.seconds, 2)}
+                 "collectives": run.collectives, "seconds": round(run.seconds, 2), "host_bytes": run.host_bytes,
+                 "planner_host_bytes": int(planned.states.cpu)}
         if gpu is not None:
             entry.update(_fit(run, gpu.memory_bytes, layout.micro_batch_size))
         out.append(entry)
@@ -181,6 +182,8 @@ def render(result: dict) -> str:
         lines.append(f"  {'collective':<16}{'dim':<14}{'count':>6}{'bytes sent':>14}")
         for c in r["collectives"]:
             lines.append(f"  {c['kind']:<16}{c['dim']:<14}{c['count']:>6}{_size(c['bytes']):>14}")
+        if r["host_bytes"]:
+            lines.append(f"  host memory (CPU offload): {_size(r['host_bytes'])} (planner {_size(r['planner_host_bytes'])})")
         if "fits" in r:
             verdict = "fits" if r["fits"] else "does NOT fit"
             lines.append(f"  on {result['gpu']}: {verdict} (headroom {r['headroom_bytes'] / GIB:+.1f} GiB); largest "

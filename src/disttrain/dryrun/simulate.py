@@ -44,6 +44,7 @@ class RankRun:
     bytes: dict[str, int]  # by category, at the peak
     collectives: list[dict] = field(default_factory=list)
     seconds: float = 0.0
+    host_bytes: int = 0  # CPU offload: the sharded states, in host memory (not in peak_bytes or bytes)
 
 
 class _BackwardHook(FaultInjector):
@@ -213,8 +214,14 @@ def _tracked_steps(cfg, layout, spec, engine, steps, counter, hook, buckets, ran
             categories[_FROM_TRACKER[name]] += int(value)
         else:
             raise AssertionError(f"memory tracker category {name!r} has no dry-run category")
-    return RankRun(rank, role_of(layout, rank), total or sum(categories.values()), categories, counter.table(),
-                   time.perf_counter() - t0)
+    total = total or sum(categories.values())
+    host = 0
+    if layout.cpu_offload:  # one CPU device here: take the offloaded (sharded) states out of the GPU's figures
+        for key in ("parameters", "gradients", "optimizer"):
+            host += categories[key]
+            categories[key] = 0
+    return RankRun(rank, role_of(layout, rank), total - host, categories, counter.table(), time.perf_counter() - t0,
+                   host)
 
 
 def _each_chunk_afresh(forward_one_chunk, module, tracker):
