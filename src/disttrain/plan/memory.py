@@ -81,6 +81,9 @@ class ModelStates:
     # AdamW's foreach kernels (the default on GPUs) hold one fp32 temporary per updated parameter, all at
     # once, during the step (measured by `disttrain dryrun`); none on the device when the step runs on the CPU.
     step_temporary: float = 0.0
+    # DDP's first backward: autograd's fresh gradients exist beside the buckets until the reducer copies
+    # them in (measured on real tensors and by the dry run); from then on gradients are bucket views.
+    first_step_grads: float = 0.0
 
 
 def model_state_bytes(n_params: float, layout: Layout, accounting: str = "runtime",
@@ -107,7 +110,8 @@ def model_state_bytes(n_params: float, layout: Layout, accounting: str = "runtim
         # low-precision copy of each weight for the backward.
         buffers = pb * n_params if pb != FP32 else 0.0
         owned = max(n_params / layout.dp, largest_tensor) if stage == 1 else n_params
-        return ModelStates(p, g, ADAM_MOMENT_BYTES * owned, buffers, step_temporary=FP32 * owned)
+        return ModelStates(p, g, ADAM_MOMENT_BYTES * owned, buffers, step_temporary=FP32 * owned,
+                           first_step_grads=g if layout.dp > 1 else 0.0)
     d = layout.dp_shard
     rb = DTYPE_BYTES[layout.reduce_dtype]
     if not layout.reshard_after_forward:  # gathered parameters stay from forward to backward; one unit's gradients unsharded
@@ -263,8 +267,14 @@ class MemoryEstimate:
         return s.params + s.grads + s.optimizer + s.step_temporary
 
     @property
+    def first_step_total(self) -> float:
+        """DDP's first forward/backward: no optimizer states yet, a second copy of the gradients."""
+        s = self.states
+        return s.params + s.grads + s.first_step_grads + self.activations.peak + self.buffers
+
+    @property
     def total(self) -> float:
-        return max(self.backward_total, self.step_total)
+        return max(self.backward_total, self.step_total, self.first_step_total)
 
     def categories(self) -> dict:
         """The dry run's categories (dryrun/simulate.py) at whichever peak is higher: gathered parameters,
@@ -272,6 +282,10 @@ class MemoryEstimate:
         backward adds on top of the saved activations is `temporary`; the optimizer step's temporaries
         count with the optimizer (the tracker files what the step creates there)."""
         s = self.states
+        if self.first_step_total > max(self.backward_total, self.step_total):
+            return {"parameters": s.params, "gradients": s.grads, "optimizer": 0.0,
+                    "activations": self.activations.saved,
+                    "temporary": self.activations.transient + s.first_step_grads, "communication": self.buffers}
         if self.step_total > self.backward_total:
             return {"parameters": s.params, "gradients": s.grads, "optimizer": s.optimizer + s.step_temporary,
                     "activations": 0.0, "temporary": 0.0, "communication": 0.0}
@@ -283,7 +297,8 @@ class MemoryEstimate:
         s = self.states
         return {"params": s.params, "grads": s.grads, "unsharded_grads": s.unsharded_grads, "optimizer": s.optimizer,
                 "activations": self.activations.peak, "buffers": self.buffers, "total": self.total,
-                "backward_total": self.backward_total, "optimizer_step_total": self.step_total, "cpu_offloaded": s.cpu}
+                "backward_total": self.backward_total, "optimizer_step_total": self.step_total,
+                "first_step_total": self.first_step_total, "cpu_offloaded": s.cpu}
 
 
 def estimate_memory(shape: ModelShape, layout: Layout, accounting: str = "runtime",

@@ -26,6 +26,8 @@ def memory_table(est: Estimate) -> list[str]:
     lines.append("  " + "-" * 60)
     lines.append(_row("forward/backward peak", m["backward_total"]))
     lines.append(_row("optimizer step peak", m["optimizer_step_total"]))
+    if m["first_step_total"] > m["backward_total"]:
+        lines.append(_row("first step peak (DDP)", m["first_step_total"]))
     lines.append(_row("total (the higher)", m["total"]))
     if m["cpu_offloaded"]:
         lines.append(_row("host memory (CPU offload)", m["cpu_offloaded"]))
