@@ -28,23 +28,52 @@ LAYOUTS = {  # name -> (overrides, data-parallel ranks at 32); bf16 compute (aut
 }
 
 
+def config(model: str, name: str, seq_len: int):
+    overrides, dp = LAYOUTS[name]
+    # two micro-batches of one sequence per rank (accumulation is part of what is measured); 8 = 2 x pp
+    # for the pipeline, where 1F1B's peak is reached
+    per_rank = 8 if "pp_microbatches=8" in " ".join(overrides) else 2
+    return load_config(None, [f"model.name={model}", f"data.seq_len={seq_len}", "train.micro_batch_size=1",
+                              f"train.global_batch_size={per_rank * dp}",
+                              "parallel.activation_checkpointing=selective", *overrides])
+
+
+def replan(path: str) -> None:
+    """Recompute the planner's side of saved rows with the current planner (the dry-run side does not
+    depend on it) and print the markdown table."""
+    from disttrain.cli.dryrun import default_ranks, pp_rank_of
+    from disttrain.models.registry import model_shape
+    from disttrain.plan.memory import estimate_memory
+    from disttrain.validation import validate_world
+
+    data = json.loads(Path(path).read_text())
+    for row in data["rows"]:
+        cfg = config(row["model"], row["layout"], data["seq_len"])
+        layout = validate_world(cfg, data["ranks"], "cuda")
+        worst = max(row["per_rank"], key=lambda r: r["peak_bytes"])
+        planned = estimate_memory(model_shape(cfg.model), layout, pp_rank=pp_rank_of(layout, worst["rank"]))
+        row["planner_peak_bytes"] = planned.total
+        row["replanned"] = True
+        err = planned.total / row["peak_bytes"] - 1
+        print(f"| {row['model']} | {row['layout']} | {row['peak_bytes'] / 2**30:.2f} | {planned.total / 2**30:.2f} | "
+              f"{err:+.1%} | {row['seconds']:.0f} s | {row['max_rss_bytes'] / 2**30:.2f} |")
+    Path(path).write_text(json.dumps(data, indent=1))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="1b,7b,13b,70b")
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--out", default="benchmarks/results/dryrun_vs_planner.json")
+    parser.add_argument("--replan", default=None, help="a results file: recompute its planner side only")
     args = parser.parse_args()
+    if args.replan:
+        return replan(args.replan)
     rows = []
     for model in args.models.split(","):
         for name in args.layouts.split(","):
-            overrides, dp = LAYOUTS[name]
-            # two micro-batches of one sequence per rank (accumulation is part of what is measured); 8 = 2 x pp
-            # for the pipeline, where 1F1B's peak is reached
-            per_rank = 8 if "pp_microbatches=8" in " ".join(overrides) else 2
-            cfg = load_config(None, [f"model.name={model}", f"data.seq_len={args.seq_len}", "train.micro_batch_size=1",
-                                     f"train.global_batch_size={per_rank * dp}",
-                                     "parallel.activation_checkpointing=selective", *overrides])
+            cfg = config(model, name, args.seq_len)
             t0 = time.perf_counter()
             result = dry_run(cfg, 32, gpu_name="a100-80g")
             row = {"model": model, "layout": name, "seconds": round(time.perf_counter() - t0, 1),
