@@ -1,0 +1,140 @@
+"""The memory trackers of the dry run: torch's `MemTracker`/`FSDPMemTracker`, taught what a training step
+of this framework does that they do not expect (a pipeline stage's many forwards, DDP's buckets, FSDP2's
+accumulated gradients, several FSDP roots per rank). Used on fake and on real tensors alike."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed._tools.mod_tracker import ModTracker
+
+
+def each_chunk_afresh(forward_one_chunk, module, tracker):
+    """A pipeline stage runs its root module once per micro-batch before any backward; the trackers
+    take a second root forward for a new iteration and refuse it unless that module's statistics
+    are dropped first (the peak is kept)."""
+    def run(*args, **kwargs):
+        tracker.memory_tracking.pop(module, None)
+        return forward_one_chunk(*args, **kwargs)
+    return run
+
+
+def then(fn, after):
+    def run(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            after()
+    return run
+
+
+def after_backward(tracker, model) -> None:
+    """Between micro-batches: clear the per-module statistics (the trackers refuse a second forward of
+    the root otherwise; the peak is kept), and file the gradients FSDP2 accumulates."""
+    tracker.reset_mod_stats()
+    file_grads(tracker, model)
+
+
+def file_grads(tracker, model) -> None:
+    """The unsharded gradients FSDP2 accumulates between micro-batches are gradients (created in
+    backward, the tracker first called them temporaries)."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
+
+    if isinstance(tracker, FSDPMemTracker):
+        from disttrain.observe.model_bytes import unsharded_grads
+
+        for grad in unsharded_grads(model):
+            tracker._update_and_maybe_create_winfos(grad, _FSDPRefType.UNSHARDED_GRAD)
+
+
+class DDPBuckets:
+    """DDP's bucket all-reduce as a comm hook (the fake group's futures carry no tensor; DDP needs one
+    back) that also files each bucket under gradients: the tracker first sees a bucket's storage
+    inside backward and would call it a temporary, but gradients are views into it for the whole run.
+    On fake tensors the reducer's per-parameter views into the bucket (made in C++ at wrap time) do not
+    share the bucket's storage object, so the tracker would count a second bucket-sized temporary that a
+    real run does not have: `phantom` names it (tests/test_dryrun.py compares with real tensors)."""
+
+    tracker = None
+
+    def __init__(self):
+        self.sizes: set[int] = set()  # bytes of each bucket
+        self.storages: set[int] = set()  # the buckets' own storages
+
+    def all_reduce(self, group, bucket):
+        from torch.distributed._tools.mem_tracker import _MemRefType
+
+        buffer = bucket.buffer()
+        dist.all_reduce(buffer, group=group)
+        if self.tracker is not None:
+            self.tracker._update_and_maybe_create_winfos(buffer, _MemRefType.GRAD)
+            self.sizes.add(buffer.untyped_storage().nbytes())
+            self.storages.add(buffer.untyped_storage()._cdata)
+        done = torch.futures.Future()
+        done.set_result(bucket.buffer())
+        return done
+
+
+    def phantom(self, t: torch.Tensor) -> bool:
+        from torch._subclasses.fake_tensor import is_fake
+
+        if not self.storages or not is_fake(t):
+            return False
+        st = t.untyped_storage()
+        return st.nbytes() in self.sizes and st._cdata not in self.storages
+
+
+class Tracker(MemTracker):
+    """torch's MemTracker, blind to the fake-only copies of DDP buckets (see `DDPBuckets`)."""
+
+    def __init__(self, buckets: DDPBuckets):
+        super().__init__()
+        self._buckets = buckets
+
+    def _track(self, reftype, t: torch.Tensor) -> None:
+        if not self._buckets.phantom(t):
+            super()._track(reftype, t)
+
+
+class LeafInputsSafe(ModTracker):
+    """torch's ModTracker, without backward hooks on a module's leaf inputs (a pipeline stage's received
+    activations): autograd refuses them inside `autograd.grad`, which zero-bubble schedules use to
+    split input from weight gradients. Those modules leave the tracked hierarchy at the end of
+    backward instead, as modules without differentiable inputs do."""
+
+    def _fw_pre_hook(self, mod, input):
+        detached = tuple(a.detach() if isinstance(a, torch.Tensor) and a.is_leaf and a.requires_grad else a
+                         for a in (input if isinstance(input, tuple) else (input,)))
+        return super()._fw_pre_hook(mod, detached)
+
+
+class StagesTracker(FSDPMemTracker):
+    """torch's FSDPMemTracker over several FSDP roots (this rank's pipeline stages): it only walks the
+    module tree below its root, which it otherwise insists is one FSDP module."""
+
+    def __init__(self, stages: nn.Module, optimizer):
+        from torch.utils.weak import WeakIdKeyDictionary
+        from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType, _FSDPState
+
+        MemTracker.__init__(self)
+        self._root_mod, self._optm = stages, optimizer
+        self._fsdp_mod_to_saved_methods = WeakIdKeyDictionary()
+        self._fsdp_state = _FSDPState.PRE_FW
+        self._ref_class = _FSDPRefType
+
+
+class KeepBuckets:
+    """DDP's reducer, except that it keeps its first bucket order: rebuilding copies gradient storage,
+    which fake tensors do not have (same bucket sizes, so the same bytes)."""
+
+    def __init__(self, reducer):
+        self._reducer = reducer
+
+    def _rebuild_buckets(self) -> bool:
+        return False
+
+    def __getattr__(self, name):
+        return getattr(self._reducer, name)
