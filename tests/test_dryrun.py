@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from helpers import REPO, cli_env, run_cli
+from helpers import REPO, cli_env
 
 from disttrain.config import load_config
 from disttrain.dryrun.simulate import simulate
@@ -146,10 +146,24 @@ def _layer(shape) -> int:
     return 2 * shape.dim * shape.dim + 2 * shape.dim * kv + 3 * shape.dim * shape.ffn_hidden_dim + 2 * shape.dim
 
 
-def test_dryrun_cli_json_and_bad_input():
-    proc = run_cli("dryrun", "configs/debug.yaml", "parallel.zero_stage=3", "parallel.dp_shard=-1",
-                   "train.global_batch_size=8", "--world-size", "8", "--gpu", "a100-80g", "--json")
-    result = json.loads(proc.stdout)
+def _cli(capsys, *args: str) -> tuple[int, str, str]:
+    """`disttrain ...` in this process (the dry run needs no launcher): (exit code, stdout, stderr)."""
+    from disttrain.cli import main
+
+    try:
+        main(list(args))
+        code = 0
+    except SystemExit as exc:
+        code = exc.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_dryrun_cli_json_and_bad_input(capsys):
+    code, out, err = _cli(capsys, "dryrun", "configs/debug.yaml", "parallel.zero_stage=3", "parallel.dp_shard=-1",
+                          "train.global_batch_size=8", "--world-size", "8", "--gpu", "a100-80g", "--json")
+    assert code == 0, err
+    result = json.loads(out)
     for key in ("peak_bytes", "bytes", "planner", "collectives", "fits"):
         assert key in result
     assert set(result["bytes"]) == {"parameters", "gradients", "optimizer", "activations", "temporary", "communication"}
@@ -158,20 +172,24 @@ def test_dryrun_cli_json_and_bad_input():
     for args, message in [(["engine=deepspeed"], "engine=deepspeed cannot be dry-run"),
                           (["--rank", "9"], "--rank=9: not a rank of --world-size=8"),
                           (["--gpu", "z80"], "z80")]:
-        bad = run_cli("dryrun", "configs/debug.yaml", "--world-size", "8", "train.global_batch_size=8", *args, check=False)
-        assert bad.returncode == 2 and message in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
-        assert len(bad.stderr.strip().splitlines()) == 1
+        code, out, err = _cli(capsys, "dryrun", "configs/debug.yaml", "--world-size", "8", "train.global_batch_size=8",
+                              *args)
+        assert code == 2 and message in err and "Traceback" not in err and out == "", err
+        assert len(err.strip().splitlines()) == 1
 
 
-def test_plan_verify_is_the_dry_run_of_the_planned_config(tmp_path):
+def test_plan_verify_is_the_dry_run_of_the_planned_config(tmp_path, capsys):
     """`plan --verify 1` dry-runs the winner it writes with --out: its measured peak is the one `disttrain dryrun`
     reports for that config, and the planner's figure beside it is the plan's own."""
     out = tmp_path / "winner.yaml"
-    plan = json.loads(run_cli("plan", "--model", "debug", "--gpus", "2", "--gpu", "a100-80g", "--seq-len", "64",
-                              "--global-batch-size", "4", "--verify", "1", "--out", str(out), "--json").stdout)
+    code, stdout, err = _cli(capsys, "plan", "--model", "debug", "--gpus", "2", "--gpu", "a100-80g", "--seq-len", "64",
+                             "--global-batch-size", "4", "--verify", "1", "--out", str(out), "--json")
+    assert code == 0, err
+    plan = json.loads(stdout)
     (checked,) = plan["verified"]
     assert checked["planner_peak_bytes"] == plan["winner"]["bytes_per_rank"]["total"]
-    direct = json.loads(run_cli("dryrun", str(out), "--world-size", "2", "--json").stdout)
+    code, stdout, err = _cli(capsys, "dryrun", str(out), "--world-size", "2", "--json")
+    direct = json.loads(stdout)
     assert checked["peak_bytes"] == max(r["peak_bytes"] for r in direct["ranks"])
     assert checked["planner_error"] == pytest.approx(checked["planner_peak_bytes"] / checked["peak_bytes"] - 1, abs=1e-4)
 
@@ -195,3 +213,25 @@ def test_hugging_face_models_follow_the_zero_arithmetic(kind, tmp_path):
                      "train.global_batch_size=8", "parallel.dp_shard=8", "parallel.zero_stage=3"], 8)
     assert run.bytes["parameters"] - buffers == 4 * n // 8
     assert run.bytes["optimizer"] == 8 * n // 8 + 4 * len(list(reference.parameters()))
+
+
+def test_3d_states_follow_the_planner_at_8_ranks():
+    """pp=2 x dp_shard=2 x tp=2 on 8 simulated ranks: each pipeline rank's parameter and optimizer bytes are
+    the planner's for that stage (its layers and embedding or head, split by tp, sharded by dp_shard), and
+    its step talks over all three dimensions."""
+    from disttrain.models.registry import model_shape
+    from disttrain.plan.memory import estimate_memory
+
+    cfg = load_config(None, [*TINY, "train.micro_batch_size=1", "train.global_batch_size=4", "parallel.dp_shard=2",
+                             "parallel.tp=2", "parallel.pp=2", "parallel.zero_stage=3"])
+    layout = validate_world(cfg, 8, "cuda")
+    model = _meta_model("tiny")
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    for rank, pp_rank in ((0, 0), (4, 1)):
+        run = simulate(cfg, layout, rank)
+        planned = estimate_memory(model_shape(cfg.model), layout, pp_rank=pp_rank).states
+        assert run.bytes["parameters"] - buffers == planned.params, (rank, run.bytes)
+        steps = run.bytes["optimizer"] - planned.optimizer  # AdamW's 4-byte step counter per tensor
+        assert 0 < steps <= 4 * len(list(model.parameters())) and steps % 4 == 0, (rank, run.bytes)
+        dims = {c["dim"] for c in run.collectives}
+        assert {"dp_shard", "tp", "pp"} <= dims, run.collectives

@@ -156,3 +156,20 @@ def ddp_on_fake(mode):
             yield
     finally:
         distributed._verify_param_shape_across_processes, distributed._sync_module_states = saved
+
+
+def forget_previous_world() -> None:
+    """Before the next simulated rank in this process: DTensor caches sharding decisions by mesh, and a
+    new mesh of equal shape compares equal to the last rank's, whose cached specs name that rank's
+    process groups (the group names are reused after the fake world is torn down). Without this, the
+    second rank's tensor-parallel collectives ran on the first rank's groups."""
+    from torch.distributed.tensor import DTensor, _redistribute
+
+    torch._C._clear_DTensor_sharding_propagator_cache()  # the C++ dispatch fast path's
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator.propagate_op_sharding.cache_clear()
+    type(propagator)._propagate_tensor_meta_cached.cache_clear()
+    _redistribute._planner_cache.clear()  # keyed by a weak reference to the mesh, equal to an equal mesh's
+    for value in vars(_redistribute).values():
+        if callable(getattr(value, "cache_clear", None)):
+            value.cache_clear()

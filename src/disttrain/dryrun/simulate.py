@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
 from disttrain.dryrun.collectives import CollectiveCounter
-from disttrain.dryrun.fake_world import (ddp_on_fake, gpu_defaults, groups_on_the_fake_backend,
+from disttrain.dryrun.fake_world import (ddp_on_fake, forget_previous_world, gpu_defaults, groups_on_the_fake_backend,
                                         propagation_in_its_own_fake_mode, retie, scaler_finds_no_overflow,
                                         shared_buffers, stage_shapes, static_pipeline)
 from disttrain.dryrun.tracking import (DDPBuckets, KeepBuckets, LeafInputsSafe, StagesTracker, Tracker, after_backward,
@@ -89,6 +89,7 @@ def simulate(cfg, layout: Layout, rank: int, steps: int = 2, device_type: str = 
         raise UserError(f"model.spec={cfg.model.spec} cannot be dry-run: its ModelSpec has no shape, so there is "
                         "no token batch to make; allowed: built-in or Hugging Face language models")
     t0 = time.perf_counter()
+    forget_previous_world()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=layout.world_size)
     try:
         with torch.device("meta"):
