@@ -174,7 +174,9 @@ def build_engine(cfg: RunConfig, layout: Layout, meshes: Meshes, spec: ModelSpec
         optimizer = build_zero1_optimizer(wrapped, cfg.optim, dp_group)
     else:
         optimizer = build_optimizer(wrapped, cfg.optim)
-    step = _optimizer_step(cfg, optimizer, precision, None, keep_gradients=layout.gradient_wrapper == "ddp")
+    # DDP's gradients as views into its buckets are zeroed in place (engine.py); copies are freed as usual
+    bucket_views = layout.gradient_wrapper == "ddp" and cfg.parallel.ddp_gradient_as_bucket_view
+    step = _optimizer_step(cfg, optimizer, precision, None, keep_gradients=bucket_views)
     return TorchEngine(wrapped, optimizer, step, spec, precision, device, tensor_parallel, dp_group, breakdown, faults,
                        sharded_optimizer=layout.sharded_optimizer, balance=balancer)
 
