@@ -68,6 +68,8 @@ def with_microbatches(cfg, world_size: int, n: int):
 def dry_run(cfg, world_size: int, ranks: list[int] | None = None, gpu_name: str | None = None, steps: int = 2,
             progress=None, microbatches: int | None = None) -> dict:
     """Simulate each rank and compare with the planner; the JSON `disttrain dryrun --json` prints."""
+    if world_size < 1:
+        raise UserError(f"--world-size={world_size}: must be at least 1")
     if microbatches is not None:
         cfg = with_microbatches(cfg, world_size, microbatches)
     from disttrain.dryrun.simulate import simulate, unsupported
@@ -75,8 +77,6 @@ def dry_run(cfg, world_size: int, ranks: list[int] | None = None, gpu_name: str 
     from disttrain.plan.memory import estimate_memory
     from disttrain.validation import validate_world
 
-    if world_size < 1:
-        raise UserError(f"--world-size={world_size}: must be at least 1")
     try:
         gpu = find_gpu(gpu_name) if gpu_name else None
     except KeyError as exc:
@@ -111,7 +111,7 @@ def dry_run(cfg, world_size: int, ranks: list[int] | None = None, gpu_name: str 
                  "collectives": run.collectives, "seconds": round(run.seconds, 2), "host_bytes": run.host_bytes,
                  "planner_host_bytes": int(planned.states.cpu)}
         if gpu is not None:
-            entry.update(_fit(run, gpu.memory_bytes, layout.micro_batch_size))
+            entry.update(_fit(run, gpu.memory_bytes, layout.micro_batch))  # sequences per forward
         out.append(entry)
     worst = max(out, key=lambda e: e["peak_bytes"])
     result = {"world_size": world_size, "layout": layout.as_dict(), "gpu": gpu.name if gpu else None, **worst,

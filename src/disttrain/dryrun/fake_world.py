@@ -9,36 +9,26 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+from disttrain.dtypes import DTYPES
 from disttrain.layout import Layout
 
 
-def shared_buffers(module) -> list[list[tuple]]:
-    """(module, name) of every buffer registered more than once (e.g. a rotary table each pipeline stage
-    holds): `to_empty` would give each registration its own tensor."""
+def materialize_fake(module, mode) -> None:
+    """Meta tensors -> fake tensors on this CPU. `to_empty` gives every registration its own tensor, so
+    what the module registers more than once (tied embeddings, a rotary table each pipeline stage holds)
+    is made one tensor again, as in the model it came from (`init_weights` re-ties a real one)."""
     holders: dict[int, list[tuple]] = {}
     for sub in module.modules():
-        for name, buf in sub._buffers.items():
-            if buf is not None:
-                holders.setdefault(id(buf), []).append((sub, name))
-    return [h for h in holders.values() if len(h) > 1]
-
-
-def retie(module, groups) -> None:
-    """`to_empty` gives every registered parameter its own tensor: share the tied ones again (what
-    `init_weights` does for a real model), wherever this module (or pipeline stage) holds them."""
-    for names in groups:
-        held = [n for n in names if _has_parameter(module, n)]
-        for name in held[1:]:
-            owner, _, leaf = name.rpartition(".")
-            setattr(module.get_submodule(owner) if owner else module, leaf, module.get_parameter(held[0]))
-
-
-def _has_parameter(module, name: str) -> bool:
-    try:
-        module.get_parameter(name)
-        return True
-    except AttributeError:
-        return False
+        for kind in ("_parameters", "_buffers"):
+            for name, tensor in getattr(sub, kind).items():
+                if tensor is not None:
+                    holders.setdefault(id(tensor), []).append((sub, kind, name))
+    with mode:
+        module.to_empty(device=torch.device("cpu"))
+    for shared in holders.values():
+        first = getattr(shared[0][0], shared[0][1])[shared[0][2]]
+        for owner, kind, name in shared[1:]:
+            getattr(owner, kind)[name] = first
 
 
 def stage_shapes(spec, layout: Layout):
@@ -48,8 +38,8 @@ def stage_shapes(spec, layout: Layout):
     hidden) - in the parameters' compute dtype under FSDP2's mixed-precision policy, else the fp32
     residual stream - and whose last stage returns logits over the vocabulary."""
     mp = layout.gradient_wrapper == "fsdp" and layout.param_dtype != "fp32"
-    dtype = _DTYPES[layout.param_dtype] if mp else torch.float32
-    logits_dtype = _DTYPES[layout.param_dtype if mp else layout.compute_dtype]
+    dtype = DTYPES[layout.param_dtype] if mp else torch.float32
+    logits_dtype = DTYPES[layout.param_dtype if mp else layout.compute_dtype]
     b, t, shape = layout.micro_batch, layout.seq_len, spec.shape
 
     def example(stage: int):
@@ -62,8 +52,6 @@ def stage_shapes(spec, layout: Layout):
 
     return example
 
-
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @contextlib.contextmanager

@@ -19,8 +19,8 @@ from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
 from disttrain.dryrun.collectives import CollectiveCounter
 from disttrain.dryrun.fake_world import (ddp_on_fake, forget_previous_world, gpu_defaults, groups_on_the_fake_backend,
-                                        propagation_in_its_own_fake_mode, retie, scaler_finds_no_overflow,
-                                        shared_buffers, stage_shapes, static_pipeline)
+                                        materialize_fake, propagation_in_its_own_fake_mode, scaler_finds_no_overflow,
+                                        stage_shapes, static_pipeline)
 from disttrain.dryrun.tracking import (DDPBuckets, KeepBuckets, LeafInputsSafe, StagesTracker, Tracker, after_backward,
                                        each_chunk_afresh, file_grads, then)
 from disttrain.errors import UserError
@@ -97,14 +97,7 @@ def simulate(cfg, layout: Layout, rank: int, steps: int = 2, device_type: str = 
         fake = FakeTensorMode(allow_non_fake_inputs=True)
 
         def materialize(module):
-            shared = shared_buffers(module)
-            with fake:
-                module.to_empty(device=torch.device("cpu"))
-            for holders in shared:  # one tensor again, as in the model it came from
-                first = holders[0][0]._buffers[holders[0][1]]
-                for owner, name in holders[1:]:
-                    owner._buffers[name] = first
-            retie(module, spec.tied_parameters)
+            materialize_fake(module, fake)
 
         on_gpu = gpu_defaults() if device_type == "cuda" else contextlib.nullcontext()
         with on_gpu:

@@ -58,9 +58,8 @@ class DDPBuckets:
     share the bucket's storage object, so the tracker would count a second bucket-sized temporary that a
     real run does not have: `phantom` names it (tests/test_dryrun.py compares with real tensors)."""
 
-    tracker = None
-
     def __init__(self):
+        self.tracker = None  # set once the step runs under a tracker
         self.sizes: set[int] = set()  # bytes of each bucket
         self.storages: set[int] = set()  # the buckets' own storages
 
@@ -74,9 +73,8 @@ class DDPBuckets:
             self.sizes.add(buffer.untyped_storage().nbytes())
             self.storages.add(buffer.untyped_storage()._cdata)
         done = torch.futures.Future()
-        done.set_result(bucket.buffer())
+        done.set_result(buffer)
         return done
-
 
     def phantom(self, t: torch.Tensor) -> bool:
         from torch._subclasses.fake_tensor import is_fake
