@@ -15,8 +15,8 @@ from helpers import (DEBUG_CONFIG, assert_losses_close, assert_params_close, fin
                      train_many)
 
 LR = 3e-3
-COMMON = ("train.steps=10", "train.global_batch_size=4", "train.micro_batch_size=1", "data.seq_len=64",
-          f"optim.lr={LR}", "checkpoint.save_final=true", "checkpoint.every_steps=5", "metrics.sync_check_every=5")
+COMMON = ("train.steps=6", "train.global_batch_size=4", "train.micro_batch_size=1", "data.seq_len=64",
+          f"optim.lr={LR}", "checkpoint.save_final=true", "checkpoint.every_steps=3", "metrics.sync_check_every=3")
 LAYOUTS = {"ddp": (), "zero3": ("parallel.zero_stage=3",), "tp2": ("parallel.tp=2",), "pp2": ("parallel.pp=2",),
            "tp2-sp": ("parallel.tp=2", "parallel.sequence_parallel=true")}
 MORE_LAYOUTS = {  # the other data-parallel layouts, on the Llama directory
@@ -72,7 +72,7 @@ def _assert_parity(run, reference):
     assert_losses_close(losses(run), losses(reference), rel=1e-5)
     # Key biases get a zero gradient (see assert_params_close): Qwen2's k_proj.bias, and GPT-2's fused
     # q/k/v bias c_attn.bias, whose middle third is the key bias. The element bound still covers them.
-    assert_params_close(final_params(run, 10), final_params(reference, 10), rel=1e-5, lr=LR,
+    assert_params_close(final_params(run, 6), final_params(reference, 6), rel=1e-5, lr=LR,
                         zero_gradient=("self_attn.k_proj.bias", "attn.c_attn.bias"))
 
 
@@ -113,7 +113,7 @@ def test_hf_document_masking_trains_like_one_process(layout, two_rank_runs, refe
 
 @pytest.mark.parametrize("layout", ["ddp", "zero3", "tp2", "pp2", "tp2-sp"])
 def test_tied_embeddings_stay_tied(layout, two_rank_runs):
-    params = final_params(two_rank_runs[f"qwen2 {layout}"], 10)
+    params = final_params(two_rank_runs[f"qwen2 {layout}"], 6)
     assert params["lm_head.weight"].equal(params["model.embed_tokens.weight"])
 
 
@@ -143,8 +143,8 @@ def test_loaded_weights_give_transformers_logits(kind, tmp_path):
 def test_checkpoint_resumes_on_one_process(two_rank_runs, tmp_path, hf_dirs):
     run = two_rank_runs["qwen2 zero3"]
     resumed = train(tmp_path / "resumed", *COMMON, f"model.hf={hf_dirs['qwen2']}",
-                    f"checkpoint.resume={run / 'checkpoints' / 'step_00000005'}")
-    assert_losses_close(losses(resumed), {s: v for s, v in losses(run).items() if s > 5}, rel=1e-5)
+                    f"checkpoint.resume={run / 'checkpoints' / 'step_00000003'}")
+    assert_losses_close(losses(resumed), {s: v for s, v in losses(run).items() if s > 3}, rel=1e-5)
 
 
 @pytest.mark.parametrize("source", ["qwen2 zero3", "llama pp2", "builtin"])
@@ -158,7 +158,7 @@ def test_convert_to_hf_loads_in_transformers(source, two_rank_runs, tmp_path, de
     run_cli("convert", str(run), "--to", "hf", "--out", str(out))
     model = AutoModelForCausalLM.from_pretrained(out)
     loaded = dict(model.named_parameters())
-    saved = final_params(run, 20 if source == "builtin" else 10)
+    saved = final_params(run, 20 if source == "builtin" else 6)
     if source == "builtin":
         assert loaded["model.embed_tokens.weight"].equal(saved["tok_embeddings.weight"])
         assert loaded["model.layers.1.mlp.down_proj.weight"].equal(saved["layers.1.feed_forward.w2.weight"])

@@ -11,14 +11,14 @@ from helpers import (assert_losses_close, assert_params_close, load_model_params
 
 LR = 3e-3
 # 4 layers so that interleaved schedules get 2 stages per rank on 2 ranks; 4 micro-batches of 1.
-COMMON = ("train.steps=20", "train.global_batch_size=4", "train.micro_batch_size=1", "model.n_layers=4",
+COMMON = ("train.steps=12", "train.global_batch_size=4", "train.micro_batch_size=1", "model.n_layers=4",
           f"optim.lr={LR}", "checkpoint.save_final=true", "metrics.sync_check_every=5")
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 TWO_RANKS = {
     "tp2": ("parallel.tp=2",),
     "tp2-sp-selective-ac": ("parallel.tp=2", "parallel.sequence_parallel=true",
                             "parallel.activation_checkpointing=selective"),
-    **{f"pp2-{s}": ("parallel.pp=2", f"parallel.pp_schedule={s}", "train.eval_every=10") for s in SCHEDULES},
+    **{f"pp2-{s}": ("parallel.pp=2", f"parallel.pp_schedule={s}", "train.eval_every=6") for s in SCHEDULES},
     "pp2-layers-1-3": ("parallel.pp=2", "parallel.pp_layers=[1,3]"),  # an unbalanced, hand-set split
     "pp2-tied": ("parallel.pp=2", "model.tie_embeddings=true"),
     "pp2-interleaved-tied": ("parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "model.tie_embeddings=true"),
@@ -27,7 +27,7 @@ TWO_RANKS = {
 FOUR_RANKS = {
     "fsdp x tp": ("parallel.dp_shard=2", "parallel.tp=2", "parallel.zero_stage=3"),
     "pp x fsdp": ("parallel.pp=2", "parallel.dp_shard=2", "parallel.zero_stage=2", "parallel.pp_schedule=interleaved_1f1b"),
-    "pp x tp + sp": ("parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true", "checkpoint.every_steps=10"),
+    "pp x tp + sp": ("parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true", "checkpoint.every_steps=6"),
 }
 
 
@@ -67,7 +67,7 @@ def four_rank_runs(tmp_path_factory):
 
 
 def _final(run):
-    return load_model_params(run / "checkpoints" / "step_00000020")
+    return load_model_params(run / "checkpoints" / "step_00000012")
 
 
 def _assert_parity(run, reference):
@@ -99,8 +99,8 @@ def test_pipeline_schedules_equal_single_process(schedule, two_rank_runs, refere
     run = two_rank_runs[f"pp2-{schedule}"]
     _assert_parity(run, reference)
     bubbles = [r["pp_bubble"] for r in records(run) if "event" not in r]
-    assert len(bubbles) == 20 and all(0 <= b < 1 for b in bubbles)
-    assert [e["step"] for e in records(run) if e.get("event") == "eval"] == [10, 20]
+    assert len(bubbles) == 12 and all(0 <= b < 1 for b in bubbles)
+    assert [e["step"] for e in records(run) if e.get("event") == "eval"] == [6, 12]
 
 
 def test_document_masking_under_tensor_and_sequence_parallel_equals_one_process(two_rank_runs, references):
@@ -118,8 +118,8 @@ def test_four_rank_compositions_equal_single_process(layout, four_rank_runs, ref
 def test_pp_tp_checkpoint_resumes_on_other_layouts(four_rank_runs, tmp_path):
     """Saved by pp=2 x tp=2; resumed by one process and by ZeRO-3 over 2 ranks: the same losses."""
     run = four_rank_runs["pp x tp + sp"]
-    ckpt = run / "checkpoints" / "step_00000010"
-    expected = {s: v for s, v in losses(run).items() if s > 10}
+    ckpt = run / "checkpoints" / "step_00000006"
+    expected = {s: v for s, v in losses(run).items() if s > 6}
     single = train(tmp_path / "single", *COMMON, f"checkpoint.resume={ckpt}")
     assert_losses_close(losses(single), expected, rel=1e-5)
     sharded = train(tmp_path / "fsdp", *COMMON, "parallel.zero_stage=3", f"checkpoint.resume={ckpt}", nproc=2)

@@ -1,13 +1,11 @@
-"""Self-launch: `disttrain train ... --nproc-per-node N` re-executes itself under torch.distributed.run,
-the same elastic agent as `torchrun`, so restarts and rendezvous behave exactly as with torchrun.
+"""Self-launch: `disttrain train ... --nproc-per-node N` becomes torch.distributed.run's elastic agent
+(in this process) whose workers run `python -m disttrain train ...`, so restarts and rendezvous behave
+exactly as with torchrun.
 """
 
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
 from dataclasses import dataclass
 
 
@@ -81,25 +79,17 @@ def torchrun_args(opts: LaunchOptions, module_args: list[str]) -> list[str]:
     return args + ["-m", "disttrain", *module_args]
 
 
-FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)
-
-
 def relaunch(opts: LaunchOptions, module_args: list[str]) -> int:
-    """Run torchrun as a child and pass on the signals a scheduler sends to us (SIGTERM before a
-    kill, SIGUSR1 as SLURM's warning), so workers can save; returns torchrun's exit status."""
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")  # torchrun would set it too, with a warning per launch
-    env["DISTTRAIN_EXIT_BARRIER_S"] = str(opts.exit_barrier_timeout)
+    """Run torchrun's agent in this process (one interpreter and one torch import fewer per launch than
+    a child agent); it handles the signals a scheduler sends to us (SIGTERM before a kill, SIGUSR1 as
+    SLURM's warning) by passing them to the workers so they can save. Returns torchrun's exit status."""
+    from disttrain.distributed.agent import run_agent
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun would set it too, with a warning per launch
+    os.environ["DISTTRAIN_EXIT_BARRIER_S"] = str(opts.exit_barrier_timeout)
     if opts.rdzv_endpoint:
         # torch 2.13: with the agents' shared TCPStore, an agent that was rank 0 before a membership change
         # does not publish the new round's MASTER_ADDR, and a node that joins (a replacement, or one scaling
         # the run back up) waits for it until it times out. Without sharing, each round publishes its own.
-        env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    cmd = [sys.executable, "-m", "disttrain.distributed.agent", *torchrun_args(opts, module_args)]
-    child = subprocess.Popen(cmd, env=env)
-    previous = {sig: signal.signal(sig, lambda signum, frame: child.send_signal(signum)) for sig in FORWARDED_SIGNALS}
-    try:
-        return child.wait()  # a handled signal does not interrupt the wait (PEP 475)
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    return run_agent(torchrun_args(opts, module_args))

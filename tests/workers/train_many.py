@@ -9,7 +9,9 @@ loop as `disttrain train` (only the process group is shared).
 
 import gc
 import json
+import os
 import sys
+import time
 
 import torch.distributed as dist
 from torch._dynamo.utils import counters
@@ -27,6 +29,7 @@ def main() -> None:
     rt = init_distributed(detect_env(), "auto", 120)
     try:
         for job in jobs:
+            started = time.perf_counter()
             cfg = load_config(job["config"], job["overrides"])
             counters.clear()
             Trainer(build_run(cfg, rt)).fit()
@@ -34,6 +37,8 @@ def main() -> None:
                 (cfg.run_dir / "dynamo_stats.json").write_text(json.dumps(dict(counters["stats"])))
             gc.collect()  # DDP reducers and FSDP state of the finished run go before the next one starts
             dist.barrier()
+            if rt.rank == 0 and os.environ.get("DISTTRAIN_TEST_TIMING"):  # where a test module's time goes
+                print(f"job {cfg.run_dir.name}: {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
     finally:
         shutdown()
 

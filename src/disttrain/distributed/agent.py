@@ -10,6 +10,7 @@ enough for nodes that finish together (the end of a run is a collective), short 
 from __future__ import annotations
 
 import os
+import traceback
 
 from torch.distributed import run
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
@@ -24,10 +25,21 @@ class BoundedExitBarrierAgent(LocalElasticAgent):
         super().__init__(*args, **kwargs)
 
 
-def main() -> None:
+def run_agent(argv: list[str] | None = None) -> int:
+    """torchrun's own `main` on `argv` in this process; its exit status (`disttrain train` calls this)."""
     api.LocalElasticAgent = BoundedExitBarrierAgent  # what torchrun's launch_agent constructs
-    run.main()  # a failed worker group raises (torchrun's own report and exit status)
-    exit_now(0)
+    try:
+        run.main(argv)
+    except SystemExit as exc:  # torchrun's argument errors
+        return exc.code if isinstance(exc.code, int) else 2
+    except Exception:  # a failed worker group or a handled signal: torchrun's report, as when it dies of it
+        traceback.print_exc()
+        return 1
+    return 0
+
+
+def main() -> None:
+    exit_now(run_agent())
 
 
 if __name__ == "__main__":
