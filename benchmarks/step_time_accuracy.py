@@ -2,8 +2,9 @@
 with a profile from `disttrain bench hardware`, for DDP, ZeRO-2, ZeRO-3, TP=2, PP=2 (1F1B and GPipe) at
 `tiny` and `125m` on 2 processes, fp32.
 
-Each repetition first measures a hardware profile (this machine's rates drift over minutes), then trains
-`--steps` steps of configs/bench.yaml per layout and model; a run's figure is the median `step_time_s`
+Each repetition measures a hardware profile per model at that model's micro-batch shape (this machine's
+rates drift over minutes; matmul rates depend on the tokens per product), then trains `--steps` steps of
+configs/bench.yaml per layout of that model; a run's figure is the median `step_time_s`
 of the steps after the first 3. Each repetition's prediction uses that repetition's profile; the error
 is predicted / measured - 1 per repetition, reported as median and range.
 
@@ -64,6 +65,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--steps", type=int, default=None, help="steps per run (default: tiny 12, 125m 8)")
     parser.add_argument("--models", default="tiny,125m")
+    parser.add_argument("--layouts", default=",".join(LAYOUTS), help="a subset of " + ", ".join(LAYOUTS))
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "step_time_accuracy.json"))
     args = parser.parse_args()
     run_dir = REPO / "runs" / "bench-step-time"
@@ -75,14 +77,17 @@ def main() -> None:
     results: dict[tuple[str, str], list] = {}
     profiles = []
     for rep in range(args.reps):
-        hw = Path(args.hardware) if args.hardware else run_dir / f"hardware_{rep}.json"
-        if not args.hardware:
-            subprocess.run([sys.executable, "-m", "disttrain", "bench", "hardware", "--models", ",".join(models),
-                            "--out", str(hw)], check=True, cwd=REPO)
-        profile = json.loads(hw.read_text())
-        profiles.append(profile)
         for model in models:
-            for layout in LAYOUTS:
+            # the profile at this model's micro-batch shape: matmul rates depend on the tokens per product
+            hw = Path(args.hardware) if args.hardware else run_dir / f"hardware_{rep}_{model}.json"
+            if not args.hardware:
+                setting = dict(o.split("=", 1) for o in MODELS[model])
+                subprocess.run([sys.executable, "-m", "disttrain", "bench", "hardware", "--models", model,
+                                "--micro-batch", setting["train.micro_batch_size"], "--seq-len",
+                                setting["data.seq_len"], "--out", str(hw)], check=True, cwd=REPO)
+            profile = json.loads(hw.read_text())
+            profiles.append(profile)
+            for layout in args.layouts.split(","):
                 t = measure(model, layout, args.steps or steps[model], run_dir)
                 p = predict(model, layout, profile)
                 results.setdefault((model, layout), []).append((t, p))

@@ -440,7 +440,7 @@ def test_hardware_profile_feeds_estimate(tmp_path):
     """`bench hardware` on 2 processes writes a profile whose rates are measured (positive, α-β fitted
     per collective from the points it lists); `estimate --time --hardware` then predicts from it: a step is
     its parts, the optimizer counts this rank's share, and a layout that issues more collectives
-    (TP=2) pays for them at the measured link."""
+    (TP=2) pays for them at the measured link; ZeRO-3 gathers twice where ZeRO-2 gathers once."""
     out = tmp_path / "hw.json"
     run_cli("bench", "hardware", "--models", "debug", "--micro-batch", "2", "--seq-len", "32", "--out", str(out),
             timeout=300)
@@ -451,6 +451,10 @@ def test_hardware_profile_feeds_estimate(tmp_path):
         assert fit["bandwidth_gbs"] > 0 and fit["latency_s"] >= 0
     assert profile["matmul_flops"]["debug"]["fp32"] > 0 and profile["attention_flops"]["debug"] > 0
     assert profile["elementwise_bytes_per_s"] > 0 and profile["optimizer_s_per_param"] > 0
+    assert profile["matmul_flops"]["debug"]["tp"]["2"]["fp32"] > 0  # a tensor-parallel rank's slices
+    fsdp = profile["fsdp_round_trip"]["debug"]  # FSDP2's gather and reduce-scatter with their copies
+    assert fsdp["ranks"] == 2 and fsdp["gather_s_per_byte"] > 0 and fsdp["reduce_s_per_byte"] > 0
+    assert profile["tp_collective"]["debug"]["bytes"] == 4 * 2 * 32 * MODEL_SHAPES["debug"].dim
 
     def predict(*flags):
         proc = run_cli("estimate", "--model", "debug", "--gpus", "2", "--seq-len", "32", "--micro-batch-size", "2",
@@ -458,6 +462,8 @@ def test_hardware_profile_feeds_estimate(tmp_path):
         return json.loads(proc.stdout)["time"]
 
     ddp, zero3, tp = predict("--zero-stage", "0"), predict("--zero-stage", "3"), predict("--tp", "2")
+    zero2 = predict("--zero-stage", "2")
+    assert zero3["dp_comm_s"] > zero2["dp_comm_s"] > 0  # stage 3 gathers again for backward
     for t in (ddp, zero3, tp):
         parts = t["compute_s"] + t["optimizer_s"] + t["bubble_s"] + t["tp_comm_s"] + t["pp_comm_s"] + t["dp_exposed_s"]
         assert t["step_s"] == pytest.approx(parts)

@@ -5,12 +5,16 @@ Every rank of the launch measures at once, as they train at once (on a CPU the r
 memory bandwidth):
 - matmul FLOP/s at the shapes a model's step runs: for each linear layer the forward product and the
   two backward products (input and weight gradients) of `micro_batch x seq_len` tokens, FLOP-weighted
-  (total FLOPs over total time), per model and dtype;
+  (total FLOPs over total time), per model and dtype, and again for a tensor-parallel rank's slices;
 - causal attention (SDPA forward + backward) FLOP/s at each model's heads and sequence length;
 - the bytes/s of element-wise work (a fused multiply-add over tensors far larger than cache), which
   bounds norms, activations, residual adds and rotary; the fixed cost of one eager op and of one
   DTensor op (tensor parallelism dispatches every op of a block through DTensor); and the seconds
   per parameter of an AdamW step with gradient clipping;
+- FSDP2's seconds per parameter byte to gather and to reduce-scatter units of the model's block size,
+  copies and fresh allocations included (what ZeRO-2/3 add beyond the collectives' α-β cost here);
+- one tensor-parallel collective as the runtime's DTensor plan issues it (a column/row-parallel pair
+  against the same slices run locally), at the model's width and micro-batch;
 - each collective's α and β (all-reduce, all-gather, reduce-scatter): times at sizes from 4 KiB to
   16 MiB fitted to the same α-β cost the planner uses for that kind.
 The slowest rank's time counts for each figure, as it does in a step.
@@ -29,6 +33,7 @@ import torch.distributed as dist
 from disttrain.models.shape import ModelShape
 
 ALL_REDUCE_SIZES = tuple(2 ** k for k in range(12, 25, 2))  # 4 KiB .. 16 MiB
+TP_DEGREES = (2,)  # tensor-parallel degrees whose matmul slices are measured (this machine has 2 cores)
 PROFILE_KIND = "disttrain-hardware-profile"  # plan/profile.py checks the same string (the runtime may not import the planner)
 
 
@@ -61,11 +66,11 @@ def _timed(fn, reps: int) -> float:
     return statistics.median(times)
 
 
-def matmul_flops(shape: ModelShape, tokens: int, dtype: torch.dtype, reps: int = 3) -> float:
-    """FLOP/s over the forward and both backward matmuls of each distinct linear shape, weighted by how
-    often the model runs it."""
+def matmul_flops(shape: ModelShape, tokens: int, dtype: torch.dtype, reps: int = 3, tp: int = 1) -> float:
+    """FLOP/s over the forward and both backward matmuls of each distinct linear shape (each rank's slice
+    under tensor parallelism of `tp`), weighted by how often the model runs it."""
     counts: dict[tuple[int, int], int] = {}
-    for key in linear_shapes(shape):
+    for key in linear_shapes(shape, tp):
         counts[key] = counts.get(key, 0) + 1
     flops = seconds = 0.0
     for (k, n), count in counts.items():
@@ -132,6 +137,74 @@ def dtensor_op_seconds(reps: int = 300) -> float:
     return _timed(lambda: [a + b for _ in range(reps)], 3) / reps
 
 
+def fsdp_round_trip(shape: ModelShape, reps: int = 3) -> dict | None:
+    """Seconds per byte of unsharded fp32 parameters that FSDP2 spends gathering (forward) and
+    reduce-scattering (backward) units of this model's block size, with everything around the
+    collectives: copy-in, copy-out into freshly allocated unsharded parameters, the unsharded gradients
+    and their copy into the reduce-scatter buffer. On a CPU those allocations fault in new pages at a
+    fraction of the element-wise rate (measured here: 3-5 GB/s against 20+), so the α-β cost of the
+    collectives alone misses most of what a ZeRO-2/3 round costs. One-token inputs keep compute out."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from disttrain.flops import block_params
+
+    rows = block_params(shape) // shape.n_layers // shape.dim  # a Linear(dim, rows) per block: its bytes
+    model = nn.Sequential(*(nn.Linear(shape.dim, rows, bias=False) for _ in range(shape.n_layers)))
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for unit in model:
+        fully_shard(unit, mesh=mesh, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False)
+    x = torch.randn(1, shape.dim)
+    times: dict[str, list[float]] = {"gather": [], "reduce": []}
+    for rep in range(reps + 1):  # the first is a warm-up
+        dist.barrier()
+        t0 = time.perf_counter()
+        out = x
+        for unit in model:  # each unit's input is the previous output's first `dim` features
+            out = unit(out[:, :shape.dim])
+        t1 = time.perf_counter()
+        out.sum().backward()
+        t2 = time.perf_counter()
+        model.zero_grad(set_to_none=True)
+        if rep:
+            times["gather"].append(_slowest(t1 - t0))
+            times["reduce"].append(_slowest(t2 - t1))
+    nbytes = 4.0 * rows * shape.dim * shape.n_layers
+    return {"gather_s_per_byte": statistics.median(times["gather"]) / nbytes,
+            "reduce_s_per_byte": statistics.median(times["reduce"]) / nbytes,
+            "unit_bytes": nbytes / shape.n_layers, "ranks": dist.get_world_size(), "dim": shape.dim}
+
+
+def tp_collective(shape: ModelShape, tokens: int, reps: int = 5) -> dict | None:
+    """Seconds one tensor-parallel collective costs as the runtime issues it: a column- then row-parallel
+    pair of linears (DTensor plan, 2 all-reduces: the row layer's output forward, the column layer's input
+    gradient backward) against the same slices run locally, forward and backward at `tokens` tokens.
+    Besides the α-β cost of the bytes this holds DTensor's redistribution and functional-collective
+    wrappers, and the wait for the other rank at each of these synchronisation points."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    n, h, f = dist.get_world_size(), shape.dim, shape.ffn_hidden_dim
+    mesh = init_device_mesh("cpu", (n,))
+    pair = parallelize_module(nn.Sequential(nn.Linear(h, f, bias=False), nn.Linear(f, h, bias=False)), mesh,
+                              {"0": ColwiseParallel(), "1": RowwiseParallel()})
+    local = nn.Sequential(nn.Linear(h, f // n, bias=False), nn.Linear(f // n, h, bias=False))
+    x = torch.randn(tokens, h, requires_grad=True)  # its gradient is the column layer's all-reduce
+    sharded, alone = [], []
+    for _ in range(reps):  # interleaved: this machine's speed drifts
+        sharded.append(_timed(lambda: pair(x).sum().backward(), 1))
+        alone.append(_timed(lambda: local(x).sum().backward(), 1))
+    extra = statistics.median(sharded) - statistics.median(alone)
+    return {"seconds": max(extra, 0.0) / 2, "bytes": 4 * tokens * h, "ranks": n, "dim": h}
+
+
 def collective_alpha_beta(op: str = "all_reduce", sizes=ALL_REDUCE_SIZES, reps: int = 7) -> dict:
     """Least-squares fit of the planner's α-β cost of `op` over the measured sizes: all-reduce
     t = 2(n−1)·α + 2(n−1)/n·M/β, all-gather and reduce-scatter t = (n−1)·α + (n−1)/n·M/β (M: the whole
@@ -162,10 +235,15 @@ def measure(models: dict[str, ModelShape], micro_batch: int, seq_len: int, dtype
     from disttrain.dtypes import DTYPES
 
     tokens = micro_batch * seq_len
-    matmul, attention = {}, {}
+    matmul, attention, fsdp, tp = {}, {}, {}, {}
     for name, shape in models.items():
         matmul[name] = {"dim": shape.dim, **{d: matmul_flops(shape, tokens, DTYPES[d]) for d in dtypes}}
+        # a tensor-parallel rank's slices are narrower: at small micro-batches they run far slower
+        matmul[name]["tp"] = {str(tp): {d: matmul_flops(shape, tokens, DTYPES[d], tp=tp) for d in dtypes}
+                              for tp in TP_DEGREES if shape.n_heads % tp == 0 and shape.n_kv_heads % tp == 0}
         attention[name] = attention_flops(shape, micro_batch, seq_len)
+        fsdp[name] = fsdp_round_trip(shape)
+        tp[name] = tp_collective(shape, tokens)
     try:
         memory_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
     except (ValueError, OSError):
@@ -176,7 +254,8 @@ def measure(models: dict[str, ModelShape], micro_batch: int, seq_len: int, dtype
             "memory_gb_per_rank": memory_gb / ranks, "micro_batch": micro_batch, "seq_len": seq_len,
             "matmul_flops": matmul, "attention_flops": attention, "elementwise_bytes_per_s": elementwise_bytes_per_s(),
             "optimizer_s_per_param": optimizer_seconds_per_param(), "op_overhead_s": op_overhead_seconds(),
-            "dtensor_op_s": dtensor_op_seconds(),
+            "dtensor_op_s": dtensor_op_seconds(), "fsdp_round_trip": fsdp,
+            "tp_collective": tp,
             "collectives": {op: collective_alpha_beta(op) for op in ("all_reduce", "all_gather", "reduce_scatter")}}
 
 
@@ -184,7 +263,8 @@ def summary(profile: dict) -> str:
     lines = [f"{profile['ranks']} rank(s) x {profile['threads_per_rank']} thread(s) on {profile['machine']}, "
              f"micro-batch {profile['micro_batch']} x {profile['seq_len']} tokens"]
     for name, rates in profile["matmul_flops"].items():
-        lines.append(f"  matmul {name:<6} " + ", ".join(f"{d} {r / 1e9:.1f} GFLOP/s" for d, r in rates.items() if d != "dim")
+        lines.append(f"  matmul {name:<6} " + ", ".join(f"{d} {r / 1e9:.1f} GFLOP/s" for d, r in rates.items() if d not in ("dim", "tp"))
+                     + "".join(f"; tp={tp} fp32 {r['fp32'] / 1e9:.1f}" for tp, r in rates.get("tp", {}).items())
                      + f"; causal attention {profile['attention_flops'][name] / 1e9:.1f} GFLOP/s")
     lines.append(f"  element-wise {profile['elementwise_bytes_per_s'] / 1e9:.2f} GB/s, one eager op "
                  f"{profile['op_overhead_s'] * 1e6:.1f} us (DTensor {profile['dtensor_op_s'] * 1e6:.0f} us), AdamW + clipping {profile['optimizer_s_per_param'] * 1e9:.2f} ns "

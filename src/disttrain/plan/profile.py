@@ -32,19 +32,26 @@ def load_profile(path: str | Path) -> dict:
 
 def _matmul_rates(profile: dict, model: str, shape: ModelShape) -> dict[str, float]:
     """The rates measured for this model's shapes, else those of the measured model nearest in width."""
-    rates = profile["matmul_flops"]
-    if model in rates:
-        return rates[model]
-    nearest = min(rates, key=lambda name: abs(rates[name].get("dim", 0) - shape.dim))
-    return rates[nearest]
+    return _nearest(profile["matmul_flops"], model, shape)
+
+
+def _nearest(measured: dict, model: str, shape: ModelShape):
+    """`measured[model]`, else the entry of the measured model nearest in width (None: not measured)."""
+    if model in measured:
+        return measured[model]
+    dims = {name: entry.get("dim", 0) for name, entry in measured.items() if entry}
+    return measured[min(dims, key=lambda name: abs(dims[name] - shape.dim))] if dims else None
 
 
 def profile_cluster(profile: dict, gpus: int, model: str, shape: ModelShape, overlap_efficiency: float = 0.9) -> Cluster:
     """Every rank on this one machine: one node of `gpus` ranks, links at the measured all-reduce α and β."""
     rates = _matmul_rates(profile, model, shape)
+    fsdp = _nearest(profile.get("fsdp_round_trip") or {}, model, shape) or {}
     tflops = {d: r / 1e12 for d, r in rates.items() if d in ("fp32", "bf16")}
     tflops.setdefault("bf16", tflops["fp32"])
     tflops.update(tf32=tflops["fp32"], fp16=tflops["bf16"])
+    tp_rates = {int(tp): {"tf32": r["fp32"], "fp16": r.get("bf16", r["fp32"]), **r}
+                for tp, r in rates.get("tp", {}).items()}
     fits = profile["collectives"]
     ar = fits["all_reduce"]
     bandwidth = ar["bandwidth_gbs"] or 1e9  # one rank: no collective ever runs
@@ -61,5 +68,7 @@ def profile_cluster(profile: dict, gpus: int, model: str, shape: ModelShape, ove
                    elementwise_bytes_per_s=profile["elementwise_bytes_per_s"],
                    op_overhead_s=profile.get("op_overhead_s", 0.0), dtensor_op_s=profile.get("dtensor_op_s", 0.0),
                    optimizer_s_per_param=profile.get("optimizer_s_per_param", 0.0),
-                   collective_links=links,
+                   collective_links=links, fsdp_gather_s_per_byte=fsdp.get("gather_s_per_byte"),
+                   fsdp_reduce_s_per_byte=fsdp.get("reduce_s_per_byte"), fsdp_ranks=fsdp.get("ranks", 2),
+                   tp_matmul_flops=tp_rates, tp_collective=_nearest(profile.get("tp_collective") or {}, model, shape),
                    attention_flops=profile.get("attention_flops", {}).get(model))

@@ -52,6 +52,16 @@ class Cluster:
     op_overhead_s: float = 0.0
     dtensor_op_s: float = 0.0  # host cost of one DTensor op (tensor parallelism), measured
     collective_links: dict | None = None  # kind -> (bytes/s, latency), measured
+    # FSDP2's gather and reduce-scatter per byte of unsharded parameters with their copies and fresh
+    # allocations, measured over `fsdp_ranks` ranks (bench/hardware.fsdp_round_trip); None: α-β only.
+    fsdp_gather_s_per_byte: float | None = None
+    fsdp_reduce_s_per_byte: float | None = None
+    fsdp_ranks: int = 2
+    tp_matmul_flops: dict | None = None  # tp degree -> dtype -> FLOP/s of a rank's slices, measured
+    tp_collective: dict | None = None  # {"seconds", "bytes", "ranks"}: one TP collective as issued, measured
+
+    def matmul_rate(self, tp: int, dtype: str, default: float) -> float:
+        return ((self.tp_matmul_flops or {}).get(tp) or {}).get(dtype, default)
 
     @property
     def gpus(self) -> int:
@@ -138,7 +148,8 @@ def step_time(shape: ModelShape, layout: Layout, cluster: Cluster) -> StepTime:
     compute = hw_per_token * tokens / world / (peak * cluster.compute_efficiency)
     optimizer = 0.0
     if cluster.elementwise_bytes_per_s is not None:
-        compute, optimizer = measured_compute(shape, layout, cluster, peak)
+        rate = cluster.matmul_rate(layout.tp, dtype, peak) if layout.tp > 1 else peak
+        compute, optimizer = measured_compute(shape, layout, cluster, rate)
     per_mb = compute / m  # one micro-batch through this rank's stage(s): forward + backward
     recompute_share = F.recompute_flops_per_token(shape, s, layout.activation_checkpointing) / hw_per_token
     fwd = per_mb * (1 - recompute_share) / 3
@@ -159,7 +170,11 @@ def step_time(shape: ModelShape, layout: Layout, cluster: Cluster) -> StepTime:
         bw, lat = cluster.link(layout.tp)
         per_layer = TP_COLLECTIVES_PER_LAYER + (2 if layout.activation_checkpointing == "full" else 0)
         per_step = m * (held.layers * per_layer + int(held.embedding) + int(held.output))
-        tp_comm = per_step * all_reduce_s(layout.tp, e * mb * s * shape.dim, bw, lat)
+        one = all_reduce_s(layout.tp, e * mb * s * shape.dim, bw, lat)
+        measured = cluster.tp_collective
+        if measured and measured.get("ranks") == layout.tp:  # as issued (DTensor, waits), moved to this size
+            one = max(one, measured["seconds"] + one - all_reduce_s(layout.tp, measured["bytes"], bw, lat))
+        tp_comm = per_step * one
 
     pp_comm = 0.0
     if layout.pp > 1:
@@ -192,6 +207,12 @@ def step_time(shape: ModelShape, layout: Layout, cluster: Cluster) -> StepTime:
             ag = all_gather_s(ds, e * n_params, bw, lat)
             first_unit = all_gather_s(ds, e * unit, bw, lat)
             rs = reduce_scatter_s(ds, rb * n_params, rbw_s, rlat_s)
+            last_unit = reduce_scatter_s(ds, rb * unit, rbw_s, rlat_s)
+            if cluster.fsdp_gather_s_per_byte is not None and ds > 1:
+                # measured round trips, scaled by the share of bytes a ring moves at ds ranks
+                f = (ds - 1) / ds / ((cluster.fsdp_ranks - 1) / cluster.fsdp_ranks)
+                ag, first_unit = (f * cluster.fsdp_gather_s_per_byte * e * p for p in (n_params, unit))
+                rs, last_unit = (f * cluster.fsdp_reduce_s_per_byte * rb * p for p in (n_params, unit))
             if dr > 1:
                 rbw, rlat = cluster.link(dr * ds * layout.tp)
                 rs += all_reduce_s(dr, rb * n_params / ds, rbw, rlat)
@@ -199,7 +220,7 @@ def step_time(shape: ModelShape, layout: Layout, cluster: Cluster) -> StepTime:
             oe = cluster.overlap_efficiency
             exposed_fwd = exposed(ag, fwd, oe, first_unit)
             exposed_bwd = exposed(ag, bwd, oe, first_unit) if gathers == 2 else 0.0
-            dp_exposed = rounds * (exposed_fwd + exposed_bwd) + exposed(rs, bwd, oe, reduce_scatter_s(ds, rb * unit, rbw_s, rlat_s))
+            dp_exposed = rounds * (exposed_fwd + exposed_bwd) + exposed(rs, bwd, oe, last_unit)
     if layout.cpu_offload:  # parameter shards up every micro-batch, gradient shards down, over PCIe
         dp_exposed += (m * e + 4) * n_params / layout.dp_shard / PCIE_BYTES_PER_S
 
