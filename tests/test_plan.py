@@ -177,6 +177,21 @@ def test_bubble_fractions():
     assert bubble_fraction("1f1b", 1, 8) == 0
 
 
+def test_pipeline_fill_and_drain_idle_for_the_other_stages_work():
+    """On a measured machine the stages' times differ (125m's last stage holds the 50k-vocabulary output
+    layer): 1F1B over 2 stages idles one micro-batch of the cheaper stage, not of the dearer one."""
+    from disttrain.plan.timing import _stage_compute
+
+    shape = MODEL_SHAPES["125m"]
+    cluster = Cluster(GPUS["h100"], gpus_per_node=2, nodes=1, elementwise_bytes_per_s=20e9, op_overhead_s=2e-6)
+    layout = Layout(pp=2, global_batch_size=4, micro_batch_size=1, seq_len=128, param_dtype="fp32")
+    t = step_time(shape, layout, cluster)
+    rate = cluster.gpu.peak_flops("tf32")
+    first, last = (_stage_compute(shape, layout, cluster, rate, r)[0] for r in (0, 1))
+    assert last > 1.2 * first and t.compute_s == pytest.approx(last)
+    assert t.bubble_s == pytest.approx(first / layout.microbatches)  # (p-1)/m of the other stage's step
+
+
 def test_collectives_are_placed_on_the_links_they_use():
     """tp innermost: tp=8 on 8-GPU nodes stays on NVLink; data parallel over nodes pays the network."""
     shape = MODEL_SHAPES["7b"]

@@ -235,7 +235,7 @@ def measure(models: dict[str, ModelShape], micro_batch: int, seq_len: int, dtype
     from disttrain.dtypes import DTYPES
 
     tokens = micro_batch * seq_len
-    matmul, attention, fsdp, tp = {}, {}, {}, {}
+    matmul, attention, fsdp, tp_collectives = {}, {}, {}, {}
     for name, shape in models.items():
         matmul[name] = {"dim": shape.dim, **{d: matmul_flops(shape, tokens, DTYPES[d]) for d in dtypes}}
         # a tensor-parallel rank's slices are narrower: at small micro-batches they run far slower
@@ -243,7 +243,7 @@ def measure(models: dict[str, ModelShape], micro_batch: int, seq_len: int, dtype
                               for tp in TP_DEGREES if shape.n_heads % tp == 0 and shape.n_kv_heads % tp == 0}
         attention[name] = attention_flops(shape, micro_batch, seq_len)
         fsdp[name] = fsdp_round_trip(shape)
-        tp[name] = tp_collective(shape, tokens)
+        tp_collectives[name] = tp_collective(shape, tokens)
     try:
         memory_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
     except (ValueError, OSError):
@@ -255,7 +255,7 @@ def measure(models: dict[str, ModelShape], micro_batch: int, seq_len: int, dtype
             "matmul_flops": matmul, "attention_flops": attention, "elementwise_bytes_per_s": elementwise_bytes_per_s(),
             "optimizer_s_per_param": optimizer_seconds_per_param(), "op_overhead_s": op_overhead_seconds(),
             "dtensor_op_s": dtensor_op_seconds(), "fsdp_round_trip": fsdp,
-            "tp_collective": tp,
+            "tp_collective": tp_collectives,
             "collectives": {op: collective_alpha_beta(op) for op in ("all_reduce", "all_gather", "reduce_scatter")}}
 
 

@@ -146,17 +146,20 @@ def step_time(shape: ModelShape, layout: Layout, cluster: Cluster) -> StepTime:
     hw_per_token = F.hardware_flops_per_token(shape, s, layout.activation_checkpointing)
     model_per_token = F.model_flops_per_token(shape, s)
     compute = hw_per_token * tokens / world / (peak * cluster.compute_efficiency)
-    optimizer = 0.0
+    optimizer, idle_share = 0.0, 1.0
     if cluster.elementwise_bytes_per_s is not None:
         rate = cluster.matmul_rate(layout.tp, dtype, peak) if layout.tp > 1 else peak
         compute, optimizer = measured_compute(shape, layout, cluster, rate)
+        # the fill and drain idle for the *other* stages' work: cheaper stages (no output layer) idle less
+        other = min((_stage_compute(shape, layout, cluster, rate, r)[0] for r in {0, layout.pp - 1}))
+        idle_share = other / compute if compute else 1.0
     per_mb = compute / m  # one micro-batch through this rank's stage(s): forward + backward
     recompute_share = F.recompute_flops_per_token(shape, s, layout.activation_checkpointing) / hw_per_token
     fwd = per_mb * (1 - recompute_share) / 3
     bwd = per_mb - fwd
 
     bubble_frac = bubble_fraction(layout.pp_schedule, layout.pp, m, layout.stages_per_rank)
-    bubble = compute * bubble_frac / (1 - bubble_frac) if bubble_frac else 0.0
+    bubble = compute * idle_share * bubble_frac / (1 - bubble_frac) if bubble_frac else 0.0
 
     e = DTYPE_BYTES[layout.param_dtype]
     # Tensor parallel (all-reduces, or all-gather + reduce-scatter with SP: the same bytes), per layer
