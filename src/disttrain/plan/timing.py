@@ -149,10 +149,7 @@ def step_time(shape: ModelShape, layout: Layout, cluster: Cluster) -> StepTime:
     optimizer, idle_share = 0.0, 1.0
     if cluster.elementwise_bytes_per_s is not None:
         rate = cluster.matmul_rate(layout.tp, dtype, peak) if layout.tp > 1 else peak
-        compute, optimizer = measured_compute(shape, layout, cluster, rate)
-        # the fill and drain idle for the *other* stages' work: cheaper stages (no output layer) idle less
-        other = min((_stage_compute(shape, layout, cluster, rate, r)[0] for r in {0, layout.pp - 1}))
-        idle_share = other / compute if compute else 1.0
+        compute, optimizer, idle_share = measured_compute(shape, layout, cluster, rate)
     per_mb = compute / m  # one micro-batch through this rank's stage(s): forward + backward
     recompute_share = F.recompute_flops_per_token(shape, s, layout.activation_checkpointing) / hw_per_token
     fwd = per_mb * (1 - recompute_share) / 3
@@ -247,12 +244,16 @@ DTENSOR_OPS_PER_LAYER = {False: 91, True: 144}
 DTENSOR_OPS_ROOT = {False: 25, True: 50}
 
 
-def measured_compute(shape: ModelShape, layout: Layout, cluster: Cluster, matmul_rate: float) -> tuple[float, float]:
-    """(compute, optimizer) seconds of one rank's step from a measured profile: matmul FLOPs at the
+def measured_compute(shape: ModelShape, layout: Layout, cluster: Cluster, matmul_rate: float) -> tuple[float, float, float]:
+    """(compute, optimizer, idle share) of one rank's step from a measured profile: matmul FLOPs at the
     measured matmul rate, attention at the measured attention rate, element-wise bytes at the measured
-    bandwidth, a fixed cost per eager op, and AdamW + clipping per parameter this rank updates."""
-    return max((_stage_compute(shape, layout, cluster, matmul_rate, pp_rank) for pp_rank in {0, layout.pp - 1}),
-               key=lambda times: times[0])
+    bandwidth, a fixed cost per eager op, and AdamW + clipping per parameter this rank updates; for the
+    slowest pipeline stage. The idle share scales the bubble: fill and drain idle for the *other* stages'
+    work, so a cheaper first stage (no output layer) makes a shorter bubble."""
+    stages = [_stage_compute(shape, layout, cluster, matmul_rate, pp_rank) for pp_rank in {0, layout.pp - 1}]
+    compute, optimizer = max(stages, key=lambda times: times[0])
+    other = min(times[0] for times in stages)
+    return compute, optimizer, (other / compute if compute else 1.0)
 
 
 def _stage_compute(shape: ModelShape, layout: Layout, cluster: Cluster, matmul_rate: float, pp_rank: int):
