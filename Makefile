@@ -20,8 +20,11 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(BIN)/disttrain train configs/demo.yaml --nproc-per-node $(NPROC)
 
+# Two pytest workers, one test module each at a time: while one runs a single process, the other's launches
+# use the second core (a test's multi-process runs still get their own processes).
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow" tests
+	$(BIN)/python -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadfile tests
 
 # pytest exits 5 when no test is marked slow yet: that is not a failure.
 test-slow: $(STAMP)

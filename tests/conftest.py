@@ -13,3 +13,18 @@ def debug_reference(tmp_path_factory):
     """One process, one micro-batch of 4: the plain single-device computation that every layout of the
     debug model at the PARITY setting must reproduce (shared by every test module)."""
     return train(tmp_path_factory.mktemp("ref") / "run", *PARITY, "train.micro_batch_size=4")
+
+
+# The longest modules first (seconds on the 2-core machine): with `make test`'s two workers taking one module at
+# a time, the suite ends on short modules instead of one worker idling while the other runs a long one.
+LONGEST_FIRST = ("test_fault_tolerance", "test_model_parallel", "test_hf", "test_deepspeed", "test_observability",
+                 "test_sharding", "test_dryrun", "test_balance", "test_runtime", "test_user_models", "test_export",
+                 "test_demo", "test_parity", "test_resume")
+
+
+def pytest_collection_modifyitems(items):
+    def rank(item):
+        module = item.path.stem
+        return LONGEST_FIRST.index(module) if module in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: the order within a module is kept

@@ -93,18 +93,22 @@ def test_deepspeed_matches_torch_engine(stage, reference, deepspeed_runs):
     assert_losses_close(losses(resumed), {s: v for s, v in losses(run).items() if s > 10}, rel=1e-6)
 
 
-def test_resuming_under_the_other_engine_is_one_line(tmp_path):
+def test_resuming_under_the_other_engine_is_one_line(reference, tmp_path):
     """A torch (DCP) checkpoint under engine=deepspeed and a DeepSpeed checkpoint under engine=torch:
     refused in one line naming the engine that can resume it; DeepSpeed also runs in one process."""
     pytest.importorskip("deepspeed")
+    ds_run = train(tmp_path / "deepspeed", "train.steps=2", "checkpoint.every_steps=2", "engine=deepspeed")
+    saved_by = {"torch": reference / "checkpoints" / "step_00000020",  # the session's one-process torch run
+                "deepspeed": ds_run / "checkpoints" / "step_00000002"}
     for saved, other in (("torch", "deepspeed"), ("deepspeed", "torch")):
-        run = train(tmp_path / saved, "train.steps=2", "checkpoint.every_steps=2", f"engine={saved}")
+        checkpoint = saved_by[saved]
         proc = subprocess.run([sys.executable, "-m", "disttrain", "train", str(DEBUG_CONFIG), f"run.dir={tmp_path}",
-                               f"run.name={saved}", "train.steps=4", f"engine={other}"], cwd=REPO, env=cli_env(),
-                              capture_output=True, text=True)
+                               f"run.name=resumed_{other}", "train.steps=24", f"engine={other}",
+                               f"checkpoint.resume={checkpoint}"], cwd=REPO, env=cli_env(), capture_output=True,
+                              text=True)
         lines = [x for x in proc.stderr.splitlines() if x.startswith("disttrain")]
         assert proc.returncode == 2 and lines == [
-            f"disttrain: error: checkpoint.resume: {run / 'checkpoints' / 'step_00000002'} holds "
+            f"disttrain: error: checkpoint.resume: {checkpoint} holds "
             f"{'dcp' if saved == 'torch' else 'deepspeed'} state, and this run's engine reads "
             f"{'deepspeed' if saved == 'torch' else 'dcp'} (resume with the engine that saved it: engine={saved}, "
             "or start fresh with checkpoint.resume=none)"], proc.stderr

@@ -17,8 +17,9 @@ from helpers import (DEBUG_CONFIG, assert_losses_close, assert_params_close, fin
 LR = 3e-3
 COMMON = ("train.steps=6", "train.global_batch_size=4", "train.micro_batch_size=1", "data.seq_len=64",
           f"optim.lr={LR}", "checkpoint.save_final=true", "checkpoint.every_steps=3", "metrics.sync_check_every=3")
-LAYOUTS = {"ddp": (), "zero3": ("parallel.zero_stage=3",), "tp2": ("parallel.tp=2",), "pp2": ("parallel.pp=2",),
-           "tp2-sp": ("parallel.tp=2", "parallel.sequence_parallel=true")}
+TP_MB = "train.micro_batch_size=2"  # DTensor on a CPU costs ~0.1 s per micro-batch: 2 of 2 (still accumulating)
+LAYOUTS = {"ddp": (), "zero3": ("parallel.zero_stage=3",), "tp2": ("parallel.tp=2", TP_MB), "pp2": ("parallel.pp=2",),
+           "tp2-sp": ("parallel.tp=2", "parallel.sequence_parallel=true", TP_MB)}
 MORE_LAYOUTS = {  # the other data-parallel layouts, on the Llama directory
     "zero1": ("parallel.zero_stage=1",),
     "zero2-selective-ac": ("parallel.zero_stage=2", "parallel.activation_checkpointing=selective"),
@@ -31,7 +32,7 @@ LOW_PRECISION = {  # compute dtype -> bound on the relative loss difference to f
     "bf16": 2e-3,  # half of bf16's unit roundoff (2^-8)
     "fp16": 2.5e-4,  # fp16 autocast with dynamic loss scaling
 }
-DOCUMENT_LAYOUTS = {"tp2-sp": ("parallel.tp=2", "parallel.sequence_parallel=true")}  # positions under TP + SP
+DOCUMENT_LAYOUTS = {"tp2-sp": ("parallel.tp=2", "parallel.sequence_parallel=true", TP_MB)}  # positions under TP + SP
 KINDS = ("llama", "qwen2")  # qwen2: q/k/v biases and tied input/output embeddings
 
 

@@ -37,8 +37,10 @@ def main() -> None:
                 (cfg.run_dir / "dynamo_stats.json").write_text(json.dumps(dict(counters["stats"])))
             gc.collect()  # DDP reducers and FSDP state of the finished run go before the next one starts
             dist.barrier()
-            if rt.rank == 0 and os.environ.get("DISTTRAIN_TEST_TIMING"):  # where a test module's time goes
-                print(f"job {cfg.run_dir.name}: {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
+            timing = os.environ.get("DISTTRAIN_TEST_TIMING")  # a file: where a test module's time goes
+            if rt.rank == 0 and timing:
+                with open(timing, "a") as f:
+                    f.write(f"{cfg.run_dir.name}: {time.perf_counter() - started:.1f} s\n")
     finally:
         shutdown()
 
