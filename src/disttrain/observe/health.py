@@ -58,12 +58,15 @@ def check_replicas_in_sync(model: torch.nn.Module, group, step: int) -> None:
                                 + ", ".join(bad[:8]) + (" ..." if len(bad) > 8 else ""))
 
 
-def straggler_stats(local_seconds: float, device) -> dict:
-    """Collective over the world: per-rank local compute time at a logging step."""
-    t = torch.tensor([local_seconds], dtype=torch.float64, device=device)
+def rank_stats(local_seconds: float, peak_bytes: int, device) -> dict:
+    """Collective over the world (one all-gather per logging step): per-rank local compute time, and the
+    peak memory's maximum over ranks."""
+    t = torch.tensor([local_seconds, float(peak_bytes)], dtype=torch.float64, device=device)
     gathered = [torch.empty_like(t) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, t)
-    values = [float(x) for x in gathered]
+    rows = torch.stack(gathered).tolist()
+    values = [row[0] for row in rows]
     slowest = max(range(len(values)), key=values.__getitem__)
     return {"rank_compute_min_s": min(values), "rank_compute_median_s": statistics.median(values),
-            "rank_compute_max_s": values[slowest], "slowest_rank": slowest}
+            "rank_compute_max_s": values[slowest], "slowest_rank": slowest,
+            "mem_peak_bytes": int(max(row[1] for row in rows))}

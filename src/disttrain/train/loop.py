@@ -14,7 +14,7 @@ from disttrain.data.loader import DistributedBatchLoader, MixtureSamples
 from disttrain.data.sampling import GlobalBatchSampler
 from disttrain.errors import EXIT_PREEMPTED
 from disttrain.models.generate import generate
-from disttrain.observe.health import check_replicas_in_sync, straggler_stats
+from disttrain.observe.health import check_replicas_in_sync, rank_stats
 from disttrain.observe.metrics import MetricsLogger, peak_memory_bytes
 from disttrain.observe.model_bytes import memory_stats
 from disttrain.train.builder import Run
@@ -84,13 +84,11 @@ class Trainer:
     def _step_record(self, loss_sum, grad_norm, lr: float, window_steps: int, elapsed: float, data_time: float) -> dict:
         """Collective (loss, peak memory and per-rank compute time over ranks); only on logging steps."""
         run, device = self.run, self.run.rt.device
-        mem = torch.tensor([peak_memory_bytes(device)], device=device, dtype=torch.float64)
-        dist.all_reduce(mem, op=dist.ReduceOp.MAX)
         tokens_per_sec = run.tokens_per_step * window_steps / elapsed
         record = {"step": self.step, "time": time.time(), "loss": self._global_mean(loss_sum, run.tokens_per_step),
                   "lr": lr, "grad_norm": float(grad_norm), "tokens_per_sec": tokens_per_sec,
                   "step_time_s": elapsed / window_steps, "data_time_s": data_time,
-                  "tokens_seen": self.progress.tokens_seen, "mem_peak_bytes": int(mem.item())}
+                  "tokens_seen": self.progress.tokens_seen}
         if run.peak_flops and run.flops_per_token:
             record["mfu"] = run.flops_per_token * tokens_per_sec / (run.peak_flops * run.rt.world_size)
         breakdown = run.breakdown.collect(window_steps)
@@ -100,7 +98,7 @@ class Trainer:
             record.update(comm)
             record["comm_time_s"] = sum(comm.values())
         record.update(memory_stats(device))
-        record.update(straggler_stats(data_time + self.engine.forward_seconds, device))
+        record.update(rank_stats(data_time + self.engine.forward_seconds, peak_memory_bytes(device), device))
         record.update(self.engine.extra_metrics())
         if run.layout.balanced:
             record["balance_shares"] = list(run.balancer.shares)
