@@ -1,5 +1,6 @@
 """The same Hugging Face Llama under disttrain (DDP, ZeRO-3), HF Accelerate (DDP), Lightning Fabric (DDP,
-FSDP2) and DeepSpeed (ZeRO-3), each as a ratio to a hand-written DDP loop (workloads/hf_*.py), interleaved.
+FSDP2), DeepSpeed (ZeRO-3) and a hand-written FSDP2 loop, each as a ratio to a hand-written DDP loop
+(workloads/hf_*.py), interleaved.
 
     make bench-env && .venv/bin/python benchmarks/hf_frameworks.py --reps 3
 
@@ -17,7 +18,7 @@ from overhead import BENCH_PY, REPO, WORKLOADS, add_common_args, interleaved, pr
 
 SEQ, GLOBAL_BATCH = 256, 16
 VARIANTS = ("plain", "disttrain-ddp", "disttrain-zero3", "accelerate-ddp", "fabric-ddp", "fabric-fsdp2",
-            "deepspeed-zero3")
+            "deepspeed-zero3", "plain-fsdp2")
 
 
 def model_dir():
@@ -41,6 +42,8 @@ def command(variant: str, steps: int, directory) -> list[str]:
                 "--nproc-per-node", "2"]
     if variant == "plain":
         return [sys.executable, *torchrun, str(WORKLOADS / "hf_plain_ddp.py"), "--steps", str(steps)]
+    if variant == "plain-fsdp2":  # the hand-written sharded loop: fully_shard per decoder layer
+        return [sys.executable, *torchrun, str(WORKLOADS / "hf_plain_fsdp.py"), "--steps", str(steps)]
     if variant == "deepspeed-zero3":
         return [sys.executable, *torchrun, str(WORKLOADS / "hf_deepspeed.py"), "--steps", str(steps)]
     script = "hf_accelerate.py" if variant.startswith("accelerate") else "hf_fabric.py"

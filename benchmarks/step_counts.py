@@ -9,6 +9,7 @@ GPU each one waits for the device. AdamW's per-parameter step counters are CPU t
 their reads, inside `Optimizer.step`, are counted apart.
 
     python benchmarks/step_counts.py [--micro-batch 8]      # re-launches itself under torchrun
+    python benchmarks/step_counts.py --hf   # the HF workload: disttrain ZeRO-3 vs fully_shard per decoder layer
 """
 
 from __future__ import annotations
@@ -94,7 +95,27 @@ def handwritten_steps(layout: str, micro_batch: int):
     return lambda steps: handwritten.train(layout, steps, micro_batch)
 
 
-def worker(micro_batch: int, out: Path) -> None:
+def hf_pair(rt) -> dict:
+    """benchmarks/hf_frameworks.py's model and batch (micro-batch 8 x 256 per rank, no accumulation)."""
+    import hf_plain_fsdp
+    from hf_common import HF_CONFIG, MICRO_BATCH, SEQ_LEN
+    from transformers import LlamaConfig
+
+    directory = REPO / "runs" / "bench-counts" / "hf_model"
+    if rt.rank == 0:
+        LlamaConfig(**HF_CONFIG, use_cache=False).save_pretrained(directory)
+    import torch.distributed as dist
+
+    dist.barrier()
+    overrides = [f"model.hf={directory}", f"data.seq_len={SEQ_LEN}", f"train.global_batch_size={2 * MICRO_BATCH}",
+                 "parallel.zero_stage=3"]
+    rows = {"disttrain hf zero3": per_step(disttrain_steps(rt, overrides, MICRO_BATCH))}
+    dist.barrier()
+    rows["hand-written hf fsdp2"] = per_step(hf_plain_fsdp.train)
+    return rows
+
+
+def worker(micro_batch: int, out: Path, hf: bool = False) -> None:
     import torch.distributed as dist
 
     from disttrain.distributed.env import detect_env
@@ -103,7 +124,7 @@ def worker(micro_batch: int, out: Path) -> None:
     rt = init_distributed(detect_env(), "gloo", 300)
     rows = {}
     try:
-        for layout, overrides in LAYOUTS.items():
+        for layout, overrides in ({} if hf else LAYOUTS).items():
             rows[f"disttrain {layout}"] = per_step(disttrain_steps(rt, overrides, micro_batch))
             dist.barrier()
             rows[f"hand-written {layout}"] = per_step(handwritten_steps(layout, micro_batch))
@@ -111,6 +132,10 @@ def worker(micro_batch: int, out: Path) -> None:
             if rt.rank == 0:
                 print(f"{layout}: disttrain {rows[f'disttrain {layout}']}\n      hand-written "
                       f"{rows[f'hand-written {layout}']}", flush=True)
+        if hf:
+            rows = hf_pair(rt)
+            if rt.rank == 0:
+                print("\n".join(f"{name}: {row}" for name, row in rows.items()), flush=True)
         if rt.rank == 0:
             from disttrain.bench.results import write_results
 
@@ -122,16 +147,18 @@ def worker(micro_batch: int, out: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--hf", action="store_true", help="only the Hugging Face workload's sharded pair")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    out = Path(args.out or REPO / "benchmarks" / "results" / f"step_counts_mb{args.micro_batch}.json")
+    name = "step_counts_hf.json" if args.hf else f"step_counts_mb{args.micro_batch}.json"
+    out = Path(args.out or REPO / "benchmarks" / "results" / name)
     if "LOCAL_RANK" in os.environ:
-        worker(args.micro_batch, out)
+        worker(args.micro_batch, out, args.hf)
         return
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(WORKLOADS), str(REPO / "src"), os.environ.get("PYTHONPATH", "")]))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
-           "--micro-batch", str(args.micro_batch), "--out", str(out)]
+           "--micro-batch", str(args.micro_batch), "--out", str(out), *(["--hf"] if args.hf else [])]
     sys.exit(subprocess.run(cmd, env=env, cwd=REPO).returncode)
 
 

@@ -263,3 +263,27 @@ def test_bench_scaling_table_and_plot(tmp_path):
     assert rows[1]["efficiency"] == pytest.approx(tps[2] / tps[1] / 2)
     assert (out / "scaling.png").read_bytes()[:4] == b"\x89PNG"
     assert "efficiency" in proc.stdout
+
+
+def test_profiler_read_out_equals_the_profilers_event_tree():
+    """The periodic sample reads kineto's raw records (fast) instead of building `events()`: the same
+    durations per op name."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from disttrain.observe.breakdown import _records
+
+    a, b = torch.randn(64, 64), torch.randn(64, 64)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(5):
+            (a @ b).relu().sum()
+    raw: dict[str, float] = {}
+    for name, seconds, kernel in _records(prof):
+        raw[name] = raw.get(name, 0.0) + seconds
+        assert not kernel
+    tree: dict[str, float] = {}
+    for event in prof.events():
+        tree[event.name] = tree.get(event.name, 0.0) + event.cpu_time_total / 1e6
+    assert raw.keys() >= {"aten::mm", "aten::relu", "aten::sum"}
+    for name in ("aten::mm", "aten::relu", "aten::sum"):
+        assert raw[name] == pytest.approx(tree[name], rel=1e-6, abs=1e-9), name

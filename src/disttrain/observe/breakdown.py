@@ -161,18 +161,24 @@ class CommProfiler:
 
 
 def _records(prof):
-    """(name, seconds, is a GPU kernel) per profiled record. Reads kineto's raw records: the profiler's
-    `events()` builds a Python object tree of every op first (0.1-0.6 s per profiled step on a CPU, 20-50x
-    the raw read), which was most of the periodic sample's cost."""
+    """(name, seconds, is a GPU kernel) per profiled record, as `prof.events()` lists them: an op inside a
+    same-named op on its thread (an overload's dispatch) is dropped, as `events()` drops it. Reads kineto's raw records: `events()`
+    builds a Python object tree of every op first (0.1-0.6 s per profiled step on a CPU, 20-50x the raw
+    read), which was most of the periodic sample's cost."""
     raw = getattr(getattr(prof, "profiler", None), "kineto_results", None)
-    if raw is None:  # an older or newer profiler without the raw results
+    if raw is None:  # a profiler without the raw results
         for event in prof.events():
             kernel = event.name.lower().startswith("nccl") and "kernel" in event.name.lower()
             yield event.name, ((event.device_time_total or 0) if kernel else event.cpu_time_total) / 1e6, kernel
         return
-    for event in raw.events():
-        name = event.name()
-        yield name, event.duration_ns() / 1e9, name.lower().startswith("nccl") and "kernel" in name.lower()
+    enclosing: dict[tuple, int] = {}  # (name, thread) -> end of the last kept record
+    for event in sorted(raw.events(), key=lambda e: e.start_ns()):
+        name, start, duration = event.name(), event.start_ns(), event.duration_ns()
+        key = (name, event.start_thread_id())
+        if start < enclosing.get(key, -1):
+            continue  # inside a record of the same name on the same thread
+        enclosing[key] = start + duration
+        yield name, duration / 1e9, name.lower().startswith("nccl") and "kernel" in name.lower()
 
 
 @contextlib.contextmanager
