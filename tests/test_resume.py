@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import shutil
 
-from helpers import losses, records, train
+from helpers import losses, records, train, train_many
 
 COMMON = ("train.steps=20", "train.global_batch_size=4", "train.micro_batch_size=1",
           "checkpoint.every_steps=10")
@@ -34,8 +34,10 @@ def test_resume_auto_continues_exactly(tmp_path):
 
 
 def test_resume_none_starts_fresh(tmp_path):
-    run = train(tmp_path / "run", "train.steps=4", "checkpoint.every_steps=2")
-    train(run, "train.steps=4", "checkpoint.every_steps=2", "checkpoint.resume=none")
+    """A run, then the same run directory again with checkpoint.resume=none (one launch, in turn)."""
+    run = tmp_path / "run"
+    train_many({"first": (run, ("train.steps=4", "checkpoint.every_steps=2")),
+                "again": (run, ("train.steps=4", "checkpoint.every_steps=2", "checkpoint.resume=none"))}, nproc=1)
     steps = [r["step"] for r in records(run) if "loss" in r]
     assert steps == [1, 2, 3, 4, 1, 2, 3, 4]
 

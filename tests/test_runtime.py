@@ -56,12 +56,19 @@ def test_torchrun_module_launch_with_time_triggered_checkpoints(tmp_path):
     assert all((run / "checkpoints" / f"step_{s:08d}" / "COMMIT").is_file() for s in saved)
 
 
+@pytest.fixture(scope="module")
+def precision_runs(tmp_path_factory):
+    """10 steps in fp32, bf16 and fp16 autocast: one process, one launch."""
+    root = tmp_path_factory.mktemp("precision")
+    return train_many({dtype: (root / dtype, ("train.steps=10", f"precision.compute_dtype={dtype}"))
+                       for dtype in ("fp32", "bf16", "fp16")}, nproc=1)
+
+
 # Bounds: half the dtype's unit roundoff (2^-8 for bf16, 2^-11 for fp16) on the global-batch mean loss;
 # measured here: bf16 5.6e-5, fp16 1.5e-5 over 10 steps.
 @pytest.mark.parametrize("dtype,bound", [("bf16", 2e-3), ("fp16", 2.5e-4)])
-def test_low_precision_tracks_fp32(dtype, bound, tmp_path):
-    ref = losses(train(tmp_path / "fp32", "train.steps=10"))
-    run = train(tmp_path / dtype, "train.steps=10", f"precision.compute_dtype={dtype}")
+def test_low_precision_tracks_fp32(dtype, bound, precision_runs):
+    ref, run = losses(precision_runs["fp32"]), precision_runs[dtype]
     low = losses(run)
     diffs = [abs(low[s] - ref[s]) / ref[s] for s in ref]
     assert 0 < max(diffs) <= bound, diffs  # autocast really ran (not bitwise fp32) and stays close
