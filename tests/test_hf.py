@@ -203,3 +203,16 @@ def test_weights_that_do_not_fit_the_config_are_one_line(tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert "model.layers.0.mlp.gate_proj.weight has shape (192, 64) in the weights, (128, 64)" in lines[0]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_estimate_counts_the_parameters_of_an_hf_directory(kind, hf_dirs):
+    """`estimate --hf DIR` reads config.json: the parameter count transformers' own model has (Qwen2's tied
+    embedding once), and the 6-FLOPs-per-parameter floor of its training FLOPs per token."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(hf_dirs[kind]))
+    expected = sum(p.numel() for p in model.parameters())  # parameters() yields a tied tensor once
+    out = json.loads(run_cli("estimate", "--hf", str(hf_dirs[kind]), "--gpus", "2", "--json").stdout)
+    assert out["params"] == expected
+    assert out["flops_per_token"] >= 6 * (expected - model.config.hidden_size * model.config.vocab_size)
