@@ -45,3 +45,17 @@ def loss_fn(out, targets):
 
 def rank() -> int:
     return int(os.environ.get("RANK", 0))
+
+
+def train_loop(model, steps: int) -> None:
+    """The hand-written loops' step: forward, backward, clip to 1.0, AdamW, clear."""
+    import torch.distributed as dist
+
+    opt = make_optimizer(model)
+    data = RandomWindows(dist.get_rank())
+    for _ in range(steps):
+        x, y = data.micro_batch()
+        loss_fn(model(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)

@@ -30,11 +30,6 @@ def load_profile(path: str | Path) -> dict:
     return profile
 
 
-def _matmul_rates(profile: dict, model: str, shape: ModelShape) -> dict[str, float]:
-    """The rates measured for this model's shapes, else those of the measured model nearest in width."""
-    return _nearest(profile["matmul_flops"], model, shape)
-
-
 def _nearest(measured: dict, model: str, shape: ModelShape):
     """`measured[model]`, else the entry of the measured model nearest in width (None: not measured)."""
     if model in measured:
@@ -45,7 +40,7 @@ def _nearest(measured: dict, model: str, shape: ModelShape):
 
 def profile_cluster(profile: dict, gpus: int, model: str, shape: ModelShape, overlap_efficiency: float = 0.9) -> Cluster:
     """Every rank on this one machine: one node of `gpus` ranks, links at the measured all-reduce α and β."""
-    rates = _matmul_rates(profile, model, shape)
+    rates = _nearest(profile["matmul_flops"], model, shape)  # matmul rates depend on the shapes
     fsdp = _nearest(profile.get("fsdp_round_trip") or {}, model, shape) or {}
     tflops = {d: r / 1e12 for d, r in rates.items() if d in ("fp32", "bf16")}
     tflops.setdefault("bf16", tflops["fp32"])

@@ -148,8 +148,8 @@ def step_time(shape: ModelShape, layout: Layout, cluster: Cluster) -> StepTime:
     compute = hw_per_token * tokens / world / (peak * cluster.compute_efficiency)
     optimizer, idle_share = 0.0, 1.0
     if cluster.elementwise_bytes_per_s is not None:
-        rate = cluster.matmul_rate(layout.tp, dtype, peak) if layout.tp > 1 else peak
-        compute, optimizer, idle_share = measured_compute(shape, layout, cluster, rate)
+        compute, optimizer, idle_share = measured_compute(shape, layout, cluster,
+                                                          cluster.matmul_rate(layout.tp, dtype, peak))
     per_mb = compute / m  # one micro-batch through this rank's stage(s): forward + backward
     recompute_share = F.recompute_flops_per_token(shape, s, layout.activation_checkpointing) / hw_per_token
     fwd = per_mb * (1 - recompute_share) / 3
