@@ -121,13 +121,14 @@ class ParallelConfig(_Section):
     balance_every: int = Field(20, gt=0, description="steps between re-splits under balance=auto")
 
 
-Dtype = Literal["fp32", "bf16", "fp16"]
+Dtype = Literal["fp32", "bf16", "fp16", "fp64"]
 
 
 class PrecisionConfig(_Section):
-    param_dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    param_dtype: Literal["auto", "fp32", "bf16", "fp16", "fp64"] = "auto"
     compute_dtype: Dtype = "fp32"
-    reduce_dtype: Dtype = "fp32"
+    reduce_dtype: Literal["auto", "fp32", "bf16", "fp16", "fp64"] = Field(
+        "auto", description="auto: fp64 when compute_dtype=fp64, else fp32")
 
 
 class CheckpointConfig(_Section):

@@ -21,7 +21,7 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "zero_bubble")  # several virtual stages per rank
 VIRTUAL_STAGES = 2  # stages per rank for the multi-stage schedules (rank r owns stages r and r + pp)
 RECOMPUTE = ("none", "selective", "full")
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8}
 
 
 def stages_per_rank(pp: int, schedule: str, virtual_stages: int = VIRTUAL_STAGES) -> int:
@@ -174,17 +174,21 @@ class Layout:
         dp_shard = resolve_dp_shard(p, world_size) if world_size is not None else max(1, p.dp_shard)
         dp = p.dp_replicate * dp_shard
         per_rank = max(1, cfg.train.global_batch_size // dp)
-        if p.zero_stage >= 2 and cfg.engine == "torch":
+        if prec.compute_dtype == "fp64":  # double precision throughout (debugging numerics)
+            param_dtype = "fp64"
+        elif p.zero_stage >= 2 and cfg.engine == "torch":
             auto = "bf16" if device_type == "cuda" else "fp32"
             param_dtype = prec.param_dtype if prec.param_dtype != "auto" else auto
         else:
             param_dtype = prec.compute_dtype
+        reduce_dtype = prec.reduce_dtype if prec.reduce_dtype != "auto" else (
+            "fp64" if prec.compute_dtype == "fp64" else "fp32")
         return cls(dp_replicate=p.dp_replicate, dp_shard=dp_shard, tp=p.tp, pp=p.pp, zero_stage=p.zero_stage,
                    micro_batch_size=cfg.train.micro_batch_size or per_rank, seq_len=cfg.data.seq_len,
                    global_batch_size=cfg.train.global_batch_size, pp_schedule=p.pp_schedule,
                    pp_microbatches=p.pp_microbatches, pp_layers=tuple(p.pp_layers),
                    sequence_parallel=p.sequence_parallel, activation_checkpointing=p.activation_checkpointing,
-                   param_dtype=param_dtype, compute_dtype=prec.compute_dtype, reduce_dtype=prec.reduce_dtype,
+                   param_dtype=param_dtype, compute_dtype=prec.compute_dtype, reduce_dtype=reduce_dtype,
                    cpu_offload=p.cpu_offload, engine=cfg.engine, balance=p.balance,
                    balance_weights=tuple(float(w) for w in p.balance_weights))
 

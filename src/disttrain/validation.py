@@ -85,6 +85,14 @@ def tokenizer_for(cfg) -> str:
 def _check_keys_for_engine(cfg) -> None:
     """Keys that only one engine or one gradient wrapper reads."""
     p, prec = cfg.parallel, cfg.precision
+    if prec.compute_dtype == "fp64":
+        if cfg.engine == "deepspeed":
+            raise UserError("precision.compute_dtype=fp64 needs engine=torch (DeepSpeed trains in fp32, bf16 or fp16; "
+                            "allowed with engine=deepspeed: fp32, bf16, fp16)")
+        for key in ("param_dtype", "reduce_dtype"):
+            if getattr(prec, key) not in ("auto", "fp64"):
+                raise UserError(f"precision.{key}={getattr(prec, key)} with precision.compute_dtype=fp64: everything "
+                                "is double precision then (allowed: auto, fp64)")
     if cfg.engine == "deepspeed":
         if p.ddp_comm_hook != "none":
             raise UserError(f"parallel.ddp_comm_hook={p.ddp_comm_hook} needs engine=torch (allowed with "
@@ -105,7 +113,7 @@ def _check_keys_for_engine(cfg) -> None:
     if p.zero_stage < 2:
         for key in ("param_dtype", "reduce_dtype"):
             value = getattr(prec, key)
-            if value not in ("fp32", "auto"):
+            if value not in ("fp32", "auto") and prec.compute_dtype != "fp64":
                 raise UserError(f"precision.{key}={value} needs parallel.zero_stage 2 or 3 (FSDP2's mixed-precision "
                                 f"policy); with zero_stage={p.zero_stage} allowed: fp32 (use precision.compute_dtype "
                                 "for autocast, parallel.ddp_comm_hook to compress gradients)")

@@ -15,12 +15,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from disttrain.dtypes import at_least_fp32
 from disttrain.models.shape import ModelShape
+
+IGNORE_INDEX = -100  # PyTorch's and transformers' ignore index: padding, prompt tokens in fine-tuning
 
 
 def token_cross_entropy_sum(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Sum of the token losses of a micro-batch (normalising is the step engine's job, in one place)."""
-    return F.cross_entropy(outputs.float().flatten(0, -2), targets.flatten(), reduction="sum")
+    """Sum of the token losses of a micro-batch over its valid targets (targets equal to IGNORE_INDEX carry
+    none); normalising is the step engine's job, in one place (train/loss.py)."""
+    return F.cross_entropy(at_least_fp32(outputs).flatten(0, -2), targets.flatten(), reduction="sum",
+                           ignore_index=IGNORE_INDEX)
 
 
 @dataclass(frozen=True)
@@ -71,14 +76,17 @@ class ModelSpec:
         return model_flops_per_token(self.shape, seq_len)
 
 
-def build_model(spec: ModelSpec, device: torch.device, seed: int) -> nn.Module:
-    """Build on the meta device (no memory), materialise on `device`, then initialise."""
+def build_model(spec: ModelSpec, device: torch.device, seed: int, dtype: torch.dtype | None = None) -> nn.Module:
+    """Build on the meta device (no memory), materialise on `device`, then initialise; `dtype` (fp64 runs)
+    converts the initialised floating-point parameters and buffers, so every dtype starts from the same values."""
     with torch.device("meta"):
         model = spec.build()
     model.to_empty(device=device)
     spec.init_weights(model, seed)
     if spec.load_pretrained is not None:
         spec.load_pretrained(model)
+    if dtype is not None:
+        model.to(dtype)
     return model
 
 

@@ -10,6 +10,7 @@ import json
 import logging
 from dataclasses import dataclass, replace
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -94,7 +95,7 @@ def build_run(cfg: RunConfig, rt: Runtime) -> Run:
     spec = model_spec(cfg.model)
     if cfg.model.hf:
         log.info("model from %s (%s); model.name=%s is ignored", cfg.model.hf, spec.name, cfg.model.name)
-    model = build_model(spec, rt.device, t.seed)
+    model = build_model(spec, rt.device, t.seed, torch.float64 if layout.compute_dtype == "fp64" else None)
     if cfg.data.document_masking:  # validation checked the spec can and the tokenizer has an end token
         spec.mask_documents(model, tokenizer.eos_id)
     if cfg.model.init_from:

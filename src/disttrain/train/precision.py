@@ -1,4 +1,4 @@
-"""Compute precision: fp32, bf16 autocast, or fp16 autocast with dynamic loss scaling."""
+"""Compute precision: fp32 or fp64 (no autocast), bf16 autocast, or fp16 autocast with dynamic loss scaling."""
 
 from __future__ import annotations
 
@@ -17,6 +17,6 @@ class Precision:
         self.scaler = torch.amp.GradScaler(device.type, enabled=self.dtype == torch.float16)
 
     def autocast(self):
-        if self.dtype == torch.float32:
+        if self.dtype in (torch.float32, torch.float64):  # parameters already hold the compute dtype
             return contextlib.nullcontext()
         return torch.autocast(self.device_type, dtype=self.dtype)

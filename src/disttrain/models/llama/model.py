@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from disttrain.dtypes import at_least_fp32
 from disttrain.models.documents import block_causal_mask, document_positions
 from disttrain.models.shape import ModelShape
 
@@ -28,7 +29,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     cos, sin = (cos[None, :, None, :], sin[None, :, None, :]) if cos.ndim == 2 else (cos[:, :, None], sin[:, :, None])
-    return (x.float() * cos + rotated.float() * sin).type_as(x)
+    return (at_least_fp32(x) * cos + at_least_fp32(rotated) * sin).type_as(x)
 
 
 class Attention(nn.Module):
