@@ -1,9 +1,17 @@
-"""The README's config reference and command list stay in step with the code."""
+"""The README's config reference and command lines, and docs/ARCHITECTURE.md's diagrams and module
+paths, stay in step with the code."""
 
 from __future__ import annotations
 
+import argparse
+import re
+
 from disttrain.config import RunConfig
 from helpers import REPO
+
+SRC = REPO / "src" / "disttrain"
+FENCE = re.compile(r"^```([^\n]*)\n(.*?)^```", re.S | re.M)
+FLAG = re.compile(r"(?<![\w-])--[A-Za-z][\w-]*")
 
 
 def test_readme_documents_every_config_key():
@@ -25,3 +33,176 @@ def test_readme_starts_with_the_two_commands():
 
 def test_ci_runs_make_test():
     assert "make test" in (REPO / ".ci" / "run").read_text()
+
+
+# ------------------------------------------------------------------ README command lines vs the CLI parser
+def cli_commands() -> dict[tuple[str, ...], set[str]]:
+    """Every command path of the real parser (`()`, `("train",)`, `("bench", "comm")`, ...) -> its long
+    options. Built in-process from disttrain.cli.build_parser."""
+    from disttrain.cli import build_parser
+
+    commands: dict[tuple[str, ...], set[str]] = {}
+
+    def walk(parser: argparse.ArgumentParser, path: tuple[str, ...]) -> None:
+        commands[path] = {s for s in parser._option_string_actions if s.startswith("--")}
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, child in action.choices.items():
+                    walk(child, path + (name,))
+
+    walk(build_parser(), ())
+    return commands
+
+
+def leaf_commands(commands) -> set[tuple[str, ...]]:
+    return {p for p in commands if p and not any(q[:len(p)] == p and q != p for q in commands)}
+
+
+def logical_lines(block: str) -> list[str]:
+    """A code block's command lines: `# comments` dropped, `\\` continuations and indented
+    continuation lines joined to the line they continue."""
+    lines: list[str] = []
+    joining = False
+    for raw in block.splitlines():
+        line = re.sub(r"(^|\s)#.*", "", raw).rstrip()
+        if not line.strip():
+            joining = False
+            continue
+        continued = line.endswith("\\")
+        line = line.rstrip("\\").rstrip()
+        if lines and (joining or raw[:1].isspace()):
+            lines[-1] += " " + line.strip()
+        else:
+            lines.append(line.strip())
+        joining = continued
+    return lines
+
+
+def readme_lines(text: str) -> list[str]:
+    """Every fenced code line (joined as above) and every inline code span outside the fences."""
+    lines = [line for _, block in FENCE.findall(text) for line in logical_lines(block)]
+    prose = FENCE.sub("", text)
+    return lines + [span.strip() for span in re.findall(r"`([^`\n]+)`", prose)]
+
+
+def command_on(line: str, commands) -> tuple[tuple[str, ...] | None, list[str], list[str]]:
+    """(command path, its arguments, problems) of a `disttrain ...` line (`torchrun ... -m disttrain
+    train ...` counts as `train`); path None when the line runs no disttrain command."""
+    tokens = line.split()
+    for i, tok in enumerate(tokens):
+        if tok == "disttrain" and (i == 0 or tokens[i - 1] == "-m"):
+            break
+    else:
+        return None, [], []
+    path, rest = (), tokens[i + 1:]
+    while rest and path + (rest[0],) in commands:
+        path, rest = path + (rest[0],), rest[1:]
+    problems = []
+    if rest and not rest[0].startswith(("-", "[")) and path not in leaf_commands(commands):
+        problems.append(f"`disttrain {' '.join(path + (rest[0],))}`: no such command")
+    return path, rest, problems
+
+
+def readme_problems(text: str, commands=None) -> list[str]:
+    """Commands and --flags the README shows that the parser lacks; a flag belongs to the command on
+    its line, and a lone `--flag` in prose must be some command's."""
+    commands = commands or cli_commands()
+    every_flag = set().union(*commands.values())
+    problems = []
+    for line in readme_lines(text):
+        path, rest, found = command_on(line, commands)
+        problems += found
+        if path is None:
+            if line.startswith("--"):
+                problems += [f"{flag} (in `{line}`): no command has it" for flag in FLAG.findall(line)
+                             if flag not in every_flag]
+            continue
+        name = "disttrain " + " ".join(path)
+        problems += [f"{flag}: `{name}` has no such option (README line: {line[:80]})"
+                     for flag in FLAG.findall(" ".join(rest)) if flag not in commands[path]]
+    return problems
+
+
+def readme_missing_commands(text: str, commands=None) -> list[str]:
+    """Commands of the CLI that no README command line shows."""
+    commands = commands or cli_commands()
+    shown = {command_on(line, commands)[0] for line in readme_lines(text)}
+    return sorted(" ".join(p) for p in leaf_commands(commands) if p not in shown)
+
+
+def test_readme_commands_and_flags_exist_in_the_cli():
+    problems = readme_problems((REPO / "README.md").read_text())
+    assert not problems, "README shows what the CLI lacks:\n" + "\n".join(problems)
+
+
+def test_every_cli_command_appears_in_the_readme():
+    missing = readme_missing_commands((REPO / "README.md").read_text())
+    assert not missing, f"README never shows: {missing}"
+
+
+def test_the_readme_checker_catches_renamed_flags_and_commands():
+    commands = cli_commands()
+    assert {("train",), ("bench", "comm"), ("bench", "hardware"), ("config", "export-deepspeed")} <= set(commands)
+    assert "--nproc-per-node" in commands[("train",)]
+
+    def problems(block: str) -> str:
+        return "\n".join(readme_problems(f"```bash\n{block}\n```\n", commands))
+
+    assert problems("disttrain train configs/demo.yaml --nproc-per-node 2") == ""
+    assert "--bogus-flag" in problems("disttrain train configs/demo.yaml --bogus-flag 2")
+    assert "--bogus-flag" in problems("torchrun --nproc-per-node 2 -m disttrain train c.yaml --bogus-flag")
+    assert "--bogus-flag" in problems("disttrain plan --model 7b --gpus 8 \\\n    --bogus-flag 3")
+    assert "--bogus-flag" in problems("disttrain estimate --model 7b\n                [--bogus-flag]")
+    assert "--world-size" in problems("disttrain report RUN_DIR --world-size 2")  # another command's flag
+    assert "--max-procs" in problems("disttrain bench comm --max-procs 4")
+    assert "disttrain bogus" in problems("disttrain bogus --out x")
+    assert "disttrain bench bogus" in problems("disttrain bench bogus")
+    assert problems("disttrain train c.yaml  # --bogus-flag in a comment") == ""
+    assert problems("torchrun --bogus-launcher-flag 2 -m disttrain train c.yaml") == ""  # torchrun's own
+    assert "--bogus-flag" in "\n".join(readme_problems("Use `--bogus-flag` here.", commands))
+
+    readme = (REPO / "README.md").read_text()
+    renamed = readme.replace("--nproc-per-node", "--nprocs-per-node")
+    assert any("--nprocs-per-node" in p for p in readme_problems(renamed, commands))
+    assert "report" in readme_missing_commands(re.sub(r"disttrain report", "disttrain", readme), commands)
+
+
+# ------------------------------------------------------------------ docs/ARCHITECTURE.md
+# Modules the architecture already describes that land with the set-up refactor (resolve_run) and the
+# phase announcements. Remove an entry once its file is committed.
+EXPECTED_SOON = {"resolve.py", "train/phases.py", "phases.py"}
+
+
+def _doc_path_exists(name: str) -> bool:
+    if name.startswith("src/"):
+        return (REPO / name).exists()
+    if name.startswith("disttrain/"):
+        return (REPO / "src" / name).exists()
+    if "/" in name:
+        return (SRC / name).exists() or (REPO / name).exists()
+    return (SRC / name).exists() or any(SRC.rglob(name))  # a bare name under its package in the layer list
+
+
+def test_architecture_has_the_three_diagrams():
+    text = (REPO / "docs" / "ARCHITECTURE.md").read_text()
+    blocks = [body for lang, body in FENCE.findall(text) if lang.strip() == "mermaid"]
+    assert len(blocks) >= 3, "expected three ```mermaid blocks"
+    kinds = [body.split()[0] for body in blocks]
+    assert "sequenceDiagram" in kinds
+    graphs = [b for b, k in zip(blocks, kinds) if k in ("flowchart", "graph")]
+    assert any("plan" in b and "layout" in b for b in graphs), "the layer diagram"
+    assert any(all(re.search(rf"\b{d}\b", b) for d in ("pp", "dp_shard", "tp")) for b in graphs), "the mesh"
+    sequence = blocks[kinds.index("sequenceDiagram")]
+    for step in ("train_step", "all-reduce", "optimizer.step", "COMMIT", "phase subscribers"):
+        assert step in sequence, step
+
+
+def test_architecture_names_only_modules_that_exist():
+    text = (REPO / "docs" / "ARCHITECTURE.md").read_text()
+    files = set(re.findall(r"(?<![\w./-])((?:\w+/)*\w+\.py)\b", text))
+    dirs = set(re.findall(r"`((?:src/)?(?:\w+/)+)`", text))
+    modules = {m + ".py" for m, attr in re.findall(r"(?<![\w./-])((?:\w+/)+\w+)\.(\w+)", text)
+               if attr not in ("py", "yaml", "md", "json")}  # train/builder.build_run -> train/builder.py
+    assert {"train/loop.py", "resolve.py", "distributed/mesh.py"} <= files | modules and "src/disttrain/" in dirs
+    missing = sorted(p for p in files | dirs | modules if not _doc_path_exists(p) and p not in EXPECTED_SOON)
+    assert not missing, f"docs/ARCHITECTURE.md names paths that do not exist: {missing}"
