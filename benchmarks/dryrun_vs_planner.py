@@ -42,16 +42,16 @@ def replan(path: str) -> None:
     """Recompute the planner's side of saved rows with the current planner (the dry-run side does not
     depend on it) and print the markdown table."""
     from disttrain.cli.dryrun import default_ranks, pp_rank_of
-    from disttrain.models.registry import model_shape
     from disttrain.plan.memory import estimate_memory
-    from disttrain.validation import validate_world
+    from disttrain.resolve import resolve_run
 
     data = json.loads(Path(path).read_text())
     for row in data["rows"]:
         cfg = config(row["model"], row["layout"], data["seq_len"])
-        layout = validate_world(cfg, data["ranks"], "cuda")
+        resolved = resolve_run(cfg, data["ranks"], "cuda")
+        layout = resolved.layout
         worst = max(row["per_rank"], key=lambda r: r["peak_bytes"])
-        planned = estimate_memory(model_shape(cfg.model), layout, pp_rank=pp_rank_of(layout, worst["rank"]))
+        planned = estimate_memory(resolved.shape, layout, pp_rank=pp_rank_of(layout, worst["rank"]))
         row["planner_peak_bytes"] = planned.total
         row["replanned"] = True
         err = planned.total / row["peak_bytes"] - 1

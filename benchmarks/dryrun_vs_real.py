@@ -35,7 +35,7 @@ def main() -> None:
     sys.path.insert(0, str(REPO / "tests"))
     from disttrain.config import load_config
     from disttrain.dryrun.simulate import simulate
-    from disttrain.validation import validate_world
+    from disttrain.resolve import resolve_run
 
     jobs = layouts(args.model)
     with tempfile.TemporaryDirectory() as tmp:
@@ -50,9 +50,10 @@ def main() -> None:
     rows = []
     for name, overrides in jobs.items():
         cfg = load_config(None, overrides)
-        layout = validate_world(cfg, 2, "cpu")
+        resolved = resolve_run(cfg, 2, "cpu")
+        layout = resolved.layout
         for rank in range(layout.pp if layout.pp > 1 else 1):
-            fake = simulate(cfg, layout, rank * (2 // layout.pp), device_type="cpu")
+            fake = simulate(cfg, resolved, rank * (2 // layout.pp))
             measured = real[name][rank * (2 // layout.pp)]
             row = {"layout": name, "rank": fake.rank, "real_peak_bytes": measured["peak_bytes"],
                    "dry_run_peak_bytes": fake.peak_bytes, "real": measured["bytes"], "dry_run": fake.bytes,

@@ -48,14 +48,13 @@ def measure(model: str, layout: str, steps: int, run_dir: Path) -> float:
 
 def predict(model: str, layout: str, profile: dict):
     from disttrain.config import load_config
-    from disttrain.layout import Layout
-    from disttrain.models.registry import model_shape
     from disttrain.plan.estimate import estimate
     from disttrain.plan.profile import profile_cluster
+    from disttrain.resolve import resolve_run
 
     cfg = load_config(REPO / "configs" / "bench.yaml", overrides(model, layout))
-    lay = Layout.from_config(cfg, world_size=2, device_type="cpu")
-    shape = model_shape(cfg.model)
+    resolved = resolve_run(cfg, 2, "cpu")
+    lay, shape = resolved.layout, resolved.shape
     return estimate(shape, lay, profile_cluster(profile, 2, model, shape), model=model).time
 
 

@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from disttrain.config import ConfigError, RunConfig, load_config, parse_overrides
-from disttrain.validation import validate_world
+from disttrain.resolve import resolve_run
 from helpers import DEBUG_CONFIG, REPO, run_cli
 
 
@@ -36,11 +36,11 @@ def test_override_parsing_nests_and_types():
 
 def test_world_size_checks():
     cfg = load_config(DEBUG_CONFIG, ["train.global_batch_size=4", "train.micro_batch_size=2"])
-    validate_world(cfg, 2)
+    resolve_run(cfg, 2, "cuda")
     with pytest.raises(ConfigError, match="per-rank batch"):
-        validate_world(load_config(DEBUG_CONFIG, ["train.global_batch_size=4", "train.micro_batch_size=4"]), 2)
+        resolve_run(load_config(DEBUG_CONFIG, ["train.global_batch_size=4", "train.micro_batch_size=4"]), 2, "cuda")
     with pytest.raises(ConfigError, match="does not equal the world size 2"):
-        validate_world(load_config(DEBUG_CONFIG, ["parallel.dp_shard=4"]), 2)
+        resolve_run(load_config(DEBUG_CONFIG, ["parallel.dp_shard=4"]), 2, "cuda")
 
 
 # (overrides, launch args, text the single line must contain)
@@ -172,4 +172,4 @@ def test_shipped_configs_validate():
         cfg = load_config(path)
         p = cfg.parallel
         world = 2 if p.dp_shard == -1 else p.dp_replicate * p.dp_shard * p.tp * p.pp
-        validate_world(cfg, world)
+        resolve_run(cfg, world, "cuda")

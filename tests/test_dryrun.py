@@ -15,7 +15,7 @@ from helpers import REPO, cli_env
 from disttrain.config import load_config
 from disttrain.dryrun.simulate import simulate
 from disttrain.models.registry import MODEL_SHAPES
-from disttrain.validation import validate_world
+from disttrain.resolve import resolve_run
 
 TINY = ["model.name=tiny", "data.seq_len=128", "train.micro_batch_size=2"]
 # DDP and ZeRO-3 with two micro-batches (accumulation: DDP's no_sync gradients, FSDP's unsharded ones).
@@ -36,7 +36,7 @@ PEAK_ONLY = {"zero3-bf16": [*TINY, "train.global_batch_size=4", "parallel.dp_sha
 
 def _simulate(overrides: list[str], world: int, rank: int = 0, device_type: str = "cpu"):
     cfg = load_config(None, overrides)
-    return simulate(cfg, validate_world(cfg, world, device_type), rank, device_type=device_type)
+    return simulate(cfg, resolve_run(cfg, world, device_type), rank)
 
 
 def test_dry_run_equals_a_real_run(tmp_path):
@@ -107,8 +107,7 @@ def test_zero3_collectives_at_8_ranks():
     shape = MODEL_SHAPES["tiny"]
     cfg = load_config(None, [*TINY, "train.global_batch_size=16", "parallel.dp_shard=8", "parallel.zero_stage=3",
                              "precision.param_dtype=bf16", "precision.reduce_dtype=fp32"])
-    layout = validate_world(cfg, 8, "cuda")
-    run = simulate(cfg, layout, 0)
+    run = simulate(cfg, resolve_run(cfg, 8, "cuda"), 0)
     table = {(c["kind"], c["dim"]): c for c in run.collectives}
     assert set(table) == {("all_gather", "dp_shard"), ("reduce_scatter", "dp_shard"), ("all_reduce", "dp_shard")}
     units = shape.n_layers + 1
@@ -130,8 +129,9 @@ def test_pipeline_transfers_at_8_ranks(schedule):
     cfg = load_config(None, [*TINY, "train.micro_batch_size=1", f"train.global_batch_size={4 * micro_batches}",
                              "parallel.dp_shard=4", "parallel.zero_stage=3", "parallel.pp=2",
                              f"parallel.pp_schedule={schedule}", "precision.param_dtype=fp32"])
-    layout = validate_world(cfg, 8, "cuda")
-    run = simulate(cfg, layout, 0)
+    resolved = resolve_run(cfg, 8, "cuda")
+    layout = resolved.layout
+    run = simulate(cfg, resolved, 0)
     table = {(c["kind"], c["dim"]): c for c in run.collectives}
     # rank 0 owns stages 0 (and 2 when interleaved): it sends forward from each, and backward from stage 2
     boundaries = 1 if layout.stages_per_rank == 1 else 3
@@ -219,17 +219,17 @@ def test_3d_states_follow_the_planner_at_8_ranks():
     """pp=2 x dp_shard=2 x tp=2 on 8 simulated ranks: each pipeline rank's parameter and optimizer bytes are
     the planner's for that stage (its layers and embedding or head, split by tp, sharded by dp_shard), and
     its step talks over all three dimensions."""
-    from disttrain.models.registry import model_shape
     from disttrain.plan.memory import estimate_memory
 
     cfg = load_config(None, [*TINY, "train.micro_batch_size=1", "train.global_batch_size=4", "parallel.dp_shard=2",
                              "parallel.tp=2", "parallel.pp=2", "parallel.zero_stage=3"])
-    layout = validate_world(cfg, 8, "cuda")
+    resolved = resolve_run(cfg, 8, "cuda")
+    layout = resolved.layout
     model = _meta_model("tiny")
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     for rank, pp_rank in ((0, 0), (4, 1)):
-        run = simulate(cfg, layout, rank)
-        planned = estimate_memory(model_shape(cfg.model), layout, pp_rank=pp_rank).states
+        run = simulate(cfg, resolved, rank)
+        planned = estimate_memory(resolved.shape, layout, pp_rank=pp_rank).states
         assert run.bytes["parameters"] - buffers == planned.params, (rank, run.bytes)
         steps = run.bytes["optimizer"] - planned.optimizer  # AdamW's 4-byte step counter per tensor
         assert 0 < steps <= 4 * len(list(model.parameters())) and steps % 4 == 0, (rank, run.bytes)

@@ -1,8 +1,9 @@
 """The one resolved Layout: how a run is cut across ranks, and every rule that makes a cut valid.
 
-Built once from the config and the world size (`Layout.from_config`); config validation, the
-runtime (meshes, parallelize, engines, checkpoints, metrics) and the planner all read it, so no
-other module re-derives a layout rule. Pure Python (no torch).
+Built once per process from the config and the world size (`resolve.resolve_run` calls
+`Layout.from_config`); the runtime (meshes, parallelize, engines, checkpoints, metrics), the dry run
+and the planner all read it. Rules return typed `Problem`s, so no other module re-derives a layout
+rule or reads its message text. Pure Python (no torch).
 
 Mesh dimension order, outermost first: pp, dp_replicate, dp_shard, tp. Tensor parallel is
 innermost so its ranks share a node (NVLink); pipeline outermost so its point-to-point traffic is
@@ -195,18 +196,11 @@ class Layout:
 
 def resolve_dp_shard(parallel, world_size: int) -> int:
     """`dp_shard=-1` takes what is left of the world size; the product must equal it."""
+    problems = world_problems(parallel.dp_replicate, parallel.dp_shard, parallel.tp, parallel.pp, world_size)
+    if problems:
+        raise UserError(str(problems[0]))
     fixed = parallel.dp_replicate * parallel.tp * parallel.pp
-    dp_shard = parallel.dp_shard
-    if dp_shard == -1:
-        if world_size % fixed:
-            raise UserError(f"parallel.dp_replicate={parallel.dp_replicate} x parallel.tp={parallel.tp} x "
-                            f"parallel.pp={parallel.pp} = {fixed} does not divide the world size {world_size}")
-        dp_shard = world_size // fixed
-    if fixed * dp_shard != world_size:
-        raise UserError(f"parallel.dp_replicate={parallel.dp_replicate} x parallel.dp_shard={dp_shard} x "
-                        f"parallel.tp={parallel.tp} x parallel.pp={parallel.pp} = {fixed * dp_shard} does not equal "
-                        f"the world size {world_size}")
-    return dp_shard
+    return world_size // fixed if parallel.dp_shard == -1 else parallel.dp_shard
 
 
 def balance_shares(total: int, weights: list[float]) -> list[int]:
@@ -237,128 +231,192 @@ def split_layers(n_layers: int, n_stages: int) -> list[int]:
     return counts
 
 
+# ---------------------------------------------------------------- the rules
+@dataclass(frozen=True)
+class Problem:
+    """One broken layout rule. Callers that decide by rule (the planner) read `key`; users read the
+    message (`str(problem)`), one line naming the key, its value and what is allowed."""
+
+    key: str  # the config key to change, e.g. "parallel.tp"
+    value: object
+    allowed: str
+    message: str
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def world_problems(dp_replicate: int, dp_shard: int, tp: int, pp: int, world_size: int) -> list[Problem]:
+    """The degrees must multiply to the world size (`dp_shard=-1`: whatever is left of it)."""
+    fixed = dp_replicate * tp * pp
+    if dp_shard == -1:
+        if world_size % fixed:
+            return [Problem("parallel.dp_shard", dp_shard, f"degrees whose product divides {world_size}",
+                            f"parallel.dp_replicate={dp_replicate} x parallel.tp={tp} x parallel.pp={pp} = {fixed} "
+                            f"does not divide the world size {world_size}")]
+        dp_shard = world_size // fixed
+    if fixed * dp_shard != world_size:
+        return [Problem("parallel.dp_shard", dp_shard, f"degrees multiplying to {world_size}",
+                        f"parallel.dp_replicate={dp_replicate} x parallel.dp_shard={dp_shard} x parallel.tp={tp} x "
+                        f"parallel.pp={pp} = {fixed * dp_shard} does not equal the world size {world_size}")]
+    return []
+
+
 def split_problems(shape: ModelShape | None, tp: int, pp: int, stages_per_rank: int = 1,
-                   sequence_parallel: bool = False, seq_len: int = 1) -> list[str]:
+                   sequence_parallel: bool = False, seq_len: int = 1) -> list[Problem]:
     """Reasons the model cannot be cut this way, whatever the world size and batch (`shape` None: a
     model without known dimensions; its ModelSpec decides at build time)."""
-    problems = shape.tp_problems(tp) if tp > 1 and shape is not None else []
+    problems = []
+    if tp > 1 and shape is not None:  # heads, FFN width and vocabulary are split tp ways
+        problems += [Problem("parallel.tp", tp, f"a divisor of {key}={value}",
+                             f"parallel.tp={tp} does not divide {key}={value}")
+                     for key, value in (("model.n_heads", shape.n_heads), ("model.n_kv_heads", shape.n_kv_heads),
+                                        ("model.ffn_hidden_dim", shape.ffn_hidden_dim),
+                                        ("model.vocab_size", shape.vocab_size)) if value % tp]
     if sequence_parallel and tp == 1:
-        problems.append("parallel.sequence_parallel=true needs parallel.tp > 1")
+        problems.append(Problem("parallel.sequence_parallel", True, "false with parallel.tp=1",
+                                "parallel.sequence_parallel=true needs parallel.tp > 1"))
     if sequence_parallel and seq_len % tp:
-        problems.append(f"parallel.tp={tp} does not divide data.seq_len={seq_len} (sequence parallel)")
+        problems.append(Problem("parallel.tp", tp, f"a divisor of data.seq_len={seq_len}",
+                                f"parallel.tp={tp} does not divide data.seq_len={seq_len} (sequence parallel)"))
     stages = pp * stages_per_rank
     if shape is not None and stages > shape.n_layers:
-        problems.append(f"parallel.pp={pp} x {stages_per_rank} stage(s) per rank = {stages} stages "
-                        f"exceeds model.n_layers={shape.n_layers}")
+        problems.append(Problem("parallel.pp", pp, f"at most model.n_layers={shape.n_layers} stages",
+                                f"parallel.pp={pp} x {stages_per_rank} stage(s) per rank = {stages} stages "
+                                f"exceeds model.n_layers={shape.n_layers}"))
     return problems
 
 
-def layout_problems(shape: ModelShape | None, layout: Layout) -> list[str]:
-    """Every reason this layout cannot run this model (empty list: valid). Messages name config keys."""
+def layout_problems(shape: ModelShape | None, layout: Layout) -> list[Problem]:
+    """Every reason this layout cannot run this model (empty list: valid)."""
     return cut_problems(shape, layout) + batch_problems(layout)
 
 
-def cut_problems(shape: ModelShape | None, layout: Layout) -> list[str]:
+def cut_problems(shape: ModelShape | None, layout: Layout) -> list[Problem]:
     """Rules that hold whatever the world size: how the model is split, and what composes with what."""
-    problems = split_problems(shape, layout.tp, layout.pp, layout.stages_per_rank, layout.sequence_parallel,
-                              layout.seq_len)
-    if layout.pp_layers and shape is not None:
-        n = layout.n_stages
-        if len(layout.pp_layers) != n or sum(layout.pp_layers) != shape.n_layers or min(layout.pp_layers) < 1:
-            problems.append(f"parallel.pp_layers={list(layout.pp_layers)}: needs {n} positive counts (pp x stages "
-                            f"per rank for pp_schedule={layout.pp_schedule}) adding up to model.n_layers="
-                            f"{shape.n_layers}")
-    if layout.pp > 1 and layout.compute_dtype == "fp16":
-        problems.append(f"precision.compute_dtype=fp16 with parallel.pp={layout.pp}: dynamic loss scaling does "
-                        "not reach inside the pipeline schedule's backward passes (allowed with pp > 1: fp32, bf16)")
-    if layout.pp > 1 and layout.pp_schedule == "zero_bubble" and layout.activation_checkpointing == "selective":
+    lay = layout
+    problems = split_problems(shape, lay.tp, lay.pp, lay.stages_per_rank, lay.sequence_parallel, lay.seq_len)
+    if lay.pp_layers and shape is not None:
+        n = lay.n_stages
+        if len(lay.pp_layers) != n or sum(lay.pp_layers) != shape.n_layers or min(lay.pp_layers) < 1:
+            problems.append(Problem("parallel.pp_layers", list(lay.pp_layers), f"{n} positive counts adding up to "
+                                    f"{shape.n_layers}", f"parallel.pp_layers={list(lay.pp_layers)}: needs {n} "
+                                    f"positive counts (pp x stages per rank for pp_schedule={lay.pp_schedule}) "
+                                    f"adding up to model.n_layers={shape.n_layers}"))
+    if lay.pp > 1 and lay.compute_dtype == "fp16":
+        problems.append(Problem("precision.compute_dtype", "fp16", "fp32, bf16", f"precision.compute_dtype=fp16 with "
+                                f"parallel.pp={lay.pp}: dynamic loss scaling does not reach inside the pipeline "
+                                "schedule's backward passes (allowed with pp > 1: fp32, bf16)"))
+    if lay.pp > 1 and lay.pp_schedule == "zero_bubble" and lay.activation_checkpointing == "selective":
         # Found by `disttrain dryrun`, then seen in a real run: the schedule's separate input- and
         # weight-gradient passes are two backwards through each checkpointed region, which torch's
         # selective checkpointing refuses ("Trying to backward an extra time").
-        problems.append("parallel.activation_checkpointing=selective with parallel.pp_schedule=zero_bubble: the "
-                        "schedule runs two backward passes per block, which selective checkpointing refuses "
-                        "(allowed with zero_bubble: none, full; or another pp_schedule)")
-    if layout.engine == "deepspeed":
-        problems += _deepspeed_problems(layout)
-    if layout.balanced:
-        problems += _balance_cut_problems(layout)
-    if layout.cpu_offload and layout.zero_stage < 2:
-        problems.append(f"parallel.cpu_offload=true needs parallel.zero_stage 2 or 3 (FSDP2), not {layout.zero_stage}")
-    if layout.activation_checkpointing not in RECOMPUTE:
-        problems.append(f"parallel.activation_checkpointing={layout.activation_checkpointing} "
-                        f"(allowed: {', '.join(RECOMPUTE)})")
-    if layout.pp_schedule not in SCHEDULES:
-        problems.append(f"parallel.pp_schedule={layout.pp_schedule} (allowed: {', '.join(SCHEDULES)})")
+        problems.append(Problem("parallel.activation_checkpointing", "selective", "none, full",
+                                "parallel.activation_checkpointing=selective with parallel.pp_schedule=zero_bubble: "
+                                "the schedule runs two backward passes per block, which selective checkpointing "
+                                "refuses (allowed with zero_bubble: none, full; or another pp_schedule)"))
+    if lay.engine == "deepspeed":
+        problems += _deepspeed_problems(lay)
+    if lay.balanced:
+        problems += _balance_cut_problems(lay)
+    if lay.cpu_offload and lay.zero_stage < 2:
+        problems.append(Problem("parallel.cpu_offload", True, "false with zero_stage 0 or 1", "parallel.cpu_offload="
+                                f"true needs parallel.zero_stage 2 or 3 (FSDP2), not {lay.zero_stage}"))
+    if lay.activation_checkpointing not in RECOMPUTE:
+        problems.append(Problem("parallel.activation_checkpointing", lay.activation_checkpointing, ", ".join(RECOMPUTE),
+                                f"parallel.activation_checkpointing={lay.activation_checkpointing} "
+                                f"(allowed: {', '.join(RECOMPUTE)})"))
+    if lay.pp_schedule not in SCHEDULES:
+        problems.append(Problem("parallel.pp_schedule", lay.pp_schedule, ", ".join(SCHEDULES),
+                                f"parallel.pp_schedule={lay.pp_schedule} (allowed: {', '.join(SCHEDULES)})"))
     return problems
 
 
-def batch_problems(layout: Layout) -> list[str]:
+def batch_problems(layout: Layout) -> list[Problem]:
     """Rules that need the data-parallel size: how the global batch splits into ranks and micro-batches."""
-    problems = []
-    if layout.pp > 1:
-        m = layout.microbatches
-        what = (f"parallel.pp_microbatches={m}" if layout.pp_microbatches else
-                f"{m} pipeline micro-batches (per-rank batch {layout.sequences_per_rank} / train.micro_batch_size="
-                f"{layout.micro_batch_size}; set parallel.pp_microbatches)")
-        if layout.pp_schedule in MULTI_STAGE_SCHEDULES and m % layout.pp:
-            problems.append(f"{what} must be a multiple of parallel.pp={layout.pp} for pp_schedule={layout.pp_schedule}")
-        if layout.pp_schedule != "gpipe" and m < layout.pp:
-            problems.append(f"{what} must be at least parallel.pp={layout.pp} for pp_schedule={layout.pp_schedule}")
-    if layout.balanced:
-        problems += _balance_batch_problems(layout)
-    elif layout.global_batch_size % layout.dp:
-        problems.append(f"train.global_batch_size={layout.global_batch_size} is not divisible by the "
-                        f"data-parallel size {layout.dp} (world size {layout.world_size})")
-    elif layout.pp > 1 and layout.pp_microbatches:
-        if layout.sequences_per_rank % layout.pp_microbatches:
-            problems.append(f"parallel.pp_microbatches={layout.pp_microbatches} does not divide the per-rank "
-                            f"batch {layout.sequences_per_rank}")
-    elif layout.sequences_per_rank % layout.micro_batch_size:
-        problems.append(f"train.micro_batch_size={layout.micro_batch_size} does not divide the per-rank batch "
-                        f"{layout.sequences_per_rank} (train.global_batch_size={layout.global_batch_size} over "
-                        f"{layout.dp} data-parallel ranks)")
-    if layout.engine == "torch" and (layout.tp > 1 or layout.pp > 1) and layout.dp > 1 and layout.zero_stage < 2:
-        key = f"parallel.tp={layout.tp}" if layout.tp > 1 else f"parallel.pp={layout.pp}"
-        problems.append(f"{key} with {layout.dp} data-parallel ranks needs parallel.zero_stage 2 or 3, not "
-                        f"{layout.zero_stage} (FSDP2 composes with tensor and pipeline parallelism on the mesh; "
-                        "DDP and ZeRO-1 take neither DTensor parameters nor a schedule's many backward passes)")
+    lay, problems = layout, []
+    if lay.pp > 1:
+        m = lay.microbatches
+        what = (f"parallel.pp_microbatches={m}" if lay.pp_microbatches else
+                f"{m} pipeline micro-batches (per-rank batch {lay.sequences_per_rank} / train.micro_batch_size="
+                f"{lay.micro_batch_size}; set parallel.pp_microbatches)")
+        if lay.pp_schedule in MULTI_STAGE_SCHEDULES and m % lay.pp:
+            problems.append(Problem("parallel.pp_microbatches", m, f"a multiple of parallel.pp={lay.pp}",
+                                    f"{what} must be a multiple of parallel.pp={lay.pp} for pp_schedule={lay.pp_schedule}"))
+        if lay.pp_schedule != "gpipe" and m < lay.pp:
+            problems.append(Problem("parallel.pp_microbatches", m, f"at least parallel.pp={lay.pp}",
+                                    f"{what} must be at least parallel.pp={lay.pp} for pp_schedule={lay.pp_schedule}"))
+    if lay.balanced:
+        problems += _balance_batch_problems(lay)
+    elif lay.global_batch_size % lay.dp:
+        problems.append(Problem("train.global_batch_size", lay.global_batch_size, f"a multiple of {lay.dp}",
+                                f"train.global_batch_size={lay.global_batch_size} is not divisible by the "
+                                f"data-parallel size {lay.dp} (world size {lay.world_size})"))
+    elif lay.pp > 1 and lay.pp_microbatches:
+        if lay.sequences_per_rank % lay.pp_microbatches:
+            problems.append(Problem("parallel.pp_microbatches", lay.pp_microbatches, f"a divisor of "
+                                    f"{lay.sequences_per_rank}", f"parallel.pp_microbatches={lay.pp_microbatches} "
+                                    f"does not divide the per-rank batch {lay.sequences_per_rank}"))
+    elif lay.sequences_per_rank % lay.micro_batch_size:
+        problems.append(Problem("train.micro_batch_size", lay.micro_batch_size, f"a divisor of "
+                                f"{lay.sequences_per_rank}", f"train.micro_batch_size={lay.micro_batch_size} does "
+                                f"not divide the per-rank batch {lay.sequences_per_rank} (train.global_batch_size="
+                                f"{lay.global_batch_size} over {lay.dp} data-parallel ranks)"))
+    if lay.engine == "torch" and (lay.tp > 1 or lay.pp > 1) and lay.dp > 1 and lay.zero_stage < 2:
+        key = f"parallel.tp={lay.tp}" if lay.tp > 1 else f"parallel.pp={lay.pp}"
+        problems.append(Problem("parallel.zero_stage", lay.zero_stage, "2, 3", f"{key} with {lay.dp} data-parallel "
+                                f"ranks needs parallel.zero_stage 2 or 3, not {lay.zero_stage} (FSDP2 composes with "
+                                "tensor and pipeline parallelism on the mesh; DDP and ZeRO-1 take neither DTensor "
+                                "parameters nor a schedule's many backward passes)"))
     return problems
 
 
-def _deepspeed_problems(layout: Layout) -> list[str]:
+def _deepspeed_problems(layout: Layout) -> list[Problem]:
     problems = []
     if layout.tp > 1 or layout.pp > 1:
-        problems.append(f"parallel.tp={layout.tp}, parallel.pp={layout.pp}: tensor and pipeline parallelism need "
-                        "engine=torch (allowed with engine=deepspeed: tp=1, pp=1)")
+        key, value = ("parallel.tp", layout.tp) if layout.tp > 1 else ("parallel.pp", layout.pp)
+        problems.append(Problem(key, value, "1 with engine=deepspeed", f"parallel.tp={layout.tp}, parallel.pp="
+                                f"{layout.pp}: tensor and pipeline parallelism need engine=torch (allowed with "
+                                "engine=deepspeed: tp=1, pp=1)"))
     if layout.dp_replicate != 1:
-        problems.append(f"parallel.dp_replicate={layout.dp_replicate} needs engine=torch (HSDP); DeepSpeed "
-                        "partitions over the whole world (allowed with engine=deepspeed: 1)")
+        problems.append(Problem("parallel.dp_replicate", layout.dp_replicate, "1 with engine=deepspeed",
+                                f"parallel.dp_replicate={layout.dp_replicate} needs engine=torch (HSDP); DeepSpeed "
+                                "partitions over the whole world (allowed with engine=deepspeed: 1)"))
     return problems
 
 
-def _balance_cut_problems(layout: Layout) -> list[str]:
-    what = "parallel.balance=auto" if layout.balance == "auto" else "parallel.balance_weights"
+def _balance_cut_problems(layout: Layout) -> list[Problem]:
+    if layout.balance == "auto":
+        key, value, what = "parallel.balance", "auto", "parallel.balance=auto"
+    else:
+        key, value, what = "parallel.balance_weights", list(layout.balance_weights), "parallel.balance_weights"
     problems = []
     if layout.engine != "torch":
-        problems.append(f"{what} needs engine=torch (DeepSpeed splits the batch evenly itself)")
+        problems.append(Problem(key, value, "equal shares with engine=deepspeed", f"{what} needs engine=torch "
+                                "(DeepSpeed splits the batch evenly itself)"))
     if layout.pp > 1:
-        problems.append(f"{what} with parallel.pp={layout.pp}: a pipeline schedule runs the same number of "
-                        "micro-batches on every rank (allowed: pp=1)")
+        problems.append(Problem(key, value, "equal shares with pp > 1", f"{what} with parallel.pp={layout.pp}: a "
+                                "pipeline schedule runs the same number of micro-batches on every rank (allowed: pp=1)"))
     if any(not w > 0 for w in layout.balance_weights):
-        problems.append(f"parallel.balance_weights={list(layout.balance_weights)}: every weight must be positive")
+        problems.append(Problem("parallel.balance_weights", list(layout.balance_weights), "positive weights",
+                                f"parallel.balance_weights={list(layout.balance_weights)}: every weight must be positive"))
     return problems
 
 
-def _balance_batch_problems(layout: Layout) -> list[str]:
+def _balance_batch_problems(layout: Layout) -> list[Problem]:
     g, m, dp = layout.global_batch_size, layout.micro_batch_size, layout.dp
     problems = []
     if layout.balance_weights and len(layout.balance_weights) != dp:
-        problems.append(f"parallel.balance_weights={list(layout.balance_weights)}: {len(layout.balance_weights)} "
-                        f"weight(s) for {dp} data-parallel rank(s) (world size {layout.world_size}); give one per rank")
+        weights = list(layout.balance_weights)
+        problems.append(Problem("parallel.balance_weights", weights, f"{dp} weights", f"parallel.balance_weights="
+                                f"{weights}: {len(weights)} weight(s) for {dp} data-parallel rank(s) (world size "
+                                f"{layout.world_size}); give one per rank"))
     if g % m:
-        problems.append(f"train.micro_batch_size={m} does not divide train.global_batch_size={g} (uneven "
-                        "shares are counted in whole micro-batches)")
+        problems.append(Problem("train.micro_batch_size", m, f"a divisor of {g}", f"train.micro_batch_size={m} does "
+                                f"not divide train.global_batch_size={g} (uneven shares are counted in whole "
+                                "micro-batches)"))
     elif g // m < dp:
-        problems.append(f"train.global_batch_size={g} / train.micro_batch_size={m} = {g // m} micro-batches, fewer "
-                        f"than the {dp} data-parallel ranks (each needs at least one)")
+        problems.append(Problem("train.micro_batch_size", m, f"at most {g // dp}", f"train.global_batch_size={g} / "
+                                f"train.micro_batch_size={m} = {g // m} micro-batches, fewer than the {dp} "
+                                "data-parallel ranks (each needs at least one)"))
     return problems

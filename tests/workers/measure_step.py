@@ -17,10 +17,9 @@ from disttrain.config import load_config
 from disttrain.distributed.env import detect_env
 from disttrain.distributed.runtime import init_distributed, shutdown
 from disttrain.dryrun.simulate import measure_step
-from disttrain.models.registry import model_spec
 from disttrain.models.spec import build_model
 from disttrain.process import exit_now
-from disttrain.validation import validate_world
+from disttrain.resolve import resolve_run
 
 
 def main() -> None:
@@ -30,9 +29,9 @@ def main() -> None:
     try:
         for name, overrides in jobs.items():
             cfg = load_config(None, overrides)
-            layout = validate_world(cfg, rt.world_size, "cpu")
-            spec = model_spec(cfg.model)
-            run = dataclasses.asdict(measure_step(cfg, layout, spec, build_model(spec, rt.device, cfg.train.seed)))
+            resolved = resolve_run(cfg, rt.world_size, "cpu")
+            model = build_model(resolved.spec, rt.device, cfg.train.seed)
+            run = dataclasses.asdict(measure_step(cfg, resolved.layout, resolved.spec, model))
             out[name] = [None] * rt.world_size
             dist.all_gather_object(out[name], run)
             gc.collect()

@@ -30,6 +30,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from disttrain.layout import split_problems
 from disttrain.models.shape import ModelShape
 
 ALL_REDUCE_SIZES = tuple(2 ** k for k in range(12, 25, 2))  # 4 KiB .. 16 MiB
@@ -240,7 +241,7 @@ def measure(models: dict[str, ModelShape], micro_batch: int, seq_len: int, dtype
         matmul[name] = {"dim": shape.dim, **{d: matmul_flops(shape, tokens, DTYPES[d]) for d in dtypes}}
         # a tensor-parallel rank's slices are narrower: at small micro-batches they run far slower
         matmul[name]["tp"] = {str(tp): {d: matmul_flops(shape, tokens, DTYPES[d], tp=tp) for d in dtypes}
-                              for tp in TP_DEGREES if shape.n_heads % tp == 0 and shape.n_kv_heads % tp == 0}
+                              for tp in TP_DEGREES if not split_problems(shape, tp, 1)}
         attention[name] = attention_flops(shape, micro_batch, seq_len)
         fsdp[name] = fsdp_round_trip(shape)
         tp_collectives[name] = tp_collective(shape, tokens)

@@ -46,14 +46,13 @@ def pp_rank_of(layout, rank: int) -> int:
     return rank // (layout.world_size // layout.pp)
 
 
-def with_microbatches(cfg, world_size: int, n: int):
-    """The config with `n` micro-batches per data-parallel rank (the global batch shrinks to match)."""
+def with_microbatches(cfg, layout, n: int):
+    """The config with `n` micro-batches per data-parallel rank (the global batch shrinks to match);
+    `layout`: the config's own, resolved."""
     from disttrain.config import RunConfig
-    from disttrain.validation import validate_world
 
     if n < 1:
         raise UserError(f"--microbatches={n}: must be at least 1")
-    layout = validate_world(cfg, world_size, "cuda")
     if layout.pp > 1 and layout.pp_schedule == "gpipe" and n < layout.microbatches:
         raise UserError(f"--microbatches={n} with parallel.pp_schedule=gpipe: GPipe keeps every micro-batch in "
                         f"flight, so fewer than the config's {layout.microbatches} would understate its peak")
@@ -70,18 +69,19 @@ def dry_run(cfg, world_size: int, ranks: list[int] | None = None, gpu_name: str 
     """Simulate each rank and compare with the planner; the JSON `disttrain dryrun --json` prints."""
     if world_size < 1:
         raise UserError(f"--world-size={world_size}: must be at least 1")
-    if microbatches is not None:
-        cfg = with_microbatches(cfg, world_size, microbatches)
     from disttrain.dryrun.simulate import simulate, unsupported
-    from disttrain.models.registry import model_shape
     from disttrain.plan.memory import estimate_memory
-    from disttrain.validation import validate_world
+    from disttrain.resolve import resolve_run
 
+    resolved = resolve_run(cfg, world_size, "cuda")
+    if microbatches is not None:  # another config: resolved (and checked) on its own
+        cfg = with_microbatches(cfg, resolved.layout, microbatches)
+        resolved = resolve_run(cfg, world_size, "cuda")
     try:
         gpu = find_gpu(gpu_name) if gpu_name else None
     except KeyError as exc:
         raise UserError(f"--gpu={exc.args[0]}") from None
-    layout = validate_world(cfg, world_size, "cuda")
+    layout = resolved.layout
     problem = unsupported(cfg, layout)
     if problem:  # before any progress line: a refusal is one line
         raise UserError(problem)
@@ -89,16 +89,15 @@ def dry_run(cfg, world_size: int, ranks: list[int] | None = None, gpu_name: str 
     for r in ranks:
         if not 0 <= r < world_size:
             raise UserError(f"--rank={r}: not a rank of --world-size={world_size} (allowed: 0..{world_size - 1})")
-    shape = model_shape(cfg.model)
     out = []
     for rank in ranks:
-        planned = estimate_memory(shape, layout, pp_rank=pp_rank_of(layout, rank))
+        planned = estimate_memory(resolved.shape, layout, pp_rank=pp_rank_of(layout, rank))
         planner = {**planned.categories(), "peak_bytes": planned.total}
         if progress:
             progress(f"dry run: rank {rank} of {world_size} ...")
         with _quiet():
             try:
-                run = simulate(cfg, layout, rank, steps)
+                run = simulate(cfg, resolved, rank, steps)
             except UserError:
                 raise
             except Exception as exc:  # an op or feature the fake tensors or fake group cannot run

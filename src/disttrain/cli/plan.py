@@ -12,8 +12,8 @@ from pathlib import Path
 
 from disttrain.errors import UserError
 from disttrain.hardware import GPUS, find_gpu
-from disttrain.layout import RECOMPUTE, SCHEDULES, VIRTUAL_STAGES, Layout, layout_problems
-from disttrain.models.registry import MODEL_SHAPES, ModelShape, model_shape
+from disttrain.layout import RECOMPUTE, SCHEDULES, VIRTUAL_STAGES, Layout, layout_problems, world_problems
+from disttrain.models.registry import MODEL_SHAPES, ModelShape
 from disttrain.plan import render as report
 from disttrain.plan.estimate import estimate, shape_for_params
 from disttrain.plan.memory import ACCOUNTINGS
@@ -108,7 +108,8 @@ def add_parsers(sub) -> None:
     add_cluster_args(plan)
 
 
-def _shape(args, cfg=None) -> tuple[str, ModelShape]:
+def _shape(args, configured: tuple[str, ModelShape] | None = None) -> tuple[str, ModelShape]:
+    """The model the flags name, else the config's (`configured`: its name and resolved shape)."""
     if sum(bool(x) for x in (args.model, args.params, args.hf)) > 1:
         raise UserError("--model, --params and --hf: give one of them")
     if args.hf:
@@ -121,8 +122,8 @@ def _shape(args, cfg=None) -> tuple[str, ModelShape]:
         if args.model not in MODEL_SHAPES:
             raise UserError(f"--model={args.model}: unknown model (allowed: {', '.join(MODEL_SHAPES)})")
         return args.model, MODEL_SHAPES[args.model]
-    if cfg is not None:
-        return cfg.model.hf or cfg.model.name, model_shape(cfg.model)
+    if configured is not None:
+        return configured
     raise UserError("give a CONFIG, --model NAME, --params N or --hf DIR")
 
 
@@ -157,16 +158,18 @@ def _positive(flag: str, value) -> None:
 
 
 def build_layout(args) -> tuple[str, ModelShape, Layout]:
-    cfg = None
+    cfg = resolved = None
     if args.config:
         from disttrain.config import load_config
+        from disttrain.resolve import resolve_run
 
         cfg = load_config(args.config, [])
-    name, shape = _shape(args, cfg)
+        resolved = resolve_run(cfg, None, "cpu" if args.hardware else "cuda")
+    name, shape = _shape(args, (cfg.model.hf or cfg.model.name, resolved.shape) if cfg is not None else None)
     for flag in ("gpus", "dp_replicate", "tp", "pp", "microbatches", "micro_batch_size", "global_batch_size", "seq_len"):
         _positive("--" + flag.replace("_", "-"), getattr(args, flag))
-    if cfg is not None:  # the degrees as configured; dp_shard follows from --gpus below
-        layout = Layout.from_config(cfg, world_size=None, device_type="cpu" if args.hardware else "cuda")
+    if resolved is not None:  # the degrees as configured; dp_shard follows from --gpus below
+        layout = resolved.layout
     else:
         layout = Layout(seq_len=min(2048, shape.max_seq_len), param_dtype=args.dtype or "bf16")
     changes = {k: v for k, v in {
@@ -177,7 +180,7 @@ def build_layout(args) -> tuple[str, ModelShape, Layout]:
     layout = layout.with_(**changes)
     fixed = layout.dp_replicate * layout.tp * layout.pp
     gpus = args.gpus or (layout.world_size if cfg is not None else fixed)
-    if gpus % fixed:
+    if world_problems(layout.dp_replicate, -1, layout.tp, layout.pp, gpus):
         raise UserError(f"--gpus={gpus} is not divisible by dp_replicate x tp x pp = {fixed}")
     layout = layout.with_(dp_shard=gpus // fixed)
     mbs = args.micro_batch_size or (layout.micro_batch_size if cfg is not None else 1)
@@ -188,7 +191,7 @@ def build_layout(args) -> tuple[str, ModelShape, Layout]:
         shape = replace(shape, max_seq_len=layout.seq_len)
     problems = layout_problems(shape, layout)
     if problems:
-        raise UserError(problems[0])
+        raise UserError(str(problems[0]))
     return name, shape, layout
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from disttrain.config import load_config
 from disttrain.errors import UserError
-from disttrain.validation import validate_world
+from disttrain.resolve import resolve_run
 
 
 def cmd_prepare_data(args: argparse.Namespace) -> None:
@@ -53,7 +53,7 @@ def cmd_config(args: argparse.Namespace, overrides: list[str]) -> None:
     cfg = load_config(args.config, [*overrides, "engine=torch"])  # exporting needs no DeepSpeed installed
     if args.world_size < 1:
         raise UserError(f"--world-size={args.world_size}: must be a positive integer")
-    validate_world(cfg, args.world_size)
+    resolve_run(cfg, args.world_size, "cuda")
     text = json.dumps(deepspeed_config(cfg, args.world_size), indent=2) + "\n"
     if args.out:
         tmp = Path(args.out + ".tmp")
@@ -171,7 +171,7 @@ def cmd_bench_scaling(args: argparse.Namespace, overrides: list[str]) -> None:
     cfg = load_config(args.config, overrides)
     counts = scaling.process_counts(args.max_procs)
     for n in counts:
-        validate_world(scaling.scaled_config(cfg, n), n)
+        resolve_run(scaling.scaled_config(cfg, n), n, "cuda")
     rows = scaling.run(args.config, overrides, cfg, counts, args.steps, Path(args.out) if args.out else None)
     print(scaling.format_table(rows))
     if args.json:

@@ -12,7 +12,6 @@ from pathlib import Path
 
 from disttrain.config import load_config
 from disttrain.errors import EXIT_HEALTH, EXIT_PREEMPTED, UserError
-from disttrain.validation import validate_world
 
 PROCESS_START = time.time()  # before torch is imported: recovery benchmarks split start-up time
 LAUNCH_FLAGS = ("nnodes", "node_rank", "max_restarts", "rdzv_endpoint", "rdzv_id", "shutdown_timeout", "rdzv_conf",
@@ -75,9 +74,9 @@ def _self_launch(args: argparse.Namespace, cfg, overrides: list[str]) -> int:
         raise UserError(f"--nproc-per-node={opts.nproc_per_node}: must be a positive integer or auto")
     if str(opts.nnodes) != "1" and not opts.rdzv_endpoint:
         raise UserError(f"--nnodes={opts.nnodes} needs --rdzv-endpoint HOST:PORT")
-    import torch
+    from disttrain.resolve import resolve_run
 
-    validate_world(cfg, max_world_size(opts), "cuda" if torch.cuda.is_available() else "cpu")
+    resolve_run(cfg, max_world_size(opts), _device_type())  # refuse a bad run before any worker starts
     started = time.time()
     code = relaunch(opts, ["train", args.config, *overrides])
     if code != 0 and _preempted_since(cfg.run_dir, started):
@@ -94,6 +93,12 @@ def _preempted_since(run_dir: Path, since: float) -> bool:
     except FileNotFoundError:  # stopped before the run directory had metrics
         return False
     return any(e["event"] == "preempted" and e.get("time", 0) >= since for e in events)
+
+
+def _device_type() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _check_backend(cfg) -> None:
@@ -119,9 +124,9 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> None:
             _check_backend(cfg)
             sys.exit(_self_launch(args, cfg, overrides))
     _check_backend(cfg)
-    import torch
+    from disttrain.resolve import resolve_run
 
-    validate_world(cfg, env.world_size, "cuda" if torch.cuda.is_available() else "cpu")
+    resolved = resolve_run(cfg, env.world_size, _device_type())
 
     from disttrain.distributed.runtime import init_distributed, shutdown
     from disttrain.observe.health import NonFiniteError, ReplicaDivergence
@@ -130,12 +135,17 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> None:
 
     fresh = not cfg.run_dir.exists()
     _setup_logging(cfg.run_dir, env.rank)
-    logging.getLogger("disttrain.cli").info("process started at %.3f (restart %s)", PROCESS_START,
-                                            os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    log = logging.getLogger("disttrain.cli")
+    log.info("process started at %.3f (restart %s)", PROCESS_START, os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    lay = resolved.layout
+    log.info("resolved run: world %d (pp %d, dp_replicate %d, dp_shard %d, tp %d), model %s, tokenizer %s, dtypes "
+             "param %s, compute %s, reduce %s", lay.world_size, lay.pp, lay.dp_replicate, lay.dp_shard, lay.tp,
+             resolved.spec.name, resolved.tokenizer, resolved.param_dtype, resolved.compute_dtype,
+             resolved.reduce_dtype)
     rt = init_distributed(env, cfg.distributed.backend, cfg.distributed.timeout_s)
     try:
         try:
-            run = build_run(cfg, rt)
+            run = build_run(cfg, rt, resolved)
         except UserError:  # found while assembling (weights that do not fit): leave nothing behind
             if fresh and env.rank == 0:
                 for handler in logging.getLogger("disttrain").handlers:

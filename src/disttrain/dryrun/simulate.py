@@ -25,6 +25,7 @@ from disttrain.dryrun.tracking import (DDPBuckets, KeepBuckets, LeafInputsSafe, 
                                        each_chunk_afresh, file_grads, then)
 from disttrain.errors import UserError
 from disttrain.layout import MESH_DIMS, Layout
+from disttrain.resolve import ResolvedRun
 from disttrain.train.faults import FaultInjector
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporary", "communication")
@@ -72,19 +73,17 @@ def unsupported(cfg, layout: Layout) -> str | None:
     return None
 
 
-def simulate(cfg, layout: Layout, rank: int, steps: int = 2, device_type: str = "cuda") -> RankRun:
-    """Play `rank` of `layout.world_size` in this process, with no real memory for the model.
-    `device_type`: the kind of rank simulated ("cuda": torch's defaults there, e.g. foreach AdamW; the
-    tensors still live on this CPU). UserError for what cannot be simulated."""
+def simulate(cfg, resolved: ResolvedRun, rank: int, steps: int = 2) -> RankRun:
+    """Play `rank` of the resolved run's world in this process, with no real memory for the model.
+    The resolved device type is the kind of rank simulated ("cuda": torch's defaults there, e.g. foreach
+    AdamW; the tensors still live on this CPU). UserError for what cannot be simulated."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from disttrain.models.registry import model_spec
-
+    layout, spec = resolved.layout, resolved.spec
     problem = unsupported(cfg, layout)
     if problem:
         raise UserError(problem)
-    spec = model_spec(cfg.model)
     if spec.shape is None:
         raise UserError(f"model.spec={cfg.model.spec} cannot be dry-run: its ModelSpec has no shape, so there is "
                         "no token batch to make; allowed: built-in or Hugging Face language models")
@@ -99,7 +98,7 @@ def simulate(cfg, layout: Layout, rank: int, steps: int = 2, device_type: str = 
         def materialize(module):
             materialize_fake(module, fake)
 
-        on_gpu = gpu_defaults() if device_type == "cuda" else contextlib.nullcontext()
+        on_gpu = gpu_defaults() if resolved.device_type == "cuda" else contextlib.nullcontext()
         with on_gpu:
             return measure_step(cfg, layout, spec, model, steps, materialize, fake, t0)
     finally:

@@ -1,7 +1,7 @@
 """Which model family a `model` config section names, and its pure-Python shape.
 
-Pure Python (no torch): config validation and the planner use it. The torch side of a family
-(its ModelSpec) is reached through `models.catalog.build_spec`.
+Pure Python until `model_spec` is asked: the planner reads shapes only. The torch side of a family
+(its ModelSpec) is resolved once per process, by `resolve.resolve_run`; everything after reads that.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 from disttrain.models.llama.shapes import MODEL_SHAPES, resolve_shape
 from disttrain.models.shape import ModelShape
 
-__all__ = ["MODEL_SHAPES", "ModelShape", "model_shape"]
+__all__ = ["MODEL_SHAPES", "ModelShape", "model_shape", "model_spec"]
 
 
 def model_shape(model_cfg) -> ModelShape | None:

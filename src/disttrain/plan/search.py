@@ -18,6 +18,9 @@ from disttrain.layout import RECOMPUTE, SCHEDULES, VIRTUAL_STAGES, Layout, layou
 from disttrain.plan.timing import Cluster
 
 
+MICRO_BATCH_KEYS = ("train.micro_batch_size", "parallel.pp_microbatches")  # rules the micro-batch size can fix
+
+
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -41,8 +44,6 @@ def layout_families(shape: ModelShape, cluster: Cluster, space: SearchSpace) -> 
     for tp in (d for d in divisors(min(gpn, gpus)) if gpus % d == 0):
         for pp in divisors(gpus // tp):
             dp = gpus // (tp * pp)
-            if space.global_batch_size % dp:
-                continue
             schedules = space.schedules if pp > 1 else ("1f1b",)
             for stage in space.zero_stages:
                 replicas = divisors(dp) if stage >= 2 else [1]
@@ -58,8 +59,7 @@ def layout_families(shape: ModelShape, cluster: Cluster, space: SearchSpace) -> 
                                     activation_checkpointing=ac, param_dtype=space.param_dtype,
                                     cpu_offload=offload)
                     # Validity that does not depend on the micro-batch size:
-                    if any("micro_batch_size" not in p and "pp_microbatches" not in p
-                           for p in layout_problems(shape, layout)):
+                    if any(p.key not in MICRO_BATCH_KEYS for p in layout_problems(shape, layout)):
                         continue
                     yield layout
 

@@ -23,16 +23,15 @@ from disttrain.distributed.mesh import Meshes, build_meshes
 from disttrain.distributed.runtime import Runtime
 from disttrain.errors import UserError
 from disttrain.layout import Layout
-from disttrain.models.registry import model_spec
 from disttrain.models.spec import ModelSpec, build_model, count_params
 from disttrain.observe.breakdown import CommProfiler, StepBreakdown
 from disttrain.observe.mfu import peak_flops_per_device
+from disttrain.resolve import ResolvedRun, resolve_run
 from disttrain.train.balance import Balancer
 from disttrain.train.engine import OptimizerStep, StepEngine
 from disttrain.train.faults import FaultInjector
 from disttrain.train.optim import build_optimizer, build_scheduler
 from disttrain.train.precision import Precision
-from disttrain.validation import tokenizer_for, validate_world
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +73,11 @@ class Run:
         return self.spec.flops_per_token(self.cfg.data.seq_len)
 
 
-def build_run(cfg: RunConfig, rt: Runtime) -> Run:
-    layout = validate_world(cfg, rt.world_size, rt.device.type)
+def build_run(cfg: RunConfig, rt: Runtime, resolved: ResolvedRun | None = None) -> Run:
+    """`resolved`: the run as this process already resolved it (the CLI does, before the process group
+    starts); None resolves it here."""
+    resolved = resolved or resolve_run(cfg, rt.world_size, rt.device.type)
+    layout = resolved.layout
     if rt.is_main:
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
         (cfg.run_dir / "config.yaml").write_text(cfg.to_yaml())
@@ -84,7 +86,7 @@ def build_run(cfg: RunConfig, rt: Runtime) -> Run:
     dp_rank, dp_size = meshes.dp.get_local_rank(), meshes.dp.size()
 
     t = cfg.train
-    tokenizer, train_samples, val_samples = load_samples(cfg.data.source, tokenizer_for(cfg), cfg.data.seq_len)
+    tokenizer, train_samples, val_samples = load_samples(cfg.data.source, resolved.tokenizer, cfg.data.seq_len)
     sampler = make_sampler(train_samples, cfg.data.source, t.global_batch_size, t.seed)
     balancer = Balancer(layout, dp_rank, cfg.parallel.balance_every, train_samples.targets_per_sample)
     loader = DistributedBatchLoader(train_samples, sampler, dp_rank, dp_size, t.micro_batch_size,
@@ -92,7 +94,7 @@ def build_run(cfg: RunConfig, rt: Runtime) -> Run:
                                     prefetch=cfg.data.prefetch if cfg.data.prefetch is not None else rt.device.type == "cuda",
                                     pin_memory=rt.device.type == "cuda")
 
-    spec = model_spec(cfg.model)
+    spec = resolved.spec
     if cfg.model.hf:
         log.info("model from %s (%s); model.name=%s is ignored", cfg.model.hf, spec.name, cfg.model.name)
     model = build_model(spec, rt.device, t.seed, torch.float64 if layout.compute_dtype == "fp64" else None)
