@@ -5,14 +5,20 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from helpers import PARITY, train  # noqa: E402
+from helpers import PARITY, PARITY_FP32, train  # noqa: E402
 
 
 @pytest.fixture(scope="session")
 def debug_reference(tmp_path_factory):
-    """One process, one micro-batch of 4: the plain single-device computation that every layout of the
-    debug model at the PARITY setting must reproduce (shared by every test module)."""
+    """One process, one micro-batch of 4, in fp64: the plain single-device computation that every layout of
+    the debug model at the PARITY setting must reproduce to EXACT (shared by every test module)."""
     return train(tmp_path_factory.mktemp("ref") / "run", *PARITY, "train.micro_batch_size=4")
+
+
+@pytest.fixture(scope="session")
+def debug_reference_fp32(tmp_path_factory):
+    """The same in fp32: the reference of the low-precision and compression tests (what users run)."""
+    return train(tmp_path_factory.mktemp("ref32") / "run", *PARITY_FP32, "train.micro_batch_size=4")
 
 
 # The longest modules first (seconds on the 2-core machine): with `make test`'s two workers taking one module at

@@ -12,8 +12,14 @@ REPO = Path(__file__).resolve().parents[1]
 DEBUG_CONFIG = REPO / "configs" / "debug.yaml"
 LR = 3e-3  # configs/debug.yaml
 # The parity setting for the debug model: 20 steps of a global batch of 4; replicas compared every 5 steps.
-PARITY = ("train.steps=20", "train.global_batch_size=4", f"optim.lr={LR}", "checkpoint.save_final=true",
-          "metrics.sync_check_every=5")
+# Parity runs in double precision, where every layout must give one process's numbers to EXACT (relative):
+# another reduction order moves an fp64 result by ~1e-16, far below it, while any real error (a wrong
+# scale, a missed reduction, a wrong data slice) moves it by more than 1e-6. PARITY_FP32 is what users run.
+PARITY_FP32 = ("train.steps=20", "train.global_batch_size=4", f"optim.lr={LR}", "checkpoint.save_final=true",
+               "metrics.sync_check_every=5")
+FP64 = "precision.compute_dtype=fp64"
+PARITY = (*PARITY_FP32, FP64)
+EXACT = 1e-10
 
 
 def cli_env() -> dict:
@@ -98,10 +104,33 @@ def final_params(run_dir: Path, step: int = 20) -> dict:
     return load_model_params(run_dir / "checkpoints" / f"step_{step:08d}")
 
 
-def assert_parity(run: Path, reference: Path, rel: float = 1e-5, step: int = 20) -> None:
-    """Same losses and same final parameters as the reference run (fp32)."""
+def assert_parity(run: Path, reference: Path, rel: float = EXACT, step: int = 20) -> None:
+    """Same losses and same final parameters as the reference run: fp64 runs to `rel` (EXACT) on losses and
+    on every element of every parameter; fp32 runs within assert_params_close's bounds."""
+    import torch
+
     assert_losses_close(losses(run), losses(reference), rel=rel)
-    assert_params_close(final_params(run, step), final_params(reference, step), rel=rel, lr=LR)
+    ours, theirs = final_params(run, step), final_params(reference, step)
+    if next(iter(theirs.values())).dtype == torch.float64:
+        assert_params_exact(ours, theirs, rel=rel)
+    else:
+        assert_params_close(ours, theirs, rel=rel, lr=LR)
+
+
+def assert_params_exact(actual: dict, expected: dict, rel: float = EXACT) -> None:
+    """fp64: each tensor within `rel` of the reference in norm, and each element within `rel` of the tensor's
+    largest magnitude (a relative bound on every element that a parameter near zero cannot slip through)."""
+    import torch
+
+    assert actual.keys() == expected.keys()
+    for name in expected:
+        a, b = actual[name].detach(), expected[name].detach()
+        assert a.dtype == b.dtype == torch.float64, f"{name}: {a.dtype} vs {b.dtype}"
+        scale = float(b.abs().max()) or 1.0
+        norm_rel = float((a - b).norm() / (b.norm() or 1.0))
+        worst = float((a - b).abs().max()) / scale
+        assert norm_rel <= rel and worst <= rel, f"{name}: relative difference {norm_rel:.2e} (worst element " \
+                                                 f"{worst:.2e}) > {rel:.0e}"
 
 
 def assert_losses_close(actual: dict[int, float], expected: dict[int, float], rel: float) -> None:

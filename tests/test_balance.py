@@ -112,7 +112,7 @@ def four_rank_runs(tmp_path_factory):
     one-process reference."""
     root = tmp_path_factory.mktemp("balance4")
     common = ("train.steps=6", "train.global_batch_size=8", f"optim.lr={LR}", "checkpoint.save_final=true",
-              *MICRO)
+              "precision.compute_dtype=fp64", *MICRO)
     reference = train(root / "reference", *common[:-1], "train.micro_batch_size=8")
     runs = train_many({
         "ddp": (root / "ddp", (*common, "parallel.balance_weights=[1,2,3,2]")),

@@ -18,6 +18,7 @@ class TokenWindows:
         self.tokens = tokens
         self.seq_len = seq_len
         self.targets_per_sample = seq_len
+        self.masks_targets = False  # every target is a real next token
         self.num_samples = max(0, (len(tokens) - 1) // seq_len)
 
     def __len__(self) -> int:
@@ -38,6 +39,7 @@ class DatasetSamples:
         self.num_samples = len(dataset) if dataset is not None else 0
         first = dataset[0][1] if self.num_samples else torch.zeros(())
         self.targets_per_sample = max(1, torch.as_tensor(first).numel())
+        self.masks_targets = True  # a user's targets may hold the ignore index (-100)
 
     def __len__(self) -> int:
         return self.num_samples
@@ -55,6 +57,7 @@ class MixtureSamples:
     def __init__(self, names: list[str], parts: list):
         self.names, self.parts = names, parts
         self.targets_per_sample = parts[0].targets_per_sample
+        self.masks_targets = any(p.masks_targets for p in parts)
         self.num_samples = sum(len(p) for p in parts)
 
     def __len__(self) -> int:

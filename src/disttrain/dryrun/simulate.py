@@ -21,12 +21,12 @@ from disttrain.dryrun.collectives import CollectiveCounter
 from disttrain.dryrun.fake_world import (ddp_on_fake, forget_previous_world, gpu_defaults, groups_on_the_fake_backend,
                                         materialize_fake, propagation_in_its_own_fake_mode, scaler_finds_no_overflow,
                                         stage_shapes, static_pipeline)
-from disttrain.dryrun.tracking import (DDPBuckets, KeepBuckets, LeafInputsSafe, StagesTracker, Tracker, after_backward,
-                                       each_chunk_afresh, file_grads, then)
+from disttrain.dryrun.tracking import DDPBuckets, KeepBuckets, LeafInputsSafe, StagesTracker, Tracker, TrackerPhases
 from disttrain.errors import UserError
 from disttrain.layout import MESH_DIMS, Layout
 from disttrain.resolve import ResolvedRun
-from disttrain.train.faults import FaultInjector
+from disttrain.train.loss import GlobalMeanLoss
+from disttrain.train.phases import Phases
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporary", "communication")
 # torch's tracker categories -> ours. Gathered (unsharded) parameters and collective buffers are
@@ -51,15 +51,6 @@ class RankRun:
     host_bytes: int = 0  # CPU offload: the sharded states, in host memory (not in peak_bytes or bytes)
 
 
-class _BackwardHook(FaultInjector):
-    """No faults; calls `after` once each micro-batch's backward is done (the engine's hook point)."""
-
-    def __init__(self):
-        super().__init__(rank=-1, environ={})
-        self.after = lambda: None
-
-    def after_backward(self, step=None) -> None:
-        self.after()
 
 
 def unsupported(cfg, layout: Layout) -> str | None:
@@ -122,12 +113,13 @@ def measure_step(cfg, layout: Layout, spec, model, steps: int = 2, materialize=N
     rank, world, device = dist.get_rank(), layout.world_size, torch.device("cpu")
     meshes = build_meshes(layout, "cpu")
     rt = Runtime(DistEnv(rank, world, rank % 8, min(world, 8), "dryrun"), device, dist.get_backend())
-    hook = _BackwardHook()
     building = ddp_on_fake(tensor_mode) if tensor_mode is not None and layout.gradient_wrapper == "ddp" \
         else contextlib.nullcontext()
     stage_io = stage_shapes(spec, layout) if layout.pp > 1 else None  # real runs too: same code measured
     with building, groups_on_the_fake_backend(tensor_mode is not None):
-        engine = build_engine(cfg, layout, meshes, spec, model, rt, StepBreakdown(device), hook,
+        mean_loss = GlobalMeanLoss(spec.loss_sum, meshes.dp.get_group(), layout.dp, False,
+                                   layout.global_batch_size * layout.seq_len)
+        engine = build_engine(cfg, layout, meshes, spec, model, rt, Phases(StepBreakdown(device)), mean_loss,
                               materialize=materialize, stage_io=stage_io)
     buckets = DDPBuckets()
     if isinstance(engine.model, DistributedDataParallel):
@@ -138,10 +130,10 @@ def measure_step(cfg, layout: Layout, spec, model, steps: int = 2, materialize=N
     own = propagation_in_its_own_fake_mode() if tensor_mode is not None else contextlib.nullcontext()
     finite = scaler_finds_no_overflow() if tensor_mode is not None else contextlib.nullcontext()
     with tensor_mode or contextlib.nullcontext(), static, own, finite:
-        return _tracked_steps(cfg, layout, spec, engine, steps, counter, hook, buckets, rank, t0)
+        return _tracked_steps(cfg, layout, spec, engine, steps, counter, buckets, rank, t0)
 
 
-def _tracked_steps(cfg, layout, spec, engine, steps, counter, hook, buckets, rank, t0) -> RankRun:
+def _tracked_steps(cfg, layout, spec, engine, steps, counter, buckets, rank, t0) -> RankRun:
     from torch.distributed.fsdp import FSDPModule
 
     generator = torch.Generator().manual_seed(cfg.train.seed)
@@ -158,10 +150,7 @@ def _tracked_steps(cfg, layout, spec, engine, steps, counter, hook, buckets, ran
     if stages:
         tracker._mod_tracker = LeafInputsSafe()
     with tracker, counter:
-        hook.after = lambda: after_backward(tracker, engine.model)
-        for stage in stages:
-            stage.forward_one_chunk = each_chunk_afresh(stage.forward_one_chunk, stage.submod, tracker)
-            stage.backward_one_chunk = then(stage.backward_one_chunk, lambda m=stage.submod: file_grads(tracker, m))
+        engine.phases.subscribe(TrackerPhases(tracker, engine.model))
         buckets.tracker = tracker
         for step in range(1, steps + 1):
             counter.reset()

@@ -11,31 +11,31 @@ from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed._tools.mod_tracker import ModTracker
 
-
-def each_chunk_afresh(forward_one_chunk, module, tracker):
-    """A pipeline stage runs its root module once per micro-batch before any backward; the trackers
-    take a second root forward for a new iteration and refuse it unless that module's statistics
-    are dropped first (the peak is kept)."""
-    def run(*args, **kwargs):
-        tracker.memory_tracking.pop(module, None)
-        return forward_one_chunk(*args, **kwargs)
-    return run
+from disttrain.train.phases import PhaseEvent, Subscriber
 
 
-def then(fn, after):
-    def run(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            after()
-    return run
+class TrackerPhases(Subscriber):
+    """The trackers follow the engine's phases. A pipeline stage runs its root module once per micro-batch
+    before any backward; the trackers take a second root forward for a new iteration and refuse it unless
+    that module's statistics are dropped first (the peak is kept). After each backward the gradients FSDP2
+    accumulates are filed as gradients; between a whole model's micro-batches the per-module statistics are
+    cleared too."""
 
+    def __init__(self, tracker, model):
+        self.tracker, self.model = tracker, model
 
-def after_backward(tracker, model) -> None:
-    """Between micro-batches: clear the per-module statistics (the trackers refuse a second forward of
-    the root otherwise; the peak is kept), and file the gradients FSDP2 accumulates."""
-    tracker.reset_mod_stats()
-    file_grads(tracker, model)
+    def enter(self, event: PhaseEvent) -> None:
+        if event.name == "forward" and event.module is not None:  # a pipeline chunk
+            self.tracker.memory_tracking.pop(event.module, None)
+
+    def exit(self, event: PhaseEvent) -> None:
+        if event.name != "backward":
+            return
+        if event.module is not None:
+            file_grads(self.tracker, event.module)
+        elif event.depth == 0:
+            self.tracker.reset_mod_stats()
+            file_grads(self.tracker, self.model)
 
 
 def file_grads(tracker, model) -> None:

@@ -31,19 +31,63 @@ KINDS = {"all_reduce": "all_reduce", "allreduce": "all_reduce", "all_gather": "a
          "all_to_all": "all_to_all", "barrier": "barrier", "reduce": "reduce", "gather": "gather", "scatter": "scatter"}
 
 
+def _cuda_mark():
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def device_clock(device: torch.device):
+    """A function returning a time mark: the host clock on CPU, a recorded CUDA event on GPU (read later,
+    so marking costs no host sync)."""
+    return _cuda_mark if device.type == "cuda" else time.perf_counter
+
+
 class StepBreakdown:
+    """Also a subscriber of the engine's phases (train/phases.py): forward, backward (its tail after the
+    last gradient computation is exposed reduction), reduce (exposed), optimizer; a pipeline's chunks on the
+    host clock, the rest of its schedule counted as exposed transfer time. Evaluation is not step time."""
+
+    STEP_PARTS = {"forward": "forward", "backward": "backward", "reduce": "comm_exposed", "optimizer": "optimizer"}
+
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
+        self.now = device_clock(device)
         self.totals = dict.fromkeys(PARTS, 0.0)
         self.pending: list[tuple[str, object, object]] = []
         self.compute_end = None
+        self._marks: dict[str, object] = {}
+        self._schedule: list[float] | None = None  # [start, seconds in its chunks] inside a pipeline schedule
 
-    def now(self):
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
+    def enter(self, event) -> None:
+        if event.step is None:
+            return
+        if event.name == "pipeline":
+            self._schedule = [time.perf_counter(), 0.0]
+        elif self._schedule is not None:
+            self._marks[event.name] = time.perf_counter()
+        elif event.name in self.STEP_PARTS:
+            self._marks[event.name] = self.now()
+
+    def exit(self, event) -> None:
+        if event.step is None or (event.name not in self.STEP_PARTS and event.name != "pipeline"):
+            return
+        if event.name == "pipeline":
+            start, busy = self._schedule
+            self._schedule = None
+            self.add_seconds("comm_exposed", max(0.0, time.perf_counter() - start - busy))
+        elif self._schedule is not None:  # a pipeline chunk: host clock (the schedule waits on transfers anyway)
+            seconds = time.perf_counter() - self._marks.pop(event.name)
+            self._schedule[1] += seconds
+            self.add_seconds(event.name, seconds)
+        else:
+            start, end = self._marks.pop(event.name), self.now()
+            compute_end = self.take_compute_end() if event.name == "backward" else None
+            if event.last and compute_end is not None:  # what follows the last gradient is reduction wait
+                self.add("backward", start, compute_end)
+                self.add("comm_exposed", compute_end, end)
+            else:
+                self.add(self.STEP_PARTS[event.name], start, end)
 
     def add(self, part: str, start, end) -> None:
         if self.cuda:

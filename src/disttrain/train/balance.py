@@ -15,17 +15,29 @@ import torch
 import torch.distributed as dist
 
 from disttrain.layout import Layout, balance_shares
+from disttrain.train.phases import PhaseEvent, Subscriber
 
 log = logging.getLogger(__name__)
 
 
-class ComputeTimer:
-    """Forward time per micro-batch on this rank, from the step breakdown's own marks (host clock on CPU,
+class ComputeTimer(Subscriber):
+    """Forward time per training micro-batch on this rank, with the step breakdown's clock (host clock on CPU,
     CUDA events on GPU, read only at a re-split, so no host sync per step). Backward scales with forward."""
 
-    def __init__(self):
+    def __init__(self, clock):
+        self.clock = clock
         self.spans: list[tuple[object, object]] = []
         self.seconds, self.count = 0.0, 0
+        self._start = None
+
+    def enter(self, event: PhaseEvent) -> None:
+        if event.name == "forward" and event.depth == 0 and event.step is not None:
+            self._start = self.clock()
+
+    def exit(self, event: PhaseEvent) -> None:
+        if self._start is not None and event.name == "forward" and event.depth == 0:
+            self.add(self._start, self.clock())
+            self._start = None
 
     def add(self, start, end) -> None:
         if isinstance(start, float):
@@ -47,15 +59,11 @@ class ComputeTimer:
 class Balancer:
     """The current split of the global batch over data-parallel ranks, and (auto) its re-splitting."""
 
-    def __init__(self, layout: Layout, dp_rank: int, every: int, targets_per_sample: int):
+    def __init__(self, layout: Layout, dp_rank: int, every: int, clock):
         self.layout, self.dp_rank, self.every = layout, dp_rank, every
         self.auto = layout.balance == "auto" and layout.dp > 1
-        # what the engine reads: the mean rank's targets (the loss normaliser) and whether FSDP2
-        # keeps parameters gathered between micro-batches
-        self.tokens_per_rank = layout.global_batch_size * targets_per_sample / layout.dp
-        self.keep_gathered = layout.gradient_wrapper == "fsdp"
         self.shares = layout.initial_shares() if layout.balanced else []
-        self.timer = ComputeTimer() if self.auto else None
+        self.timer = ComputeTimer(clock) if self.auto else None  # subscribes to the engine's phases
         self.group = dist.new_group(backend="gloo") if self.auto else None  # CPU: no device sync
 
     def due(self, step: int) -> bool:

@@ -24,13 +24,15 @@ from disttrain.distributed.runtime import Runtime
 from disttrain.errors import UserError
 from disttrain.layout import Layout
 from disttrain.models.spec import ModelSpec, build_model, count_params
-from disttrain.observe.breakdown import CommProfiler, StepBreakdown
+from disttrain.observe.breakdown import CommProfiler, StepBreakdown, device_clock
 from disttrain.observe.mfu import peak_flops_per_device
 from disttrain.resolve import ResolvedRun, resolve_run
 from disttrain.train.balance import Balancer
 from disttrain.train.engine import OptimizerStep, StepEngine
 from disttrain.train.faults import FaultInjector
+from disttrain.train.loss import GlobalMeanLoss
 from disttrain.train.optim import build_optimizer, build_scheduler
+from disttrain.train.phases import HostComputeClock, Phases
 from disttrain.train.precision import Precision
 
 log = logging.getLogger(__name__)
@@ -54,6 +56,7 @@ class Run:
     breakdown: StepBreakdown
     comm_profiler: CommProfiler
     faults: FaultInjector
+    compute_clock: HostComputeClock  # host compute seconds of the latest step (straggler statistics)
     num_params: int
     peak_flops: float | None
     replica_group: object
@@ -88,7 +91,7 @@ def build_run(cfg: RunConfig, rt: Runtime, resolved: ResolvedRun | None = None) 
     t = cfg.train
     tokenizer, train_samples, val_samples = load_samples(cfg.data.source, resolved.tokenizer, cfg.data.seq_len)
     sampler = make_sampler(train_samples, cfg.data.source, t.global_batch_size, t.seed)
-    balancer = Balancer(layout, dp_rank, cfg.parallel.balance_every, train_samples.targets_per_sample)
+    balancer = Balancer(layout, dp_rank, cfg.parallel.balance_every, device_clock(rt.device))
     loader = DistributedBatchLoader(train_samples, sampler, dp_rank, dp_size, t.micro_batch_size,
                                     balancer.shares if layout.balanced else None,
                                     prefetch=cfg.data.prefetch if cfg.data.prefetch is not None else rt.device.type == "cuda",
@@ -118,20 +121,23 @@ def build_run(cfg: RunConfig, rt: Runtime, resolved: ResolvedRun | None = None) 
     breakdown = StepBreakdown(rt.device)
     breakdown.watch_input_module(model)
     faults = FaultInjector(rt.rank)
-    engine = build_engine(cfg, layout, meshes, spec, model, rt, breakdown, faults,
-                          balancer if layout.balanced else None)
+    compute_clock = HostComputeClock()
+    # fault injection innermost (last in, first out), so what it simulates (a slow rank) counts as phase time
+    phases = Phases(breakdown, compute_clock, *([balancer.timer] if balancer.timer is not None else []), faults)
+    mean_loss = GlobalMeanLoss(spec.loss_sum, meshes.dp.get_group(), layout.dp, train_samples.masks_targets,
+                               t.global_batch_size * train_samples.targets_per_sample)
+    engine = build_engine(cfg, layout, meshes, spec, model, rt, phases, mean_loss)
     peak_flops, _ = peak_flops_per_device(cfg, layout, rt.device)
     return Run(cfg=cfg, rt=rt, layout=layout, meshes=meshes, spec=spec, base_model=model, engine=engine,
                tokenizer=tokenizer, loader=loader, val_samples=val_samples,
                ckpt=CheckpointManager(cfg.checkpoint_dir, rt.rank, cfg.checkpoint.keep_last, cfg.checkpoint.async_save),
                breakdown=breakdown, comm_profiler=CommProfiler(cfg.metrics.comm_profile_every, rt.device),
-               faults=faults, num_params=num_params, peak_flops=peak_flops,
+               faults=faults, compute_clock=compute_clock, num_params=num_params, peak_flops=peak_flops,
                replica_group=meshes.replica_group(layout), balancer=balancer)
 
 
 def build_engine(cfg: RunConfig, layout: Layout, meshes: Meshes, spec: ModelSpec, model: nn.Module, rt: Runtime,
-                 breakdown: StepBreakdown, faults: FaultInjector, balancer: Balancer | None = None,
-                 materialize=None, stage_io=None) -> StepEngine:
+                 phases: Phases, mean_loss: GlobalMeanLoss, materialize=None, stage_io=None) -> StepEngine:
     """The one place that picks an engine: DeepSpeed, a pipeline schedule, or plain torch.
     `materialize(module)`: for a model built on the meta device (the dry run), called once the
     layout is applied and before the optimizer sees the parameters; `stage_io`: pipeline stage shapes
@@ -145,24 +151,20 @@ def build_engine(cfg: RunConfig, layout: Layout, meshes: Meshes, spec: ModelSpec
         apply_activation_checkpointing(spec.blocks(model), layout.activation_checkpointing)
         optimizer = build_optimizer(model, cfg.optim)
         scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
-        return DeepSpeedEngine(model, optimizer, scheduler, cfg, rt.world_size, device, spec, dp_group, breakdown,
-                               faults)
+        return DeepSpeedEngine(model, optimizer, scheduler, cfg, rt.world_size, device, mean_loss, dp_group, phases)
     precision = Precision(layout.compute_dtype, device)
     if layout.pp > 1:
         from disttrain.parallel.pipeline import build_pipeline
-        from disttrain.train.loss import RankMeanLoss
+        from disttrain.parallel.tied import TiedAcrossStages
         from disttrain.train.pipeline_engine import PipelineEngine
 
-        from disttrain.parallel.tied import TiedAcrossStages
-
-        mean_loss = RankMeanLoss(spec.loss_sum, layout.sequences_per_rank * layout.seq_len)
         parts = build_pipeline(model, spec, layout, meshes, device, cfg.parallel, mean_loss, layout.microbatches,
                                materialize, stage_io)
         tied = TiedAcrossStages(parts.model, spec.tied_parameters, layout, meshes)
         optimizer = build_optimizer(parts.model, cfg.optim)
         step = _optimizer_step(cfg, optimizer, precision, parts.group)
-        return PipelineEngine(parts, mean_loss, optimizer, step, precision, device, tensor_parallel, dp_group,
-                              breakdown, faults, tied)
+        return PipelineEngine(parts, mean_loss, optimizer, step, precision, device, tensor_parallel, dp_group, phases,
+                              tied)
     from disttrain.parallel.parallelize import parallelize
     from disttrain.train.torch_engine import TorchEngine
 
@@ -180,8 +182,10 @@ def build_engine(cfg: RunConfig, layout: Layout, meshes: Meshes, spec: ModelSpec
     # DDP's gradients as views into its buckets are zeroed in place (engine.py); copies are freed as usual
     bucket_views = layout.gradient_wrapper == "ddp" and cfg.parallel.ddp_gradient_as_bucket_view
     step = _optimizer_step(cfg, optimizer, precision, None, keep_gradients=bucket_views)
-    return TorchEngine(wrapped, optimizer, step, spec, precision, device, tensor_parallel, dp_group, breakdown, faults,
-                       sharded_optimizer=layout.sharded_optimizer, balance=balancer)
+    # Uneven shares: FSDP keeps parameters gathered over a rank's micro-batches (ranks run different counts)
+    keep_gathered = layout.balanced and layout.gradient_wrapper == "fsdp"
+    return TorchEngine(wrapped, optimizer, step, mean_loss, precision, device, tensor_parallel, dp_group, phases,
+                       sharded_optimizer=layout.sharded_optimizer, keep_gathered=keep_gathered)
 
 
 def _optimizer_step(cfg: RunConfig, optimizer, precision: Precision, pp_group,

@@ -24,8 +24,9 @@ from pathlib import Path
 import torch
 
 from disttrain.errors import UserError
-from disttrain.train.loss import RankMeanLoss
-
+from disttrain.train.engine import StepResult
+from disttrain.train.loss import GlobalMeanLoss, valid_targets
+from disttrain.train.phases import Phases
 
 
 def deepspeed_config(cfg, world_size: int, cuda: bool = False) -> dict:
@@ -67,9 +68,9 @@ class DeepSpeedEngine:
     averaging, clipping, loss scaling, the optimizer and the LR schedule step."""
 
     checkpoint_format = TAG
-    measures_phases = False  # whether it feeds the step breakdown (forward, backward, ...)
 
-    def __init__(self, model, optimizer, scheduler, cfg, world_size: int, device, spec, dp_group, breakdown, faults):
+    def __init__(self, model, optimizer, scheduler, cfg, world_size: int, device, mean_loss: GlobalMeanLoss,
+                 dp_group, phases: Phases):
         from disttrain.validation import INSTALL_HINT
 
         try:
@@ -88,34 +89,36 @@ class DeepSpeedEngine:
                                                     config=deepspeed_config(cfg, world_size, device.type == "cuda"),
                                                     dist_init_required=False)
         self.model = self.engine  # DCP-free: saves and loads go through DeepSpeed's own format
-        self.scheduler, self.spec, self.device = scheduler, spec, device
+        self.scheduler, self.mean_loss, self.device = scheduler, mean_loss, device
         self.loss_groups = [dp_group]
-        self.breakdown, self.faults = breakdown, faults
-        self.forward_seconds = 0.0
+        self.phases = phases
         self.skipped_steps: list[int] = []  # DeepSpeed skips overflowing fp16 steps itself
 
-    on_phase = staticmethod(lambda name: None)  # the loop sets the watchdog's
-
-    def train_step(self, micro_batches: list, step: int):
-        self.on_phase("DeepSpeed forward/backward/step")
-        mean_loss = RankMeanLoss(self.spec.loss_sum, sum(y.numel() for _, y in micro_batches))
-        loss_sum = torch.zeros((), device=self.device)
-        for x, y in micro_batches:
-            x, y = x.to(self.device), y.to(self.device)
-            self.faults.before_forward()
-            loss = self.faults.corrupt_loss(step, mean_loss(self.engine(x), y))
-            self.engine.backward(loss * len(micro_batches))  # undo DeepSpeed's 1/accumulation: mean over rank tokens
-            self.engine.step()
-            loss_sum += mean_loss.as_sum(loss)
+    def train_step(self, micro_batches: list, step: int) -> StepResult:
+        phases, mean_loss, last = self.phases, self.mean_loss, len(micro_batches) - 1
+        batches = [(x.to(self.device), y.to(self.device)) for x, y in micro_batches]
+        mean_loss.start_step([y for _, y in batches])
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        for i, (x, y) in enumerate(batches):
+            with phases("forward", step, i == last) as forward:
+                forward.loss = mean_loss(self.engine(x), y)
+            with phases("backward", step, i == last):
+                self.engine.backward(forward.loss * len(batches))  # undo DeepSpeed's 1/accumulation
+            with phases("optimizer", step, i == last):  # a real update at the last micro-batch only
+                self.engine.step()
+            loss_sum += mean_loss.as_sum(forward.loss)
         norm = self.engine.get_global_grad_norm()
-        return loss_sum, torch.as_tensor(norm if norm is not None else float("nan"))
+        return StepResult(loss_sum, mean_loss.targets, torch.as_tensor(norm if norm is not None else float("nan")))
 
     @torch.no_grad()
-    def eval_loss_sum(self, micro_batches: list) -> torch.Tensor:
-        total = torch.zeros((), device=self.device)
+    def eval_loss_sum(self, micro_batches: list) -> tuple[torch.Tensor, torch.Tensor]:
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        targets = torch.zeros((), dtype=torch.float64, device=self.device)
         for x, y in micro_batches:
-            total += self.spec.loss_sum(self.engine(x.to(self.device)), y.to(self.device)).detach()
-        return total
+            x, y = x.to(self.device), y.to(self.device)
+            total += self.mean_loss.loss_sum(self.engine(x), y).detach().double()
+            targets += valid_targets(y)
+        return total, targets
 
     def lr(self) -> float:
         return self.scheduler.get_last_lr()[0]
@@ -127,7 +130,8 @@ class DeepSpeedEngine:
         self.scheduler.load_state_dict(state["scheduler"])
 
     def save(self, path: Path, async_group=None):
-        self.engine.save_checkpoint(str(path), tag=TAG, save_latest=False)
+        with self.phases("checkpoint"):
+            self.engine.save_checkpoint(str(path), tag=TAG, save_latest=False)
         return None
 
     def load(self, path: Path) -> None:

@@ -9,7 +9,7 @@ it drives.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 from torch import nn
@@ -17,20 +17,29 @@ from torch._subclasses.fake_tensor import is_fake
 
 from disttrain.observe.health import NonFiniteError
 from disttrain.train.optim import clip_grad_norm_global
+from disttrain.train.phases import Phases
+
+
+class StepResult(NamedTuple):
+    loss_sum: torch.Tensor  # this rank's sum of target losses (float64; on a pipeline's last stage only)
+    targets: torch.Tensor | int  # the global number of valid targets of the step (the loss's divisor)
+    grad_norm: torch.Tensor  # the global gradient norm, before clipping
 
 
 class StepEngine(Protocol):
+    """`train_step` is the training math; where it is (forward, backward, reduce, optimizer, checkpoint)
+    it announces through `phases`, which the loop's observers subscribe to (train/phases.py)."""
+
     model: nn.Module  # every parameter this rank holds, under checkpoint names (a pipeline's pruned model)
     loss_groups: list  # process groups a local loss sum is added over to make the global sum
     skipped_steps: list[int]  # steps whose update a non-finite gradient norm skipped
     checkpoint_format: str  # what `save` writes ("dcp", "deepspeed"): recorded in COMMIT, checked on resume
-    measures_phases: bool  # whether the step feeds the breakdown's forward/backward/optimizer phases
-    on_phase: object  # callable(name): called as the step enters "forward", "backward", "optimizer" (the watchdog)
+    phases: Phases
 
-    def train_step(self, micro_batches: list, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (this rank's token-loss sum, global gradient norm) as device tensors."""
+    def train_step(self, micro_batches: list, step: int) -> StepResult: ...
 
-    def eval_loss_sum(self, micro_batches: list) -> torch.Tensor: ...
+    def eval_loss_sum(self, micro_batches: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this rank's target-loss sum, its valid targets), both float64; the loop adds them over loss_groups."""
 
     def lr(self) -> float: ...
 

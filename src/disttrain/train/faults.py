@@ -69,6 +69,21 @@ class FaultInjector:
             self._record(f.kind, step)
             os.kill(os.getpid(), signal.SIGKILL)
 
+    # ------------------------------------------------------------ phase subscriber (train/phases.py)
+    def enter(self, event) -> None:
+        if self.fault is not None and event.step is not None and event.depth == 0 and event.name in ("forward", "pipeline"):
+            self.before_forward()
+
+    def exit(self, event) -> None:
+        if self.fault is None or event.step is None:
+            return
+        if event.name == "forward":
+            self.after_forward()
+        elif event.name == "backward":
+            self.after_backward(event.step)
+        if event.depth == 0 and event.name in ("forward", "pipeline"):
+            event.loss = self.corrupt_loss(event.step, event.loss)
+
     def corrupt_loss(self, step: int, loss):
         f = self.fault
         if f is not None and f.kind == "nan" and step == f.step:

@@ -18,7 +18,8 @@ from disttrain.observe.health import check_replicas_in_sync, rank_stats
 from disttrain.observe.metrics import MetricsLogger, peak_memory_bytes
 from disttrain.observe.model_bytes import memory_stats
 from disttrain.train.builder import Run
-from disttrain.train.resilience import NullWatchdog, StepControl, Watchdog
+from disttrain.train.engine import StepResult
+from disttrain.train.resilience import NullWatchdog, StepControl, Watchdog, WatchdogPhases
 from disttrain.train.resume import Progress, maybe_resume, train_state
 
 log = logging.getLogger(__name__)
@@ -48,13 +49,13 @@ class Trainer:
         return self.progress.step
 
     # ---------------------------------------------------------------- global numbers (collectives)
-    def _global_mean(self, local_sum: torch.Tensor, total_tokens: int) -> float:
-        """Collective (only on logging and evaluation steps): the local loss sum added over every
-        group the engine names (data parallel; the pipeline too, where only the last stage has it)."""
-        t = local_sum.detach().clone().to(self.run.rt.device)
+    def _global_sums(self, *local: torch.Tensor) -> list[float]:
+        """Collective (only on logging and evaluation steps): float64 sums added over every group the engine
+        names (data parallel; the pipeline too, where only the last stage has the loss)."""
+        t = torch.stack([x.detach().double() for x in local]).to(self.run.rt.device)
         for group in self.engine.loss_groups:
             dist.all_reduce(t, group=group)
-        return float(t) / total_tokens
+        return t.tolist()
 
     def evaluate(self) -> tuple[float | None, dict[str, float]]:
         """Validation loss, and for a mixture each source's (the overall figure weighs them like training)."""
@@ -75,30 +76,32 @@ class Trainer:
         loader = DistributedBatchLoader(samples, sampler, run.dp_rank, run.layout.dp, t.micro_batch_size,
                                         run.loader.shares if run.layout.balanced else None)
         self.engine.model.eval()
-        total = torch.zeros((), device=run.rt.device)
+        total = torch.zeros(2, dtype=torch.float64, device=run.rt.device)  # loss sum, valid targets
         for k in range(1, t.eval_batches + 1):
-            total += self.engine.eval_loss_sum(loader.micro_batches(k))
+            total += torch.stack(self.engine.eval_loss_sum(loader.micro_batches(k)))
         self.engine.model.train()
-        return self._global_mean(total, t.eval_batches * run.tokens_per_step)
+        loss_sum, targets = self._global_sums(*total)
+        return loss_sum / targets
 
-    def _step_record(self, loss_sum, grad_norm, lr: float, window_steps: int, elapsed: float, data_time: float) -> dict:
+    def _step_record(self, result: StepResult, lr: float, window_steps: int, elapsed: float,
+                     data_time: float) -> dict:
         """Collective (loss, peak memory and per-rank compute time over ranks); only on logging steps."""
         run, device = self.run, self.run.rt.device
         tokens_per_sec = run.tokens_per_step * window_steps / elapsed
-        record = {"step": self.step, "time": time.time(), "loss": self._global_mean(loss_sum, run.tokens_per_step),
-                  "lr": lr, "grad_norm": float(grad_norm), "tokens_per_sec": tokens_per_sec,
+        loss = self._global_sums(result.loss_sum)[0] / float(result.targets)
+        record = {"step": self.step, "time": time.time(), "loss": loss,
+                  "lr": lr, "grad_norm": float(result.grad_norm), "tokens_per_sec": tokens_per_sec,
                   "step_time_s": elapsed / window_steps, "data_time_s": data_time,
                   "tokens_seen": self.progress.tokens_seen}
         if run.peak_flops and run.flops_per_token:
             record["mfu"] = run.flops_per_token * tokens_per_sec / (run.peak_flops * run.rt.world_size)
-        breakdown = run.breakdown.collect(window_steps)
-        record.update(breakdown if self.engine.measures_phases else {"time_data_s": breakdown["time_data_s"]})
+        record.update(run.breakdown.collect(window_steps))
         comm = run.comm_profiler.take()
         if comm:
             record.update(comm)
             record["comm_time_s"] = sum(comm.values())
         record.update(memory_stats(device))
-        record.update(rank_stats(data_time + self.engine.forward_seconds, peak_memory_bytes(device), device))
+        record.update(rank_stats(data_time + run.compute_clock.seconds, peak_memory_bytes(device), device))
         record.update(self.engine.extra_metrics())
         if run.layout.balanced:
             record["balance_shares"] = list(run.balancer.shares)
@@ -164,9 +167,8 @@ class Trainer:
                              str(cfg.run_dir / "logs" / f"rank_{run.rt.rank:05d}.log"))
                     if d.watchdog_factor else NullWatchdog())
         self.watchdog = watchdog
-        # the engine names its phases: forward (this rank's compute), backward and optimizer (they hold
-        # the gradient collectives: a rank waiting there is a victim, not a cause)
-        self.engine.on_phase = lambda name: watchdog.enter(f"step {p.step + 1}: {name}", collective=name != "forward")
+        if d.watchdog_factor:
+            self.engine.phases.subscribe(WatchdogPhases(watchdog))
         final_loss = sample = None
         window_t0, window_steps = time.perf_counter(), 0
         every, log_every = cfg.checkpoint.every_steps, cfg.metrics.log_every
@@ -180,7 +182,7 @@ class Trainer:
                 run.comm_profiler.start(p.step + 1)
                 lr = self.engine.lr()  # the rate this step uses
                 try:
-                    loss_sum, grad_norm = self.engine.train_step(micro_batches, p.step + 1)
+                    result = self.engine.train_step(micro_batches, p.step + 1)
                 finally:
                     run.comm_profiler.stop()
                 p.step += 1
@@ -199,7 +201,7 @@ class Trainer:
                 if log_every and (p.step % log_every == 0 or p.step == t.steps):
                     watchdog.enter(f"step {p.step}: metrics all-reduce", collective=True)
                     elapsed = time.perf_counter() - window_t0 - run.comm_profiler.take_overhead()
-                    record = self._step_record(loss_sum, grad_norm, lr, window_steps, elapsed, data_time)
+                    record = self._step_record(result, lr, window_steps, elapsed, data_time)
                     final_loss = record["loss"]
                     metrics.log_step(record)
                     window_t0, window_steps = time.perf_counter(), 0

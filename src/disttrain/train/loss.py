@@ -1,11 +1,16 @@
 """Loss semantics, in one place (what makes layouts comparable).
 
-Each micro-batch contributes the *sum* of its token losses (the ModelSpec's `loss_sum`) divided by
-the mean data-parallel rank's token count for the step (global tokens / dp: with equal shares, this
-rank's own count; with uneven shares, train/balance.py, the same divisor on every rank); gradient
-averaging over data-parallel ranks then gives the gradient of the mean token loss over the whole
-global batch. The logged loss is that same mean: local sums added over ranks, divided by the
-global token count.
+The loss of a step is the mean cross-entropy over the *valid* targets of the whole global batch:
+targets equal to IGNORE_INDEX (-100, PyTorch's and transformers' ignore index: padding, prompt tokens
+in fine-tuning) carry no loss, and the divisor is their count over every data-parallel rank,
+micro-batch and pipeline micro-batch. Each micro-batch backpropagates the *sum* of its target losses
+(the ModelSpec's `loss_sum`) divided by the mean data-parallel rank's share of that count (global
+count / dp); data-parallel gradient averaging (DDP, FSDP, DeepSpeed all divide by dp) then gives the
+gradient of the global mean, whatever the shares (uneven ones included). The logged loss is that same
+mean: local sums added over ranks, divided by the global count.
+
+The global count needs one all-reduce of a scalar per step, issued before the first forward and
+never read on the host; data that cannot mask targets (token windows) skips it: its count is known.
 """
 
 from __future__ import annotations
@@ -13,23 +18,47 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from disttrain.models.spec import IGNORE_INDEX
 
-class RankMeanLoss:
-    """`loss_sum(outputs, targets) / rank_tokens`: the per-micro-batch loss every engine
-    backpropagates (and the pipeline schedule's `loss_fn`)."""
 
-    def __init__(self, loss_sum, rank_tokens: int):
-        self.loss_sum, self.rank_tokens = loss_sum, rank_tokens
+class GlobalMeanLoss:
+    """`loss_sum(outputs, targets) / (global valid targets / dp)`: the per-micro-batch loss every engine
+    backpropagates (and the pipeline schedule's `loss_fn`). `start_step` sets the divisor for a step."""
 
-    def __call__(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return self.loss_sum(outputs, targets) / self.rank_tokens
+    def __init__(self, loss_sum, dp_group, dp: int, masks_targets: bool, targets_per_step: int):
+        self.loss_sum, self.dp_group, self.dp = loss_sum, dp_group, dp
+        self.masks_targets = masks_targets  # the data may hold IGNORE_INDEX targets: count them
+        self.targets: torch.Tensor | int = targets_per_step  # of the whole global batch, this step
+        self.divisor: torch.Tensor | float = targets_per_step / dp
+
+    def start_step(self, targets: list[torch.Tensor]) -> None:
+        """Collective over data parallel when the data masks targets: the step's global valid count.
+        `targets`: every target tensor this rank computes in the step, already on its device."""
+        if not self.masks_targets:
+            return
+        count = torch.stack([(y != IGNORE_INDEX).sum() for y in targets]).sum().double()
+        dist.all_reduce(count, group=self.dp_group)
+        self.targets, self.divisor = count, count / self.dp
+
+    def __call__(self, outputs, targets: torch.Tensor) -> torch.Tensor:
+        loss_sum = self.loss_sum(outputs, targets)
+        divisor = self.divisor
+        if isinstance(loss_sum, DTensor) and isinstance(divisor, torch.Tensor):  # loss_parallel's replicated loss
+            divisor = DTensor.from_local(divisor, loss_sum.device_mesh, loss_sum.placements)
+        return loss_sum / divisor
 
     def as_sum(self, loss: torch.Tensor) -> torch.Tensor:
-        """Back to this micro-batch's token-loss sum, as a plain tensor (for logging)."""
-        return replicated_value(loss.detach()) * self.rank_tokens
+        """Back to the micro-batch's target-loss sum, as a plain float64 tensor (for logging)."""
+        return replicated_value(loss.detach()).double() * self.divisor
+
+
+def valid_targets(targets: torch.Tensor) -> torch.Tensor:
+    """How many targets carry loss (float64, so sums over many batches stay exact)."""
+    return (targets != IGNORE_INDEX).sum().double()
 
 
 def loss_context(tensor_parallel: bool):

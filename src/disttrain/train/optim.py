@@ -10,6 +10,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from disttrain.dtypes import at_least_fp32
+
 
 def build_optimizer(model: nn.Module, optim_cfg) -> torch.optim.Optimizer:
     decay, no_decay = [], []
@@ -62,7 +64,7 @@ def clip_grad_norm_global(params, max_norm: float, pp_group=None, norm_params=No
         norm = torch.nn.utils.get_total_norm([p.grad for p in group], foreach=True)
         if isinstance(norm, DTensor):  # a norm over shards: reduce to the full tensors' norm
             norm = norm.full_tensor()
-        squares.append(norm.float() ** 2)
+        squares.append(at_least_fp32(norm) ** 2)  # fp64 runs keep their norm (and so the clip factor) in fp64
     total_sq = torch.stack(squares).sum() if squares else torch.zeros(())
     if pp_group is not None:
         dist.all_reduce(total_sq, group=pp_group)

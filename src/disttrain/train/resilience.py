@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from disttrain.errors import EXIT_HANG, EXIT_PREEMPTED
+from disttrain.train.phases import PhaseEvent, Subscriber
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +148,25 @@ class Watchdog:
 
     def close(self) -> None:
         self._stop.set()
+
+
+class WatchdogPhases(Subscriber):
+    """Tells the watchdog where the step is from the engine's phases: its own compute (forward) or a phase
+    holding collectives (a rank waiting there is a victim of a hang, not its cause); back to the enclosing
+    phase on exit."""
+
+    def __init__(self, watchdog: Watchdog):
+        self.watchdog = watchdog
+        self.outer: list[tuple[str, bool]] = []
+
+    def enter(self, event: PhaseEvent) -> None:
+        w = self.watchdog
+        self.outer.append((w.phase, w.in_collective))
+        where = f"step {event.step}: {event.name}" if event.step is not None else f"{w.phase}: {event.name}"
+        w.enter(where, collective=event.name != "forward")
+
+    def exit(self, event: PhaseEvent) -> None:
+        self.watchdog.enter(*self.outer.pop())
 
 
 class NullWatchdog:
