@@ -47,7 +47,7 @@ class PipelineEngine(OwnOptimizerStep):
 
     def _batch(self, micro_batches: list) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's whole batch (the schedule splits it into its micro-batches), on the device."""
-        return (torch.cat([x for x, _ in micro_batches]).to(self.device),
+        return (self.precision.inputs(torch.cat([x for x, _ in micro_batches]), self.device),
                 torch.cat([y for _, y in micro_batches]).to(self.device))
 
     def _run(self, inputs: torch.Tensor, targets: torch.Tensor, step: int | None) -> torch.Tensor:

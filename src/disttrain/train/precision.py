@@ -20,3 +20,10 @@ class Precision:
         if self.dtype in (torch.float32, torch.float64):  # parameters already hold the compute dtype
             return contextlib.nullcontext()
         return torch.autocast(self.device_type, dtype=self.dtype)
+
+    def inputs(self, x: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """A batch's inputs on the device; floating-point ones (images, features) in fp64 for an fp64 model,
+        which has no autocast to convert them (token ids stay integers)."""
+        if self.dtype == torch.float64 and x.is_floating_point():
+            return x.to(device, torch.float64, non_blocking=True)
+        return x.to(device, non_blocking=True)

@@ -35,7 +35,7 @@ class TorchEngine(OwnOptimizerStep):
     def train_step(self, micro_batches: list, step: int) -> StepResult:
         """The only host sync is the finiteness test of the norm (one scalar), which decides whether to step."""
         phases, mean_loss, last = self.phases, self.mean_loss, len(micro_batches) - 1
-        batches = [(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)) for x, y in micro_batches]
+        batches = [(self.precision.inputs(x, self.device), y.to(self.device, non_blocking=True)) for x, y in micro_batches]
         mean_loss.start_step([y for _, y in batches])
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         if self.keep_gathered:
@@ -60,7 +60,7 @@ class TorchEngine(OwnOptimizerStep):
         if self.keep_gathered:
             gather(self.model)
         for x, y in micro_batches:
-            x, y = x.to(self.device), y.to(self.device)
+            x, y = self.precision.inputs(x, self.device), y.to(self.device)
             with loss_context(self.tensor_parallel):
                 with self.precision.autocast():
                     out = self.model(x)
