@@ -168,9 +168,6 @@ def test_the_readme_checker_catches_renamed_flags_and_commands():
 
 
 # ------------------------------------------------------------------ docs/ARCHITECTURE.md
-# Modules the architecture already describes that land with the set-up refactor (resolve_run) and the
-# phase announcements. Remove an entry once its file is committed.
-EXPECTED_SOON = {"resolve.py", "train/phases.py", "phases.py"}
 
 
 def _doc_path_exists(name: str) -> bool:
@@ -204,5 +201,5 @@ def test_architecture_names_only_modules_that_exist():
     modules = {m + ".py" for m, attr in re.findall(r"(?<![\w./-])((?:\w+/)+\w+)\.(\w+)", text)
                if attr not in ("py", "yaml", "md", "json")}  # train/builder.build_run -> train/builder.py
     assert {"train/loop.py", "resolve.py", "distributed/mesh.py"} <= files | modules and "src/disttrain/" in dirs
-    missing = sorted(p for p in files | dirs | modules if not _doc_path_exists(p) and p not in EXPECTED_SOON)
+    missing = sorted(p for p in files | dirs | modules if not _doc_path_exists(p))
     assert not missing, f"docs/ARCHITECTURE.md names paths that do not exist: {missing}"
