@@ -1,13 +1,13 @@
-"""Per-rank model-state bytes for ZeRO stages, measured on the real runtime. Run under torchrun:
+"""Per-rank model-state bytes for ZeRO stages and TP/PP layouts, measured in the engine's own step.
+Run under torchrun:
 
     torchrun --nproc-per-node 2 -m disttrain.bench.model_states RUN_DIR [--model tiny] [--stages 0 1 2 3]
         [--override parallel.dp_replicate=2 ...]
 
-Prints one `MEM {json}` line per rank and stage: parameter, gradient and optimizer-state bytes this
-rank holds after one step (gradients measured before they are released), the parameter bytes
-visible between forward and backward (whole for stages 0-2, shards for stage 3), and for stages 2-3
-the unsharded gradients FSDP2 holds after a micro-batch run without gradient sync (accumulating). `launch` runs it
-on this machine and returns those rows (tests and benchmarks use it).
+Prints one `MEM {json}` line per rank and stage (with `micro_batches`, this rank's count). `launch` runs
+it on this machine and returns those rows (tests and benchmarks use it). Nothing of the engine is
+replaced: a phase subscriber watches two real `train_step`s and reads the model's and optimizer's
+tensors at named points of the second one.
 """
 
 from __future__ import annotations
@@ -21,48 +21,60 @@ import subprocess
 import sys
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 from disttrain.config import load_config
 from disttrain.distributed.env import detect_env
 from disttrain.distributed.runtime import Runtime, init_distributed
 from disttrain.observe.model_bytes import model_state_bytes, unsharded_grad_bytes
-from disttrain.parallel.parallelize import gradient_sync_disabled
 from disttrain.train.builder import build_run
+from disttrain.train.phases import PhaseEvent, Subscriber
 from disttrain.process import exit_now
+
+MEASURED_STEP = 2  # Adam's states exist only after step 1; every step releases its gradients as it ends
+
+
+class ModelStateProbe(Subscriber):
+    """Reads one step from outside. At "optimizer" enter of MEASURED_STEP the rank holds all three model
+    states at once (parameters, reduced gradients, Adam states from step 1): the peak the planner sums.
+    At exit of the first step-level forward, parameters as gathered between forward and backward (whole
+    for stages 0-2, FSDP's root plus shards for stage 3). At exit of the first non-last backward, the
+    unsharded gradients FSDP2 accumulates while gradient sync is off (none outside FSDP). A pipeline's
+    forwards are its chunks (depth 1), so its rows have neither of the last two."""
+
+    def __init__(self, model, optimizer):
+        self.model, self.optimizer = model, optimizer
+        self.row: dict = {}
+
+    def enter(self, event: PhaseEvent) -> None:
+        if event.step == MEASURED_STEP and event.name == "optimizer":
+            self.row.update(model_state_bytes(self.model, self.optimizer))
+
+    def exit(self, event: PhaseEvent) -> None:
+        if event.step != MEASURED_STEP or event.depth != 0:
+            return
+        if event.name == "forward":
+            self.row.setdefault("params_after_forward", model_state_bytes(self.model)["params"])
+        elif event.name == "backward" and not event.last:
+            self.row.setdefault("unsharded_grads", unsharded_grad_bytes(self.model))
 
 
 def measure(rt: Runtime, stage: int, model: str, run_dir: str, overrides: tuple[str, ...] = ()) -> dict:
-    cfg = load_config(None, [f"model.name={model}", "train.global_batch_size=4", "data.seq_len=32",
-                             "train.micro_batch_size=1", f"parallel.zero_stage={stage}", f"run.dir={run_dir}",
-                             f"run.name=stage{stage}", "checkpoint.resume=none", *overrides])
+    # Two micro-batches per rank at least (whatever the data-parallel degree), so accumulation is observed.
+    cfg = load_config(None, [f"model.name={model}", f"train.global_batch_size={max(4, 2 * rt.world_size)}",
+                             "data.seq_len=32", "train.micro_batch_size=1", f"parallel.zero_stage={stage}",
+                             f"run.dir={run_dir}", f"run.name=stage{stage}", "checkpoint.resume=none", *overrides])
     run = build_run(cfg, rt)
-    engine = run.engine
-    if run.layout.tp > 1 or run.layout.pp > 1:
-        # Model-parallel layouts run the engine's own step (schedule, loss_parallel); its gradients
-        # are kept for measuring by skipping the step's zero_grad.
-        engine.optimizer.zero_grad = lambda set_to_none=True: None
-        engine.train_step(next(run.loader), 1)
-        held = model_state_bytes(engine.model, engine.optimizer)
-        del run, engine
-        gc.collect()
-        return {"stage": stage, "rank": rt.rank, "world": rt.world_size, "model": model, **held}
-    x, y = next(run.loader)[0]
-    accumulating = {}
-    if stage >= 2:  # one micro-batch without gradient sync, as while accumulating: unsharded gradients stay
-        with gradient_sync_disabled(engine.model):
-            torch.nn.functional.cross_entropy(engine.model(x).flatten(0, 1), y.flatten()).backward()
-        accumulating = {"unsharded_grads": unsharded_grad_bytes(engine.model)}
-    logits = engine.model(x)
-    after_forward = model_state_bytes(engine.model)["params"]
-    torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()).backward()
-    engine.optimizer.step()
-    held = model_state_bytes(engine.model, engine.optimizer)
-    del run, engine, logits
+    probe = ModelStateProbe(run.engine.model, run.engine.optimizer)
+    run.engine.phases.subscribe(probe)
+    for step in range(1, MEASURED_STEP + 1):
+        batch = next(run.loader)
+        run.engine.train_step(batch, step)
+    row = {"stage": stage, "rank": rt.rank, "world": rt.world_size, "model": model,
+           "micro_batches": len(batch), **probe.row}
+    del run, probe
     gc.collect()
-    return {"stage": stage, "rank": rt.rank, "world": rt.world_size, "model": model,
-            "params_after_forward": after_forward, **held, **accumulating}
+    return row
 
 
 def launch(nproc: int, run_dir: str | Path, stages=(0, 1, 2, 3), overrides=(), model: str = "tiny",
