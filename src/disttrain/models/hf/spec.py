@@ -4,7 +4,7 @@ The module is transformers' own `AutoModelForCausalLM` built from config.json (s
 cache), so parameter names are the checkpoint's and `disttrain convert --to hf` is an identity
 mapping. What the framework adds from outside: deterministic initialisation by parameter name (the
 same on every layout), the model's own tensor-parallel plan (`base_model_tp_plan`), a pipeline split
-of `model.layers`, and weights read with safetensors.
+of `model.layers`, weights read with safetensors, and RMSNorms that stay float64 in fp64 runs (norms.py).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from disttrain.errors import UserError
+from disttrain.models.hf.norms import keep_float64_norms
 from disttrain.models.hf.shape import hf_shape, read_config
 from disttrain.models.spec import ModelSpec, copy_weights, seeded_normal_, token_cross_entropy_sum
 
@@ -95,7 +96,9 @@ def hf_spec(directory: str) -> ModelSpec:
     def build() -> nn.Module:
         from transformers import AutoModelForCausalLM
 
-        return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+        keep_float64_norms(model)  # fp64 runs (build_model converts after init) stay float64 in the norms
+        return model
 
     with torch.device("meta"):
         splittable = parallel_plan.can_split(build())
