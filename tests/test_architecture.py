@@ -73,3 +73,51 @@ def test_llama_module_names_stay_in_its_package():
 def test_no_source_file_over_400_lines():
     long = {str(p.relative_to(SRC)): n for p in SRC.rglob("*.py") if (n := len(p.read_text().splitlines())) > 400}
     assert not long, long
+
+
+def test_engines_hold_only_the_training_math():
+    """A step engine announces its phases (train/phases.py) and imports none of their observers: no step
+    breakdown, watchdog, fault injection, balancer or clock in an engine module."""
+    observers = ("disttrain.observe", "disttrain.train.faults", "disttrain.train.resilience", "disttrain.train.balance",
+                 "disttrain.dryrun")
+    graph = _imports()
+    for engine in ("torch_engine", "pipeline_engine", "deepspeed_engine"):
+        module = f"disttrain.train.{engine}"
+        assert not [t for t in graph[module] if t.startswith(observers)], module
+        source = (SRC / "train" / f"{engine}.py").read_text()
+        step = source[source.index("def train_step"):source.index("def eval_loss_sum")]
+        assert not re.search(r"\b(time|perf_counter|faults|watchdog|breakdown|on_phase)\b", step), engine
+
+
+def test_phases_nest_and_let_the_innermost_subscriber_change_the_loss():
+    """Exits run in reverse order of entry; an `outermost` subscriber spans the others; a subscriber may replace
+    the loss a forward phase produced (how test-only fault injection makes a step's loss NaN)."""
+    from disttrain.train.phases import Phases, Subscriber
+
+    seen = []
+
+    class Record(Subscriber):
+        def __init__(self, name):
+            self.name = name
+
+        def enter(self, event):
+            seen.append((self.name, "enter", event.name, event.depth))
+
+        def exit(self, event):
+            seen.append((self.name, "exit", event.name, event.depth))
+
+    class Double(Subscriber):
+        def exit(self, event):
+            if event.name == "forward":
+                event.loss = 2 * event.loss
+
+    phases = Phases(Record("a"), Double())
+    phases.subscribe(Record("watch"), outermost=True)
+    with phases("pipeline", step=1):
+        with phases("forward", step=1) as forward:
+            forward.loss = 3.0
+    assert forward.loss == 6.0
+    assert seen == [("watch", "enter", "pipeline", 0), ("a", "enter", "pipeline", 0),
+                    ("watch", "enter", "forward", 1), ("a", "enter", "forward", 1),
+                    ("a", "exit", "forward", 1), ("watch", "exit", "forward", 1),
+                    ("a", "exit", "pipeline", 0), ("watch", "exit", "pipeline", 0)]

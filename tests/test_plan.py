@@ -15,7 +15,8 @@ from disttrain.models.registry import MODEL_SHAPES
 from disttrain import flops as F
 from disttrain.plan.estimate import estimate, shape_for_params
 from disttrain.hardware import GPUS, GPUSpec, find_gpu, match_device_name
-from disttrain.layout import Layout, layout_problems, split_layers
+from disttrain.layout import Layout, layout_problems
+from disttrain.splits import split_layers
 from disttrain.plan.memory import (korthikanti_in_flight_factor, korthikanti_layer_bytes, model_state_bytes,
                                    stage_activation_bytes)
 from disttrain.plan.search import SearchSpace, brute_force, search

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 
 from disttrain.errors import UserError
+from disttrain.splits import balance_shares, split_layers
 from disttrain.models.shape import ModelShape
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
@@ -201,34 +202,6 @@ def resolve_dp_shard(parallel, world_size: int) -> int:
         raise UserError(str(problems[0]))
     fixed = parallel.dp_replicate * parallel.tp * parallel.pp
     return world_size // fixed if parallel.dp_shard == -1 else parallel.dp_shard
-
-
-def balance_shares(total: int, weights: list[float]) -> list[int]:
-    """`total` micro-batches split in proportion to `weights`, at least one each (every rank joins the
-    gradient reduction), by largest remainder; ties go to the lower rank, so every rank computes the
-    same split from the same weights."""
-    if total < len(weights):
-        raise ValueError(f"{total} micro-batches cannot give each of {len(weights)} ranks one")
-    s = float(sum(weights))
-    ideal = [total * w / s for w in weights]
-    counts = [max(1, int(x)) for x in ideal]
-    while sum(counts) > total:
-        i = max((i for i in range(len(counts)) if counts[i] > 1), key=lambda i: (counts[i] - ideal[i], -i))
-        counts[i] -= 1
-    while sum(counts) < total:
-        i = max(range(len(counts)), key=lambda i: (ideal[i] - counts[i], -i))
-        counts[i] += 1
-    return counts
-
-
-def split_layers(n_layers: int, n_stages: int) -> list[int]:
-    """Layers per stage, balanced by count. The first stage also holds the embeddings and the most
-    micro-batches in flight, so a remainder goes to the last stages."""
-    base, extra = divmod(n_layers, n_stages)
-    counts = [base] * n_stages
-    for i in range(extra):
-        counts[n_stages - 1 - i] += 1
-    return counts
 
 
 # ---------------------------------------------------------------- the rules

@@ -16,7 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from disttrain.models.registry import ModelShape
-from disttrain.layout import DTYPE_BYTES, Layout, split_layers
+from disttrain.layout import DTYPE_BYTES, Layout
+from disttrain.splits import split_layers
 
 ACCOUNTINGS = ("runtime", "zero-paper")
 FP32 = 4

@@ -168,7 +168,7 @@ class Trainer:
                     if d.watchdog_factor else NullWatchdog())
         self.watchdog = watchdog
         if d.watchdog_factor:
-            self.engine.phases.subscribe(WatchdogPhases(watchdog))
+            self.engine.phases.subscribe(WatchdogPhases(watchdog), outermost=True)
         final_loss = sample = None
         window_t0, window_steps = time.perf_counter(), 0
         every, log_every = cfg.checkpoint.every_steps, cfg.metrics.log_every

@@ -42,8 +42,13 @@ class Phases:
         self.subscribers: list[Subscriber] = list(subscribers)
         self.depth = 0
 
-    def subscribe(self, subscriber: Subscriber) -> None:
-        self.subscribers.append(subscriber)
+    def subscribe(self, subscriber: Subscriber, outermost: bool = False) -> None:
+        """`outermost`: entered first and exited last, so it spans what the other subscribers do in the
+        phase (the watchdog's "where is this rank" must hold while fault injection stalls inside it)."""
+        if outermost:
+            self.subscribers.insert(0, subscriber)
+        else:
+            self.subscribers.append(subscriber)
 
     @contextlib.contextmanager
     def __call__(self, name: str, step: int | None = None, last: bool = True, module: Any = None):
