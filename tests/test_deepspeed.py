@@ -11,11 +11,10 @@ import torch
 
 from disttrain.config import load_config
 from disttrain.train.deepspeed_engine import deepspeed_config
-from helpers import (DEBUG_CONFIG, REPO, assert_losses_close, assert_params_close, cli_env, load_model_params, losses,
-                     train, train_many)
+from helpers import (DEBUG_CONFIG, FP64, LR, PARITY_FP32, REPO, assert_losses_close, assert_params_close, cli_env,
+                     load_model_params, losses, run_cli, train, train_many)
 
-LR = 3e-3
-COMMON = ("train.steps=20", "train.global_batch_size=4", f"optim.lr={LR}", "checkpoint.save_final=true")
+COMMON = PARITY_FP32  # DeepSpeed trains in fp32, bf16 or fp16: compared with the session's fp32 reference
 
 
 def test_config_maps_every_setting():
@@ -56,9 +55,18 @@ def test_missing_deepspeed_is_one_line_with_install_hint(tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
+def test_fp64_under_deepspeed_is_one_line(tmp_path):
+    """DeepSpeed has no double-precision mode: refused before anything starts, whether or not it is installed."""
+    proc = run_cli("train", str(DEBUG_CONFIG), f"run.dir={tmp_path / 'runs'}", "engine=deepspeed", FP64, check=False)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        "disttrain: error: precision.compute_dtype=fp64 needs engine=torch (DeepSpeed trains in fp32, bf16 or fp16; "
+        "allowed with engine=deepspeed: fp32, bf16, fp16)"], proc.stderr
+    assert not (tmp_path / "runs").exists()
+
+
 @pytest.fixture(scope="module")
-def reference(debug_reference):
-    return debug_reference  # the session's single-process run of the same setting
+def reference(debug_reference_fp32):
+    return debug_reference_fp32  # the session's single-process fp32 run of the same setting
 
 
 def _deepspeed_params(checkpoint) -> dict:
