@@ -16,7 +16,9 @@ from torch import nn
 
 class GroupBatchNorm(nn.modules.batchnorm._BatchNorm):
     def __init__(self, bn: nn.modules.batchnorm._BatchNorm, group):
-        super().__init__(bn.num_features, bn.eps, bn.momentum, bn.affine, bn.track_running_stats)
+        like = bn.weight if bn.weight is not None else bn.running_mean  # keep the model's dtype (fp64 runs)
+        factory = {} if like is None else {"device": like.device, "dtype": like.dtype}
+        super().__init__(bn.num_features, bn.eps, bn.momentum, bn.affine, bn.track_running_stats, **factory)
         self.load_state_dict(bn.state_dict())
         self.group = group
 
