@@ -224,6 +224,7 @@ class Trainer:
             sample = self.sample() if t.sample_tokens else None
             if sample is not None:
                 metrics.message(f"sample: {t.sample_prompt}{sample}")
+                metrics.event("sample", step=p.step, prompt=t.sample_prompt, text=sample)
             metrics.event("finished", step=p.step, run_dir=str(cfg.run_dir))
         finally:
             watchdog.close()
