@@ -65,12 +65,13 @@ class Trainer:
         weights = list(self.cfg.data.source.values())
         by_source = {name: (self._eval_split(part), w) for name, part, w in zip(val.names, val.parts, weights)
                      if len(part)}
+        by_source = {name: vw for name, vw in by_source.items() if vw[0] is not None}
         if not by_source:
             return None, {}
         total = sum(w for _, w in by_source.values())
         return sum(v * w for v, w in by_source.values()) / total, {n: v for n, (v, _) in by_source.items()}
 
-    def _eval_split(self, samples) -> float:
+    def _eval_split(self, samples) -> float | None:
         run, t = self.run, self.cfg.train
         sampler = GlobalBatchSampler(len(samples), t.global_batch_size, t.seed, shuffle=False)
         loader = DistributedBatchLoader(samples, sampler, run.dp_rank, run.layout.dp, t.micro_batch_size,
@@ -81,7 +82,7 @@ class Trainer:
             total += torch.stack(self.engine.eval_loss_sum(loader.micro_batches(k)))
         self.engine.model.train()
         loss_sum, targets = self._global_sums(*total)
-        return loss_sum / targets
+        return loss_sum / targets if targets else None  # every validation target masked: nothing to report
 
     def _step_record(self, result: StepResult, lr: float, window_steps: int, elapsed: float,
                      data_time: float) -> dict:

@@ -42,6 +42,7 @@ class GlobalMeanLoss:
             return
         count = torch.stack([(y != IGNORE_INDEX).sum() for y in targets]).sum().double()
         dist.all_reduce(count, group=self.dp_group)
+        count = count.clamp(min=1)  # a step whose every target is masked: loss 0 and no gradient, not 0/0
         self.targets, self.divisor = count, count / self.dp
 
     def __call__(self, outputs, targets: torch.Tensor) -> torch.Tensor:
