@@ -156,7 +156,7 @@ def assert_params_close(actual: dict, expected: dict, rel: float | dict, lr: flo
     They move only by rounding noise that Adam normalises, so their norm-relative difference compares
     noise with noise; the element bound still holds for them (measured: <= 1.7e-6 with lr 3e-3).
 
-    `rel` may be a dict (parameter name -> bound), e.g. from `noise_floor`.
+    `rel` may be a dict (parameter name -> bound).
     """
     assert actual.keys() == expected.keys()
     for name in expected:
@@ -165,20 +165,3 @@ def assert_params_close(actual: dict, expected: dict, rel: float | dict, lr: flo
         assert norm_rel <= bound or name.endswith(zero_gradient), f"{name}: relative difference {norm_rel:.2e} > {bound:.1e}"
         worst = float((a - b).abs().max())
         assert worst <= 1e-2 * lr, f"{name}: an element differs by {worst:.2e} > 1e-2 x lr"
-
-
-def noise_floor(one: dict, other: dict, rel: float, factor: float = 10.0) -> dict[str, float]:
-    """Per-parameter norm bounds: `rel`, or `factor` x how far two single-process runs that differ only in
-    fp32 summation order (e.g. micro-batches of 1 and of 4) already are, where that is larger.
-
-    For layouts that reorder many more sums than data parallelism does (tensor parallel's partial products,
-    pipeline stages): after 20 Adam steps a few tensors of the debug model amplify fp32 reassociation noise
-    more than others, and which ones depends on the data order. Measured: one process with micro-batches of 4
-    vs 1 differs by 4.6e-6 in `layers.3.attention.wo.weight`, TP=2 by 2.0e-5 there (losses 2.3e-7 apart),
-    while every tensor without that sensitivity stays under 2e-6. A bug moves every tensor, not just these.
-    """
-    bounds = {}
-    for name in one:
-        a, b = one[name].detach().double(), other[name].detach().double()
-        bounds[name] = max(rel, factor * float((a - b).norm() / b.norm()))
-    return bounds

@@ -36,9 +36,3 @@ class ModelShape:
         total = self.n_layers * per_layer + self.dim + output
         return total + (embedding if include_embedding else 0)
 
-    def tp_problems(self, tp: int) -> list[str]:
-        """Why the tensor-parallel degree cannot split this shape (heads, FFN width, vocabulary)."""
-        return [f"parallel.tp={tp} does not divide {key}={value}"
-                for key, value in (("model.n_heads", self.n_heads), ("model.n_kv_heads", self.n_kv_heads),
-                                   ("model.ffn_hidden_dim", self.ffn_hidden_dim), ("model.vocab_size", self.vocab_size))
-                if value % tp]

@@ -40,7 +40,7 @@ class GlobalMeanLoss:
         `targets`: every target tensor this rank computes in the step, already on its device."""
         if not self.masks_targets:
             return
-        count = torch.stack([(y != IGNORE_INDEX).sum() for y in targets]).sum().double()
+        count = torch.stack([valid_targets(y) for y in targets]).sum()
         dist.all_reduce(count, group=self.dp_group)
         count = count.clamp(min=1)  # a step whose every target is masked: loss 0 and no gradient, not 0/0
         self.targets, self.divisor = count, count / self.dp
