@@ -139,6 +139,11 @@ class Layout:
         return self.zero_stage == 3 and not self.balanced
 
     @property
+    def keep_gathered(self) -> bool:
+        """Uneven shares under FSDP: parameters stay gathered over a rank's micro-batches (counts differ)."""
+        return self.balanced and self.gradient_wrapper == "fsdp"
+
+    @property
     def sharded_optimizer(self) -> bool:
         """ZeRO-1: replicated parameters and gradients, optimizer state split over data parallel."""
         return self.engine == "torch" and self.zero_stage == 1

@@ -182,10 +182,8 @@ def build_engine(cfg: RunConfig, layout: Layout, meshes: Meshes, spec: ModelSpec
     # DDP's gradients as views into its buckets are zeroed in place (engine.py); copies are freed as usual
     bucket_views = layout.gradient_wrapper == "ddp" and cfg.parallel.ddp_gradient_as_bucket_view
     step = _optimizer_step(cfg, optimizer, precision, None, keep_gradients=bucket_views)
-    # Uneven shares: FSDP keeps parameters gathered over a rank's micro-batches (ranks run different counts)
-    keep_gathered = layout.balanced and layout.gradient_wrapper == "fsdp"
     return TorchEngine(wrapped, optimizer, step, mean_loss, precision, device, tensor_parallel, dp_group, phases,
-                       sharded_optimizer=layout.sharded_optimizer, keep_gathered=keep_gathered)
+                       sharded_optimizer=layout.sharded_optimizer, keep_gathered=layout.keep_gathered)
 
 
 def _optimizer_step(cfg: RunConfig, optimizer, precision: Precision, pp_group,
