@@ -20,7 +20,7 @@ from disttrain.data.shards import open_split, read_meta
 from disttrain.data.tokenizer import ByteTokenizer, HFTokenizer
 from helpers import REPO, cli_env
 
-VAL_EVERY = 20  # --val-fraction 0.05: documents 0, 20, 40, ... go to validation
+VAL_EVERY = 20  # --val-fraction 0.05: documents 20, 40, 60, ... (counting from 1) go to validation
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +33,7 @@ def expected_splits(docs, tok) -> dict[str, np.ndarray]:
     """The shards written by hand: each document's tokens and the end-of-document id, split by index."""
     out = {"train": [], "val": []}
     for i, ids in enumerate(tok.encode_batch(docs)):
-        out["val" if i % VAL_EVERY == 0 else "train"].extend([*ids, tok.eos_id])
+        out["val" if i % VAL_EVERY == VAL_EVERY - 1 else "train"].extend([*ids, tok.eos_id])
     return {k: np.array(v) for k, v in out.items()}
 
 
@@ -152,3 +152,30 @@ def test_ctrl_c_leaves_no_shard_directory(tmp_path):
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130 and err.strip().splitlines() == ["disttrain: interrupted"], err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["big.txt"]
+
+
+def test_validation_keeps_whole_sequences_of_a_few_long_documents(tmp_path, capsys):
+    """Five documents of ~220 KB whose first is a title: the every-20th-document rule alone gave validation a
+    49-token title, under one sequence. Now validation holds at least 4 sequences of --seq-len, taken from the
+    end of the training text, and every token of the corpus is in exactly one split, in order."""
+    from disttrain.cli import main
+    from disttrain.data.loader import TokenWindows
+
+    title = "A short title of forty-eight characters, alone."
+    body = builtin_splits()["train"]
+    long_docs = [re.sub(r"\n+", "\n", " ".join(body[i * 300:(i + 1) * 300]))[:55_000].strip() for i in range(4)]
+    (tmp_path / "c.txt").write_text("\n\n".join([title, *long_docs]), encoding="utf-8")
+    main(["prepare-data", str(tmp_path / "c.txt"), "--out", str(tmp_path / "out"), "--workers", "1"])
+    got = shards(tmp_path / "out")
+    assert len(TokenWindows(got["val"], 2048)) == 4 and len(got["train"]) > 200_000  # 4 x 2048 + 1 tokens
+    stream = np.concatenate([np.frombuffer(d.encode("utf-8") + b"\0", dtype=np.uint8) for d in [title, *long_docs]])
+    assert np.array_equal(np.concatenate([got["train"], got["val"]]), stream)
+    assert "warning" not in capsys.readouterr().err
+
+    # A corpus too small to spare 4 sequences keeps its document split and says so, in one line.
+    (tmp_path / "small.txt").write_text("\n\n".join(long_docs[0][i:i + 500] for i in range(0, 10_000, 500)))
+    main(["prepare-data", str(tmp_path / "small.txt"), "--out", str(tmp_path / "small"), "--workers", "1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"warning: {tmp_path / 'small'}: validation holds 501 tokens, "
+                                               "fewer than 4 sequences of --seq-len 2048"), err
+    assert "data.seq_len up to 500 can validate on it" in err[0]

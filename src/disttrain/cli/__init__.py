@@ -90,7 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
                                                           "Hugging Face model directory (its tokenizer.json)")
     prep.add_argument("--workers", type=int, default=None, help="tokenizing processes (default: every core)")
     prep.add_argument("--vocab-size", type=int, default=8192, help="BPE vocabulary size")
-    prep.add_argument("--val-fraction", type=float, default=0.05)
+    prep.add_argument("--val-fraction", type=float, default=0.05,
+                      help="every round(1/F)-th document goes to validation (default 0.05: every 20th; 0: none)")
+    prep.add_argument("--seq-len", type=int, default=2048,
+                      help="validation holds at least 4 sequences of this many tokens, taken from the end of the "
+                           "training text when those documents hold fewer (default 2048)")
     prep.add_argument("--text-key", default="text", help="JSONL field / Parquet or dataset column holding the text")
     prep.add_argument("--force", action="store_true", help="write into a non-empty --out")
     return parser

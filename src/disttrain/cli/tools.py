@@ -13,7 +13,7 @@ from disttrain.resolve import resolve_run
 
 
 def cmd_prepare_data(args: argparse.Namespace) -> None:
-    from disttrain.data.prepare import prepare, resolve_tokenizer
+    from disttrain.data.prepare import prepare, resolve_tokenizer, split_warning
     from disttrain.data.readers import SUFFIXES, kind_of
 
     paths = [Path(p) for p in args.inputs]
@@ -33,16 +33,21 @@ def cmd_prepare_data(args: argparse.Namespace) -> None:
         raise UserError(f"--vocab-size={args.vocab_size}: must be at least 257 for BPE (256 bytes + end-of-text)")
     if args.workers is not None and args.workers < 1:
         raise UserError(f"--workers={args.workers}: must be at least 1")
+    if args.seq_len < 1:
+        raise UserError(f"--seq-len={args.seq_len}: must be at least 1")
     out = Path(args.out)
     if out.exists() and any(out.iterdir()) and not args.force:
         raise UserError(f"--out={out}: directory is not empty (pass --force to overwrite)")
     try:
         meta = prepare(paths, out, args.tokenizer, args.vocab_size, args.val_fraction, args.text_key,
-                       progress=sys.stderr.isatty(), workers=args.workers)
+                       progress=sys.stderr.isatty(), workers=args.workers, seq_len=args.seq_len)
     except (ValueError, UnicodeError, OSError) as exc:
         raise UserError(str(exc).splitlines()[0]) from None
     splits = ", ".join(f"{k} {v:,} tokens" for k, v in meta["splits"].items())
     print(f"wrote {out}: {splits} (vocabulary {meta['vocab_size']}, {meta['dtype']})")
+    warning = split_warning(meta, args.seq_len, args.val_fraction)
+    if warning:
+        print(f"warning: {out}: {warning}", file=sys.stderr)
 
 
 def cmd_config(args: argparse.Namespace, overrides: list[str]) -> None:

@@ -4,6 +4,11 @@ Streams the input (memory bounded by a few batches of documents), tokenises batc
 processes (`workers`; results are taken in input order, so the shards are the same for any number
 of workers), shows documents/s and tokens/s, and builds the shard directory under a temporary name
 that becomes `out` only when everything is written: an error or Ctrl-C leaves nothing behind.
+
+Validation: every k-th document (k = round(1 / val_fraction), 20 by default) and at least
+VAL_SEQUENCES whole sequences of `seq_len` tokens, taken from the end of the training stream when
+those documents hold fewer; a corpus too small to spare them (validation would exceed half of it)
+keeps its document split and `split_warning` says so.
 """
 
 from __future__ import annotations
@@ -21,6 +26,9 @@ from disttrain.data.shards import ShardWriter
 from disttrain.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
 BATCH_DOCS = 256
+VAL_FRACTION = 0.05  # the default: every 20th document
+VAL_SEQ_LEN = 2048  # the default sequence length the validation minimum counts in
+VAL_SEQUENCES = 4  # validation holds at least this many sequences (one is too noisy to compare runs by)
 _worker_tok: Tokenizer | None = None
 
 
@@ -38,8 +46,10 @@ def train_bpe(paths: list[Path], text_key: str, vocab_size: int, out: Path) -> H
 
 
 def _is_val(doc_index: int, val_fraction: float) -> bool:
-    """Every k-th document goes to validation, k = round(1 / val_fraction)."""
-    return val_fraction > 0 and doc_index % max(1, round(1 / val_fraction)) == 0
+    """Documents k, 2k, 3k, ... (counting from 1) go to validation, k = round(1 / val_fraction); a corpus of
+    fewer documents keeps them all for training (its validation comes from the end of the stream)."""
+    k = max(1, round(1 / val_fraction)) if val_fraction > 0 else 0
+    return k > 0 and doc_index % k == k - 1
 
 
 def _init_worker(tokenizer: str) -> None:
@@ -78,9 +88,26 @@ def resolve_tokenizer(spec: str) -> str:
     return spec
 
 
+def val_tokens_wanted(seq_len: int) -> int:
+    """Tokens that make VAL_SEQUENCES non-overlapping windows of seq_len inputs plus their shifted targets."""
+    return VAL_SEQUENCES * seq_len + 1
+
+
+def split_warning(meta: dict, seq_len: int, val_fraction: float) -> str | None:
+    """One line when validation holds fewer than VAL_SEQUENCES sequences of `seq_len` (None: it does, or
+    validation was switched off with val_fraction 0)."""
+    val, train = meta["splits"]["val"], meta["splits"]["train"]
+    if val_fraction == 0 or val >= val_tokens_wanted(seq_len):
+        return None
+    usable = f"data.seq_len up to {val - 1}" if val > 1 else "no data.seq_len"
+    return (f"validation holds {val:,} tokens, fewer than {VAL_SEQUENCES} sequences of --seq-len {seq_len} "
+            f"({val_tokens_wanted(seq_len):,} tokens): the corpus ({val + train:,} tokens) cannot spare them; "
+            f"{usable} can validate on it (give more text, or a smaller --seq-len)")
+
+
 def prepare(paths: list[Path], out: Path, tokenizer: str = "byte", vocab_size: int = 8192,
-            val_fraction: float = 0.05, text_key: str = "text", progress: bool = True,
-            workers: int | None = None) -> dict:
+            val_fraction: float = VAL_FRACTION, text_key: str = "text", progress: bool = True,
+            workers: int | None = None, seq_len: int = VAL_SEQ_LEN) -> dict:
     workers = workers or os.cpu_count() or 1
     out = Path(out)
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
@@ -88,7 +115,7 @@ def prepare(paths: list[Path], out: Path, tokenizer: str = "byte", vocab_size: i
     tmp.mkdir(parents=True)
     try:
         meta = _write(paths, tmp, resolve_tokenizer(tokenizer), vocab_size, val_fraction, text_key, progress,
-                      workers)
+                      workers, val_tokens_wanted(seq_len) if val_fraction > 0 else 0)
         if out.exists():  # --force: the old directory goes only once the new one is complete
             shutil.rmtree(out)
         tmp.rename(out)
@@ -99,7 +126,7 @@ def prepare(paths: list[Path], out: Path, tokenizer: str = "byte", vocab_size: i
 
 
 def _write(paths, out: Path, tokenizer: str, vocab_size: int, val_fraction: float, text_key: str, progress: bool,
-           workers: int) -> dict:
+           workers: int, val_minimum: int) -> dict:
     if tokenizer == "byte":
         tok: Tokenizer = ByteTokenizer()
         tok_ref = tok_path = "byte"
@@ -134,5 +161,9 @@ def _write(paths, out: Path, tokenizer: str, vocab_size: int, val_fraction: floa
     if doc_index == 0:
         writer.abort()
         raise ValueError(f"inputs {', '.join(map(str, paths))}: no documents (empty corpus)")
+    splits = writer.meta["splits"]
+    short = val_minimum - splits["val"]
+    if short > 0 and splits["train"] - short >= val_minimum:  # validation never takes more than half
+        writer.move_tail("train", "val", short)
     writer.close()
     return writer.meta

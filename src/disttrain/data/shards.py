@@ -49,6 +49,19 @@ class ShardWriter:
         self._files[split].write(np.asarray(tokens, dtype=self.dtype).tobytes())
         self.meta["splits"][split] += int(len(tokens))
 
+    def move_tail(self, src: str, dst: str, count: int) -> None:
+        """Move the last `count` tokens of split `src` to the end of split `dst` (before close)."""
+        f, width = self._files[src], self.dtype.itemsize
+        f.flush()
+        keep = (self.meta["splits"][src] - count) * width
+        with open(self.dir / f"{src}.bin.tmp", "rb") as reader:
+            reader.seek(keep)
+            self._files[dst].write(reader.read())
+        f.truncate(keep)
+        f.seek(keep)
+        self.meta["splits"][src] -= count
+        self.meta["splits"][dst] += count
+
     def close(self) -> None:
         for split, f in self._files.items():
             f.close()
