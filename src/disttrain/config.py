@@ -172,6 +172,8 @@ class DistributedConfig(_Section):
 class RunSection(_Section):
     name: str = ""
     dir: str = "runs"
+    allow_changes: bool = Field(False, description="auto-resume this run although its data, optimizer, schedule, "
+                                "batch, seed or precision changed")
 
 
 class RunConfig(_Section):
