@@ -149,7 +149,8 @@ def test_mixture_trains_evaluates_per_source_and_resumes_in_the_stream(tmp_path)
     corpus = " ".join(f"line {i} of the first source." for i in range(3000)).encode()
     a = _shards(tmp_path / "prose", corpus, corpus[:4000])
     b = _shards(tmp_path / "digits", bytes(str(list(range(4000))), "ascii"), b"0123456789" * 400)
-    mix = f"data.source={{{a}: 0.7, {b}: 0.3}}"
+    short = _shards(tmp_path / "short", corpus[:2000], corpus[:40])  # validation under one sequence (65 tokens)
+    mix = f"data.source={{{a}: 0.7, {b}: 0.3, {short}: 0.1}}"
     common = (mix, "train.steps=8", "train.eval_every=4", "train.eval_batches=1", "checkpoint.every_steps=4")
     step4 = tmp_path / "full" / "checkpoints" / "step_00000004"
     runs = train_many({"full": (tmp_path / "full", common),
@@ -160,3 +161,7 @@ def test_mixture_trains_evaluates_per_source_and_resumes_in_the_stream(tmp_path)
     by_source = evals[-1]["val_loss_by_source"]
     assert set(by_source) == {"prose", "digits"}
     assert evals[-1]["val_loss"] == pytest.approx(0.7 * by_source["prose"] + 0.3 * by_source["digits"])
+    # the source validation cannot read is named at the start, not just missing from val_loss_by_source
+    assert [e["message"] for e in events(runs["full"], "warning")] == [
+        f"data.source: {short}'s validation split holds 40 tokens, fewer than data.seq_len+1=65: it is left out "
+        "of validation (val_loss_by_source)"]

@@ -23,7 +23,7 @@ TWO_RANKS = {
     "tp2-sp-selective-ac": ("parallel.tp=2", "parallel.sequence_parallel=true",
                             "parallel.activation_checkpointing=selective", TP_MB, SAMPLE),
     **{f"pp2-{s}": ("parallel.pp=2", f"parallel.pp_schedule={s}", "train.eval_every=3") for s in SCHEDULES},
-    "pp2-layers-1-3": ("parallel.pp=2", "parallel.pp_layers=[1,3]"),  # an unbalanced, hand-set split
+    "pp2-layers-1-3": ("parallel.pp=2", "parallel.pp_layers=[1,3]", SAMPLE),  # an unbalanced, hand-set split
     "pp2-tied": ("parallel.pp=2", "model.tie_embeddings=true"),
     "pp2-interleaved-tied": ("parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "model.tie_embeddings=true"),
     "tp2-sp-documents": ("parallel.tp=2", "parallel.sequence_parallel=true", "data.document_masking=true", TP_MB),
@@ -145,6 +145,11 @@ def test_per_rank_model_states_match_the_planner(override, layout, tmp_path):
             assert row[key] == getattr(predicted, key), (row, key)
         if lay.tp > 1:  # tensor parallel gathers nothing: between forward and backward, the same shards
             assert row["params_after_forward"] == predicted.params, row
+
+
+def test_a_pipeline_says_why_it_gives_no_sample(two_rank_runs):
+    assert [e["reason"] for e in events(two_rank_runs["pp2-layers-1-3"], "sample_skipped")] == [
+        "generation needs the whole model in one process (parallel.pp=2 splits it)"]
 
 
 def test_sampling_under_sequence_parallel_matches_one_process(two_rank_runs, reference):

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from disttrain.errors import ConfigError, UserError
 
@@ -188,6 +188,12 @@ class RunConfig(_Section):
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     run: RunSection = Field(default_factory=RunSection)
+    _warnings: list[str] = PrivateAttr(default_factory=list)  # for people, at the start of training
+
+    @property
+    def warnings(self) -> list[str]:
+        """What loading decided that the user may not expect (a config file's setting given way)."""
+        return self._warnings
 
     @property
     def run_dir(self) -> Path:
@@ -198,7 +204,31 @@ class RunConfig(_Section):
         return Path(self.checkpoint.dir) if self.checkpoint.dir else self.run_dir / "checkpoints"
 
     def to_yaml(self) -> str:
-        return yaml.safe_dump(self.model_dump(mode="json", by_alias=True), sort_keys=False)
+        """The config as run: a registry model's shape keys hold its resolved dimensions (not nulls), a model
+        whose shape comes from elsewhere (model.hf, model.spec) leaves them out."""
+        from dataclasses import asdict
+
+        tree, note = self.model_dump(mode="json", by_alias=True), ""
+        if self.model.hf or self.model.spec:
+            tree["model"] = {k: v for k, v in tree["model"].items() if k not in SHAPE_KEYS}
+            if self.model.hf:
+                from disttrain.models.hf.shape import hf_shape
+
+                shape = asdict(hf_shape(self.model.hf))
+                note = f"# model shape from {self.model.hf}/config.json: " + ", ".join(
+                    f"{k}={shape[k]}" for k in SHAPE_KEYS) + "\n"
+        elif self.model.name in _registry_shapes():
+            from disttrain.models.llama.shapes import resolve_shape
+
+            shape = asdict(resolve_shape(self.model))
+            tree["model"].update({k: shape[k] for k in SHAPE_KEYS})
+        return note + yaml.safe_dump(tree, sort_keys=False)
+
+
+def _registry_shapes() -> dict:
+    from disttrain.models.llama.shapes import MODEL_SHAPES
+
+    return MODEL_SHAPES
 
 
 def _show(value: Any) -> str:
@@ -282,7 +312,25 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] | None = No
         raise ConfigError(_format_error(exc)) from None
     if not cfg.run.name:
         cfg.run.name = Path(path).stem if path is not None else "run"
+    _prefer_the_models_tokenizer(cfg, path, "tokenizer" in parse_overrides(overrides or []).get("data", {}))
     from disttrain.validation import validate_config
 
     validate_config(cfg)
     return cfg
+
+
+def _prefer_the_models_tokenizer(cfg: RunConfig, path, on_command_line: bool) -> None:
+    """model.hf=DIR with DIR/tokenizer.json trains with that tokenizer unless `data.tokenizer` is given on
+    the command line: a config file's value (`byte` in a config written for the built-in model) gives way
+    to `auto`, named in a warning. Shard directories carry their own tokenizer, so only `builtin` is affected."""
+    tok = cfg.data.tokenizer
+    if not cfg.model.hf or on_command_line or tok == "auto" or cfg.data.source != "builtin":
+        return
+    own = Path(cfg.model.hf) / "tokenizer.json"
+    if not own.is_file():
+        return
+    cfg.data.tokenizer = "auto"
+    if tok == "byte" or not Path(tok).is_file() or not Path(tok).samefile(own):
+        cfg.warnings.append(f"data.tokenizer={tok} from {path} is not used: model.hf={cfg.model.hf} has its own "
+                            f"tokenizer ({own}), which trains instead; give data.tokenizer={tok} on the command "
+                            "line to keep it")

@@ -2,7 +2,9 @@
 such weights to start a run (`model.init_from`).
 
 Parameter names are the model's own; the `hf` format renames them through the ModelSpec's
-state-dict adapter (`to_hf`/`from_hf`) and writes its `hf_config`.
+state-dict adapter (`to_hf`/`from_hf`) and writes its `hf_config`, plus the run's tokenizer (saved by
+transformers, so `AutoTokenizer.from_pretrained` reads it) and a generation config when the run had
+them. Exported files are readable by everyone (0644), like any model download.
 """
 
 from __future__ import annotations
@@ -94,9 +96,55 @@ def export(checkpoint: str | Path, fmt: str, out: str | Path) -> Path:
         hf_state = {k: v.clone() for k, v in spec.to_hf(_untie(state, spec)).items()}
         save_file(hf_state, str(out / "model.safetensors"), metadata={"format": "pt"})
         (out / "config.json").write_text(json.dumps(spec.hf_config(), indent=2) + "\n")
+        _save_tokenizer_and_generation(step_dir, out)
     else:
         raise ValueError(f"unknown format {fmt!r} (allowed: {', '.join(FORMATS)})")
+    for path in [out, *out.rglob("*")] if out.is_dir() else [out]:
+        if path.is_file():
+            path.chmod(0o644)  # safetensors writes 0600
     return out
+
+
+def run_tokenizer(config: dict) -> str:
+    """`byte`, a tokenizer.json path, or "" (a user dataset of ids): what the run of a saved config read."""
+    from disttrain.data.source import PY_PREFIX, _tokenizer_spec
+
+    data, hf = config.get("data", {}), config.get("model", {}).get("hf", "")
+    source, tok = data.get("source", "builtin"), data.get("tokenizer", "auto")
+    if isinstance(source, str) and source.startswith(PY_PREFIX):
+        return ""
+    if tok == "auto":
+        tok = str(Path(hf) / "tokenizer.json") if hf and (Path(hf) / "tokenizer.json").is_file() else "byte"
+    return _tokenizer_spec(source, tok)
+
+
+def _save_tokenizer_and_generation(step_dir: Path, out: Path) -> None:
+    """The run's tokenizer through transformers (a model directory's own files, chat template and special
+    tokens included, when it came from model.hf) and its generation config: the model directory's, or one
+    naming the tokenizer's end-of-document id (transformers' Llama default, id 2, is not ours)."""
+    from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerFast
+
+    from disttrain.checkpoint.manager import CheckpointManager
+    from disttrain.data.tokenizer import load_tokenizer
+
+    config = CheckpointManager.read_train_state(step_dir)["config"]
+    hf = config.get("model", {}).get("hf", "")
+    spec = run_tokenizer(config)
+    if spec and spec != "byte" and not Path(spec).is_file():
+        spec = ""  # the tokenizer file is gone since training: the weights export without it
+    own = bool(hf) and spec != "" and spec != "byte" and Path(spec) == Path(hf) / "tokenizer.json"
+    eos = load_tokenizer(spec).eos_id if spec else None
+    if own:
+        AutoTokenizer.from_pretrained(hf).save_pretrained(out)
+    elif spec and spec != "byte":
+        tok = PreTrainedTokenizerFast(tokenizer_file=spec)
+        if eos is not None:
+            tok.eos_token = tok.convert_ids_to_tokens(eos)
+        tok.save_pretrained(out)
+    if hf and (Path(hf) / "generation_config.json").is_file():
+        GenerationConfig.from_pretrained(hf).save_pretrained(out)
+    elif eos is not None and not hf:
+        GenerationConfig(eos_token_id=eos).save_pretrained(out)
 
 
 def load_weights(path: str | Path, spec) -> dict[str, torch.Tensor]:

@@ -162,3 +162,21 @@ def load_splits(source: str, tokenizer: str) -> tuple[Tokenizer, dict[str, np.nd
 
     dtype = shards.token_dtype(tok.vocab_size)
     return tok, {s: _concat(tok.encode_batch(docs), tok.eos_id, dtype) for s, docs in builtin_splits().items()}
+
+
+def validation_gaps(source, val_samples, seq_len: int) -> list[str]:
+    """One line per source whose validation cannot run (no split, or shorter than one sequence), said at the
+    start of training: evaluation skips it, and a mixture's would otherwise just be missing from
+    `val_loss_by_source`."""
+    from disttrain.data.loader import MixtureSamples, TokenWindows
+
+    need = f"fewer than data.seq_len+1={seq_len + 1}"
+    if isinstance(val_samples, MixtureSamples):
+        return [f"data.source: {d}'s validation split holds {len(part.tokens)} tokens, {need}: it is left out of "
+                f"validation (val_loss_by_source)" for d, part in zip(source, val_samples.parts) if len(part) == 0]
+    if len(val_samples):
+        return []
+    if isinstance(val_samples, TokenWindows):
+        return [f"data.source={source}: the validation split holds {len(val_samples.tokens)} tokens, {need}: "
+                "nothing is validated"]
+    return [f"data.source={source}: no 'val' dataset: nothing is validated"]

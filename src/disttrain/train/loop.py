@@ -12,8 +12,10 @@ import torch.distributed as dist
 
 from disttrain.data.loader import DistributedBatchLoader, MixtureSamples
 from disttrain.data.sampling import GlobalBatchSampler
+from disttrain.data.source import validation_gaps
 from disttrain.errors import EXIT_PREEMPTED
 from disttrain.models.generate import generate
+from disttrain.observe.console import start_line
 from disttrain.observe.health import check_replicas_in_sync, rank_stats
 from disttrain.observe.metrics import MetricsLogger, peak_memory_bytes
 from disttrain.observe.model_bytes import memory_stats
@@ -133,9 +135,14 @@ class Trainer:
     def _announce(self, metrics: MetricsLogger) -> None:
         run, p = self.run, self.progress
         name = self.cfg.model.hf or (run.spec.name if self.cfg.model.spec else self.cfg.model.name)
-        metrics.message(f"model {name}: {run.num_params / 1e6:.2f}M parameters | world "
-                        f"{run.rt.world_size} (dp {run.layout.dp}) on {run.rt.device.type}/{run.rt.backend} | "
-                        f"{run.tokens_per_step:,} {'tokens' if run.tokenizer is not None else 'samples'} per step")
+        metrics.message(start_line(name, run.num_params, run.layout, f"{run.rt.device.type}/{run.rt.backend}",
+                                   run.tokenizer.name if run.tokenizer is not None else None,
+                                   f"{run.tokens_per_step:,} {'tokens' if run.tokenizer is not None else 'samples'}"))
+        data = self.cfg.data
+        gaps = validation_gaps(data.source, run.val_samples, data.seq_len) if self.cfg.train.eval_every else []
+        for line in [*self.cfg.warnings, *gaps]:
+            metrics.event("warning", message=line)
+            metrics.message(f"warning: {line}")
         if run.layout.balanced:
             metrics.event("balance", step=p.step, shares=list(run.loader.shares), mode=run.layout.balance,
                           weights=list(run.layout.balance_weights))
@@ -223,6 +230,9 @@ class Trainer:
                 watchdog.touch()  # evaluation and saving are not step time
             self._commit_pending(metrics)
             sample = self.sample() if t.sample_tokens else None
+            if t.sample_tokens and self._no_sample_because():
+                metrics.event("sample_skipped", reason=self._no_sample_because())
+                metrics.message(f"no sample: {self._no_sample_because()}")
             if sample is not None:
                 metrics.message(f"sample: {t.sample_prompt}{sample}")
                 metrics.event("sample", step=p.step, prompt=t.sample_prompt, text=sample)
@@ -263,12 +273,18 @@ class Trainer:
             self.save_checkpoint(metrics)
             control.saved()
 
+    def _no_sample_because(self) -> str | None:
+        if self.run.tokenizer is None:
+            return f"generation needs a tokenizer (data.source={self.cfg.data.source} gives token ids)"
+        if self.run.layout.pp > 1:
+            return f"generation needs the whole model in one process (parallel.pp={self.run.layout.pp} splits it)"
+        return None
+
     def sample(self) -> str | None:
         """Every rank runs the same seeded generation (sharded layouts need all ranks in each
         forward); rank 0 reports it."""
         run, t = self.run, self.cfg.train
-        if run.layout.pp > 1 or run.tokenizer is None:
-            log.info("no sample: generation needs a tokenizer and the whole model in one process")
+        if self._no_sample_because():
             return None
         prompt = run.tokenizer.encode_batch([t.sample_prompt])[0]
         pad = run.layout.tp if run.layout.sequence_parallel else 1
