@@ -176,7 +176,8 @@ def test_step_breakdown_adds_up_to_the_step_time(tmp_path):
     # and a summary whose numbers come from metrics.jsonl.
     proc = run_cli("report", str(run))
     report = run / "report"
-    expected = {"loss.png", "throughput.png", "step_breakdown.png", "memory.png", "rank_step_time.png"}
+    expected = {"loss.png", "lr.png", "grad_norm.png", "throughput.png", "step_breakdown.png", "memory.png",
+                "rank_step_time.png"}
     assert expected <= {p.name for p in report.glob("*.png")}
     assert all((report / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for name in expected)
     page = (report / "index.html").read_text()

@@ -11,6 +11,11 @@ from pathlib import Path
 from disttrain.observe.breakdown import PARTS as BREAKDOWN
 
 
+P2P_NOTE = ("send_recv is a pipeline's point-to-point transfers, timed from launch to completion: they run "
+            "asynchronously beside compute, so their sum can exceed the step time; the pipeline's waiting shows in "
+            "comm_exposed")
+
+
 def load_records(run_dir: Path) -> tuple[list[dict], list[dict]]:
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
@@ -61,7 +66,10 @@ def summary(records: list[dict], events: list[dict]) -> list[tuple[str, str]]:
     comm = sorted({k for r in records for k in r if k.startswith("comm_") and k.endswith("_s") and k != "comm_time_s"})
     if comm:
         rows.append(("communication (median per step)", ", ".join(
-            f"{k[5:-2]} {statistics.median(_series(records, k)[1]) * 1e3:.1f} ms" for k in comm)))
+            f"{k[5:-2]}{' (async, see note)' if k == 'comm_send_recv_s' else ''} "
+            f"{statistics.median(_series(records, k)[1]) * 1e3:.1f} ms" for k in comm)))
+        if "comm_send_recv_s" in comm:
+            rows.append(("note", P2P_NOTE))
     slowest = [r["slowest_rank"] for r in records if "slowest_rank" in r]
     if slowest:
         most = max(set(slowest), key=slowest.count)
@@ -80,11 +88,95 @@ def summary(records: list[dict], events: list[dict]) -> list[tuple[str, str]]:
     return rows
 
 
-def make_report(run_dir: Path, out_dir: Path | None = None) -> tuple[Path, list[Path], list[tuple[str, str]]]:
-    """Write the PNGs and index.html; returns (html path, pngs, summary rows)."""
+def run_starts(events: list[dict]) -> list[tuple[int, str]]:
+    """(step, label) where the run started again after its first start: "resumed", or "layout: ..." when
+    the resumed run was cut differently (each start records its layout; older runs only their resumes)."""
+    starts = [e for e in events if e.get("event") == "started"]
+    if not starts:
+        return [(e["step"], "resumed") for e in events if e.get("event") == "resumed"]
+    return [(e["step"], "resumed" if e["layout"] == before["layout"] else f"layout: {e['layout']}")
+            for before, e in zip(starts, starts[1:])]
+
+
+def _mark_starts(ax, marks: list[tuple[int, str]]) -> None:
+    for step, label in marks:
+        layout = label.startswith("layout")
+        ax.axvline(step, color="black" if layout else "grey", linestyle="--" if layout else ":", linewidth=1,
+                   label=label)
+
+
+def figures(records: list[dict], events: list[dict]) -> dict[str, object]:
+    """File name -> matplotlib Figure of every plot the records support; each time axis marks resumes and
+    layout changes."""
     import matplotlib
 
     matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    marks, figs = run_starts(events), {}
+
+    def plot(name: str, title: str, ylabel: str):
+        fig, ax = plt.subplots(figsize=(7, 4))
+        ax.set(xlabel="step", ylabel=ylabel, title=title)
+        figs[name] = fig
+        return ax
+
+    def finish(ax, legend: bool = False) -> None:
+        _mark_starts(ax, marks)
+        if legend or marks:
+            ax.legend(fontsize="small")
+
+    ax = plot("loss.png", "Loss", "loss")
+    ax.plot(*_series(records, "loss"), label="train")
+    evals = [e for e in events if e.get("event") == "eval" and "val_loss" in e]
+    if evals:
+        ax.plot([e["step"] for e in evals], [e["val_loss"] for e in evals], "o-", label="validation")
+    for source in sorted({k for e in evals for k in e.get("val_loss_by_source", {})}):
+        pts = [(e["step"], e["val_loss_by_source"][source]) for e in evals if source in e.get("val_loss_by_source", {})]
+        ax.plot(*zip(*pts), ".--", label=f"validation: {source}")
+    finish(ax, legend=True)
+
+    for key, name, title, ylabel in (("lr", "lr.png", "Learning rate", "learning rate"),
+                                     ("grad_norm", "grad_norm.png", "Gradient norm (before clipping)", "norm")):
+        if _series(records, key)[1]:
+            ax = plot(name, title, ylabel)
+            ax.plot(*_series(records, key))
+            finish(ax)
+
+    ax = plot("throughput.png", "Throughput", "tokens/s (all ranks)")
+    ax.plot(*_series(records, "tokens_per_sec"))
+    finish(ax)
+
+    steps, mfu = _series(records, "mfu")
+    if mfu:
+        ax = plot("mfu.png", "Model FLOPs utilisation", "MFU (%)")
+        ax.plot(steps, [100 * m for m in mfu])
+        finish(ax)
+
+    parts = {p: _series(records, f"time_{p}_s") for p in BREAKDOWN}
+    if all(v[1] for v in parts.values()):
+        ax = plot("step_breakdown.png", "Step breakdown, rank 0", "seconds per step")
+        ax.stackplot(parts["data"][0], *[v[1] for v in parts.values()], labels=list(parts))
+        finish(ax, legend=True)
+
+    steps, mem = _series(records, "mem_peak_bytes")
+    if mem:
+        ax = plot("memory.png", "Peak memory (max over ranks)", "GiB")
+        ax.plot(steps, [m / 2**30 for m in mem])
+        ax.set_ylim(bottom=0)  # from zero: a change reads at its true size
+        finish(ax)
+
+    if any("rank_compute_max_s" in r for r in records):
+        ax = plot("rank_step_time.png", "Per-rank step compute time", "seconds")
+        for key, label in (("rank_compute_min_s", "fastest rank"), ("rank_compute_median_s", "median rank"),
+                           ("rank_compute_max_s", "slowest rank")):
+            ax.plot(*_series(records, key), label=label)
+        finish(ax, legend=True)
+    return figs
+
+
+def make_report(run_dir: Path, out_dir: Path | None = None) -> tuple[Path, list[Path], list[tuple[str, str]]]:
+    """Write the PNGs and index.html; returns (html path, pngs, summary rows)."""
     import matplotlib.pyplot as plt
 
     records, events = load_records(run_dir)
@@ -93,58 +185,11 @@ def make_report(run_dir: Path, out_dir: Path | None = None) -> tuple[Path, list[
     out = out_dir or run_dir / "report"
     out.mkdir(parents=True, exist_ok=True)
     pngs: list[Path] = []
-
-    def save(fig, name: str) -> None:
+    for name, fig in figures(records, events).items():
         fig.tight_layout()
-        path = out / name
-        fig.savefig(path, dpi=110)
+        fig.savefig(out / name, dpi=110)
         plt.close(fig)
-        pngs.append(path)
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(*_series(records, "loss"), label="train")
-    evals = [e for e in events if e.get("event") == "eval" and "val_loss" in e]
-    if evals:
-        ax.plot([e["step"] for e in evals], [e["val_loss"] for e in evals], "o-", label="validation")
-    ax.set(xlabel="step", ylabel="loss", title="Loss")
-    ax.legend()
-    save(fig, "loss.png")
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(*_series(records, "tokens_per_sec"))
-    ax.set(xlabel="step", ylabel="tokens/s (all ranks)", title="Throughput")
-    save(fig, "throughput.png")
-
-    steps, mfu = _series(records, "mfu")
-    if mfu:
-        fig, ax = plt.subplots(figsize=(7, 4))
-        ax.plot(steps, [100 * m for m in mfu])
-        ax.set(xlabel="step", ylabel="MFU (%)", title="Model FLOPs utilisation")
-        save(fig, "mfu.png")
-
-    parts = {p: _series(records, f"time_{p}_s") for p in BREAKDOWN}
-    if all(v[1] for v in parts.values()):
-        fig, ax = plt.subplots(figsize=(7, 4))
-        ax.stackplot(parts["data"][0], *[v[1] for v in parts.values()], labels=list(parts))
-        ax.set(xlabel="step", ylabel="seconds per step", title="Step breakdown, rank 0")
-        ax.legend(loc="upper right", fontsize="small")
-        save(fig, "step_breakdown.png")
-
-    steps, mem = _series(records, "mem_peak_bytes")
-    if mem:
-        fig, ax = plt.subplots(figsize=(7, 4))
-        ax.plot(steps, [m / 2**30 for m in mem])
-        ax.set(xlabel="step", ylabel="GiB", title="Peak memory (max over ranks)")
-        save(fig, "memory.png")
-
-    if any("rank_compute_max_s" in r for r in records):
-        fig, ax = plt.subplots(figsize=(7, 4))
-        for key, label in (("rank_compute_min_s", "fastest rank"), ("rank_compute_median_s", "median rank"),
-                           ("rank_compute_max_s", "slowest rank")):
-            ax.plot(*_series(records, key), label=label)
-        ax.set(xlabel="step", ylabel="seconds", title="Per-rank step compute time")
-        ax.legend()
-        save(fig, "rank_step_time.png")
+        pngs.append(out / name)
 
     rows = summary(records, events)
     table = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in rows)
@@ -155,7 +200,7 @@ def make_report(run_dir: Path, out_dir: Path | None = None) -> tuple[Path, list[
             f"<h1>{html.escape(str(run_dir))}</h1><table>{table}</table>{images}"
             "<p>Step breakdown: comm_exposed is the gradient reduction still running after the last backward "
             "computation; collectives inside forward and backward count in those phases and, per kind, in the "
-            "communication row (profiled steps).</p></body></html>")
+            f"communication row (profiled steps). {html.escape(P2P_NOTE)}</p></body></html>")
     index = out / "index.html"
     index.write_text(page)
     return index, pngs, rows
