@@ -1,7 +1,9 @@
-# `make demo` trains the demo config; `make test` runs the suite. Both build .venv from nothing.
+# `make demo` trains the demo config; `make test` runs the suite. Both build .venv from nothing: the demo
+# installs disttrain and its own dependencies only, the suite adds the test tools, DeepSpeed and trackers.
 PYTHON ?= python3
-VENV := .venv
+VENV ?= .venv
 BIN := $(VENV)/bin
+DEMO_STAMP := $(VENV)/.installed-demo
 STAMP := $(VENV)/.installed
 NPROC ?= auto
 export OMP_NUM_THREADS ?= 1
@@ -10,14 +12,18 @@ export OMP_NUM_THREADS ?= 1
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml constraints.txt
+$(DEMO_STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade -c constraints.txt pip setuptools wheel
+	$(BIN)/python -m pip install -q -c constraints.txt -e .
+	touch $(DEMO_STAMP)
+
+$(STAMP): $(DEMO_STAMP)
 	$(BIN)/python -m pip install -q -c constraints.txt -e '.[test]'
 	DS_BUILD_OPS=0 $(BIN)/python -m pip install -q -c constraints.txt --no-build-isolation -e '.[test,deepspeed,trackers]'
 	touch $(STAMP)
 
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	$(BIN)/disttrain train configs/demo.yaml --nproc-per-node $(NPROC)
 
 # Two pytest workers, one test module each at a time: while one runs a single process, the other's launches
