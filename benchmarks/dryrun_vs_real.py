@@ -2,6 +2,12 @@
 tracker on real tensors (tests/workers/measure_step.py), then `disttrain.dryrun.simulate` per rank.
 
     python benchmarks/dryrun_vs_real.py --model 125m --out benchmarks/results/dryrun_vs_real_125m.json
+
+The dry run runs the CPU's kernels on fake tensors while it stands for a GPU rank. Where a kernel keeps
+other tensors for backward on a GPU than on the CPU, only a GPU can tell: `--saved-by-device` (on a
+machine with CUDA) counts what autograd keeps for one decoder block on each device.
+
+    python benchmarks/dryrun_vs_real.py --saved-by-device --out saved_by_device.json
 """
 
 from __future__ import annotations
@@ -27,11 +33,62 @@ def layouts(model: str) -> dict[str, list[str]]:
                             "parallel.pp=2"]}
 
 
+def saved_by_device(dim: int = 1024, seq: int = 2048) -> dict:
+    """Bytes autograd keeps for one Llama block (unique storages, parameters excluded), by tensor shape and
+    dtype, on the CPU and on CUDA, for bf16 weights, fp32 weights under bf16 autocast, and fp32; with and
+    without the block's RMSNorms, so the norms' own share shows."""
+    import torch
+
+    from disttrain.models.llama.model import TransformerBlock, rotary_tables
+    from disttrain.models.shape import ModelShape
+
+    shape = ModelShape(dim=dim, n_layers=1, n_heads=dim // 64, n_kv_heads=dim // 64, vocab_size=256,
+                       ffn_hidden_dim=4 * dim, max_seq_len=seq)
+    out = {"torch": torch.__version__, "dim": dim, "seq": seq}
+    for device in ("cpu", "cuda"):
+        for regime in ("bf16", "fp32+autocast", "fp32"):
+            for norms in (True, False):
+                torch.manual_seed(0)
+                block = TransformerBlock(shape).to(device)
+                if not norms:
+                    block.attention_norm, block.ffn_norm = torch.nn.Identity(), torch.nn.Identity()
+                wdtype = torch.bfloat16 if regime == "bf16" else torch.float32
+                block = block.to(wdtype)
+                cos, sin = rotary_tables(shape.head_dim, seq, 10000.0, device=device)
+                x = torch.randn(1, seq, dim, device=device, dtype=wdtype, requires_grad=True)
+                params = {p.untyped_storage().data_ptr() for p in block.parameters()}
+                params.add(x.untyped_storage().data_ptr())
+                held: dict[int, tuple] = {}
+
+                def pack(t):
+                    ptr = t.untyped_storage().data_ptr()
+                    if ptr not in params:
+                        held.setdefault(ptr, (t.untyped_storage().nbytes(), str(t.dtype), tuple(t.shape)))
+                    return t
+
+                cast = torch.autocast(device, dtype=torch.bfloat16, enabled=regime == "fp32+autocast")
+                with cast, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    y = block(x, cos, sin)
+                y.float().sum().backward()
+                out[f"{device} {regime} {'with' if norms else 'without'} norms"] = {
+                    "bytes": sum(v[0] for v in held.values()), "tensors": sorted(held.values(), reverse=True)}
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="125m")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--saved-by-device", action="store_true")
     args = parser.parse_args()
+    if args.saved_by_device:
+        result = saved_by_device()
+        for k, v in result.items():
+            if isinstance(v, dict):
+                print(f"{k:40s} {v['bytes']:>14,}")
+        if args.out:
+            Path(args.out).write_text(json.dumps(result, indent=1))
+        return
     sys.path.insert(0, str(REPO / "tests"))
     from disttrain.config import load_config
     from disttrain.dryrun.simulate import simulate

@@ -220,8 +220,10 @@ def test_activation_prediction_matches_saved_tensors(model, recompute):
     shape = MODEL_SHAPES[model]
     for mb, seq, dtype in ((1, 64, "fp32"), (2, 128, "fp32"), (2, 96, "bf16")):
         measured = saved_activation_bytes(shape, mb, seq, recompute, {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype])
+        # bf16 weights throughout: FSDP2's parameter dtype (DDP would keep fp32 weights under autocast,
+        # tests/test_planner_grid.py)
         layout = Layout(micro_batch_size=mb, global_batch_size=mb, seq_len=seq, activation_checkpointing=recompute,
-                        param_dtype=dtype)
+                        param_dtype=dtype, compute_dtype=dtype, zero_stage=3)
         predicted = stage_activation_bytes(shape, layout, 0, fused_norm=False).saved
         assert predicted == pytest.approx(measured, rel=1e-3), (mb, seq, dtype)
 

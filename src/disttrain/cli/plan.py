@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import re
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -17,21 +16,9 @@ from disttrain.models.registry import MODEL_SHAPES, ModelShape
 from disttrain.plan import render as report
 from disttrain.plan.estimate import estimate, shape_for_params
 from disttrain.plan.memory import ACCOUNTINGS
-from disttrain.plan.search import SearchSpace, describe, search, why_winner
+from disttrain.plan.search import (SearchSpace, describe, drop_disproved, gpu_memory, memory_budget, parse_count,
+                                   parse_counts, search, why_winner)
 from disttrain.plan.timing import Cluster, single_gpu_tokens_per_s
-
-
-_SUFFIX = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
-_BINARY = {"k": 2 ** 10, "m": 2 ** 20, "b": 2 ** 30, "g": 2 ** 30, "t": 2 ** 40}
-
-
-def parse_count(flag: str, text: str, binary: bool = False) -> float:
-    """'4M', '300e9', '1.5T', '13b' -> a number. Suffixes are decimal, or powers of two with
-    `binary` (batch sizes: Llama's "4M tokens" is 1024 x 4096 = 4·2^20)."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kmbgt]?)\s*", str(text).lower())
-    if not match:
-        raise UserError(f"{flag}={text}: expected a number like 4M, 300e9 or 1.5T")
-    return float(match.group(1)) * (_BINARY if binary else _SUFFIX).get(match.group(2), 1)
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -75,6 +62,7 @@ def add_parsers(sub) -> None:
     est.add_argument("--accounting", choices=ACCOUNTINGS, default="runtime",
                      help="runtime: what disttrain allocates; zero-paper: the ZeRO paper's mixed-precision Adam")
     est.add_argument("--time", action="store_true", help="also predict step time, tokens/s and MFU")
+    est.add_argument("--headroom", type=float, default=0.1, help="fraction of GPU memory kept free (as plan)")
     est.add_argument("--json", action="store_true")
     add_cluster_args(est)
 
@@ -195,19 +183,31 @@ def build_layout(args) -> tuple[str, ModelShape, Layout]:
     return name, shape, layout
 
 
+def _headroom(args) -> float:
+    if not 0 <= args.headroom < 1:
+        raise UserError(f"--headroom={args.headroom}: must be in [0, 1)")
+    return args.headroom
+
+
 def cmd_estimate(args) -> None:
     name, shape, layout = build_layout(args)
+    headroom = _headroom(args)
     cluster = _cluster(args, layout.world_size, name, shape) if args.time else None
     est = estimate(shape, layout, cluster, model=name, accounting=args.accounting)
+    gpu_name, memory = gpu_memory(args.gpu, getattr(args, "hardware", None))
     tokens = parse_count("--tokens", args.tokens) if args.tokens else None
     if args.json:
         out = est.as_dict()
+        budget = memory_budget(memory, headroom)
+        out["fits"] = {"gpu": gpu_name, "budget_bytes": budget, "headroom": headroom,
+                       "fits": est.memory.total <= budget}
         if tokens and est.time:
             out["time"]["days"] = tokens / est.time.tokens_per_s / 86400
         print(json.dumps(out, indent=1))
         return
     lines = [f"Model: {name}, {shape.num_params():,} parameters ({shape.num_params() / 1e9:.2f} B)",
-             report.layout_line(layout), ""] + report.memory_table(est) + [""] + report.flops_lines(est)
+             report.layout_line(layout), ""] + report.memory_table(est) + \
+        [report.fit_line(est, gpu_name, memory, headroom), ""] + report.flops_lines(est)
     if est.time:
         lines += [""] + report.time_lines(est, tokens)
     print("\n".join(lines))
@@ -237,8 +237,7 @@ def cmd_plan(args) -> None:
     if seq_len > shape.max_seq_len:
         shape = replace(shape, max_seq_len=seq_len)
     gbs = _global_batch(args, seq_len)
-    if not 0 <= args.headroom < 1:
-        raise UserError(f"--headroom={args.headroom}: must be in [0, 1)")
+    _headroom(args)
     try:
         stages = tuple(sorted({int(s) for s in args.zero_stages.split(",")}))
     except ValueError:
@@ -253,9 +252,20 @@ def cmd_plan(args) -> None:
     if not result.ranked:
         raise UserError(f"no layout of {name} fits {args.gpus} x {cluster.gpu.name} "
                         f"({result.considered} considered; try more GPUs, --allow-offload or a smaller --headroom)")
+    header = (f"Model: {name}, {shape.num_params() / 1e9:.2f} B parameters; {args.gpus} x {cluster.gpu.description} "
+              f"({cluster.nodes} node(s) x {cluster.gpus_per_node}); global batch {gbs} x {seq_len} tokens")
+    if not args.json:  # the ranking first: dry runs take minutes
+        print("\n".join([header, "", *report.plan_table(result.ranked, args.top)]), flush=True)
+    verified = _verify(args, result, cluster.gpu.name) if args.verify > 0 else []
+    if verified:
+        result = drop_disproved(result, {i: r["peak_bytes"] for i, r in enumerate(verified) if "peak_bytes" in r})
+        if not result.ranked:
+            raise UserError(f"no layout of {name} fits {args.gpus} x {cluster.gpu.name}: the dry runs of the "
+                            f"{len(verified)} best need more than the {result.budget_bytes / 2**30:.1f} GiB budget "
+                            "(try more GPUs or --verify with more layouts)")
     win = result.ranked[0]
     baseline = single_gpu_tokens_per_s(shape, seq_len, cluster, space.param_dtype)
-    counts = _counts(args.scaling)
+    counts = parse_counts(args.scaling)
     scaling = scaling_table(shape, args, space, name, counts) if counts else []
     out = Path(args.out) if args.out else None
     if out is not None:
@@ -264,52 +274,55 @@ def cmd_plan(args) -> None:
         tmp = out.with_name(out.name + ".tmp")
         tmp.write_text(yaml.safe_dump(report.winner_config(win, tokens), sort_keys=False))
         tmp.replace(out)
-    verified = _verify(args, result.ranked[:args.verify], cluster.gpu.name) if args.verify > 0 else []
     if args.json:
         print(json.dumps({"winner": win.as_dict(), "top": [e.as_dict() for e in result.ranked[:args.top]],
                           "considered": result.considered, "fitting": result.fitting,
+                          "budget_bytes": result.budget_bytes,
                           "baseline_tokens_per_s_per_gpu": baseline, "scaling": scaling, "verified": verified,
                           "days": tokens / win.time.tokens_per_s / 86400 if tokens else None,
                           "config": str(out) if out else None}, indent=1))
         return
-    lines = [f"Model: {name}, {shape.num_params() / 1e9:.2f} B parameters; {args.gpus} x {cluster.gpu.description} "
-             f"({cluster.nodes} node(s) x {cluster.gpus_per_node}); global batch {gbs} x {seq_len} tokens", "",
-             f"{'':>2}  {'':>12}  {'':>6}  {'step s =':>8} {'compute':>8} {'+bubble':>8} {'+comm':>7}  "
-             f"{'GiB/GPU =':>9} {'states':>7} {'+act':>6} {'+buf':>5}",
-             f"{'#':>2}  {'tokens/s/GPU':>12}  {'MFU':>6}  {'':>8} {'':>8} {'':>8} {'':>7}  {'':>9} {'':>7} {'':>6} "
-             f"{'':>5}  layout"]
-    for i, e in enumerate(result.ranked[:args.top], 1):
-        t, m = e.time, e.memory
-        states = m.states.params + m.states.grads + m.states.unsharded_grads + m.states.optimizer
-        lines.append(f"{i:>2}  {t.tokens_per_s_per_gpu:>12,.0f}  {t.mfu:>6.1%}  {t.step_s:>8.2f} {t.compute_s:>8.2f} "
-                     f"{t.bubble_s:>8.2f} {t.tp_comm_s + t.pp_comm_s + t.dp_exposed_s:>7.2f}  {m.total / 2**30:>9.1f} "
-                     f"{states / 2**30:>7.1f} {m.activations.peak / 2**30:>6.1f} {m.buffers / 2**30:>5.1f}  "
-                     f"{describe(e.layout)}")
+    lines = []
+    if verified:
+        from disttrain.cli.dryrun import verify_lines
+
+        dropped = [r["layout"] for r in verified if r.get("fits") is False]
+        lines += [""] + verify_lines(verified)
+        if dropped:
+            lines += [f"Dropped (a dry run needs more than the {result.budget_bytes / 2**30:.1f} GiB budget): "
+                      + "; ".join(dropped), "", "Ranking after the dry runs:",
+                      *report.plan_table(result.ranked, args.top)]
     lines += ["", "Winner: " + describe(win.layout), *("  " + r for r in why_winner(result)), ""]
     lines += report.memory_table(win) + [""] + report.time_lines(win, tokens, baseline)
     lines.append("  (scaling baseline: one GPU with enough memory, no communication, no recomputation)")
     if scaling:
-        lines += ["", f"Scaling at {gbs} x {seq_len} tokens per step:",
-                  f"{'GPUs':>5}  {'tokens/s':>12}  {'per GPU':>9}  {'efficiency':>10}  layout"]
-        for row in scaling:
-            if row["tokens_per_s"] is None:
-                lines.append(f"{row['gpus']:>5}  {'-':>12}  {'-':>9}  {'-':>10}  does not fit")
-            else:
-                lines.append(f"{row['gpus']:>5}  {row['tokens_per_s']:>12,.0f}  {row['tokens_per_s_per_gpu']:>9,.0f}  "
-                             f"{row['efficiency']:>10.1%}  {row['layout']}")
-    if verified:
-        from disttrain.cli.dryrun import verify_lines
-
-        lines += [""] + verify_lines(verified)
+        lines += ["", f"Scaling at {gbs} x {seq_len} tokens per step:", *report.scaling_lines(scaling)]
     lines += ["", f"Wrote {out} (run it with: disttrain train {out})" if out else
               "Pass --out FILE.yaml to write the winner as a config."]
     print("\n".join(lines))
 
 
-def _verify(args, estimates, gpu_name: str) -> list[dict]:
+def _verify(args, result, gpu_name: str) -> list[dict]:
+    """Dry-run the best `--verify` layouts one by one, saying which and what it found as it goes (each takes
+    seconds to minutes); fits / does not fit against the plan's own budget."""
     from disttrain.cli.dryrun import verify_plan
 
-    return verify_plan(estimates, args.gpus, gpu_name, None if args.json else lambda m: print(m, file=sys.stderr))
+    rows, chosen = [], result.ranked[:args.verify]
+    for i, est in enumerate(chosen, 1):
+        def progress(message: str, i=i, est=est) -> None:
+            print(f"[{i}/{len(chosen)}] {describe(est.layout)}: {message}", file=sys.stderr, flush=True)
+
+        (row,) = verify_plan([est], args.gpus, gpu_name, progress)
+        if "peak_bytes" in row:
+            row["fits"] = row["peak_bytes"] <= result.budget_bytes
+            row["headroom_bytes"] = result.budget_bytes - row["peak_bytes"]
+            progress(f"{row['peak_bytes'] / 2**30:.1f} GiB by dry run (planned {est.memory.total / 2**30:.1f}): "
+                     f"{'fits' if row['fits'] else 'does NOT fit'} the {result.budget_bytes / 2**30:.1f} GiB budget, "
+                     f"{row['seconds']:.0f} s")
+        else:
+            progress(row["error"])
+        rows.append(row)
+    return rows
 
 
 def cmd_plan_mixed(args) -> None:
@@ -367,15 +380,3 @@ def scaling_table(shape, args, space: SearchSpace, name: str, counts: list[int])
             rows.append({"gpus": gpus, "tokens_per_s": None, "tokens_per_s_per_gpu": None, "efficiency": None,
                          "layout": "does not fit"})
     return rows
-
-
-def _counts(text: str | None) -> list[int]:
-    if not text:
-        return []
-    try:
-        counts = [int(x) for x in text.split(",")]
-    except ValueError:
-        raise UserError(f"--scaling={text}: expected comma-separated GPU counts like 2,4,8,16,32") from None
-    if any(c < 1 for c in counts):
-        raise UserError(f"--scaling={text}: GPU counts must be positive")
-    return counts

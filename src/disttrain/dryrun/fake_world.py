@@ -9,7 +9,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from disttrain.dtypes import DTYPES
+from disttrain.dtypes import DTYPES, at_least_fp32
 from disttrain.layout import Layout
 
 
@@ -54,18 +54,58 @@ def stage_shapes(spec, layout: Layout):
 
 
 
+class FusedRMSNorm(torch.autograd.Function):
+    """RMSNorm keeping for backward what torch's CUDA kernel (`_fused_rms_norm`) keeps: the input and the
+    fp32 reciprocal RMS. On the CPU, `F.rms_norm` is decomposed into ops that keep an fp32 copy of the
+    input and the fp32 normalised input besides (counted on both devices by benchmarks/dryrun_vs_real.py
+    --saved-by-device: 9 bytes per element per norm on the CPU for bf16, 2 on CUDA)."""
+
+    @staticmethod
+    def forward(ctx, x, normalized_shape, weight, eps):
+        dims = tuple(range(-len(normalized_shape), 0))
+        xf = at_least_fp32(x)
+        eps = torch.finfo(xf.dtype).eps if eps is None else eps
+        rstd = torch.rsqrt(xf.pow(2).mean(dims, keepdim=True) + eps)
+        y = xf * rstd
+        if weight is not None:
+            y = y * weight
+        ctx.dims = dims
+        ctx.save_for_backward(x, rstd, weight)
+        return y.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, rstd, weight = ctx.saved_tensors
+        xhat = at_least_fp32(x) * rstd
+        g = at_least_fp32(grad)
+        gw = g * weight if weight is not None else g
+        dx = rstd * (gw - xhat * (gw * xhat).mean(ctx.dims, keepdim=True))
+        dweight = None
+        if weight is not None and ctx.needs_input_grad[2]:
+            lead = tuple(range(g.dim() - len(ctx.dims)))
+            dweight = (g * xhat).sum(lead).to(weight.dtype)
+        return dx.to(x.dtype), None, dweight, None
+
+
+def _fused_rms_norm(input, normalized_shape, weight=None, eps=None):
+    return FusedRMSNorm.apply(input, tuple(normalized_shape), weight, eps)
+
+
 @contextlib.contextmanager
 def gpu_defaults():
     """What torch picks by itself on a GPU but not for tensors on this CPU: AdamW's foreach kernels
-    (whose temporaries span every parameter at once, the optimizer step's own peak)."""
+    (whose temporaries span every parameter at once, the optimizer step's own peak), and the fused
+    RMSNorm kernel (`FusedRMSNorm`)."""
+    from torch.nn import functional
     from torch.optim import adam
 
-    saved = adam._default_to_fused_or_foreach
+    saved = adam._default_to_fused_or_foreach, functional.rms_norm
     adam._default_to_fused_or_foreach = lambda params, differentiable, use_fused=False: (False, not differentiable)
+    functional.rms_norm = _fused_rms_norm
     try:
         yield
     finally:
-        adam._default_to_fused_or_foreach = saved
+        adam._default_to_fused_or_foreach, functional.rms_norm = saved
 
 
 @contextlib.contextmanager

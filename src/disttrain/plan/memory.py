@@ -17,6 +17,9 @@ from dataclasses import dataclass, field
 
 from disttrain.models.registry import ModelShape
 from disttrain.layout import DTYPE_BYTES, Layout
+from disttrain.plan.activations import (  # noqa: F401 (re-exported: the planner's memory API)
+    StageActivations, korthikanti_in_flight_factor, korthikanti_layer_bytes, layer_activation_bytes,
+    stage_activation_bytes)
 from disttrain.splits import split_layers
 
 ACCOUNTINGS = ("runtime", "zero-paper")
@@ -131,178 +134,94 @@ def model_state_bytes(n_params: float, layout: Layout, accounting: str = "runtim
     return states
 
 
-# ---------------------------------------------------------------- activations
-
-
-def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sequence_parallel: bool = False,
-                            recompute: str = "none") -> float:
-    """Activation bytes per transformer layer, Korthikanti et al. 2022 (fp16, GPT with dropout):
-    sbh(34 + 5as/h) without parallelism; tensor parallel sbh(10 + 24/t + 5as/ht); with sequence
-    parallel sbh(34/t + 5as/ht); selective recomputation drops the 5as/h term; full keeps 2sbh."""
-    sbh = s * b * h
-    attention = 0.0 if recompute == "selective" else 5 * a * s / (h * t)
-    if recompute == "full":
-        return 2 * sbh / (t if sequence_parallel else 1)
-    if sequence_parallel:
-        return sbh * (34 / t + attention)
-    return sbh * (10 + 24 / t + attention)
-
-
-def korthikanti_in_flight_factor(pp: int, microbatches: int, schedule: str, virtual_stages: int = 1) -> float:
-    """How many micro-batches' worth of its layers the first stage holds, relative to one: 1F1B
-    keeps p in flight (so L/p layers × p = L layers in all), interleaving (v chunks) multiplies
-    that by 1 + (p−1)/(p·v) (Korthikanti et al. 2022, section 4.2.3), GPipe keeps all m."""
-    if pp == 1:
-        return 1.0
-    if schedule == "gpipe":
-        return float(microbatches)
-    in_flight = float(min(pp, microbatches))
-    if schedule in ("interleaved_1f1b", "zero_bubble"):
-        in_flight *= 1 + (pp - 1) / (pp * virtual_stages)
-    return min(in_flight, float(microbatches))
-
-
-@dataclass
-class LayerActivations:
-    saved: float  # held from a layer's forward to its backward, per micro-batch
-    transient: float  # extra while that layer's backward runs (recomputed tensors)
-
-
-def _norm_bytes(e: int, tokens: int, h: int, r: int, fused: bool) -> float:
-    """RMSNorm: the fused CUDA kernel keeps its input and the fp32 reciprocal RMS; the decomposed
-    one (CPU) keeps the input upcast to fp32 and the fp32 normalised x̂. The output is saved by the
-    matmul it feeds (whole under sequence parallelism: the all-gathered copy)."""
-    kept_input = e if fused else 2 * FP32
-    return kept_input * tokens * h / r + FP32 * tokens / r + e * tokens * h
-
-
-def layer_activation_bytes(shape: ModelShape, micro_batch: int, seq_len: int, layout: Layout,
-                           fused_norm: bool = True) -> LayerActivations:
-    """Saved tensors of one `TransformerBlock` of models/llama.py, counted from what autograd keeps
-    (checked against saved-tensor hooks in tests/test_plan.py):
-    attention: what RMSNorm keeps (see `_norm_bytes`) and its output, q, k, v, SDPA output
-    and log-sum-exp (flash attention stores no s×s scores); MLP: its input, norm output, w1 and w3
-    outputs, SiLU output and the gated product. Under tensor parallelism the head/FFN-split tensors
-    divide by tp; with sequence parallelism so does the residual stream, but the all-gathered input
-    of each column-parallel matmul is saved whole (DTensor keeps it; Megatron re-gathers it)."""
-    e = DTYPE_BYTES[layout.param_dtype]
-    t = layout.tp
-    r = t if layout.sequence_parallel else 1
-    sb = seq_len * micro_batch
-    h, f = shape.dim, shape.ffn_hidden_dim
-    kv = shape.n_kv_heads * shape.head_dim
-    per_norm = _norm_bytes(e, sb, h, r, fused_norm)
-    attention = e * sb * (h + 2 * kv + h) / t + FP32 * micro_batch * (shape.n_heads // t) * seq_len  # q k v out, lse
-    mlp = 4 * e * sb * f / t
-    full = 2 * per_norm + attention + mlp
-    residual = e * sb * h / r
-    mode = layout.activation_checkpointing
-    if mode == "full":
-        return LayerActivations(saved=residual, transient=full)
-    if mode == "selective":
-        # Kept: block input, every matmul output (q, k, v, wo, w1, w3, w2; row-parallel outputs are
-        # full-size partial sums) and the attention output; the rest is recomputed.
-        kept = residual + attention + e * sb * 2 * f / t + 2 * e * sb * h
-        return LayerActivations(saved=kept, transient=max(full - kept, 0.0))
-    return LayerActivations(saved=full, transient=0.0)
-
-
-@dataclass
-class StageActivations:
-    saved: float
-    transient: float
-    in_flight: float
-
-    @property
-    def peak(self) -> float:
-        return self.saved + self.transient
-
-
-def stage_activation_bytes(shape: ModelShape, layout: Layout, pp_rank: int, fused_norm: bool = True) -> StageActivations:
-    mb, s = layout.micro_batch, layout.seq_len
-    held = rank_params(shape, layout, pp_rank)
-    layer = layer_activation_bytes(shape, mb, s, layout, fused_norm)
-    if pp_rank == 0:
-        in_flight = korthikanti_in_flight_factor(layout.pp, layout.microbatches, layout.pp_schedule,
-                                                 layout.stages_per_rank)
-    else:  # later stages start their backwards sooner: rank r of 1F1B keeps p - r in flight
-        first = korthikanti_in_flight_factor(layout.pp, layout.microbatches, layout.pp_schedule, layout.stages_per_rank)
-        in_flight = max(1.0, first * (layout.pp - pp_rank) / layout.pp) if layout.pp_schedule != "gpipe" else first
-    e = DTYPE_BYTES[layout.param_dtype]
-    saved = held.layers * layer.saved * in_flight
-    transient = layer.transient
-    if held.embedding:
-        saved += 8 * mb * s * in_flight  # token ids the embedding backward needs
-    if held.output:
-        r = layout.tp if layout.sequence_parallel else 1
-        norm = _norm_bytes(e, mb * s, shape.dim, r, fused_norm)
-        logits = FP32 * mb * s * shape.vocab_size / layout.tp  # fp32 log-softmax kept by the loss
-        saved += norm + logits
-        transient = max(transient, 2 * logits)  # its gradient and the logits' in backward
-    return StageActivations(saved, transient, in_flight)
-
-
 # ---------------------------------------------------------------- one rank, all of it
 
 
 @dataclass
 class MemoryEstimate:
+    """One rank's memory at each moment of a step where a peak can fall, in the dry run's categories
+    (dryrun/simulate.py); the peak is the fullest moment. Summing every term's own maximum instead
+    over-counts: the loss's logits, a block's recomputation and the optimizer's temporaries never
+    coexist."""
+
     params_per_rank: int  # parameter count after tp/pp splitting, before data-parallel sharding
     states: ModelStates
     activations: StageActivations
     pipeline_buffers: float
     pp_rank: int
+    moments: dict[str, dict] = field(default_factory=dict)
     per_stage: list[dict] = field(default_factory=list)
 
     @property
     def buffers(self) -> float:
         return self.states.buffers + self.pipeline_buffers
 
+    def _sum(self, name: str) -> float:
+        return sum(self.moments[name].values()) if name in self.moments else 0.0
+
     @property
     def backward_total(self) -> float:
-        """Forward/backward: states, activations, gather and transfer buffers."""
-        s = self.states
-        return s.params + s.grads + s.unsharded_grads + s.optimizer + self.activations.peak + self.buffers
+        """Forward/backward: the loss's backward or a block's, whichever is fuller."""
+        return max(self._sum("loss"), self._sum("block"))
 
     @property
     def step_total(self) -> float:
         """The optimizer step: activations and buffers are freed, AdamW's temporaries are not yet."""
-        s = self.states
-        return s.params + s.grads + s.optimizer + s.step_temporary
+        return self._sum("step")
 
     @property
     def first_step_total(self) -> float:
-        """DDP's first forward/backward: no optimizer states yet, a second copy of the gradients."""
-        s = self.states
-        return s.params + s.grads + s.first_step_grads + self.activations.peak + self.buffers
+        return self._sum("first step")
+
+    @property
+    def peak_moment(self) -> str:
+        return max(self.moments, key=self._sum)
 
     @property
     def total(self) -> float:
-        return max(self.backward_total, self.step_total, self.first_step_total)
+        return self._sum(self.peak_moment)
 
     def categories(self) -> dict:
-        """The dry run's categories (dryrun/simulate.py) at whichever peak is higher: gathered parameters,
-        FSDP's and DDP's collective buffers and pipeline transfer buffers are `communication`; what
-        backward adds on top of the saved activations is `temporary`; the optimizer step's temporaries
-        count with the optimizer (the tracker files what the step creates there)."""
-        s = self.states
-        if self.first_step_total > max(self.backward_total, self.step_total):
-            return {"parameters": s.params, "gradients": s.grads, "optimizer": 0.0,
-                    "activations": self.activations.saved,
-                    "temporary": self.activations.transient + s.first_step_grads, "communication": self.buffers}
-        if self.step_total > self.backward_total:
-            return {"parameters": s.params, "gradients": s.grads, "optimizer": s.optimizer + s.step_temporary,
-                    "activations": 0.0, "temporary": 0.0, "communication": 0.0}
-        return {"parameters": s.params, "gradients": s.grads + s.unsharded_grads, "optimizer": s.optimizer,
-                "activations": self.activations.saved, "temporary": self.activations.transient,
-                "communication": self.buffers}
+        return dict(self.moments[self.peak_moment])
 
     def as_dict(self) -> dict:
         s = self.states
         return {"params": s.params, "grads": s.grads, "unsharded_grads": s.unsharded_grads, "optimizer": s.optimizer,
                 "activations": self.activations.peak, "buffers": self.buffers, "total": self.total,
-                "backward_total": self.backward_total, "optimizer_step_total": self.step_total,
-                "first_step_total": self.first_step_total, "cpu_offloaded": s.cpu}
+                "peak_moment": self.peak_moment, "backward_total": self.backward_total,
+                "optimizer_step_total": self.step_total, "first_step_total": self.first_step_total,
+                "cpu_offloaded": s.cpu, "moments": self.moments}
+
+
+def _moments(states: ModelStates, acts: StageActivations, layout: Layout, gathered: float, unit: float,
+             root: float, pipe: float) -> dict[str, dict]:
+    """What is alive at each moment, by category. `gathered`: FSDP's all-gathered parameters held through
+    the step (ZeRO-2: every unit; ZeRO-3: the root unit); `unit`: one block's parameters."""
+    s = states
+    pb, rb = DTYPE_BYTES[layout.param_dtype], DTYPE_BYTES[layout.reduce_dtype]
+    fsdp = layout.zero_stage >= 2 and layout.engine == "torch"
+    # FSDP's sharded gradients appear at the last micro-batch's reduce-scatter (set to None after each
+    # step); DDP's are its buckets, there from the start.
+    grads = s.unsharded_grads if fsdp else s.grads
+    copies = 0.0 if fsdp else s.buffers  # autocast's low-precision weight copies, kept as activations
+    moments = {}
+    if acts.logits:  # the loss's backward: its gradient and the logits' (loss_parallel keeps one more shard)
+        moments["loss"] = {"parameters": s.params, "gradients": grads, "optimizer": s.optimizer,
+                           "activations": acts.saved + copies, "temporary": (3 if layout.tp > 1 else 2) * acts.logits,
+                           "communication": gathered + pipe}
+    block_grads = grads if s.unsharded_grads or not fsdp else pb * root  # the root's unsharded grads, pending
+    in_use = (2 * pb + rb) * unit if fsdp else 0.0  # the block gathered (and prefetched) and its gradients
+    if fsdp and not layout.reshard_after_forward:
+        in_use = (pb + rb) * unit
+    moments["block"] = {"parameters": s.params, "gradients": block_grads, "optimizer": s.optimizer,
+                        "activations": acts.saved - acts.logits + copies, "temporary": acts.layer,
+                        "communication": gathered + in_use + pipe}
+    moments["step"] = {"parameters": s.params, "gradients": s.grads, "optimizer": s.optimizer + s.step_temporary,
+                       "activations": 0.0, "temporary": 0.0, "communication": 0.0}
+    if s.first_step_grads:  # DDP's first step: no optimizer states yet, autograd's gradients beside the buckets
+        moments["first step"] = {"parameters": s.params, "gradients": s.grads + s.first_step_grads,
+                                 "optimizer": 0.0, "activations": copies, "temporary": 0.0, "communication": 0.0}
+    return moments
 
 
 def estimate_memory(shape: ModelShape, layout: Layout, accounting: str = "runtime",
@@ -323,7 +242,13 @@ def estimate_memory(shape: ModelShape, layout: Layout, accounting: str = "runtim
         pipe = 0.0
         if layout.pp > 1:  # a send and a receive buffer per neighbour direction and virtual stage
             pipe = 2 * e * layout.micro_batch * layout.seq_len * shape.dim * layout.stages_per_rank
-        candidates.append(MemoryEstimate(held.total, states, acts, pipe, pp_rank))
+        pb = DTYPE_BYTES[layout.param_dtype]
+        gathered = 0.0
+        if layout.zero_stage >= 2:
+            gathered = pb * (held.total if not layout.reshard_after_forward else held.root)
+        est = MemoryEstimate(held.total, states, acts, pipe, pp_rank)
+        est.moments = _moments(states, acts, layout, gathered, unit if layout.zero_stage >= 2 else 0.0, held.root, pipe)
+        candidates.append(est)
     worst = max(candidates, key=lambda m: m.total)
     worst.per_stage = [{"pp_rank": m.pp_rank, "total": m.total, "activations": m.activations.peak,
                         "in_flight": m.activations.in_flight} for m in candidates]

@@ -13,28 +13,64 @@ def _row(label: str, nbytes: float) -> str:
     return f"  {label:<28}{nbytes:>18,.0f} B {nbytes / GIB:>10.2f} GiB"
 
 
+MOMENTS = {"loss": "the loss's backward", "block": "a block's backward", "step": "the optimizer step",
+           "first step": "DDP's first step"}
+
+
 def memory_table(est: Estimate) -> list[str]:
     m = est.memory.as_dict()
     stage = f" (pipeline rank {est.memory.pp_rank}, the fullest)" if est.layout.pp > 1 else ""
-    lines = [f"Memory per GPU{stage}, {est.accounting} accounting:"]
-    labels = [("params", "parameters"), ("grads", "gradients"), ("optimizer", "optimizer states"),
-              ("activations", "activations (peak)"), ("buffers", "communication buffers")]
-    if m["unsharded_grads"]:
-        labels.insert(2, ("unsharded_grads", "gradients, accumulating"))
-    for key, label in labels:
-        lines.append(_row(label, m[key]))
+    lines = [f"Memory per GPU{stage}, {est.accounting} accounting, at its peak ({MOMENTS[m['peak_moment']]}):"]
+    for key, nbytes in est.memory.categories().items():
+        lines.append(_row(key, nbytes))
     lines.append("  " + "-" * 60)
-    lines.append(_row("forward/backward peak", m["backward_total"]))
-    lines.append(_row("optimizer step peak", m["optimizer_step_total"]))
-    if m["first_step_total"] > m["backward_total"]:
-        lines.append(_row("first step peak (DDP)", m["first_step_total"]))
-    lines.append(_row("total (the higher)", m["total"]))
+    for key, parts in est.memory.moments.items():
+        lines.append(_row(f"at {MOMENTS[key]}", sum(parts.values())))
+    lines.append(_row("peak", m["total"]))
     if m["cpu_offloaded"]:
         lines.append(_row("host memory (CPU offload)", m["cpu_offloaded"]))
     if est.layout.pp > 1:
         lines.append("  by pipeline rank: " + ", ".join(
             f"{s['pp_rank']}: {s['total'] / GIB:.2f} GiB ({s['in_flight']:.1f} micro-batches in flight)"
             for s in est.memory.per_stage))
+    return lines
+
+
+def plan_table(ranked: list[Estimate], top: int) -> list[str]:
+    """The ranked layouts: speed, where the step time goes, where the memory goes."""
+    lines = [f"{'':>2}  {'':>12}  {'':>6}  {'step s =':>8} {'compute':>8} {'+bubble':>8} {'+comm':>7}  "
+             f"{'GiB/GPU =':>9} {'states':>7} {'+act':>6} {'+buf':>5}",
+             f"{'#':>2}  {'tokens/s/GPU':>12}  {'MFU':>6}  {'':>8} {'':>8} {'':>8} {'':>7}  {'':>9} {'':>7} {'':>6} "
+             f"{'':>5}  layout"]
+    for i, e in enumerate(ranked[:top], 1):
+        t, m = e.time, e.memory
+        peak = m.categories()
+        states = peak["parameters"] + peak["gradients"] + peak["optimizer"]
+        acts = peak["activations"] + peak["temporary"]
+        lines.append(f"{i:>2}  {t.tokens_per_s_per_gpu:>12,.0f}  {t.mfu:>6.1%}  {t.step_s:>8.2f} {t.compute_s:>8.2f} "
+                     f"{t.bubble_s:>8.2f} {t.tp_comm_s + t.pp_comm_s + t.dp_exposed_s:>7.2f}  {m.total / GIB:>9.1f} "
+                     f"{states / GIB:>7.1f} {acts / GIB:>6.1f} {peak['communication'] / GIB:>5.1f}  {describe(e.layout)}")
+    return lines
+
+
+def fit_line(est: Estimate, gpu_name: str, memory_bytes: float, headroom: float) -> str:
+    from disttrain.plan.search import memory_budget
+
+    budget = memory_budget(memory_bytes, headroom)
+    need, verdict = est.memory.total, est.memory.total <= memory_budget(memory_bytes, headroom)
+    room = f"{(budget - need) / GIB:.1f} GiB to spare" if verdict else f"{(need - budget) / GIB:.1f} GiB over"
+    return (f"Fits {gpu_name}: {'yes' if verdict else 'NO'} ({need / GIB:.1f} GiB of a {budget / GIB:.1f} GiB budget: "
+            f"{memory_bytes / 1e9:.0f} GB less {headroom:.0%} kept free; {room})")
+
+
+def scaling_lines(rows: list[dict]) -> list[str]:
+    lines = [f"{'GPUs':>5}  {'tokens/s':>12}  {'per GPU':>9}  {'efficiency':>10}  layout"]
+    for row in rows:
+        if row["tokens_per_s"] is None:
+            lines.append(f"{row['gpus']:>5}  {'-':>12}  {'-':>9}  {'-':>10}  does not fit")
+        else:
+            lines.append(f"{row['gpus']:>5}  {row['tokens_per_s']:>12,.0f}  {row['tokens_per_s_per_gpu']:>9,.0f}  "
+                         f"{row['efficiency']:>10.1%}  {row['layout']}")
     return lines
 
 

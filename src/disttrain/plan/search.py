@@ -9,9 +9,11 @@ tests/test_plan.py checks that this pruning never loses the winner.
 from __future__ import annotations
 
 import itertools
+import re
 from dataclasses import dataclass, field
 from typing import Iterator
 
+from disttrain.errors import UserError
 from disttrain.models.registry import ModelShape
 from disttrain.plan.estimate import Estimate, estimate
 from disttrain.layout import RECOMPUTE, SCHEDULES, VIRTUAL_STAGES, Layout, layout_problems
@@ -57,7 +59,7 @@ def layout_families(shape: ModelShape, cluster: Cluster, space: SearchSpace) -> 
                                     global_batch_size=space.global_batch_size, pp_schedule=schedule,
                                     virtual_stages=space.virtual_stages, sequence_parallel=sp,
                                     activation_checkpointing=ac, param_dtype=space.param_dtype,
-                                    cpu_offload=offload)
+                                    compute_dtype=space.param_dtype, cpu_offload=offload)
                     # Validity that does not depend on the micro-batch size:
                     if any(p.key not in MICRO_BATCH_KEYS for p in layout_problems(shape, layout)):
                         continue
@@ -78,13 +80,28 @@ class SearchResult:
     rejected_examples: list[str] = field(default_factory=list)
 
 
+def memory_budget(gpu_memory_bytes: float, headroom: float = 0.1) -> float:
+    """Bytes a rank may use: the GPU's memory less the fraction kept free (the CUDA context, the caching
+    allocator's fragmentation, NCCL's buffers). Every fits / does-not-fit answer uses this one budget."""
+    return gpu_memory_bytes * (1 - headroom)
+
+
 def fits(est: Estimate, budget: float) -> bool:
     return est.memory.total <= budget
 
 
+def drop_disproved(result: SearchResult, measured: dict[int, float]) -> SearchResult:
+    """The ranking without the layouts whose measured peak (`measured`: index in `result.ranked` -> bytes,
+    from dry runs) exceeds the budget: a layout a dry run disproved is neither ranked nor compared with."""
+    kept = [e for i, e in enumerate(result.ranked) if measured.get(i, 0.0) <= result.budget_bytes]
+    dropped = len(result.ranked) - len(kept)
+    return SearchResult(kept, result.considered, result.fitting - dropped, result.budget_bytes,
+                        result.rejected_examples)
+
+
 def search(shape: ModelShape, cluster: Cluster, space: SearchSpace, headroom: float = 0.1,
            model: str = "custom") -> SearchResult:
-    budget = cluster.gpu.memory_bytes * (1 - headroom)
+    budget = memory_budget(cluster.gpu.memory_bytes, headroom)
     ranked, considered = [], 0
     for family in layout_families(shape, cluster, space):
         for mbs in micro_batch_sizes(family, space):
@@ -102,7 +119,7 @@ def search(shape: ModelShape, cluster: Cluster, space: SearchSpace, headroom: fl
 
 def brute_force(shape: ModelShape, cluster: Cluster, space: SearchSpace, headroom: float = 0.1) -> list[Estimate]:
     """Every valid layout estimated, no pruning: the reference the search is tested against."""
-    budget = cluster.gpu.memory_bytes * (1 - headroom)
+    budget = memory_budget(cluster.gpu.memory_bytes, headroom)
     out = []
     for family in layout_families(shape, cluster, space):
         for mbs in micro_batch_sizes(family, space):
@@ -113,6 +130,48 @@ def brute_force(shape: ModelShape, cluster: Cluster, space: SearchSpace, headroo
                     out.append(est)
     out.sort(key=lambda e: (-e.time.tokens_per_s, e.memory.total))
     return out
+
+
+_SUFFIX = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
+_BINARY = {"k": 2 ** 10, "m": 2 ** 20, "b": 2 ** 30, "g": 2 ** 30, "t": 2 ** 40}
+
+
+def parse_count(flag: str, text: str, binary: bool = False) -> float:
+    """'4M', '300e9', '1.5T', '13b' -> a number. Suffixes are decimal, or powers of two with
+    `binary` (batch sizes: Llama's "4M tokens" is 1024 x 4096 = 4·2^20)."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kmbgt]?)\s*", str(text).lower())
+    if not match:
+        raise UserError(f"{flag}={text}: expected a number like 4M, 300e9 or 1.5T")
+    return float(match.group(1)) * (_BINARY if binary else _SUFFIX).get(match.group(2), 1)
+
+
+def gpu_memory(gpu: str, hardware: str | None = None) -> tuple[str, float]:
+    """The GPU `--gpu` (or a `--hardware` profile) names, and its memory in bytes."""
+    from disttrain.hardware import find_gpu
+
+    if hardware:
+        from disttrain.plan.profile import load_profile
+
+        profile = load_profile(hardware)
+        return f"profile:{profile.get('host', '?')}", profile["memory_gb_per_rank"] * 1e9
+    try:
+        found = find_gpu(gpu)
+    except KeyError as exc:
+        raise UserError(f"--gpu={exc.args[0]}") from None
+    return found.name, found.memory_bytes
+
+
+def parse_counts(text: str | None) -> list[int]:
+    """`--scaling 2,4,8` -> [2, 4, 8]."""
+    if not text:
+        return []
+    try:
+        counts = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise UserError(f"--scaling={text}: expected comma-separated GPU counts like 2,4,8,16,32") from None
+    if any(c < 1 for c in counts):
+        raise UserError(f"--scaling={text}: GPU counts must be positive")
+    return counts
 
 
 def describe(layout: Layout) -> str:
