@@ -90,20 +90,6 @@ def test_corrupted_or_truncated_checkpoints_fall_back_to_the_previous(tmp_path):
     assert "could be loaded: starting fresh" in proc.stdout
 
 
-def test_model_shape_change_is_refused_and_safe_changes_reported(tmp_path):
-    run = train(tmp_path / "run", "train.steps=4", "checkpoint.every_steps=2")
-    proc = run_cli("train", str(DEBUG_CONFIG), f"run.dir={tmp_path}", "run.name=run", "train.steps=6",
-                   "model.n_layers=3", check=False)
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert proc.stderr.strip().splitlines()[-1].startswith(
-        f"disttrain: error: checkpoint.resume: {run}/checkpoints/step_00000004 holds a model of another shape "
-        "(model.n_layers=None when saved)")
-    train(run, "train.steps=6", "checkpoint.every_steps=2", "metrics.log_every=2", "optim.lr=1e-3")
-    changes = events(run, "resumed")[-1]["config_changes"]
-    assert "train.steps: 4 -> 6" in changes["safe"] and "metrics.log_every: 1 -> 2" in changes["safe"]
-    assert changes["trajectory"] == ["optim.lr: 0.003 -> 0.001"]
-
-
 def test_watchdog_names_the_stalled_rank_and_dumps_stacks(tmp_path):
     t0 = time.monotonic()
     proc = run_cli("train", str(DEBUG_CONFIG), f"run.dir={tmp_path}", "run.name=run", "train.steps=100",
@@ -162,6 +148,8 @@ def test_sigusr1_to_the_launchers_ends_in_a_committed_checkpoint(tmp_path):
         run = tmp_path / name
         proc = _signal_after_steps(cmd, run, signal.SIGUSR1)
         assert proc.returncode == (75 if name == "disttrain" else -signal.SIGUSR1), (name, proc.stderr[-3000:])
+        if name == "disttrain":  # the workers' `preempted: saved step N` is the last word, no torchrun report
+            assert "Traceback" not in proc.stderr and proc.stdout.strip().splitlines()[-1].startswith("preempted:")
         step = events(run, "preempted")[0]["step"]
         assert (run / "checkpoints" / f"step_{step:08d}" / "COMMIT").is_file()
         deadline = time.monotonic() + 30  # the workers exit on their own, nothing trains on unsupervised

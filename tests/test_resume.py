@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import shutil
 
-from helpers import losses, records, train, train_many
+from helpers import losses, records, train
 
 COMMON = ("train.steps=20", "train.global_batch_size=4", "train.micro_batch_size=1",
           "checkpoint.every_steps=10")
@@ -31,15 +31,6 @@ def test_resume_auto_continues_exactly(tmp_path):
     events = [r for r in records(resumed) if r.get("event") == "resumed"]
     assert events and events[0]["step"] == 10
     assert not debris.exists(), "an uncommitted checkpoint must be cleaned up, never loaded"
-
-
-def test_resume_none_starts_fresh(tmp_path):
-    """A run, then the same run directory again with checkpoint.resume=none (one launch, in turn)."""
-    run = tmp_path / "run"
-    train_many({"first": (run, ("train.steps=4", "checkpoint.every_steps=2")),
-                "again": (run, ("train.steps=4", "checkpoint.every_steps=2", "checkpoint.resume=none"))}, nproc=1)
-    steps = [r["step"] for r in records(run) if "loss" in r]
-    assert steps == [1, 2, 3, 4, 1, 2, 3, 4]
 
 
 def test_keep_last_retains_newest_committed(tmp_path):

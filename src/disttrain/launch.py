@@ -6,6 +6,7 @@ exactly as with torchrun.
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 
 
@@ -80,10 +81,19 @@ def torchrun_args(opts: LaunchOptions, module_args: list[str]) -> list[str]:
 
 
 def relaunch(opts: LaunchOptions, module_args: list[str]) -> int:
+    """`launch_workers`, torchrun's failure report on stderr; the exit status."""
+    code, report = launch_workers(opts, module_args)
+    if report:
+        print(report, file=sys.stderr, end="", flush=True)
+    return code
+
+
+def launch_workers(opts: LaunchOptions, module_args: list[str]) -> tuple[int, str]:
     """Run torchrun's agent in this process (one interpreter and one torch import fewer per launch than
     a child agent); it handles the signals a scheduler sends to us (SIGTERM before a kill, SIGUSR1 as
-    SLURM's warning) by passing them to the workers so they can save. Returns torchrun's exit status."""
-    from disttrain.distributed.agent import run_agent
+    SLURM's warning) by passing them to the workers so they can save. Returns torchrun's exit status and
+    its failure report (empty when the workers said why themselves: agent.QUIET_EXITS)."""
+    from disttrain.distributed.agent import launch
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun would set it too, with a warning per launch
     os.environ["DISTTRAIN_EXIT_BARRIER_S"] = str(opts.exit_barrier_timeout)
@@ -92,4 +102,4 @@ def relaunch(opts: LaunchOptions, module_args: list[str]) -> int:
         # does not publish the new round's MASTER_ADDR, and a node that joins (a replacement, or one scaling
         # the run back up) waits for it until it times out. Without sharing, each round publishes its own.
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    return run_agent(torchrun_args(opts, module_args))
+    return launch(torchrun_args(opts, module_args))

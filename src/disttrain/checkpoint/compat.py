@@ -1,21 +1,23 @@
 """What may change between a checkpoint's config and the resuming run's.
 
-- the model shape: never (the parameters would not fit) -> refused with a one-line error;
-- layout, logging, checkpointing, run length, process count: safe, reported;
-- anything else (data, seed, batch, optimizer, precision): allowed, reported as a warning,
-  because the resumed run will no longer follow the interrupted run's trajectory.
+A run name is one run. Resuming may change how the run is cut and watched: the layout, the world size,
+intervals, logging, checkpointing (`FREE`). A change to what is trained and how (the data, the
+optimizer and its schedule, the batch, the seed, the precision) describes another run: auto-resume
+refuses it unless `run.allow_changes=true`. The model is compared by its resolved shape
+(run_identity.py), not by its config keys.
 """
 
 from __future__ import annotations
 
-SAFE_PREFIXES = ("metrics.", "checkpoint.", "run.", "distributed.", "parallel.", "train.steps", "train.eval_every",
-                 "train.eval_batches", "train.sample_tokens", "train.sample_prompt", "train.micro_batch_size")
+FREE = ("parallel.", "distributed.", "checkpoint.", "metrics.", "run.", "engine", "model.", "data.prefetch",
+        "train.micro_batch_size", "train.eval_every", "train.eval_batches", "train.sample_tokens",
+        "train.sample_prompt")
 
 
 def flatten(tree: dict, prefix: str = "") -> dict:
     out = {}
     for key, value in tree.items():
-        if isinstance(value, dict):
+        if isinstance(value, dict) and not (prefix == "data." and key == "source"):  # a mixture is one value
             out.update(flatten(value, f"{prefix}{key}."))
         else:
             out[f"{prefix}{key}"] = value
@@ -23,12 +25,20 @@ def flatten(tree: dict, prefix: str = "") -> dict:
 
 
 def config_changes(saved: dict, current: dict) -> tuple[list[str], list[str]]:
-    """(safe changes, trajectory-changing changes) as `key: old -> new` strings; model keys excluded."""
+    """(free changes, run-changing changes) as `key: old -> new` strings; model keys are compared by
+    shape elsewhere and left out."""
     old, new = flatten(saved), flatten(current)
-    safe, trajectory = [], []
+    free, changing = [], []
     for key in sorted(set(old) | set(new)):
         if key.startswith("model.") or old.get(key) == new.get(key):
             continue
         line = f"{key}: {old.get(key)!r} -> {new.get(key)!r}"
-        (safe if key.startswith(SAFE_PREFIXES) else trajectory).append(line)
-    return safe, trajectory
+        (free if key.startswith(FREE) else changing).append(line)
+    return free, changing
+
+
+def run_changes(saved: dict, current: dict) -> list[tuple[str, object, object]]:
+    """(key, saved value, new value) for every change that makes another run."""
+    old, new = flatten(saved), flatten(current)
+    return [(k, old.get(k), new.get(k)) for k in sorted(set(old) | set(new))
+            if not k.startswith(FREE) and old.get(k) != new.get(k)]

@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     bcomm.add_argument("--iters", type=int, default=20)
     bcomm.add_argument("--warmup", type=int, default=5)
     bcomm.add_argument("--json", action="store_true", help="print JSON (rank 0) instead of a table")
-    bcomm.add_argument("--nproc-per-node", default=None, help="self-launch N processes ('auto': GPUs, or 2 on CPU)")
+    bcomm.add_argument("--nproc-per-node", "--nproc_per_node", default=None, help="self-launch N processes ('auto': GPUs, or 2 on CPU)")
 
     bhw = bench_sub.add_parser("hardware", help="measure this machine for the planner (--hardware FILE of "
                                                 "estimate --time and plan): matmul FLOP/s, element-wise bytes/s, "
@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     bhw.add_argument("--micro-batch", type=int, default=8)
     bhw.add_argument("--seq-len", type=int, default=256)
     bhw.add_argument("--out", default="hardware.json", help="profile to write (JSON)")
-    bhw.add_argument("--nproc-per-node", default="auto", help="processes measuring at once, as they will train "
+    bhw.add_argument("--nproc-per-node", "--nproc_per_node", default="auto", help="processes measuring at once, as they will train "
                                                               "('auto': GPUs, or 2 on CPU)")
 
     bscale = bench_sub.add_parser("scaling", help="weak scaling: the config at 1, 2, 4, ... processes, fixed per-rank "

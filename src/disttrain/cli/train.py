@@ -21,15 +21,18 @@ LAUNCH_FLAGS = ("nnodes", "node_rank", "max_restarts", "rdzv_endpoint", "rdzv_id
 def add_parser(sub) -> None:
     train = sub.add_parser("train", help="train from a YAML config (key=value overrides after it)")
     train.add_argument("config", help="YAML config file, e.g. configs/demo.yaml")
-    launch = train.add_argument_group("self-launch (ignored under torchrun)")
-    launch.add_argument("--nproc-per-node", default=None,
+    launch = train.add_argument_group("self-launch (ignored under torchrun; torchrun's spellings such as "
+                                      "--nproc_per_node are accepted too)")
+    launch.add_argument("--nproc-per-node", "--nproc_per_node", default=None,
                         help="processes per node; 'auto' = all GPUs, or 2 on a CPU-only machine")
     launch.add_argument("--nnodes", default=None, help="node count or elastic range MIN:MAX (default 1)")
-    launch.add_argument("--node-rank", type=int, default=None)
-    launch.add_argument("--max-restarts", type=int, default=None, help="restart the worker group this often on failure")
-    launch.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of the rendezvous (multi-node)")
-    launch.add_argument("--rdzv-backend", default="c10d")
-    launch.add_argument("--rdzv-id", default=None)
+    launch.add_argument("--node-rank", "--node_rank", type=int, default=None)
+    launch.add_argument("--max-restarts", "--max_restarts", type=int, default=None,
+                        help="restart the worker group this often on failure")
+    launch.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default=None,
+                        help="HOST:PORT of the rendezvous (multi-node)")
+    launch.add_argument("--rdzv-backend", "--rdzv_backend", default="c10d")
+    launch.add_argument("--rdzv-id", "--rdzv_id", default=None)
     launch.add_argument("--shutdown-timeout", type=int, default=None,
                         help="seconds workers get to save an emergency checkpoint after SIGTERM/SIGUSR1 before the "
                              "agent kills them (default 120; keep it under the scheduler's grace period)")
@@ -56,7 +59,7 @@ def _setup_logging(run_dir: Path, rank: int) -> None:
 
 
 def _self_launch(args: argparse.Namespace, cfg, overrides: list[str]) -> int:
-    from disttrain.launch import LaunchOptions, max_world_size, rdzv_conf, relaunch
+    from disttrain.launch import LaunchOptions, launch_workers, max_world_size, rdzv_conf
 
     opts = LaunchOptions(args.nproc_per_node, args.nnodes or "1", args.node_rank, args.max_restarts or 0,
                          args.rdzv_endpoint, args.rdzv_backend, args.rdzv_id,
@@ -74,13 +77,25 @@ def _self_launch(args: argparse.Namespace, cfg, overrides: list[str]) -> int:
         raise UserError(f"--nproc-per-node={opts.nproc_per_node}: must be a positive integer or auto")
     if str(opts.nnodes) != "1" and not opts.rdzv_endpoint:
         raise UserError(f"--nnodes={opts.nnodes} needs --rdzv-endpoint HOST:PORT")
+    from disttrain.checkpoint import lease, run_identity
     from disttrain.resolve import resolve_run
 
-    resolve_run(cfg, max_world_size(opts), _device_type())  # refuse a bad run before any worker starts
+    resolved = resolve_run(cfg, max_world_size(opts), _device_type())  # refuse a bad run before any worker starts
+    key = lease.launch_key(opts.rdzv_id, opts.rdzv_endpoint)
+    run_identity.check_run_dir(cfg, resolved, key)
+    existed = cfg.run_dir.exists()
+    held = run_identity.claim(cfg, key, existed)
+    os.environ[lease.KEY_ENV] = key  # the workers (and their restarts) write under this launch's claim
     started = time.time()
-    code = relaunch(opts, ["train", args.config, *overrides])
+    try:
+        code, report = launch_workers(opts, ["train", args.config, *overrides])
+    finally:
+        held.release()
+        run_identity.remove_if_unused(cfg.run_dir, existed)
     if code != 0 and _preempted_since(cfg.run_dir, started):
-        return EXIT_PREEMPTED  # the workers saved and exited 75 (torchrun reports that as a failure)
+        return EXIT_PREEMPTED  # the workers saved and said so; torchrun's report of their exit is noise
+    if report:
+        print(report, file=sys.stderr, end="", flush=True)
     return code
 
 
@@ -124,16 +139,32 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> None:
             _check_backend(cfg)
             sys.exit(_self_launch(args, cfg, overrides))
     _check_backend(cfg)
+    from disttrain.checkpoint import lease, run_identity
     from disttrain.resolve import resolve_run
 
     resolved = resolve_run(cfg, env.world_size, _device_type())
+    fresh = run_identity.unused(cfg.run_dir)
+    held = None
+    if not os.environ.get(lease.KEY_ENV):  # else disttrain's launcher checked and holds the run
+        key = lease.process_key()
+        run_identity.check_run_dir(cfg, resolved, key)  # every rank; reads only
+        if env.rank == 0:
+            held = run_identity.claim(cfg, key, cfg.run_dir.exists())
 
+    try:
+        _train_here(cfg, env, resolved, fresh)
+    finally:
+        if held is not None:
+            held.release()
+
+
+def _train_here(cfg, env, resolved, fresh: bool) -> None:
+    """This rank's share of the run, from the process group to the final line."""
     from disttrain.distributed.runtime import init_distributed, shutdown
     from disttrain.observe.health import NonFiniteError, ReplicaDivergence
     from disttrain.train.builder import build_run
     from disttrain.train.loop import Preempted, Trainer
 
-    fresh = not cfg.run_dir.exists()
     _setup_logging(cfg.run_dir, env.rank)
     log = logging.getLogger("disttrain.cli")
     log.info("process started at %.3f (restart %s)", PROCESS_START, os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -142,8 +173,8 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> None:
              "param %s, compute %s, reduce %s", lay.world_size, lay.pp, lay.dp_replicate, lay.dp_shard, lay.tp,
              resolved.spec.name, resolved.tokenizer, resolved.param_dtype, resolved.compute_dtype,
              resolved.reduce_dtype)
-    rt = init_distributed(env, cfg.distributed.backend, cfg.distributed.timeout_s)
     try:
+        rt = init_distributed(env, cfg.distributed.backend, cfg.distributed.timeout_s)
         try:
             run = build_run(cfg, rt, resolved)
         except UserError:  # found while assembling (weights that do not fit): leave nothing behind

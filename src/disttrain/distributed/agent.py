@@ -9,13 +9,16 @@ enough for nodes that finish together (the end of a run is a collective), short 
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
 import traceback
 
 from torch.distributed import run
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.launcher import api
 
+from disttrain.errors import EXIT_PREEMPTED, EXIT_USAGE
 from disttrain.process import exit_now
 
 
@@ -25,17 +28,53 @@ class BoundedExitBarrierAgent(LocalElasticAgent):
         super().__init__(*args, **kwargs)
 
 
-def run_agent(argv: list[str] | None = None) -> int:
-    """torchrun's own `main` on `argv` in this process; its exit status (`disttrain train` calls this)."""
+# Worker exit statuses that mean "disttrain already said why in one line": a user mistake found in the
+# workers, and a clean preemption (emergency checkpoint saved). torchrun's report would only repeat them.
+QUIET_EXITS = (EXIT_USAGE, EXIT_PREEMPTED)
+
+
+class _QuietExits(logging.Filter):
+    """Drops the elastic agent's `failed (exitcode: N)` line for a quiet exit status, and its `Sending process
+    P closing signal SIGTERM` lines (stopping the other workers after the first one exits: no news, and the
+    failure report names every worker's end)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = str(record.msg)
+        if msg.startswith("Sending process "):
+            return False
+        return not (msg.startswith("failed (exitcode: ") and record.args and record.args[0] in QUIET_EXITS)
+
+
+def launch(argv: list[str]) -> tuple[int, str]:
+    """torchrun's own `main` on `argv` in this process: (exit status, torchrun's failure report or "").
+    A quiet first failure gives its status and no report."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
     api.LocalElasticAgent = BoundedExitBarrierAgent  # what torchrun's launch_agent constructs
+    quiet = _QuietExits()
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(quiet)
     try:
         run.main(argv)
     except SystemExit as exc:  # torchrun's argument errors
-        return exc.code if isinstance(exc.code, int) else 2
-    except Exception:  # a failed worker group or a handled signal: torchrun's report, as when it dies of it
-        traceback.print_exc()
-        return 1
-    return 0
+        return (exc.code if isinstance(exc.code, int) else 2), ""
+    except ChildFailedError as exc:
+        _, first = exc.get_first_failure()  # the cause; the agent then stops the other workers
+        if first.exitcode in QUIET_EXITS:
+            return first.exitcode, ""
+        return 1, traceback.format_exc()
+    except Exception:  # a handled signal: torchrun's report, as when it dies of it
+        return 1, traceback.format_exc()
+    finally:
+        logging.getLogger("torch.distributed.elastic.multiprocessing.api").removeFilter(quiet)
+    return 0, ""
+
+
+def run_agent(argv: list[str] | None = None) -> int:
+    """torchrun's own `main` on `argv` in this process, its report on stderr; its exit status."""
+    code, report = launch(argv if argv is not None else sys.argv[1:])
+    if report:
+        print(report, file=sys.stderr, end="", flush=True)
+    return code
 
 
 def main() -> None:

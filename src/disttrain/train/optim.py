@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -23,21 +22,72 @@ def build_optimizer(model: nn.Module, optim_cfg) -> torch.optim.Optimizer:
     return torch.optim.AdamW(groups, lr=optim_cfg.lr, betas=tuple(optim_cfg.betas), eps=optim_cfg.eps)
 
 
-def lr_factor(step: int, *, warmup: int, total: int, schedule: str, min_ratio: float) -> float:
-    """Multiplier of the peak lr for 0-based optimizer step `step`."""
-    if warmup and step < warmup:
-        return (step + 1) / warmup
-    if schedule == "constant" or total <= warmup:
-        return 1.0
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    shape = 0.5 * (1 + math.cos(math.pi * progress)) if schedule == "cosine" else 1.0 - progress
-    return min_ratio + (1.0 - min_ratio) * shape
+class LRSchedule:
+    """Warmup, then `schedule` down to `min_ratio` at `total`. After a resume that moved `total` (train.steps
+    extended or shortened) the decay restarts from the factor reached (`from_factor` at `from_step`) and
+    ends at `min_ratio` at the new total, in the same shape: the rate never jumps. Its attributes are the
+    state LambdaLR saves with a checkpoint."""
+
+    def __init__(self, warmup: int, total: int, schedule: str, min_ratio: float):
+        self.warmup, self.total, self.schedule, self.min_ratio = warmup, total, schedule, min_ratio
+        self.from_step, self.from_factor = warmup, 1.0
+
+    def __call__(self, step: int) -> float:
+        if self.warmup and step < self.warmup:
+            return (step + 1) / self.warmup
+        if self.schedule == "constant":
+            return 1.0
+        if self.total <= self.from_step:
+            return self.from_factor
+        progress = min(1.0, (step - self.from_step) / max(1, self.total - self.from_step))
+        shape = 0.5 * (1 + math.cos(math.pi * progress)) if self.schedule == "cosine" else 1.0 - progress
+        return self.min_ratio + (self.from_factor - self.min_ratio) * shape
+
+    def settings(self) -> tuple:
+        return self.warmup, self.schedule, self.min_ratio
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, optim_cfg, total_steps: int):
-    fn = partial(lr_factor, warmup=optim_cfg.warmup_steps, total=total_steps, schedule=optim_cfg.schedule,
-                 min_ratio=optim_cfg.min_lr / optim_cfg.lr)
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)
+class RunSchedule(torch.optim.lr_scheduler.LambdaLR):
+    """LambdaLR over an LRSchedule that, on loading a checkpoint's state, reconciles it with this run's
+    config: the same settings with another `train.steps` continue from the rate reached (LRSchedule);
+    changed optim settings (lr, min_lr, warmup, schedule; resumed with run.allow_changes) apply as
+    configured from the resume step."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, schedule: LRSchedule):
+        self.configured = schedule
+        super().__init__(optimizer, schedule)
+        self.peak_lrs = list(self.base_lrs)
+
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        state.pop("configured", None)
+        state.pop("peak_lrs", None)
+        return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        state = {k: v for k, v in state_dict.items() if k not in ("configured", "peak_lrs")}
+        saved = (state.pop("lr_lambdas", None) or [None])[0] or {}
+        super().load_state_dict({**state, "lr_lambdas": [None] * len(self.lr_lambdas)})
+        step, new = self.last_epoch, self.configured
+        old = LRSchedule(new.warmup, new.total, new.schedule, new.min_ratio)
+        old.__dict__.update(saved)  # the schedule that saved it (checkpoints before this class: the config's)
+        same = old.settings() == new.settings() and list(state.get("base_lrs", self.peak_lrs)) == self.peak_lrs
+        fresh = LRSchedule(new.warmup, new.total, new.schedule, new.min_ratio)
+        if same:
+            fresh.__dict__.update(old.__dict__)
+            if old.total != new.total and step > new.warmup:
+                fresh.from_step, fresh.from_factor, fresh.total = step, old(step), new.total
+            fresh.total = new.total
+        new.__dict__.update(fresh.__dict__)
+        self.base_lrs = list(self.peak_lrs)
+        self._last_lr = [base * new(step) for base in self.base_lrs]
+        for group, lr in zip(self.optimizer.param_groups, self._last_lr):
+            group["lr"] = lr
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, optim_cfg, total_steps: int) -> RunSchedule:
+    return RunSchedule(optimizer, LRSchedule(optim_cfg.warmup_steps, total_steps, optim_cfg.schedule,
+                                             optim_cfg.min_lr / optim_cfg.lr))
 
 
 def _grad_groups(params) -> dict:

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch.distributed as dist
 
 from disttrain.checkpoint.compat import config_changes
+from disttrain.checkpoint.run_identity import NEW_NAME, another_run, family_of, model_problem
 from disttrain.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -30,6 +31,8 @@ def train_state(run, progress: Progress) -> dict:
     return {"step": progress.step, "tokens_seen": progress.tokens_seen, **run.engine.state_dict(),
             "loader": run.loader.state_dict(), "balance": run.balancer.state_dict(),
             "model_fingerprint": run.spec.fingerprint,
+            "model": {"family": family_of(run.cfg.model, run.spec),
+                      "shape": asdict(run.spec.shape) if run.spec.shape is not None else None},
             "config": run.cfg.model_dump(mode="json", by_alias=True)}
 
 
@@ -73,16 +76,16 @@ def check_compatible(run, path: Path) -> dict:
     if saved_format != engine_format:
         raise UserError(f"checkpoint.resume: {path} holds {saved_format} state, and this run's engine reads "
                         f"{engine_format} (resume with the engine that saved it: "
-                        f"engine={'deepspeed' if saved_format == 'deepspeed' else 'torch'}, or start fresh with "
-                        "checkpoint.resume=none)")
+                        f"engine={'deepspeed' if saved_format == 'deepspeed' else 'torch'}, or {NEW_NAME})")
     saved = run.ckpt.read_train_state(path)
-    if saved["model_fingerprint"] != run.spec.fingerprint:
-        old = saved.get("config", {}).get("model", {})
-        diff = ", ".join(f"model.{k}={old.get(k)!r}" for k in sorted(old)
-                         if old.get(k) != getattr(run.cfg.model, k, None)) or "model shape"
-        raise UserError(f"checkpoint.resume: {path} holds a model of another shape ({diff} when saved); "
-                        "resume with that model config, or start fresh with checkpoint.resume=none")
-    safe, trajectory = config_changes(saved.get("config", {}), run.cfg.model_dump(mode="json", by_alias=True))
-    for line in trajectory:
+    problem = model_problem(saved, family_of(run.cfg.model, run.spec), run.spec.shape, run.spec.fingerprint)
+    if problem:
+        raise UserError(f"checkpoint.resume={run.cfg.checkpoint.resume}: {path} holds a model that cannot load into "
+                        f"this one ({problem}); {NEW_NAME}, or resume with the saved model settings")
+    problem = another_run(run.cfg, saved)
+    if problem:  # the launcher refuses it first; here for runs assembled without the CLI
+        raise UserError(problem)
+    free, changing = config_changes(saved.get("config", {}), run.cfg.model_dump(mode="json", by_alias=True))
+    for line in changing:
         log.warning("resuming with a changed setting, the run will differ from the interrupted one: %s", line)
-    return {"safe": safe, "trajectory": trajectory}
+    return {"safe": free, "trajectory": changing}

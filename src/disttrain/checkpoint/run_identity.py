@@ -1,0 +1,182 @@
+"""The front door of a run directory: before any worker starts, is this command allowed to write there?
+
+- another live launch holds the run (lease.py): refused, naming the holder;
+- `checkpoint.resume=none` where another run left checkpoints or metrics: refused, not mixed;
+- the checkpoint auto-resume would continue holds a model this one cannot load (family, shape,
+  vocabulary) or another engine's format: refused, with the saved and the new values;
+- it holds another run (compat.py: data, optimizer, schedule, batch, seed, precision): refused with the
+  two ways out, a new `run.name` or `run.allow_changes=true`.
+
+Reads only; the launcher runs it before spawning workers, the workers of a plain torchrun or srun
+launch before their process group starts. Raises UserError (one line).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, fields
+from pathlib import Path
+
+from disttrain.checkpoint import lease
+from disttrain.checkpoint.compat import run_changes
+from disttrain.errors import UserError
+from disttrain.models.shape import ModelShape
+
+NEW_NAME = "give this command its own run.name=NAME"
+
+
+def saved_model(state: dict) -> tuple[str | None, dict | None]:
+    """(family, resolved shape as a dict) of the model a train_state was saved with. Checkpoints written
+    before the shape was recorded are resolved again from their config (built-in and Hugging Face models)."""
+    if "model" in state:
+        return state["model"].get("family"), state["model"].get("shape")
+    model = state.get("config", {}).get("model", {})
+    try:
+        if model.get("hf"):
+            from disttrain.models.hf.shape import hf_shape
+
+            return None, asdict(hf_shape(model["hf"]))
+        if not model.get("spec"):
+            from types import SimpleNamespace
+
+            from disttrain.models.llama.shapes import resolve_shape
+
+            cfg = SimpleNamespace(**{f.name: model.get(f.name) for f in fields(ModelShape)}, name=model.get("name"))
+            return "built-in llama", asdict(resolve_shape(cfg))
+    except (OSError, KeyError, ValueError):
+        pass
+    return None, None
+
+
+def family_of(model_cfg, spec) -> str:
+    """What kind of model: its parameter names depend on it (a built-in Llama and a Hugging Face Llama differ)."""
+    if model_cfg.hf:
+        return f"Hugging Face {spec.name}"
+    return f"user spec {spec.name}" if model_cfg.spec else "built-in llama"
+
+
+def model_problem(state: dict, family: str, shape: ModelShape | None, fingerprint: str) -> str | None:
+    """What makes the saved model unloadable into this one, with the saved and new values; None if it loads.
+    An empty `fingerprint` (a user ModelSpec before it is built) compares only what is known."""
+    saved_family, saved_shape = saved_model(state)
+    if saved_family and saved_family != family:
+        return f"model family {saved_family} when saved, {family} now"
+    if not fingerprint or state.get("model_fingerprint") == fingerprint:
+        return None
+    if saved_shape and shape is not None:
+        new = asdict(shape)
+        diff = [f"model.{k}={saved_shape.get(k)!r} when saved, {new[k]!r} now" for k in new
+                if saved_shape.get(k) != new[k]]
+        if diff:
+            return ", ".join(diff)
+    return "another model configuration (its fingerprint differs)"
+
+
+def newest_state(checkpoint_dir: Path) -> tuple[Path | None, dict | None]:
+    """The newest committed checkpoint whose train_state reads, and that state."""
+    from disttrain.checkpoint.manager import COMMIT, CheckpointManager
+
+    if not checkpoint_dir.is_dir():
+        return None, None
+    steps = sorted((p for p in checkpoint_dir.glob("step_*") if p.name[5:].isdigit() and (p / COMMIT).is_file()),
+                   key=lambda p: int(p.name[5:]), reverse=True)
+    for path in steps:
+        try:
+            return path, CheckpointManager.read_train_state(path)
+        except Exception:  # torn or foreign: the workers skip it and say why
+            continue
+    return None, None
+
+
+def _show(value) -> str:
+    return "empty" if value in ("", None) else str(value)
+
+
+def held_by(cfg, holder: lease.Claim) -> str:
+    return (f"run.name={cfg.run.name}: {cfg.run_dir} is being written by another launch ({holder.describe()}); "
+            f"wait for it to finish, or {NEW_NAME} (a claim not renewed for {lease.TTL_S:.0f} s expires)")
+
+
+def claim(cfg, key: str, existed: bool) -> lease.Lease:
+    """Hold cfg.run_dir for `key`, renewed from a thread; UserError (leaving nothing new) if another won it."""
+    held, holder = lease.acquire(cfg.run_dir, key)
+    if held is None:
+        remove_if_unused(cfg.run_dir, existed)
+        raise UserError(held_by(cfg, holder) if holder else f"run.name={cfg.run.name}: {cfg.run_dir} could not be "
+                        "claimed (another launch is starting there)")
+    return held.start()
+
+
+def unused(run_dir: Path) -> bool:
+    """Nothing in the run directory but a claim: nothing of a run was written there."""
+    return not run_dir.exists() or all(p.name == lease.LEASE or p.name.startswith(f".{lease.LEASE}")
+                                       for p in run_dir.iterdir())
+
+
+def remove_if_unused(run_dir: Path, existed: bool) -> None:
+    """A run directory this launch created only to claim it goes again."""
+    if not existed and run_dir.exists() and unused(run_dir):
+        for p in run_dir.iterdir():
+            p.unlink(missing_ok=True)
+        try:
+            run_dir.rmdir()
+        except OSError:  # something arrived meanwhile
+            pass
+
+
+def check_run_dir(cfg, resolved, key: str) -> None:
+    """Refuse this command on cfg.run_dir when another live launch holds it, when it would mix runs, or
+    when what it would resume cannot load or is another run. `key`: this job's claim key (lease.py)."""
+    run_dir = cfg.run_dir
+    holder = lease.live_other(run_dir, key)
+    if holder is not None:
+        raise UserError(held_by(cfg, holder))
+    mode = cfg.checkpoint.resume
+    if mode == "none":
+        held = [what for what, there in (("checkpoints", newest_state(cfg.checkpoint_dir)[0] is not None),
+                                         ("metrics.jsonl", (run_dir / "metrics.jsonl").is_file())) if there]
+        last = lease.read(run_dir)
+        if held and (last is None or last.key != key):
+            raise UserError(f"checkpoint.resume=none: {run_dir} already holds a run ({' and '.join(held)}), and a "
+                            f"new one there would mix with it; {NEW_NAME}, or remove {run_dir} first")
+        return
+    path, state = (newest_state(cfg.checkpoint_dir) if mode == "auto" else (Path(mode), _read(Path(mode))))
+    if state is None:
+        return
+    spec = resolved.spec
+    problem = model_problem(state, family_of(cfg.model, spec), resolved.shape, spec.fingerprint)
+    if problem:
+        way = "or resume with the saved model settings" if mode == "auto" else "or resume another checkpoint"
+        raise UserError(f"checkpoint.resume={mode}: {path} holds a model that cannot load into this one "
+                        f"({problem}); {NEW_NAME}, {way}")
+    from disttrain.checkpoint.manager import CheckpointManager
+
+    saved_format = CheckpointManager.format_of(path)
+    engine_format = "deepspeed" if cfg.engine == "deepspeed" else "dcp"
+    if saved_format != engine_format:
+        engine = "deepspeed" if saved_format == "deepspeed" else "torch"
+        raise UserError(f"checkpoint.resume={mode}: {path} holds {saved_format} state, and engine={cfg.engine} reads "
+                        f"{engine_format} (resume with engine={engine}, or {NEW_NAME})")
+    problem = another_run(cfg, state)
+    if problem:
+        raise UserError(problem)
+
+
+def another_run(cfg, state: dict) -> str | None:
+    """Auto-resume of a checkpoint saved by another run (compat.py) without run.allow_changes: why not."""
+    if cfg.checkpoint.resume != "auto" or cfg.run.allow_changes:
+        return None
+    changes = run_changes(state.get("config", {}), cfg.model_dump(mode="json", by_alias=True))
+    if not changes:
+        return None
+    diff = "; ".join(f"{k}={_show(old)} there, {_show(new)} here" for k, old, new in changes)
+    return (f"run.name={cfg.run.name}: {cfg.run_dir} holds another run (step {state.get('step')}; {diff}); "
+            f"{NEW_NAME}, or continue that run with the change: run.allow_changes=true")
+
+
+def _read(path: Path) -> dict | None:
+    from disttrain.checkpoint.manager import CheckpointManager
+
+    try:
+        return CheckpointManager.read_train_state(path)
+    except Exception:  # the workers verify it and name what is wrong
+        return None
