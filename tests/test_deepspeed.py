@@ -116,8 +116,8 @@ def test_resuming_under_the_other_engine_is_one_line(reference, tmp_path):
                               text=True)
         lines = [x for x in proc.stderr.splitlines() if x.startswith("disttrain")]
         assert proc.returncode == 2 and lines == [
-            f"disttrain: error: checkpoint.resume: {checkpoint} holds "
-            f"{'dcp' if saved == 'torch' else 'deepspeed'} state, and this run's engine reads "
-            f"{'deepspeed' if saved == 'torch' else 'dcp'} (resume with the engine that saved it: engine={saved}, "
-            "or start fresh with checkpoint.resume=none)"], proc.stderr
+            f"disttrain: error: checkpoint.resume={checkpoint}: {checkpoint} holds "
+            f"{'dcp' if saved == 'torch' else 'deepspeed'} state, and engine={other} reads "
+            f"{'deepspeed' if saved == 'torch' else 'dcp'} (resume it with the engine that saved it: "
+            f"engine={saved})"], proc.stderr
         assert "Traceback" not in proc.stderr

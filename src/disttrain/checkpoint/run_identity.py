@@ -150,15 +150,22 @@ def check_run_dir(cfg, resolved, key: str) -> None:
                         f"({problem}); {NEW_NAME}, {way}")
     from disttrain.checkpoint.manager import CheckpointManager
 
-    saved_format = CheckpointManager.format_of(path)
     engine_format = "deepspeed" if cfg.engine == "deepspeed" else "dcp"
-    if saved_format != engine_format:
-        engine = "deepspeed" if saved_format == "deepspeed" else "torch"
-        raise UserError(f"checkpoint.resume={mode}: {path} holds {saved_format} state, and engine={cfg.engine} reads "
-                        f"{engine_format} (resume with engine={engine}, or {NEW_NAME})")
+    problem = format_problem(cfg, path, CheckpointManager.format_of(path), engine_format)
+    if problem:
+        raise UserError(problem)
     problem = another_run(cfg, state)
     if problem:
         raise UserError(problem)
+
+
+def format_problem(cfg, path: Path, saved_format: str, engine_format: str) -> str | None:
+    """A checkpoint another engine wrote: why it cannot resume here."""
+    if saved_format == engine_format:
+        return None
+    engine = "deepspeed" if saved_format == "deepspeed" else "torch"
+    return (f"checkpoint.resume={cfg.checkpoint.resume}: {path} holds {saved_format} state, and engine={cfg.engine} "
+            f"reads {engine_format} (resume it with the engine that saved it: engine={engine})")
 
 
 def another_run(cfg, state: dict) -> str | None:

@@ -18,7 +18,7 @@ from torch.distributed import run
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.launcher import api
 
-from disttrain.errors import EXIT_PREEMPTED, EXIT_USAGE
+from disttrain.errors import EXIT_HEALTH, EXIT_PREEMPTED, EXIT_USAGE
 from disttrain.process import exit_now
 
 
@@ -29,8 +29,9 @@ class BoundedExitBarrierAgent(LocalElasticAgent):
 
 
 # Worker exit statuses that mean "disttrain already said why in one line": a user mistake found in the
-# workers, and a clean preemption (emergency checkpoint saved). torchrun's report would only repeat them.
-QUIET_EXITS = (EXIT_USAGE, EXIT_PREEMPTED)
+# workers, a health check that stopped the run, and a clean preemption (emergency checkpoint saved).
+# torchrun's report would only repeat them.
+QUIET_EXITS = (EXIT_USAGE, EXIT_HEALTH, EXIT_PREEMPTED)
 
 
 class _QuietExits(logging.Filter):

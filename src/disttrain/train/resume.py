@@ -10,7 +10,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from disttrain.checkpoint.compat import config_changes
-from disttrain.checkpoint.run_identity import NEW_NAME, another_run, family_of, model_problem
+from disttrain.checkpoint.run_identity import NEW_NAME, another_run, family_of, format_problem, model_problem
 from disttrain.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -72,11 +72,9 @@ def maybe_resume(run, progress: Progress) -> None:
 def check_compatible(run, path: Path) -> dict:
     """Refuse another model shape or another engine's format before touching any tensor; report every
     other change."""
-    saved_format, engine_format = run.ckpt.format_of(path), run.engine.checkpoint_format
-    if saved_format != engine_format:
-        raise UserError(f"checkpoint.resume: {path} holds {saved_format} state, and this run's engine reads "
-                        f"{engine_format} (resume with the engine that saved it: "
-                        f"engine={'deepspeed' if saved_format == 'deepspeed' else 'torch'}, or {NEW_NAME})")
+    problem = format_problem(run.cfg, path, run.ckpt.format_of(path), run.engine.checkpoint_format)
+    if problem:
+        raise UserError(problem)
     saved = run.ckpt.read_train_state(path)
     problem = model_problem(saved, family_of(run.cfg.model, run.spec), run.spec.shape, run.spec.fingerprint)
     if problem:

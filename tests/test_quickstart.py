@@ -1,0 +1,94 @@
+"""The README's Quickstart runs in order as written after `make demo`, each training line training what it
+says: its own run, from step 1 (shortened to 2 steps; the sample and validation off). Lines that plan rather
+than train are checked against the parser by test_docs.py."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+from disttrain.cli import build_parser
+from disttrain.config import load_config
+from helpers import REPO, cli_env, records
+from test_docs import FENCE, logical_lines
+
+SHORT = ("train.steps=2", "optim.warmup_steps=1", "train.eval_every=0", "train.sample_tokens=0",
+         "checkpoint.every_steps=0", "metrics.comm_profile_every=0", "metrics.log_every=1", "distributed.timeout_s=60")
+
+
+def quickstart_lines() -> list[str]:
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("## Quickstart", 1)[1].split("\n## ", 1)[0]
+    block = next(block for lang, block in FENCE.findall(section) if lang.strip() == "bash")
+    return logical_lines(block)
+
+
+def make_demo_line() -> str:
+    recipe = (REPO / "Makefile").read_text().split("\ndemo:", 1)[1].splitlines()[1].strip()
+    return recipe.replace("$(BIN)/", "").replace("$(NPROC)", "auto")
+
+
+def training(line: str) -> tuple[str, list[str]] | None:
+    """(config, overrides) of a line that trains, else None."""
+    tokens = shlex.split(line)
+    if "train" not in tokens or not any(t in ("disttrain", "torchrun") for t in tokens[:1]):
+        return None
+    rest = tokens[tokens.index("train") + 1:]
+    return rest[0], [t for t in rest[1:] if "=" in t and not t.startswith("-")]
+
+
+def nproc(line: str) -> int:
+    found = re.search(r"--nproc[-_]per[-_]node[ =](\w+)", line)
+    return 1 if not found else 2 if found.group(1) == "auto" else int(found.group(1))
+
+
+def _inputs(cwd: Path) -> None:
+    """What the prepare-data line reads: some text files, a JSONL file and a Parquet shard (the project's docs)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    docs = sorted((REPO / "docs").glob("*.md"))
+    (cwd / "corpus").mkdir()
+    (cwd / "shards").mkdir()
+    for doc in docs[:2]:
+        (cwd / "corpus" / f"{doc.stem}.txt").write_text(doc.read_text())
+    paragraphs = [p for doc in docs[2:] for p in doc.read_text().split("\n\n") if p.strip()]
+    half = len(paragraphs) // 2
+    (cwd / "data.jsonl").write_text("".join(json.dumps({"text": p}) + "\n" for p in paragraphs[:half]))
+    pq.write_table(pa.table({"text": paragraphs[half:]}), cwd / "shards" / "part-0.parquet")
+
+
+def test_quickstart_after_make_demo_trains_what_each_line_says(tmp_path):
+    (tmp_path / "configs").symlink_to(REPO / "configs")
+    _inputs(tmp_path)
+    env = {**cli_env(), "PATH": f"{Path(sys.executable).parent}:{cli_env()['PATH']}"}
+    lines = [make_demo_line(), *quickstart_lines()]
+    seen: dict[Path, str] = {}
+    for line in lines:
+        if line.startswith(("make ", "disttrain estimate", "disttrain plan", "disttrain dryrun")):
+            continue
+        train = training(line)
+        if train is not None:
+            cfg = load_config(tmp_path / train[0], train[1])
+            run_dir = tmp_path / cfg.run_dir
+            assert run_dir not in seen, f"`{line}` trains into {cfg.run_dir}, as `{seen.get(run_dir)}` does"
+            seen[run_dir] = line
+            if nproc(line) > 2:  # the 3D line needs 8 processes: its layouts run in test_model_parallel.py
+                continue
+            line = " ".join([line.split("#")[0], *SHORT])
+        proc = subprocess.run(line, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, f"`{line}` exited {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+        if train is not None:
+            steps = [r["step"] for r in records(run_dir) if "loss" in r]
+            assert steps == [1, 2] and not any(r.get("event") == "resumed" for r in records(run_dir)), line
+    assert len(seen) == 9  # make demo, the eight training lines
+
+
+def test_torchruns_spelling_of_the_launch_flags_is_accepted():
+    args, _ = build_parser().parse_known_args(["train", "configs/demo.yaml", "--nproc_per_node", "2",
+                                               "--max_restarts", "1", "--rdzv_endpoint", "h:1"])
+    assert (args.nproc_per_node, args.max_restarts, args.rdzv_endpoint) == ("2", 1, "h:1")
