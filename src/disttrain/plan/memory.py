@@ -203,6 +203,8 @@ def _moments(states: ModelStates, acts: StageActivations, layout: Layout, gather
     # FSDP's sharded gradients appear at the last micro-batch's reduce-scatter (set to None after each
     # step); DDP's are its buckets, there from the start.
     grads = s.unsharded_grads if fsdp else s.grads
+    if layout.pp > 1 and layout.pp_schedule == "gpipe":  # every forward, and loss, before the first backward
+        grads = 0.0 if fsdp else grads
     copies = 0.0 if fsdp else s.buffers  # autocast's low-precision weight copies, kept as activations
     moments = {}
     if acts.logits:  # the loss's backward: its gradient and the logits' (loss_parallel keeps one more shard)
@@ -210,9 +212,10 @@ def _moments(states: ModelStates, acts: StageActivations, layout: Layout, gather
                            "activations": acts.saved + copies, "temporary": (3 if layout.tp > 1 else 2) * acts.logits,
                            "communication": gathered + pipe}
     block_grads = grads if s.unsharded_grads or not fsdp else pb * root  # the root's unsharded grads, pending
-    in_use = (2 * pb + rb) * unit if fsdp else 0.0  # the block gathered (and prefetched) and its gradients
-    if fsdp and not layout.reshard_after_forward:
-        in_use = (pb + rb) * unit
+    # The block gathered (ZeRO-3: and the next one prefetched) and its unsharded gradients, unless those
+    # are already counted among the accumulated ones.
+    gathers = 2 * pb * unit if layout.reshard_after_forward else 0.0
+    in_use = gathers + (0.0 if s.unsharded_grads else (pb + rb) * unit) if fsdp else 0.0
     moments["block"] = {"parameters": s.params, "gradients": block_grads, "optimizer": s.optimizer,
                         "activations": acts.saved - acts.logits + copies, "temporary": acts.layer,
                         "communication": gathered + in_use + pipe}
@@ -221,6 +224,9 @@ def _moments(states: ModelStates, acts: StageActivations, layout: Layout, gather
     if s.first_step_grads:  # DDP's first step: no optimizer states yet, autograd's gradients beside the buckets
         moments["first step"] = {"parameters": s.params, "gradients": s.grads + s.first_step_grads,
                                  "optimizer": 0.0, "activations": copies, "temporary": 0.0, "communication": 0.0}
+        if layout.microbatches > 1 and "loss" in moments:  # accumulated outside the buckets, through the next loss
+            moments["first step"] = {**moments["loss"], "optimizer": 0.0,
+                                     "temporary": moments["loss"]["temporary"] + s.first_step_grads}
     return moments
 
 

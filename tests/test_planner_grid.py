@@ -1,0 +1,175 @@
+"""The planner held to the dry run over a sampled grid at small scale (8 simulated ranks, in this process),
+the fused RMSNorm the dry run stands in for CUDA's, and what `plan --verify` and `estimate` say about fitting."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from disttrain.config import load_config
+from disttrain.layout import Layout
+from disttrain.models.registry import MODEL_SHAPES
+
+RANKS = 8
+LAYOUTS = {
+    "ddp": ["parallel.dp_shard=1", f"parallel.dp_replicate={RANKS}"],
+    "zero1": ["parallel.dp_shard=1", f"parallel.dp_replicate={RANKS}", "parallel.zero_stage=1"],
+    "zero2": [f"parallel.dp_shard={RANKS}", "parallel.zero_stage=2"],
+    "zero3": [f"parallel.dp_shard={RANKS}", "parallel.zero_stage=3"],
+    "hsdp": ["parallel.dp_replicate=2", "parallel.dp_shard=4", "parallel.zero_stage=3"],
+    "tp2-sp": ["parallel.dp_shard=4", "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.zero_stage=3"],
+    "pp2-gpipe": ["parallel.dp_shard=4", "parallel.pp=2", "parallel.zero_stage=2", "parallel.pp_schedule=gpipe"],
+}
+# A sample of (model, layout, checkpointing, micro-batches per rank, dtype): every layout once, each
+# checkpointing mode, micro-batch count and dtype at least twice, both models. The vocabularies make the
+# loss's logits the peak (125m) or leave it to the blocks (tiny's 256 tokens).
+GRID = [("125m", "ddp", "none", 1, "bf16"), ("125m", "zero1", "selective", 1, "fp32"),
+        ("125m", "zero2", "full", 2, "bf16"), ("125m", "zero3", "none", 2, "fp32"),
+        ("125m", "hsdp", "selective", 1, "bf16"), ("125m", "tp2-sp", "full", 1, "bf16"),
+        ("125m", "pp2-gpipe", "none", 2, "bf16"), ("tiny", "zero3", "full", 1, "bf16"),
+        ("tiny", "zero2", "selective", 1, "fp32")]
+
+
+def _config(model: str, name: str, checkpointing: str, per_rank: int, dtype: str):
+    dp = RANKS // (2 if name.startswith(("tp", "pp")) else 1)
+    overrides = [f"model.name={model}", f"data.seq_len={512 if model == 'tiny' else 1024}", "train.micro_batch_size=1",
+                 f"train.global_batch_size={per_rank * dp}", f"parallel.activation_checkpointing={checkpointing}",
+                 *LAYOUTS[name]]
+    if name.startswith("pp"):
+        overrides.append(f"parallel.pp_microbatches={per_rank}")
+    if any(o.endswith(("zero_stage=2", "zero_stage=3")) for o in overrides):
+        overrides.append(f"precision.param_dtype={dtype}")
+    return load_config(None, [*overrides, f"precision.compute_dtype={dtype}"])
+
+
+@pytest.mark.parametrize("row", GRID, ids=["-".join(map(str, r)) for r in GRID])
+def test_planner_within_5_percent_of_the_dry_run(row):
+    """The planner's peak for the rank the dry run found fullest is within ±5% of the dry run's."""
+    from disttrain.cli.dryrun import dry_run, pp_rank_of
+    from disttrain.plan.memory import estimate_memory
+    from disttrain.resolve import resolve_run
+
+    cfg = _config(*row)
+    result = dry_run(cfg, RANKS)
+    worst = max(result["ranks"], key=lambda r: r["peak_bytes"])
+    resolved = resolve_run(cfg, RANKS, "cuda")
+    planned = estimate_memory(resolved.shape, resolved.layout, pp_rank=pp_rank_of(resolved.layout, worst["rank"]))
+    assert abs(planned.total / worst["peak_bytes"] - 1) <= 0.05, (planned.moments, worst["bytes"])
+
+
+def test_the_dry_run_keeps_for_rms_norm_what_cuda_keeps():
+    """Under the dry run's GPU defaults an RMSNorm keeps its input and the fp32 reciprocal RMS, as torch's fused
+    CUDA kernel does (counted on an H100 by benchmarks/dryrun_vs_real.py --saved-by-device), not the CPU
+    decomposition's fp32 copies; its gradients are the decomposition's."""
+    import torch
+
+    from disttrain.dryrun.fake_world import gpu_defaults
+
+    norm = torch.nn.RMSNorm(64, eps=1e-5, dtype=torch.float64)
+    x = torch.randn(2, 16, 64, dtype=torch.float64, requires_grad=True)
+    expected = torch.autograd.grad(norm(x).square().sum(), (x, norm.weight))
+    saved = []
+    with gpu_defaults(), torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = norm(x)
+    got = torch.autograd.grad(y.square().sum(), (x, norm.weight))
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    kept = {(tuple(t.shape), t.dtype) for t in saved if t is not norm.weight}
+    assert kept == {((2, 16, 64), torch.float64), ((2, 16, 1), torch.float64)}
+    bf16 = torch.nn.RMSNorm(64, dtype=torch.bfloat16)
+    saved.clear()
+    with gpu_defaults(), torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        bf16(torch.randn(2, 16, 64, dtype=torch.bfloat16, requires_grad=True))
+    assert sorted(t.element_size() * t.numel() for t in saved if t is not bf16.weight) == [2 * 16 * 4, 2 * 16 * 64 * 2]
+
+
+def test_autocast_activations_match_saved_tensors():
+    """fp32 weights under bf16 autocast (DDP's precision): the planner's saved bytes per step, plus autocast's
+    weight copies, are what autograd keeps (CPU decomposed norms, as on this machine)."""
+    import torch
+    import torch.nn.functional as F
+
+    from disttrain.models.llama.model import Transformer
+    from disttrain.plan.activations import stage_activation_bytes
+    from disttrain.plan.memory import layer_params
+
+    shape = MODEL_SHAPES["tiny"]
+    torch.manual_seed(0)
+    model = Transformer(shape)
+    excluded = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    held: dict[int, int] = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in excluded:
+            held.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        return t
+
+    tokens = torch.randint(0, shape.vocab_size, (2, 128))
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logits = model(tokens)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        F.cross_entropy(logits.float().flatten(0, 1), tokens.flatten(), reduction="sum")
+    layout = Layout(micro_batch_size=2, global_batch_size=2, seq_len=128, param_dtype="bf16", zero_stage=0)
+    copies = 2 * (shape.n_layers * layer_params(shape) - 2 * shape.n_layers * shape.dim  # matrices, not norm weights
+                  + shape.vocab_size * shape.dim)  # the output layer's
+    predicted = stage_activation_bytes(shape, layout, 0, fused_norm=False).saved + copies
+    assert predicted == pytest.approx(sum(held.values()), rel=1e-3)
+
+
+def test_estimate_says_whether_it_fits(capsys):
+    """One budget: GPU memory less --headroom, the plan's own; a layout just over it does not fit."""
+    from disttrain.cli import main
+    from disttrain.plan.estimate import estimate
+    from disttrain.plan.search import memory_budget
+
+    args = ["estimate", "--model", "7b", "--gpus", "8", "--zero-stage", "3", "--seq-len", "4096", "--gpu", "a100-80g"]
+    layout = Layout(dp_shard=8, zero_stage=3, seq_len=4096, global_batch_size=8)
+    need = estimate(MODEL_SHAPES["7b"], layout).memory.total
+    for headroom, fits in ((1 - need / 80e9 - 0.01, True), (1 - need / 80e9 + 0.01, False)):
+        assert main([*args, "--headroom", str(headroom), "--json"]) in (0, None)
+        out = json.loads(capsys.readouterr().out)
+        assert out["fits"]["fits"] is fits and out["fits"]["budget_bytes"] == pytest.approx(memory_budget(80e9, headroom))
+        main([*args, "--headroom", str(headroom)])
+        assert ("Fits a100-80g: yes" if fits else "Fits a100-80g: NO") in capsys.readouterr().out
+
+
+def test_plan_verify_drops_a_layout_its_dry_run_disproves(monkeypatch, capsys):
+    """A layout whose dry run needs more than the budget leaves the ranking, the winner and the reasons; the
+    ranking is printed before the dry runs, and each dry run says which layout it checks and what it found."""
+    from disttrain.cli import dryrun as dryrun_cli, main
+    from disttrain.plan.search import describe
+
+    printed_before = []
+
+    def verify(estimates, gpus, gpu_name, progress=None):  # the planned winner's dry run needs 3x the memory
+        (est,) = estimates
+        printed_before.append(capsys.readouterr())
+        factor = 3 if len(printed_before) == 1 else 1
+        return [{"layout": describe(est.layout), "planner_peak_bytes": est.memory.total, "rank": 0, "fits": True,
+                 "peak_bytes": est.memory.total * factor, "headroom_bytes": 0, "planner_error": 1 / factor - 1,
+                 "seconds": 1.0}]
+
+    monkeypatch.setattr(dryrun_cli, "verify_plan", verify)
+    base = ["plan", "--model", "debug", "--gpus", "2", "--gpu", "a100-80g", "--seq-len", "64", "--global-batch-size", "4"]
+    main([*base, "--json"])
+    need = json.loads(capsys.readouterr().out)["winner"]["bytes_per_rank"]["total"]
+    base += ["--headroom", str(1 - 2 * need / 80e9)]  # a budget of twice the winner's planned peak
+    main([*base, "--json"])
+    planned = json.loads(capsys.readouterr().out)
+    budget = planned["budget_bytes"]
+    assert planned["winner"]["bytes_per_rank"]["total"] * 3 > budget >= planned["top"][1]["bytes_per_rank"]["total"]
+    main([*base, "--verify", "2", "--json"])
+    verified = json.loads(capsys.readouterr().out)
+    assert verified["winner"] == planned["top"][1] and planned["winner"] not in verified["top"]
+    assert verified["fitting"] == planned["fitting"] - 1
+    printed_before.clear()
+    main([*base, "--verify", "2"])
+    captured = capsys.readouterr()
+    assert "tokens/s/GPU" in printed_before[0].out  # the ranking came before the first dry run
+    err = "".join(p.err for p in printed_before).splitlines() + captured.err.splitlines()
+    assert any(line.startswith("[1/2]") and "does NOT fit" in line for line in err)
+    assert any(line.startswith("[2/2]") and "fits the" in line for line in err)
+    disproved = next(line for line in err if "does NOT fit" in line).split("]", 1)[1].split(":", 1)[0].strip()
+    out = "".join(p.out for p in printed_before) + captured.out
+    assert disproved not in out[out.index("Winner: "):] and "Dropped (a dry run needs more than the" in out
