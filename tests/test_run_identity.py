@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from disttrain.checkpoint import lease
-from disttrain.checkpoint.run_identity import check_run_dir
+from disttrain.checkpoint.run_identity import check_run_dir, model_problem
 from disttrain.cli import main
 from disttrain.config import load_config
 from disttrain.errors import UserError
@@ -82,6 +82,12 @@ def test_a_model_that_cannot_load_is_refused_at_the_front_door_with_the_saved_va
     torch.save(state, state_file)
     with pytest.raises(UserError, match="model.vocab_size=256 when saved, 512 now"):
         _front_door(old, "model.vocab_size=512")
+
+    # Another family: its parameters have other names, whatever the shape.
+    cfg = _cfg(saved)
+    shape = resolve_run(cfg, 1, "cpu").shape
+    assert model_problem(state, "Hugging Face llama", shape, "another") == \
+        "model family built-in llama when saved, Hugging Face llama now"
 
 
 def test_resume_none_in_a_directory_holding_another_run_is_refused(saved, capsys):

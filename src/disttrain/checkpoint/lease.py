@@ -18,6 +18,7 @@ Works on a shared file system: the record is written to a temporary file and ren
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import threading
@@ -26,6 +27,8 @@ import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Mapping
+
+log = logging.getLogger(__name__)
 
 LEASE = "lease.json"
 RENEW_S = 10.0  # the holder rewrites its claim this often
@@ -139,6 +142,7 @@ class Lease:
         def beat() -> None:
             while not self._stop.wait(every):
                 if not self.renew():
+                    log.warning("no longer holds %s (taken over, or the run directory is gone)", self.path)
                     return
 
         self._thread = threading.Thread(target=beat, name="disttrain-lease", daemon=True)

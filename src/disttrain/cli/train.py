@@ -90,6 +90,7 @@ def _self_launch(args: argparse.Namespace, cfg, overrides: list[str]) -> int:
     try:
         code, report = launch_workers(opts, ["train", args.config, *overrides])
     finally:
+        os.environ.pop(lease.KEY_ENV, None)
         held.release()
         run_identity.remove_if_unused(cfg.run_dir, existed)
     if code != 0 and _preempted_since(cfg.run_dir, started):
