@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -44,6 +45,7 @@ def run(config: str, overrides: list[str], cfg, counts: list[int], steps: int, o
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     for n in counts:
         name = f"procs_{n}"
+        shutil.rmtree(out / name, ignore_errors=True)  # a measurement of an earlier `bench scaling`: a new run
         cmd = [sys.executable, "-m", "disttrain", "train", config, *overrides,
                f"train.global_batch_size={cfg.train.global_batch_size * n}", f"train.steps={steps}",
                f"run.dir={out}", f"run.name={name}", "checkpoint.resume=none", "checkpoint.save_final=false",
