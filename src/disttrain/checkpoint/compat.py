@@ -38,7 +38,7 @@ def config_changes(saved: dict, current: dict) -> tuple[list[str], list[str]]:
 
 
 def run_changes(saved: dict, current: dict) -> list[tuple[str, object, object]]:
-    """(key, saved value, new value) for every change that makes another run."""
+    """(key, saved value, new value) for every change that makes another run. A key only one side has (a
+    setting added or retired by another disttrain version) is no change."""
     old, new = flatten(saved), flatten(current)
-    return [(k, old.get(k), new.get(k)) for k in sorted(set(old) | set(new))
-            if not k.startswith(FREE) and old.get(k) != new.get(k)]
+    return [(k, old[k], new[k]) for k in sorted(set(old) & set(new)) if not k.startswith(FREE) and old[k] != new[k]]
