@@ -69,6 +69,18 @@ class DataConfig(_Section):
     seq_len: int = Field(128, gt=0)
     prefetch: bool | None = Field(None, description="read the next step's batches on a background thread; "
                                   "empty: on with a GPU, off on CPU")
+    packing: bool = Field(False, description="chat data: several conversations per sequence (first-fit), with "
+                          "document masking; false: one conversation per sequence, padded")
+
+    @model_validator(mode="after")
+    def _packing_masks_documents(self) -> "DataConfig":
+        """Packed conversations must not attend across each other: packing switches document masking on."""
+        if self.packing and not self.document_masking:
+            if "document_masking" in self.model_fields_set:
+                raise ValueError("data.packing=true with data.document_masking=false: packed conversations would "
+                                 "attend to each other (allowed with packing: document_masking=true)")
+            object.__setattr__(self, "document_masking", True)
+        return self
 
 
 class TrainConfig(_Section):

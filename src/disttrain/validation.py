@@ -70,9 +70,28 @@ def check_data(cfg, shape, tokenizer: str) -> None:
     if cfg.data.document_masking and info.eos_id is None:
         raise UserError(f"data.document_masking=true: the tokenizer of data.source={source} has no "
                         "end-of-document token to mask at (allowed with it: false)")
+    if cfg.data.packing:
+        _check_packing(source)
     if shape is not None and shape.vocab_size < info.vocab_size:
         raise UserError(f"model.vocab_size={shape.vocab_size} is smaller than the tokenizer's vocabulary "
                         f"({info.vocab_size} tokens from {info.tokenizer_name}); set model.vocab_size>={info.vocab_size}")
+
+
+def _check_packing(source) -> None:
+    """data.packing packs conversations of chat shard directories, kept apart at their end tokens."""
+    from disttrain.data.shards import read_meta
+
+    for directory in (source if isinstance(source, dict) else [source]):
+        meta = read_meta(directory) if directory != "builtin" and not str(directory).startswith("py:") else {}
+        if "chat" not in meta:
+            raise UserError(f"data.packing=true: data.source={directory} is not chat data (text token windows are "
+                            "packed already; allowed: a prepare-data directory of chat or instruction records, or "
+                            "data.packing=false)")
+        inside = meta["chat"]["eos_inside"]
+        if inside:
+            raise UserError(f"data.packing=true: {inside} conversations of {directory} hold the end-of-document "
+                            "token inside (the chat template ends turns with it), so packing cannot keep them "
+                            "apart (allowed for it: data.packing=false)")
 
 
 def check_engine_installed(cfg) -> None:

@@ -45,6 +45,12 @@ def cmd_prepare_data(args: argparse.Namespace) -> None:
         raise UserError(str(exc).splitlines()[0]) from None
     splits = ", ".join(f"{k} {v:,} tokens" for k, v in meta["splits"].items())
     print(f"wrote {out}: {splits} (vocabulary {meta['vocab_size']}, {meta['dtype']})")
+    if "chat" in meta:  # what carries loss: check it before a long run
+        from disttrain.data.chat_prepare import describe
+
+        for line in describe(meta):
+            print(line, file=sys.stderr if line.startswith("warning:") else sys.stdout)
+        return
     warning = split_warning(meta, args.seq_len, args.val_fraction)
     if warning:
         print(f"warning: {out}: {warning}", file=sys.stderr)

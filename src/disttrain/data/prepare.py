@@ -114,8 +114,13 @@ def prepare(paths: list[Path], out: Path, tokenizer: str = "byte", vocab_size: i
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        meta = _write(paths, tmp, resolve_tokenizer(tokenizer), vocab_size, val_fraction, text_key, progress,
-                      workers, val_tokens_wanted(seq_len) if val_fraction > 0 else 0)
+        from disttrain.data.chat_prepare import is_chat_input, write_chat
+
+        if is_chat_input(paths):  # chat or instruction records: rendered by the tokenizer's chat template
+            meta = write_chat(paths, tmp, tokenizer, val_fraction, seq_len)
+        else:
+            meta = _write(paths, tmp, resolve_tokenizer(tokenizer), vocab_size, val_fraction, text_key, progress,
+                          workers, val_tokens_wanted(seq_len) if val_fraction > 0 else 0)
         if out.exists():  # --force: the old directory goes only once the new one is complete
             shutil.rmtree(out)
         tmp.rename(out)

@@ -122,3 +122,55 @@ def _saved_dataset(path: Path, text_key: str) -> Iterator[str]:
         raise ValueError(f"{path} has no column {text_key!r} (columns: {', '.join(ds.column_names)}; use --text-key)")
     for start in range(0, len(ds), ROWS_PER_BATCH):
         yield from (str(t) for t in ds[start:start + ROWS_PER_BATCH][text_key] if t is not None)
+
+
+def iter_records(paths: list[Path]) -> Iterator[tuple[str, dict]]:
+    """(where, record) of every row of JSONL, Parquet and saved-dataset inputs (chat and instruction data);
+    `where` names the file and line or row for messages."""
+    for path in paths:
+        kind = kind_of(path)
+        if kind == "jsonl":
+            with _open_text(path) as f:
+                for lineno, line in enumerate(f, 1):
+                    if line.strip():
+                        try:
+                            yield f"{path}:{lineno}", json.loads(line)
+                        except json.JSONDecodeError as exc:
+                            raise ValueError(f"{path}:{lineno}: not JSON ({exc.msg})") from None
+        elif kind == "parquet":
+            import pyarrow.parquet as pq
+
+            row = 0
+            for batch in pq.ParquetFile(path).iter_batches(batch_size=ROWS_PER_BATCH):
+                for record in batch.to_pylist():
+                    row += 1
+                    yield f"{path} row {row}", record
+        elif kind == "saved_dataset":
+            import datasets
+
+            ds = datasets.load_from_disk(str(path))
+            if isinstance(ds, datasets.DatasetDict):
+                ds = ds["train"] if "train" in ds else next(iter(ds.values()))
+            for start in range(0, len(ds), ROWS_PER_BATCH):
+                for i, record in enumerate(ds.select(range(start, min(len(ds), start + ROWS_PER_BATCH)))):
+                    yield f"{path} row {start + i + 1}", record
+        elif kind == "folder":
+            yield from iter_records(_member_files(path))
+        else:
+            raise ValueError(f"input {path}: chat and instruction records are read from .jsonl, .parquet or "
+                             f"datasets.save_to_disk inputs (not {kind or 'this kind of file'})")
+
+
+def first_record(paths: list[Path]) -> dict | None:
+    """The first record of the first JSONL/Parquet/dataset input (None for text files or no records)."""
+    path = paths[0]
+    kind = kind_of(path)
+    if kind == "folder":
+        members = _member_files(path)
+        return first_record(members) if members else None
+    if kind not in ("jsonl", "parquet", "saved_dataset"):
+        return None
+    try:
+        return next(iter_records([path]), (None, None))[1]
+    except Exception:  # unreadable input: the text reader says why
+        return None

@@ -1,7 +1,9 @@
 """Token-shard format: a directory with meta.json, train.bin and val.bin (flat uint16/uint32 tokens).
 
 Files are read through `numpy.memmap`, so a corpus larger than memory costs nothing to open.
-Documents are separated by the tokenizer's end-of-document id.
+Documents are separated by the tokenizer's end-of-document id. Chat and instruction data (`meta["chat"]`)
+also keep `<split>.mask.bin` (uint8 per token: 1 where the token is a target that carries loss) and
+`<split>.ends.npy` (int64: where each conversation ends), so training can pad or pack whole conversations.
 """
 
 from __future__ import annotations
@@ -26,6 +28,15 @@ def read_meta(directory: str | Path) -> dict:
     return meta
 
 
+def open_mask(directory: str | Path, split: str) -> tuple[np.ndarray, np.ndarray]:
+    """(per-token loss mask, conversation ends) of a chat split."""
+    meta = read_meta(directory)
+    if meta["splits"].get(split, 0) == 0:
+        return np.zeros(0, np.uint8), np.zeros(0, np.int64)
+    return (np.memmap(Path(directory) / f"{split}.mask.bin", dtype=np.uint8, mode="r"),
+            np.load(Path(directory) / f"{split}.ends.npy"))
+
+
 def open_split(directory: str | Path, split: str) -> np.ndarray:
     meta = read_meta(directory)
     path = Path(directory) / f"{split}.bin"
@@ -37,17 +48,23 @@ def open_split(directory: str | Path, split: str) -> np.ndarray:
 class ShardWriter:
     """Appends token arrays to `<split>.bin.tmp`; `close()` renames them and writes meta.json last."""
 
-    def __init__(self, directory: str | Path, vocab_size: int, tokenizer: str, eos_id: int | None):
+    def __init__(self, directory: str | Path, vocab_size: int, tokenizer: str, eos_id: int | None,
+                 masks: bool = False):
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.dtype = token_dtype(vocab_size)
         self.meta = {"format": FORMAT, "dtype": self.dtype.name, "vocab_size": vocab_size,
                      "tokenizer": tokenizer, "eos_id": eos_id, "splits": {s: 0 for s in SPLITS}}
         self._files = {s: open(self.dir / f"{s}.bin.tmp", "wb") for s in SPLITS}
+        self._masks = {s: open(self.dir / f"{s}.mask.bin.tmp", "wb") for s in SPLITS} if masks else {}
+        self._ends: dict[str, list[int]] = {s: [] for s in SPLITS}
 
-    def append(self, split: str, tokens: np.ndarray) -> None:
+    def append(self, split: str, tokens: np.ndarray, mask: np.ndarray | None = None) -> None:
         self._files[split].write(np.asarray(tokens, dtype=self.dtype).tobytes())
         self.meta["splits"][split] += int(len(tokens))
+        if mask is not None:  # one whole conversation
+            self._masks[split].write(np.asarray(mask, dtype=np.uint8).tobytes())
+            self._ends[split].append(self.meta["splits"][split])
 
     def move_tail(self, src: str, dst: str, count: int) -> None:
         """Move the last `count` tokens of split `src` to the end of split `dst` (before close)."""
@@ -66,6 +83,10 @@ class ShardWriter:
         for split, f in self._files.items():
             f.close()
             (self.dir / f"{split}.bin.tmp").replace(self.dir / f"{split}.bin")
+        for split, f in self._masks.items():
+            f.close()
+            (self.dir / f"{split}.mask.bin.tmp").replace(self.dir / f"{split}.mask.bin")
+            np.save(self.dir / f"{split}.ends.npy", np.asarray(self._ends[split], dtype=np.int64))
         tmp = self.dir / "meta.json.tmp"
         tmp.write_text(json.dumps(self.meta, indent=2) + "\n")
         tmp.replace(self.dir / "meta.json")
@@ -74,3 +95,6 @@ class ShardWriter:
         for split, f in self._files.items():
             f.close()
             (self.dir / f"{split}.bin.tmp").unlink(missing_ok=True)
+        for split, f in self._masks.items():
+            f.close()
+            (self.dir / f"{split}.mask.bin.tmp").unlink(missing_ok=True)

@@ -121,15 +121,38 @@ def _concat(token_lists: list[list[int]], eos_id: int | None, dtype: np.dtype) -
     return np.fromiter((t for ids in token_lists for t in (*ids, *sep)), dtype=dtype)
 
 
-def load_samples(source, tokenizer: str, seq_len: int):
-    """(tokenizer or None, train samples, val samples): token windows of text (per source, for a
-    mixture), or a user's datasets."""
-    from disttrain.data.loader import DatasetSamples, MixtureSamples, TokenWindows
+def split_samples(directory: str, split: str, seq_len: int, packing: bool = False):
+    """One split of a shard directory: token windows of text, or whole conversations of chat data."""
+    from disttrain.data.chat_samples import ChatSamples
+    from disttrain.data.loader import TokenWindows
+
+    tokens = shards.open_split(directory, split)
+    meta = shards.read_meta(directory)
+    if "chat" not in meta:
+        return TokenWindows(tokens, seq_len)
+    mask, ends = shards.open_mask(directory, split)
+    return ChatSamples(tokens, mask, ends, seq_len, meta["eos_id"] or 0, packing)
+
+
+def source_tokenizer(source, tokenizer: str) -> Tokenizer:
+    """The run's tokenizer; a chat directory's also renders sample prompts through its chat template."""
+    first = next(iter(source)) if isinstance(source, dict) else source
+    if first not in ("builtin",) and not str(first).startswith(PY_PREFIX) and "chat" in shards.read_meta(first):
+        from disttrain.data.tokenizer import ChatTokenizer
+
+        return ChatTokenizer(first)
+    return load_tokenizer(_tokenizer_spec(source, tokenizer))
+
+
+def load_samples(source, tokenizer: str, seq_len: int, packing: bool = False):
+    """(tokenizer or None, train samples, val samples): token windows of text or conversations of chat data
+    (per source, for a mixture), or a user's datasets."""
+    from disttrain.data.loader import DatasetSamples, MixtureSamples
 
     if isinstance(source, dict):
-        tok = load_tokenizer(_tokenizer_spec(source, tokenizer))
+        tok = source_tokenizer(source, tokenizer)
         names = source_names(source)
-        train, val = (MixtureSamples(names, [TokenWindows(shards.open_split(d, split), seq_len) for d in source])
+        train, val = (MixtureSamples(names, [split_samples(d, split, seq_len, packing) for d in source])
                       for split in ("train", "val"))
         for directory, part in zip(source, train.parts):
             if len(part) == 0:
@@ -139,6 +162,11 @@ def load_samples(source, tokenizer: str, seq_len: int):
     if source.startswith(PY_PREFIX):
         splits = user_datasets(source)
         return None, DatasetSamples(splits["train"]), DatasetSamples(splits["val"])
+    from disttrain.data.loader import TokenWindows
+
+    if source != "builtin":
+        return (source_tokenizer(source, tokenizer), split_samples(source, "train", seq_len, packing),
+                split_samples(source, "val", seq_len, packing))
     tok, splits = load_splits(source, tokenizer)
     return tok, TokenWindows(splits["train"], seq_len), TokenWindows(splits["val"], seq_len)
 
@@ -176,6 +204,8 @@ def validation_gaps(source, val_samples, seq_len: int) -> list[str]:
                 f"validation (val_loss_by_source)" for d, part in zip(source, val_samples.parts) if len(part) == 0]
     if len(val_samples):
         return []
+    if hasattr(val_samples, "rows"):  # chat data
+        return [f"data.source={source}: the validation split holds no conversations: nothing is validated"]
     if isinstance(val_samples, TokenWindows):
         return [f"data.source={source}: the validation split holds {len(val_samples.tokens)} tokens, {need}: "
                 "nothing is validated"]

@@ -52,6 +52,21 @@ class HFTokenizer:
         return self._tok.decode(ids)
 
 
+class ChatTokenizer(HFTokenizer):
+    """The tokenizer of a chat shard directory (prepare-data saved it whole, template included): a sample
+    prompt is sent as a user turn through the chat template."""
+
+    def __init__(self, directory: str | Path):
+        super().__init__(Path(directory) / "tokenizer.json")
+        self.directory = Path(directory)
+
+    def chat_prompt(self, text: str) -> list[int]:
+        from disttrain.data.chat import ChatRenderer
+
+        renderer = ChatRenderer(self.directory)
+        return renderer.prompt_ids(text) if renderer.template is not None else self.encode_batch([text])[0]
+
+
 def load_tokenizer(spec: str) -> Tokenizer:
     """`byte` or a path to a tokenizer.json."""
     if spec == "byte":

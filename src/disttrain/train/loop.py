@@ -287,7 +287,8 @@ class Trainer:
         run, t = self.run, self.cfg.train
         if self._no_sample_because():
             return None
-        prompt = run.tokenizer.encode_batch([t.sample_prompt])[0]
+        chat_prompt = getattr(run.tokenizer, "chat_prompt", None)  # chat data: a user turn through its template
+        prompt = chat_prompt(t.sample_prompt) if chat_prompt else run.tokenizer.encode_batch([t.sample_prompt])[0]
         pad = run.layout.tp if run.layout.sequence_parallel else 1
         ids = generate(run.base_model, prompt, t.sample_tokens, run.spec.max_seq_len, seed=t.seed,
                        stop_id=run.tokenizer.eos_id, pad_multiple=pad, logits_of=run.spec.logits)
