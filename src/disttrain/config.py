@@ -27,6 +27,17 @@ SHAPE_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_hid
               "tie_embeddings", "norm_eps", "rope_theta")
 
 
+class LoraConfig(_Section):
+    """LoRA adapters on a frozen base (models/lora.py); the section's presence switches them on."""
+
+    rank: int = Field(8, gt=0, description="rank r of each adapter pair lora_A (r x in), lora_B (out x r)")
+    alpha: float = Field(16.0, gt=0, description="the adapter's output is scaled by alpha / rank")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter's input")
+    targets: list[str] = Field(default_factory=list, description="module-name patterns: a name (q_proj) or a glob "
+                               "on the full name (model.layers.0.*); empty: every linear layer of the repeated "
+                               "blocks (attention and MLP projections)")
+
+
 class ModelConfig(_Section):
     name: str = "debug"
     hf: str = Field("", description="a local Hugging Face model directory (config.json, optional weights and "
@@ -43,6 +54,7 @@ class ModelConfig(_Section):
     norm_eps: float | None = Field(None, gt=0)
     rope_theta: float | None = Field(None, gt=0)
     init_from: str = Field("", description="weights from `disttrain convert` to start from (empty: random init)")
+    lora: LoraConfig | None = Field(None, description="train LoRA adapters on the frozen model (model.lora.rank=8)")
 
     @model_validator(mode="after")
     def _init_exists(self) -> "ModelConfig":
