@@ -121,6 +121,12 @@ def model_problems(spec, layout: Layout, cfg, device_type: str) -> list[Problem]
             problems.append(Problem("data.document_masking", True, "false", f"data.document_masking=true: model "
                                     f"{spec.name} has no document masking (its ModelSpec sets no mask_documents; "
                                     "allowed for it: false)"))
+    if cfg.model.lora is not None:
+        from disttrain.models.lora import lora_problem
+
+        problem = lora_problem(spec, cfg, lay)
+        if problem:
+            problems.append(Problem("model.lora", cfg.model.lora, "see the message", problem))
     if cfg.parallel.compile and lay.tp > 1 and device_type == "cpu":
         # torch 2.13: the compiled block's backward hands a plain tensor to DTensor's redistribute
         # backward ("'Tensor' object has no attribute '_local_tensor'"); eager TP and compiled DDP/FSDP work.

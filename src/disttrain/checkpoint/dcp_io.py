@@ -3,6 +3,8 @@
 `get_state_dict`/`set_state_dict` give every layout (DDP, FSDP2, TP DTensors, a pipeline's pruned
 model) the same fully-qualified names, so a checkpoint written by one layout loads into another.
 ZeRO-1's optimizer (each rank owns some parameters' states) supplies its own state dicts.
+A model with LoRA adapters (models/lora.py) saves and loads only what trains: the frozen base is
+rebuilt from its source on resume, and its fingerprint is checked instead (train/resume.py).
 """
 
 from __future__ import annotations
@@ -10,17 +12,24 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
-                                                     set_state_dict)
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_model_state_dict, set_state_dict)
+
+from disttrain.models.lora import has_adapters
+
+
+def _options(model) -> StateDictOptions:
+    parts = model if isinstance(model, (list, tuple)) else [model]  # a pipeline's stages
+    return StateDictOptions(ignore_frozen_params=any(has_adapters(part) for part in parts))
 
 
 def save(path: Path, model, optimizer, async_group=None, optim_state=None):
     """Collective. `optim_state`: the optimizer's state dict when it is not the standard one (ZeRO-1).
     Returns a future when `async_group` is given (the write continues in the background)."""
     if optim_state is None:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(model))
     else:
-        model_sd, optim_sd = get_model_state_dict(model), optim_state
+        model_sd, optim_sd = get_model_state_dict(model, options=_options(model)), optim_state
     state = {"model": model_sd, "optim": optim_sd}
     if async_group is not None:
         return dcp.async_save(state, checkpoint_id=path, process_group=async_group)
@@ -36,8 +45,10 @@ def load(path: Path, model, optimizer, optim_template=None):
         dcp.load(state, checkpoint_id=path)
         set_model_state_dict(model, state["model"])
         return state["optim"]
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    options = _options(model)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=path)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=options)
     return None

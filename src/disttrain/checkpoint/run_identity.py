@@ -71,6 +71,20 @@ def model_problem(state: dict, family: str, shape: ModelShape | None, fingerprin
     return "another model configuration (its fingerprint differs)"
 
 
+def lora_problem(state: dict, cfg) -> str | None:
+    """LoRA settings that make the saved adapters unloadable (switched on or off, another rank or other
+    targets) or make another run (alpha, dropout; allowed with run.allow_changes). None if they agree."""
+    saved = state.get("config", {}).get("model", {}).get("lora")
+    now = cfg.model.lora.model_dump(mode="json") if cfg.model.lora is not None else None
+    if saved == now:
+        return None
+    if saved is None or now is None:
+        return f"model.lora={'set' if saved else 'absent'} when saved, {'set' if now else 'absent'} now"
+    keys = ("rank", "targets") + (() if cfg.run.allow_changes else ("alpha", "dropout"))
+    diff = [f"model.lora.{k}={saved.get(k)!r} when saved, {now[k]!r} now" for k in keys if saved.get(k) != now[k]]
+    return ", ".join(diff) or None
+
+
 def newest_state(checkpoint_dir: Path) -> tuple[Path | None, dict | None]:
     """The newest committed checkpoint whose train_state reads, and that state."""
     from disttrain.checkpoint.manager import COMMIT, CheckpointManager
@@ -143,7 +157,8 @@ def check_run_dir(cfg, resolved, key: str) -> None:
     if state is None:
         return
     spec = resolved.spec
-    problem = model_problem(state, family_of(cfg.model, spec), resolved.shape, spec.fingerprint)
+    problem = model_problem(state, family_of(cfg.model, spec), resolved.shape, spec.fingerprint) or \
+        lora_problem(state, cfg)
     if problem:
         way = "or resume with the saved model settings" if mode == "auto" else "or resume another checkpoint"
         raise UserError(f"checkpoint.resume={mode}: {path} holds a model that cannot load into this one "

@@ -61,6 +61,7 @@ class Run:
     peak_flops: float | None
     replica_group: object
     balancer: Balancer
+    lora_base: str = ""  # fingerprint of the frozen base under LoRA adapters (models/lora.py); "" without
 
     @property
     def dp_rank(self) -> int:
@@ -118,6 +119,11 @@ def build_run(cfg: RunConfig, rt: Runtime, resolved: ResolvedRun | None = None) 
     if not spec.fingerprint:  # a user spec: identify checkpoints by parameter names and shapes
         shapes = json.dumps([(n, list(p.shape)) for n, p in model.named_parameters()])
         spec = replace(spec, fingerprint=hashlib.sha256(shapes.encode()).hexdigest()[:16])
+    lora_base = ""
+    if cfg.model.lora is not None:  # resolve_run checked peft, the layout and the targets
+        from disttrain.models.lora import apply_lora
+
+        lora_base = apply_lora(model, spec, cfg.model.lora, t.seed)
     num_params = count_params(model)
     breakdown = StepBreakdown(rt.device)
     breakdown.watch_input_module(model)
@@ -134,7 +140,7 @@ def build_run(cfg: RunConfig, rt: Runtime, resolved: ResolvedRun | None = None) 
                ckpt=CheckpointManager(cfg.checkpoint_dir, rt.rank, cfg.checkpoint.keep_last, cfg.checkpoint.async_save),
                breakdown=breakdown, comm_profiler=CommProfiler(cfg.metrics.comm_profile_every, rt.device),
                faults=faults, compute_clock=compute_clock, num_params=num_params, peak_flops=peak_flops,
-               replica_group=meshes.replica_group(layout), balancer=balancer)
+               replica_group=meshes.replica_group(layout), balancer=balancer, lora_base=lora_base)
 
 
 def build_engine(cfg: RunConfig, layout: Layout, meshes: Meshes, spec: ModelSpec, model: nn.Module, rt: Runtime,

@@ -10,7 +10,8 @@ from pathlib import Path
 import torch.distributed as dist
 
 from disttrain.checkpoint.compat import config_changes
-from disttrain.checkpoint.run_identity import NEW_NAME, another_run, family_of, format_problem, model_problem
+from disttrain.checkpoint.run_identity import (NEW_NAME, another_run, family_of, format_problem, lora_problem,
+                                               model_problem)
 from disttrain.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -30,7 +31,7 @@ class Progress:
 def train_state(run, progress: Progress) -> dict:
     return {"step": progress.step, "tokens_seen": progress.tokens_seen, **run.engine.state_dict(),
             "loader": run.loader.state_dict(), "balance": run.balancer.state_dict(),
-            "model_fingerprint": run.spec.fingerprint,
+            "model_fingerprint": run.spec.fingerprint, "lora_base": run.lora_base,
             "model": {"family": family_of(run.cfg.model, run.spec),
                       "shape": asdict(run.spec.shape) if run.spec.shape is not None else None},
             "config": run.cfg.model_dump(mode="json", by_alias=True)}
@@ -76,7 +77,11 @@ def check_compatible(run, path: Path) -> dict:
     if problem:
         raise UserError(problem)
     saved = run.ckpt.read_train_state(path)
-    problem = model_problem(saved, family_of(run.cfg.model, run.spec), run.spec.shape, run.spec.fingerprint)
+    problem = model_problem(saved, family_of(run.cfg.model, run.spec), run.spec.shape, run.spec.fingerprint) or \
+        lora_problem(saved, run.cfg)
+    if not problem and run.lora_base and saved.get("lora_base") != run.lora_base:
+        problem = (f"the frozen base differs from the one its LoRA adapters were trained on (fingerprint "
+                   f"{saved.get('lora_base')} when saved, {run.lora_base} now: other weights or train.seed)")
     if problem:
         raise UserError(f"checkpoint.resume={run.cfg.checkpoint.resume}: {path} holds a model that cannot load into "
                         f"this one ({problem}); {NEW_NAME}, or resume with the saved model settings")

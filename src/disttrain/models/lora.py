@@ -1,0 +1,138 @@
+"""LoRA adapters (`model.lora`) through Hugging Face PEFT, put on the single-device model before any
+parallelism is applied.
+
+peft's `inject_adapter_in_model` replaces each targeted `nn.Linear` by its `lora.Linear`: the original
+layer stays as `base_layer`, the pair as `lora_A.default` / `lora_B.default`, and every other parameter
+is frozen. The optimizer then holds state for the adapters only, and checkpoints hold only them plus a
+fingerprint of the base (checkpoint/dcp_io.py, train/resume.py). Data parallel, FSDP2, activation
+checkpointing and the pipeline split compose with these layers unchanged: they see ordinary modules.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import importlib.util
+
+import torch
+from torch import nn
+
+ADAPTER = "default"  # peft's adapter name: parameters are `<module>.lora_A.default.weight`
+INSTALL_HINT = "model.lora needs the peft package: pip install -c constraints.txt 'disttrain[lora]'"
+_SAMPLE = 1 << 16  # leading elements of each base parameter that the fingerprint reads
+
+
+def is_adapter(name: str) -> bool:
+    return ".lora_A." in name or ".lora_B." in name
+
+
+def has_adapters(model: nn.Module) -> bool:
+    return any(is_adapter(n) for n, _ in model.named_parameters())
+
+
+def linear_names(model: nn.Module, spec) -> tuple[list[str], list[str]]:
+    """(every nn.Linear's full name, those inside the repeated blocks: attention and MLP projections)."""
+    blocks = spec.blocks(model)
+    prefix = next(n for n, m in model.named_modules() if m is blocks)
+    every = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    inside = [n for n in every if n.startswith(f"{prefix}.")] if prefix else every
+    return every, inside
+
+
+def matches(name: str, pattern: str) -> bool:
+    """A module name (`q_proj`, `self_attn.q_proj`: any module whose name ends so, peft's rule) or a glob
+    on the full name (`model.layers.0.*`)."""
+    return name == pattern or name.endswith(f".{pattern}") or fnmatch.fnmatchcase(name, pattern)
+
+
+def target_names(model: nn.Module, spec, targets: list[str]) -> list[str]:
+    """The full names of the linear modules `targets` selects; ValueError naming a pattern that selects none."""
+    every, inside = linear_names(model, spec)
+    if not targets:
+        return inside
+    chosen = []
+    for pattern in targets:
+        found = [n for n in every if matches(n, pattern)]
+        if not found:
+            leaves = sorted({n.rsplit(".", 1)[-1] for n in every})
+            raise ValueError(f"model.lora.targets: {pattern!r} matches no linear module of model {spec.name} "
+                             f"(allowed: its linear modules' names, {', '.join(leaves)}, or globs on their full "
+                             f"names, e.g. {every[0] if every else 'none'})")
+        chosen += [n for n in found if n not in chosen]
+    return chosen
+
+
+def lora_problem(spec, cfg, layout) -> str | None:
+    """Why this run cannot train LoRA adapters, in one line; None if it can. Builds the model on the
+    meta device (no memory) to check the targets before anything is written."""
+    lora = cfg.model.lora
+    if lora is None:
+        return None
+    if importlib.util.find_spec("peft") is None:
+        return INSTALL_HINT
+    if cfg.engine == "deepspeed":
+        return "model.lora with engine=deepspeed: adapters train with the torch engine (allowed: engine=torch)"
+    if layout.tp > 1:
+        return (f"model.lora with parallel.tp={layout.tp}: peft's adapter layers do not compose with the "
+                "tensor-parallel plan (allowed with model.lora: parallel.tp=1; shard with parallel.zero_stage=3)")
+    if layout.sharded_optimizer:
+        return ("model.lora with parallel.zero_stage=1: the adapters' optimizer state is small; allowed with "
+                "model.lora: zero_stage 0, 2 or 3")
+    with torch.device("meta"):
+        model = spec.build()
+    try:
+        target_names(model, spec, lora.targets)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def base_fingerprint(model: nn.Module) -> str:
+    """Identifies the frozen base the adapters were trained on: every parameter's name, shape and dtype,
+    its sum and its leading elements (cheap on a 70B model, and any other seed or checkpoint differs)."""
+    digest = hashlib.sha256()
+    for name, param in model.named_parameters():
+        t = param.detach()
+        digest.update(f"{name}:{tuple(t.shape)}:{t.dtype}:{float(t.double().sum()):.17g}".encode())
+        digest.update(t.reshape(-1)[:_SAMPLE].contiguous().view(torch.uint8).cpu().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def peft_config(lora, names: list[str], base: str = ""):
+    """peft's LoraConfig for these exact modules (full names: peft matches a name equal to the target)."""
+    from peft import LoraConfig
+
+    return LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=list(names),
+                      bias="none", base_model_name_or_path=base or None)
+
+
+def apply_lora(model: nn.Module, spec, lora, seed: int) -> str:
+    """Inject adapters into the built, initialised single-device model and freeze the rest; returns the
+    base's fingerprint. lora_A starts from peft's rule (Kaiming-uniform, bound 1/sqrt(in)) drawn from a
+    generator seeded by parameter name, so every layout starts identical; lora_B starts at zero."""
+    from peft import inject_adapter_in_model
+
+    fingerprint = base_fingerprint(model)
+    inject_adapter_in_model(peft_config(lora, target_names(model, spec, lora.targets)), model)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".lora_A." in name:
+                key = int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") >> 1
+                bound = param.shape[1] ** -0.5
+                gen = torch.Generator(device=param.device).manual_seed(key)
+                param.copy_(torch.rand(param.shape, generator=gen, dtype=torch.float64, device=param.device)
+                            .mul_(2 * bound).sub_(bound).to(param.dtype))
+    return fingerprint
+
+
+def merge_lora(model: nn.Module) -> nn.Module:
+    """Fold each adapter into its base weight (peft's own `merge`) and put the plain layer back, so the
+    model has its original parameter names."""
+    from peft.tuners.lora import LoraLayer
+
+    for name, module in list(model.named_modules()):
+        if isinstance(module, LoraLayer):
+            module.merge(adapter_names=[ADAPTER])
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, child, module.get_base_layer())
+    return model
