@@ -1,0 +1,73 @@
+"""A tiny byte-level BPE tokenizer with a ChatML-style chat template, trained offline, saved as a Hugging
+Face tokenizer directory (transformers' own save_pretrained); and a few conversations for tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+VOCAB = 320  # 256 bytes, the special tokens and a few merges: fits model.vocab_size=384
+# ChatML; `markers` wraps each assistant turn's content and end in {% generation %} ... {% endgeneration %}.
+TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+            "{% if m['role'] == 'assistant' %}{G}{{ m['content'] }}<|im_end|>{E}"
+            "{% else %}{{ m['content'] }}<|im_end|>{% endif %}\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+CONVERSATIONS = [
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is two plus two?"},
+     {"role": "assistant", "content": "Four."}, {"role": "user", "content": "And three plus three?"},
+     {"role": "assistant", "content": "Six, of course."}],
+    [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."}],
+    [{"role": "user", "content": "Say hello to the world in a long friendly sentence please."},
+     {"role": "assistant", "content": "Hello, world! It is a fine day to train a small model on chats."}],
+    [{"role": "user", "content": "Count to five."}, {"role": "assistant", "content": "One two three four five."}],
+]
+
+WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
+
+
+def records(n: int = 24) -> list[dict]:
+    """`n` chat records of one to three exchanges (answers of different lengths) and every sixth an
+    instruction record: the number of targets that carry loss differs widely between records."""
+    out = []
+    for i in range(n):
+        if i % 6 == 5:
+            out.append({"prompt": f"Spell {i}:", "completion": " " + " ".join(WORDS[int(d)] for d in str(i))})
+            continue
+        messages = [{"role": "system", "content": "You are terse."}] if i % 2 else []
+        for turn in range(1 + i % 3):
+            a, b = (i + turn) % 10, (3 * i + turn) % 10
+            messages += [{"role": "user", "content": f"What is {WORDS[a]} plus {WORDS[b]}?"},
+                         {"role": "assistant", "content": f"{WORDS[a]} plus {WORDS[b]} is {a + b}." * (1 + turn)}]
+        out.append({"messages": messages})
+    return out
+
+
+def as_messages(record: dict) -> list[dict]:
+    """An instruction record as the user and assistant turns the template renders it as."""
+    if "messages" in record:
+        return record["messages"]
+    return [{"role": "user", "content": record["prompt"]}, {"role": "assistant", "content": record["completion"]}]
+
+
+def template(markers: bool) -> str:
+    g, e = ("{% generation %}", "{% endgeneration %}") if markers else ("", "")
+    return TEMPLATE.replace("{G}", g).replace("{E}", e)
+
+
+def save_chat_tokenizer(directory: Path, markers: bool = True, chat: bool = True) -> Path:
+    """A tokenizer directory; `chat=False` leaves the chat template out."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=SPECIALS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    texts = [m["content"] for c in CONVERSATIONS + [as_messages(r) for r in records()] for m in c]
+    tok.train_from_iterator(texts * 4, trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
+                                   chat_template=template(markers) if chat else None)
+    fast.save_pretrained(directory)
+    return directory

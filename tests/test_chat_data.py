@@ -1,0 +1,293 @@
+"""Chat and instruction data: prepare-data renders records with the tokenizer's own chat template and keeps
+which tokens carry loss; training gives the loss over the answers only. Checked against transformers:
+its assistant masks, and the masked CrossEntropyLoss of the same HF model on the same conversations (with
+packing and without); every layout gives one process's numbers on that data (fp64, 1e-10)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from chat_tokenizer import as_messages, records, save_chat_tokenizer, template
+from helpers import EXACT, FP64, assert_parity, events, final_params, losses, train_many
+
+SEQ_LEN = 128  # every record fits: no truncation in the reference comparisons
+VAL_EVERY = 4  # --val-fraction 0.25: records 4, 8, 12, ... (counting from 1) go to validation
+
+
+def prepare(tmp_path, data: list[dict], tokenizer, *extra: str) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of `disttrain prepare-data` run in this process."""
+    from disttrain.cli import main
+
+    src = tmp_path / "records.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in data))
+    import contextlib
+    import io
+
+    out, err = io.StringIO(), io.StringIO()
+    code = 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            main(["prepare-data", str(src), "--out", str(tmp_path / "out"), "--tokenizer", str(tokenizer), *extra])
+        except SystemExit as exc:
+            code = exc.code
+    return code, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def tokenizers(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tok")
+    return {"markers": save_chat_tokenizer(root / "markers", markers=True),
+            "plain": save_chat_tokenizer(root / "plain", markers=False),
+            "none": save_chat_tokenizer(root / "none", chat=False)}
+
+
+def _reference_masks(tokenizer_dir, data):
+    """transformers' own (ids, assistant mask) per record, from the template with generation markers."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    out = [tok.apply_chat_template(as_messages(r), tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+           for r in data]
+    return [(np.asarray(o["input_ids"]), np.asarray(o["assistant_masks"])) for o in out]
+
+
+def test_turn_by_turn_masks_equal_transformers_generation_masks(tokenizers):
+    """A template without {% generation %} markers: rendering turn by turn finds the same assistant tokens
+    as transformers finds from the markers."""
+    from disttrain.data.chat import ChatRenderer
+
+    renderer = ChatRenderer(tokenizers["plain"])
+    assert renderer.how == "turn-by-turn difference"
+    for (ids, mask), record in zip(_reference_masks(tokenizers["markers"], records()), records()):
+        ours = renderer.encode(record)
+        assert np.array_equal(ours[0], ids) and np.array_equal(ours[1], mask)
+
+
+def test_instruction_records_without_a_template_train_on_the_completion(tokenizers):
+    from transformers import AutoTokenizer
+
+    from disttrain.data.chat import ChatRenderer
+
+    ids, mask = ChatRenderer(tokenizers["none"]).encode({"prompt": "Spell 11:", "completion": " one one"})
+    tok = AutoTokenizer.from_pretrained(tokenizers["none"])
+    assert tok.decode(ids) == "Spell 11: one one<|endoftext|>"
+    assert tok.decode(ids[mask == 1]) == " one one<|endoftext|>"
+
+
+def _naive_first_fit(lengths, capacity):
+    bins, room = [], []
+    for i, n in enumerate(lengths):
+        b = next((b for b, r in enumerate(room) if r >= n), len(bins))
+        if b == len(bins):
+            bins.append([])
+            room.append(capacity)
+        bins[b].append(i)
+        room[b] -= n
+    return bins
+
+
+def test_first_fit_packs_like_the_textbook_rule():
+    from disttrain.data.chat_samples import first_fit
+
+    rng = np.random.default_rng(0)
+    for capacity, n in [(129, 200), (16, 50), (7, 1), (64, 333)]:
+        lengths = rng.integers(1, capacity + 1, n)
+        assert first_fit(lengths, capacity) == _naive_first_fit(lengths.tolist(), capacity)
+
+
+def test_prepare_data_reports_the_mask_share_truncation_and_skipped_records(tmp_path, tokenizers):
+    data = records() + [{"messages": [{"role": "user", "content": "no answer here"}]}]
+    code, out, err = prepare(tmp_path, data, tokenizers["markers"], "--seq-len", "64", "--val-fraction", "0")
+    assert code == 0, err
+    ref = _reference_masks(tokenizers["markers"], records())
+    # cut at 65 tokens including the end token; the rest of each record plus its end token counted
+    cut = [(ids[:64], mask[:64]) if len(ids) + 1 > 65 else (ids, mask) for ids, mask in ref]
+    loss = sum(int(m[1:].sum()) for _, m in cut)
+    tokens = sum(len(ids) + 1 for ids, _ in cut)
+    assert f"loss on {loss / tokens:.1%} of tokens ({loss:,} of {tokens:,})" in out
+    assert f"{len(data)} records read (21 chat, 4 instruction), {len(records())} written" in out
+    truncated = sum(len(ids) + 1 > 65 for ids, _ in ref)
+    assert truncated > 0 and f"warning: {truncated} records were longer than --seq-len 64" in err
+    assert "warning: 1 records were skipped: no token carrying loss" in err
+
+
+def test_parquet_and_saved_datasets_give_the_jsonl_shards(tmp_path, tokenizers):
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from disttrain.cli import main
+
+    data = records(12)
+    chats = [r for r in data if "messages" in r]  # one schema per file, as such datasets ship
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in chats))
+    pq.write_table(pa.Table.from_pylist(chats), tmp_path / "c.parquet")
+    datasets.Dataset.from_list(chats).save_to_disk(str(tmp_path / "c_saved"))
+    written = {}
+    for name in ("c.jsonl", "c.parquet", "c_saved"):
+        main(["prepare-data", str(tmp_path / name), "--out", str(tmp_path / f"out_{name}"), "--tokenizer",
+              str(tokenizers["plain"]), "--val-fraction", "0.25"])
+        written[name] = [(tmp_path / f"out_{name}" / f).read_bytes() for f in
+                         ("train.bin", "train.mask.bin", "train.ends.npy", "val.bin", "val.mask.bin")]
+    assert written["c.jsonl"] == written["c.parquet"] == written["c_saved"]
+    ref = [r for i, r in enumerate(_reference_masks(tokenizers["markers"], chats)) if i % 4 != 3]
+    mask = np.frombuffer(written["c.jsonl"][1], np.uint8)
+    assert int(mask.sum()) == sum(int(m[1:].sum()) for _, m in ref)
+
+
+BROKEN = {  # a template whose markers wrap nothing, or the whole conversation
+    "zeros": template(False).replace("{{ m['content'] }}<|im_end|>{% else %}",
+                                     "{% generation %}{% endgeneration %}{{ m['content'] }}<|im_end|>{% else %}"),
+    "ones": "{% generation %}" + template(False) + "{% endgeneration %}",
+}
+
+
+@pytest.mark.parametrize("case,expected", [
+    ("neither", "row 3: a record with neither 'messages' nor 'prompt'/'completion' (it has: text)"),
+    ("no template", "has no chat template (tokenizer_config.json 'chat_template' or chat_template.jinja); chat "
+                    "records ('messages') need one"),
+    ("zeros", "the loss mask is all zeros"),
+    ("ones", "the loss mask is all ones (every token carries loss"),
+])
+def test_bad_chat_input_is_one_line_and_writes_nothing(case, expected, tmp_path, tokenizers):
+    data, tok = records(4), tokenizers["markers"]
+    if case == "neither":
+        data = data[:2] + [{"text": "plain"}] + data[2:]
+    elif case == "no template":
+        tok = tokenizers["none"]
+    else:
+        from transformers import AutoTokenizer
+
+        broken = AutoTokenizer.from_pretrained(tok)
+        broken.chat_template = BROKEN[case]
+        tok = tmp_path / case
+        broken.save_pretrained(tok)
+    code, out, err = prepare(tmp_path, data, tok)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and expected.replace("row 3", "") in err, err
+    if case == "neither":
+        assert "records.jsonl:3: a record" in err
+    assert not (tmp_path / "out").exists() and not any(p.name.startswith(".out") for p in tmp_path.iterdir())
+
+
+# --- training: the loss over the answers, against transformers, and on every layout ----------------------
+
+@pytest.fixture(scope="module")
+def chat_dir(tmp_path_factory, tokenizers):
+    root = tmp_path_factory.mktemp("chat")
+    code, _, err = prepare(root, records(), tokenizers["markers"], "--seq-len", str(SEQ_LEN), "--val-fraction",
+                           str(1 / VAL_EVERY))
+    assert code == 0, err
+    return root / "out"
+
+
+def _conversations(tokenizer_dir):
+    """(train, val) of transformers' (ids, assistant mask) per record, split as prepare-data splits."""
+    ref = _reference_masks(tokenizer_dir, records())
+    return ([r for i, r in enumerate(ref) if i % VAL_EVERY != VAL_EVERY - 1],
+            [r for i, r in enumerate(ref) if i % VAL_EVERY == VAL_EVERY - 1])
+
+
+def _rows(convs, packing: bool):
+    """Which conversations each sequence holds: one each, or packed first-fit (each with its end token)."""
+    return _naive_first_fit([len(ids) + 1 for ids, _ in convs], SEQ_LEN + 1) if packing else \
+        [[i] for i in range(len(convs))]
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from hf_models import SIZES
+
+    torch.manual_seed(0)
+    directory = tmp_path_factory.mktemp("hf") / "llama"
+    AutoModelForCausalLM.from_config(LlamaConfig(**{**SIZES, "vocab_size": 384}, tie_word_embeddings=False)) \
+        .save_pretrained(directory)
+    return directory
+
+
+COMMON = ("model.vocab_size=384", f"data.seq_len={SEQ_LEN}", "train.steps=4", "train.global_batch_size=8",
+          "train.micro_batch_size=2", "optim.lr=3e-3", "checkpoint.save_final=true", "train.eval_every=4",
+          "train.eval_batches=1", FP64)
+LAYOUTS = {"ddp": (), "zero3": ("parallel.zero_stage=3",), "tp2": ("parallel.tp=2",),
+           "pp2": ("parallel.pp=2", "parallel.pp_schedule=gpipe"), "ddp packed": ("data.packing=true",)}
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory, chat_dir, hf_dir, tokenizers):
+    """One launch of one process: the HF model for one step on the whole training split (one sequence per
+    row, so step 1 reads every row once), packed and not; and the fp64 references of the layouts."""
+    root = tmp_path_factory.mktemp("one")
+    train, _ = _conversations(tokenizers["markers"])
+    jobs = {}
+    for packing in (False, True):
+        rows = len(_rows(train, packing))
+        jobs[f"hf {packing}"] = (root / f"hf_{packing}", (
+            f"data.source={chat_dir}", f"model.hf={hf_dir}", f"data.seq_len={SEQ_LEN}", "train.steps=1",
+            f"train.global_batch_size={rows}", "train.eval_every=1", "train.eval_batches=1", "optim.lr=1e-2", "optim.warmup_steps=0",
+            "checkpoint.save_final=true", f"data.packing={str(packing).lower()}", FP64))
+        jobs[f"ref {packing}"] = (root / f"ref_{packing}", (
+            f"data.source={chat_dir}", *COMMON, "train.micro_batch_size=8", f"data.packing={str(packing).lower()}"))
+    return train_many(jobs, nproc=1)
+
+
+def _hf_loss(model, convs, rows, counts):
+    """transformers' masked CrossEntropyLoss(ignore_index=-100), each conversation on its own, summed over
+    the rows a batch reads (`counts[j]` times row j) and divided by the valid targets."""
+    total, targets = 0.0, 0
+    ce = torch.nn.CrossEntropyLoss(ignore_index=-100, reduction="sum")
+    for row, count in zip(rows, counts):
+        for i in row:
+            ids, mask = convs[i]
+            labels = torch.where(torch.as_tensor(mask) == 1, torch.as_tensor(ids), -100)
+            with torch.no_grad():
+                logits = model(torch.as_tensor(ids)[None]).logits[0]
+            total += count * float(ce(logits[:-1], labels[1:]))
+            targets += count * int((labels[1:] != -100).sum())
+    return total / targets
+
+
+@pytest.mark.parametrize("packing", [False, True], ids=["one per sequence", "packed"])
+def test_loss_equals_transformers_masked_cross_entropy(packing, one_process, hf_dir, tokenizers):
+    """Step 1's loss (initial weights, every training row once) and the validation loss after it (weights
+    from the final checkpoint) equal transformers' on the same conversations."""
+    from transformers import AutoModelForCausalLM
+
+    run = one_process[f"hf {packing}"]
+    train, val = _conversations(tokenizers["markers"])
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float64)
+    for norm in (m for m in model.modules() if type(m).__name__ == "LlamaRMSNorm"):
+        # transformers' RMSNorm rounds through float32 on purpose (for bf16); in fp64 that rounding moves the
+        # loss by ~1e-9, so the reference normalises with the same formula in float64 throughout
+        norm.forward = lambda x, n=norm: n.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) +
+                                                                     n.variance_epsilon))
+    rows = _rows(train, packing)
+    expected = _hf_loss(model, train, rows, [1] * len(rows))
+    assert abs(losses(run)[1] - expected) <= EXACT * expected
+
+    model.load_state_dict(final_params(run, step=1))
+    rows, g = _rows(val, packing), len(rows)  # validation reads g rows in order, round the split
+    counts = [g // len(rows) + (j < g % len(rows)) for j in range(len(rows))]
+    expected = _hf_loss(model, val, rows, counts)
+    (record,) = events(run, "eval")
+    assert abs(record["val_loss"] - expected) <= EXACT * expected
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory, chat_dir):
+    root = tmp_path_factory.mktemp("two")
+    return train_many({name: (root / name.replace(" ", "_"), (f"data.source={chat_dir}", *COMMON, *extra))
+                       for name, extra in LAYOUTS.items()}, nproc=2)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_every_layout_gives_one_process_on_masked_chat_data(layout, two_processes, one_process):
+    reference = one_process[f"ref {'packed' in layout}"]
+    assert_parity(two_processes[layout], reference, step=4)
+    ours, theirs = events(two_processes[layout], "eval"), events(reference, "eval")
+    assert len(ours) == len(theirs) == 1
+    assert abs(ours[0]["val_loss"] - theirs[0]["val_loss"]) <= EXACT * theirs[0]["val_loss"]
