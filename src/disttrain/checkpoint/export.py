@@ -18,7 +18,7 @@ import torch
 
 from disttrain.errors import UserError
 
-FORMATS = ("torch", "safetensors", "hf")
+FORMATS = ("torch", "safetensors", "hf", "peft")
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -74,13 +74,30 @@ def _untie(state: dict[str, torch.Tensor], spec) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in state.items() if k not in drop}
 
 
-def export(checkpoint: str | Path, fmt: str, out: str | Path) -> Path:
+def export(checkpoint: str | Path, fmt: str, out: str | Path, merge_lora: bool = False) -> Path:
+    """`merge_lora`: a LoRA run's adapters folded into its base (lora_export.py); `fmt` peft: the adapters alone."""
     from safetensors.torch import save_file
+
+    from disttrain.checkpoint.lora_export import export_peft, merged_state, run_lora
 
     step_dir = resolve_checkpoint(checkpoint)
     spec = checkpoint_spec(step_dir)
-    state = full_model_state(step_dir)
     out = Path(out)
+    lora = run_lora(step_dir)[0].lora
+    if merge_lora and lora is None:
+        raise UserError(f"--merge-lora: {step_dir} holds a run without LoRA adapters (model.lora unset); allowed "
+                        "for it: convert without --merge-lora")
+    if fmt == "peft":
+        if lora is None or merge_lora:
+            raise UserError(f"--to peft{' --merge-lora' if merge_lora else ''}: " + (
+                "writes the adapters alone, not merged weights (allowed: --to peft, or --to hf --merge-lora)"
+                if lora is not None else f"{step_dir} holds a run without LoRA adapters (model.lora unset); "
+                "allowed for it: --to torch|safetensors|hf"))
+        return _readable(export_peft(step_dir, out))
+    if lora is not None and not merge_lora:
+        raise UserError(f"--to {fmt}: {step_dir} holds LoRA adapters only (the base stays frozen at its source); "
+                        "allowed: --merge-lora for merged weights, or --to peft for the adapters")
+    state = merged_state(step_dir) if merge_lora else full_model_state(step_dir)
     shape = asdict(spec.shape) if spec.shape is not None else {}
     meta = {"format": "disttrain", "shape": json.dumps(shape), "source": str(step_dir)}
     if fmt == "torch":
@@ -99,6 +116,10 @@ def export(checkpoint: str | Path, fmt: str, out: str | Path) -> Path:
         _save_tokenizer_and_generation(step_dir, out)
     else:
         raise ValueError(f"unknown format {fmt!r} (allowed: {', '.join(FORMATS)})")
+    return _readable(out)
+
+
+def _readable(out: Path) -> Path:
     for path in [out, *out.rglob("*")] if out.is_dir() else [out]:
         if path.is_file():
             path.chmod(0o644)  # safetensors writes 0600

@@ -76,7 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     conv = sub.add_parser("convert", help="export a checkpoint as one torch/safetensors file or a HF Llama folder")
     conv.add_argument("checkpoint", help="a run directory (its newest committed checkpoint) or a step directory")
-    conv.add_argument("--to", choices=["safetensors", "torch", "hf"], default="safetensors")
+    conv.add_argument("--to", choices=["safetensors", "torch", "hf", "peft"], default="safetensors",
+                      help="peft: a LoRA run's adapters, for peft.PeftModel.from_pretrained(base, OUT)")
+    conv.add_argument("--merge-lora", action="store_true",
+                      help="a LoRA run: fold the adapters into the base and write ordinary weights")
     conv.add_argument("--out", default=None, help="output file (folder for hf); default: <run>/export/...")
 
     plan_cli.add_parsers(sub)

@@ -82,9 +82,9 @@ def cmd_convert(args: argparse.Namespace) -> None:
         step_dir = resolve_checkpoint(args.checkpoint)
     except FileNotFoundError as exc:
         raise UserError(f"convert {args.checkpoint}: {exc}") from None
-    default = {"torch": "model.pt", "safetensors": "model.safetensors", "hf": "hf"}[args.to]
+    default = {"torch": "model.pt", "safetensors": "model.safetensors", "hf": "hf", "peft": "peft"}[args.to]
     out = Path(args.out) if args.out else step_dir.parent.parent / "export" / default
-    print(f"wrote {export(step_dir, args.to, out)} from {step_dir}")
+    print(f"wrote {export(step_dir, args.to, out, merge_lora=args.merge_lora)} from {step_dir}")
 
 
 def _parse_size(text: str) -> int:

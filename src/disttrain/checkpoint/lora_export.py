@@ -1,0 +1,89 @@
+"""A LoRA run's weights out: the adapters in PEFT's format (`--to peft`), or folded into the base as
+ordinary weights (`--merge-lora`).
+
+The checkpoint holds only the adapters; the base is rebuilt exactly as training built it (the model
+directory's weights, `model.init_from`, or the seeded initialisation) and must match the fingerprint the
+run recorded. Folding uses peft's own `merge`; the adapter folder is what `PeftModel.save_pretrained`
+writes (`adapter_config.json` from peft's LoraConfig, `adapter_model.safetensors` under PEFT's names).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from disttrain.errors import UserError
+
+
+def run_lora(step_dir: Path):
+    """(the run's model config, its train state); the model config's `lora` is None without adapters."""
+    from disttrain.checkpoint.manager import CheckpointManager
+    from disttrain.config import ModelConfig
+
+    state = CheckpointManager.read_train_state(step_dir)
+    return ModelConfig.model_validate(state["config"]["model"]), state
+
+
+def _hf_module_names(spec, modules: list[str]) -> dict[str, str]:
+    """The Hugging Face name of each adapted module (the spec's state-dict adapter, asked per weight)."""
+    if spec.to_hf is None:
+        raise UserError(f"--to peft: model {spec.name} has no Hugging Face name mapping, so PEFT cannot load its "
+                        "adapters (allowed for it: --to torch|safetensors|hf --merge-lora)")
+    names = {}
+    for module in modules:
+        (hf,) = spec.to_hf({f"{module}.weight": torch.empty(0)}).keys()
+        names[module] = hf.removesuffix(".weight")
+    return names
+
+
+def export_peft(step_dir: Path, out: Path) -> Path:
+    """adapter_config.json + adapter_model.safetensors that `PeftModel.from_pretrained(base, out)` loads."""
+    from safetensors.torch import save_file
+
+    from disttrain.checkpoint.export import full_model_state
+    from disttrain.models.lora import is_adapter, peft_config
+    from disttrain.models.registry import model_spec
+
+    model_cfg, _ = run_lora(step_dir)
+    spec = model_spec(model_cfg)
+    state = {k: v for k, v in full_model_state(step_dir).items() if is_adapter(k)}
+    modules = sorted({k.split(".lora_")[0] for k in state})
+    hf = _hf_module_names(spec, modules)
+    tensors = {}
+    for name, tensor in state.items():
+        module, rest = name.split(".lora_")
+        part = "lora_" + rest.split(".")[0]  # lora_A / lora_B; PEFT's files leave the adapter name out
+        tensors[f"base_model.model.{hf[module]}.{part}.weight"] = tensor.clone()
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    peft_config(model_cfg.lora, [hf[m] for m in modules], base=model_cfg.hf).save_pretrained(str(out))
+    return out
+
+
+@torch.no_grad()
+def merged_state(step_dir: Path) -> dict[str, torch.Tensor]:
+    """The base as training built it, with the checkpoint's adapters folded in: fp32, the model's own names."""
+    from disttrain.checkpoint.export import full_model_state, init_from
+    from disttrain.models.lora import apply_lora, merge_lora
+    from disttrain.models.registry import model_spec
+    from disttrain.models.spec import build_model
+
+    model_cfg, state = run_lora(step_dir)
+    config = state["config"]
+    spec = model_spec(model_cfg)
+    fp64 = config.get("precision", {}).get("compute_dtype") == "fp64"
+    seed = int(config.get("train", {}).get("seed", 0))
+    model = build_model(spec, torch.device("cpu"), seed, torch.float64 if fp64 else None)
+    if model_cfg.init_from:
+        init_from(model, model_cfg.init_from, spec)
+    base = apply_lora(model, spec, model_cfg.lora, seed)
+    if state.get("lora_base") and base != state["lora_base"]:
+        raise UserError(f"--merge-lora: the base model rebuilt from the run's config differs from the one its "
+                        f"adapters were trained on (fingerprint {base}, trained on {state['lora_base']}): were "
+                        f"the weights of model.hf={model_cfg.hf or '(none)'} or model.init_from replaced?")
+    params = dict(model.named_parameters())
+    for name, tensor in full_model_state(step_dir).items():
+        params[name].copy_(tensor.to(params[name].dtype))
+    merge_lora(model)
+    return {k: v.detach().float().contiguous() for k, v in model.named_parameters()}
