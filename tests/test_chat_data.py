@@ -143,6 +143,8 @@ BROKEN = {  # a template whose markers wrap nothing, or the whole conversation
     "zeros": template(False).replace("{{ m['content'] }}<|im_end|>{% else %}",
                                      "{% generation %}{% endgeneration %}{{ m['content'] }}<|im_end|>{% else %}"),
     "ones": "{% generation %}" + template(False) + "{% endgeneration %}",
+    "refuses": "{% if messages[0]['role'] == 'system' %}{{ raise_exception('no system turns') }}{% endif %}"
+               + template(False),
 }
 
 
@@ -152,6 +154,7 @@ BROKEN = {  # a template whose markers wrap nothing, or the whole conversation
                     "records ('messages') need one"),
     ("zeros", "the loss mask is all zeros"),
     ("ones", "the loss mask is all ones (every token carries loss"),
+    ("refuses", "records.jsonl:2: the chat template of --tokenizer="),
 ])
 def test_bad_chat_input_is_one_line_and_writes_nothing(case, expected, tmp_path, tokenizers):
     data, tok = records(4), tokenizers["markers"]
@@ -171,6 +174,32 @@ def test_bad_chat_input_is_one_line_and_writes_nothing(case, expected, tmp_path,
     if case == "neither":
         assert "records.jsonl:3: a record" in err
     assert not (tmp_path / "out").exists() and not any(p.name.startswith(".out") for p in tmp_path.iterdir())
+
+
+def test_packing_is_refused_where_conversations_cannot_be_kept_apart(tmp_path, tokenizers):
+    """Packed conversations are kept apart at the end-of-document token: a template that ends turns with it
+    gets a warning from prepare-data and a one-line refusal of data.packing (text shards get one too)."""
+    from transformers import AutoTokenizer
+
+    from disttrain.config import load_config
+    from disttrain.errors import UserError
+    from disttrain.resolve import resolve_run
+    from helpers import DEBUG_CONFIG
+
+    tok = AutoTokenizer.from_pretrained(tokenizers["markers"])
+    tok.chat_template = template(True).replace("<|im_end|>", "<|endoftext|>")
+    tok.save_pretrained(tmp_path / "eos_turns")
+    code, _, err = prepare(tmp_path, records(6), tmp_path / "eos_turns", "--val-fraction", "0")
+    assert code == 0 and "warning: 6 records hold the end-of-document token inside" in err, err
+    (tmp_path / "t.txt").write_text("some text\n\nmore text\n")
+    from disttrain.cli import main
+
+    main(["prepare-data", str(tmp_path / "t.txt"), "--out", str(tmp_path / "text"), "--val-fraction", "0"])
+    for source, expected in [(tmp_path / "out", "6 conversations of"), (tmp_path / "text", "is not chat data")]:
+        cfg = load_config(DEBUG_CONFIG, [f"data.source={source}", "data.packing=true", "model.vocab_size=384"])
+        with pytest.raises(UserError, match=expected):
+            resolve_run(cfg, 1, "cpu")
+        resolve_run(load_config(DEBUG_CONFIG, [f"data.source={source}", "model.vocab_size=384"]), 1, "cpu")
 
 
 # --- training: the loss over the answers, against transformers, and on every layout ----------------------

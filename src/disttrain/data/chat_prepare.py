@@ -14,10 +14,12 @@ from collections import Counter
 from pathlib import Path
 
 import numpy as np
+from jinja2 import TemplateError as JinjaError
+from jinja2 import TemplateSyntaxError
 
 from disttrain.data.chat import ChatRenderer, record_kind
 from disttrain.data.readers import first_record, iter_records
-from disttrain.data.shards import ShardWriter
+from disttrain.data.shards import ShardWriter, is_val_document
 from disttrain.data.tokenizer import HFTokenizer
 
 
@@ -29,8 +31,6 @@ def is_chat_input(paths: list[Path]) -> bool:
 
 def write_chat(paths: list[Path], out: Path, tokenizer: str, val_fraction: float, seq_len: int) -> dict:
     """Render, mask and write every record into `out`; returns meta.json's content (with "chat" stats)."""
-    from disttrain.data.prepare import _is_val
-
     if tokenizer in ("byte", "bpe") or not (Path(tokenizer) / "tokenizer.json").is_file():
         raise ValueError(f"--tokenizer={tokenizer}: chat and instruction records are rendered by a Hugging Face "
                          "tokenizer directory (tokenizer.json, and tokenizer_config.json with its chat template)")
@@ -50,7 +50,13 @@ def write_chat(paths: list[Path], out: Path, tokenizer: str, val_fraction: float
                                  f"{keys}); allowed: chat records {{messages: [{{role, content}}, ...]}} or "
                                  "instruction records {prompt, completion}")
             counts[kind] += 1
-            ids, mask = renderer.encode(record)
+            try:
+                ids, mask = renderer.encode(record)
+            except TemplateSyntaxError as exc:
+                raise ValueError(f"--tokenizer={tokenizer}: its chat template does not parse ({exc})") from None
+            except JinjaError as exc:  # e.g. raise_exception() on a role order the template refuses
+                raise ValueError(f"{where}: the chat template of --tokenizer={tokenizer} refuses this record "
+                                 f"({str(exc).splitlines()[0]})") from None
             mask = mask.copy()
             if len(ids):
                 mask[0] = 0  # nothing before it: never a target
@@ -70,7 +76,7 @@ def write_chat(paths: list[Path], out: Path, tokenizer: str, val_fraction: float
                 continue
             index = counts["written"]
             counts["written"] += 1
-            writer.append("val" if _is_val(index, val_fraction) else "train", ids, mask)
+            writer.append("val" if is_val_document(index, val_fraction) else "train", ids, mask)
             counts["tokens"] += len(ids)
             counts["loss_tokens"] += int(mask.sum())
             shares.append(float(mask.mean()))

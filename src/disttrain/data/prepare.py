@@ -23,6 +23,7 @@ import numpy as np
 
 from disttrain.data.readers import iter_documents
 from disttrain.data.shards import ShardWriter
+from disttrain.data.shards import is_val_document as _is_val
 from disttrain.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
 BATCH_DOCS = 256
@@ -43,13 +44,6 @@ def train_bpe(paths: list[Path], text_key: str, vocab_size: int, out: Path) -> H
     tok.train_from_iterator(iter_documents(paths, text_key), trainer=trainer)
     tok.save(str(out))
     return HFTokenizer(out)
-
-
-def _is_val(doc_index: int, val_fraction: float) -> bool:
-    """Documents k, 2k, 3k, ... (counting from 1) go to validation, k = round(1 / val_fraction); a corpus of
-    fewer documents keeps them all for training (its validation comes from the end of the stream)."""
-    k = max(1, round(1 / val_fraction)) if val_fraction > 0 else 0
-    return k > 0 and doc_index % k == k - 1
 
 
 def _init_worker(tokenizer: str) -> None:

@@ -17,6 +17,13 @@ FORMAT = "disttrain-tokens-v1"
 SPLITS = ("train", "val")
 
 
+def is_val_document(doc_index: int, val_fraction: float) -> bool:
+    """Documents k, 2k, 3k, ... (counting from 1) go to validation, k = round(1 / val_fraction); a corpus of
+    fewer documents keeps them all for training (its validation comes from the end of the stream)."""
+    k = max(1, round(1 / val_fraction)) if val_fraction > 0 else 0
+    return k > 0 and doc_index % k == k - 1
+
+
 def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16 if vocab_size <= 65536 else np.uint32)
 
