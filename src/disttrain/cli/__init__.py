@@ -87,17 +87,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     prep = sub.add_parser("prepare-data", help="tokenize text, JSONL, Parquet or saved datasets into token shards")
     prep.add_argument("inputs", nargs="+", help=".txt (documents split on blank lines), .jsonl(.gz/.zst), .parquet, "
-                                                "a datasets.save_to_disk directory, or a folder of such files")
+                                                "a datasets.save_to_disk directory, or a folder of such files; "
+                                                "records with 'messages' or 'prompt'/'completion' are chat and "
+                                                "instruction data (loss on the answers only)")
     prep.add_argument("--out", required=True, help="output directory (use it as data.source)")
     prep.add_argument("--tokenizer", default="byte", help="byte, bpe (train one), a tokenizer.json path, or a "
-                                                          "Hugging Face model directory (its tokenizer.json)")
+                                                          "Hugging Face model directory (its tokenizer.json; chat "
+                                                          "and instruction data: its chat template too)")
     prep.add_argument("--workers", type=int, default=None, help="tokenizing processes (default: every core)")
     prep.add_argument("--vocab-size", type=int, default=8192, help="BPE vocabulary size")
     prep.add_argument("--val-fraction", type=float, default=0.05,
                       help="every round(1/F)-th document goes to validation (default 0.05: every 20th; 0: none)")
     prep.add_argument("--seq-len", type=int, default=2048,
                       help="validation holds at least 4 sequences of this many tokens, taken from the end of the "
-                           "training text when those documents hold fewer (default 2048)")
+                           "training text when those documents hold fewer; chat data: longer conversations are cut "
+                           "to it (default 2048)")
     prep.add_argument("--text-key", default="text", help="JSONL field / Parquet or dataset column holding the text")
     prep.add_argument("--force", action="store_true", help="write into a non-empty --out")
     return parser
