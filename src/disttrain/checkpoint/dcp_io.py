@@ -19,8 +19,11 @@ from disttrain.models.lora import has_adapters
 
 
 def _options(model) -> StateDictOptions:
+    """Under LoRA, only the trained parameters: DCP refuses a checkpoint lacking any of them, and loading
+    leaves the frozen base (absent from the state) as built."""
     parts = model if isinstance(model, (list, tuple)) else [model]  # a pipeline's stages
-    return StateDictOptions(ignore_frozen_params=any(has_adapters(part) for part in parts))
+    lora = any(has_adapters(part) for part in parts)
+    return StateDictOptions(ignore_frozen_params=lora, strict=not lora)
 
 
 def save(path: Path, model, optimizer, async_group=None, optim_state=None):
