@@ -226,6 +226,34 @@ def _rows(convs, packing: bool):
         [[i] for i in range(len(convs))]
 
 
+@pytest.mark.parametrize("packing", [False, True], ids=["one per sequence", "packed"])
+def test_sequences_hold_whole_conversations_with_targets_only_on_answers(packing, chat_dir, tokenizers):
+    """The training rows, read at a data.seq_len some conversations exceed: each holds transformers'
+    rendering of its conversations (cut to the sequence), end tokens between them and as padding, and
+    targets -100 except on assistant tokens."""
+    from disttrain.data.source import load_samples, truncation_warnings
+
+    seq_len = 48
+    tok, samples, _ = load_samples(str(chat_dir), "auto", seq_len, packing)
+    eos = tok.eos_id
+    train, _ = _conversations(tokenizers["markers"])
+    convs = [(np.append(ids, eos)[:seq_len + 1], np.append(mask, 0)[:seq_len + 1]) for ids, mask in train]
+    rows = _naive_first_fit([len(ids) for ids, _ in convs], seq_len + 1) if packing else \
+        [[i] for i in range(len(convs))]
+    x, y = samples.batch(np.arange(len(samples)))
+    assert len(samples) == len(rows) and x.shape == y.shape == (len(rows), seq_len)
+    for r, row in enumerate(rows):
+        ids = np.concatenate([convs[i][0] for i in row])
+        mask = np.concatenate([np.concatenate([[0], convs[i][1][1:]]) for i in row])
+        full = np.concatenate([ids, np.full(seq_len + 1 - len(ids), eos)])
+        targets = np.where(np.concatenate([mask, np.zeros(seq_len + 1 - len(ids))]) == 1, full, -100)
+        assert np.array_equal(x[r].numpy(), full[:-1]) and np.array_equal(y[r].numpy(), targets[1:])
+    cut = sum(len(ids) + 1 > seq_len + 1 for ids, _ in train)
+    assert cut > 0 and truncation_warnings("D", samples, seq_len) == [
+        f"data.source=D: {cut} training conversations are longer than data.seq_len+1={seq_len + 1} tokens and are "
+        "cut to it (the cut part carries no loss)"]
+
+
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
     from transformers import AutoModelForCausalLM, LlamaConfig
@@ -257,7 +285,8 @@ def one_process(tmp_path_factory, chat_dir, hf_dir, tokenizers):
         rows = len(_rows(train, packing))
         jobs[f"hf {packing}"] = (root / f"hf_{packing}", (
             f"data.source={chat_dir}", f"model.hf={hf_dir}", f"data.seq_len={SEQ_LEN}", "train.steps=1",
-            f"train.global_batch_size={rows}", "train.eval_every=1", "train.eval_batches=1", "optim.lr=1e-2", "optim.warmup_steps=0",
+            f"train.global_batch_size={rows}", "train.eval_every=1", "train.eval_batches=1", "optim.lr=1e-2",
+            "optim.warmup_steps=0",
             "checkpoint.save_final=true", f"data.packing={str(packing).lower()}", FP64))
         jobs[f"ref {packing}"] = (root / f"ref_{packing}", (
             f"data.source={chat_dir}", *COMMON, "train.micro_batch_size=8", f"data.packing={str(packing).lower()}"))

@@ -192,6 +192,14 @@ def load_splits(source: str, tokenizer: str) -> tuple[Tokenizer, dict[str, np.nd
     return tok, {s: _concat(tok.encode_batch(docs), tok.eos_id, dtype) for s, docs in builtin_splits().items()}
 
 
+def truncation_warnings(source, samples, seq_len: int) -> list[str]:
+    """One line when chat data holds conversations longer than a sequence: they are cut to it."""
+    parts = getattr(samples, "parts", [samples])
+    cut = sum(getattr(p, "truncated", 0) for p in parts)
+    return [f"data.source={source}: {cut} training conversations are longer than data.seq_len+1={seq_len + 1} "
+            "tokens and are cut to it (the cut part carries no loss)"] if cut else []
+
+
 def validation_gaps(source, val_samples, seq_len: int) -> list[str]:
     """One line per source whose validation cannot run (no split, or shorter than one sequence), said at the
     start of training: evaluation skips it, and a mixture's would otherwise just be missing from

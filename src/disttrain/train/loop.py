@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from disttrain.data.loader import DistributedBatchLoader, MixtureSamples
 from disttrain.data.sampling import GlobalBatchSampler
-from disttrain.data.source import validation_gaps
+from disttrain.data.source import truncation_warnings, validation_gaps
 from disttrain.errors import EXIT_PREEMPTED
 from disttrain.models.generate import generate
 from disttrain.observe.console import describe_layout, start_line
@@ -141,7 +141,7 @@ class Trainer:
                                    f"{run.tokens_per_step:,} {'tokens' if run.tokenizer is not None else 'samples'}"))
         data = self.cfg.data
         gaps = validation_gaps(data.source, run.val_samples, data.seq_len) if self.cfg.train.eval_every else []
-        for line in [*self.cfg.warnings, *gaps]:
+        for line in [*self.cfg.warnings, *gaps, *truncation_warnings(data.source, run.loader.windows, data.seq_len)]:
             metrics.event("warning", message=line)
             metrics.message(f"warning: {line}")
         if run.layout.balanced:
