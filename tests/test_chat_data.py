@@ -150,6 +150,8 @@ BROKEN = {  # a template whose markers wrap nothing, or the whole conversation
 
 @pytest.mark.parametrize("case,expected", [
     ("neither", "row 3: a record with neither 'messages' nor 'prompt'/'completion' (it has: text)"),
+    ("first neither", "records.jsonl:1 has no 'text' field (use --text-key); chat and instruction records need "
+                      "'messages', or 'prompt' and 'completion'"),
     ("no template", "has no chat template (tokenizer_config.json 'chat_template' or chat_template.jinja); chat "
                     "records ('messages') need one"),
     ("zeros", "the loss mask is all zeros"),
@@ -160,6 +162,8 @@ def test_bad_chat_input_is_one_line_and_writes_nothing(case, expected, tmp_path,
     data, tok = records(4), tokenizers["markers"]
     if case == "neither":
         data = data[:2] + [{"text": "plain"}] + data[2:]
+    elif case == "first neither":
+        data = [{"question": r.get("prompt", "")} for r in data]
     elif case == "no template":
         tok = tokenizers["none"]
     else:

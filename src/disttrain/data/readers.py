@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Iterator
 
 ROWS_PER_BATCH = 1024
+NOT_RECORDS = "; chat and instruction records need 'messages', or 'prompt' and 'completion'"
 SUFFIXES = (".txt", ".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet")
 
 
@@ -90,7 +91,7 @@ def _jsonl(path: Path, text_key: str) -> Iterator[str]:
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{path}:{lineno}: not JSON ({exc.msg})") from None
             if text_key not in record:
-                raise ValueError(f"{path}:{lineno} has no {text_key!r} field (use --text-key)")
+                raise ValueError(f"{path}:{lineno} has no {text_key!r} field (use --text-key)" + NOT_RECORDS)
             yield str(record[text_key])
 
 
@@ -103,7 +104,8 @@ def _parquet(path: Path, text_key: str) -> Iterator[str]:
         raise ValueError(f"{path}: not a readable Parquet file ({str(exc).splitlines()[0]})") from None
     columns = file.schema_arrow.names
     if text_key not in columns:
-        raise ValueError(f"{path} has no column {text_key!r} (columns: {', '.join(columns)}; use --text-key)")
+        raise ValueError(f"{path} has no column {text_key!r} (columns: {', '.join(columns)}; use --text-key)"
+                         + NOT_RECORDS)
     for batch in file.iter_batches(batch_size=ROWS_PER_BATCH, columns=[text_key]):
         yield from (str(t) for t in batch.column(0).to_pylist() if t is not None)
 
@@ -119,7 +121,8 @@ def _saved_dataset(path: Path, text_key: str) -> Iterator[str]:
     if isinstance(ds, datasets.DatasetDict):
         ds = ds["train"] if "train" in ds else next(iter(ds.values()))
     if text_key not in ds.column_names:
-        raise ValueError(f"{path} has no column {text_key!r} (columns: {', '.join(ds.column_names)}; use --text-key)")
+        raise ValueError(f"{path} has no column {text_key!r} (columns: {', '.join(ds.column_names)}; use "
+                         "--text-key)" + NOT_RECORDS)
     for start in range(0, len(ds), ROWS_PER_BATCH):
         yield from (str(t) for t in ds[start:start + ROWS_PER_BATCH][text_key] if t is not None)
 
