@@ -15,7 +15,8 @@ from disttrain.resolve import resolve_run
 from helpers import DEBUG_CONFIG, train
 
 # Loaded through PYTHONPATH into every process of a launch: counts Layout.from_config and
-# model_spec calls per process (rewritten on each call: the CLI leaves through os._exit).
+# model_spec calls per process (rewritten on each call: the CLI leaves through os._exit). A worker
+# forked from its launcher starts from zero: calls are counted per process id.
 COUNTING_HOOK = textwrap.dedent("""
     import json, os, sys
     from pathlib import Path
@@ -23,9 +24,11 @@ COUNTING_HOOK = textwrap.dedent("""
     import disttrain.layout as layout
     import disttrain.models.registry as registry
 
-    counts = {"layouts": 0, "specs": 0}
+    counts = {"layouts": 0, "specs": 0, "pid": os.getpid()}
 
     def _record(kind):
+        if counts["pid"] != os.getpid():
+            counts.update(layouts=0, specs=0, pid=os.getpid())
         counts[kind] += 1
         out = Path(os.environ["DISTTRAIN_COUNT_DIR"]) / f"{os.getpid()}.json"
         out.write_text(json.dumps({**counts, "rank": os.environ.get("RANK"), "argv": sys.argv}))
@@ -63,6 +66,7 @@ def test_a_two_rank_launch_resolves_once_per_process(tmp_path):
     for rank in (0, 1):
         log = (run_dir / "logs" / f"rank_{rank:05d}.log").read_text()
         assert log.count("resolved run: world 2 (pp 1, dp_replicate 1, dp_shard 2, tp 1), model llama") == 1, log
+        assert "(restart 0, forked from the launcher)" in log, log  # no accelerator here: workers are forks
 
 
 def test_resolved_run_holds_what_the_set_up_path_reads():

@@ -6,6 +6,11 @@ import atexit
 import os
 import sys
 
+# Set by disttrain.distributed.forked_worker in a worker forked from its launcher: there the process
+# must end through torchrun's child (which reports a success back), so exit_now raises instead.
+FORKED_WORKER = False
+STARTED_BY_FORK = False  # this process is a worker forked from its launcher (its start line says so)
+
 
 def exit_now(code: int | str | None = 0) -> None:
     """Exit with `code` as `sys.exit` would, without the interpreter's teardown of every module: with
@@ -13,7 +18,7 @@ def exit_now(code: int | str | None = 0) -> None:
     and agent of every launch. atexit handlers still run (logging flushes and closes its files) and
     the standard streams are flushed; callers have closed their own files (the trainer closes its
     sinks). Without torch loaded there is nothing to save: a plain exit."""
-    if "torch" not in sys.modules:
+    if "torch" not in sys.modules or FORKED_WORKER:
         sys.exit(code)
     if isinstance(code, str):
         print(code, file=sys.stderr)

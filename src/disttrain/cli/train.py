@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+from disttrain import process
 from disttrain.config import load_config
 from disttrain.errors import EXIT_HEALTH, EXIT_PREEMPTED, UserError
 
@@ -168,7 +169,8 @@ def _train_here(cfg, env, resolved, fresh: bool) -> None:
 
     _setup_logging(cfg.run_dir, env.rank)
     log = logging.getLogger("disttrain.cli")
-    log.info("process started at %.3f (restart %s)", PROCESS_START, os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    log.info("process started at %.3f (restart %s%s)", PROCESS_START, os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"),
+             ", forked from the launcher" if process.STARTED_BY_FORK else "")
     lay = resolved.layout
     log.info("resolved run: world %d (pp %d, dp_replicate %d, dp_shard %d, tp %d), model %s, tokenizer %s, dtypes "
              "param %s, compute %s, reduce %s", lay.world_size, lay.pp, lay.dp_replicate, lay.dp_shard, lay.tp,

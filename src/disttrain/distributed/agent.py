@@ -5,6 +5,10 @@ When its workers finish, torchrun's agent waits for every other node's agent in 
 those 300 s. This runs torchrun's own `main` with its agent class swapped for one whose barrier lasts
 DISTTRAIN_EXIT_BARRIER_S seconds (set by `disttrain train --exit-barrier-timeout`, default 30): long
 enough for nodes that finish together (the end of a run is a collective), short for a lost node.
+
+On a machine without an accelerator, workers that are Python (`-m MODULE` or a script) are forked from
+this process rather than started as fresh interpreters (distributed/forked_worker.py says why and how);
+DISTTRAIN_WORKER_START=exec keeps fresh interpreters.
 """
 
 from __future__ import annotations
@@ -46,6 +50,43 @@ class _QuietExits(logging.Filter):
         return not (msg.startswith("failed (exitcode: ") and record.args and record.args[0] in QUIET_EXITS)
 
 
+FORKED_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "forked_worker.py")
+
+
+def fork_workers(args) -> bool:
+    """Whether to fork: Python workers, no accelerator (a process that touched CUDA must not fork), and
+    not turned off."""
+    if os.environ.get("DISTTRAIN_WORKER_START", "fork") == "exec" or args.no_python or args.run_path:
+        return False
+    import torch
+
+    return torch.accelerator.current_accelerator() is None
+
+
+def as_forked(args):
+    """torchrun arguments that run the same workers forked: torchrun's `--run-path --start-method fork`
+    on forked_worker.py, which runs the module or script. What the workers import is imported here
+    first, once."""
+    import disttrain.cli  # noqa: F401
+    import disttrain.train.builder  # noqa: F401  (torch's DTensor and DCP, disttrain's training stack)
+    import disttrain.train.loop  # noqa: F401
+
+    target = ["-m", args.training_script] if args.module else [args.training_script]
+    args.training_script_args = [*target, *args.training_script_args]
+    args.training_script, args.module, args.run_path, args.start_method = FORKED_WORKER, False, True, "fork"
+    return args
+
+
+def _run_torchrun(argv: list[str]) -> None:
+    """torchrun's `main` (parse, then run), forking the workers where fork_workers says so."""
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    args = run.parse_args(argv)
+    if fork_workers(args):
+        args = as_forked(args)
+    record(run.run)(args)
+
+
 def launch(argv: list[str]) -> tuple[int, str]:
     """torchrun's own `main` on `argv` in this process: (exit status, torchrun's failure report or "").
     A quiet first failure gives its status and no report."""
@@ -55,7 +96,7 @@ def launch(argv: list[str]) -> tuple[int, str]:
     quiet = _QuietExits()
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(quiet)
     try:
-        run.main(argv)
+        _run_torchrun(argv)
     except SystemExit as exc:  # torchrun's argument errors
         return (exc.code if isinstance(exc.code, int) else 2), ""
     except ChildFailedError as exc:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from disttrain.layout import DTYPE_BYTES, Layout
 from disttrain.models.shape import ModelShape
+from disttrain.plan.params import rank_params
 
 FP32 = 4
 TOKEN_ID = 8  # int64 token ids the embedding's backward keeps
@@ -120,8 +121,6 @@ class StageActivations:
 
 
 def stage_activation_bytes(shape: ModelShape, layout: Layout, pp_rank: int, fused_norm: bool = True) -> StageActivations:
-    from disttrain.plan.memory import rank_params
-
     mb, s = layout.micro_batch, layout.seq_len
     held = rank_params(shape, layout, pp_rank)
     layer = layer_activation_bytes(shape, mb, s, layout, fused_norm)

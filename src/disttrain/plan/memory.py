@@ -20,56 +20,11 @@ from disttrain.layout import DTYPE_BYTES, Layout
 from disttrain.plan.activations import (  # noqa: F401 (re-exported: the planner's memory API)
     StageActivations, korthikanti_in_flight_factor, korthikanti_layer_bytes, layer_activation_bytes,
     stage_activation_bytes)
-from disttrain.splits import split_layers
+from disttrain.plan.params import RankParams, layer_params, rank_params, stage_layers  # noqa: F401 (re-exported)
 
 ACCOUNTINGS = ("runtime", "zero-paper")
 FP32 = 4
 ADAM_MOMENT_BYTES = 8  # exp_avg + exp_avg_sq, fp32
-
-
-@dataclass
-class RankParams:
-    """Parameters one rank holds after tensor and pipeline splitting, before data-parallel sharding."""
-
-    layers: int
-    embedding: bool
-    output: bool
-    block: int  # parameters in those layers
-    root: int  # embeddings, output layer, final norm: FSDP's root unit
-
-    @property
-    def total(self) -> int:
-        return self.block + self.root
-
-
-def layer_params(shape: ModelShape, tp: int = 1) -> int:
-    kv_dim = shape.n_kv_heads * shape.head_dim
-    matrices = 2 * shape.dim * shape.dim + 2 * shape.dim * kv_dim + 3 * shape.dim * shape.ffn_hidden_dim
-    return matrices // tp + 2 * shape.dim  # the two RMSNorm weights are replicated across tp
-
-
-def stage_layers(shape: ModelShape, layout: Layout) -> list[list[int]]:
-    """Layer counts of the (virtual) stages each pipeline rank owns; rank r owns stages r, r+pp, ..."""
-    counts = split_layers(shape.n_layers, layout.pp * layout.stages_per_rank)
-    return [counts[r::layout.pp] for r in range(layout.pp)]
-
-
-def rank_params(shape: ModelShape, layout: Layout, pp_rank: int = 0) -> RankParams:
-    per_stage = stage_layers(shape, layout)[pp_rank]
-    n_stages = layout.pp * layout.stages_per_rank
-    first = pp_rank == 0
-    last = (n_stages - 1) % layout.pp == pp_rank
-    table = shape.vocab_size * shape.dim // layout.tp
-    root = 0
-    if first:
-        root += table
-    if last:
-        root += shape.dim  # final norm
-        # A tied output matrix is the embedding itself when one rank holds both.
-        if not (shape.tie_embeddings and first):
-            root += table
-    layers = sum(per_stage)
-    return RankParams(layers, first, last, layers * layer_params(shape, layout.tp), root)
 
 
 @dataclass
