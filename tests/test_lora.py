@@ -1,0 +1,162 @@
+"""LoRA adapters (model.lora) on a Hugging Face Llama with pretrained weights: only the adapters train;
+every data-parallel, sharded and pipeline layout gives one process's losses and adapters (fp64, 1e-10); a
+resumed run continues exactly; the PEFT export loaded by peft and the merged export loaded by transformers
+give the same logits; bad input is one line."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from hf_models import save_tiny
+from helpers import (EXACT, FP64, assert_losses_close, assert_params_exact, assert_parity, final_params, losses,
+                     run_cli, train_many)
+
+LORA = ("model.lora.rank=4", "model.lora.alpha=8")
+COMMON = ("train.steps=4", "train.global_batch_size=4", "train.micro_batch_size=1", "data.seq_len=64",
+          "optim.lr=3e-3", "checkpoint.save_final=true", "checkpoint.every_steps=2", FP64, *LORA)
+LAYOUTS = {"ddp": (), "zero3": ("parallel.zero_stage=3",), "pp2": ("parallel.pp=2",),
+           "zero2-full-ac": ("parallel.zero_stage=2", "parallel.activation_checkpointing=full")}
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    return save_tiny("llama", tmp_path_factory.mktemp("hf") / "llama", weights_seed=7)
+
+
+@pytest.fixture(scope="module")
+def references(base, tmp_path_factory):
+    """One process, the whole batch in one micro-batch; and a run without LoRA (for --merge-lora's refusal)."""
+    root = tmp_path_factory.mktemp("ref")
+    return train_many({"lora": (root / "lora", (*COMMON, f"model.hf={base}", "train.micro_batch_size=4")),
+                       "plain": (root / "plain", (*COMMON[:-2], "train.steps=2", f"model.hf={base}"))}, nproc=1)
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(base, references, tmp_path_factory):
+    root = tmp_path_factory.mktemp("two")
+    jobs = {name: (root / name, (*COMMON, f"model.hf={base}", *extra)) for name, extra in LAYOUTS.items()}
+    # the interrupted run: what the reference had written when step 2 was saved, resumed under ZeRO-3
+    step2 = references["lora"] / "checkpoints" / "step_00000002"
+    shutil.copytree(step2, root / "resumed" / "checkpoints" / step2.name)
+    jobs["resumed"] = (root / "resumed", (*COMMON, f"model.hf={base}", "parallel.zero_stage=3"))
+    return train_many(jobs, nproc=2)
+
+
+def test_only_the_adapters_train(base):
+    """Through the builder's own pieces on one process: the base gets no gradient and no optimizer state, and
+    stays bitwise what it was; the adapters move."""
+    from disttrain.config import load_config
+    from disttrain.models.lora import apply_lora, is_adapter
+    from disttrain.models.registry import model_spec
+    from disttrain.models.spec import build_model
+    from disttrain.train.optim import build_optimizer
+    from helpers import DEBUG_CONFIG
+
+    cfg = load_config(DEBUG_CONFIG, [f"model.hf={base}", *LORA])
+    spec = model_spec(cfg.model)
+    model = build_model(spec, torch.device("cpu"), 0)
+    apply_lora(model, spec, cfg.model.lora, 0)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    optimizer = build_optimizer(model, cfg.optim)
+    x = torch.randint(0, 256, (2, 16))
+    for _ in range(2):
+        spec.loss_sum(model(x), x).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        spec.loss_sum(model(x), x).backward()
+    adapters = {n for n in before if is_adapter(n)}
+    assert len(adapters) == 4 * 7 * 2  # 4 layers x (q, k, v, o, gate, up, down) x (lora_A, lora_B)
+    in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for name, param in model.named_parameters():
+        if name in adapters:
+            assert id(param) in in_optimizer and param.grad is not None and not torch.equal(param, before[name])
+        else:
+            assert not param.requires_grad and param.grad is None and id(param) not in in_optimizer, name
+            assert torch.equal(param, before[name]), f"{name} changed"
+    assert {id(p) for p in optimizer.state} <= {id(p) for n, p in model.named_parameters() if n in adapters}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_every_layout_gives_one_process_losses_and_adapters(layout, two_rank_runs, references):
+    assert_parity(two_rank_runs[layout], references["lora"], step=4)
+
+
+def test_checkpoint_holds_the_adapters_and_a_fingerprint_of_the_base(references):
+    step = references["lora"] / "checkpoints" / "step_00000004"
+    assert final_params(references["lora"], 4).keys() == {
+        f"model.layers.{i}.{m}.lora_{ab}.default.weight" for i in range(4) for ab in "AB"
+        for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+                  "mlp.up_proj", "mlp.down_proj")}
+    assert len(torch.load(step / "train_state.pt", weights_only=True)["lora_base"]) == 16
+
+
+def test_a_resumed_run_continues_exactly(two_rank_runs, references):
+    resumed, full = losses(two_rank_runs["resumed"]), losses(references["lora"])
+    assert sorted(resumed) == [3, 4]
+    assert_losses_close(resumed, {s: full[s] for s in (3, 4)}, rel=EXACT)
+    assert_params_exact(final_params(two_rank_runs["resumed"], 4), final_params(references["lora"], 4))
+
+
+def test_resuming_with_other_lora_settings_is_refused(references, base):
+    from disttrain.checkpoint.run_identity import check_run_dir
+    from disttrain.config import UserError, load_config
+    from disttrain.resolve import resolve_run
+    from helpers import DEBUG_CONFIG
+
+    run = references["lora"]
+    cfg = load_config(DEBUG_CONFIG, [*COMMON, f"model.hf={base}", f"run.dir={run.parent}", f"run.name={run.name}",
+                                     "model.lora.rank=2"])
+    with pytest.raises(UserError, match="model.lora.rank=4 when saved, 2 now"):
+        check_run_dir(cfg, resolve_run(cfg, 1, "cpu"), "test")
+    without = load_config(DEBUG_CONFIG, [*COMMON[:-2], f"model.hf={base}", f"run.dir={run.parent}",
+                                         f"run.name={run.name}"])
+    with pytest.raises(UserError, match="model.lora=set when saved, absent now"):
+        check_run_dir(without, resolve_run(without, 1, "cpu"), "test")
+
+
+def test_both_exports_load_with_equal_logits(references, base, tmp_path):
+    """The adapters through peft's own loading onto transformers' base, against the merged weights through
+    transformers' from_pretrained alone (fp32)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from disttrain.checkpoint.export import export
+
+    export(references["lora"], "peft", tmp_path / "peft")
+    export(references["lora"], "hf", tmp_path / "merged", merge_lora=True)
+    x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    pretrained = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    with torch.no_grad():
+        base_logits = pretrained(x).logits
+        adapted = PeftModel.from_pretrained(pretrained, tmp_path / "peft").eval()(x).logits
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()(x).logits
+    assert float((adapted - base_logits).abs().max()) > 1e-2  # the adapters trained, and peft applied them
+    torch.testing.assert_close(merged, adapted, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_lora_input_is_one_line(references, base, tmp_path):
+    from disttrain.config import UserError, load_config
+    from disttrain.checkpoint.export import export
+    from disttrain.resolve import resolve_run
+    from helpers import DEBUG_CONFIG
+
+    proc = run_cli("train", str(DEBUG_CONFIG), f"model.hf={base}", "model.lora.targets=[q_prj]",
+                   f"run.dir={tmp_path}", "run.name=bad", check=False)
+    assert proc.returncode == 2 and not (tmp_path / "bad").exists()
+    assert proc.stderr.strip().splitlines() == [
+        "disttrain: error: model.lora.targets: 'q_prj' matches no linear module of model llama (allowed: its "
+        "linear modules' names, down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj, or globs "
+        "on their full names, e.g. model.layers.0.self_attn.q_proj)"]
+    with pytest.raises(UserError, match=r"^model.lora.rank=0: input should be greater than 0$"):
+        load_config(DEBUG_CONFIG, [f"model.hf={base}", "model.lora.rank=0"])
+    with pytest.raises(UserError, match="--merge-lora: .* holds a run without LoRA adapters"):
+        export(references["plain"], "hf", tmp_path / "merged", merge_lora=True)
+    with pytest.raises(UserError, match="--to hf: .* holds LoRA adapters only"):
+        export(references["lora"], "hf", tmp_path / "unmerged")
+    assert not (tmp_path / "merged").exists() and not (tmp_path / "unmerged").exists()
+    cfg = load_config(DEBUG_CONFIG, [f"model.hf={base}", *LORA, "parallel.tp=2"])
+    with pytest.raises(UserError, match="model.lora with parallel.tp=2: peft's adapter layers do not compose"):
+        resolve_run(cfg, 2, "cpu")
