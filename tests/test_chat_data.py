@@ -258,6 +258,19 @@ def test_sequences_hold_whole_conversations_with_targets_only_on_answers(packing
         "cut to it (the cut part carries no loss)"]
 
 
+def test_the_sample_prompt_is_a_user_turn_through_the_chat_template(chat_dir, tokenizers):
+    from transformers import AutoTokenizer
+
+    from disttrain.data.source import source_tokenizer
+
+    tok = source_tokenizer(str(chat_dir), "auto")
+    hf = AutoTokenizer.from_pretrained(tokenizers["markers"])
+    expected = hf.apply_chat_template([{"role": "user", "content": "Name a colour."}], add_generation_prompt=True,
+                                      tokenize=True, return_dict=True)["input_ids"]
+    assert tok.chat_prompt("Name a colour.") == list(expected)
+    assert hf.decode(expected).endswith("<|im_start|>assistant\n") and tok.stop_id == hf.eos_token_id
+
+
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
     from transformers import AutoModelForCausalLM, LlamaConfig

@@ -66,6 +66,14 @@ class ChatTokenizer(HFTokenizer):
         renderer = ChatRenderer(self.directory)
         return renderer.prompt_ids(text) if renderer.template is not None else self.encode_batch([text])[0]
 
+    @property
+    def stop_id(self) -> int | None:
+        """Where a sample ends: the tokenizer's own end token (often the end of an assistant turn)."""
+        from disttrain.data.chat import ChatRenderer
+
+        own = ChatRenderer(self.directory).tok.eos_token_id
+        return self.eos_id if own is None else own
+
 
 def load_tokenizer(spec: str) -> Tokenizer:
     """`byte` or a path to a tokenizer.json."""

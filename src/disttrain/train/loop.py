@@ -291,5 +291,6 @@ class Trainer:
         prompt = chat_prompt(t.sample_prompt) if chat_prompt else run.tokenizer.encode_batch([t.sample_prompt])[0]
         pad = run.layout.tp if run.layout.sequence_parallel else 1
         ids = generate(run.base_model, prompt, t.sample_tokens, run.spec.max_seq_len, seed=t.seed,
-                       stop_id=run.tokenizer.eos_id, pad_multiple=pad, logits_of=run.spec.logits)
+                       stop_id=getattr(run.tokenizer, "stop_id", run.tokenizer.eos_id), pad_multiple=pad,
+                       logits_of=run.spec.logits)
         return run.tokenizer.decode(ids) if run.rt.is_main else None
