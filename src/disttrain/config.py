@@ -233,6 +233,8 @@ class RunConfig(_Section):
         from dataclasses import asdict
 
         tree, note = self.model_dump(mode="json", by_alias=True), ""
+        if tree["model"].get("lora", 0) is None:  # no adapters: the section stays out, like any unset option
+            del tree["model"]["lora"]
         if self.model.hf or self.model.spec:
             tree["model"] = {k: v for k, v in tree["model"].items() if k not in SHAPE_KEYS}
             if self.model.hf:

@@ -93,11 +93,11 @@ def export(checkpoint: str | Path, fmt: str, out: str | Path, merge_lora: bool =
                 "writes the adapters alone, not merged weights (allowed: --to peft, or --to hf --merge-lora)"
                 if lora is not None else f"{step_dir} holds a run without LoRA adapters (model.lora unset); "
                 "allowed for it: --to torch|safetensors|hf"))
-        return _readable(export_peft(step_dir, out))
+        return _readable(export_peft(step_dir, full_model_state(step_dir), out))
     if lora is not None and not merge_lora:
         raise UserError(f"--to {fmt}: {step_dir} holds LoRA adapters only (the base stays frozen at its source); "
                         "allowed: --merge-lora for merged weights, or --to peft for the adapters")
-    state = merged_state(step_dir) if merge_lora else full_model_state(step_dir)
+    state = merged_state(step_dir, full_model_state(step_dir), init_from) if merge_lora else full_model_state(step_dir)
     shape = asdict(spec.shape) if spec.shape is not None else {}
     meta = {"format": "disttrain", "shape": json.dumps(shape), "source": str(step_dir)}
     if fmt == "torch":

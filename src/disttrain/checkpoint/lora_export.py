@@ -37,17 +37,17 @@ def _hf_module_names(spec, modules: list[str]) -> dict[str, str]:
     return names
 
 
-def export_peft(step_dir: Path, out: Path) -> Path:
-    """adapter_config.json + adapter_model.safetensors that `PeftModel.from_pretrained(base, out)` loads."""
+def export_peft(step_dir: Path, adapters: dict[str, torch.Tensor], out: Path) -> Path:
+    """adapter_config.json + adapter_model.safetensors that `PeftModel.from_pretrained(base, out)` loads;
+    `adapters`: the checkpoint's parameters (export.full_model_state)."""
     from safetensors.torch import save_file
 
-    from disttrain.checkpoint.export import full_model_state
     from disttrain.models.lora import is_adapter, peft_config
     from disttrain.models.registry import model_spec
 
     model_cfg, _ = run_lora(step_dir)
     spec = model_spec(model_cfg)
-    state = {k: v for k, v in full_model_state(step_dir).items() if is_adapter(k)}
+    state = {k: v for k, v in adapters.items() if is_adapter(k)}
     modules = sorted({k.split(".lora_")[0] for k in state})
     hf = _hf_module_names(spec, modules)
     tensors = {}
@@ -62,9 +62,9 @@ def export_peft(step_dir: Path, out: Path) -> Path:
 
 
 @torch.no_grad()
-def merged_state(step_dir: Path) -> dict[str, torch.Tensor]:
-    """The base as training built it, with the checkpoint's adapters folded in: fp32, the model's own names."""
-    from disttrain.checkpoint.export import full_model_state, init_from
+def merged_state(step_dir: Path, adapters: dict[str, torch.Tensor], init_from) -> dict[str, torch.Tensor]:
+    """The base as training built it, with the checkpoint's `adapters` folded in: fp32, the model's own names.
+    `init_from(model, path, spec)`: how a run loads `model.init_from` (export.init_from)."""
     from disttrain.models.lora import apply_lora, merge_lora
     from disttrain.models.registry import model_spec
     from disttrain.models.spec import build_model
@@ -83,7 +83,7 @@ def merged_state(step_dir: Path) -> dict[str, torch.Tensor]:
                         f"adapters were trained on (fingerprint {base}, trained on {state['lora_base']}): were "
                         f"the weights of model.hf={model_cfg.hf or '(none)'} or model.init_from replaced?")
     params = dict(model.named_parameters())
-    for name, tensor in full_model_state(step_dir).items():
+    for name, tensor in adapters.items():
         params[name].copy_(tensor.to(params[name].dtype))
     merge_lora(model)
     return {k: v.detach().float().contiguous() for k, v in model.named_parameters()}
