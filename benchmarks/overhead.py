@@ -22,6 +22,7 @@ import statistics
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -72,9 +73,10 @@ def interleaved(names: list[str], command_for, reps: int, short: int, long: int)
 
 
 def disttrain_command(overrides: list[str], steps: int, run_dir: Path) -> list[str]:
-    """configs/bench.yaml on 2 processes with `overrides`."""
+    """configs/bench.yaml on 2 processes with `overrides`, as a run of its own (a run name is one run: a
+    measurement that reused one would be refused, or would resume)."""
     return [sys.executable, "-m", "disttrain", "train", str(REPO / "configs" / "bench.yaml"), f"train.steps={steps}",
-            f"run.dir={run_dir}", *overrides, "--nproc-per-node", "2"]
+            f"run.dir={run_dir}", f"run.name=bench-{uuid.uuid4().hex[:12]}", *overrides, "--nproc-per-node", "2"]
 
 
 def add_common_args(parser: argparse.ArgumentParser, out_name: str) -> None:
