@@ -159,6 +159,19 @@ def _cli(capsys, *args: str) -> tuple[int, str, str]:
     return code, out.out, out.err
 
 
+def test_fits_means_within_the_budget_estimate_and_plan_use():
+    """A peak between the budget (memory less the headroom) and the GPU's whole memory does not fit: one
+    budget for estimate, plan and dry run."""
+    from types import SimpleNamespace
+
+    from disttrain.cli.dryrun import _fit
+
+    memory = 80 * 2**30
+    run = SimpleNamespace(peak_bytes=int(0.95 * memory), bytes={"activations": 2**30, "temporary": 0})
+    assert _fit(run, 0.9 * memory, 1)["fits"] is False
+    assert _fit(run, 1.0 * memory, 1)["fits"] is True
+
+
 def test_dryrun_cli_json_and_bad_input(capsys):
     code, out, err = _cli(capsys, "dryrun", "configs/debug.yaml", "parallel.zero_stage=3", "parallel.dp_shard=-1",
                           "train.global_batch_size=8", "--world-size", "8", "--gpu", "a100-80g", "--json")
@@ -169,6 +182,7 @@ def test_dryrun_cli_json_and_bad_input(capsys):
     assert set(result["bytes"]) == {"parameters", "gradients", "optimizer", "activations", "temporary", "communication"}
     assert set(result["planner"]) == set(result["bytes"]) | {"peak_bytes"}
     assert result["fits"] is True and result["peak_bytes"] == sum(result["bytes"].values())
+    assert result["budget_bytes"] == int(0.9 * 80e9)  # the A100 80GB less 10% kept free, as estimate and plan
     for args, message in [(["engine=deepspeed"], "engine=deepspeed cannot be dry-run"),
                           (["--rank", "9"], "--rank=9: not a rank of --world-size=8"),
                           (["--gpu", "z80"], "z80")]:

@@ -26,6 +26,8 @@ def add_parser(sub) -> None:
     p.add_argument("--rank", type=int, action="append", default=None,
                    help="rank to simulate (repeatable; default: one rank per distinct role)")
     p.add_argument("--gpu", default=None, help=f"fits on this GPU? ({', '.join(GPUS)})")
+    p.add_argument("--headroom", type=float, default=0.1,
+                   help="fraction of GPU memory kept free, as estimate and plan (default 0.1)")
     p.add_argument("--steps", type=int, default=2, help="steps to run (the peak is over all; optimizer states exist "
                                                         "from the second)")
     p.add_argument("--microbatches", type=int, default=None,
@@ -65,12 +67,13 @@ def with_microbatches(cfg, layout, n: int):
 
 
 def dry_run(cfg, world_size: int, ranks: list[int] | None = None, gpu_name: str | None = None, steps: int = 2,
-            progress=None, microbatches: int | None = None) -> dict:
+            progress=None, microbatches: int | None = None, headroom: float = 0.1) -> dict:
     """Simulate each rank and compare with the planner; the JSON `disttrain dryrun --json` prints."""
     if world_size < 1:
         raise UserError(f"--world-size={world_size}: must be at least 1")
     from disttrain.dryrun.simulate import simulate, unsupported
     from disttrain.plan.memory import estimate_memory
+    from disttrain.plan.search import memory_budget
     from disttrain.resolve import resolve_run
 
     resolved = resolve_run(cfg, world_size, "cuda")
@@ -110,7 +113,7 @@ def dry_run(cfg, world_size: int, ranks: list[int] | None = None, gpu_name: str 
                  "collectives": run.collectives, "seconds": round(run.seconds, 2), "host_bytes": run.host_bytes,
                  "planner_host_bytes": int(planned.states.cpu)}
         if gpu is not None:
-            entry.update(_fit(run, gpu.memory_bytes, layout.micro_batch))  # sequences per forward
+            entry.update(_fit(run, memory_budget(gpu.memory_bytes, headroom), layout.micro_batch))
         out.append(entry)
     worst = max(out, key=lambda e: e["peak_bytes"])
     result = {"world_size": world_size, "layout": layout.as_dict(), "gpu": gpu.name if gpu else None, **worst,
@@ -123,13 +126,14 @@ def _error(predicted: float, measured: int) -> float | None:
     return None if measured == 0 else round(predicted / measured - 1, 4)
 
 
-def _fit(run, memory: int, micro_batch: int) -> dict:
-    """Fits with what headroom; the largest micro-batch from the measured bytes per sequence
+def _fit(run, budget: float, micro_batch: int) -> dict:
+    """Fits the memory budget (plan/search.py's memory_budget, the one estimate and plan use) with what
+    to spare; the largest micro-batch (sequences per forward) from the measured bytes per sequence
     (activations and temporaries grow with it, the rest does not)."""
     per_sequence = (run.bytes["activations"] + run.bytes["temporary"]) / micro_batch
     fixed = run.peak_bytes - per_sequence * micro_batch
-    largest = math.floor((memory - fixed) / per_sequence) if per_sequence > 0 else None
-    return {"fits": run.peak_bytes <= memory, "headroom_bytes": memory - run.peak_bytes,
+    largest = math.floor((budget - fixed) / per_sequence) if per_sequence > 0 else None
+    return {"fits": run.peak_bytes <= budget, "budget_bytes": int(budget), "headroom_bytes": int(budget - run.peak_bytes),
             "largest_micro_batch": max(largest, 0) if largest is not None else None}
 
 
@@ -152,9 +156,11 @@ def cmd_dryrun(args: argparse.Namespace, overrides: list[str]) -> None:
     from disttrain.config import load_config
 
     cfg = load_config(args.config, overrides)
+    if not 0 <= args.headroom < 1:
+        raise UserError(f"--headroom={args.headroom}: must be in [0, 1)")
     result = dry_run(cfg, args.world_size, args.rank, args.gpu, args.steps,
                      progress=None if args.json else lambda m: print(m, file=sys.stderr, flush=True),
-                     microbatches=args.microbatches)
+                     microbatches=args.microbatches, headroom=args.headroom)
     print(json.dumps(result, indent=2) if args.json else render(result))
 
 
@@ -185,7 +191,8 @@ def render(result: dict) -> str:
             lines.append(f"  host memory (CPU offload): {_size(r['host_bytes'])} (planner {_size(r['planner_host_bytes'])})")
         if "fits" in r:
             verdict = "fits" if r["fits"] else "does NOT fit"
-            lines.append(f"  on {result['gpu']}: {verdict} (headroom {r['headroom_bytes'] / GIB:+.1f} GiB); largest "
+            lines.append(f"  on {result['gpu']}: {verdict} its {r['budget_bytes'] / GIB:.1f} GiB budget (to spare "
+                         f"{r['headroom_bytes'] / GIB:+.1f} GiB); largest "
                          f"micro-batch ~{r['largest_micro_batch']} (from the measured bytes per sequence)")
     return "\n".join(lines)
 
