@@ -1,5 +1,6 @@
 """LoRA adapters (model.lora) on a Hugging Face Llama with pretrained weights: only the adapters train;
-every data-parallel, sharded and pipeline layout gives one process's losses and adapters (fp64, 1e-10); a
+every data-parallel, sharded, tensor-parallel and pipeline layout gives one process's losses and adapters
+(fp64, 1e-10; the built-in model too under TP); a
 resumed run continues exactly; the PEFT export loaded by peft and the merged export loaded by transformers
 give the same logits; bad input is one line."""
 
@@ -18,7 +19,8 @@ LORA = ("model.lora.rank=4", "model.lora.alpha=8")
 COMMON = ("train.steps=4", "train.global_batch_size=4", "train.micro_batch_size=1", "data.seq_len=64",
           "optim.lr=3e-3", "checkpoint.save_final=true", "checkpoint.every_steps=2", FP64, *LORA)
 LAYOUTS = {"ddp": (), "zero3": ("parallel.zero_stage=3",), "pp2": ("parallel.pp=2",),
-           "zero2-full-ac": ("parallel.zero_stage=2", "parallel.activation_checkpointing=full")}
+           "zero2-full-ac": ("parallel.zero_stage=2", "parallel.activation_checkpointing=full"),
+           "tp2": ("parallel.tp=2", "train.micro_batch_size=2")}  # DTensor costs ~0.1 s per micro-batch here
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +33,8 @@ def references(base, tmp_path_factory):
     """One process, the whole batch in one micro-batch; and a run without LoRA (for --merge-lora's refusal)."""
     root = tmp_path_factory.mktemp("ref")
     return train_many({"lora": (root / "lora", (*COMMON, f"model.hf={base}", "train.micro_batch_size=4")),
-                       "plain": (root / "plain", (*COMMON[:-2], "train.steps=2", f"model.hf={base}"))}, nproc=1)
+                       "plain": (root / "plain", (*COMMON[:-2], "train.steps=2", f"model.hf={base}")),
+                       "builtin": (root / "builtin", (*COMMON, "train.micro_batch_size=4"))}, nproc=1)
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +45,7 @@ def two_rank_runs(base, references, tmp_path_factory):
     step2 = references["lora"] / "checkpoints" / "step_00000002"
     shutil.copytree(step2, root / "resumed" / "checkpoints" / step2.name)
     jobs["resumed"] = (root / "resumed", (*COMMON, f"model.hf={base}", "parallel.zero_stage=3"))
+    jobs["builtin tp2"] = (root / "builtin_tp2", (*COMMON, *LAYOUTS["tp2"]))
     return train_many(jobs, nproc=2)
 
 
@@ -82,6 +86,10 @@ def test_only_the_adapters_train(base):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_every_layout_gives_one_process_losses_and_adapters(layout, two_rank_runs, references):
     assert_parity(two_rank_runs[layout], references["lora"], step=4)
+
+
+def test_the_built_in_model_under_tensor_parallel(two_rank_runs, references):
+    assert_parity(two_rank_runs["builtin tp2"], references["builtin"], step=4)
 
 
 def test_checkpoint_holds_the_adapters_and_a_fingerprint_of_the_base(references):
@@ -157,6 +165,8 @@ def test_bad_lora_input_is_one_line(references, base, tmp_path):
     with pytest.raises(UserError, match="--to hf: .* holds LoRA adapters only"):
         export(references["lora"], "hf", tmp_path / "unmerged")
     assert not (tmp_path / "merged").exists() and not (tmp_path / "unmerged").exists()
-    cfg = load_config(DEBUG_CONFIG, [f"model.hf={base}", *LORA, "parallel.tp=2"])
-    with pytest.raises(UserError, match="model.lora with parallel.tp=2: peft's adapter layers do not compose"):
-        resolve_run(cfg, 2, "cpu")
+    for extra, expected in ((("parallel.sequence_parallel=true",), "model.lora with parallel.sequence_parallel"),
+                            (("model.lora.dropout=0.1",), "model.lora.dropout=0.1 with parallel.tp=2")):
+        cfg = load_config(DEBUG_CONFIG, [f"model.hf={base}", *LORA, "parallel.tp=2", *extra])
+        with pytest.raises(UserError, match=expected):
+            resolve_run(cfg, 2, "cpu")

@@ -6,6 +6,7 @@ layer stays as `base_layer`, the pair as `lora_A.default` / `lora_B.default`, an
 is frozen. The optimizer then holds state for the adapters only, and checkpoints hold only them plus a
 fingerprint of the base (checkpoint/dcp_io.py, train/resume.py). Data parallel, FSDP2, activation
 checkpointing and the pipeline split compose with these layers unchanged: they see ordinary modules.
+Tensor parallelism places the adapters after their base layers (parallel/lora_tp.py).
 """
 
 from __future__ import annotations
@@ -72,9 +73,12 @@ def lora_problem(spec, cfg, layout) -> str | None:
         return INSTALL_HINT
     if cfg.engine == "deepspeed":
         return "model.lora with engine=deepspeed: adapters train with the torch engine (allowed: engine=torch)"
-    if layout.tp > 1:
-        return (f"model.lora with parallel.tp={layout.tp}: peft's adapter layers do not compose with the "
-                "tensor-parallel plan (allowed with model.lora: parallel.tp=1; shard with parallel.zero_stage=3)")
+    if layout.sequence_parallel:
+        return ("model.lora with parallel.sequence_parallel=true: adapters under sequence parallelism are not "
+                "supported yet (allowed with model.lora: sequence_parallel=false; tensor parallel alone works)")
+    if layout.tp > 1 and lora.dropout > 0:
+        return (f"model.lora.dropout={lora.dropout} with parallel.tp={layout.tp}: each tensor-parallel rank would "
+                "drop other inputs of the same adapter (allowed with tp > 1: model.lora.dropout=0)")
     if layout.sharded_optimizer:
         return ("model.lora with parallel.zero_stage=1: the adapters' optimizer state is small; allowed with "
                 "model.lora: zero_stage 0, 2 or 3")

@@ -18,9 +18,18 @@ def apply_tensor_parallel(model: nn.Module, spec, tp_mesh, sequence_parallel: bo
     if spec.tensor_parallel is None:
         raise UserError(f"parallel.tp={tp_mesh.size()}: model {spec.name} has no tensor-parallel plan "
                         "(allowed for it: parallel.tp=1)")
-    spec.tensor_parallel(model, tp_mesh, sequence_parallel)
+    from disttrain.models.lora import has_adapters
+
+    if has_adapters(model):  # the plan names nn.Linear layers, which peft wrapped
+        from disttrain.parallel.lora_tp import bases_in_place, parallelize_adapters
+
+        with bases_in_place(model) as wrappers:
+            spec.tensor_parallel(model, tp_mesh, sequence_parallel)
+        parallelize_adapters(wrappers, tp_mesh)
+    else:
+        spec.tensor_parallel(model, tp_mesh, sequence_parallel)
     for module in model.modules():  # vocabulary-parallel embeddings, whatever the model calls them
-        if isinstance(module, nn.Embedding) and isinstance(module.weight, DTensor):
+        if isinstance(module, nn.Embedding) and isinstance(module.weight, DTensor) and module.weight.requires_grad:
             keep_grad_sharded(module.weight)
 
 
