@@ -170,3 +170,35 @@ def test_bad_lora_input_is_one_line(references, base, tmp_path):
         cfg = load_config(DEBUG_CONFIG, [f"model.hf={base}", *LORA, "parallel.tp=2", *extra])
         with pytest.raises(UserError, match=expected):
             resolve_run(cfg, 2, "cpu")
+
+
+def test_the_planner_counts_the_adapters_and_what_freezing_saves(tmp_path):
+    """The adapters `disttrain estimate` counts are the ones peft puts on the model; the frozen base keeps its
+    weights but no gradients and no optimizer state."""
+    import json
+
+    import yaml
+    from peft import LoraConfig, inject_adapter_in_model
+
+    from disttrain.config import load_config
+    from disttrain.models.registry import model_spec
+    from helpers import DEBUG_CONFIG
+
+    cfg = load_config(DEBUG_CONFIG, [*LORA])
+    spec = model_spec(cfg.model)
+    with torch.device("meta"):
+        model = spec.build()
+    n_base = sum(p.numel() for p in model.parameters())
+    inject_adapter_in_model(LoraConfig(r=4, target_modules=["wq", "wk", "wv", "wo", "w1", "w2", "w3"]), model)
+    adapters = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
+    tree = yaml.safe_load(DEBUG_CONFIG.read_text())
+    tree.setdefault("model", {})["lora"] = {"rank": 4}
+    config = tmp_path / "lora.yaml"
+    config.write_text(yaml.safe_dump(tree))
+    out = {name: json.loads(run_cli("estimate", str(path), "--gpus", "1", "--json").stdout)
+           for name, path in (("full", DEBUG_CONFIG), ("lora", config))}
+    lora, full = out["lora"], out["full"]
+    assert lora["trainable_params_per_rank"] == adapters and lora["params_per_rank"] == n_base + adapters
+    assert full["trainable_params_per_rank"] == full["params_per_rank"] == n_base
+    assert lora["bytes_per_rank"]["grads"] == 4 * adapters and lora["bytes_per_rank"]["optimizer"] == 8 * adapters
+    assert full["bytes_per_rank"]["optimizer"] == 8 * n_base

@@ -63,6 +63,8 @@ def add_parsers(sub) -> None:
                      help="runtime: what disttrain allocates; zero-paper: the ZeRO paper's mixed-precision Adam")
     est.add_argument("--time", action="store_true", help="also predict step time, tokens/s and MFU")
     est.add_argument("--headroom", type=float, default=0.1, help="fraction of GPU memory kept free (as plan)")
+    est.add_argument("--lora-rank", type=int, default=None, help="LoRA adapters of this rank on a frozen base "
+                     "(default: the config's model.lora.rank, else none)")
     est.add_argument("--json", action="store_true")
     add_cluster_args(est)
 
@@ -87,6 +89,7 @@ def add_parsers(sub) -> None:
     plan.add_argument("--zero-stages", default="0,1,2,3", help="comma-separated stages to consider")
     plan.add_argument("--allow-offload", action="store_true", help="consider CPU offload (slow; off by default)")
     plan.add_argument("--top", type=int, default=5)
+    plan.add_argument("--lora-rank", type=int, default=0, help="LoRA adapters of this rank on a frozen base")
     plan.add_argument("--scaling", default=None, help="also plan these GPU counts, e.g. 2,4,8,16,32, and print "
                                                       "the scaling efficiency of each")
     plan.add_argument("--out", default=None, help="write the winner as a config to this path (default: none)")
@@ -189,11 +192,25 @@ def _headroom(args) -> float:
     return args.headroom
 
 
+def _lora_rank(args) -> int:
+    """--lora-rank, else the config's model.lora.rank, else 0 (no adapters)."""
+    if args.lora_rank is None:
+        if not args.config:
+            return 0
+        from disttrain.config import load_config
+
+        lora = load_config(args.config, []).model.lora
+        return lora.rank if lora is not None else 0
+    if args.lora_rank <= 0:
+        raise UserError(f"--lora-rank={args.lora_rank}: must be > 0 (leave it out for full training)")
+    return args.lora_rank
+
+
 def cmd_estimate(args) -> None:
     name, shape, layout = build_layout(args)
     headroom = _headroom(args)
     cluster = _cluster(args, layout.world_size, name, shape) if args.time else None
-    est = estimate(shape, layout, cluster, model=name, accounting=args.accounting)
+    est = estimate(shape, layout, cluster, model=name, accounting=args.accounting, lora_rank=_lora_rank(args))
     gpu_name, memory = gpu_memory(args.gpu, getattr(args, "hardware", None))
     tokens = parse_count("--tokens", args.tokens) if args.tokens else None
     if args.json:
@@ -245,8 +262,10 @@ def cmd_plan(args) -> None:
     if not set(stages) <= {0, 1, 2, 3}:
         raise UserError(f"--zero-stages={args.zero_stages}: allowed stages are 0, 1, 2, 3")
     cluster = _cluster(args, args.gpus, name, shape)
+    if args.lora_rank < 0:
+        raise UserError(f"--lora-rank={args.lora_rank}: must be > 0 (leave it out for full training)")
     space = SearchSpace(seq_len=seq_len, global_batch_size=gbs, zero_stages=stages,
-                        allow_offload=args.allow_offload, param_dtype=args.dtype or "bf16")
+                        allow_offload=args.allow_offload, param_dtype=args.dtype or "bf16", lora_rank=args.lora_rank)
     result = search(shape, cluster, space, args.headroom, model=name)
     tokens = parse_count("--tokens", args.tokens) if args.tokens else None
     if not result.ranked:

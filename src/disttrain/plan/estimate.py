@@ -37,6 +37,7 @@ class Estimate:
             "model": self.model,
             "params": self.shape.num_params(),
             "params_per_rank": self.memory.params_per_rank,
+            "trainable_params_per_rank": self.memory.trainable_per_rank or self.memory.params_per_rank,
             "accounting": self.accounting,
             "layout": self.layout.as_dict(),
             "bytes_per_rank": self.memory.as_dict(),
@@ -52,8 +53,9 @@ class Estimate:
 
 
 def estimate(shape: ModelShape, layout: Layout, cluster: Cluster | None = None, *, model: str = "custom",
-             accounting: str = "runtime", fused_norm: bool = True) -> Estimate:
-    memory = estimate_memory(shape, layout, accounting, fused_norm)
+             accounting: str = "runtime", fused_norm: bool = True, lora_rank: int = 0) -> Estimate:
+    """`lora_rank` > 0: LoRA adapters train on a frozen base (memory only; the step time is the full one's)."""
+    memory = estimate_memory(shape, layout, accounting, fused_norm, lora_rank=lora_rank)
     timing = step_time(shape, layout, cluster) if cluster is not None else None
     return Estimate(model, shape, layout, memory, timing, accounting)
 

@@ -20,7 +20,8 @@ from disttrain.layout import DTYPE_BYTES, Layout
 from disttrain.plan.activations import (  # noqa: F401 (re-exported: the planner's memory API)
     StageActivations, korthikanti_in_flight_factor, korthikanti_layer_bytes, layer_activation_bytes,
     stage_activation_bytes)
-from disttrain.plan.params import RankParams, layer_params, rank_params, stage_layers  # noqa: F401 (re-exported)
+from disttrain.plan.params import (RankParams, layer_params, lora_layer_params, rank_params,  # noqa: F401
+                                   stage_layers)
 
 ACCOUNTINGS = ("runtime", "zero-paper")
 FP32 = 4
@@ -46,24 +47,28 @@ class ModelStates:
 
 
 def model_state_bytes(n_params: float, layout: Layout, accounting: str = "runtime",
-                      largest_unit: float = 0.0, root_params: float = 0.0, largest_tensor: float = 0.0) -> ModelStates:
+                      largest_unit: float = 0.0, root_params: float = 0.0, largest_tensor: float = 0.0,
+                      trainable: float | None = None) -> ModelStates:
     """Bytes of parameters, gradients and optimizer states one rank holds for `n_params` parameters
     (already split by tp/pp). `largest_unit`/`root_params` size FSDP's gather buffers; `largest_tensor`
     (parameters of the biggest one) bounds ZeRO-1's share from below: torch's ZeroRedundancyOptimizer
-    gives whole tensors to ranks, so one rank holds the embedding's states (measured by the dry run)."""
+    gives whole tensors to ranks, so one rank holds the embedding's states (measured by the dry run).
+    `trainable`: the parameters that train (LoRA adapters; None: all); frozen ones have no gradient,
+    no optimizer state and no master copy."""
     pb = DTYPE_BYTES[layout.param_dtype]
     stage = layout.zero_stage
+    t = n_params if trainable is None else trainable
     if accounting == "zero-paper":
         master = 0 if pb == FP32 else FP32
-        p, g, o = pb * n_params, pb * n_params, (master + ADAM_MOMENT_BYTES) * n_params
+        p, g, o = pb * n_params, pb * t, (master + ADAM_MOMENT_BYTES) * t
         d_opt = layout.dp if stage == 1 else layout.dp_shard
         return ModelStates(params=p / (layout.dp_shard if stage >= 3 else 1),
                            grads=g / (layout.dp_shard if stage >= 2 else 1),
                            optimizer=o / (d_opt if stage >= 1 else 1), buffers=0.0,
-                           step_temporary=FP32 * n_params / (d_opt if stage >= 1 else 1))
+                           step_temporary=FP32 * t / (d_opt if stage >= 1 else 1))
     if accounting != "runtime":
         raise ValueError(f"accounting={accounting} (allowed: {', '.join(ACCOUNTINGS)})")
-    p, g, o = FP32 * n_params, FP32 * n_params, ADAM_MOMENT_BYTES * n_params
+    p, g, o = FP32 * n_params, FP32 * t, ADAM_MOMENT_BYTES * t
     if stage <= 1:
         # DDP: gradients are views into its buckets (gradient_as_bucket_view); autocast keeps a
         # low-precision copy of each weight for the backward - of every weight without checkpointing; with
@@ -71,7 +76,7 @@ def model_state_bytes(n_params: float, layout: Layout, accounting: str = "runtim
         # plus the block being recomputed (measured by the dry run: 7b ZeRO-1 selective, 0.6 not 12.6 GiB).
         held_copies = n_params if layout.activation_checkpointing == "none" else root_params + largest_unit
         buffers = pb * held_copies if pb != FP32 else 0.0
-        owned = max(n_params / layout.dp, largest_tensor) if stage == 1 else n_params
+        owned = max(t / layout.dp, largest_tensor) if stage == 1 else t
         return ModelStates(p, g, ADAM_MOMENT_BYTES * owned, buffers, step_temporary=FP32 * owned,
                            first_step_grads=g if layout.dp > 1 else 0.0)
     d = layout.dp_shard
@@ -80,9 +85,9 @@ def model_state_bytes(n_params: float, layout: Layout, accounting: str = "runtim
         buffers = pb * n_params + (pb + rb) * largest_unit
     else:  # current + prefetched block gathered, the root unit kept gathered for backward
         buffers = pb * (2 * largest_unit + root_params) + (pb + rb) * largest_unit
-    states = ModelStates(p / d, g / d, o / d, buffers, step_temporary=FP32 * n_params / d)
+    states = ModelStates(p / d, g / d, o / d, buffers, step_temporary=FP32 * t / d)
     if layout.microbatches > 1:  # on the device even with CPU offload
-        states.unsharded_grads = rb * n_params
+        states.unsharded_grads = rb * t
     if layout.cpu_offload:
         states.cpu = states.params + states.grads + states.optimizer
         states.params = states.grads = states.optimizer = states.step_temporary = 0.0
@@ -106,6 +111,7 @@ class MemoryEstimate:
     pp_rank: int
     moments: dict[str, dict] = field(default_factory=dict)
     per_stage: list[dict] = field(default_factory=list)
+    trainable_per_rank: int | None = None  # LoRA: the adapters (None: every parameter trains)
 
     @property
     def buffers(self) -> float:
@@ -149,9 +155,13 @@ class MemoryEstimate:
 
 
 def _moments(states: ModelStates, acts: StageActivations, layout: Layout, gathered: float, unit: float,
-             root: float, pipe: float) -> dict[str, dict]:
+             root: float, pipe: float, grad_unit: float | None = None,
+             grad_root: float | None = None) -> dict[str, dict]:
     """What is alive at each moment, by category. `gathered`: FSDP's all-gathered parameters held through
-    the step (ZeRO-2: every unit; ZeRO-3: the root unit); `unit`: one block's parameters."""
+    the step (ZeRO-2: every unit; ZeRO-3: the root unit); `unit`: one block's parameters; `grad_unit`,
+    `grad_root`: those of them that get gradients (LoRA: the block's adapters, none of the root's)."""
+    grad_unit = unit if grad_unit is None else grad_unit
+    grad_root = root if grad_root is None else grad_root
     s = states
     pb, rb = DTYPE_BYTES[layout.param_dtype], DTYPE_BYTES[layout.reduce_dtype]
     fsdp = layout.zero_stage >= 2 and layout.engine == "torch"
@@ -166,11 +176,11 @@ def _moments(states: ModelStates, acts: StageActivations, layout: Layout, gather
         moments["loss"] = {"parameters": s.params, "gradients": grads, "optimizer": s.optimizer,
                            "activations": acts.saved + copies, "temporary": (3 if layout.tp > 1 else 2) * acts.logits,
                            "communication": gathered + pipe}
-    block_grads = grads if s.unsharded_grads or not fsdp else pb * root  # the root's unsharded grads, pending
+    block_grads = grads if s.unsharded_grads or not fsdp else pb * grad_root  # the root's unsharded grads, pending
     # The block gathered (ZeRO-3: and the next one prefetched) and its unsharded gradients, unless those
     # are already counted among the accumulated ones.
     gathers = 2 * pb * unit if layout.reshard_after_forward else 0.0
-    in_use = gathers + (0.0 if s.unsharded_grads else (pb + rb) * unit) if fsdp else 0.0
+    in_use = gathers + (0.0 if s.unsharded_grads else (pb + rb) * grad_unit) if fsdp else 0.0
     moments["block"] = {"parameters": s.params, "gradients": block_grads, "optimizer": s.optimizer,
                         "activations": acts.saved - acts.logits + copies, "temporary": acts.layer,
                         "communication": gathered + in_use + pipe}
@@ -186,9 +196,10 @@ def _moments(states: ModelStates, acts: StageActivations, layout: Layout, gather
 
 
 def estimate_memory(shape: ModelShape, layout: Layout, accounting: str = "runtime",
-                    fused_norm: bool = True, pp_rank: int | None = None) -> MemoryEstimate:
+                    fused_norm: bool = True, pp_rank: int | None = None, lora_rank: int = 0) -> MemoryEstimate:
     """The rank that needs the most memory (over pipeline stages), with every stage's total kept;
-    with `pp_rank`, that pipeline rank's."""
+    with `pp_rank`, that pipeline rank's. `lora_rank` > 0: LoRA adapters on every projection train and
+    the base (held as the runtime holds it, in fp32) is frozen."""
     candidates = []
     ranks = {0, layout.pp - 1} | ({1} if layout.pp > 2 else set()) if pp_rank is None else {pp_rank}
     for pp_rank in sorted(ranks):
@@ -196,8 +207,9 @@ def estimate_memory(shape: ModelShape, layout: Layout, accounting: str = "runtim
         unit = layer_params(shape, layout.tp)
         largest = max(shape.dim * shape.ffn_hidden_dim // layout.tp,  # an MLP matrix, or the vocabulary's
                       shape.vocab_size * shape.dim // layout.tp if held.embedding or held.output else 0)
-        states = model_state_bytes(held.total, layout, accounting, largest_unit=unit, root_params=held.root,
-                                   largest_tensor=largest)
+        adapters = held.layers * lora_layer_params(shape, lora_rank, layout.tp) if lora_rank else None
+        states = model_state_bytes(held.total + (adapters or 0), layout, accounting, largest_unit=unit,
+                                   root_params=held.root, largest_tensor=largest, trainable=adapters)
         acts = stage_activation_bytes(shape, layout, pp_rank, fused_norm)
         e = DTYPE_BYTES[layout.param_dtype]
         pipe = 0.0
@@ -207,8 +219,11 @@ def estimate_memory(shape: ModelShape, layout: Layout, accounting: str = "runtim
         gathered = 0.0
         if layout.zero_stage >= 2:
             gathered = pb * (held.total if not layout.reshard_after_forward else held.root)
-        est = MemoryEstimate(held.total, states, acts, pipe, pp_rank)
-        est.moments = _moments(states, acts, layout, gathered, unit if layout.zero_stage >= 2 else 0.0, held.root, pipe)
+        est = MemoryEstimate(held.total + (adapters or 0), states, acts, pipe, pp_rank, trainable_per_rank=adapters)
+        lora_unit = lora_layer_params(shape, lora_rank, layout.tp) if lora_rank else None
+        est.moments = _moments(states, acts, layout, gathered, unit if layout.zero_stage >= 2 else 0.0, held.root, pipe,
+                               grad_unit=lora_unit if layout.zero_stage >= 2 else None,
+                               grad_root=0.0 if lora_rank else None)
         candidates.append(est)
     worst = max(candidates, key=lambda m: m.total)
     worst.per_stage = [{"pp_rank": m.pp_rank, "total": m.total, "activations": m.activations.peak,

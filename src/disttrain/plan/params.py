@@ -53,3 +53,14 @@ def rank_params(shape: ModelShape, layout: Layout, pp_rank: int = 0) -> RankPara
             root += table
     layers = sum(per_stage)
     return RankParams(layers, first, last, layers * layer_params(shape, layout.tp), root)
+
+
+def lora_layer_params(shape: ModelShape, rank: int, tp: int = 1) -> int:
+    """Adapter parameters one rank holds for one layer with LoRA of `rank` on every projection (the default
+    targets): next to a column-parallel base lora_A is whole and lora_B split; next to a row-parallel base
+    (o, down) lora_A is split and lora_B whole (parallel/lora_tp.py)."""
+    kv_dim = shape.n_kv_heads * shape.head_dim
+    d, f = shape.dim, shape.ffn_hidden_dim
+    column = sum(rank * d + rank * out // tp for out in (d, kv_dim, kv_dim, f, f))  # q, k, v, gate, up
+    row = sum(rank * inp // tp + rank * d for inp in (d, f))  # o, down
+    return column + row
