@@ -46,6 +46,8 @@ def two_rank_runs(base, references, tmp_path_factory):
     shutil.copytree(step2, root / "resumed" / "checkpoints" / step2.name)
     jobs["resumed"] = (root / "resumed", (*COMMON, f"model.hf={base}", "parallel.zero_stage=3"))
     jobs["builtin tp2"] = (root / "builtin_tp2", (*COMMON, *LAYOUTS["tp2"]))
+    jobs["zero3 bf16"] = (root / "zero3_bf16", (*COMMON[:-3], *LORA, f"model.hf={base}", "parallel.zero_stage=3",
+                                                "precision.compute_dtype=bf16"))
     return train_many(jobs, nproc=2)
 
 
@@ -90,6 +92,15 @@ def test_every_layout_gives_one_process_losses_and_adapters(layout, two_rank_run
 
 def test_the_built_in_model_under_tensor_parallel(two_rank_runs, references):
     assert_parity(two_rank_runs["builtin tp2"], references["builtin"], step=4)
+
+
+def test_a_bf16_base_with_fp32_adapters_tracks_the_full_precision_run(two_rank_runs, references):
+    """The frozen base stored in bf16 under ZeRO-3 (the adapters and their optimizer in fp32): within half of
+    bf16's unit roundoff (2^-8) of the double-precision losses, as any bf16 run (test_hf.LOW_PRECISION)."""
+    assert_losses_close(losses(two_rank_runs["zero3 bf16"]), losses(references["lora"]), rel=2e-3)
+    adapters = final_params(two_rank_runs["zero3 bf16"], 4)
+    assert adapters.keys() == final_params(references["lora"], 4).keys()
+    assert {t.dtype for t in adapters.values()} == {torch.float32}
 
 
 def test_checkpoint_holds_the_adapters_and_a_fingerprint_of_the_base(references):
@@ -181,7 +192,9 @@ def test_the_planner_counts_the_adapters_and_what_freezing_saves(tmp_path):
     from peft import LoraConfig, inject_adapter_in_model
 
     from disttrain.config import load_config
+    from disttrain.models.lora import apply_lora
     from disttrain.models.registry import model_spec
+    from disttrain.models.spec import build_model
     from helpers import DEBUG_CONFIG
 
     cfg = load_config(DEBUG_CONFIG, [*LORA])
@@ -191,8 +204,12 @@ def test_the_planner_counts_the_adapters_and_what_freezing_saves(tmp_path):
     n_base = sum(p.numel() for p in model.parameters())
     inject_adapter_in_model(LoraConfig(r=4, target_modules=["wq", "wk", "wv", "wo", "w1", "w2", "w3"]), model)
     adapters = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
+    built = build_model(spec, torch.device("cpu"), 0)  # as the runtime stores it under bf16 compute
+    apply_lora(built, spec, cfg.model.lora, 0, base_dtype=torch.bfloat16)
+    stored = sum(p.numel() * p.element_size() for p in built.parameters())
     tree = yaml.safe_load(DEBUG_CONFIG.read_text())
-    tree.setdefault("model", {})["lora"] = {"rank": 4}
+    tree["model"] = {**tree.get("model", {}), "lora": {"rank": 4}}
+    tree["precision"] = {**tree.get("precision", {}), "compute_dtype": "bf16"}
     config = tmp_path / "lora.yaml"
     config.write_text(yaml.safe_dump(tree))
     out = {name: json.loads(run_cli("estimate", str(path), "--gpus", "1", "--json").stdout)
@@ -201,4 +218,5 @@ def test_the_planner_counts_the_adapters_and_what_freezing_saves(tmp_path):
     assert lora["trainable_params_per_rank"] == adapters and lora["params_per_rank"] == n_base + adapters
     assert full["trainable_params_per_rank"] == full["params_per_rank"] == n_base
     assert lora["bytes_per_rank"]["grads"] == 4 * adapters and lora["bytes_per_rank"]["optimizer"] == 8 * adapters
+    assert lora["bytes_per_rank"]["params"] == stored  # a bf16 base, fp32 adapters
     assert full["bytes_per_rank"]["optimizer"] == 8 * n_base

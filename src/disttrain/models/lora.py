@@ -110,15 +110,20 @@ def peft_config(lora, names: list[str], base: str = ""):
                       bias="none", base_model_name_or_path=base or None)
 
 
-def apply_lora(model: nn.Module, spec, lora, seed: int) -> str:
+def apply_lora(model: nn.Module, spec, lora, seed: int, base_dtype: torch.dtype | None = None) -> str:
     """Inject adapters into the built, initialised single-device model and freeze the rest; returns the
     base's fingerprint. lora_A starts from peft's rule (Kaiming-uniform, bound 1/sqrt(in)) drawn from a
-    generator seeded by parameter name, so every layout starts identical; lora_B starts at zero."""
+    generator seeded by parameter name, so every layout starts identical; lora_B starts at zero.
+    `base_dtype` (bf16/fp16 compute): the frozen base is stored in it, half the bytes, since no optimizer
+    updates it; the adapters stay fp32 (autocast computes with both)."""
     from peft import inject_adapter_in_model
 
     fingerprint = base_fingerprint(model)
     inject_adapter_in_model(peft_config(lora, target_names(model, spec, lora.targets)), model)
     with torch.no_grad():
+        for name, param in model.named_parameters():
+            if base_dtype is not None and not is_adapter(name) and param.is_floating_point():
+                param.data = param.data.to(base_dtype)
         for name, param in model.named_parameters():
             if ".lora_A." in name:
                 key = int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") >> 1

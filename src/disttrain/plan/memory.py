@@ -54,7 +54,7 @@ def model_state_bytes(n_params: float, layout: Layout, accounting: str = "runtim
     (parameters of the biggest one) bounds ZeRO-1's share from below: torch's ZeroRedundancyOptimizer
     gives whole tensors to ranks, so one rank holds the embedding's states (measured by the dry run).
     `trainable`: the parameters that train (LoRA adapters; None: all); frozen ones have no gradient,
-    no optimizer state and no master copy."""
+    no optimizer state and no master copy, and the runtime stores them in a bf16/fp16 compute dtype."""
     pb = DTYPE_BYTES[layout.param_dtype]
     stage = layout.zero_stage
     t = n_params if trainable is None else trainable
@@ -68,13 +68,17 @@ def model_state_bytes(n_params: float, layout: Layout, accounting: str = "runtim
                            step_temporary=FP32 * t / (d_opt if stage >= 1 else 1))
     if accounting != "runtime":
         raise ValueError(f"accounting={accounting} (allowed: {', '.join(ACCOUNTINGS)})")
-    p, g, o = FP32 * n_params, FP32 * t, ADAM_MOMENT_BYTES * t
+    low = layout.compute_dtype in ("bf16", "fp16")
+    frozen_bytes = DTYPE_BYTES[layout.compute_dtype] if low else FP32
+    p, g, o = FP32 * t + frozen_bytes * (n_params - t), FP32 * t, ADAM_MOMENT_BYTES * t
     if stage <= 1:
         # DDP: gradients are views into its buckets (gradient_as_bucket_view); autocast keeps a
         # low-precision copy of each weight for the backward - of every weight without checkpointing; with
         # it, a block's copies are remade in its recomputation, so only the uncheckpointed root's stay,
         # plus the block being recomputed (measured by the dry run: 7b ZeRO-1 selective, 0.6 not 12.6 GiB).
         held_copies = n_params if layout.activation_checkpointing == "none" else root_params + largest_unit
+        if trainable is not None and low:  # a frozen base already in the compute dtype needs no copies
+            held_copies = t
         buffers = pb * held_copies if pb != FP32 else 0.0
         owned = max(t / layout.dp, largest_tensor) if stage == 1 else t
         return ModelStates(p, g, ADAM_MOMENT_BYTES * owned, buffers, step_temporary=FP32 * owned,

@@ -123,7 +123,8 @@ def build_run(cfg: RunConfig, rt: Runtime, resolved: ResolvedRun | None = None) 
     if cfg.model.lora is not None:  # resolve_run checked peft, the layout and the targets
         from disttrain.models.lora import apply_lora
 
-        lora_base = apply_lora(model, spec, cfg.model.lora, t.seed)
+        low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(layout.compute_dtype)  # the frozen base's storage
+        lora_base = apply_lora(model, spec, cfg.model.lora, t.seed, base_dtype=low)
     num_params = count_params(model)
     breakdown = StepBreakdown(rt.device)
     breakdown.watch_input_module(model)
