@@ -181,6 +181,10 @@ def test_bad_lora_input_is_one_line(references, base, tmp_path):
         cfg = load_config(DEBUG_CONFIG, [f"model.hf={base}", *LORA, "parallel.tp=2", *extra])
         with pytest.raises(UserError, match=expected):
             resolve_run(cfg, 2, "cpu")
+    from disttrain.dryrun.simulate import unsupported
+
+    cfg = load_config(DEBUG_CONFIG, [*LORA])
+    assert unsupported(cfg, resolve_run(cfg, 2, "cpu").layout).startswith("model.lora cannot be dry-run yet")
 
 
 def test_the_planner_counts_the_adapters_and_what_freezing_saves(tmp_path):

@@ -61,6 +61,9 @@ def unsupported(cfg, layout: Layout) -> str | None:
     if layout.gradient_wrapper == "ddp" and cfg.parallel.ddp_comm_hook != "none":
         return (f"parallel.ddp_comm_hook={cfg.parallel.ddp_comm_hook} cannot be dry-run (the hook reads the "
                 "reduced values back from the process group); allowed: none")
+    if cfg.model.lora is not None:
+        return ("model.lora cannot be dry-run yet (the simulated model would train every parameter); "
+                "`disttrain estimate` counts LoRA's memory")
     return None
 
 
