@@ -24,7 +24,7 @@ def debug_reference_fp32(tmp_path_factory):
 # The longest modules first (seconds on the 2-core machine): with `make test`'s two workers taking one module at
 # a time, the suite ends on short modules instead of one worker idling while the other runs a long one.
 LONGEST_FIRST = ("test_fault_tolerance", "test_model_parallel", "test_hf", "test_deepspeed", "test_observability",
-                 "test_sharding", "test_dryrun", "test_quickstart", "test_balance", "test_loss", "test_chat_data", "test_runtime", "test_user_models", "test_export",
+                 "test_sharding", "test_dryrun", "test_quickstart", "test_balance", "test_loss", "test_chat_data", "test_lora", "test_runtime", "test_user_models", "test_export",
                  "test_demo", "test_parity", "test_resume")
 
 
