@@ -71,7 +71,7 @@ def model_problem(state: dict, family: str, shape: ModelShape | None, fingerprin
     return "another model configuration (its fingerprint differs)"
 
 
-def lora_problem(state: dict, cfg) -> str | None:
+def lora_settings_problem(state: dict, cfg) -> str | None:
     """LoRA settings that make the saved adapters unloadable (switched on or off, another rank or other
     targets) or make another run (alpha, dropout; allowed with run.allow_changes). None if they agree."""
     saved = state.get("config", {}).get("model", {}).get("lora")
@@ -158,7 +158,7 @@ def check_run_dir(cfg, resolved, key: str) -> None:
         return
     spec = resolved.spec
     problem = model_problem(state, family_of(cfg.model, spec), resolved.shape, spec.fingerprint) or \
-        lora_problem(state, cfg)
+        lora_settings_problem(state, cfg)
     if problem:
         way = "or resume with the saved model settings" if mode == "auto" else "or resume another checkpoint"
         raise UserError(f"checkpoint.resume={mode}: {path} holds a model that cannot load into this one "

@@ -10,8 +10,8 @@ from pathlib import Path
 import torch.distributed as dist
 
 from disttrain.checkpoint.compat import config_changes
-from disttrain.checkpoint.run_identity import (NEW_NAME, another_run, family_of, format_problem, lora_problem,
-                                               model_problem)
+from disttrain.checkpoint.run_identity import (NEW_NAME, another_run, family_of, format_problem,
+                                               lora_settings_problem, model_problem)
 from disttrain.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -78,7 +78,7 @@ def check_compatible(run, path: Path) -> dict:
         raise UserError(problem)
     saved = run.ckpt.read_train_state(path)
     problem = model_problem(saved, family_of(run.cfg.model, run.spec), run.spec.shape, run.spec.fingerprint) or \
-        lora_problem(saved, run.cfg)
+        lora_settings_problem(saved, run.cfg)
     if not problem and run.lora_base and saved.get("lora_base") != run.lora_base:
         problem = (f"the frozen base differs from the one its LoRA adapters were trained on (fingerprint "
                    f"{saved.get('lora_base')} when saved, {run.lora_base} now: other weights or train.seed)")
