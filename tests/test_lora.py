@@ -18,7 +18,8 @@ from helpers import (EXACT, FP64, assert_losses_close, assert_params_exact, asse
 LORA = ("model.lora.rank=4", "model.lora.alpha=8")
 COMMON = ("train.steps=4", "train.global_batch_size=4", "train.micro_batch_size=1", "data.seq_len=64",
           "optim.lr=3e-3", "checkpoint.save_final=true", "checkpoint.every_steps=2", FP64, *LORA)
-LAYOUTS = {"ddp": (), "zero3": ("parallel.zero_stage=3",), "pp2": ("parallel.pp=2",),
+LAYOUTS = {"ddp": (), "zero1": ("parallel.zero_stage=1",), "zero3": ("parallel.zero_stage=3",),
+           "pp2": ("parallel.pp=2",),
            "zero2-full-ac": ("parallel.zero_stage=2", "parallel.activation_checkpointing=full"),
            "tp2": ("parallel.tp=2", "train.micro_batch_size=2")}  # DTensor costs ~0.1 s per micro-batch here
 

@@ -43,12 +43,12 @@ def save(path: Path, model, optimizer, async_group=None, optim_state=None):
 def load(path: Path, model, optimizer, optim_template=None):
     """Collective: restore in place. With `optim_template` (ZeRO-1) returns the loaded optimizer
     state for the caller to install; otherwise installs it."""
-    if optim_template is not None:
-        state = {"model": get_model_state_dict(model), "optim": optim_template}
-        dcp.load(state, checkpoint_id=path)
-        set_model_state_dict(model, state["model"])
-        return state["optim"]
     options = _options(model)
+    if optim_template is not None:
+        state = {"model": get_model_state_dict(model, options=options), "optim": optim_template}
+        dcp.load(state, checkpoint_id=path)
+        set_model_state_dict(model, state["model"], options=options)
+        return state["optim"]
     model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=path)

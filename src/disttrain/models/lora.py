@@ -79,9 +79,6 @@ def lora_problem(spec, cfg, layout) -> str | None:
     if layout.tp > 1 and lora.dropout > 0:
         return (f"model.lora.dropout={lora.dropout} with parallel.tp={layout.tp}: each tensor-parallel rank would "
                 "drop other inputs of the same adapter (allowed with tp > 1: model.lora.dropout=0)")
-    if layout.sharded_optimizer:
-        return ("model.lora with parallel.zero_stage=1: the adapters' optimizer state is small; allowed with "
-                "model.lora: zero_stage 0, 2 or 3")
     with torch.device("meta"):
         model = spec.build()
     try:

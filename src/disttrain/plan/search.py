@@ -38,7 +38,7 @@ class SearchSpace:
     allow_offload: bool = False
     param_dtype: str = "bf16"
     virtual_stages: int = VIRTUAL_STAGES
-    lora_rank: int = 0  # > 0: LoRA adapters on a frozen base (no ZeRO-1, no sequence parallel with them)
+    lora_rank: int = 0  # > 0: LoRA adapters on a frozen base (no sequence parallel with them)
 
 
 def layout_families(shape: ModelShape, cluster: Cluster, space: SearchSpace) -> Iterator[Layout]:
@@ -101,8 +101,8 @@ def drop_disproved(result: SearchResult, measured: dict[int, float]) -> SearchRe
 
 
 def _lora_allows(layout: Layout, space: SearchSpace) -> bool:
-    """What training LoRA adapters refuses (models/lora.py): ZeRO-1 and sequence parallelism."""
-    return not space.lora_rank or (layout.zero_stage != 1 and not layout.sequence_parallel)
+    """What training LoRA adapters refuses (models/lora.py): sequence parallelism."""
+    return not space.lora_rank or not layout.sequence_parallel
 
 
 def search(shape: ModelShape, cluster: Cluster, space: SearchSpace, headroom: float = 0.1,
