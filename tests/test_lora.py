@@ -1,6 +1,6 @@
 """LoRA adapters (model.lora) on a Hugging Face Llama with pretrained weights: only the adapters train;
 every data-parallel, sharded, tensor-parallel and pipeline layout gives one process's losses and adapters
-(fp64, 1e-10; the built-in model too under TP); a
+(fp64, 1e-10; the built-in model too under TP + SP); a
 resumed run continues exactly; the PEFT export loaded by peft and the merged export loaded by transformers
 give the same logits; bad input is one line."""
 
@@ -21,7 +21,8 @@ COMMON = ("train.steps=4", "train.global_batch_size=4", "train.micro_batch_size=
 LAYOUTS = {"ddp": (), "zero1": ("parallel.zero_stage=1",), "zero3": ("parallel.zero_stage=3",),
            "pp2": ("parallel.pp=2",),
            "zero2-full-ac": ("parallel.zero_stage=2", "parallel.activation_checkpointing=full"),
-           "tp2": ("parallel.tp=2", "train.micro_batch_size=2")}  # DTensor costs ~0.1 s per micro-batch here
+           "tp2": ("parallel.tp=2", "train.micro_batch_size=2"),  # DTensor costs ~0.1 s per micro-batch here
+           "tp2-sp": ("parallel.tp=2", "parallel.sequence_parallel=true", "train.micro_batch_size=2")}
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +47,7 @@ def two_rank_runs(base, references, tmp_path_factory):
     step2 = references["lora"] / "checkpoints" / "step_00000002"
     shutil.copytree(step2, root / "resumed" / "checkpoints" / step2.name)
     jobs["resumed"] = (root / "resumed", (*COMMON, f"model.hf={base}", "parallel.zero_stage=3"))
-    jobs["builtin tp2"] = (root / "builtin_tp2", (*COMMON, *LAYOUTS["tp2"]))
+    jobs["builtin tp2-sp"] = (root / "builtin_tp2_sp", (*COMMON, *LAYOUTS["tp2-sp"]))
     jobs["zero3 bf16"] = (root / "zero3_bf16", (*COMMON[:-3], *LORA, f"model.hf={base}", "parallel.zero_stage=3",
                                                 "precision.compute_dtype=bf16"))
     return train_many(jobs, nproc=2)
@@ -91,8 +92,8 @@ def test_every_layout_gives_one_process_losses_and_adapters(layout, two_rank_run
     assert_parity(two_rank_runs[layout], references["lora"], step=4)
 
 
-def test_the_built_in_model_under_tensor_parallel(two_rank_runs, references):
-    assert_parity(two_rank_runs["builtin tp2"], references["builtin"], step=4)
+def test_the_built_in_model_under_tensor_and_sequence_parallel(two_rank_runs, references):
+    assert_parity(two_rank_runs["builtin tp2-sp"], references["builtin"], step=4)
 
 
 def test_a_bf16_base_with_fp32_adapters_tracks_the_full_precision_run(two_rank_runs, references):
@@ -177,11 +178,9 @@ def test_bad_lora_input_is_one_line(references, base, tmp_path):
     with pytest.raises(UserError, match="--to hf: .* holds LoRA adapters only"):
         export(references["lora"], "hf", tmp_path / "unmerged")
     assert not (tmp_path / "merged").exists() and not (tmp_path / "unmerged").exists()
-    for extra, expected in ((("parallel.sequence_parallel=true",), "model.lora with parallel.sequence_parallel"),
-                            (("model.lora.dropout=0.1",), "model.lora.dropout=0.1 with parallel.tp=2")):
-        cfg = load_config(DEBUG_CONFIG, [f"model.hf={base}", *LORA, "parallel.tp=2", *extra])
-        with pytest.raises(UserError, match=expected):
-            resolve_run(cfg, 2, "cpu")
+    cfg = load_config(DEBUG_CONFIG, [f"model.hf={base}", *LORA, "parallel.tp=2", "model.lora.dropout=0.1"])
+    with pytest.raises(UserError, match="model.lora.dropout=0.1 with parallel.tp=2: each tensor-parallel rank"):
+        resolve_run(cfg, 2, "cpu")
     from disttrain.dryrun.simulate import unsupported
 
     cfg = load_config(DEBUG_CONFIG, [*LORA])

@@ -73,9 +73,6 @@ def lora_problem(spec, cfg, layout) -> str | None:
         return INSTALL_HINT
     if cfg.engine == "deepspeed":
         return "model.lora with engine=deepspeed: adapters train with the torch engine (allowed: engine=torch)"
-    if layout.sequence_parallel:
-        return ("model.lora with parallel.sequence_parallel=true: adapters under sequence parallelism are not "
-                "supported yet (allowed with model.lora: sequence_parallel=false; tensor parallel alone works)")
     if layout.tp > 1 and lora.dropout > 0:
         return (f"model.lora.dropout={lora.dropout} with parallel.tp={layout.tp}: each tensor-parallel rank would "
                 "drop other inputs of the same adapter (allowed with tp > 1: model.lora.dropout=0)")

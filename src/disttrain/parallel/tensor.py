@@ -23,9 +23,13 @@ def apply_tensor_parallel(model: nn.Module, spec, tp_mesh, sequence_parallel: bo
     if has_adapters(model):  # the plan names nn.Linear layers, which peft wrapped
         from disttrain.parallel.lora_tp import bases_in_place, parallelize_adapters
 
+        frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
         with bases_in_place(model) as wrappers:
             spec.tensor_parallel(model, tp_mesh, sequence_parallel)
-        parallelize_adapters(wrappers, tp_mesh)
+        parallelize_adapters(wrappers, tp_mesh, sequence_parallel)
+        for name, param in model.named_parameters():  # SequenceParallel remakes the norms' weights trainable
+            if name in frozen:
+                param.requires_grad_(False)
     else:
         spec.tensor_parallel(model, tp_mesh, sequence_parallel)
     for module in model.modules():  # vocabulary-parallel embeddings, whatever the model calls them

@@ -38,7 +38,7 @@ class SearchSpace:
     allow_offload: bool = False
     param_dtype: str = "bf16"
     virtual_stages: int = VIRTUAL_STAGES
-    lora_rank: int = 0  # > 0: LoRA adapters on a frozen base (no sequence parallel with them)
+    lora_rank: int = 0  # > 0: LoRA adapters on a frozen base
 
 
 def layout_families(shape: ModelShape, cluster: Cluster, space: SearchSpace) -> Iterator[Layout]:
@@ -100,11 +100,6 @@ def drop_disproved(result: SearchResult, measured: dict[int, float]) -> SearchRe
                         result.rejected_examples)
 
 
-def _lora_allows(layout: Layout, space: SearchSpace) -> bool:
-    """What training LoRA adapters refuses (models/lora.py): sequence parallelism."""
-    return not space.lora_rank or not layout.sequence_parallel
-
-
 def search(shape: ModelShape, cluster: Cluster, space: SearchSpace, headroom: float = 0.1,
            model: str = "custom") -> SearchResult:
     budget = memory_budget(cluster.gpu.memory_bytes, headroom)
@@ -112,7 +107,7 @@ def search(shape: ModelShape, cluster: Cluster, space: SearchSpace, headroom: fl
     for family in layout_families(shape, cluster, space):
         for mbs in micro_batch_sizes(family, space):
             layout = family.with_(micro_batch_size=mbs)
-            if layout_problems(shape, layout) or not _lora_allows(layout, space):
+            if layout_problems(shape, layout):
                 continue
             considered += 1
             est = estimate(shape, layout, cluster, model=model, lora_rank=space.lora_rank)
@@ -130,7 +125,7 @@ def brute_force(shape: ModelShape, cluster: Cluster, space: SearchSpace, headroo
     for family in layout_families(shape, cluster, space):
         for mbs in micro_batch_sizes(family, space):
             layout = family.with_(micro_batch_size=mbs)
-            if not layout_problems(shape, layout) and _lora_allows(layout, space):
+            if not layout_problems(shape, layout):
                 est = estimate(shape, layout, cluster, lora_rank=space.lora_rank)
                 if fits(est, budget):
                     out.append(est)
