@@ -114,6 +114,19 @@ def test_checkpoint_holds_the_adapters_and_a_fingerprint_of_the_base(references)
     assert len(torch.load(step / "train_state.pt", weights_only=True)["lora_base"]) == 16
 
 
+def test_the_base_fingerprint_tells_bases_apart():
+    """What resume and --merge-lora check: the same base built again matches; another seed's does not."""
+    from disttrain.config import load_config
+    from disttrain.models.lora import base_fingerprint
+    from disttrain.models.registry import model_spec
+    from disttrain.models.spec import build_model
+    from helpers import DEBUG_CONFIG
+
+    spec = model_spec(load_config(DEBUG_CONFIG, []).model)
+    first, again, other = (base_fingerprint(build_model(spec, torch.device("cpu"), seed)) for seed in (0, 0, 1))
+    assert first == again != other
+
+
 def test_a_resumed_run_continues_exactly(two_rank_runs, references):
     resumed, full = losses(two_rank_runs["resumed"]), losses(references["lora"])
     assert sorted(resumed) == [3, 4]
