@@ -195,11 +195,9 @@ def _headroom(args) -> float:
 def _lora_rank(args) -> int:
     """--lora-rank, else the config's model.lora.rank, else 0 (no adapters)."""
     if args.lora_rank is None:
-        if not args.config:
-            return 0
         from disttrain.config import load_config
 
-        lora = load_config(args.config, []).model.lora
+        lora = load_config(args.config, []).model.lora if args.config else None
         return lora.rank if lora is not None else 0
     if args.lora_rank <= 0:
         raise UserError(f"--lora-rank={args.lora_rank}: must be > 0 (leave it out for full training)")
