@@ -13,6 +13,8 @@ DISTTRAIN_WORKER_START=exec keeps fresh interpreters.
 
 from __future__ import annotations
 
+import gc
+import importlib
 import logging
 import os
 import sys
@@ -50,6 +52,8 @@ class _QuietExits(logging.Filter):
         return not (msg.startswith("failed (exitcode: ") and record.args and record.args[0] in QUIET_EXITS)
 
 
+# What a forked worker would import first: here once (torch's DTensor and DCP come with the builder).
+PRELOAD = ("disttrain.cli", "disttrain.train.builder", "disttrain.train.loop")
 FORKED_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "forked_worker.py")
 
 
@@ -67,9 +71,10 @@ def as_forked(args):
     """torchrun arguments that run the same workers forked: torchrun's `--run-path --start-method fork`
     on forked_worker.py, which runs the module or script. What the workers import is imported here
     first, once."""
-    import disttrain.cli  # noqa: F401
-    import disttrain.train.builder  # noqa: F401  (torch's DTensor and DCP, disttrain's training stack)
-    import disttrain.train.loop  # noqa: F401
+    for name in PRELOAD:
+        importlib.import_module(name)
+    gc.collect()
+    gc.freeze()  # the children's collections then leave these objects' pages alone (no copy-on-write)
 
     target = ["-m", args.training_script] if args.module else [args.training_script]
     args.training_script_args = [*target, *args.training_script_args]
