@@ -18,17 +18,19 @@ $(DEMO_STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m pip install -q -c constraints.txt -e .
 	touch $(DEMO_STAMP)
 
+# One pip call: torch is in place from the demo's install, so DeepSpeed's setup (which imports it) builds
+# without isolation beside the other extras.
 $(STAMP): $(DEMO_STAMP)
-	$(BIN)/python -m pip install -q -c constraints.txt -e '.[test]'
 	DS_BUILD_OPS=0 $(BIN)/python -m pip install -q -c constraints.txt --no-build-isolation -e '.[test,deepspeed,trackers]'
 	touch $(STAMP)
 
 demo: $(DEMO_STAMP)
 	$(BIN)/disttrain train configs/demo.yaml --nproc-per-node $(NPROC)
 
-# Two pytest workers, one test module each at a time: while one runs a single process, the other's launches
-# use the second core (a test's multi-process runs still get their own processes).
-TEST_WORKERS ?= 2
+# Three pytest workers, one test module each at a time, on this 2-core machine: a test that waits (a
+# restart, a watchdog, a lease) or a process starting up leaves a core idle, which the third fills
+# (9:07 with two workers, 7:33 with three; docs/benchmarks.md).
+TEST_WORKERS ?= 3
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadfile tests
 

@@ -21,11 +21,12 @@ def debug_reference_fp32(tmp_path_factory):
     return train(tmp_path_factory.mktemp("ref32") / "run", *PARITY_FP32, "train.micro_batch_size=4")
 
 
-# The longest modules first (seconds on the 2-core machine): with `make test`'s two workers taking one module at
-# a time, the suite ends on short modules instead of one worker idling while the other runs a long one.
-LONGEST_FIRST = ("test_fault_tolerance", "test_model_parallel", "test_hf", "test_deepspeed", "test_observability",
-                 "test_sharding", "test_dryrun", "test_quickstart", "test_balance", "test_loss", "test_chat_data", "test_lora", "test_runtime", "test_user_models", "test_export",
-                 "test_demo", "test_parity", "test_resume")
+# The longest modules first: with `make test`'s workers taking one module at a time, the suite ends on short
+# modules instead of one worker running a long one while the others idle.
+LONGEST_FIRST = ("test_hf", "test_quickstart", "test_model_parallel", "test_fault_tolerance", "test_planner_grid",
+                 "test_lora", "test_deepspeed", "test_observability", "test_sharding", "test_dryrun", "test_loss",
+                 "test_chat_data", "test_balance", "test_runtime", "test_user_models", "test_export", "test_demo",
+                 "test_parity", "test_plan", "test_resume")
 
 
 def pytest_collection_modifyitems(items):
