@@ -1,6 +1,6 @@
 """What a launch costs before training: `disttrain train configs/debug.yaml --nproc-per-node N` for 2 steps,
-with workers forked from the launcher (the default without an accelerator) against fresh interpreters
-(`DISTTRAIN_WORKER_START=exec`, what plain torchrun does). Wall time and CPU-seconds of the whole process
+with workers forked from the launcher (`DISTTRAIN_WORKER_START=fork`, the test suite's setting) against
+fresh interpreters (`DISTTRAIN_WORKER_START=exec`, the default, and what plain torchrun does). Wall time and CPU-seconds of the whole process
 tree (launcher and workers), in interleaved repetitions; the ratio is taken within a repetition.
 
     python benchmarks/launch_cost.py --reps 4 [--nproc 2]

@@ -18,8 +18,8 @@ RUN = ("train.steps=16", "train.global_batch_size=4", "train.micro_batch_size=1"
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    """The reference, with workers started as fresh interpreters (as plain torchrun does); the runs compared
-    with it fork theirs from the launcher (no accelerator here), so bitwise equality covers both ways."""
+    """The reference, with workers started as fresh interpreters (the default); the runs compared with it
+    fork theirs from the launcher (the suite's setting), so bitwise equality covers both ways."""
     return train(tmp_path_factory.mktemp("ft") / "run", *RUN, nproc=2, env={"DISTTRAIN_WORKER_START": "exec"})
 
 

@@ -66,7 +66,7 @@ def test_a_two_rank_launch_resolves_once_per_process(tmp_path):
     for rank in (0, 1):
         log = (run_dir / "logs" / f"rank_{rank:05d}.log").read_text()
         assert log.count("resolved run: world 2 (pp 1, dp_replicate 1, dp_shard 2, tp 1), model llama") == 1, log
-        assert "(restart 0, forked from the launcher)" in log, log  # no accelerator here: workers are forks
+        assert "(restart 0, forked from the launcher)" in log, log  # the suite's DISTTRAIN_WORKER_START=fork
 
 
 def test_resolved_run_holds_what_the_set_up_path_reads():

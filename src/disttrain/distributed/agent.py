@@ -6,9 +6,10 @@ those 300 s. This runs torchrun's own `main` with its agent class swapped for on
 DISTTRAIN_EXIT_BARRIER_S seconds (set by `disttrain train --exit-barrier-timeout`, default 30): long
 enough for nodes that finish together (the end of a run is a collective), short for a lost node.
 
-On a machine without an accelerator, workers that are Python (`-m MODULE` or a script) are forked from
-this process rather than started as fresh interpreters (distributed/forked_worker.py says why and how);
-DISTTRAIN_WORKER_START=exec keeps fresh interpreters.
+With DISTTRAIN_WORKER_START=fork on a machine without an accelerator, workers that are Python (`-m MODULE`
+or a script) are forked from this process rather than started as fresh interpreters: a launch or restart
+costs half the CPU time (distributed/forked_worker.py says how). Fresh interpreters stay the default: forked
+DDP workers spent 2-3% more CPU per token in the steady state here (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -58,9 +59,9 @@ FORKED_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "forked
 
 
 def fork_workers(args) -> bool:
-    """Whether to fork: Python workers, no accelerator (a process that touched CUDA must not fork), and
-    not turned off."""
-    if os.environ.get("DISTTRAIN_WORKER_START", "fork") == "exec" or args.no_python or args.run_path:
+    """Whether to fork: asked for, Python workers, and no accelerator (a process that touched CUDA must not
+    fork)."""
+    if os.environ.get("DISTTRAIN_WORKER_START", "exec") != "fork" or args.no_python or args.run_path:
         return False
     import torch
 
