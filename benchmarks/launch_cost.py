@@ -11,15 +11,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from overhead import REPO, measure_command
+
 MODES = ("exec", "fork")
 
 
@@ -27,13 +26,8 @@ def measure(mode: str, nproc: int, run_dir: Path) -> dict:
     cmd = [sys.executable, "-m", "disttrain", "train", str(REPO / "configs" / "debug.yaml"), "train.steps=2",
            f"run.dir={run_dir}", f"run.name={mode}-{time.monotonic_ns()}", "checkpoint.save_final=false",
            "--nproc-per-node", str(nproc)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DISTTRAIN_WORKER_START": mode}
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    started = time.perf_counter()
-    subprocess.run(cmd, cwd=REPO, env=env, check=True, capture_output=True)
-    wall = time.perf_counter() - started
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    os.environ["DISTTRAIN_WORKER_START"] = mode  # measure_command passes this process's environment on
+    wall, cpu = measure_command(cmd)
     return {"wall_s": wall, "cpu_s": cpu}
 
 
