@@ -3,7 +3,6 @@ watchdog, health checks, metrics, evaluation and checkpoints. It never asks whic
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass
 
@@ -24,7 +23,6 @@ from disttrain.train.engine import StepResult
 from disttrain.train.resilience import NullWatchdog, StepControl, Watchdog, WatchdogPhases
 from disttrain.train.resume import Progress, maybe_resume, train_state
 
-log = logging.getLogger(__name__)
 
 
 class Preempted(Exception):
@@ -231,9 +229,10 @@ class Trainer:
                 watchdog.touch()  # evaluation and saving are not step time
             self._commit_pending(metrics)
             sample = self.sample() if t.sample_tokens else None
-            if t.sample_tokens and self._no_sample_because():
-                metrics.event("sample_skipped", reason=self._no_sample_because())
-                metrics.message(f"no sample: {self._no_sample_because()}")
+            why_not = self._no_sample_because() if t.sample_tokens else None
+            if why_not:
+                metrics.event("sample_skipped", reason=why_not)
+                metrics.message(f"no sample: {why_not}")
             if sample is not None:
                 metrics.message(f"sample: {t.sample_prompt}{sample}")
                 metrics.event("sample", step=p.step, prompt=t.sample_prompt, text=sample)
