@@ -10,25 +10,43 @@ from disttrain.models.registry import MODEL_SHAPES
 from helpers import REPO
 
 
-def test_readme_lists_every_registry_shape_as_it_is():
-    text = (REPO / "README.md").read_text()
-    header = text.index("| `name` | `dim` | `n_layers`")
-    lines = text[header:].split("\n\n")[0].splitlines()
+def _table(text: str, header: str) -> tuple[list[str], dict[str, dict[str, str]]]:
+    lines = text[text.index(header):].split("\n\n")[0].splitlines()
     keys = [k.strip(" `") for k in lines[0].strip("|").split("|")]
     rows = {}
     for line in lines[2:]:
         cells = dict(zip(keys, (c.strip(" `") for c in line.strip("|").split("|"))))
         rows[cells.pop("name")] = cells
-    assert list(rows) == list(MODEL_SHAPES)
+    return keys, rows
+
+
+def _count(cell: str) -> float:
+    return float(cell[:-1]) * {"M": 1e6, "B": 1e9}[cell[-1]]
+
+
+def test_readme_lists_every_registry_shape_as_it_is():
+    text = (REPO / "README.md").read_text()
+    keys, rows = _table(text, "| `name` | `dim` | `n_layers` | `n_heads` | `n_kv_heads` | `ffn_hidden_dim`")
+    moe_keys, moe_rows = _table(text, "| `name` | `dim` | `n_layers` | `n_heads` | `n_kv_heads` | `num_experts`")
+    assert list(rows) + list(moe_rows) == list(MODEL_SHAPES)
     for name, shape in MODEL_SHAPES.items():
-        fields, row = asdict(shape), rows[name]
-        for key in keys[1:-1]:
+        moe = shape.moe is not None
+        fields, row, columns = asdict(shape), (moe_rows if moe else rows)[name], (moe_keys if moe else keys)
+        fields.update(fields.pop("moe") or {})
+        for key in [k for k in columns[1:] if k not in ("parameters", "active")]:
             value = fields[key]
             assert row[key] == (str(value).lower() if isinstance(value, bool) else f"{value:g}"), (name, key)
-        count, unit = float(row["parameters"][:-1]), {"M": 1e6, "B": 1e9}[row["parameters"][-1]]
-        assert abs(count * unit - shape.num_params()) <= 0.005 * unit, name
-    # published sizes of the shapes named after models: Llama 2 7B/13B/70B, Llama 3.2 1B
+        unit = 1e6 if row["parameters"].endswith("M") else 1e9
+        assert abs(_count(row["parameters"]) - shape.num_params()) <= 0.005 * unit, name
+        if moe:
+            assert abs(_count(row["active"]) - shape.num_params(active=True)) <= 0.005 * unit, name
+    # published sizes of the shapes named after models: Llama 2 7B/13B/70B, Llama 3.2 1B, and the MoE models'
+    # total / active counts (Mixtral 8x7B 46.7B / 12.9B, Qwen3-30B-A3B 30.5B / 3.3B, Qwen3-235B-A22B 235B / 22B)
     assert [rows[n]["parameters"] for n in ("7b", "13b", "70b", "1b")] == ["6.74B", "13.02B", "68.98B", "1.24B"]
+    published = {"mixtral-8x7b": (46.7e9, 12.9e9), "qwen3-30b-a3b": (30.5e9, 3.3e9), "qwen3-235b-a22b": (235e9, 22e9)}
+    for name, (total, active) in published.items():
+        assert abs(MODEL_SHAPES[name].num_params() / total - 1) < 0.01, name
+        assert abs(MODEL_SHAPES[name].num_params(active=True) / active - 1) < 0.02, name
 
 
 def _make_commands(target: str, tmp_path) -> str:

@@ -7,6 +7,27 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
+class MoEShape:
+    """The mixture-of-experts part of a decoder: blocks whose MLP is a router over SwiGLU experts.
+    Field names follow transformers' MoE configs (Qwen3-MoE, DeepSeek-V3) so that an HF config maps one to one."""
+    num_experts: int
+    num_experts_per_tok: int  # top-k experts each token runs through
+    moe_intermediate_size: int  # each expert's SwiGLU width
+    n_shared_experts: int = 0  # experts every token runs through, each moe_intermediate_size wide
+    first_k_dense_replace: int = 0  # leading blocks that keep a dense MLP of ffn_hidden_dim
+    scoring_func: str = "softmax"  # router scores: "softmax", or "sigmoid" with the top-k renormalised (DeepSeek-V3)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer >= self.first_k_dense_replace
+
+    def layer_params(self, dim: int, active: bool = False) -> int:
+        """One MoE layer's MLP parameters: the router, the routed experts (all, or the top-k a token uses when
+        `active`) and the shared experts."""
+        experts = self.num_experts_per_tok if active else self.num_experts
+        return dim * self.num_experts + (experts + self.n_shared_experts) * 3 * dim * self.moe_intermediate_size
+
+
+@dataclass(frozen=True)
 class ModelShape:
     dim: int
     n_layers: int
@@ -20,19 +41,22 @@ class ModelShape:
     rope_theta: float = 10000.0
     qkv_bias: bool = False  # q/k/v projections with biases (Qwen2)
     head_size: int = 0  # 0: dim / n_heads; set when a family decouples the two (Qwen3, Gemma)
+    moe: MoEShape | None = None  # None: every block has a dense SwiGLU MLP
 
     @property
     def head_dim(self) -> int:
         return self.head_size or self.dim // self.n_heads
 
-    def num_params(self, include_embedding: bool = True) -> int:
-        """Exact parameter count of a Llama-style decoder (SwiGLU MLP, GQA, RMSNorm, no biases)."""
+    def num_params(self, include_embedding: bool = True, active: bool = False) -> int:
+        """Exact parameter count of a Llama-style decoder (SwiGLU MLP, GQA, RMSNorm, no biases). With `active`,
+        an MoE model's count holds only the experts one token runs through (what its FLOPs per token follow)."""
         q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         attn = self.dim * q_dim * 2 + self.dim * kv_dim * 2 + (q_dim + 2 * kv_dim if self.qkv_bias else 0)
-        mlp = 3 * self.dim * self.ffn_hidden_dim
-        per_layer = attn + mlp + 2 * self.dim
+        dense_mlp = 3 * self.dim * self.ffn_hidden_dim
+        mlps = sum(self.moe.layer_params(self.dim, active) if self.moe and self.moe.is_moe_layer(layer)
+                   else dense_mlp for layer in range(self.n_layers))
         embedding = self.vocab_size * self.dim
         output = 0 if self.tie_embeddings else self.vocab_size * self.dim
-        total = self.n_layers * per_layer + self.dim + output
+        total = self.n_layers * (attn + 2 * self.dim) + mlps + self.dim + output
         return total + (embedding if include_embedding else 0)
 

@@ -65,7 +65,7 @@ def shape_for_params(n_params: float) -> tuple[str, ModelShape]:
     depth changed to match (width and vocabulary kept, so the per-layer terms stay realistic)."""
     if n_params <= 0:
         raise ValueError(f"--params={n_params}: must be positive")
-    name, base = min(((k, v) for k, v in MODEL_SHAPES.items() if k not in ("debug", "tiny")),
+    name, base = min(((k, v) for k, v in MODEL_SHAPES.items() if k not in ("debug", "tiny") and v.moe is None),
                      key=lambda kv: abs(kv[1].num_params() - n_params))
     per_layer = base.num_params() - replace(base, n_layers=base.n_layers - 1).num_params()
     fixed = base.num_params() - base.n_layers * per_layer  # embeddings, output, final norm

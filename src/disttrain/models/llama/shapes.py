@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import fields, replace
 from typing import Any
 
-from disttrain.models.shape import ModelShape
+from disttrain.models.shape import ModelShape, MoEShape
 
 
 # Llama-family shapes: 7b/13b/70b are Llama 2's, 1b is Llama 3.2 1B; 125m is a GPT-3-Small-sized Llama.
@@ -25,6 +25,24 @@ MODEL_SHAPES: dict[str, ModelShape] = {
                       ffn_hidden_dim=13824, max_seq_len=4096),
     "70b": ModelShape(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=32000,
                       ffn_hidden_dim=28672, max_seq_len=4096),
+    # Mixture-of-experts shapes: Llama blocks whose MLP routes each token to top-k SwiGLU experts.
+    # debug-moe is for tests; the others are the published models' shapes (Mixtral 8x7B, Qwen3-30B-A3B and
+    # Qwen3-235B-A22B; Qwen3's per-head q/k norms, 256 parameters a layer, are left out).
+    "debug-moe": ModelShape(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, ffn_hidden_dim=192,
+                            max_seq_len=256,
+                            moe=MoEShape(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+                                         n_shared_experts=1)),
+    "mixtral-8x7b": ModelShape(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=32000,
+                               ffn_hidden_dim=14336, max_seq_len=32768, rope_theta=1000000.0,
+                               moe=MoEShape(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=14336)),
+    "qwen3-30b-a3b": ModelShape(dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, vocab_size=151936,
+                                ffn_hidden_dim=6144, max_seq_len=40960, norm_eps=1e-6, rope_theta=1000000.0,
+                                head_size=128,
+                                moe=MoEShape(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768)),
+    "qwen3-235b-a22b": ModelShape(dim=4096, n_layers=94, n_heads=64, n_kv_heads=4, vocab_size=151936,
+                                  ffn_hidden_dim=12288, max_seq_len=40960, norm_eps=1e-6, rope_theta=1000000.0,
+                                  head_size=128,
+                                  moe=MoEShape(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=1536)),
 }
 
 
@@ -32,5 +50,5 @@ def resolve_shape(model_cfg: Any) -> ModelShape:
     """The registry shape for `model_cfg.name` with any non-None shape overrides applied."""
     base = MODEL_SHAPES[model_cfg.name]
     overrides = {f.name: getattr(model_cfg, f.name) for f in fields(ModelShape)
-                 if getattr(model_cfg, f.name, None) is not None}
+                 if f.name != "moe" and getattr(model_cfg, f.name, None) is not None}
     return replace(base, **overrides)
