@@ -45,6 +45,24 @@ def run_cli(*args: str, nproc: int | None = None, timeout: float = 300, check: b
     return proc
 
 
+def run_main(*args: str) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of the CLI run in this process: for commands that start no processes
+    (prepare-data, convert, a refusal before training), at no interpreter start-up."""
+    import contextlib
+    import io
+
+    from disttrain.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    code = 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            main(list(args))
+        except SystemExit as exc:
+            code = exc.code
+    return code, out.getvalue(), err.getvalue()
+
+
 def train(run_dir: Path, *overrides: str, nproc: int | None = None, config: Path = DEBUG_CONFIG,
           timeout: float = 300, launch: tuple[str, ...] = (), env: dict | None = None) -> Path:
     """Train into run_dir (its parent is run.dir, its name run.name); returns run_dir."""

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from chat_tokenizer import as_messages, records, save_chat_tokenizer, template
-from helpers import EXACT, FP64, assert_parity, events, final_params, losses, train_many
+from helpers import EXACT, FP64, assert_parity, events, final_params, losses, run_main, train_many
 
 SEQ_LEN = 128  # every record fits: no truncation in the reference comparisons
 VAL_EVERY = 4  # --val-fraction 0.25: records 4, 8, 12, ... (counting from 1) go to validation
@@ -20,21 +20,9 @@ VAL_EVERY = 4  # --val-fraction 0.25: records 4, 8, 12, ... (counting from 1) go
 
 def prepare(tmp_path, data: list[dict], tokenizer, *extra: str) -> tuple[int, str, str]:
     """(exit code, stdout, stderr) of `disttrain prepare-data` run in this process."""
-    from disttrain.cli import main
-
     src = tmp_path / "records.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in data))
-    import contextlib
-    import io
-
-    out, err = io.StringIO(), io.StringIO()
-    code = 0
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            main(["prepare-data", str(src), "--out", str(tmp_path / "out"), "--tokenizer", str(tokenizer), *extra])
-        except SystemExit as exc:
-            code = exc.code
-    return code, out.getvalue(), err.getvalue()
+    return run_main("prepare-data", str(src), "--out", str(tmp_path / "out"), "--tokenizer", str(tokenizer), *extra)
 
 
 @pytest.fixture(scope="module")

@@ -12,14 +12,14 @@ import pytest
 import torch
 
 from hf_models import save_tiny
-from helpers import (EXACT, FP64, assert_losses_close, assert_params_exact, assert_parity, final_params, losses,
-                     run_cli, train_many)
+from helpers import (DEBUG_CONFIG, EXACT, FP64, assert_losses_close, assert_params_exact, assert_parity,
+                     final_params, losses, run_cli, run_main, train_many)
 
 LORA = ("model.lora.rank=4", "model.lora.alpha=8")
 COMMON = ("train.steps=4", "train.global_batch_size=4", "train.micro_batch_size=1", "data.seq_len=64",
           "optim.lr=3e-3", "checkpoint.save_final=true", "checkpoint.every_steps=2", FP64, *LORA)
 LAYOUTS = {"ddp": (), "zero1": ("parallel.zero_stage=1",), "zero3": ("parallel.zero_stage=3",),
-           "pp2": ("parallel.pp=2",),
+           "pp2": ("parallel.pp=2",), "hsdp": ("parallel.zero_stage=3", "parallel.dp_replicate=2"),
            "zero2-full-ac": ("parallel.zero_stage=2", "parallel.activation_checkpointing=full"),
            "tp2": ("parallel.tp=2", "train.micro_batch_size=2"),  # DTensor costs ~0.1 s per micro-batch here
            "tp2-sp": ("parallel.tp=2", "parallel.sequence_parallel=true", "train.micro_batch_size=2")}
@@ -32,11 +32,15 @@ def base(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def references(base, tmp_path_factory):
-    """One process, the whole batch in one micro-batch; and a run without LoRA (for --merge-lora's refusal)."""
+    """One process, the whole batch in one micro-batch; a run without LoRA (for --merge-lora's refusal); and
+    two steps on a copy of the base whose weights a test then replaces."""
     root = tmp_path_factory.mktemp("ref")
+    shutil.copytree(base, root / "base_copy")
     return train_many({"lora": (root / "lora", (*COMMON, f"model.hf={base}", "train.micro_batch_size=4")),
                        "plain": (root / "plain", (*COMMON[:-2], "train.steps=2", f"model.hf={base}")),
-                       "builtin": (root / "builtin", (*COMMON, "train.micro_batch_size=4"))}, nproc=1)
+                       "builtin": (root / "builtin", (*COMMON, "train.micro_batch_size=4")),
+                       "copy": (root / "on_copy", (*COMMON, "train.steps=2", f"model.hf={root / 'base_copy'}"))},
+                      nproc=1)
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +65,6 @@ def test_only_the_adapters_train(base):
     from disttrain.models.registry import model_spec
     from disttrain.models.spec import build_model
     from disttrain.train.optim import build_optimizer
-    from helpers import DEBUG_CONFIG
 
     cfg = load_config(DEBUG_CONFIG, [f"model.hf={base}", *LORA])
     spec = model_spec(cfg.model)
@@ -120,7 +123,6 @@ def test_the_base_fingerprint_tells_bases_apart():
     from disttrain.models.lora import base_fingerprint
     from disttrain.models.registry import model_spec
     from disttrain.models.spec import build_model
-    from helpers import DEBUG_CONFIG
 
     spec = model_spec(load_config(DEBUG_CONFIG, []).model)
     first, again, other = (base_fingerprint(build_model(spec, torch.device("cpu"), seed)) for seed in (0, 0, 1))
@@ -138,7 +140,6 @@ def test_resuming_with_other_lora_settings_is_refused(references, base):
     from disttrain.checkpoint.run_identity import check_run_dir
     from disttrain.config import UserError, load_config
     from disttrain.resolve import resolve_run
-    from helpers import DEBUG_CONFIG
 
     run = references["lora"]
     cfg = load_config(DEBUG_CONFIG, [*COMMON, f"model.hf={base}", f"run.dir={run.parent}", f"run.name={run.name}",
@@ -149,6 +150,32 @@ def test_resuming_with_other_lora_settings_is_refused(references, base):
                                          f"run.name={run.name}"])
     with pytest.raises(UserError, match="model.lora=set when saved, absent now"):
         check_run_dir(without, resolve_run(without, 1, "cpu"), "test")
+
+
+def test_a_changed_base_is_refused_on_resume_and_on_merge(references, tmp_path):
+    """The base's weights replaced under the same config (another seed's, same shapes): the run's own
+    command run again (which resumes) and --merge-lora each refuse in one line naming both fingerprints,
+    exit 2, and write nothing."""
+    run = references["copy"]
+    source = run.parent / "base_copy"
+    other = save_tiny("llama", tmp_path / "other", weights_seed=8)
+    shutil.copy(other / "model.safetensors", source / "model.safetensors")
+
+    def written():  # what the run holds; a launch's own log and claim (logs/, lease.json) aside
+        return sorted(p.relative_to(run) for p in run.rglob("*") if p.name != "lease.json" and "logs" not in p.parts)
+
+    before = written()
+    metrics = (run / "metrics.jsonl").read_bytes()
+    code, _, err = run_main("convert", str(run), "--to", "hf", "--merge-lora", "--out", str(tmp_path / "merged"))
+    assert code == 2 and len(err.strip().splitlines()) == 1 and not (tmp_path / "merged").exists(), err
+    assert "--merge-lora: the base model rebuilt from the run's config differs from the one its adapters were " \
+           "trained on (fingerprint " in err
+    proc = run_cli("train", str(DEBUG_CONFIG), *COMMON, "train.steps=2", f"model.hf={source}", f"run.dir={run.parent}",
+                   f"run.name={run.name}", "distributed.timeout_s=60", check=False)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "the frozen base differs from the one its LoRA adapters were trained on (fingerprint" in proc.stderr
+    assert written() == before
+    assert (run / "metrics.jsonl").read_bytes() == metrics
 
 
 def test_both_exports_load_with_equal_logits(references, base, tmp_path):
@@ -172,10 +199,10 @@ def test_both_exports_load_with_equal_logits(references, base, tmp_path):
 
 
 def test_bad_lora_input_is_one_line(references, base, tmp_path):
+    """Each refusal is one line on stderr, exit 2, nothing written."""
     from disttrain.config import UserError, load_config
     from disttrain.checkpoint.export import export
     from disttrain.resolve import resolve_run
-    from helpers import DEBUG_CONFIG
 
     proc = run_cli("train", str(DEBUG_CONFIG), f"model.hf={base}", "model.lora.targets=[q_prj]",
                    f"run.dir={tmp_path}", "run.name=bad", check=False)
@@ -184,10 +211,15 @@ def test_bad_lora_input_is_one_line(references, base, tmp_path):
         "disttrain: error: model.lora.targets: 'q_prj' matches no linear module of model llama (allowed: its "
         "linear modules' names, down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj, or globs "
         "on their full names, e.g. model.layers.0.self_attn.q_proj)"]
-    with pytest.raises(UserError, match=r"^model.lora.rank=0: input should be greater than 0$"):
-        load_config(DEBUG_CONFIG, [f"model.hf={base}", "model.lora.rank=0"])
-    with pytest.raises(UserError, match="--merge-lora: .* holds a run without LoRA adapters"):
-        export(references["plain"], "hf", tmp_path / "merged", merge_lora=True)
+    for rank in ("0", "-2"):  # through the command line in this process: refused before anything starts
+        assert run_main("train", str(DEBUG_CONFIG), f"model.hf={base}", f"model.lora.rank={rank}",
+                        f"run.dir={tmp_path}", "run.name=bad") == (
+            2, "", f"disttrain: error: model.lora.rank={rank}: input should be greater than 0\n")
+    assert not (tmp_path / "bad").exists()
+    code, _, err = run_main("convert", str(references["plain"]), "--to", "hf", "--merge-lora", "--out",
+                            str(tmp_path / "merged"))
+    assert code == 2 and err.startswith("disttrain: error: --merge-lora: ") and err.count("\n") == 1, err
+    assert "holds a run without LoRA adapters (model.lora unset); allowed for it: convert without --merge-lora" in err
     with pytest.raises(UserError, match="--to hf: .* holds LoRA adapters only"):
         export(references["lora"], "hf", tmp_path / "unmerged")
     assert not (tmp_path / "merged").exists() and not (tmp_path / "unmerged").exists()
@@ -212,7 +244,6 @@ def test_the_planner_counts_the_adapters_and_what_freezing_saves(tmp_path):
     from disttrain.models.lora import apply_lora
     from disttrain.models.registry import model_spec
     from disttrain.models.spec import build_model
-    from helpers import DEBUG_CONFIG
 
     cfg = load_config(DEBUG_CONFIG, [*LORA])
     spec = model_spec(cfg.model)
