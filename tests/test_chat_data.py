@@ -1,7 +1,8 @@
 """Chat and instruction data: prepare-data renders records with the tokenizer's own chat template and keeps
 which tokens carry loss; training gives the loss over the answers only. Checked against transformers:
 its assistant masks, and the masked CrossEntropyLoss of the same HF model on the same conversations (with
-packing and without); every layout gives one process's numbers on that data (fp64, 1e-10)."""
+packing and without); every layout gives one process's numbers on that data, packed or not, and on a
+mixture of chat directories (fp64, 1e-10)."""
 
 from __future__ import annotations
 
@@ -275,12 +276,32 @@ def hf_dir(tmp_path_factory):
 COMMON = ("model.vocab_size=384", f"data.seq_len={SEQ_LEN}", "train.steps=4", "train.global_batch_size=8",
           "train.micro_batch_size=2", "optim.lr=3e-3", "checkpoint.save_final=true", "train.eval_every=4",
           "train.eval_batches=1", FP64)
+PACKED = "data.packing=true"
 LAYOUTS = {"ddp": (), "zero3": ("parallel.zero_stage=3",), "tp2": ("parallel.tp=2",),
-           "pp2": ("parallel.pp=2", "parallel.pp_schedule=gpipe"), "ddp packed": ("data.packing=true",)}
+           "pp2": ("parallel.pp=2", "parallel.pp_schedule=gpipe"), "ddp packed": (PACKED,),
+           "zero3 packed": ("parallel.zero_stage=3", PACKED), "tp2 packed": ("parallel.tp=2", PACKED),
+           "ddp mixture": ()}
 
 
 @pytest.fixture(scope="module")
-def one_process(tmp_path_factory, chat_dir, hf_dir, tokenizers):
+def mixture(tmp_path_factory, tokenizers):
+    """data.source={A: 0.6, B: 0.4}: the records split over two chat directories (one tokenizer)."""
+    root = tmp_path_factory.mktemp("mix")
+    halves = {"a": records()[:12], "b": records()[12:]}
+    for name, data in halves.items():
+        (root / name).mkdir()
+        code, _, err = prepare(root / name, data, tokenizers["markers"], "--seq-len", str(SEQ_LEN),
+                               "--val-fraction", str(1 / VAL_EVERY))
+        assert code == 0, err
+    return f"data.source={{{root / 'a' / 'out'}: 0.6, {root / 'b' / 'out'}: 0.4}}"
+
+
+def _source(layout: str, chat_dir, mixture) -> str:
+    return mixture if "mixture" in layout else f"data.source={chat_dir}"
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory, chat_dir, hf_dir, tokenizers, mixture):
     """One launch of one process: the HF model for one step on the whole training split (one sequence per
     row, so step 1 reads every row once), packed and not; and the fp64 references of the layouts."""
     root = tmp_path_factory.mktemp("one")
@@ -295,6 +316,7 @@ def one_process(tmp_path_factory, chat_dir, hf_dir, tokenizers):
             "checkpoint.save_final=true", f"data.packing={str(packing).lower()}", FP64))
         jobs[f"ref {packing}"] = (root / f"ref_{packing}", (
             f"data.source={chat_dir}", *COMMON, "train.micro_batch_size=8", f"data.packing={str(packing).lower()}"))
+    jobs["ref mixture"] = (root / "ref_mixture", (mixture, *COMMON, "train.micro_batch_size=8"))
     return train_many(jobs, nproc=1)
 
 
@@ -341,16 +363,19 @@ def test_loss_equals_transformers_masked_cross_entropy(packing, one_process, hf_
 
 
 @pytest.fixture(scope="module")
-def two_processes(tmp_path_factory, chat_dir):
+def two_processes(tmp_path_factory, chat_dir, mixture):
     root = tmp_path_factory.mktemp("two")
-    return train_many({name: (root / name.replace(" ", "_"), (f"data.source={chat_dir}", *COMMON, *extra))
+    return train_many({name: (root / name.replace(" ", "_"), (_source(name, chat_dir, mixture), *COMMON, *extra))
                        for name, extra in LAYOUTS.items()}, nproc=2)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_every_layout_gives_one_process_on_masked_chat_data(layout, two_processes, one_process):
-    reference = one_process[f"ref {'packed' in layout}"]
+    """Packed conversations under DDP, ZeRO-3 and TP too; and a weighted mixture of two chat directories."""
+    reference = one_process["ref mixture" if "mixture" in layout else f"ref {'packed' in layout}"]
     assert_parity(two_processes[layout], reference, step=4)
     ours, theirs = events(two_processes[layout], "eval"), events(reference, "eval")
     assert len(ours) == len(theirs) == 1
     assert abs(ours[0]["val_loss"] - theirs[0]["val_loss"]) <= EXACT * theirs[0]["val_loss"]
+    if "mixture" in layout:  # both directories were read, and evaluated on their own
+        assert len(ours[0]["val_loss_by_source"]) == 2
