@@ -1,17 +1,26 @@
 """A tiny byte-level BPE tokenizer with a ChatML-style chat template, trained offline, saved as a Hugging
-Face tokenizer directory (transformers' own save_pretrained); and a few conversations for tests."""
+Face tokenizer directory (transformers' own save_pretrained); and a few conversations for tests. The
+tokenizer is built as examples/sft builds its own (make_assets.py), so these tests check that piece too."""
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "sft"
+
+
+def example_module(name: str):
+    """A script of examples/sft, imported by path (the example is not a package)."""
+    spec = importlib.util.spec_from_file_location(f"sft_example_{name}", EXAMPLE / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+example = example_module("make_assets")
+
 VOCAB = 320  # 256 bytes, the special tokens and a few merges: fits model.vocab_size=384
-# ChatML; `markers` wraps each assistant turn's content and end in {% generation %} ... {% endgeneration %}.
-TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
-            "{% if m['role'] == 'assistant' %}{G}{{ m['content'] }}<|im_end|>{E}"
-            "{% else %}{{ m['content'] }}<|im_end|>{% endif %}\n{% endfor %}"
-            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 CONVERSATIONS = [
     [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is two plus two?"},
@@ -51,23 +60,10 @@ def as_messages(record: dict) -> list[dict]:
 
 
 def template(markers: bool) -> str:
-    g, e = ("{% generation %}", "{% endgeneration %}") if markers else ("", "")
-    return TEMPLATE.replace("{G}", g).replace("{E}", e)
+    return example.chat_template(markers)
 
 
 def save_chat_tokenizer(directory: Path, markers: bool = True, chat: bool = True) -> Path:
     """A tokenizer directory; `chat=False` leaves the chat template out."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=SPECIALS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     texts = [m["content"] for c in CONVERSATIONS + [as_messages(r) for r in records()] for m in c]
-    tok.train_from_iterator(texts * 4, trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
-                                   chat_template=template(markers) if chat else None)
-    fast.save_pretrained(directory)
-    return directory
+    return example.train_tokenizer(texts * 4, directory, VOCAB, template(markers) if chat else None)

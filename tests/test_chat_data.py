@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from chat_tokenizer import as_messages, records, save_chat_tokenizer, template
+from chat_tokenizer import EXAMPLE, as_messages, example, example_module, records, save_chat_tokenizer, template
 from helpers import EXACT, FP64, assert_parity, events, final_params, losses, run_main, train_many
 
 SEQ_LEN = 128  # every record fits: no truncation in the reference comparisons
@@ -362,11 +362,62 @@ def test_loss_equals_transformers_masked_cross_entropy(packing, one_process, hf_
     assert abs(record["val_loss"] - expected) <= EXACT * expected
 
 
+def test_the_hf_export_keeps_the_chat_template(one_process, tokenizers, tmp_path):
+    """A model trained on chat data leaves with the tokenizer it was rendered with, chat template included,
+    so `apply_chat_template` on the export gives the ids training saw."""
+    from transformers import AutoTokenizer
+
+    code, _, err = run_main("convert", str(one_process["hf False"]), "--to", "hf", "--out", str(tmp_path / "hf"))
+    assert code == 0, err
+    exported, source = (AutoTokenizer.from_pretrained(d) for d in (tmp_path / "hf", tokenizers["markers"]))
+    assert exported.chat_template == source.chat_template == template(True)
+    for record in records(6):
+        assert exported.apply_chat_template(as_messages(record)) == source.apply_chat_template(as_messages(record))
+
+
 @pytest.fixture(scope="module")
-def two_processes(tmp_path_factory, chat_dir, mixture):
+def example_work(tmp_path_factory):
+    """examples/sft/run.sh's first two steps, in this process: its assets, then prepare-data with its flags."""
+    work = tmp_path_factory.mktemp("sft_example")
+    example.main(work)
+    code, out, err = run_main("prepare-data", str(work / "chats.jsonl"), "--out", str(work / "data"), "--tokenizer",
+                              str(work / "tokenizer"), "--seq-len", "128", "--val-fraction", "0.05", "--force")
+    assert code == 0, err
+    return work, out
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory, chat_dir, mixture, example_work):
+    """Every layout on the test's chat data, and the example's training (examples/sft/sft.yaml, 4 steps)."""
     root = tmp_path_factory.mktemp("two")
-    return train_many({name: (root / name.replace(" ", "_"), (_source(name, chat_dir, mixture), *COMMON, *extra))
-                       for name, extra in LAYOUTS.items()}, nproc=2)
+    jobs = {name: (root / name.replace(" ", "_"), (_source(name, chat_dir, mixture), *COMMON, *extra))
+            for name, extra in LAYOUTS.items()}
+    work = example_work[0]
+    shortened = (f"model.hf={work / 'base'}", f"data.source={work / 'data'}", "train.steps=4", "optim.warmup_steps=2")
+    jobs["example"] = (work / "run", shortened, EXAMPLE / "sft.yaml")
+    return train_many(jobs, nproc=2)
+
+
+def test_the_sft_example_end_to_end_shortened(two_processes, example_work, capsys):
+    """examples/sft/run.sh with 4 training steps, its processes joined to this module's launches: the mask
+    comes from the template's generation markers and is neither all nor nothing; both exports answer the
+    example's questions alike through transformers' generate (greedy); the adapter names its base."""
+    work, prepared = example_work
+    assert "mask from the chat template's generation markers" in prepared
+    meta = json.loads((work / "data" / "meta.json").read_text())["chat"]
+    assert 0.1 < meta["loss_share"] < 0.4 and meta["skipped"] == meta["truncated"] == 0
+    for args in (("--to", "peft", "--out", str(work / "adapter")),
+                 ("--to", "hf", "--merge-lora", "--out", str(work / "merged"))):
+        code, _, err = run_main("convert", str(two_processes["example"]), *args)
+        assert code == 0, err
+    assert json.loads((work / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"] == \
+        str(work / "base")
+    generate = example_module("generate")
+    capsys.readouterr()
+    generate.main(work, ["What is two plus three?", "Spell 42:"])  # exits if the two exports answer differently
+    shown = capsys.readouterr().out
+    assert shown.count("base + adapter:") == shown.count("merged weights:") == 2
+
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

@@ -135,6 +135,12 @@ def test_readme_commands_and_flags_exist_in_the_cli():
     assert not problems, "README shows what the CLI lacks:\n" + "\n".join(problems)
 
 
+def test_the_example_scripts_use_commands_and_flags_the_cli_has():
+    for script in sorted((REPO / "examples").glob("*/*.sh")):
+        problems = readme_problems(f"```bash\n{script.read_text()}\n```\n")
+        assert not problems, f"{script} runs what the CLI lacks:\n" + "\n".join(problems)
+
+
 def test_every_cli_command_appears_in_the_readme():
     missing = readme_missing_commands((REPO / "README.md").read_text())
     assert not missing, f"README never shows: {missing}"

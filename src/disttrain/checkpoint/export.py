@@ -141,7 +141,7 @@ def run_tokenizer(config: dict) -> str:
 
 def _save_tokenizer_and_generation(step_dir: Path, out: Path) -> None:
     """The run's tokenizer through transformers (a model directory's own files, chat template and special
-    tokens included, when it came from model.hf) and its generation config: the model directory's, or one
+    tokens included, when it came from model.hf or from chat data) and its generation config: the model directory's, or one
     naming the tokenizer's end-of-document id (transformers' Llama default, id 2, is not ours)."""
     from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerFast
 
@@ -154,9 +154,11 @@ def _save_tokenizer_and_generation(step_dir: Path, out: Path) -> None:
     if spec and spec != "byte" and not Path(spec).is_file():
         spec = ""  # the tokenizer file is gone since training: the weights export without it
     own = bool(hf) and spec != "" and spec != "byte" and Path(spec) == Path(hf) / "tokenizer.json"
+    # a chat shard directory keeps the whole tokenizer prepare-data rendered with, chat template included
+    whole = spec not in ("", "byte") and (Path(spec).parent / "tokenizer_config.json").is_file()
     eos = load_tokenizer(spec).eos_id if spec else None
-    if own:
-        AutoTokenizer.from_pretrained(hf).save_pretrained(out)
+    if own or whole:
+        AutoTokenizer.from_pretrained(hf if own else Path(spec).parent).save_pretrained(out)
     elif spec and spec != "byte":
         tok = PreTrainedTokenizerFast(tokenizer_file=spec)
         if eos is not None:
