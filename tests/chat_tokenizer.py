@@ -1,11 +1,17 @@
-"""A tiny byte-level BPE tokenizer with a ChatML-style chat template, trained offline, saved as a Hugging
-Face tokenizer directory (transformers' own save_pretrained); and a few conversations for tests. The
-tokenizer is built as examples/sft builds its own (make_assets.py), so these tests check that piece too."""
+"""What the chat-data tests share: a tiny byte-level BPE tokenizer with a ChatML-style chat template,
+trained offline, saved as a Hugging Face tokenizer directory (transformers' own save_pretrained), built as
+examples/sft builds its own (make_assets.py), so these tests check that piece too; a few conversations;
+prepare-data run in-process; transformers' own masks; the textbook first-fit rule."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
+
+import numpy as np
+
+from helpers import run_main
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "sft"
 
@@ -67,3 +73,40 @@ def save_chat_tokenizer(directory: Path, markers: bool = True, chat: bool = True
     """A tokenizer directory; `chat=False` leaves the chat template out."""
     texts = [m["content"] for c in CONVERSATIONS + [as_messages(r) for r in records()] for m in c]
     return example.train_tokenizer(texts * 4, directory, VOCAB, template(markers) if chat else None)
+
+
+def save_tokenizers(root: Path) -> dict[str, Path]:
+    """With generation markers, without them, and without a chat template."""
+    return {"markers": save_chat_tokenizer(root / "markers", markers=True),
+            "plain": save_chat_tokenizer(root / "plain", markers=False),
+            "none": save_chat_tokenizer(root / "none", chat=False)}
+
+
+def prepare(tmp_path: Path, data: list[dict], tokenizer, *extra: str) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of `disttrain prepare-data` run in this process, into tmp_path / "out"."""
+    src = tmp_path / "records.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in data))
+    return run_main("prepare-data", str(src), "--out", str(tmp_path / "out"), "--tokenizer", str(tokenizer), *extra)
+
+
+def reference_masks(tokenizer_dir, data):
+    """transformers' own (ids, assistant mask) per record, from the template with generation markers."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    out = [tok.apply_chat_template(as_messages(r), tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+           for r in data]
+    return [(np.asarray(o["input_ids"]), np.asarray(o["assistant_masks"])) for o in out]
+
+
+def naive_first_fit(lengths, capacity):
+    """Each item into the first bin with room, by scanning every bin."""
+    bins, room = [], []
+    for i, n in enumerate(lengths):
+        b = next((b for b, r in enumerate(room) if r >= n), len(bins))
+        if b == len(bins):
+            bins.append([])
+            room.append(capacity)
+        bins[b].append(i)
+        room[b] -= n
+    return bins

@@ -1,8 +1,7 @@
-"""Chat and instruction data: prepare-data renders records with the tokenizer's own chat template and keeps
-which tokens carry loss; training gives the loss over the answers only. Checked against transformers:
-its assistant masks, and the masked CrossEntropyLoss of the same HF model on the same conversations (with
-packing and without); every layout gives one process's numbers on that data, packed or not, and on a
-mixture of chat directories (fp64, 1e-10)."""
+"""Training on chat data: the loss over the answers only, checked against transformers' masked
+CrossEntropyLoss of the same HF model on the same conversations (with packing and without); every layout
+gives one process's numbers on that data, packed or not, and on a mixture of chat directories (fp64,
+1e-10); the export keeps the chat template; and examples/sft runs, shortened."""
 
 from __future__ import annotations
 
@@ -12,190 +11,18 @@ import numpy as np
 import pytest
 import torch
 
-from chat_tokenizer import EXAMPLE, as_messages, example, example_module, records, save_chat_tokenizer, template
+from chat_tokenizer import (EXAMPLE, as_messages, example, example_module, naive_first_fit, prepare, records,
+                            reference_masks, save_tokenizers, template)
 from helpers import EXACT, FP64, assert_parity, events, final_params, losses, run_main, train_many
 
 SEQ_LEN = 128  # every record fits: no truncation in the reference comparisons
 VAL_EVERY = 4  # --val-fraction 0.25: records 4, 8, 12, ... (counting from 1) go to validation
 
 
-def prepare(tmp_path, data: list[dict], tokenizer, *extra: str) -> tuple[int, str, str]:
-    """(exit code, stdout, stderr) of `disttrain prepare-data` run in this process."""
-    src = tmp_path / "records.jsonl"
-    src.write_text("".join(json.dumps(r) + "\n" for r in data))
-    return run_main("prepare-data", str(src), "--out", str(tmp_path / "out"), "--tokenizer", str(tokenizer), *extra)
-
-
 @pytest.fixture(scope="module")
 def tokenizers(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tok")
-    return {"markers": save_chat_tokenizer(root / "markers", markers=True),
-            "plain": save_chat_tokenizer(root / "plain", markers=False),
-            "none": save_chat_tokenizer(root / "none", chat=False)}
+    return save_tokenizers(tmp_path_factory.mktemp("tok"))
 
-
-def _reference_masks(tokenizer_dir, data):
-    """transformers' own (ids, assistant mask) per record, from the template with generation markers."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    out = [tok.apply_chat_template(as_messages(r), tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
-           for r in data]
-    return [(np.asarray(o["input_ids"]), np.asarray(o["assistant_masks"])) for o in out]
-
-
-def test_turn_by_turn_masks_equal_transformers_generation_masks(tokenizers):
-    """A template without {% generation %} markers: rendering turn by turn finds the same assistant tokens
-    as transformers finds from the markers."""
-    from disttrain.data.chat import ChatRenderer
-
-    renderer = ChatRenderer(tokenizers["plain"])
-    assert renderer.how == "turn-by-turn difference"
-    for (ids, mask), record in zip(_reference_masks(tokenizers["markers"], records()), records()):
-        ours = renderer.encode(record)
-        assert np.array_equal(ours[0], ids) and np.array_equal(ours[1], mask)
-
-
-def test_instruction_records_without_a_template_train_on_the_completion(tokenizers):
-    from transformers import AutoTokenizer
-
-    from disttrain.data.chat import ChatRenderer
-
-    ids, mask = ChatRenderer(tokenizers["none"]).encode({"prompt": "Spell 11:", "completion": " one one"})
-    tok = AutoTokenizer.from_pretrained(tokenizers["none"])
-    assert tok.decode(ids) == "Spell 11: one one<|endoftext|>"
-    assert tok.decode(ids[mask == 1]) == " one one<|endoftext|>"
-
-
-def _naive_first_fit(lengths, capacity):
-    bins, room = [], []
-    for i, n in enumerate(lengths):
-        b = next((b for b, r in enumerate(room) if r >= n), len(bins))
-        if b == len(bins):
-            bins.append([])
-            room.append(capacity)
-        bins[b].append(i)
-        room[b] -= n
-    return bins
-
-
-def test_first_fit_packs_like_the_textbook_rule():
-    from disttrain.data.chat_samples import first_fit
-
-    rng = np.random.default_rng(0)
-    for capacity, n in [(129, 200), (16, 50), (7, 1), (64, 333)]:
-        lengths = rng.integers(1, capacity + 1, n)
-        assert first_fit(lengths, capacity) == _naive_first_fit(lengths.tolist(), capacity)
-
-
-def test_prepare_data_reports_the_mask_share_truncation_and_skipped_records(tmp_path, tokenizers):
-    data = records() + [{"messages": [{"role": "user", "content": "no answer here"}]}]
-    code, out, err = prepare(tmp_path, data, tokenizers["markers"], "--seq-len", "64", "--val-fraction", "0")
-    assert code == 0, err
-    ref = _reference_masks(tokenizers["markers"], records())
-    # cut at 65 tokens including the end token; the rest of each record plus its end token counted
-    cut = [(ids[:64], mask[:64]) if len(ids) + 1 > 65 else (ids, mask) for ids, mask in ref]
-    loss = sum(int(m[1:].sum()) for _, m in cut)
-    tokens = sum(len(ids) + 1 for ids, _ in cut)
-    assert f"loss on {loss / tokens:.1%} of tokens ({loss:,} of {tokens:,})" in out
-    assert f"{len(data)} records read (21 chat, 4 instruction), {len(records())} written" in out
-    truncated = sum(len(ids) + 1 > 65 for ids, _ in ref)
-    assert truncated > 0 and f"warning: {truncated} records were longer than --seq-len 64" in err
-    assert "warning: 1 records were skipped: no token carrying loss" in err
-
-
-def test_parquet_and_saved_datasets_give_the_jsonl_shards(tmp_path, tokenizers):
-    import datasets
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    from disttrain.cli import main
-
-    data = records(12)
-    chats = [r for r in data if "messages" in r]  # one schema per file, as such datasets ship
-    (tmp_path / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in chats))
-    pq.write_table(pa.Table.from_pylist(chats), tmp_path / "c.parquet")
-    datasets.Dataset.from_list(chats).save_to_disk(str(tmp_path / "c_saved"))
-    written = {}
-    for name in ("c.jsonl", "c.parquet", "c_saved"):
-        main(["prepare-data", str(tmp_path / name), "--out", str(tmp_path / f"out_{name}"), "--tokenizer",
-              str(tokenizers["plain"]), "--val-fraction", "0.25"])
-        written[name] = [(tmp_path / f"out_{name}" / f).read_bytes() for f in
-                         ("train.bin", "train.mask.bin", "train.ends.npy", "val.bin", "val.mask.bin")]
-    assert written["c.jsonl"] == written["c.parquet"] == written["c_saved"]
-    ref = [r for i, r in enumerate(_reference_masks(tokenizers["markers"], chats)) if i % 4 != 3]
-    mask = np.frombuffer(written["c.jsonl"][1], np.uint8)
-    assert int(mask.sum()) == sum(int(m[1:].sum()) for _, m in ref)
-
-
-BROKEN = {  # a template whose markers wrap nothing, or the whole conversation
-    "zeros": template(False).replace("{{ m['content'] }}<|im_end|>{% else %}",
-                                     "{% generation %}{% endgeneration %}{{ m['content'] }}<|im_end|>{% else %}"),
-    "ones": "{% generation %}" + template(False) + "{% endgeneration %}",
-    "refuses": "{% if messages[0]['role'] == 'system' %}{{ raise_exception('no system turns') }}{% endif %}"
-               + template(False),
-}
-
-
-@pytest.mark.parametrize("case,expected", [
-    ("neither", "row 3: a record with neither 'messages' nor 'prompt'/'completion' (it has: text)"),
-    ("first neither", "records.jsonl:1 has no 'text' field (use --text-key); chat and instruction records need "
-                      "'messages', or 'prompt' and 'completion'"),
-    ("no template", "has no chat template (tokenizer_config.json 'chat_template' or chat_template.jinja); chat "
-                    "records ('messages') need one"),
-    ("zeros", "the loss mask is all zeros"),
-    ("ones", "the loss mask is all ones (every token carries loss"),
-    ("refuses", "records.jsonl:2: the chat template of --tokenizer="),
-])
-def test_bad_chat_input_is_one_line_and_writes_nothing(case, expected, tmp_path, tokenizers):
-    data, tok = records(4), tokenizers["markers"]
-    if case == "neither":
-        data = data[:2] + [{"text": "plain"}] + data[2:]
-    elif case == "first neither":
-        data = [{"question": r.get("prompt", "")} for r in data]
-    elif case == "no template":
-        tok = tokenizers["none"]
-    else:
-        from transformers import AutoTokenizer
-
-        broken = AutoTokenizer.from_pretrained(tok)
-        broken.chat_template = BROKEN[case]
-        tok = tmp_path / case
-        broken.save_pretrained(tok)
-    code, out, err = prepare(tmp_path, data, tok)
-    assert code == 2 and len(err.strip().splitlines()) == 1 and expected.replace("row 3", "") in err, err
-    if case == "neither":
-        assert "records.jsonl:3: a record" in err
-    assert not (tmp_path / "out").exists() and not any(p.name.startswith(".out") for p in tmp_path.iterdir())
-
-
-def test_packing_is_refused_where_conversations_cannot_be_kept_apart(tmp_path, tokenizers):
-    """Packed conversations are kept apart at the end-of-document token: a template that ends turns with it
-    gets a warning from prepare-data and a one-line refusal of data.packing (text shards get one too)."""
-    from transformers import AutoTokenizer
-
-    from disttrain.config import load_config
-    from disttrain.errors import UserError
-    from disttrain.resolve import resolve_run
-    from helpers import DEBUG_CONFIG
-
-    tok = AutoTokenizer.from_pretrained(tokenizers["markers"])
-    tok.chat_template = template(True).replace("<|im_end|>", "<|endoftext|>")
-    tok.save_pretrained(tmp_path / "eos_turns")
-    code, _, err = prepare(tmp_path, records(6), tmp_path / "eos_turns", "--val-fraction", "0")
-    assert code == 0 and "warning: 6 records hold the end-of-document token inside" in err, err
-    (tmp_path / "t.txt").write_text("some text\n\nmore text\n")
-    from disttrain.cli import main
-
-    main(["prepare-data", str(tmp_path / "t.txt"), "--out", str(tmp_path / "text"), "--val-fraction", "0"])
-    for source, expected in [(tmp_path / "out", "6 conversations of"), (tmp_path / "text", "is not chat data")]:
-        cfg = load_config(DEBUG_CONFIG, [f"data.source={source}", "data.packing=true", "model.vocab_size=384"])
-        with pytest.raises(UserError, match=expected):
-            resolve_run(cfg, 1, "cpu")
-        resolve_run(load_config(DEBUG_CONFIG, [f"data.source={source}", "model.vocab_size=384"]), 1, "cpu")
-
-
-# --- training: the loss over the answers, against transformers, and on every layout ----------------------
 
 @pytest.fixture(scope="module")
 def chat_dir(tmp_path_factory, tokenizers):
@@ -208,14 +35,14 @@ def chat_dir(tmp_path_factory, tokenizers):
 
 def _conversations(tokenizer_dir):
     """(train, val) of transformers' (ids, assistant mask) per record, split as prepare-data splits."""
-    ref = _reference_masks(tokenizer_dir, records())
+    ref = reference_masks(tokenizer_dir, records())
     return ([r for i, r in enumerate(ref) if i % VAL_EVERY != VAL_EVERY - 1],
             [r for i, r in enumerate(ref) if i % VAL_EVERY == VAL_EVERY - 1])
 
 
 def _rows(convs, packing: bool):
     """Which conversations each sequence holds: one each, or packed first-fit (each with its end token)."""
-    return _naive_first_fit([len(ids) + 1 for ids, _ in convs], SEQ_LEN + 1) if packing else \
+    return naive_first_fit([len(ids) + 1 for ids, _ in convs], SEQ_LEN + 1) if packing else \
         [[i] for i in range(len(convs))]
 
 
@@ -231,7 +58,7 @@ def test_sequences_hold_whole_conversations_with_targets_only_on_answers(packing
     eos = tok.eos_id
     train, _ = _conversations(tokenizers["markers"])
     convs = [(np.append(ids, eos)[:seq_len + 1], np.append(mask, 0)[:seq_len + 1]) for ids, mask in train]
-    rows = _naive_first_fit([len(ids) for ids, _ in convs], seq_len + 1) if packing else \
+    rows = naive_first_fit([len(ids) for ids, _ in convs], seq_len + 1) if packing else \
         [[i] for i in range(len(convs))]
     x, y = samples.batch(np.arange(len(samples)))
     assert len(samples) == len(rows) and x.shape == y.shape == (len(rows), seq_len)
