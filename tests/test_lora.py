@@ -1,8 +1,8 @@
 """LoRA adapters (model.lora) on a Hugging Face Llama with pretrained weights: only the adapters train;
-every data-parallel, sharded, tensor-parallel and pipeline layout gives one process's losses and adapters
-(fp64, 1e-10; the built-in model too under TP + SP); a
-resumed run continues exactly; the PEFT export loaded by peft and the merged export loaded by transformers
-give the same logits; bad input is one line."""
+every data-parallel, sharded (HSDP included), tensor-parallel and pipeline layout gives one process's losses
+and adapters (fp64, 1e-10; the built-in model too under TP + SP); a resumed run continues exactly; the PEFT
+export loaded by peft and the merged export loaded by transformers give the same logits; a base whose
+weights changed is refused on resume and on merge; bad input is one line."""
 
 from __future__ import annotations
 
