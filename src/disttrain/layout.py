@@ -39,6 +39,7 @@ class Layout:
     dp_shard: int = 1
     tp: int = 1
     pp: int = 1
+    ep: int = 1  # expert parallel: experts split over ep of the dp_shard ranks (contiguous, innermost)
     zero_stage: int = 0
     micro_batch_size: int = 1
     seq_len: int = 2048
@@ -99,6 +100,11 @@ class Layout:
     def micro_batch(self) -> int:
         """Sequences per forward pass (per pipeline micro-batch when pp > 1)."""
         return max(1, self.sequences_per_rank // self.microbatches)
+
+    @property
+    def efsdp(self) -> int:
+        """Data-parallel ranks holding the same experts: what expert gradients reduce (and ZeRO shards) over."""
+        return self.dp // self.ep
 
     # ------------------------------------------------------------ what each technique does
     @property
@@ -190,7 +196,7 @@ class Layout:
             param_dtype = prec.compute_dtype
         reduce_dtype = prec.reduce_dtype if prec.reduce_dtype != "auto" else (
             "fp64" if prec.compute_dtype == "fp64" else "fp32")
-        return cls(dp_replicate=p.dp_replicate, dp_shard=dp_shard, tp=p.tp, pp=p.pp, zero_stage=p.zero_stage,
+        return cls(dp_replicate=p.dp_replicate, dp_shard=dp_shard, tp=p.tp, pp=p.pp, ep=p.ep, zero_stage=p.zero_stage,
                    micro_batch_size=cfg.train.micro_batch_size or per_rank, seq_len=cfg.data.seq_len,
                    global_batch_size=cfg.train.global_batch_size, pp_schedule=p.pp_schedule,
                    pp_microbatches=p.pp_microbatches, pp_layers=tuple(p.pp_layers),
@@ -293,6 +299,7 @@ def cut_problems(shape: ModelShape | None, layout: Layout) -> list[Problem]:
                                 "parallel.activation_checkpointing=selective with parallel.pp_schedule=zero_bubble: "
                                 "the schedule runs two backward passes per block, which selective checkpointing "
                                 "refuses (allowed with zero_bubble: none, full; or another pp_schedule)"))
+    problems += _expert_problems(shape, lay)
     if lay.engine == "deepspeed":
         problems += _deepspeed_problems(lay)
     if lay.balanced:
@@ -324,6 +331,10 @@ def batch_problems(layout: Layout) -> list[Problem]:
         if lay.pp_schedule != "gpipe" and m < lay.pp:
             problems.append(Problem("parallel.pp_microbatches", m, f"at least parallel.pp={lay.pp}",
                                     f"{what} must be at least parallel.pp={lay.pp} for pp_schedule={lay.pp_schedule}"))
+    if lay.ep > 1 and lay.dp_shard % lay.ep:
+        problems.append(Problem("parallel.ep", lay.ep, f"a divisor of parallel.dp_shard={lay.dp_shard}",
+                                f"parallel.ep={lay.ep} does not divide the data-parallel degree parallel.dp_shard="
+                                f"{lay.dp_shard} (experts are split over data-parallel ranks)"))
     if lay.balanced:
         problems += _balance_batch_problems(lay)
     elif lay.global_batch_size % lay.dp:
@@ -347,6 +358,26 @@ def batch_problems(layout: Layout) -> list[Problem]:
                                 "tensor and pipeline parallelism on the mesh; DDP and ZeRO-1 take neither DTensor "
                                 "parameters nor a schedule's many backward passes)"))
     return problems
+
+
+def _expert_problems(shape: ModelShape | None, layout: Layout) -> list[Problem]:
+    """Expert parallelism: an MoE model, experts that split evenly, and what it composes with."""
+    ep, moe = layout.ep, shape.moe if shape is not None else None
+    if ep == 1:
+        return []
+    if shape is not None and moe is None:
+        return [Problem("parallel.ep", ep, "1 for a dense model", f"parallel.ep={ep} on a dense model (no experts "
+                        "to split; allowed: 1, or an MoE model such as model.name=debug-moe)")]
+    if moe is not None and moe.num_experts % ep:
+        return [Problem("parallel.ep", ep, f"a divisor of model.moe.num_experts={moe.num_experts}",
+                        f"parallel.ep={ep} does not divide model.moe.num_experts={moe.num_experts}")]
+    if layout.engine == "deepspeed" or layout.zero_stage == 1 or layout.balanced:
+        what = ("engine=deepspeed" if layout.engine == "deepspeed" else "parallel.zero_stage=1"
+                if layout.zero_stage == 1 else "uneven shares (parallel.balance/balance_weights)")
+        return [Problem("parallel.ep", ep, "1 with " + what, f"parallel.ep={ep} with {what}: experts are split "
+                        "by the torch engine under DDP (zero_stage 0) or FSDP (zero_stage 2, 3) with equal shares "
+                        "(allowed with it: parallel.ep=1)")]
+    return []
 
 
 def _deepspeed_problems(layout: Layout) -> list[Problem]:

@@ -37,4 +37,10 @@ def model_spec(model_cfg):
         return hf_spec(model_cfg.hf)
     from disttrain.models.llama import llama_spec
 
-    return llama_spec(model_shape(model_cfg))
+    shape = model_shape(model_cfg)
+    if shape.moe is not None:
+        from disttrain.models.moe import MoERouting, moe_spec
+
+        moe = model_cfg.moe
+        return moe_spec(shape, MoERouting(moe.aux_loss_coef, moe.bias_update_rate, moe.capacity_factor))
+    return llama_spec(shape)
