@@ -171,6 +171,7 @@ def build_engine(cfg: RunConfig, layout: Layout, meshes: Meshes, spec: ModelSpec
         tied = TiedAcrossStages(parts.model, spec.tied_parameters, layout, meshes)
         optimizer = build_optimizer(parts.model, cfg.optim)
         step = _optimizer_step(cfg, optimizer, precision, parts.group)
+        _route_moe(step, spec, model, layout, meshes)
         return PipelineEngine(parts, mean_loss, optimizer, step, precision, device, tensor_parallel, dp_group, phases,
                               tied)
     from disttrain.parallel.parallelize import parallelize
@@ -190,8 +191,20 @@ def build_engine(cfg: RunConfig, layout: Layout, meshes: Meshes, spec: ModelSpec
     # DDP's gradients as views into its buckets are zeroed in place (engine.py); copies are freed as usual
     bucket_views = layout.gradient_wrapper == "ddp" and cfg.parallel.ddp_gradient_as_bucket_view
     step = _optimizer_step(cfg, optimizer, precision, None, keep_gradients=bucket_views)
+    _route_moe(step, spec, wrapped, layout, meshes)
     return TorchEngine(wrapped, optimizer, step, mean_loss, precision, device, tensor_parallel, dp_group, phases,
                        sharded_optimizer=layout.sharded_optimizer, keep_gathered=layout.keep_gathered)
+
+
+def _route_moe(step: OptimizerStep, spec: ModelSpec, model: nn.Module, layout: Layout, meshes: Meshes) -> None:
+    """MoE models: routing statistics and the balancing bias after each step; expert gradients under DDP."""
+    if spec.moe_layers is None:
+        return
+    from disttrain.parallel.expert import ExpertGradients, finish_routing_step
+
+    if layout.ep > 1:
+        step.before_clip.append(ExpertGradients(model, layout, meshes))
+    step.after_step.append(finish_routing_step(spec.moe_layers(model)))
 
 
 def _optimizer_step(cfg: RunConfig, optimizer, precision: Precision, pp_group,
