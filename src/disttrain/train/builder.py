@@ -62,6 +62,7 @@ class Run:
     replica_group: object
     balancer: Balancer
     lora_base: str = ""  # fingerprint of the frozen base under LoRA adapters (models/lora.py); "" without
+    routing: object = None  # observe/moe.py's RoutingMonitor for an MoE model
 
     @property
     def dp_rank(self) -> int:
@@ -136,12 +137,17 @@ def build_run(cfg: RunConfig, rt: Runtime, resolved: ResolvedRun | None = None) 
                                t.global_batch_size * train_samples.targets_per_sample)
     engine = build_engine(cfg, layout, meshes, spec, model, rt, phases, mean_loss)
     peak_flops, _ = peak_flops_per_device(cfg, layout, rt.device)
+    routing = None
+    if spec.moe_layers is not None:
+        from disttrain.observe.moe import RoutingMonitor
+
+        routing = RoutingMonitor(spec.moe_layers(model), meshes.pp.get_group() if layout.pp > 1 else None)
     return Run(cfg=cfg, rt=rt, layout=layout, meshes=meshes, spec=spec, base_model=model, engine=engine,
                tokenizer=tokenizer, loader=loader, val_samples=val_samples,
                ckpt=CheckpointManager(cfg.checkpoint_dir, rt.rank, cfg.checkpoint.keep_last, cfg.checkpoint.async_save),
                breakdown=breakdown, comm_profiler=CommProfiler(cfg.metrics.comm_profile_every, rt.device),
                faults=faults, compute_clock=compute_clock, num_params=num_params, peak_flops=peak_flops,
-               replica_group=meshes.replica_group(layout), balancer=balancer, lora_base=lora_base)
+               replica_group=meshes.replica_group(layout), balancer=balancer, lora_base=lora_base, routing=routing)
 
 
 def build_engine(cfg: RunConfig, layout: Layout, meshes: Meshes, spec: ModelSpec, model: nn.Module, rt: Runtime,
