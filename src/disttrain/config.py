@@ -39,20 +39,16 @@ class LoraConfig(_Section):
 
 
 class MoEConfig(_Section):
-    """Mixture of experts (models/moe/): empty shape keys keep the registry shape's; names follow transformers'
-    MoE configs. The balancing and capacity keys are how the router trains, whatever the shape."""
+    """Mixture of experts (models/moe/): shape keys (transformers' names) over the registry's; router training."""
 
     num_experts: int | None = Field(None, gt=0, description="routed experts per MoE layer")
     num_experts_per_tok: int | None = Field(None, gt=0, description="top-k experts each token runs through")
     moe_intermediate_size: int | None = Field(None, gt=0, description="each expert's SwiGLU width")
     n_shared_experts: int | None = Field(None, ge=0, description="experts every token runs through")
     first_k_dense_replace: int | None = Field(None, ge=0, description="leading blocks with a dense MLP")
-    scoring_func: Literal["softmax", "sigmoid"] | None = Field(
-        None, description="router scores: softmax top-k, or sigmoid with the top-k renormalised (DeepSeek-V3)")
-    aux_loss_coef: float = Field(0.0, ge=0, description="switch-style load-balancing loss over the global batch "
-                                 "(0: off)")
-    bias_update_rate: float = Field(0.0, ge=0, description="aux-loss-free balancing: per-expert bias step after "
-                                    "each optimizer step (0: off)")
+    scoring_func: Literal["softmax", "sigmoid"] | None = Field(None, description="softmax, or sigmoid + top-k renormalised")
+    aux_loss_coef: float = Field(0.0, ge=0, description="switch-style balancing loss over the global batch (0: off)")
+    bias_update_rate: float = Field(0.0, ge=0, description="per-expert bias step after each optimizer step (0: off)")
     capacity_factor: float = Field(0.0, ge=0, description="0: dropless; else each expert takes at most "
                                    "capacity_factor x its even share of a micro-batch's tokens, the rest dropped")
 
@@ -64,8 +60,7 @@ class MoEConfig(_Section):
         return self
 
 
-MOE_SHAPE_KEYS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "n_shared_experts",
-                  "first_k_dense_replace", "scoring_func")
+MOE_SHAPE_KEYS = tuple(MoEConfig.model_fields)[:6]  # the MoEShape's; the rest say how the router trains
 
 
 class ModelConfig(_Section):
@@ -268,6 +263,8 @@ class RunConfig(_Section):
         tree, note = self.model_dump(mode="json", by_alias=True), ""
         if tree["model"].get("lora", 0) is None:  # no adapters: the section stays out, like any unset option
             del tree["model"]["lora"]
+        if self.model.moe == MoEConfig():  # likewise the MoE section of a dense model or an MoE one as given
+            del tree["model"]["moe"]
         if self.model.hf or self.model.spec:
             tree["model"] = {k: v for k, v in tree["model"].items() if k not in SHAPE_KEYS}
             if self.model.hf:
@@ -281,6 +278,8 @@ class RunConfig(_Section):
 
             shape = asdict(resolve_shape(self.model))
             tree["model"].update({k: shape[k] for k in SHAPE_KEYS})
+            if shape["moe"]:
+                tree["model"]["moe"] = {**tree["model"].get("moe", {}), **shape["moe"]}
         return note + yaml.safe_dump(tree, sort_keys=False)
 
 

@@ -15,8 +15,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 
 from disttrain.errors import UserError
+from disttrain.layout_experts import expert_batch_problems, expert_problems
+from disttrain.problem import Problem
 from disttrain.splits import balance_shares, split_layers
 from disttrain.models.shape import ModelShape
+
+__all__ = ["Layout", "Problem", "batch_problems", "cut_problems", "layout_problems", "world_problems"]
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
@@ -215,21 +219,7 @@ def resolve_dp_shard(parallel, world_size: int) -> int:
     return world_size // fixed if parallel.dp_shard == -1 else parallel.dp_shard
 
 
-# ---------------------------------------------------------------- the rules
-@dataclass(frozen=True)
-class Problem:
-    """One broken layout rule. Callers that decide by rule (the planner) read `key`; users read the
-    message (`str(problem)`), one line naming the key, its value and what is allowed."""
-
-    key: str  # the config key to change, e.g. "parallel.tp"
-    value: object
-    allowed: str
-    message: str
-
-    def __str__(self) -> str:
-        return self.message
-
-
+# ---------------------------------------------------------------- the rules (each a Problem: problem.py)
 def world_problems(dp_replicate: int, dp_shard: int, tp: int, pp: int, world_size: int) -> list[Problem]:
     """The degrees must multiply to the world size (`dp_shard=-1`: whatever is left of it)."""
     fixed = dp_replicate * tp * pp
@@ -299,7 +289,7 @@ def cut_problems(shape: ModelShape | None, layout: Layout) -> list[Problem]:
                                 "parallel.activation_checkpointing=selective with parallel.pp_schedule=zero_bubble: "
                                 "the schedule runs two backward passes per block, which selective checkpointing "
                                 "refuses (allowed with zero_bubble: none, full; or another pp_schedule)"))
-    problems += _expert_problems(shape, lay)
+    problems += expert_problems(shape, lay)
     if lay.engine == "deepspeed":
         problems += _deepspeed_problems(lay)
     if lay.balanced:
@@ -331,10 +321,7 @@ def batch_problems(layout: Layout) -> list[Problem]:
         if lay.pp_schedule != "gpipe" and m < lay.pp:
             problems.append(Problem("parallel.pp_microbatches", m, f"at least parallel.pp={lay.pp}",
                                     f"{what} must be at least parallel.pp={lay.pp} for pp_schedule={lay.pp_schedule}"))
-    if lay.ep > 1 and lay.dp_shard % lay.ep:
-        problems.append(Problem("parallel.ep", lay.ep, f"a divisor of parallel.dp_shard={lay.dp_shard}",
-                                f"parallel.ep={lay.ep} does not divide the data-parallel degree parallel.dp_shard="
-                                f"{lay.dp_shard} (experts are split over data-parallel ranks)"))
+    problems += expert_batch_problems(lay)
     if lay.balanced:
         problems += _balance_batch_problems(lay)
     elif lay.global_batch_size % lay.dp:
@@ -358,33 +345,6 @@ def batch_problems(layout: Layout) -> list[Problem]:
                                 "tensor and pipeline parallelism on the mesh; DDP and ZeRO-1 take neither DTensor "
                                 "parameters nor a schedule's many backward passes)"))
     return problems
-
-
-def _expert_problems(shape: ModelShape | None, layout: Layout) -> list[Problem]:
-    """Expert parallelism: an MoE model, experts that split evenly, and what it composes with."""
-    ep, moe = layout.ep, shape.moe if shape is not None else None
-    if ep == 1:
-        return []
-    if shape is not None and moe is None:
-        return [Problem("parallel.ep", ep, "1 for a dense model", f"parallel.ep={ep} on a dense model (no experts "
-                        "to split; allowed: 1, or an MoE model such as model.name=debug-moe)")]
-    if moe is not None and moe.num_experts % ep:
-        return [Problem("parallel.ep", ep, f"a divisor of model.moe.num_experts={moe.num_experts}",
-                        f"parallel.ep={ep} does not divide model.moe.num_experts={moe.num_experts}")]
-    if layout.engine == "deepspeed" or layout.zero_stage == 1 or layout.balanced:
-        what = ("engine=deepspeed" if layout.engine == "deepspeed" else "parallel.zero_stage=1"
-                if layout.zero_stage == 1 else "uneven shares (parallel.balance/balance_weights)")
-        return [Problem("parallel.ep", ep, "1 with " + what, f"parallel.ep={ep} with {what}: experts are split "
-                        "by the torch engine under DDP (zero_stage 0) or FSDP (zero_stage 2, 3) with equal shares "
-                        "(allowed with it: parallel.ep=1)")]
-    if layout.activation_checkpointing == "selective" and layout.zero_stage >= 2:
-        # torch 2.13: the experts' own FSDP unit inside a selectively checkpointed block issues its profiler
-        # ranges more often in the recompute than in the forward, which selective checkpointing refuses.
-        return [Problem("parallel.activation_checkpointing", "selective", "none, full", "parallel.activation_"
-                        f"checkpointing=selective with parallel.ep={ep} and parallel.zero_stage={layout.zero_stage}: "
-                        "the experts' FSDP unit inside the checkpointed block is not recomputed alike (allowed: "
-                        "none, full; or selective with zero_stage=0)")]
-    return []
 
 
 def _deepspeed_problems(layout: Layout) -> list[Problem]:

@@ -16,10 +16,8 @@ def llama_spec(shape: ModelShape):
     from disttrain.models.llama.model import Transformer, mask_documents
     from disttrain.models.spec import ModelSpec
 
-    if shape.moe is not None:  # the MoE family: these blocks with MoE layers (models/moe/)
-        from disttrain.models.moe import moe_spec
-
-        return moe_spec(shape)
+    if shape.moe is not None:
+        raise ValueError("an MoE shape is the MoE family's (models.moe.moe_spec; models.registry.model_spec picks it)")
     tied = (("tok_embeddings.weight", "output.weight"),) if shape.tie_embeddings else ()
     return ModelSpec(
         name="llama", build=partial(Transformer, shape), init_weights=init_weights, blocks=lambda m: m.layers,

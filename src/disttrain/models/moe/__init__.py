@@ -15,7 +15,7 @@ from disttrain.models.shape import ModelShape
 __all__ = ["MoEFeedForward", "MoERouting", "moe_layers", "moe_spec"]
 
 
-def feed_forward(shape: ModelShape, routing: MoERouting, layer: int) -> nn.Module:
+def block_mlp(shape: ModelShape, routing: MoERouting, layer: int) -> nn.Module:
     """Block `layer`'s MLP: dense SwiGLU before `first_k_dense_replace`, else the MoE layer."""
     from disttrain.models.llama.model import FeedForward
 
@@ -33,7 +33,7 @@ def moe_spec(shape: ModelShape, routing: MoERouting | None = None):
 
     routing = routing or MoERouting()
     dense = llama_spec(replace(shape, moe=None))
-    return replace(dense, name="moe", build=partial(Transformer, shape, partial(feed_forward, shape, routing)),
+    return replace(dense, name="moe", build=partial(Transformer, shape, partial(block_mlp, shape, routing)),
                    shape=shape, tensor_parallel=None, to_hf=None, from_hf=None, hf_config=None,
                    moe_layers=moe_layers, fingerprint=_fingerprint(shape))
 
