@@ -142,7 +142,7 @@ def _counts(run) -> list:
 
 def test_expert_parallel_equals_one_process(tmp_path):
     """ep=2 on 2 ranks under DDP (with and without selective activation checkpointing), ZeRO-2, and ZeRO-3
-    with full activation checkpointing:
+    with full activation checkpointing; on 4 ranks ZeRO-3 with dp_shard=4 and pipeline pp=2 (GPipe):
     one process's losses, parameters, balancing bias (a buffer in the checkpoint) and tokens per expert in
     fp64; then an fp32 run saved at ep=2 resumes on one process with an uninterrupted run's losses."""
     fp32 = ("optim.schedule=constant", "optim.warmup_steps=0")
@@ -155,14 +155,20 @@ def test_expert_parallel_equals_one_process(tmp_path):
     }
     runs = train_many({name: (tmp_path / name, (*COMMON, *(() if name == "save32" else (FP64,)), *o))
                        for name, o in jobs.items()}, nproc=2)
+    # 4 ranks: experts' gradients reduced over 2 ranks holding the same experts; a pipeline of 2 stages
+    four = (*COMMON, FP64, "train.global_batch_size=8", "parallel.ep=2", "parallel.zero_stage=3")
+    runs.update(train_many({"dp4": (tmp_path / "dp4", four),
+                            "pp2": (tmp_path / "pp2", (*four, "parallel.pp=2", "parallel.pp_schedule=gpipe"))}, nproc=4))
     single = train_many({"one": (tmp_path / "one", (*COMMON, FP64)), "one32": (tmp_path / "one32", (*COMMON, *fp32)),
+                         "one8": (tmp_path / "one8", (*COMMON, FP64, "train.global_batch_size=8")),
                          "resume32": (runs["save32"], (*COMMON, *fp32, "run.allow_changes=true"))}, nproc=1)
     reference = final_params(single["one"], STEPS)
     assert any(name.endswith("expert_bias") and t.abs().sum() > 0 for name, t in reference.items())
-    for name in ("ddp", "zero3_full", "zero2", "ddp_selective"):
-        assert_losses_close(losses(runs[name]), losses(single["one"]), rel=EXACT)
-        assert_params_exact(final_params(runs[name], STEPS), reference)
-        assert _counts(runs[name]) == _counts(single["one"]) and len(_counts(runs[name])) == STEPS
+    for name in ("ddp", "zero3_full", "zero2", "ddp_selective", "dp4", "pp2"):
+        one = single["one8" if name in ("dp4", "pp2") else "one"]
+        assert_losses_close(losses(runs[name]), losses(one), rel=EXACT)
+        assert_params_exact(final_params(runs[name], STEPS), final_params(one, STEPS))
+        assert _counts(runs[name]) == _counts(one) and len(_counts(runs[name])) == STEPS
     resumed, straight = losses(single["resume32"]), losses(single["one32"])
     assert sorted(resumed) == list(range(1, STEPS + 1))
     assert_losses_close({s: resumed[s] for s in range(4, STEPS + 1)}, {s: straight[s] for s in range(4, STEPS + 1)},

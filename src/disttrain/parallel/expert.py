@@ -19,6 +19,8 @@ Context parallelism, when it lands, adds its sequence ranks to `stats_group` (to
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -56,6 +58,18 @@ class AllToAllDispatch:
         return wait_tensor(all_to_all_single_autograd(y[back].contiguous(), send_splits, recv_splits, self.group))
 
 
+def pipeline_shape_inference() -> bool:
+    """torch.distributed.pipelining runs each stage forward and backward once on example data to learn the
+    shapes it exchanges (the first step, before the micro-batches); its routing must not count. torch marks
+    that pass nowhere but on the stack."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name in ("_forward_metadata_inference", "_backward_metadata_inference"):
+            return True
+        frame = frame.f_back
+    return False
+
+
 def apply_expert_parallel(model: nn.Module, spec, layout: Layout, meshes) -> list[nn.Module]:
     """Configure every MoE layer for this layout; with ep > 1 split its experts. Returns the experts
     modules split (for FSDP), empty when none are."""
@@ -64,6 +78,7 @@ def apply_expert_parallel(model: nn.Module, spec, layout: Layout, meshes) -> lis
     for layer in layers.values():
         layer.stats_group = meshes.dp.get_group() if layout.dp > 1 else None
         layer.aux_grad_scale = layout.dp / layout.microbatches
+        layer.trial_pass = pipeline_shape_inference if layout.pp > 1 else None
         if layout.ep > 1:
             experts = layer.experts
             for name, param in list(experts.named_parameters(recurse=False)):

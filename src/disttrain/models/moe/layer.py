@@ -3,6 +3,7 @@
 Single-device code with two places parallelism plugs into from outside (parallel/expert.py):
 - `expert_dispatch`: runs expert-sorted rows through their experts. None runs them here; expert
   parallelism puts an all-to-all exchange there.
+- `trial_pass`: says when a forward is none of the training's (a pipeline stage's shape inference).
 - `stats_group`: the data-parallel group the routing statistics are summed over, so that the balancing
   loss, the balancing bias and the reported loads are those of the whole global batch on every layout
   (one all-reduce of 2E + 3 numbers per layer and micro-batch). `aux_grad_scale` turns the local share
@@ -65,6 +66,7 @@ class MoEFeedForward(nn.Module):
         self.expert_dispatch = None
         self.stats_group = None
         self.aux_grad_scale = 1.0
+        self.trial_pass = None  # a callable saying this forward is not training (a pipeline's shape inference)
         self.step_stats: torch.Tensor | None = None  # [counts (E), dropped, aux loss, entropy sum, tokens, rounds]
         self.last_step: torch.Tensor | None = None
 
@@ -83,7 +85,7 @@ class MoEFeedForward(nn.Module):
         y = self.experts(rows, kept) if self.expert_dispatch is None else self.expert_dispatch(rows, kept, self.experts)
         y = y * weights.reshape(-1)[order].unsqueeze(-1).to(y.dtype)
         out = torch.zeros_like(x).index_add(0, token, y.to(x.dtype))
-        if self.training:
+        if self.training and torch.is_grad_enabled() and not (self.trial_pass and self.trial_pass()):
             out = self._account(out, counts, dropped, probs)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
