@@ -16,6 +16,7 @@ from disttrain.models.moe.experts import GroupedExperts
 from disttrain.models.registry import model_spec
 from disttrain.models.spec import build_model
 from disttrain.resolve import resolve_run
+from hf_models import save_tiny
 from helpers import EXACT, FP64, assert_losses_close, assert_params_exact, final_params, losses, records, train_many
 
 STEPS = 6
@@ -120,6 +121,27 @@ def test_model_counts_its_parameters():
     assert list(spec.moe_layers(model)) == ["layers.1.feed_forward"]
 
 
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
+def test_hf_moe_through_our_dispatch_equals_transformers(tmp_path, kind):
+    """disttrain's dispatch on transformers' fused experts gives transformers' own logits and gradients."""
+    from disttrain.models.hf.spec import hf_spec
+
+    spec = hf_spec(str(save_tiny(kind, tmp_path / kind)))
+    model = build_model(spec, torch.device("cpu"), 0, torch.float64)
+    model.set_experts_implementation("eager")  # transformers' per-expert loop (its grouped_mm refuses float64)
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    results = []
+    for ours in (False, True):
+        if ours:
+            assert len(spec.moe_layers(model)) == 2  # installs the dispatch
+        logits = model(tokens).logits
+        results.append((logits, torch.autograd.grad(logits.square().mean(), list(model.parameters()))))
+    (a, ga), (b, gb) = results
+    torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)
+    for x, y in zip(gb, ga):
+        torch.testing.assert_close(x, y, rtol=1e-10, atol=1e-14)
+
+
 @pytest.mark.parametrize("overrides, message", [
     (("parallel.ep=3",), "parallel.ep=3 does not divide model.moe.num_experts=8"),
     (("parallel.ep=4", "model.moe.num_experts=4"), "parallel.ep=4 does not divide the data-parallel degree"),
@@ -127,6 +149,7 @@ def test_model_counts_its_parameters():
     (("model.moe.num_experts_per_tok=9",), "model.moe.num_experts_per_tok=9 exceeds model.moe.num_experts=8"),
     (("model.moe.capacity_factor=0.5",), "model.moe.capacity_factor=0.5: below 1 drops tokens"),
     (("parallel.ep=2", "parallel.zero_stage=1"), "parallel.ep=2 with parallel.zero_stage=1"),
+    (("model.name=debug", "parallel.ep=2", "model.moe.num_experts=4"), "model.name=debug is dense; an MoE needs"),
     (("parallel.ep=2", "parallel.zero_stage=3", "parallel.activation_checkpointing=selective"),
      "parallel.activation_checkpointing=selective with parallel.ep=2 and parallel.zero_stage=3"),
 ])
@@ -142,7 +165,8 @@ def _counts(run) -> list:
 
 def test_expert_parallel_equals_one_process(tmp_path):
     """ep=2 on 2 ranks under DDP (with and without selective activation checkpointing), ZeRO-2, and ZeRO-3
-    with full activation checkpointing; on 4 ranks ZeRO-3 with dp_shard=4 and pipeline pp=2 (GPipe):
+    with full activation checkpointing; transformers' Qwen3-MoE (DDP) and Mixtral (ZeRO-3, full checkpointing)
+    through disttrain's dispatch; on 4 ranks ZeRO-3 with dp_shard=4 and pipeline pp=2 (GPipe):
     one process's losses, parameters, balancing bias (a buffer in the checkpoint) and tokens per expert in
     fp64; then an fp32 run saved at ep=2 resumes on one process with an uninterrupted run's losses."""
     fp32 = ("optim.schedule=constant", "optim.warmup_steps=0")
@@ -153,19 +177,26 @@ def test_expert_parallel_equals_one_process(tmp_path):
         "ddp_selective": ("parallel.ep=2", "parallel.zero_stage=0", "parallel.activation_checkpointing=selective"),
         "save32": ("parallel.ep=2", "parallel.zero_stage=3", *fp32, "train.steps=3"),
     }
-    runs = train_many({name: (tmp_path / name, (*COMMON, *(() if name == "save32" else (FP64,)), *o))
-                       for name, o in jobs.items()}, nproc=2)
+    hf = {kind: (f"model.hf={save_tiny(kind, tmp_path / kind)}", f"train.steps={STEPS}", "train.global_batch_size=4",
+                 "checkpoint.save_final=true", "model.moe.aux_loss_coef=0.01", FP64) for kind in ("qwen3_moe", "mixtral")}
+    jobs = {name: (*COMMON, *(() if name == "save32" else (FP64,)), *o) for name, o in jobs.items()}
+    jobs.update({"hf_qwen3_moe": (*hf["qwen3_moe"], "parallel.ep=2", "parallel.zero_stage=0"),
+                 "hf_mixtral": (*hf["mixtral"], "parallel.ep=2", "parallel.zero_stage=3",
+                                "parallel.activation_checkpointing=full")})
+    runs = train_many({name: (tmp_path / name, o) for name, o in jobs.items()}, nproc=2)
     # 4 ranks: experts' gradients reduced over 2 ranks holding the same experts; a pipeline of 2 stages
     four = (*COMMON, FP64, "train.global_batch_size=8", "parallel.ep=2", "parallel.zero_stage=3")
     runs.update(train_many({"dp4": (tmp_path / "dp4", four),
                             "pp2": (tmp_path / "pp2", (*four, "parallel.pp=2", "parallel.pp_schedule=gpipe"))}, nproc=4))
     single = train_many({"one": (tmp_path / "one", (*COMMON, FP64)), "one32": (tmp_path / "one32", (*COMMON, *fp32)),
                          "one8": (tmp_path / "one8", (*COMMON, FP64, "train.global_batch_size=8")),
+                         "hf_qwen3_moe_one": (tmp_path / "hf_qwen3_moe_one", hf["qwen3_moe"]),
+                         "hf_mixtral_one": (tmp_path / "hf_mixtral_one", hf["mixtral"]),
                          "resume32": (runs["save32"], (*COMMON, *fp32, "run.allow_changes=true"))}, nproc=1)
     reference = final_params(single["one"], STEPS)
     assert any(name.endswith("expert_bias") and t.abs().sum() > 0 for name, t in reference.items())
-    for name in ("ddp", "zero3_full", "zero2", "ddp_selective", "dp4", "pp2"):
-        one = single["one8" if name in ("dp4", "pp2") else "one"]
+    for name in ("ddp", "zero3_full", "zero2", "ddp_selective", "dp4", "pp2", "hf_qwen3_moe", "hf_mixtral"):
+        one = single[f"{name}_one" if name.startswith("hf_") else "one8" if name in ("dp4", "pp2") else "one"]
         assert_losses_close(losses(runs[name]), losses(one), rel=EXACT)
         assert_params_exact(final_params(runs[name], STEPS), final_params(one, STEPS))
         assert _counts(runs[name]) == _counts(one) and len(_counts(runs[name])) == STEPS

@@ -36,7 +36,7 @@ class AllToAllDispatch:
     def __init__(self, group, ep: int):
         self.group, self.ep = group, ep
 
-    def __call__(self, rows: torch.Tensor, counts: torch.Tensor, experts: nn.Module) -> torch.Tensor:
+    def __call__(self, rows: torch.Tensor, counts: torch.Tensor, experts) -> torch.Tensor:
         ep, per_rank = self.ep, counts.numel() // self.ep
         received_counts = torch.empty_like(counts)
         dist.all_to_all_single(received_counts, counts, group=self.group)  # (source rank, local expert)

@@ -87,8 +87,13 @@ def load_pretrained(model: nn.Module, directory: str) -> None:
         raise UserError(f"model.hf={directory}: {exc} its config.json describes") from None
 
 
-def hf_spec(directory: str) -> ModelSpec:
+def hf_spec(directory: str, routing=None) -> ModelSpec:
+    """`routing`: model.moe's training keys (a models.moe.MoERouting) for a sparse-MoE family (models/hf/moe.py)."""
+    from functools import partial
+
     from disttrain.models.hf import parallel_plan
+    from disttrain.models.hf.moe import SUPPORTED, hf_moe_layers
+    from disttrain.models.moe.layer import MoERouting
 
     shape = hf_shape(directory)
     config = _load_config(directory)
@@ -116,6 +121,7 @@ def hf_spec(directory: str) -> ModelSpec:
         tensor_parallel=parallel_plan.tensor_parallel if has_tp else None, sequence_parallel=has_tp,
         pipeline_split=parallel_plan.pipeline_split if splittable else None, tied_parameters=tied,
         mask_documents=mask_documents,
+        moe_layers=partial(hf_moe_layers, routing=routing or MoERouting()) if config.model_type in SUPPORTED else None,
         to_hf=dict, from_hf=dict, hf_config=lambda: {**raw, "use_cache": True},
         load_pretrained=lambda m: load_pretrained(m, directory), fingerprint=fingerprint)
 

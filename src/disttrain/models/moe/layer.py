@@ -55,14 +55,13 @@ def _recomputing() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-class MoEFeedForward(nn.Module):
-    def __init__(self, dim: int, num_experts: int, top_k: int, hidden: int, n_shared: int, scoring_func: str,
-                 routing: MoERouting, shared_expert: nn.Module | None = None):
-        super().__init__()
+class RoutedExperts:
+    """Routed tokens through experts and back, with the routing statistics: shared by the built-in layer and
+    transformers' MoE blocks (models/hf/moe.py). `experts` is the module whose 3-D parameters expert
+    parallelism splits; `compute_experts(rows, counts, counts_list)` runs expert-sorted rows through it."""
+
+    def init_routing(self, num_experts: int, top_k: int, routing: MoERouting) -> None:
         self.num_experts, self.top_k, self.routing = num_experts, top_k, routing
-        self.router = Router(dim, num_experts, top_k, scoring_func)
-        self.experts = GroupedExperts(num_experts, dim, hidden)
-        self.shared_experts = shared_expert if n_shared else None
         self.expert_dispatch = None
         self.stats_group = None
         self.aux_grad_scale = 1.0
@@ -70,10 +69,10 @@ class MoEFeedForward(nn.Module):
         self.step_stats: torch.Tensor | None = None  # [counts (E), dropped, aux loss, entropy sum, tokens, rounds]
         self.last_step: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x = x.reshape(-1, shape[-1])
-        weights, experts, probs = self.router(x)
+    def routed(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, probs: torch.Tensor | None,
+               training: bool) -> torch.Tensor:
+        """x (tokens, dim), the router's choice (weights and experts (tokens, k)) and probabilities over all
+        experts (None: not known, no balancing loss) -> the weighted sum of the chosen experts' outputs."""
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)  # assignments grouped by expert, in token order within one
         counts = torch.bincount(flat, minlength=self.num_experts)
@@ -82,14 +81,13 @@ class MoEFeedForward(nn.Module):
             order, kept, dropped = self._drop_overflow(flat, order, counts)
         token = order // self.top_k
         rows = x[token]
-        y = self.experts(rows, kept) if self.expert_dispatch is None else self.expert_dispatch(rows, kept, self.experts)
+        compute = self.compute_experts
+        y = compute(rows, kept, None) if self.expert_dispatch is None else self.expert_dispatch(rows, kept, compute)
         y = y * weights.reshape(-1)[order].unsqueeze(-1).to(y.dtype)
         out = torch.zeros_like(x).index_add(0, token, y.to(x.dtype))
-        if self.training and torch.is_grad_enabled() and not (self.trial_pass and self.trial_pass()):
+        if training and torch.is_grad_enabled() and not (self.trial_pass and self.trial_pass()):
             out = self._account(out, counts, dropped, probs)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out.view(shape)
+        return out
 
     def _drop_overflow(self, flat, order, counts):
         """Each expert keeps its first `capacity` assignments (in token order); the rest contribute nothing."""
@@ -103,6 +101,8 @@ class MoEFeedForward(nn.Module):
         """Global routing statistics of this micro-batch (one all-reduce), the balancing loss attached to
         `out`, and the step's accumulators."""
         e = self.num_experts
+        if probs is None:  # a router whose probabilities are unknown: loads only
+            probs = torch.zeros(out.shape[0], e, dtype=torch.float64, device=out.device)
         p = probs.detach().double()
         entropy = -(p * p.clamp_min(1e-30).log()).sum()
         local = torch.cat([counts.double(), p.sum(0), torch.stack([
@@ -130,7 +130,7 @@ class MoEFeedForward(nn.Module):
             return
         self.last_step, self.step_stats = self.step_stats, None
         if updated and self.routing.bias_update_rate:
-            self.router.update_bias(self.last_step[:self.num_experts], self.routing.bias_update_rate)
+            self.update_bias(self.last_step[:self.num_experts], self.routing.bias_update_rate)
 
     def step_summary(self) -> dict | None:
         """The last training step's routing over its global batch (host sync), or None before one."""
@@ -142,3 +142,28 @@ class MoEFeedForward(nn.Module):
         mean = sum(counts) / e
         return {"tokens_per_expert": [int(c) for c in counts], "load_imbalance": max(counts) / mean if mean else 0.0,
                 "dropped_tokens": int(dropped), "aux_loss": aux / rounds, "router_entropy": entropy / tokens}
+
+
+class MoEFeedForward(RoutedExperts, nn.Module):
+    def __init__(self, dim: int, num_experts: int, top_k: int, hidden: int, n_shared: int, scoring_func: str,
+                 routing: MoERouting, shared_expert: nn.Module | None = None):
+        nn.Module.__init__(self)
+        self.init_routing(num_experts, top_k, routing)
+        self.router = Router(dim, num_experts, top_k, scoring_func)
+        self.experts = GroupedExperts(num_experts, dim, hidden)
+        self.shared_experts = shared_expert if n_shared else None
+
+    def compute_experts(self, rows, counts, counts_list):
+        return self.experts(rows, counts, counts_list)
+
+    def update_bias(self, counts: torch.Tensor, rate: float) -> None:
+        self.router.update_bias(counts, rate)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        weights, experts, probs = self.router(x)
+        out = self.routed(x, weights, experts, probs, self.training)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out.view(shape)
