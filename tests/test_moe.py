@@ -123,11 +123,16 @@ def test_model_counts_its_parameters():
 
 @pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
 def test_hf_moe_through_our_dispatch_equals_transformers(tmp_path, kind):
-    """disttrain's dispatch on transformers' fused experts gives transformers' own logits and gradients."""
+    """disttrain's dispatch on transformers' fused experts gives transformers' own logits and gradients; a
+    saved checkpoint (one matrix per expert) loads as transformers loads it."""
+    from transformers import AutoModelForCausalLM
+
     from disttrain.models.hf.spec import hf_spec
 
-    spec = hf_spec(str(save_tiny(kind, tmp_path / kind)))
+    spec = hf_spec(str(save_tiny(kind, tmp_path / kind, weights_seed=1)))
     model = build_model(spec, torch.device("cpu"), 0, torch.float64)
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path / kind, local_files_only=True).state_dict()
+    assert all(torch.equal(t.double(), model.state_dict()[name]) for name, t in theirs.items())
     model.set_experts_implementation("eager")  # transformers' per-expert loop (its grouped_mm refuses float64)
     tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
     results = []

@@ -81,10 +81,22 @@ def load_pretrained(model: nn.Module, directory: str) -> None:
     state: dict = {}
     for f in files:
         state.update(load_file(str(f)))
+    if any(name.endswith("experts.gate_up_proj") and name not in state for name, _ in model.named_parameters()):
+        state = _converted_by_transformers(directory)
     try:
         copy_weights(model, state)
     except ValueError as exc:
         raise UserError(f"model.hf={directory}: {exc} its config.json describes") from None
+
+
+def _converted_by_transformers(directory: str) -> dict:
+    """MoE checkpoints hold one matrix per expert (`experts.0.gate_proj`, Mixtral's `block_sparse_moe...w1`);
+    transformers' loader converts them to its fused 3-D parameters, so it reads them (a second copy in memory
+    while loading)."""
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=torch.float32)
+    return loaded.state_dict()
 
 
 def hf_spec(directory: str, routing=None) -> ModelSpec:
