@@ -1,9 +1,11 @@
 """Mixture of experts: the layer on one device (grouped GEMM against the per-expert loop, tied scores under
 activation checkpointing, the balancing loss's gradient, evaluation, capacity), the config's refusals, and
 expert parallelism against one process (fp64 at 1e-10: losses, every parameter, the balancing bias, tokens
-per expert) plus a checkpoint saved at ep=2 resumed on one process (fp32, 1e-5)."""
+per expert) plus a checkpoint saved at ep=2 resumed on one process and at ep=4 (fp32, 1e-5)."""
 
 from __future__ import annotations
+
+import shutil
 
 import pytest
 import torch
@@ -173,7 +175,8 @@ def test_expert_parallel_equals_one_process(tmp_path):
     with full activation checkpointing; transformers' Qwen3-MoE (DDP) and Mixtral (ZeRO-3, full checkpointing)
     through disttrain's dispatch; on 4 ranks ZeRO-3 with dp_shard=4 and pipeline pp=2 (GPipe):
     one process's losses, parameters, balancing bias (a buffer in the checkpoint) and tokens per expert in
-    fp64; then an fp32 run saved at ep=2 resumes on one process with an uninterrupted run's losses."""
+    fp64; then an fp32 run saved at ep=2 resumes on one process and at ep=4 on 4 ranks with an uninterrupted
+    run's losses."""
     fp32 = ("optim.schedule=constant", "optim.warmup_steps=0")
     jobs = {
         "ddp": ("parallel.ep=2", "parallel.zero_stage=0"),
@@ -191,8 +194,12 @@ def test_expert_parallel_equals_one_process(tmp_path):
     runs = train_many({name: (tmp_path / name, o) for name, o in jobs.items()}, nproc=2)
     # 4 ranks: experts' gradients reduced over 2 ranks holding the same experts; a pipeline of 2 stages
     four = (*COMMON, FP64, "train.global_batch_size=8", "parallel.ep=2", "parallel.zero_stage=3")
+    shutil.copytree(runs["save32"], tmp_path / "resume32_ep4")  # the same checkpoint, resumed at ep=4 on 4 ranks
     runs.update(train_many({"dp4": (tmp_path / "dp4", four),
-                            "pp2": (tmp_path / "pp2", (*four, "parallel.pp=2", "parallel.pp_schedule=gpipe"))}, nproc=4))
+                            "pp2": (tmp_path / "pp2", (*four, "parallel.pp=2", "parallel.pp_schedule=gpipe")),
+                            "resume32_ep4": (tmp_path / "resume32_ep4", (*COMMON, *fp32, "parallel.ep=4",
+                                                                         "parallel.zero_stage=3",
+                                                                         "run.allow_changes=true"))}, nproc=4))
     single = train_many({"one": (tmp_path / "one", (*COMMON, FP64)), "one32": (tmp_path / "one32", (*COMMON, *fp32)),
                          "one8": (tmp_path / "one8", (*COMMON, FP64, "train.global_batch_size=8")),
                          "hf_qwen3_moe_one": (tmp_path / "hf_qwen3_moe_one", hf["qwen3_moe"]),
@@ -205,7 +212,8 @@ def test_expert_parallel_equals_one_process(tmp_path):
         assert_losses_close(losses(runs[name]), losses(one), rel=EXACT)
         assert_params_exact(final_params(runs[name], STEPS), final_params(one, STEPS))
         assert _counts(runs[name]) == _counts(one) and len(_counts(runs[name])) == STEPS
-    resumed, straight = losses(single["resume32"]), losses(single["one32"])
-    assert sorted(resumed) == list(range(1, STEPS + 1))
-    assert_losses_close({s: resumed[s] for s in range(3, STEPS + 1)}, {s: straight[s] for s in range(3, STEPS + 1)},
-                        rel=1e-5)
+    straight = losses(single["one32"])
+    for resumed in (losses(single["resume32"]), losses(runs["resume32_ep4"])):
+        assert sorted(resumed) == list(range(1, STEPS + 1))
+        assert_losses_close({s: resumed[s] for s in range(3, STEPS + 1)}, {s: straight[s] for s in range(3, STEPS + 1)},
+                            rel=1e-5)
