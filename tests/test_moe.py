@@ -212,6 +212,17 @@ def test_expert_parallel_equals_one_process(tmp_path):
         assert_losses_close(losses(runs[name]), losses(one), rel=EXACT)
         assert_params_exact(final_params(runs[name], STEPS), final_params(one, STEPS))
         assert _counts(runs[name]) == _counts(one) and len(_counts(runs[name])) == STEPS
+    # `disttrain convert --to hf` of the ep=2 ZeRO-3 Mixtral run: transformers loads every trained parameter
+    from transformers import AutoModelForCausalLM
+
+    from disttrain.checkpoint.export import export
+
+    exported = export(runs["hf_mixtral"] / "checkpoints" / f"step_{STEPS:08d}", "hf", tmp_path / "mixtral_hf")
+    loaded = AutoModelForCausalLM.from_pretrained(exported, local_files_only=True, dtype=torch.float64).state_dict()
+    trained = final_params(runs["hf_mixtral"], STEPS)
+    assert trained.keys() <= loaded.keys()
+    differ = [k for k, t in trained.items() if not torch.equal(loaded[k], t.to(torch.float32).double())]
+    assert not differ, differ  # the export is float32
     straight = losses(single["one32"])
     for resumed in (losses(single["resume32"]), losses(runs["resume32_ep4"])):
         assert sorted(resumed) == list(range(1, STEPS + 1))
