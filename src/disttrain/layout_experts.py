@@ -10,6 +10,11 @@ from disttrain.problem import Problem
 def expert_problems(shape: ModelShape | None, layout) -> list[Problem]:  # layout: a layout.Layout
     """Expert parallelism: an MoE model, experts that split evenly, and what it composes with."""
     ep, moe = layout.ep, shape.moe if shape is not None else None
+    shared = moe.moe_intermediate_size * moe.n_shared_experts if moe is not None else 0
+    if layout.tp > 1 and shared % layout.tp:
+        return [Problem("parallel.tp", layout.tp, f"a divisor of the shared experts' width {shared}",
+                        f"parallel.tp={layout.tp} does not divide the shared experts' width model.moe."
+                        f"moe_intermediate_size x n_shared_experts = {shared}")]
     if ep == 1:
         return []
     if shape is not None and moe is None:

@@ -33,8 +33,10 @@ def moe_spec(shape: ModelShape, routing: MoERouting | None = None):
 
     routing = routing or MoERouting()
     dense = llama_spec(replace(shape, moe=None))
+    # tensor parallel: the dense model's plan splits attention and shared experts, not the routed experts;
+    # no sequence parallelism (the router would see a slice of the sequence)
     return replace(dense, name="moe", build=partial(Transformer, shape, partial(block_mlp, shape, routing)),
-                   shape=shape, tensor_parallel=None, to_hf=None, from_hf=None, hf_config=None,
+                   shape=shape, sequence_parallel=False, to_hf=None, from_hf=None, hf_config=None,
                    moe_layers=moe_layers, fingerprint=_fingerprint(shape))
 
 
