@@ -225,6 +225,14 @@ def test_expert_parallel_equals_one_process(tmp_path):
     assert trained.keys() <= loaded.keys()
     differ = [k for k, t in trained.items() if not torch.equal(loaded[k], t.to(torch.float32).double())]
     assert not differ, differ  # the export is float32
+    # `disttrain report`'s expert-load heat map: layer x expert over steps, tokens over the mean
+    from disttrain.observe.run_report import expert_loads, figures, load_records
+
+    assert "expert_load.png" in figures(*load_records(runs["ddp"]))
+    counts = _counts(runs["ddp"])
+    steps, grid = expert_loads(records(runs["ddp"]))["layers.1.feed_forward"]
+    assert steps == list(range(1, STEPS + 1))
+    assert grid[3][0] == pytest.approx(counts[0]["layers.1.feed_forward"][3] / (sum(counts[0]["layers.1.feed_forward"]) / 8))
     straight = losses(single["one32"])
     for resumed in (losses(single["resume32"]), losses(runs["resume32_ep4"])):
         assert sorted(resumed) == list(range(1, STEPS + 1))
