@@ -174,7 +174,7 @@ def test_expert_parallel_equals_one_process(tmp_path):
     """ep=2 on 2 ranks under DDP (with and without selective activation checkpointing), ZeRO-2, and ZeRO-3
     with full activation checkpointing; transformers' Qwen3-MoE (DDP) and Mixtral (ZeRO-3, full checkpointing)
     through disttrain's dispatch; on 4 ranks ZeRO-3 with dp_shard=4, pipeline pp=2 (GPipe) and tensor parallel
-    tp=2 (attention and shared experts split, routed experts whole), each with ep=2:
+    tp=2 (attention and shared experts split, routed experts whole) and HSDP (2 x 2), each with ep=2:
     one process's losses, parameters, balancing bias (a buffer in the checkpoint) and tokens per expert in
     fp64; then an fp32 run saved at ep=2 resumes on one process and at ep=4 on 4 ranks with an uninterrupted
     run's losses."""
@@ -199,6 +199,7 @@ def test_expert_parallel_equals_one_process(tmp_path):
     runs.update(train_many({"dp4": (tmp_path / "dp4", four),
                             "pp2": (tmp_path / "pp2", (*four, "parallel.pp=2", "parallel.pp_schedule=gpipe")),
                             "tp2": (tmp_path / "tp2", (*four, "parallel.tp=2")),
+                            "hsdp": (tmp_path / "hsdp", (*four, "parallel.dp_replicate=2", "parallel.dp_shard=2")),
                             "resume32_ep4": (tmp_path / "resume32_ep4", (*COMMON, *fp32, "parallel.ep=4",
                                                                          "parallel.zero_stage=3",
                                                                          "run.allow_changes=true"))}, nproc=4))
@@ -209,8 +210,9 @@ def test_expert_parallel_equals_one_process(tmp_path):
                          "resume32": (runs["save32"], (*COMMON, *fp32, "run.allow_changes=true"))}, nproc=1)
     reference = final_params(single["one"], STEPS)
     assert any(name.endswith("expert_bias") and t.abs().sum() > 0 for name, t in reference.items())
-    for name in ("ddp", "zero3_full", "zero2", "ddp_selective", "dp4", "pp2", "tp2", "hf_qwen3_moe", "hf_mixtral"):
-        one = single[f"{name}_one" if name.startswith("hf_") else "one8" if name in ("dp4", "pp2", "tp2") else "one"]
+    four_rank = ("dp4", "pp2", "tp2", "hsdp")
+    for name in ("ddp", "zero3_full", "zero2", "ddp_selective", *four_rank, "hf_qwen3_moe", "hf_mixtral"):
+        one = single[f"{name}_one" if name.startswith("hf_") else "one8" if name in four_rank else "one"]
         assert_losses_close(losses(runs[name]), losses(one), rel=EXACT)
         assert_params_exact(final_params(runs[name], STEPS), final_params(one, STEPS))
         assert _counts(runs[name]) == _counts(one) and len(_counts(runs[name])) == STEPS
