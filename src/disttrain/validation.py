@@ -67,6 +67,9 @@ def check_shape(cfg, shape) -> None:
     if moe is not None and cfg.model.moe.aux_loss_coef and cfg.precision.compute_dtype == "fp16":
         raise UserError(f"model.moe.aux_loss_coef={cfg.model.moe.aux_loss_coef} with precision.compute_dtype=fp16: "
                         "the balancing loss's gradient bypasses fp16 loss scaling (allowed: bf16, fp32, fp64)")
+    if moe is not None and cfg.engine == "deepspeed" and cfg.model.moe.bias_update_rate:
+        raise UserError(f"model.moe.bias_update_rate={cfg.model.moe.bias_update_rate} with engine=deepspeed: the bias "
+                        "moves after the torch engine's optimizer step (allowed with deepspeed: 0)")
     if moe is not None and cfg.model.hf and cfg.model.moe.bias_update_rate:
         raise UserError(f"model.moe.bias_update_rate={cfg.model.moe.bias_update_rate} with model.hf={cfg.model.hf}: "
                         "transformers' routers choose experts without a balancing bias (allowed: 0)")
