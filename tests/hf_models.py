@@ -9,9 +9,17 @@ SIZES = dict(hidden_size=64, intermediate_size=192, num_hidden_layers=4, num_att
 
 
 def tiny_config(kind: str):
-    """Llama (untied, no biases), Qwen2 (q/k/v biases, tied input/output embeddings), or GPT-2 (another
-    structure: `transformer.h` blocks, learned positions, no tensor-parallel plan)."""
-    from transformers import GPT2Config, LlamaConfig, Qwen2Config
+    """Llama (untied, no biases), Qwen2 (q/k/v biases, tied input/output embeddings), GPT-2 (another
+    structure: `transformer.h` blocks, learned positions, no tensor-parallel plan), or two mixtures of
+    experts with fused 3-D experts: Qwen3-MoE (8 experts, top-2, renormalised) and Mixtral (4 experts, top-2)."""
+    from transformers import GPT2Config, LlamaConfig, MixtralConfig, Qwen2Config, Qwen3MoeConfig
+
+    moe = {**SIZES, "num_hidden_layers": 2, "tie_word_embeddings": False}
+    if kind == "qwen3_moe":
+        return Qwen3MoeConfig(**moe, head_dim=16, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                              norm_topk_prob=True)
+    if kind == "mixtral":
+        return MixtralConfig(**{**moe, "intermediate_size": 32}, num_local_experts=4, num_experts_per_tok=2)
 
     if kind == "gpt2":
         return GPT2Config(n_embd=64, n_layer=4, n_head=4, vocab_size=256, n_positions=256, bos_token_id=0,

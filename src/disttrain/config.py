@@ -38,6 +38,31 @@ class LoraConfig(_Section):
                                "blocks (attention and MLP projections)")
 
 
+class MoEConfig(_Section):
+    """Mixture of experts (models/moe/): shape keys (transformers' names) over the registry's; router training."""
+
+    num_experts: int | None = Field(None, gt=0, description="routed experts per MoE layer")
+    num_experts_per_tok: int | None = Field(None, gt=0, description="top-k experts each token runs through")
+    moe_intermediate_size: int | None = Field(None, gt=0, description="each expert's SwiGLU width")
+    n_shared_experts: int | None = Field(None, ge=0, description="experts every token runs through")
+    first_k_dense_replace: int | None = Field(None, ge=0, description="leading blocks with a dense MLP")
+    scoring_func: Literal["softmax", "sigmoid"] | None = Field(None, description="softmax, or sigmoid + top-k renormalised")
+    aux_loss_coef: float = Field(0.0, ge=0, description="switch-style balancing loss over the global batch (0: off)")
+    bias_update_rate: float = Field(0.0, ge=0, description="per-expert bias step after each optimizer step (0: off)")
+    capacity_factor: float = Field(0.0, ge=0, description="0: dropless; else each expert takes at most "
+                                   "capacity_factor x its even share of a micro-batch's tokens, the rest dropped")
+
+    @model_validator(mode="after")
+    def _capacity(self) -> "MoEConfig":
+        if 0 < self.capacity_factor < 1:
+            raise ValueError(f"model.moe.capacity_factor={self.capacity_factor}: below 1 drops tokens even when "
+                             "the experts are perfectly balanced (allowed: 0 for dropless, or at least 1)")
+        return self
+
+
+MOE_SHAPE_KEYS = tuple(MoEConfig.model_fields)[:6]  # the MoEShape's; the rest say how the router trains
+
+
 class ModelConfig(_Section):
     name: str = "debug"
     hf: str = Field("", description="a local Hugging Face model directory (config.json, optional weights and "
@@ -55,6 +80,7 @@ class ModelConfig(_Section):
     rope_theta: float | None = Field(None, gt=0)
     init_from: str = Field("", description="weights from `disttrain convert` to start from (empty: random init)")
     lora: LoraConfig | None = Field(None, description="train LoRA adapters on the frozen model (model.lora.rank=8)")
+    moe: MoEConfig = Field(default_factory=MoEConfig, description="mixture-of-experts shape and routing")
 
     @model_validator(mode="after")
     def _init_exists(self) -> "ModelConfig":
@@ -63,8 +89,9 @@ class ModelConfig(_Section):
         source = ("model.hf", self.hf, "the directory's config.json") if self.hf else \
             ("model.spec", self.spec, "the ModelSpec") if self.spec else None
         given = [k for k in SHAPE_KEYS if getattr(self, k) is not None]
+        given += [f"moe.{k}" for k in MOE_SHAPE_KEYS if getattr(self.moe, k) is not None]
         if source and given:
-            raise ValueError(f"model.{given[0]}={_show(getattr(self, given[0]))} with {source[0]}={source[1]}: the "
+            raise ValueError(f"model.{given[0]}={_show(_dotted(self, given[0]))} with {source[0]}={source[1]}: the "
                              f"shape comes from {source[2]} (allowed with {source[0]}: no shape keys)")
         if self.init_from and not Path(self.init_from).exists():
             raise ValueError(f"model.init_from={self.init_from}: no such file or directory (allowed: empty, or "
@@ -123,6 +150,7 @@ class ParallelConfig(_Section):
     dp_shard: int = Field(-1, ge=-1, description="-1: whatever is left of the world size")
     tp: int = Field(1, gt=0)
     pp: int = Field(1, gt=0)
+    ep: int = Field(1, gt=0, description="expert-parallel degree: experts split over this many data-parallel ranks")
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"] = "1f1b"
     pp_microbatches: int = Field(0, ge=0, description="0: per-rank batch / train.micro_batch_size")
     pp_layers: list[int] = Field(default_factory=list, description="layers per pipeline stage; []: balanced")
@@ -235,6 +263,8 @@ class RunConfig(_Section):
         tree, note = self.model_dump(mode="json", by_alias=True), ""
         if tree["model"].get("lora", 0) is None:  # no adapters: the section stays out, like any unset option
             del tree["model"]["lora"]
+        if self.model.moe == MoEConfig():  # likewise the MoE section of a dense model or an MoE one as given
+            del tree["model"]["moe"]
         if self.model.hf or self.model.spec:
             tree["model"] = {k: v for k, v in tree["model"].items() if k not in SHAPE_KEYS}
             if self.model.hf:
@@ -248,6 +278,8 @@ class RunConfig(_Section):
 
             shape = asdict(resolve_shape(self.model))
             tree["model"].update({k: shape[k] for k in SHAPE_KEYS})
+            if shape["moe"]:
+                tree["model"]["moe"] = {**tree["model"].get("moe", {}), **shape["moe"]}
         return note + yaml.safe_dump(tree, sort_keys=False)
 
 
@@ -255,6 +287,12 @@ def _registry_shapes() -> dict:
     from disttrain.models.llama.shapes import MODEL_SHAPES
 
     return MODEL_SHAPES
+
+
+def _dotted(section: Any, key: str) -> Any:
+    for part in key.split("."):
+        section = getattr(section, part)
+    return section
 
 
 def _show(value: Any) -> str:

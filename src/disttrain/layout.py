@@ -15,8 +15,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 
 from disttrain.errors import UserError
+from disttrain.layout_experts import expert_batch_problems, expert_problems
+from disttrain.problem import Problem
 from disttrain.splits import balance_shares, split_layers
 from disttrain.models.shape import ModelShape
+
+__all__ = ["Layout", "Problem", "batch_problems", "cut_problems", "layout_problems", "world_problems"]
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
@@ -39,6 +43,7 @@ class Layout:
     dp_shard: int = 1
     tp: int = 1
     pp: int = 1
+    ep: int = 1  # expert parallel: experts split over ep of the dp_shard ranks (contiguous, innermost)
     zero_stage: int = 0
     micro_batch_size: int = 1
     seq_len: int = 2048
@@ -99,6 +104,11 @@ class Layout:
     def micro_batch(self) -> int:
         """Sequences per forward pass (per pipeline micro-batch when pp > 1)."""
         return max(1, self.sequences_per_rank // self.microbatches)
+
+    @property
+    def efsdp(self) -> int:
+        """Data-parallel ranks holding the same experts: what expert gradients reduce (and ZeRO shards) over."""
+        return self.dp // self.ep
 
     # ------------------------------------------------------------ what each technique does
     @property
@@ -190,7 +200,7 @@ class Layout:
             param_dtype = prec.compute_dtype
         reduce_dtype = prec.reduce_dtype if prec.reduce_dtype != "auto" else (
             "fp64" if prec.compute_dtype == "fp64" else "fp32")
-        return cls(dp_replicate=p.dp_replicate, dp_shard=dp_shard, tp=p.tp, pp=p.pp, zero_stage=p.zero_stage,
+        return cls(dp_replicate=p.dp_replicate, dp_shard=dp_shard, tp=p.tp, pp=p.pp, ep=p.ep, zero_stage=p.zero_stage,
                    micro_batch_size=cfg.train.micro_batch_size or per_rank, seq_len=cfg.data.seq_len,
                    global_batch_size=cfg.train.global_batch_size, pp_schedule=p.pp_schedule,
                    pp_microbatches=p.pp_microbatches, pp_layers=tuple(p.pp_layers),
@@ -209,21 +219,7 @@ def resolve_dp_shard(parallel, world_size: int) -> int:
     return world_size // fixed if parallel.dp_shard == -1 else parallel.dp_shard
 
 
-# ---------------------------------------------------------------- the rules
-@dataclass(frozen=True)
-class Problem:
-    """One broken layout rule. Callers that decide by rule (the planner) read `key`; users read the
-    message (`str(problem)`), one line naming the key, its value and what is allowed."""
-
-    key: str  # the config key to change, e.g. "parallel.tp"
-    value: object
-    allowed: str
-    message: str
-
-    def __str__(self) -> str:
-        return self.message
-
-
+# ---------------------------------------------------------------- the rules (each a Problem: problem.py)
 def world_problems(dp_replicate: int, dp_shard: int, tp: int, pp: int, world_size: int) -> list[Problem]:
     """The degrees must multiply to the world size (`dp_shard=-1`: whatever is left of it)."""
     fixed = dp_replicate * tp * pp
@@ -293,6 +289,7 @@ def cut_problems(shape: ModelShape | None, layout: Layout) -> list[Problem]:
                                 "parallel.activation_checkpointing=selective with parallel.pp_schedule=zero_bubble: "
                                 "the schedule runs two backward passes per block, which selective checkpointing "
                                 "refuses (allowed with zero_bubble: none, full; or another pp_schedule)"))
+    problems += expert_problems(shape, lay)
     if lay.engine == "deepspeed":
         problems += _deepspeed_problems(lay)
     if lay.balanced:
@@ -324,6 +321,7 @@ def batch_problems(layout: Layout) -> list[Problem]:
         if lay.pp_schedule != "gpipe" and m < lay.pp:
             problems.append(Problem("parallel.pp_microbatches", m, f"at least parallel.pp={lay.pp}",
                                     f"{what} must be at least parallel.pp={lay.pp} for pp_schedule={lay.pp_schedule}"))
+    problems += expert_batch_problems(lay)
     if lay.balanced:
         problems += _balance_batch_problems(lay)
     elif lay.global_batch_size % lay.dp:

@@ -93,6 +93,10 @@ def model_problems(spec, layout: Layout, cfg, device_type: str) -> list[Problem]
     if lay.tp > 1 and spec.tensor_parallel is None:
         problems.append(Problem("parallel.tp", lay.tp, "1", f"parallel.tp={lay.tp}: {what} has no tensor-parallel "
                                 "plan (allowed for it: parallel.tp=1)"))
+    if lay.ep > 1 and spec.moe_layers is None:
+        problems.append(Problem("parallel.ep", lay.ep, "1", f"parallel.ep={lay.ep}: {what} has no MoE layers "
+                                "expert parallelism can split (the built-in MoE family and transformers' qwen3_moe, "
+                                "qwen2_moe, mixtral, olmoe have; allowed for it: parallel.ep=1)"))
     if lay.sequence_parallel and not spec.sequence_parallel:
         problems.append(Problem("parallel.sequence_parallel", True, "false", "parallel.sequence_parallel=true: "
                                 f"{what} has no sequence-parallel plan (allowed for it: false)"))

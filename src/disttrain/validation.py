@@ -54,6 +54,25 @@ def check_shape(cfg, shape) -> None:
     if (shape.dim // shape.n_heads) % 2:
         raise UserError(f"model.dim={shape.dim} / model.n_heads={shape.n_heads} gives an odd head size; "
                         "rotary embeddings need an even one")
+    moe = shape.moe
+    if moe is not None and moe.num_experts_per_tok > moe.num_experts:
+        raise UserError(f"model.moe.num_experts_per_tok={moe.num_experts_per_tok} exceeds model.moe.num_experts="
+                        f"{moe.num_experts} (allowed: 1 to {moe.num_experts})")
+    if moe is not None and moe.first_k_dense_replace > shape.n_layers:
+        raise UserError(f"model.moe.first_k_dense_replace={moe.first_k_dense_replace} exceeds model.n_layers="
+                        f"{shape.n_layers}")
+    if moe is None and (cfg.model.moe.aux_loss_coef or cfg.model.moe.bias_update_rate or cfg.model.moe.capacity_factor):
+        key = next(k for k in ("aux_loss_coef", "bias_update_rate", "capacity_factor") if getattr(cfg.model.moe, k))
+        raise UserError(f"model.moe.{key}={getattr(cfg.model.moe, key)} on a dense model (no router; allowed: 0)")
+    if moe is not None and cfg.model.moe.aux_loss_coef and cfg.precision.compute_dtype == "fp16":
+        raise UserError(f"model.moe.aux_loss_coef={cfg.model.moe.aux_loss_coef} with precision.compute_dtype=fp16: "
+                        "the balancing loss's gradient bypasses fp16 loss scaling (allowed: bf16, fp32, fp64)")
+    if moe is not None and cfg.engine == "deepspeed" and cfg.model.moe.bias_update_rate:
+        raise UserError(f"model.moe.bias_update_rate={cfg.model.moe.bias_update_rate} with engine=deepspeed: the bias "
+                        "moves after the torch engine's optimizer step (allowed with deepspeed: 0)")
+    if moe is not None and cfg.model.hf and cfg.model.moe.bias_update_rate:
+        raise UserError(f"model.moe.bias_update_rate={cfg.model.moe.bias_update_rate} with model.hf={cfg.model.hf}: "
+                        "transformers' routers choose experts without a balancing bias (allowed: 0)")
     if cfg.data.seq_len > shape.max_seq_len:
         raise UserError(f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len={shape.max_seq_len}")
 

@@ -33,8 +33,16 @@ def model_spec(model_cfg):
         return call_user("model.spec", model_cfg.spec, ModelSpec, "a disttrain.models.spec.ModelSpec")
     if getattr(model_cfg, "hf", ""):
         from disttrain.models.hf.spec import hf_spec
+        from disttrain.models.moe.layer import MoERouting
 
-        return hf_spec(model_cfg.hf)
+        moe = model_cfg.moe
+        return hf_spec(model_cfg.hf, MoERouting(moe.aux_loss_coef, moe.bias_update_rate, moe.capacity_factor))
     from disttrain.models.llama import llama_spec
 
-    return llama_spec(model_shape(model_cfg))
+    shape = model_shape(model_cfg)
+    if shape.moe is not None:
+        from disttrain.models.moe import MoERouting, moe_spec
+
+        moe = model_cfg.moe
+        return moe_spec(shape, MoERouting(moe.aux_loss_coef, moe.bias_update_rate, moe.capacity_factor))
+    return llama_spec(shape)

@@ -65,6 +65,8 @@ class ModelSpec:
     hf_config: Callable[[], dict] | None = None
     load_pretrained: Callable[[nn.Module], None] | None = None
     """Copy pretrained weights into the initialised single-device model, if the family has them."""
+    moe_layers: Callable[[nn.Module], dict] | None = None
+    """Module name -> MoE layer (routing statistics, expert parallelism); None: a dense family."""
     fingerprint: str = ""
     """Identifies the parameter shapes; a checkpoint resumes only into the same fingerprint."""
 

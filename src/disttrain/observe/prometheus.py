@@ -44,6 +44,12 @@ class PrometheusSink(Sink):
         self.balance_share = Gauge("disttrain_balance_share_microbatches", "Micro-batches of the global batch each "
                                    "data-parallel rank computes (uneven shares)", ["rank", "dp_rank"],
                                    registry=self.registry)
+        self.expert_tokens = Gauge("disttrain_moe_expert_tokens", "Tokens each expert of an MoE layer was chosen for "
+                                   "in the last logged global batch", ["rank", "layer", "expert"],
+                                   registry=self.registry)
+        self.moe_layer = Gauge("disttrain_moe_routing", "Per MoE layer at the last log: load_imbalance (max/mean "
+                               "tokens per expert), dropped_tokens, aux_loss, router_entropy",
+                               ["rank", "layer", "kind"], registry=self.registry)
         self.rank = str(rank)
         self.steps = Counter("disttrain_steps", "Optimizer steps completed by this process", ["rank"],
                              registry=self.registry).labels(**labels)
@@ -73,6 +79,13 @@ class PrometheusSink(Sink):
                 self.memory.labels(rank=self.rank, kind=key[4:-6]).set(value)
         optional = {"rank_compute_max_s": self.rank_compute, "slowest_rank": self.slowest_rank,
                     "loss_scale": self.loss_scale, "fp16_overflows_total": self.overflows, "pp_bubble": self.pp_bubble}
+        for layer, counts in record.get("moe_tokens_per_expert", {}).items():
+            for expert, count in enumerate(counts):
+                self.expert_tokens.labels(rank=self.rank, layer=layer, expert=str(expert)).set(count)
+        for key, value in record.items():
+            parts = key.split("_", 2)
+            if key.startswith("moe_") and len(parts) == 3 and parts[1].isdigit():
+                self.moe_layer.labels(rank=self.rank, layer=parts[1], kind=parts[2]).set(value)
         for dp_rank, share in enumerate(record.get("balance_shares", ())):
             self.balance_share.labels(rank=self.rank, dp_rank=str(dp_rank)).set(share)
         for key, metric in optional.items():

@@ -172,7 +172,29 @@ def figures(records: list[dict], events: list[dict]) -> dict[str, object]:
                            ("rank_compute_max_s", "slowest rank")):
             ax.plot(*_series(records, key), label=label)
         finish(ax, legend=True)
+    loads = expert_loads(records)
+    if loads:
+        fig, axes = plt.subplots(len(loads), 1, figsize=(7, 1.2 + 1.6 * len(loads)), squeeze=False)
+        for ax, (layer, (steps, grid)) in zip(axes[:, 0], loads.items()):
+            image = ax.imshow(grid, aspect="auto", cmap="viridis", interpolation="nearest",
+                              extent=(steps[0] - 0.5, steps[-1] + 0.5, len(grid) - 0.5, -0.5))
+            ax.set(ylabel="expert", title=f"{layer}: tokens / mean")
+            fig.colorbar(image, ax=ax)
+        axes[-1, 0].set_xlabel("step")
+        figs["expert_load.png"] = fig
     return figs
+
+
+def expert_loads(records: list[dict]) -> dict[str, tuple[list[int], list[list[float]]]]:
+    """MoE layer -> (logged steps, expert x step grid of tokens per expert over the mean): the heat map's data."""
+    rows = [(r["step"], r["moe_tokens_per_expert"]) for r in records if r.get("moe_tokens_per_expert")]
+    out = {}
+    for layer in (rows[0][1] if rows else {}):
+        steps = [s for s, by_layer in rows if layer in by_layer]
+        share = [[c / (sum(by_layer[layer]) / len(by_layer[layer]) or 1) for c in by_layer[layer]]
+                 for _, by_layer in rows if layer in by_layer]
+        out[layer] = (steps, [list(col) for col in zip(*share)])
+    return out
 
 
 def make_report(run_dir: Path, out_dir: Path | None = None) -> tuple[Path, list[Path], list[tuple[str, str]]]:

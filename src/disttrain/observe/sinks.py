@@ -66,6 +66,12 @@ class TensorBoardSink(Sink):
         for key, value in record.items():
             if key not in ("step", "time") and isinstance(value, (int, float)):
                 self.writer.add_scalar(f"train/{key}", value, record["step"])
+        for layer, counts in record.get("moe_tokens_per_expert", {}).items():  # expert e's bin holds its tokens
+            self.writer.add_histogram_raw(f"moe/tokens_per_expert/{layer}", min=0, max=len(counts) - 1,
+                                          num=sum(counts), sum=sum(e * c for e, c in enumerate(counts)),
+                                          sum_squares=sum(e * e * c for e, c in enumerate(counts)),
+                                          bucket_limits=[e + 0.5 for e in range(len(counts))],
+                                          bucket_counts=counts, global_step=record["step"])
 
     def event(self, name: str, fields: dict) -> None:
         if name == "eval":

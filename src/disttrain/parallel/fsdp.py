@@ -22,10 +22,16 @@ from disttrain.dtypes import DTYPES
 from disttrain.layout import Layout
 
 
-def apply_fsdp(model: nn.Module, blocks: nn.Module, mesh, layout: Layout) -> nn.Module:
+def apply_fsdp(model: nn.Module, blocks: nn.Module, mesh, layout: Layout, experts=(), meshes=None) -> nn.Module:
+    """`experts`: expert-parallel experts modules, sharded first on their own mesh (parallel/expert.py)."""
     mp = MixedPrecisionPolicy(param_dtype=DTYPES[layout.param_dtype], reduce_dtype=DTYPES[layout.reduce_dtype])
     # Pinned host memory needs an accelerator; on CPU-only machines pinning raises.
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if layout.cpu_offload else OffloadPolicy()
+    if experts:
+        from disttrain.parallel.expert import shard_experts
+
+        shard_experts(list(experts), layout, meshes, dict(reshard_after_forward=layout.reshard_after_forward,
+                                                         mp_policy=mp, offload_policy=offload))
     for block in blocks.children():
         fully_shard(block, mesh=mesh, reshard_after_forward=layout.reshard_after_forward, mp_policy=mp,
                     offload_policy=offload)

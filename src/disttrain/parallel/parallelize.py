@@ -1,5 +1,6 @@
 """Compose the parallelisms onto a single-device model (or one pipeline stage of it), always in
-the same order: (SyncBatchNorm) -> tensor parallel -> activation checkpointing -> compile -> FSDP/DDP.
+the same order: (SyncBatchNorm) -> tensor parallel -> expert parallel -> activation checkpointing ->
+compile -> FSDP/DDP (the experts' own FSDP units first).
 
 The pipeline split comes first, in parallel/pipeline.py, which calls `parallelize` per stage.
 What each step does is decided by the Layout; which modules it touches, by the ModelSpec.
@@ -32,6 +33,11 @@ def parallelize(model: nn.Module, spec, layout: Layout, meshes: Meshes, device: 
         from disttrain.parallel.tensor import apply_tensor_parallel
 
         apply_tensor_parallel(model, spec, meshes.tp, layout.sequence_parallel)
+    experts = []
+    if spec.moe_layers is not None:
+        from disttrain.parallel.expert import apply_expert_parallel
+
+        experts = apply_expert_parallel(model, spec, layout, meshes)
     blocks = spec.blocks(model)
     apply_activation_checkpointing(blocks, layout.activation_checkpointing)
     if options.compile:
@@ -40,10 +46,14 @@ def parallelize(model: nn.Module, spec, layout: Layout, meshes: Meshes, device: 
     if wrapper == "fsdp":
         from disttrain.parallel.fsdp import apply_fsdp
 
-        return apply_fsdp(model, blocks, meshes.fsdp(layout), layout)
+        return apply_fsdp(model, blocks, meshes.fsdp(layout), layout, experts, meshes)
     if wrapper == "ddp":
         from disttrain.parallel.ddp import apply_ddp
 
+        if experts:  # reduced by parallel/expert.py's ExpertGradients: DDP takes no DTensor
+            from disttrain.parallel.expert import expert_parameter_names
+
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, expert_parameter_names(model))
         return apply_ddp(model, meshes.dp.get_group(), device, options)
     return model
 

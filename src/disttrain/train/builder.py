@@ -62,6 +62,7 @@ class Run:
     replica_group: object
     balancer: Balancer
     lora_base: str = ""  # fingerprint of the frozen base under LoRA adapters (models/lora.py); "" without
+    routing: object = None  # observe/moe.py's RoutingMonitor for an MoE model
 
     @property
     def dp_rank(self) -> int:
@@ -136,12 +137,17 @@ def build_run(cfg: RunConfig, rt: Runtime, resolved: ResolvedRun | None = None) 
                                t.global_batch_size * train_samples.targets_per_sample)
     engine = build_engine(cfg, layout, meshes, spec, model, rt, phases, mean_loss)
     peak_flops, _ = peak_flops_per_device(cfg, layout, rt.device)
+    routing = None
+    if spec.moe_layers is not None:
+        from disttrain.observe.moe import RoutingMonitor
+
+        routing = RoutingMonitor(spec.moe_layers(model), meshes.pp.get_group() if layout.pp > 1 else None)
     return Run(cfg=cfg, rt=rt, layout=layout, meshes=meshes, spec=spec, base_model=model, engine=engine,
                tokenizer=tokenizer, loader=loader, val_samples=val_samples,
                ckpt=CheckpointManager(cfg.checkpoint_dir, rt.rank, cfg.checkpoint.keep_last, cfg.checkpoint.async_save),
                breakdown=breakdown, comm_profiler=CommProfiler(cfg.metrics.comm_profile_every, rt.device),
                faults=faults, compute_clock=compute_clock, num_params=num_params, peak_flops=peak_flops,
-               replica_group=meshes.replica_group(layout), balancer=balancer, lora_base=lora_base)
+               replica_group=meshes.replica_group(layout), balancer=balancer, lora_base=lora_base, routing=routing)
 
 
 def build_engine(cfg: RunConfig, layout: Layout, meshes: Meshes, spec: ModelSpec, model: nn.Module, rt: Runtime,
@@ -171,6 +177,7 @@ def build_engine(cfg: RunConfig, layout: Layout, meshes: Meshes, spec: ModelSpec
         tied = TiedAcrossStages(parts.model, spec.tied_parameters, layout, meshes)
         optimizer = build_optimizer(parts.model, cfg.optim)
         step = _optimizer_step(cfg, optimizer, precision, parts.group)
+        _route_moe(step, spec, model, layout, meshes)
         return PipelineEngine(parts, mean_loss, optimizer, step, precision, device, tensor_parallel, dp_group, phases,
                               tied)
     from disttrain.parallel.parallelize import parallelize
@@ -190,8 +197,20 @@ def build_engine(cfg: RunConfig, layout: Layout, meshes: Meshes, spec: ModelSpec
     # DDP's gradients as views into its buckets are zeroed in place (engine.py); copies are freed as usual
     bucket_views = layout.gradient_wrapper == "ddp" and cfg.parallel.ddp_gradient_as_bucket_view
     step = _optimizer_step(cfg, optimizer, precision, None, keep_gradients=bucket_views)
+    _route_moe(step, spec, wrapped, layout, meshes)
     return TorchEngine(wrapped, optimizer, step, mean_loss, precision, device, tensor_parallel, dp_group, phases,
                        sharded_optimizer=layout.sharded_optimizer, keep_gathered=layout.keep_gathered)
+
+
+def _route_moe(step: OptimizerStep, spec: ModelSpec, model: nn.Module, layout: Layout, meshes: Meshes) -> None:
+    """MoE models: routing statistics and the balancing bias after each step; expert gradients under DDP."""
+    if spec.moe_layers is None:
+        return
+    from disttrain.parallel.expert import ExpertGradients, finish_routing_step
+
+    if layout.ep > 1:
+        step.before_clip.append(ExpertGradients(model, layout, meshes))
+    step.after_step.append(finish_routing_step(spec.moe_layers(model)))
 
 
 def _optimizer_step(cfg: RunConfig, optimizer, precision: Precision, pp_group,

@@ -72,6 +72,8 @@ class OptimizerStep:
         # would allocate a second copy of every gradient beside the buckets (measured by the dry run).
         self.set_to_none = not keep_gradients
         self.fp16_overflows = 0.0
+        self.before_clip: list = []  # gradient reductions no wrapper does (expert parallelism under DDP)
+        self.after_step: list = []  # called with whether the parameters were updated (MoE routing statistics)
 
     def __call__(self, params, loss_sum: torch.Tensor, step: int, norm_params=None) -> torch.Tensor:
         scaler = self.precision.scaler
@@ -79,6 +81,8 @@ class OptimizerStep:
         if scaler.is_enabled():  # overflow count stays on the device until a logging step reads it
             found = sum(v.float() for v in scaler._found_inf_per_device(self.optimizer).values())
             self.fp16_overflows = self.fp16_overflows + found
+        for reduce in self.before_clip:
+            reduce()
         grad_norm = clip_grad_norm_global(params, self.clip, self.pp_group, norm_params)
         # One scalar to the host per step; fp16 leaves non-finite steps to the GradScaler. A fake
         # tensor (the dry run) has no value to read: it counts as finite.
@@ -89,11 +93,15 @@ class OptimizerStep:
             self.optimizer.zero_grad(set_to_none=self.set_to_none)
             self.scheduler.step()
             self.skipped_steps.append(step)
+            for hook in self.after_step:
+                hook(False)
             return grad_norm
         scaler.step(self.optimizer)
         scaler.update()
         self.optimizer.zero_grad(set_to_none=self.set_to_none)
         self.scheduler.step()
+        for hook in self.after_step:
+            hook(True)
         return grad_norm
 
     def lr(self) -> float:

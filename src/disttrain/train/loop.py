@@ -104,6 +104,8 @@ class Trainer:
         record.update(memory_stats(device))
         record.update(rank_stats(data_time + run.compute_clock.seconds, peak_memory_bytes(device), device))
         record.update(self.engine.extra_metrics())
+        if run.routing is not None:
+            record.update(run.routing.record())
         if run.layout.balanced:
             record["balance_shares"] = list(run.balancer.shares)
         if self.engine.skipped_steps:

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from disttrain.errors import UserError
-from disttrain.models.shape import ModelShape
+from disttrain.models.shape import ModelShape, MoEShape
 
 # Decoder-only families whose config.json maps onto ModelShape (SwiGLU MLP, RMSNorm, rotary, GQA).
 DECODER_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3")
@@ -62,7 +62,22 @@ def hf_shape(directory: str) -> ModelShape:
             norm_eps=float(c.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))),
             qkv_bias=c["model_type"] == "qwen2" or bool(c.get("attention_bias", False)),
-            head_size=int(c.get("head_dim") or 0) if int(c.get("head_dim") or 0) != dim // heads else 0)
+            head_size=int(c.get("head_dim") or 0) if int(c.get("head_dim") or 0) != dim // heads else 0,
+            moe=moe_shape(c))
     except KeyError as exc:
         raise UserError(f"model.hf={directory}: config.json lacks {exc.args[0]} (a causal LM's config has "
                         "hidden_size, num_hidden_layers, num_attention_heads and vocab_size)") from None
+
+
+def moe_shape(c: dict) -> MoEShape | None:
+    """The experts of a transformers MoE config (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, DeepSeek-V3 names);
+    None for a dense one. A shared expert of another width (Qwen2-MoE) counts as that many expert widths."""
+    experts = c.get("num_experts") or c.get("num_local_experts") or c.get("n_routed_experts")
+    if not experts:
+        return None
+    width = int(c.get("moe_intermediate_size") or c["intermediate_size"])
+    shared = c.get("n_shared_experts") or round((c.get("shared_expert_intermediate_size") or 0) / width)
+    return MoEShape(num_experts=int(experts), num_experts_per_tok=int(c["num_experts_per_tok"]),
+                    moe_intermediate_size=width, n_shared_experts=int(shared),
+                    first_k_dense_replace=int(c.get("first_k_dense_replace") or 0),
+                    scoring_func=c.get("scoring_func") or "softmax")

@@ -81,14 +81,31 @@ def load_pretrained(model: nn.Module, directory: str) -> None:
     state: dict = {}
     for f in files:
         state.update(load_file(str(f)))
+    if any(name.endswith("experts.gate_up_proj") and name not in state for name, _ in model.named_parameters()):
+        state = _converted_by_transformers(directory)
     try:
         copy_weights(model, state)
     except ValueError as exc:
         raise UserError(f"model.hf={directory}: {exc} its config.json describes") from None
 
 
-def hf_spec(directory: str) -> ModelSpec:
+def _converted_by_transformers(directory: str) -> dict:
+    """MoE checkpoints hold one matrix per expert (`experts.0.gate_proj`, Mixtral's `block_sparse_moe...w1`);
+    transformers' loader converts them to its fused 3-D parameters, so it reads them (a second copy in memory
+    while loading)."""
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=torch.float32)
+    return loaded.state_dict()
+
+
+def hf_spec(directory: str, routing=None) -> ModelSpec:
+    """`routing`: model.moe's training keys (a models.moe.MoERouting) for a sparse-MoE family (models/hf/moe.py)."""
+    from functools import partial
+
     from disttrain.models.hf import parallel_plan
+    from disttrain.models.hf.moe import SUPPORTED, hf_moe_layers
+    from disttrain.models.moe.layer import MoERouting
 
     shape = hf_shape(directory)
     config = _load_config(directory)
@@ -116,6 +133,7 @@ def hf_spec(directory: str) -> ModelSpec:
         tensor_parallel=parallel_plan.tensor_parallel if has_tp else None, sequence_parallel=has_tp,
         pipeline_split=parallel_plan.pipeline_split if splittable else None, tied_parameters=tied,
         mask_documents=mask_documents,
+        moe_layers=partial(hf_moe_layers, routing=routing or MoERouting()) if config.model_type in SUPPORTED else None,
         to_hf=dict, from_hf=dict, hf_config=lambda: {**raw, "use_cache": True},
         load_pretrained=lambda m: load_pretrained(m, directory), fingerprint=fingerprint)
 

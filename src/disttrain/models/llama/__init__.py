@@ -16,11 +16,8 @@ def llama_spec(shape: ModelShape):
     from disttrain.models.llama.model import Transformer, mask_documents
     from disttrain.models.spec import ModelSpec
 
-    if shape.moe is not None:  # the planner knows MoE shapes before the runtime builds them
-        from disttrain.errors import UserError
-
-        raise UserError("model.name: mixture-of-experts shapes are for `disttrain estimate` and `plan` only "
-                        "(allowed to train: debug, tiny, 125m, 1b, 7b, 13b, 70b)")
+    if shape.moe is not None:
+        raise ValueError("an MoE shape is the MoE family's (models.moe.moe_spec; models.registry.model_spec picks it)")
     tied = (("tok_embeddings.weight", "output.weight"),) if shape.tie_embeddings else ()
     return ModelSpec(
         name="llama", build=partial(Transformer, shape), init_weights=init_weights, blocks=lambda m: m.layers,

@@ -20,7 +20,7 @@ def _std_for(name: str, n_layers: int) -> float | None:
     """None means ones (norm weights); residual-branch outputs are scaled down (GPT-2 style)."""
     if name.endswith("norm.weight"):
         return None
-    if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+    if name.endswith(("attention.wo.weight", "feed_forward.w2.weight", "experts.w2", "shared_experts.w2.weight")):
         return INIT_STD / math.sqrt(2 * n_layers)
     return INIT_STD
 

@@ -7,6 +7,8 @@ on stages that do not own them.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -71,12 +73,12 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, shape: ModelShape):
+    def __init__(self, shape: ModelShape, feed_forward: nn.Module | None = None):
         super().__init__()
         self.attention_norm = nn.RMSNorm(shape.dim, eps=shape.norm_eps)
         self.attention = Attention(shape)
         self.ffn_norm = nn.RMSNorm(shape.dim, eps=shape.norm_eps)
-        self.feed_forward = FeedForward(shape.dim, shape.ffn_hidden_dim)
+        self.feed_forward = feed_forward if feed_forward is not None else FeedForward(shape.dim, shape.ffn_hidden_dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -85,11 +87,14 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, shape: ModelShape):
+    """`feed_forward(layer)`: the MLP of block `layer` when not the dense SwiGLU (the MoE family's)."""
+
+    def __init__(self, shape: ModelShape, feed_forward: Callable[[int], nn.Module] | None = None):
         super().__init__()
         self.shape = shape
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(shape.vocab_size, shape.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(shape) for i in range(shape.n_layers)})
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(shape, feed_forward(i) if feed_forward else None)
+                                     for i in range(shape.n_layers)})
         self.norm: nn.RMSNorm | None = nn.RMSNorm(shape.dim, eps=shape.norm_eps)
         self.output: nn.Linear | None = nn.Linear(shape.dim, shape.vocab_size, bias=False)
         self.tie_weights()
@@ -109,6 +114,9 @@ class Transformer(nn.Module):
                                  device=self.rope_cos.device)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
+        for module in self.modules():  # e.g. an MoE router's balancing bias
+            if module is not self and hasattr(module, "reset_buffers"):
+                module.reset_buffers()
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens (batch, seq) int64 -> logits (batch, seq, vocab); on a middle pipeline stage, hidden states."""

@@ -23,17 +23,18 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 from disttrain.models.llama.model import Transformer
 
 
-def block_plan(sequence_parallel: bool) -> dict:
+def block_plan(sequence_parallel: bool, mlp: str = "feed_forward") -> dict:
+    """`mlp`: the dense SwiGLU to split (an MoE block's shared experts; "": none, its experts stay whole)."""
     residual = Shard(1) if sequence_parallel else Replicate()
     plan = {
         "attention.wq": ColwiseParallel(),
         "attention.wk": ColwiseParallel(),
         "attention.wv": ColwiseParallel(),
         "attention.wo": RowwiseParallel(output_layouts=residual),
-        "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w3": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(output_layouts=residual),
     }
+    if mlp:
+        plan.update({f"{mlp}.w1": ColwiseParallel(), f"{mlp}.w3": ColwiseParallel(),
+                     f"{mlp}.w2": RowwiseParallel(output_layouts=residual)})
     if sequence_parallel:
         plan.update({
             "attention_norm": SequenceParallel(),
@@ -60,10 +61,18 @@ def tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool) -> None:
     if top:
         parallelize_module(model, tp_mesh, top)
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, block_plan(sequence_parallel))
+        parallelize_module(block, tp_mesh, block_plan(sequence_parallel, _dense_mlp(block.feed_forward)))
     if model.shape.tie_embeddings and model.output is not None and model.tok_embeddings is not None:
         # Both are vocabulary-sharded the same way (Shard(0) of a (vocab, dim) matrix): share again.
         model.output.weight = model.tok_embeddings.weight
+
+
+def _dense_mlp(feed_forward: nn.Module) -> str:
+    """The SwiGLU of a block the plan splits: the MLP itself, or an MoE layer's shared experts (the router
+    and routed experts stay whole on every tensor-parallel rank, which sees the whole token batch)."""
+    if hasattr(feed_forward, "w1"):
+        return "feed_forward"
+    return "feed_forward.shared_experts" if getattr(feed_forward, "shared_experts", None) is not None else ""
 
 
 class StageModule(nn.Module):

@@ -1,0 +1,52 @@
+"""Routed SwiGLU experts held as fused 3-D parameters, run over token rows already sorted by expert.
+
+`w1`/`w3` are (experts, hidden, dim) and `w2` is (experts, dim, hidden): nn.Linear's (out, in) per expert,
+the layout transformers' fused MoE experts use, so conversion is a reshape. Expert parallelism
+(parallel/expert.py) turns them into DTensors sharded on dim 0 over the expert-parallel ranks; the forward
+runs on this rank's slice (`to_local`), whose gradient flows back to the sharded parameter.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # F.grouped_mm refuses float64 (torch 2.13)
+
+
+def local(param: torch.Tensor) -> torch.Tensor:
+    return param.to_local() if isinstance(param, DTensor) else param
+
+
+def grouped_gemm_fits(x: torch.Tensor, hidden: int) -> bool:
+    """F.grouped_mm needs a supported dtype and every row stride a multiple of 16 bytes."""
+    size = x.element_size()
+    return (hasattr(F, "grouped_mm") and x.dtype in GROUPED_DTYPES and (x.shape[-1] * size) % 16 == 0
+            and (hidden * size) % 16 == 0)
+
+
+class GroupedExperts(nn.Module):
+    def __init__(self, num_experts: int, dim: int, hidden: int):
+        super().__init__()
+        self.num_experts, self.dim, self.hidden = num_experts, dim, hidden
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden, dim))  # gate
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden, dim))  # up
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden))  # down
+        self.grouped_gemm = True  # False: always the per-expert loop (benchmarks compare the two)
+
+    def forward(self, rows: torch.Tensor, counts: torch.Tensor, counts_list: list[int] | None = None) -> torch.Tensor:
+        """rows (n, dim) sorted by this rank's experts, `counts` rows per local expert (int64 tensor);
+        `counts_list` the same on the host when the caller already has it (saves the loop a sync)."""
+        w1, w2, w3 = local(self.w1), local(self.w2), local(self.w3)
+        if rows.shape[0] and self.grouped_gemm and grouped_gemm_fits(rows, w1.shape[1]):
+            offsets = torch.cumsum(counts, 0).to(torch.int32)
+            h = F.silu(F.grouped_mm(rows, w1.transpose(-2, -1), offs=offsets)) * \
+                F.grouped_mm(rows, w3.transpose(-2, -1), offs=offsets)
+            return F.grouped_mm(h, w2.transpose(-2, -1), offs=offsets)
+        # Per-expert loop (float64, unaligned widths, no rows): one host sync for the counts unless given.
+        sizes = counts_list if counts_list is not None else counts.tolist()
+        outs = [F.linear(F.silu(F.linear(x, w1[e])) * F.linear(x, w3[e]), w2[e])
+                for e, x in enumerate(torch.split(rows, sizes))]
+        return torch.cat(outs) if outs else rows.new_zeros(0, w2.shape[1])

@@ -1,0 +1,140 @@
+"""Expert parallelism, applied from outside to the MoE layers a ModelSpec names (`spec.moe_layers`).
+
+Every layout (one process included) sets each MoE layer's routing statistics to be summed over the
+data-parallel group and the balancing loss's gradient scale (models/moe/layer.py). With `parallel.ep`
+> 1 the experts are split over `ep` data-parallel ranks (contiguous ones, inside dp_shard):
+- the fused expert weights become DTensors sharded on the expert dimension over the `ep` mesh, so that
+  checkpoints (DCP) reshard them to any other layout and the global gradient norm counts each once;
+- the token rows go to the rank owning their expert and back through
+  `all_to_all_single_autograd` with uneven splits (one exchange of per-expert counts, one host sync for
+  the split sizes, two all-to-alls per layer and micro-batch);
+- gradients: each expert's gradient is the sum over every token source, so it is reduced over the
+  ranks holding the same experts (`efsdp`) and divided by the whole data-parallel size. Under ZeRO-2/3
+  the experts are their own FSDP unit on the `efsdp` mesh with that divide factor (and forced sum
+  reduction when efsdp > 1: gloo has no PREMUL_SUM; never with efsdp == 1, where torch 2.13 would then
+  divide twice); under DDP they are left out of DDP and reduced by `ExpertGradients` before clipping.
+Nothing here is written by torch for us: its MoE pieces (torchtitan's) are not part of torch.
+Context parallelism, when it lands, adds its sequence ranks to `stats_group` (tokens of the global batch).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from disttrain.layout import Layout
+
+
+class AllToAllDispatch:
+    """Runs rows sorted by (global) expert on the ranks that own those experts and brings the outputs back."""
+
+    def __init__(self, group, ep: int):
+        self.group, self.ep = group, ep
+
+    def __call__(self, rows: torch.Tensor, counts: torch.Tensor, experts) -> torch.Tensor:
+        ep, per_rank = self.ep, counts.numel() // self.ep
+        received_counts = torch.empty_like(counts)
+        dist.all_to_all_single(received_counts, counts, group=self.group)  # (source rank, local expert)
+        sent, got = torch.stack([counts, received_counts]).view(2, ep, per_rank).tolist()  # the host sync
+        send_splits, recv_splits = [sum(c) for c in sent], [sum(c) for c in got]
+        received = wait_tensor(all_to_all_single_autograd(rows, recv_splits, send_splits, self.group))
+        # rows arrive grouped by source rank, then expert; the experts want them grouped by expert
+        got_t = torch.tensor(got, device=rows.device)  # (source, expert)
+        lengths = got_t.t().reshape(-1)  # segments in (expert, source) order
+        starts = (torch.cumsum(got_t.reshape(-1), 0) - got_t.reshape(-1)).view(ep, per_rank).t().reshape(-1)
+        out_starts = torch.cumsum(lengths, 0) - lengths
+        total = int(sum(recv_splits))
+        perm = torch.arange(total, device=rows.device) + torch.repeat_interleave(starts - out_starts, lengths,
+                                                                                output_size=total)
+        per_expert = [sum(got[s][e] for s in range(ep)) for e in range(per_rank)]
+        y = experts(received[perm], torch.tensor(per_expert, device=rows.device), per_expert)
+        back = torch.empty_like(perm)
+        back[perm] = torch.arange(total, device=rows.device)
+        return wait_tensor(all_to_all_single_autograd(y[back].contiguous(), send_splits, recv_splits, self.group))
+
+
+def pipeline_shape_inference() -> bool:
+    """torch.distributed.pipelining runs each stage forward and backward once on example data to learn the
+    shapes it exchanges (the first step, before the micro-batches); its routing must not count. torch marks
+    that pass nowhere but on the stack."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name in ("_forward_metadata_inference", "_backward_metadata_inference"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def apply_expert_parallel(model: nn.Module, spec, layout: Layout, meshes) -> list[nn.Module]:
+    """Configure every MoE layer for this layout; with ep > 1 split its experts. Returns the experts
+    modules split (for FSDP), empty when none are."""
+    layers = spec.moe_layers(model) if spec.moe_layers is not None else {}
+    split = []
+    for layer in layers.values():
+        layer.stats_group = meshes.dp.get_group() if layout.dp > 1 else None
+        layer.aux_grad_scale = layout.dp / layout.microbatches
+        layer.trial_pass = pipeline_shape_inference if layout.pp > 1 else None
+        if layout.ep > 1:
+            experts = layer.experts
+            for name, param in list(experts.named_parameters(recurse=False)):
+                sharded = distribute_tensor(param.data, meshes.ep, [Shard(0)])
+                sharded = nn.Parameter(sharded, requires_grad=param.requires_grad)
+                sharded.expert_parallel = True  # each data-parallel rank holds other experts: no replica to compare
+                experts.register_parameter(name, sharded)
+            layer.expert_dispatch = AllToAllDispatch(meshes.ep.get_group(), layout.ep)
+            split.append(experts)
+    return split
+
+
+def shard_experts(experts: list[nn.Module], layout: Layout, meshes, fsdp_kwargs: dict) -> None:
+    """ZeRO-2/3: each experts module its own FSDP unit on the expert data-parallel mesh."""
+    from torch.distributed.fsdp import fully_shard
+
+    for module in experts:
+        fully_shard(module, mesh=meshes.efsdp(layout), **fsdp_kwargs)
+        # FSDP only sums: ExpertGradients divides by dp. torch 2.13 divides a one-rank mesh's gradient by
+        # the divide factor AND by its pre/post factors (fp64, or forced sum), so any factor but 1 is wrong
+        # there; forced sum also spares gloo the PREMUL_SUM it lacks.
+        module.set_gradient_divide_factor(1.0)
+        module.set_force_sum_reduction_for_comms(True)
+
+
+def expert_parameter_names(model: nn.Module) -> list[str]:
+    return [name for name, p in model.named_parameters() if isinstance(p, DTensor)]
+
+
+class ExpertGradients:
+    """Expert gradients summed over the ranks that hold the same experts (under DDP here; FSDP sums them
+    itself), then divided by the data-parallel size (what DDP and FSDP do for every other gradient).
+    Called once per step, before clipping."""
+
+    def __init__(self, model: nn.Module, layout: Layout, meshes):
+        self.params = [p for p in model.parameters() if isinstance(p, DTensor) and p.device_mesh.mesh_dim_names
+                       and "ep" in p.device_mesh.mesh_dim_names]
+        reduce = layout.gradient_wrapper == "ddp" and layout.efsdp > 1
+        self.group = meshes.efsdp(layout).get_group() if reduce else None
+        self.dp = layout.dp
+
+    @torch.no_grad()
+    def __call__(self) -> None:
+        grads = [p.grad.to_local() for p in self.params if p.grad is not None]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        if self.group is not None:
+            dist.all_reduce(flat, group=self.group)
+        flat.div_(self.dp)
+        torch._foreach_copy_(grads, [t.view_as(g) for t, g in zip(flat.split([g.numel() for g in grads]), grads)])
+
+
+def finish_routing_step(layers: dict):
+    """After each optimizer step: the MoE layers' step statistics and balancing bias (models/moe/layer.py)."""
+    def finish(updated: bool) -> None:
+        for layer in layers.values():
+            layer.finish_step(updated)
+    return finish

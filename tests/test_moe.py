@@ -1,0 +1,242 @@
+"""Mixture of experts: the layer on one device (grouped GEMM against the per-expert loop, tied scores under
+activation checkpointing, the balancing loss's gradient, evaluation, capacity), the config's refusals, and
+expert parallelism against one process (fp64 at 1e-10: losses, every parameter, the balancing bias, tokens
+per expert) plus a checkpoint saved at ep=2 resumed on one process and at ep=4 (fp32, 1e-5)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from disttrain.config import load_config
+from disttrain.errors import UserError
+from disttrain.models.moe import MoEFeedForward, MoERouting
+from disttrain.models.moe.experts import GroupedExperts
+from disttrain.models.registry import model_spec
+from disttrain.models.spec import build_model
+from disttrain.resolve import resolve_run
+from hf_models import save_tiny
+from helpers import EXACT, FP64, assert_losses_close, assert_params_exact, final_params, losses, records, train_many
+
+STEPS = 4
+COMMON = (f"train.steps={STEPS}", "train.global_batch_size=4", "model.name=debug-moe", "checkpoint.save_final=true",
+          "metrics.sync_check_every=2", "model.moe.aux_loss_coef=0.01", "model.moe.bias_update_rate=0.001")
+
+
+def _layer(routing=MoERouting(), experts=8, top_k=2, scoring="softmax", dtype=torch.float64) -> MoEFeedForward:
+    torch.manual_seed(0)
+    layer = MoEFeedForward(16, experts, top_k, 8, 0, scoring, routing)
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    layer.router.reset_buffers()
+    return layer.to(dtype)
+
+
+def test_grouped_gemm_matches_the_per_expert_loop():
+    experts = GroupedExperts(4, 16, 8)
+    for p in experts.parameters():
+        torch.nn.init.normal_(p)
+    rows = torch.randn(11, 16, requires_grad=True)
+    counts = torch.tensor([3, 0, 6, 2])
+    upstream = torch.randn(11, 16)
+    results = []
+    for grouped in (True, False):
+        experts.grouped_gemm = grouped
+        out = experts(rows, counts)
+        grads = torch.autograd.grad(out, [rows, *experts.parameters()], upstream)
+        results.append((out, grads))
+    (a, ga), (b, gb) = results
+    torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    for x, y in zip(ga, gb):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+
+
+def test_tied_scores_route_the_same_under_recomputation():
+    """A zero router ties every score: the lowest expert indices win, in the forward and in activation
+    checkpointing's recompute, whose gradients equal the plain run's; the step counts each token once."""
+    layer = _layer(MoERouting(aux_loss_coef=0.1))
+    torch.nn.init.zeros_(layer.router.gate.weight)
+    x = torch.randn(2, 5, 16, dtype=torch.float64, requires_grad=True)
+    weights, experts, _ = layer.router(x.reshape(-1, 16))
+    assert experts.tolist() == [[0, 1]] * 10
+    grads = []
+    for recompute in (False, True):
+        out = checkpoint(layer, x, use_reentrant=False) if recompute else layer(x)
+        grads.append(torch.autograd.grad(out.square().sum(), [x, *layer.parameters()]))
+        layer.finish_step(updated=False)
+        assert layer.step_summary()["tokens_per_expert"] == [10, 10, 0, 0, 0, 0, 0, 0]
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
+def test_balancing_loss_gradient_is_the_switch_loss():
+    """The attached gradient equals autograd of coef * E * sum_e f_e * P_e over the batch (f detached)."""
+    coef, e = 0.5, 8
+    layer = _layer(MoERouting(aux_loss_coef=coef), scoring="sigmoid")
+    x = torch.randn(12, 16, dtype=torch.float64)
+    out = layer(x)
+    (with_aux,) = torch.autograd.grad(out.sum(), [layer.router.gate.weight])
+    layer.eval()
+    (without,) = torch.autograd.grad(layer(x).sum(), [layer.router.gate.weight])
+    _, experts, probs = layer.router(x)
+    load = torch.bincount(experts.reshape(-1), minlength=e).double() / experts.numel()
+    (reference,) = torch.autograd.grad(coef * e * (load * probs.mean(0)).sum(), [layer.router.gate.weight])
+    torch.testing.assert_close(with_aux - without, reference, rtol=1e-12, atol=1e-15)
+    layer.train()
+    layer.finish_step(updated=True)
+    assert layer.step_summary()["aux_loss"] == pytest.approx(float(coef * e * (load * probs.detach().mean(0)).sum()), rel=1e-12)
+
+
+def test_evaluation_counts_nothing_and_leaves_the_bias():
+    layer = _layer(MoERouting(bias_update_rate=0.1))
+    layer.eval()
+    with torch.no_grad():
+        layer(torch.randn(8, 16, dtype=torch.float64))
+    layer.finish_step(updated=True)
+    assert layer.step_summary() is None and not layer.router.expert_bias.any()
+    layer.train()
+    layer(torch.randn(8, 16, dtype=torch.float64))
+    layer.finish_step(updated=True)
+    counts = torch.tensor(layer.step_summary()["tokens_per_expert"], dtype=torch.float64)
+    expected = 0.1 * torch.sign(counts.mean() - counts)
+    assert torch.equal(layer.router.expert_bias, expected)
+
+
+def test_capacity_drops_overflow_and_reports_it():
+    layer = _layer(MoERouting(capacity_factor=1.0), experts=4, top_k=1)
+    torch.nn.init.zeros_(layer.router.gate.weight)  # every token to expert 0; its capacity is 12 / 4 = 3
+    x = torch.randn(12, 16, dtype=torch.float64)
+    out = layer(x)
+    layer.finish_step(updated=False)
+    assert layer.step_summary()["dropped_tokens"] == 9
+    assert out[:3].abs().sum() > 0 and not out[3:].any()  # the first three tokens in order keep their expert
+
+
+def test_model_counts_its_parameters():
+    cfg = load_config(None, ["model.name=debug-moe", "model.moe.first_k_dense_replace=1", "model.moe.scoring_func=sigmoid"])
+    spec = model_spec(cfg.model)
+    model = build_model(spec, torch.device("cpu"), 0)
+    assert sum(p.numel() for p in model.parameters()) == spec.shape.num_params()
+    assert list(spec.moe_layers(model)) == ["layers.1.feed_forward"]
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
+def test_hf_moe_through_our_dispatch_equals_transformers(tmp_path, kind):
+    """disttrain's dispatch on transformers' fused experts gives transformers' own logits and gradients; a
+    saved checkpoint (one matrix per expert) loads as transformers loads it."""
+    from transformers import AutoModelForCausalLM
+
+    from disttrain.models.hf.spec import hf_spec
+
+    spec = hf_spec(str(save_tiny(kind, tmp_path / kind, weights_seed=1)))
+    model = build_model(spec, torch.device("cpu"), 0, torch.float64)
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path / kind, local_files_only=True).state_dict()
+    assert all(torch.equal(t.double(), model.state_dict()[name]) for name, t in theirs.items())
+    model.set_experts_implementation("eager")  # transformers' per-expert loop (its grouped_mm refuses float64)
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    results = []
+    for ours in (False, True):
+        if ours:
+            assert len(spec.moe_layers(model)) == 2  # installs the dispatch
+        logits = model(tokens).logits
+        results.append((logits, torch.autograd.grad(logits.square().mean(), list(model.parameters()))))
+    (a, ga), (b, gb) = results
+    torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)
+    for x, y in zip(gb, ga):
+        torch.testing.assert_close(x, y, rtol=1e-10, atol=1e-14)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (("parallel.ep=3",), "parallel.ep=3 does not divide model.moe.num_experts=8"),
+    (("parallel.ep=4", "model.moe.num_experts=4"), "parallel.ep=4 does not divide the data-parallel degree"),
+    (("model.name=debug", "parallel.ep=2"), "parallel.ep=2 on a dense model"),
+    (("model.moe.num_experts_per_tok=9",), "model.moe.num_experts_per_tok=9 exceeds model.moe.num_experts=8"),
+    (("model.moe.capacity_factor=0.5",), "model.moe.capacity_factor=0.5: below 1 drops tokens"),
+    (("parallel.ep=2", "parallel.zero_stage=1"), "parallel.ep=2 with parallel.zero_stage=1"),
+    (("model.name=debug", "parallel.ep=2", "model.moe.num_experts=4"), "model.name=debug is dense; an MoE needs"),
+    (("parallel.ep=2", "parallel.zero_stage=3", "parallel.activation_checkpointing=selective"),
+     "parallel.activation_checkpointing=selective with parallel.ep=2 and parallel.zero_stage=3"),
+])
+def test_bad_moe_config_is_one_line(overrides, message):
+    with pytest.raises(UserError) as err:
+        resolve_run(load_config(None, ["model.name=debug-moe", *overrides]), 2, "cpu")
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def _counts(run) -> list:
+    return [r["moe_tokens_per_expert"] for r in records(run) if "moe_tokens_per_expert" in r]
+
+
+def test_expert_parallel_equals_one_process(tmp_path):
+    """ep=2 on 2 ranks under DDP (with and without selective activation checkpointing), ZeRO-2, and ZeRO-3
+    with full activation checkpointing; transformers' Qwen3-MoE (DDP) and Mixtral (ZeRO-3, full checkpointing)
+    through disttrain's dispatch; on 4 ranks ZeRO-3 with dp_shard=4, pipeline pp=2 (GPipe) and tensor parallel
+    tp=2 (attention and shared experts split, routed experts whole) and HSDP (2 x 2), each with ep=2:
+    one process's losses, parameters, balancing bias (a buffer in the checkpoint) and tokens per expert in
+    fp64; then an fp32 run saved at ep=2 resumes on one process and at ep=4 on 4 ranks with an uninterrupted
+    run's losses."""
+    fp32 = ("optim.schedule=constant", "optim.warmup_steps=0")
+    jobs = {
+        "ddp": ("parallel.ep=2", "parallel.zero_stage=0"),
+        "zero3_full": ("parallel.ep=2", "parallel.zero_stage=3", "parallel.activation_checkpointing=full"),
+        "zero2": ("parallel.ep=2", "parallel.zero_stage=2"),
+        "ddp_selective": ("parallel.ep=2", "parallel.zero_stage=0", "parallel.activation_checkpointing=selective"),
+        "save32": ("parallel.ep=2", "parallel.zero_stage=3", *fp32, "train.steps=2"),
+    }
+    hf = {kind: (f"model.hf={save_tiny(kind, tmp_path / kind)}", f"train.steps={STEPS}", "train.global_batch_size=4",
+                 "checkpoint.save_final=true", "model.moe.aux_loss_coef=0.01", FP64) for kind in ("qwen3_moe", "mixtral")}
+    jobs = {name: (*COMMON, *(() if name == "save32" else (FP64,)), *o) for name, o in jobs.items()}
+    jobs.update({"hf_qwen3_moe": (*hf["qwen3_moe"], "parallel.ep=2", "parallel.zero_stage=0"),
+                 "hf_mixtral": (*hf["mixtral"], "parallel.ep=2", "parallel.zero_stage=3",
+                                "parallel.activation_checkpointing=full")})
+    runs = train_many({name: (tmp_path / name, o) for name, o in jobs.items()}, nproc=2)
+    # 4 ranks: experts' gradients reduced over 2 ranks holding the same experts; a pipeline of 2 stages
+    four = (*COMMON, FP64, "train.global_batch_size=8", "parallel.ep=2", "parallel.zero_stage=3")
+    shutil.copytree(runs["save32"], tmp_path / "resume32_ep4")  # the same checkpoint, resumed at ep=4 on 4 ranks
+    runs.update(train_many({"dp4": (tmp_path / "dp4", four),
+                            "pp2": (tmp_path / "pp2", (*four, "parallel.pp=2", "parallel.pp_schedule=gpipe")),
+                            "tp2": (tmp_path / "tp2", (*four, "parallel.tp=2")),
+                            "hsdp": (tmp_path / "hsdp", (*four, "parallel.dp_replicate=2", "parallel.dp_shard=2")),
+                            "resume32_ep4": (tmp_path / "resume32_ep4", (*COMMON, *fp32, "parallel.ep=4",
+                                                                         "parallel.zero_stage=3",
+                                                                         "run.allow_changes=true"))}, nproc=4))
+    single = train_many({"one": (tmp_path / "one", (*COMMON, FP64)), "one32": (tmp_path / "one32", (*COMMON, *fp32)),
+                         "one8": (tmp_path / "one8", (*COMMON, FP64, "train.global_batch_size=8")),
+                         "hf_qwen3_moe_one": (tmp_path / "hf_qwen3_moe_one", hf["qwen3_moe"]),
+                         "hf_mixtral_one": (tmp_path / "hf_mixtral_one", hf["mixtral"]),
+                         "resume32": (runs["save32"], (*COMMON, *fp32, "run.allow_changes=true"))}, nproc=1)
+    reference = final_params(single["one"], STEPS)
+    assert any(name.endswith("expert_bias") and t.abs().sum() > 0 for name, t in reference.items())
+    four_rank = ("dp4", "pp2", "tp2", "hsdp")
+    for name in ("ddp", "zero3_full", "zero2", "ddp_selective", *four_rank, "hf_qwen3_moe", "hf_mixtral"):
+        one = single[f"{name}_one" if name.startswith("hf_") else "one8" if name in four_rank else "one"]
+        assert_losses_close(losses(runs[name]), losses(one), rel=EXACT)
+        assert_params_exact(final_params(runs[name], STEPS), final_params(one, STEPS))
+        assert _counts(runs[name]) == _counts(one) and len(_counts(runs[name])) == STEPS
+    # `disttrain convert --to hf` of the ep=2 ZeRO-3 Mixtral run: transformers loads every trained parameter
+    from transformers import AutoModelForCausalLM
+
+    from disttrain.checkpoint.export import export
+
+    exported = export(runs["hf_mixtral"] / "checkpoints" / f"step_{STEPS:08d}", "hf", tmp_path / "mixtral_hf")
+    loaded = AutoModelForCausalLM.from_pretrained(exported, local_files_only=True, dtype=torch.float64).state_dict()
+    trained = final_params(runs["hf_mixtral"], STEPS)
+    assert trained.keys() <= loaded.keys()
+    differ = [k for k, t in trained.items() if not torch.equal(loaded[k], t.to(torch.float32).double())]
+    assert not differ, differ  # the export is float32
+    # `disttrain report`'s expert-load heat map: layer x expert over steps, tokens over the mean
+    from disttrain.observe.run_report import expert_loads, figures, load_records
+
+    assert "expert_load.png" in figures(*load_records(runs["ddp"]))
+    counts = _counts(runs["ddp"])
+    steps, grid = expert_loads(records(runs["ddp"]))["layers.1.feed_forward"]
+    assert steps == list(range(1, STEPS + 1))
+    assert grid[3][0] == pytest.approx(counts[0]["layers.1.feed_forward"][3] / (sum(counts[0]["layers.1.feed_forward"]) / 8))
+    straight = losses(single["one32"])
+    for resumed in (losses(single["resume32"]), losses(runs["resume32_ep4"])):
+        assert sorted(resumed) == list(range(1, STEPS + 1))
+        assert_losses_close({s: resumed[s] for s in range(3, STEPS + 1)}, {s: straight[s] for s in range(3, STEPS + 1)},
+                            rel=1e-5)
