@@ -1,13 +1,11 @@
 """The one resolved Layout: how a run is cut across ranks, and every rule that makes a cut valid.
 
-Built once per process from the config and the world size (`resolve.resolve_run` calls
-`Layout.from_config`); the runtime (meshes, parallelize, engines, checkpoints, metrics), the dry run
-and the planner all read it. Rules return typed `Problem`s, so no other module re-derives a layout
-rule or reads its message text. Pure Python (no torch).
+Built once per process from the config and the world size (`resolve.resolve_run` calls `Layout.from_config`); the
+runtime (meshes, parallelize, engines, checkpoints, metrics), the dry run and the planner all read it. Rules return
+typed `Problem`s, so no other module re-derives a layout rule or reads its message text. Pure Python (no torch).
 
-Mesh dimension order, outermost first: pp, dp_replicate, dp_shard, tp. Tensor parallel is
-innermost so its ranks share a node (NVLink); pipeline outermost so its point-to-point traffic is
-what crosses nodes.
+Mesh dimension order, outermost first: pp, dp_replicate, dp_shard, tp. Tensor parallel is innermost so its ranks
+share a node (NVLink); pipeline outermost so its point-to-point traffic is what crosses nodes.
 """
 
 from __future__ import annotations
@@ -56,6 +54,7 @@ class Layout:
     engine: str = "torch"
     balance: str = "off"  # "auto": re-split the global batch by measured speed
     balance_weights: tuple[float, ...] = ()  # one per data-parallel rank; (): equal (or auto's start)
+    ep: int = 1  # expert parallel: the experts split over this many of the data-parallel ranks (disttrain.experts)
 
     # ------------------------------------------------------------ degrees and batches
     @property
@@ -197,7 +196,7 @@ class Layout:
                    sequence_parallel=p.sequence_parallel, activation_checkpointing=p.activation_checkpointing,
                    param_dtype=param_dtype, compute_dtype=prec.compute_dtype, reduce_dtype=reduce_dtype,
                    cpu_offload=p.cpu_offload, engine=cfg.engine, balance=p.balance,
-                   balance_weights=tuple(float(w) for w in p.balance_weights))
+                   balance_weights=tuple(float(w) for w in p.balance_weights), ep=getattr(p, "ep", 1))
 
 
 def resolve_dp_shard(parallel, world_size: int) -> int:
@@ -267,7 +266,8 @@ def split_problems(shape: ModelShape | None, tp: int, pp: int, stages_per_rank: 
 
 def layout_problems(shape: ModelShape | None, layout: Layout) -> list[Problem]:
     """Every reason this layout cannot run this model (empty list: valid)."""
-    return cut_problems(shape, layout) + batch_problems(layout)
+    from disttrain.experts import expert_problems  # it reads Problem from here
+    return cut_problems(shape, layout) + batch_problems(layout) + expert_problems(shape, layout)
 
 
 def cut_problems(shape: ModelShape | None, layout: Layout) -> list[Problem]:
