@@ -11,26 +11,26 @@ from __future__ import annotations
 
 from dataclasses import replace
 from math import gcd
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from disttrain.layout import Layout, Problem
-    from disttrain.models.shape import ModelShape
+from disttrain.layout import Layout, Problem
+from disttrain.models.shape import ModelShape
 
 
-def expert_layout(layout: "Layout") -> "Layout":
+def expert_layout(layout: Layout) -> Layout:
     """The layout the experts' states follow: their data-parallel ranks are the dp / ep that hold the same
     experts, `dp_shard / gcd(ep, dp_shard)` of them sharding (efsdp) and the rest replicating."""
     if layout.ep <= 1:
         return layout
     efsdp = layout.dp_shard // gcd(layout.ep, layout.dp_shard)
-    return replace(layout, dp_shard=efsdp, dp_replicate=max(1, layout.dp // layout.ep // efsdp), ep=1)
+    replicas = max(1, layout.dp // layout.ep // efsdp)
+    # The same sequences per rank, so the same micro-batches: the group is smaller, not the work.
+    return replace(layout, dp_shard=efsdp, dp_replicate=replicas, ep=1,
+                   global_batch_size=layout.sequences_per_rank * efsdp * replicas, balance_weights=())
 
 
-def expert_problems(shape: "ModelShape | None", layout: "Layout") -> list["Problem"]:
-    """`parallel.ep` must split the experts evenly, over data-parallel ranks, of a mixture-of-experts model."""
-    from disttrain.layout import Problem
-
+def expert_problems(shape: ModelShape | None, layout: Layout) -> list[Problem]:
+    """`parallel.ep` must split the experts evenly, over data-parallel ranks, of a mixture-of-experts model
+    (with `layout.layout_problems`, every reason a layout with experts cannot run)."""
     ep = layout.ep
     if ep < 1:
         return [Problem("parallel.ep", ep, "a positive integer", f"parallel.ep={ep}: must be at least 1")]

@@ -266,8 +266,7 @@ def split_problems(shape: ModelShape | None, tp: int, pp: int, stages_per_rank: 
 
 def layout_problems(shape: ModelShape | None, layout: Layout) -> list[Problem]:
     """Every reason this layout cannot run this model (empty list: valid)."""
-    from disttrain.experts import expert_problems  # it reads Problem from here
-    return cut_problems(shape, layout) + batch_problems(layout) + expert_problems(shape, layout)
+    return cut_problems(shape, layout) + batch_problems(layout)
 
 
 def cut_problems(shape: ModelShape | None, layout: Layout) -> list[Problem]:

@@ -10,7 +10,7 @@ counted on a GPU by benchmarks/dryrun_vs_real.py --saved-by-device).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from disttrain.layout import DTYPE_BYTES, Layout
 from disttrain.models.shape import ModelShape
@@ -134,7 +134,9 @@ def stage_activation_bytes(shape: ModelShape, layout: Layout, pp_rank: int, fuse
     layers_saved = held.layers * layer.saved
     if shape.moe is not None:  # MoE blocks beside any dense ones, routed as `routing_skew` says
         from disttrain.plan.moe import stage_layers
-        layers_saved, layer = stage_layers(shape, layout, pp_rank, layer, fused_norm, routing_skew)
+        attention = layer_activation_bytes(replace(shape, ffn_hidden_dim=0, moe=None), mb, s, layout, fused_norm)
+        layers_saved, layer = stage_layers(shape, layout, pp_rank, layer, attention, dtype_bytes(layout)[0],
+                                           routing_skew)
     saved = layers_saved * in_flight
     logits = 0.0
     if held.embedding:

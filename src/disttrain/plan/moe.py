@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import fields, replace
 
-from disttrain.experts import expert_layout
+from disttrain.experts import expert_layout, expert_problems  # noqa: F401 (the CLI checks --ep with it)
 from disttrain.layout import DTYPE_BYTES, Layout
 from disttrain.models.shape import ModelShape
 from disttrain.splits import split_layers
@@ -93,10 +93,9 @@ def received(layout: Layout, skew: float) -> float:
     return min(max(skew, 1.0), float(layout.ep))
 
 
-def moe_layer_bytes(shape: ModelShape, micro_batch: int, seq_len: int, layout: Layout, fused_norm: bool = True,
-                    skew: float = ROUTING_SKEW):
-    """One MoE block's activations: the dense block's attention part (`activations.layer_activation_bytes` with
-    no MLP) plus the MoE layer's own tensors, per micro-batch, for T tokens routed to k experts each:
+def moe_layer_bytes(shape: ModelShape, layout: Layout, attention, ec: int, skew: float = ROUTING_SKEW):
+    """One MoE block's activations: `attention`, the dense block's without its MLP (`activations.
+    layer_activation_bytes` of ffn_hidden_dim 0), plus the MoE layer's own tensors, per micro-batch, for T tokens routed to k experts each:
     - the router's fp32 scores [T, E], the chosen weights [T, k] and int64 indices [T, k];
     - the dispatched rows each expert matmul keeps, T·k·skew x dim as received, its w1 and w3 outputs, SiLU's
       output and the gated product (4 x T·k·skew x width), the expert outputs sent back (T·k x dim) that the
@@ -106,12 +105,8 @@ def moe_layer_bytes(shape: ModelShape, micro_batch: int, seq_len: int, layout: L
       their gradients in backward.
     Selective checkpointing keeps the matmul and all-to-all outputs and recomputes SiLU and the product; full
     keeps the block input and recomputes all of it."""
-    from disttrain.plan.activations import LayerActivations, dtype_bytes, layer_activation_bytes
-
-    base = layer_activation_bytes(replace(shape, ffn_hidden_dim=0, moe=None), micro_batch, seq_len, layout,
-                                  fused_norm)
+    base, micro_batch, seq_len = attention, layout.micro_batch, layout.seq_len
     moe = shape.moe
-    ec, _ = dtype_bytes(layout)
     t = layout.tp
     tokens = micro_batch * seq_len / (t if layout.sequence_parallel else 1)
     k, h, width = moe.num_experts_per_tok, shape.dim, moe.moe_intermediate_size
@@ -122,20 +117,20 @@ def moe_layer_bytes(shape: ModelShape, micro_batch: int, seq_len: int, layout: L
     full = router + ec * rows * (h + 4 * width) + ec * tokens * k * h + 4 * ec * micro_batch * seq_len * shared
     mode = layout.activation_checkpointing
     if mode == "full":
-        return LayerActivations(saved=base.saved, transient=base.transient + full + buffers)
+        return replace(base, transient=base.transient + full + buffers)
     if mode == "selective":
         kept = router + ec * rows * (h + 2 * width) + ec * tokens * k * h + 2 * ec * micro_batch * seq_len * shared
-        return LayerActivations(saved=base.saved + kept, transient=base.transient + full - kept + buffers)
-    return LayerActivations(saved=base.saved + full, transient=base.transient + buffers)
+        return replace(base, saved=base.saved + kept, transient=base.transient + full - kept + buffers)
+    return replace(base, saved=base.saved + full, transient=base.transient + buffers)
 
 
-def stage_layers(shape: ModelShape, layout: Layout, pp_rank: int, dense, fused_norm: bool = True,
+def stage_layers(shape: ModelShape, layout: Layout, pp_rank: int, dense, attention, ec: int,
                  skew: float = ROUTING_SKEW):
-    """(saved bytes of every layer this rank holds, the fullest layer) for one micro-batch; `dense` is the
-    dense block's LayerActivations."""
+    """(saved bytes of every layer this rank holds, the fullest layer) for one micro-batch; `dense` is a dense
+    block's LayerActivations, `attention` the same without its MLP, `ec` the compute dtype's bytes."""
     layers = held_layers(shape, layout, pp_rank)
     n_moe = moe_layers(shape, layers)
-    moe = moe_layer_bytes(shape, layout.micro_batch, layout.seq_len, layout, fused_norm, skew)
+    moe = moe_layer_bytes(shape, layout, attention, ec, skew)
     saved = (len(layers) - n_moe) * dense.saved + n_moe * moe.saved
     kinds = ([dense] if len(layers) > n_moe else []) + ([moe] if n_moe else [])
     return saved, max(kinds or [dense], key=lambda layer: layer.transient)
