@@ -20,6 +20,7 @@ from disttrain.plan.estimate import estimate
 from disttrain.plan.moe import ALL_TO_ALLS_PER_LAYER, dispatch_s
 from disttrain.plan.search import SearchSpace, brute_force, search
 from disttrain.plan.timing import Cluster
+from helpers import REPO
 
 transformers = pytest.importorskip("transformers")
 
@@ -98,7 +99,7 @@ def test_estimate_prints_the_published_total_and_active_counts(capsys):
     assert out["active_params"] == layers * per_layer + d + 2 * 151936 * d
     assert out["moe"]["experts_per_rank"] == 16 and out["moe"]["ep"] == 8
     main(["estimate", "--model", "qwen3-30b-a3b", "--gpus", "8", "--zero-stage", "3", "--ep", "8"])
-    assert "30.53 B parameters, 3.35 B active (128 experts, top-8)" in capsys.readouterr().out
+    assert "30,532,110,336 parameters (30.53 B; 3.35 B active: 128 experts, top-8)" in capsys.readouterr().out
 
 
 def test_flops_per_token_follow_the_active_parameters():
@@ -241,3 +242,14 @@ def test_hf_moe_configs_the_family_cannot_express_are_one_line(tmp_path, capsys)
         main(["estimate", "--hf", str(tmp_path)])
     err = capsys.readouterr().err
     assert exc.value.code == 2 and err.count("\n") == 1 and "decoder_sparse_step=2 (allowed: 1" in err, err
+
+
+def test_a_config_parallel_ep_reaches_the_layout():
+    """`estimate CONFIG` and the dry run read `parallel.ep` through Layout.from_config (1 where a config has no
+    such key)."""
+    from disttrain.config import load_config
+
+    cfg = load_config(str(REPO / "configs" / "demo.yaml"), ["model.name=tiny"])
+    assert Layout.from_config(cfg, 8).ep == getattr(cfg.parallel, "ep", 1)
+    object.__setattr__(cfg.parallel, "ep", 4)  # as a config with the key gives it
+    assert Layout.from_config(cfg, 8).ep == 4

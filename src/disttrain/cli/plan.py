@@ -227,7 +227,7 @@ def cmd_estimate(args) -> None:
             out["time"]["days"] = tokens / est.time.tokens_per_s / 86400
         print(json.dumps(out, indent=1))
         return
-    lines = [f"Model: {name}, {shape.num_params():,} parameters ({moe.size_text(shape)})",
+    lines = [f"Model: {name}, {shape.num_params():,} parameters ({moe.size_text(shape, short=True)})",
              report.layout_line(layout), ""] + report.memory_table(est) + \
         [report.fit_line(est, gpu_name, memory, headroom), ""] + report.flops_lines(est)
     if est.time:

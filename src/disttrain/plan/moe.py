@@ -245,12 +245,14 @@ def no_lora(lora_rank: int, shape: ModelShape) -> int:
     return lora_rank
 
 
-def size_text(shape: ModelShape) -> str:
-    """'30.53 B parameters', and of an MoE model its active ones and experts."""
-    text = f"{shape.num_params() / 1e9:.2f} B parameters"
+def size_text(shape: ModelShape, short: bool = False) -> str:
+    """'30.53 B parameters, 3.35 B active (128 experts, top-8)'; `short`: '30.53 B; 3.35 B active: 128 experts,
+    top-8' (a dense model: '6.74 B')."""
+    text = f"{shape.num_params() / 1e9:.2f} B" + ("" if short else " parameters")
     moe = shape.moe
     if moe is None:
         return text
-    shared = f", {moe.n_shared_experts} shared" if moe.n_shared_experts else ""
-    return (f"{text}, {shape.num_params(active=True) / 1e9:.2f} B active ({moe.num_experts} experts, "
-            f"top-{moe.num_experts_per_tok}{shared})")
+    experts = f"{moe.num_experts} experts, top-{moe.num_experts_per_tok}" + \
+        (f", {moe.n_shared_experts} shared" if moe.n_shared_experts else "")
+    active = f"{shape.num_params(active=True) / 1e9:.2f} B active"
+    return f"{text}; {active}: {experts}" if short else f"{text}, {active} ({experts})"

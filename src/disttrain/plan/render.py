@@ -29,11 +29,22 @@ def memory_table(est: Estimate) -> list[str]:
     lines.append(_row("peak", m["total"]))
     if m["cpu_offloaded"]:
         lines.append(_row("host memory (CPU offload)", m["cpu_offloaded"]))
+    if est.shape.moe is not None:
+        lines += moe_lines(est)
     if est.layout.pp > 1:
         lines.append("  by pipeline rank: " + ", ".join(
             f"{s['pp_rank']}: {s['total'] / GIB:.2f} GiB ({s['in_flight']:.1f} micro-batches in flight)"
             for s in est.memory.per_stage))
     return lines
+
+
+def moe_lines(est: Estimate) -> list[str]:
+    """Where an MoE model's experts are: per rank, and the group their states are spread over."""
+    m = est.as_dict()["moe"]
+    routing = "balanced routing" if est.routing_skew == 1 else f"routing skew {est.routing_skew:g}"
+    return [f"  experts: {m['experts_per_rank']} of {m['num_experts']} per MoE layer on each rank (ep={m['ep']}, "
+            f"{m['moe_layers']} MoE layers), {m['expert_params_per_rank']:,} expert parameters, their states over "
+            f"{m['expert_data_parallel']} rank(s); {routing}"]
 
 
 def plan_table(ranked: list[Estimate], top: int) -> list[str]:
