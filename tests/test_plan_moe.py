@@ -86,6 +86,17 @@ def test_registry_moe_shapes_count_as_transformers_builds_them(name, cls, config
     assert total - counted == (48 * 2 * 128 if name.startswith("qwen3") else 0)
 
 
+def test_deepseek_v3_config_counts_its_published_size(tmp_path):
+    """DeepSeek-V3's report: 671B parameters, 37B activated per token (its MTP module, not in transformers' model,
+    aside). transformers' DeepseekV3Config defaults are DeepSeek-V3's; the tiny model above checks every term
+    against transformers' own count."""
+    transformers.DeepseekV3Config().save_pretrained(tmp_path)
+    shape = hf_shape(str(tmp_path))
+    assert abs(shape.num_params() / 671e9 - 1) < 0.001
+    assert abs(shape.num_params(active=True) / 37e9 - 1) < 0.02
+    assert (shape.moe.n_shared_experts, shape.moe.first_k_dense_replace, shape.mla.kv_lora_rank) == (1, 3, 512)
+
+
 def test_estimate_prints_the_published_total_and_active_counts(capsys):
     """Qwen3-30B-A3B's model card: 30.5B in total, 3.3B activated (its exact count, 3.353B, is truncated there)."""
     main(["estimate", "--model", "qwen3-30b-a3b", "--gpus", "8", "--zero-stage", "3", "--ep", "8", "--json"])
