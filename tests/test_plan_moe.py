@@ -245,14 +245,19 @@ def test_planner_moe_mistakes_are_one_line(argv, message, capsys):
     assert exc.value.code == 2 and err.count("\n") == 1 and message in err, err
 
 
-def test_hf_moe_configs_the_family_cannot_express_are_one_line(tmp_path, capsys):
-    config = transformers.Qwen3MoeConfig(**SMALL, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
-                                         decoder_sparse_step=2)
+@pytest.mark.parametrize("extra,message", [
+    (dict(decoder_sparse_step=2), "decoder_sparse_step=2 (allowed: 1"),
+    (dict(mlp_only_layers=[1]), "mlp_only_layers=[1] (allowed: the leading layers"),
+    (dict(num_experts_per_tok=16), "num_experts_per_tok=16 (allowed: 1 to the 8 experts)"),
+])
+def test_hf_moe_configs_the_family_cannot_express_are_one_line(extra, message, tmp_path, capsys):
+    config = transformers.Qwen3MoeConfig(**{**SMALL, "moe_intermediate_size": 32, "num_experts": 8,
+                                            "num_experts_per_tok": 2, **extra})
     config.save_pretrained(tmp_path)
     with pytest.raises(SystemExit) as exc:
         main(["estimate", "--hf", str(tmp_path)])
     err = capsys.readouterr().err
-    assert exc.value.code == 2 and err.count("\n") == 1 and "decoder_sparse_step=2 (allowed: 1" in err, err
+    assert exc.value.code == 2 and err.count("\n") == 1 and message in err, err
 
 
 def test_a_config_parallel_ep_reaches_the_layout():
@@ -264,3 +269,15 @@ def test_a_config_parallel_ep_reaches_the_layout():
     assert Layout.from_config(cfg, 8).ep == getattr(cfg.parallel, "ep", 1)
     object.__setattr__(cfg.parallel, "ep", 4)  # as a config with the key gives it
     assert Layout.from_config(cfg, 8).ep == 4
+
+
+def test_plan_writes_the_chosen_expert_parallel_degree(tmp_path, capsys):
+    import yaml
+
+    out = tmp_path / "mixtral.yaml"
+    main(["plan", "--model", "mixtral-8x7b", "--gpus", "16", "--gpu", "a100-80g", "--seq-len", "4096", "--top", "1",
+          "--out", str(out)])
+    printed = capsys.readouterr().out
+    written = yaml.safe_load(out.read_text())
+    assert written["model"]["name"] == "mixtral-8x7b" and written["parallel"]["ep"] == 4
+    assert "Winner: dp_shard=8 ep=4 pp=2" in printed and "expert all-to-all" in printed
