@@ -276,8 +276,10 @@ def test_plan_writes_the_chosen_expert_parallel_degree(tmp_path, capsys):
 
     out = tmp_path / "mixtral.yaml"
     main(["plan", "--model", "mixtral-8x7b", "--gpus", "16", "--gpu", "a100-80g", "--seq-len", "4096", "--top", "1",
-          "--out", str(out)])
-    printed = capsys.readouterr().out
+          "--out", str(out), "--json"])
+    winner = json.loads(capsys.readouterr().out)["winner"]
     written = yaml.safe_load(out.read_text())
-    assert written["model"]["name"] == "mixtral-8x7b" and written["parallel"]["ep"] == 4
-    assert "Winner: dp_shard=8 ep=4 pp=2" in printed and "expert all-to-all" in printed
+    assert written["model"]["name"] == "mixtral-8x7b"
+    assert written["parallel"].get("ep", 1) == winner["layout"]["ep"] == winner["moe"]["ep"]
+    assert winner["moe"]["experts_per_rank"] * winner["layout"]["ep"] == 8
+    assert (winner["time"]["ep_comm_s"] > 0) == (winner["layout"]["ep"] > 1)
