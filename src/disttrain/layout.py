@@ -1,11 +1,13 @@
 """The one resolved Layout: how a run is cut across ranks, and every rule that makes a cut valid.
 
-Built once per process from the config and the world size (`resolve.resolve_run` calls `Layout.from_config`); the
-runtime (meshes, parallelize, engines, checkpoints, metrics), the dry run and the planner all read it. Rules return
-typed `Problem`s, so no other module re-derives a layout rule or reads its message text. Pure Python (no torch).
+Built once per process from the config and the world size (`resolve.resolve_run` calls
+`Layout.from_config`); the runtime (meshes, parallelize, engines, checkpoints, metrics), the dry run
+and the planner all read it. Rules return typed `Problem`s, so no other module re-derives a layout
+rule or reads its message text. Pure Python (no torch).
 
-Mesh dimension order, outermost first: pp, dp_replicate, dp_shard, tp. Tensor parallel is innermost so its ranks
-share a node (NVLink); pipeline outermost so its point-to-point traffic is what crosses nodes.
+Mesh dimension order, outermost first: pp, dp_replicate, dp_shard, tp. Tensor parallel is
+innermost so its ranks share a node (NVLink); pipeline outermost so its point-to-point traffic is
+what crosses nodes.
 """
 
 from __future__ import annotations
@@ -13,8 +15,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 
 from disttrain.errors import UserError
+from disttrain.layout_experts import expert_batch_problems, expert_problems
+from disttrain.problem import Problem
 from disttrain.splits import balance_shares, split_layers
 from disttrain.models.shape import ModelShape
+
+__all__ = ["Layout", "Problem", "batch_problems", "cut_problems", "layout_problems", "world_problems"]
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
@@ -37,6 +43,7 @@ class Layout:
     dp_shard: int = 1
     tp: int = 1
     pp: int = 1
+    ep: int = 1  # expert parallel: experts split over ep of the dp_shard ranks (contiguous, innermost)
     zero_stage: int = 0
     micro_batch_size: int = 1
     seq_len: int = 2048
@@ -54,7 +61,6 @@ class Layout:
     engine: str = "torch"
     balance: str = "off"  # "auto": re-split the global batch by measured speed
     balance_weights: tuple[float, ...] = ()  # one per data-parallel rank; (): equal (or auto's start)
-    ep: int = 1  # expert parallel: the experts split over this many of the data-parallel ranks (disttrain.experts)
 
     # ------------------------------------------------------------ degrees and batches
     @property
@@ -98,6 +104,11 @@ class Layout:
     def micro_batch(self) -> int:
         """Sequences per forward pass (per pipeline micro-batch when pp > 1)."""
         return max(1, self.sequences_per_rank // self.microbatches)
+
+    @property
+    def efsdp(self) -> int:
+        """Data-parallel ranks holding the same experts: what expert gradients reduce (and ZeRO shards) over."""
+        return self.dp // self.ep
 
     # ------------------------------------------------------------ what each technique does
     @property
@@ -189,14 +200,15 @@ class Layout:
             param_dtype = prec.compute_dtype
         reduce_dtype = prec.reduce_dtype if prec.reduce_dtype != "auto" else (
             "fp64" if prec.compute_dtype == "fp64" else "fp32")
-        return cls(dp_replicate=p.dp_replicate, dp_shard=dp_shard, tp=p.tp, pp=p.pp, zero_stage=p.zero_stage,
+        return cls(dp_replicate=p.dp_replicate, dp_shard=dp_shard, tp=p.tp, pp=p.pp, ep=getattr(p, "ep", 1),
+                   zero_stage=p.zero_stage,
                    micro_batch_size=cfg.train.micro_batch_size or per_rank, seq_len=cfg.data.seq_len,
                    global_batch_size=cfg.train.global_batch_size, pp_schedule=p.pp_schedule,
                    pp_microbatches=p.pp_microbatches, pp_layers=tuple(p.pp_layers),
                    sequence_parallel=p.sequence_parallel, activation_checkpointing=p.activation_checkpointing,
                    param_dtype=param_dtype, compute_dtype=prec.compute_dtype, reduce_dtype=reduce_dtype,
                    cpu_offload=p.cpu_offload, engine=cfg.engine, balance=p.balance,
-                   balance_weights=tuple(float(w) for w in p.balance_weights), ep=getattr(p, "ep", 1))
+                   balance_weights=tuple(float(w) for w in p.balance_weights))
 
 
 def resolve_dp_shard(parallel, world_size: int) -> int:
@@ -208,21 +220,7 @@ def resolve_dp_shard(parallel, world_size: int) -> int:
     return world_size // fixed if parallel.dp_shard == -1 else parallel.dp_shard
 
 
-# ---------------------------------------------------------------- the rules
-@dataclass(frozen=True)
-class Problem:
-    """One broken layout rule. Callers that decide by rule (the planner) read `key`; users read the
-    message (`str(problem)`), one line naming the key, its value and what is allowed."""
-
-    key: str  # the config key to change, e.g. "parallel.tp"
-    value: object
-    allowed: str
-    message: str
-
-    def __str__(self) -> str:
-        return self.message
-
-
+# ---------------------------------------------------------------- the rules (each a Problem: problem.py)
 def world_problems(dp_replicate: int, dp_shard: int, tp: int, pp: int, world_size: int) -> list[Problem]:
     """The degrees must multiply to the world size (`dp_shard=-1`: whatever is left of it)."""
     fixed = dp_replicate * tp * pp
@@ -292,6 +290,7 @@ def cut_problems(shape: ModelShape | None, layout: Layout) -> list[Problem]:
                                 "parallel.activation_checkpointing=selective with parallel.pp_schedule=zero_bubble: "
                                 "the schedule runs two backward passes per block, which selective checkpointing "
                                 "refuses (allowed with zero_bubble: none, full; or another pp_schedule)"))
+    problems += expert_problems(shape, lay)
     if lay.engine == "deepspeed":
         problems += _deepspeed_problems(lay)
     if lay.balanced:
@@ -323,6 +322,7 @@ def batch_problems(layout: Layout) -> list[Problem]:
         if lay.pp_schedule != "gpipe" and m < lay.pp:
             problems.append(Problem("parallel.pp_microbatches", m, f"at least parallel.pp={lay.pp}",
                                     f"{what} must be at least parallel.pp={lay.pp} for pp_schedule={lay.pp_schedule}"))
+    problems += expert_batch_problems(lay)
     if lay.balanced:
         problems += _balance_batch_problems(lay)
     elif lay.global_batch_size % lay.dp:

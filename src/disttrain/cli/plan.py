@@ -182,7 +182,7 @@ def build_layout(args) -> tuple[str, ModelShape, Layout]:
     layout = layout.with_(micro_batch_size=mbs, global_batch_size=gbs)
     if layout.seq_len > shape.max_seq_len:
         shape = replace(shape, max_seq_len=layout.seq_len)
-    problems = layout_problems(shape, layout) + moe.expert_problems(shape, layout)
+    problems = layout_problems(shape, layout)
     if problems:
         raise UserError(str(problems[0]))
     return name, shape, layout

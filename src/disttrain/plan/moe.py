@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from dataclasses import fields, replace
 
-from disttrain.experts import expert_layout, expert_problems  # noqa: F401 (the CLI checks --ep with it)
 from disttrain.layout import DTYPE_BYTES, Layout
 from disttrain.models.shape import ModelShape
 from disttrain.splits import split_layers
@@ -20,6 +19,18 @@ from disttrain.splits import split_layers
 FP32, INDEX = 4, 8
 ALL_TO_ALLS_PER_LAYER = 4  # dispatch and combine in forward, their gradients in backward
 ROUTING_SKEW = 1.0  # balanced
+
+
+def expert_layout(layout: Layout) -> Layout:
+    """The layout the experts' states follow (the runtime's expert mesh, distributed/mesh.py: dp_shard split
+    into efsdp x ep, ep innermost): the dp_shard / ep ranks holding the same experts shard them under ZeRO and
+    dp_replicate replicates them; under DDP the dp / ep ranks holding the same experts replicate them. The same
+    sequences per rank, so the same micro-batches: the group is smaller, not the work."""
+    if layout.ep <= 1:
+        return layout
+    efsdp = layout.dp_shard // layout.ep
+    return replace(layout, dp_shard=efsdp, ep=1, global_batch_size=layout.sequences_per_rank * efsdp *
+                   layout.dp_replicate)
 
 
 def held_layers(shape: ModelShape, layout: Layout, pp_rank: int) -> list[int]:
@@ -219,7 +230,7 @@ def routing_skew(value: float, shape: ModelShape) -> float:
 def expert_degrees(text: str | None, shape: ModelShape, gpus: int) -> tuple[int, ...] | None:
     """`plan --ep 1,4,8` -> (1, 4, 8), each checked against the experts and the GPU count (None: search all)."""
     from disttrain.errors import UserError
-    from disttrain.experts import expert_problems
+    from disttrain.layout_experts import expert_problems
 
     if text is None:
         return None

@@ -43,11 +43,12 @@ class SearchSpace:
     routing_skew: float = 1.0  # MoE: the busiest expert-parallel rank's load over a balanced one
 
 
-def expert_degrees(shape: ModelShape, dp: int, space: SearchSpace) -> list[int]:
-    """`parallel.ep` values to try: 1 for a dense model, else the divisors of both num_experts and dp."""
+def expert_degrees(shape: ModelShape, dp_shard: int, space: SearchSpace) -> list[int]:
+    """`parallel.ep` values to try: 1 for a dense model, else the divisors of both num_experts and dp_shard (the
+    runtime splits dp_shard into efsdp x ep); the layout rules drop what ep does not compose with."""
     if shape.moe is None:
         return [1]
-    return [d for d in divisors(dp) if shape.moe.num_experts % d == 0 and (space.ep is None or d in space.ep)]
+    return [d for d in divisors(dp_shard) if shape.moe.num_experts % d == 0 and (space.ep is None or d in space.ep)]
 
 
 def layout_families(shape: ModelShape, cluster: Cluster, space: SearchSpace) -> Iterator[Layout]:
@@ -62,9 +63,9 @@ def layout_families(shape: ModelShape, cluster: Cluster, space: SearchSpace) -> 
                 offloads = (False, True) if space.allow_offload and stage >= 2 else (False,)
                 if stage and dp == 1:  # sharding over one rank changes nothing, unless it offloads
                     offloads = tuple(o for o in offloads if o)
-                for dr, schedule, sp, ac, offload, ep in itertools.product(
-                        replicas, schedules, (False, True) if tp > 1 else (False,), space.recompute, offloads,
-                        expert_degrees(shape, dp, space)):
+                degrees = [(dr, ep) for dr in replicas for ep in expert_degrees(shape, dp // dr, space)]
+                for (dr, ep), schedule, sp, ac, offload in itertools.product(
+                        degrees, schedules, (False, True) if tp > 1 else (False,), space.recompute, offloads):
                     layout = Layout(dp_replicate=dr, dp_shard=dp // dr, tp=tp, pp=pp, zero_stage=stage,
                                     micro_batch_size=1, seq_len=space.seq_len,
                                     global_batch_size=space.global_batch_size, pp_schedule=schedule,

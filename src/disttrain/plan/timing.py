@@ -23,9 +23,8 @@ from disttrain.models.registry import ModelShape
 from disttrain import flops as F
 from disttrain.hardware import GPUSpec
 from disttrain.layout import DTYPE_BYTES, Layout
-from disttrain.experts import expert_layout
 from disttrain.plan.memory import layer_params, rank_params
-from disttrain.plan.moe import dispatch_s, expert_excess_flops, routed_params
+from disttrain.plan.moe import dispatch_s, expert_excess_flops, expert_layout, routed_params
 
 DDP_BUCKET_BYTES = 25 * 2 ** 20
 TP_COLLECTIVES_PER_LAYER = 7

@@ -1,0 +1,43 @@
+"""Layout rules of expert parallelism (`parallel.ep`): an MoE model, experts that split evenly over
+data-parallel ranks, and what it composes with. Pure Python; layout.py asks them with the others."""
+
+from __future__ import annotations
+
+from disttrain.models.shape import ModelShape
+from disttrain.problem import Problem
+
+
+def expert_problems(shape: ModelShape | None, layout) -> list[Problem]:  # layout: a layout.Layout
+    """Expert parallelism: an MoE model, experts that split evenly, and what it composes with."""
+    ep, moe = layout.ep, shape.moe if shape is not None else None
+    if ep == 1:
+        return []
+    if shape is not None and moe is None:
+        return [Problem("parallel.ep", ep, "1 for a dense model", f"parallel.ep={ep} on a dense model (no experts "
+                        "to split; allowed: 1, or an MoE model such as model.name=debug-moe)")]
+    if moe is not None and moe.num_experts % ep:
+        return [Problem("parallel.ep", ep, f"a divisor of model.moe.num_experts={moe.num_experts}",
+                        f"parallel.ep={ep} does not divide model.moe.num_experts={moe.num_experts}")]
+    if layout.engine == "deepspeed" or layout.zero_stage == 1 or layout.balanced:
+        what = ("engine=deepspeed" if layout.engine == "deepspeed" else "parallel.zero_stage=1"
+                if layout.zero_stage == 1 else "uneven shares (parallel.balance/balance_weights)")
+        return [Problem("parallel.ep", ep, "1 with " + what, f"parallel.ep={ep} with {what}: experts are split "
+                        "by the torch engine under DDP (zero_stage 0) or FSDP (zero_stage 2, 3) with equal shares "
+                        "(allowed with it: parallel.ep=1)")]
+    if layout.activation_checkpointing == "selective" and layout.zero_stage >= 2:
+        # torch 2.13: the experts' own FSDP unit inside a selectively checkpointed block issues its profiler
+        # ranges more often in the recompute than in the forward, which selective checkpointing refuses.
+        return [Problem("parallel.activation_checkpointing", "selective", "none, full", "parallel.activation_"
+                        f"checkpointing=selective with parallel.ep={ep} and parallel.zero_stage={layout.zero_stage}: "
+                        "the experts' FSDP unit inside the checkpointed block is not recomputed alike (allowed: "
+                        "none, full; or selective with zero_stage=0)")]
+    return []
+
+
+def expert_batch_problems(layout) -> list[Problem]:  # layout: a layout.Layout
+    """Experts are split over `ep` of the dp_shard ranks."""
+    if layout.ep > 1 and layout.dp_shard % layout.ep:
+        return [Problem("parallel.ep", layout.ep, f"a divisor of parallel.dp_shard={layout.dp_shard}",
+                        f"parallel.ep={layout.ep} does not divide the data-parallel degree parallel.dp_shard="
+                        f"{layout.dp_shard} (experts are split over data-parallel ranks)")]
+    return []
