@@ -372,7 +372,7 @@ def cmd_plan_mixed(args) -> None:
         print(json.dumps({"winner": plans[0].as_dict(), "top": [p.as_dict() for p in plans[:args.top]],
                           "fitting": len(plans), "config": str(out) if out else None}, indent=1))
         return
-    header = (f"Model: {name}, {shape.num_params() / 1e9:.2f} B parameters; cluster {args.cluster} ({dtype}); global "
+    header = (f"Model: {name}, {moe.size_text(shape)}; cluster {args.cluster} ({dtype}); global "
               f"batch {space.global_batch_size} x {seq_len} tokens")
     print("\n".join([header, "", *render_plans(plans, args.top), "",
                      f"Wrote {out} (run it with: disttrain train {out})" if out else
