@@ -17,6 +17,7 @@ from disttrain.models.hf.shape import hf_shape
 from disttrain.models.registry import MODEL_SHAPES
 from disttrain.models.shape import ModelShape, MoEShape
 from disttrain.plan.estimate import estimate
+from disttrain.plan.memory import stage_activation_bytes
 from disttrain.plan.moe import ALL_TO_ALLS_PER_LAYER, dispatch_s
 from disttrain.plan.search import SearchSpace, brute_force, search
 from disttrain.plan.timing import Cluster
@@ -292,3 +293,39 @@ def test_plan_writes_the_chosen_expert_parallel_degree(tmp_path, capsys):
     assert written["parallel"].get("ep", 1) == winner["layout"]["ep"] == winner["moe"]["ep"]
     assert winner["moe"]["experts_per_rank"] * winner["layout"]["ep"] == 8
     assert (winner["time"]["ep_comm_s"] > 0) == (winner["layout"]["ep"] > 1)
+
+
+# Two layers of each: debug-moe (shared expert), and leading dense block + top-4 routed experts without shared ones.
+SAVED_TENSOR_SHAPES = {"debug-moe": MODEL_SHAPES["debug-moe"],
+                       "dense-first": replace(MODEL_SHAPES["debug-moe"], n_layers=3, moe=replace(
+                           MODEL_SHAPES["debug-moe"].moe, num_experts_per_tok=4, first_k_dense_replace=1,
+                           n_shared_experts=0, moe_intermediate_size=32))}
+
+
+@pytest.mark.parametrize("name", list(SAVED_TENSOR_SHAPES))
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_moe_activations_match_saved_tensors(name, recompute, monkeypatch):
+    """The planner's MoE block against what autograd keeps for the built-in MoE family on one device (ep = 1):
+    saved-tensor hooks and the selective-checkpoint cache, fp32 and bf16, as for the dense block in
+    tests/test_plan.py."""
+    import torch
+
+    moe_family = pytest.importorskip("disttrain.models.moe")
+    import disttrain.bench.activations as bench
+
+    def build(shape):
+        model = moe_family.moe_spec(shape).build()
+        with torch.no_grad():
+            for p in model.parameters():
+                torch.nn.init.normal_(p, std=0.02)
+        return model
+
+    monkeypatch.setattr(bench, "Transformer", build)
+    shape = SAVED_TENSOR_SHAPES[name]
+    for mb, seq, dtype in ((1, 64, "fp32"), (2, 96, "bf16")):
+        measured = bench.saved_activation_bytes(shape, mb, seq, recompute,
+                                                {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype])
+        layout = Layout(micro_batch_size=mb, global_batch_size=mb, seq_len=seq, activation_checkpointing=recompute,
+                        param_dtype=dtype, compute_dtype=dtype, zero_stage=3)
+        predicted = stage_activation_bytes(shape, layout, 0, fused_norm=False).saved
+        assert predicted == pytest.approx(measured, rel=1e-3), (mb, seq, dtype)

@@ -106,31 +106,36 @@ def received(layout: Layout, skew: float) -> float:
 
 def moe_layer_bytes(shape: ModelShape, layout: Layout, attention, ec: int, skew: float = ROUTING_SKEW):
     """One MoE block's activations: `attention`, the dense block's without its MLP (`activations.
-    layer_activation_bytes` of ffn_hidden_dim 0), plus the MoE layer's own tensors, per micro-batch, for T tokens routed to k experts each:
-    - the router's fp32 scores [T, E], the chosen weights [T, k] and int64 indices [T, k];
-    - the dispatched rows each expert matmul keeps, T·k·skew x dim as received, its w1 and w3 outputs, SiLU's
-      output and the gated product (4 x T·k·skew x width), the expert outputs sent back (T·k x dim) that the
-      weighted combine keeps;
+    layer_activation_bytes` of ffn_hidden_dim 0), plus the MoE layer's own tensors per micro-batch, for T tokens
+    routed to k experts each, as models/moe keeps them (checked against saved-tensor hooks,
+    tests/test_plan_moe.py):
+    - the router's fp32 probabilities [T, E] and its sort's int64 indices [T, E] (the top-k are a view of them);
+      per routed row its int64 position in expert order and its token, and its combine weight (compute dtype);
+      the grouped matmuls' int32 offsets per local expert;
+    - the rows each expert matmul keeps, T·k·skew x dim as received, their w1 and w3 outputs, SiLU's output and
+      the gated product (4 x T·k·skew x width); back on this rank the expert outputs and the weighted outputs
+      the combine keeps (2 x T·k x dim);
     - shared experts as a dense SwiGLU MLP of n_shared x width;
     - transient: the all-to-all's send and receive buffers (T·k + T·k·skew rows of dim) while it runs, and
       their gradients in backward.
-    Selective checkpointing keeps the matmul and all-to-all outputs and recomputes SiLU and the product; full
-    keeps the block input and recomputes all of it."""
+    Selective checkpointing keeps the outputs of mm-family matmuls only (parallel/activation_checkpoint.py):
+    the router's logits and the shared experts' projections; the grouped expert matmuls, the routing and the
+    exchange are recomputed. Full keeps the block input and recomputes all of it."""
     base, micro_batch, seq_len = attention, layout.micro_batch, layout.seq_len
     moe = shape.moe
     t = layout.tp
     tokens = micro_batch * seq_len / (t if layout.sequence_parallel else 1)
-    k, h, width = moe.num_experts_per_tok, shape.dim, moe.moe_intermediate_size
+    k, h, width, e = moe.num_experts_per_tok, shape.dim, moe.moe_intermediate_size, moe.num_experts
     rows = tokens * k * received(layout, skew)
-    shared = moe.n_shared_experts * width / t
-    router = FP32 * tokens * moe.num_experts + (FP32 + INDEX) * tokens * k
+    sb, shared = micro_batch * seq_len, moe.n_shared_experts * width / t
+    routing = (FP32 + INDEX) * tokens * e + (2 * INDEX + ec) * tokens * k + 4 * e / layout.ep  # + int32 offsets
     buffers = ec * (tokens * k + rows) * h
-    full = router + ec * rows * (h + 4 * width) + ec * tokens * k * h + 4 * ec * micro_batch * seq_len * shared
+    full = routing + ec * rows * (h + 4 * width) + 2 * ec * tokens * k * h + 4 * ec * sb * shared
     mode = layout.activation_checkpointing
     if mode == "full":
         return replace(base, transient=base.transient + full + buffers)
-    if mode == "selective":
-        kept = router + ec * rows * (h + 2 * width) + ec * tokens * k * h + 2 * ec * micro_batch * seq_len * shared
+    if mode == "selective":  # the attention part counted two matmul outputs of dim: wo's and the MLP's w2
+        kept = ec * tokens * e + (2 * ec * sb * shared if shared else -ec * sb * h / (t if layout.sequence_parallel else 1))
         return replace(base, saved=base.saved + kept, transient=base.transient + full - kept + buffers)
     return replace(base, saved=base.saved + full, transient=base.transient + buffers)
 
