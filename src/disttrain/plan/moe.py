@@ -163,7 +163,8 @@ def all_to_all_s(n: int, nbytes: float, bandwidth: float, latency: float) -> flo
 
 def dispatch_s(shape: ModelShape, layout: Layout, cluster, skew: float = ROUTING_SKEW) -> float:
     """All-to-all time of one step on the fullest pipeline rank: per MoE layer and micro-batch, dispatch and
-    combine in forward and their gradients in backward (a full recomputation repeats the forward two), each
+    combine in forward and their gradients in backward (recomputation, full or selective, repeats the forward
+    two: the selective policy keeps mm outputs only), each
     moving T·k rows of dim out and T·k·skew in on the busiest rank, over ep x tp consecutive ranks (intra-node
     while they fit one). Exposed: tokens must arrive before the experts run, and nothing else is queued."""
     if shape.moe is None or layout.ep <= 1:
@@ -173,15 +174,15 @@ def dispatch_s(shape: ModelShape, layout: Layout, cluster, skew: float = ROUTING
     tokens = layout.micro_batch * layout.seq_len / (layout.tp if layout.sequence_parallel else 1)
     nbytes = e * tokens * shape.moe.num_experts_per_tok * shape.dim * received(layout, skew)
     bw, lat = cluster.link(layout.ep * layout.tp, "all_to_all")
-    per_layer = ALL_TO_ALLS_PER_LAYER + (2 if layout.activation_checkpointing == "full" else 0)
+    per_layer = ALL_TO_ALLS_PER_LAYER + (2 if layout.activation_checkpointing != "none" else 0)
     return layout.microbatches * n_moe * per_layer * all_to_all_s(layout.ep, nbytes, bw, lat)
 
 
 def routed_flops_per_token(shape: ModelShape, layers: int, recompute: str = "none") -> float:
     """Routed experts' matmul FLOPs per token over `layers` MoE layers: 6 per active expert parameter (8 with
-    full recomputation)."""
+    recomputation: selective recomputes the grouped expert matmuls too)."""
     moe = shape.moe
-    return (8.0 if recompute == "full" else 6.0) * layers * moe.num_experts_per_tok * 3 * shape.dim * \
+    return (8.0 if recompute != "none" else 6.0) * layers * moe.num_experts_per_tok * 3 * shape.dim * \
         moe.moe_intermediate_size
 
 
