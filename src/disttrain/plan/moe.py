@@ -81,7 +81,7 @@ def expert_tensor(shape: ModelShape, ep: int = 1) -> int:
 
 def model_states(model_state_bytes, held, layout: Layout, accounting: str, largest_tensor: float,
                  shape: ModelShape):
-    """Dense parameters' states over the data-parallel group, the experts' over theirs (`experts.expert_layout`),
+    """Dense parameters' states over the data-parallel group, the experts' over theirs (`expert_layout`),
     added field by field. `model_state_bytes` is memory's (passed in: memory imports this module)."""
     kinds = [layer_params(shape, layer, layout.tp, layout.ep) for layer in (0, shape.n_layers - 1)]
     dense_unit, expert_unit = max(total - experts for total, experts in kinds), max(e for _, e in kinds)
