@@ -334,3 +334,23 @@ def test_moe_activations_match_saved_tensors(name, recompute, monkeypatch):
                         param_dtype=dtype, compute_dtype=dtype, zero_stage=3)
         predicted = stage_activation_bytes(shape, layout, 0, fused_norm=False).saved
         assert predicted == pytest.approx(measured, rel=1e-3), (mb, seq, dtype)
+
+
+def test_skew_and_whole_experts_under_tensor_parallel_cost_compute():
+    """The FLOP count spreads a replica's work evenly over its tp ranks; the busiest expert-parallel rank does
+    skew x its share of the routed experts, and tensor-parallel ranks run the experts whole on the same tokens."""
+    shape = MODEL_SHAPES["qwen3-30b-a3b"]
+    h100 = find_gpu("h100")
+    cluster = Cluster(h100, gpus_per_node=8, nodes=1)
+    rate = h100.peak_flops("bf16") * cluster.compute_efficiency
+    routed_per_token = 6 * 48 * 8 * 3 * shape.dim * 768  # the 8 routed experts of every layer, fwd + bwd
+    lay = Layout(dp_shard=8, zero_stage=3, ep=8, seq_len=4096, global_batch_size=16, micro_batch_size=1)
+    tokens = 2 * 4096  # per data-parallel rank and step
+    balanced = estimate(shape, lay, cluster).time.compute_s
+    assert estimate(shape, lay, cluster, routing_skew=2.0).time.compute_s - balanced == pytest.approx(
+        routed_per_token * tokens / rate, rel=1e-9)
+    tp = Layout(dp_shard=4, tp=2, zero_stage=3, ep=4, seq_len=4096, global_batch_size=16, micro_batch_size=1)
+    even_share = F.hardware_flops_per_token(shape, 4096) * 16 * 4096 / 8  # the whole step's FLOPs over 8 ranks
+    tokens = 4 * 4096  # per data-parallel rank, every one of them routed by both tensor-parallel ranks
+    assert estimate(shape, tp, cluster).time.compute_s == pytest.approx(
+        (even_share + routed_per_token * tokens * (1 - 1 / 2)) / rate, rel=1e-9)
