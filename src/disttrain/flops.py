@@ -10,6 +10,8 @@ Conventions (see docs/PLANNING.md):
 - Recomputation is not model FLOPs: it shows in hardware FLOPs (HFU) only.
 - The input embedding is a lookup, not a matmul; the output projection is a matmul (a tied
   embedding counts once, as the output layer).
+- A mixture of experts counts its active parameters: the router, the shared experts and the top-k routed
+  experts a token runs through (`ModelShape.num_params(active=True)`), as DeepSeek-V3 and Qwen3 report them.
 """
 
 from __future__ import annotations
@@ -18,19 +20,25 @@ from disttrain.models.shape import ModelShape
 
 
 def matmul_params(shape: ModelShape) -> int:
-    """N in 6N: parameters that take part in a matmul per token (norm weights included; negligible)."""
+    """N in 6N: parameters that take part in a matmul per token (norm weights included; negligible); of a
+    mixture of experts, the active ones."""
     output = shape.vocab_size * shape.dim if shape.tie_embeddings else 0
-    return shape.num_params(include_embedding=False) + output
+    return shape.num_params(include_embedding=False, active=True) + output
 
 
 def block_params(shape: ModelShape) -> int:
+    if shape.moe is not None or shape.mla is not None:  # the blocks' active parameters
+        return matmul_params(shape) - shape.vocab_size * shape.dim - shape.dim
     kv_dim = shape.n_kv_heads * shape.head_dim
     per_layer = 2 * shape.dim * shape.dim + 2 * shape.dim * kv_dim + 3 * shape.dim * shape.ffn_hidden_dim + 2 * shape.dim
     return shape.n_layers * per_layer
 
 
 def attention_flops_per_token(shape: ModelShape, seq_len: int) -> float:
-    """12·L·H·Q·T: QKᵀ and attention·V, forward and backward, full (unmasked) score matrix."""
+    """12·L·H·Q·T: QKᵀ and attention·V, forward and backward, full (unmasked) score matrix. Multi-head latent
+    attention's scores use the query/key head width and its weighted sum the value width: 6·L·H·(Qk + Qv)·T."""
+    if shape.mla is not None:
+        return 6.0 * shape.n_layers * shape.n_heads * (shape.mla.qk_head_dim + shape.mla.v_head_dim) * seq_len
     return 12.0 * shape.n_layers * shape.n_heads * shape.head_dim * seq_len
 
 
@@ -41,9 +49,15 @@ def model_flops_per_token(shape: ModelShape, seq_len: int) -> float:
 
 def recompute_flops_per_token(shape: ModelShape, seq_len: int, recompute: str) -> float:
     """Matmul FLOPs redone in backward. Full: one more forward of every block. Selective (this
-    framework's policy keeps matmul and attention outputs): none, only element-wise ops."""
+    framework's policy keeps matmul and attention outputs): none, only element-wise ops; but the policy keeps
+    mm-family outputs only, so an MoE layer's grouped expert matmuls run again (one forward of the k routed
+    experts)."""
     if recompute == "full":
         return 2.0 * block_params(shape) + attention_flops_per_token(shape, seq_len) / 3.0
+    if recompute == "selective" and shape.moe is not None:
+        moe = shape.moe
+        return 2.0 * (shape.n_layers - moe.first_k_dense_replace) * moe.num_experts_per_tok * 3 * shape.dim * \
+            moe.moe_intermediate_size
     return 0.0
 
 

@@ -13,11 +13,11 @@ from disttrain.errors import UserError
 from disttrain.hardware import GPUS, find_gpu
 from disttrain.layout import RECOMPUTE, SCHEDULES, VIRTUAL_STAGES, Layout, layout_problems, world_problems
 from disttrain.models.registry import MODEL_SHAPES, ModelShape
-from disttrain.plan import render as report
+from disttrain.plan import moe, render as report
 from disttrain.plan.estimate import estimate, shape_for_params
 from disttrain.plan.memory import ACCOUNTINGS
-from disttrain.plan.search import (SearchSpace, describe, drop_disproved, gpu_memory, memory_budget, parse_count,
-                                   parse_counts, search, why_winner)
+from disttrain.plan.search import (SearchSpace, describe, drop_disproved, global_batch, gpu_memory, memory_budget,
+                                   parse_count, parse_counts, search, why_winner)
 from disttrain.plan.timing import Cluster, single_gpu_tokens_per_s
 
 
@@ -52,6 +52,7 @@ def add_parsers(sub) -> None:
     est.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=None)
     est.add_argument("--tp", type=int, default=None)
     est.add_argument("--pp", type=int, default=None)
+    moe.add_args(est, search=False)
     est.add_argument("--pp-schedule", choices=SCHEDULES, default=None)
     est.add_argument("--microbatches", type=int, default=None, help="pipeline micro-batches per step")
     est.add_argument("--micro-batch-size", type=int, default=None)
@@ -87,6 +88,7 @@ def add_parsers(sub) -> None:
     plan.add_argument("--global-batch-size", type=int, default=None, help="sequences per step instead")
     plan.add_argument("--headroom", type=float, default=0.1, help="fraction of GPU memory kept free")
     plan.add_argument("--zero-stages", default="0,1,2,3", help="comma-separated stages to consider")
+    moe.add_args(plan, search=True)
     plan.add_argument("--allow-offload", action="store_true", help="consider CPU offload (slow; off by default)")
     plan.add_argument("--top", type=int, default=5)
     plan.add_argument("--lora-rank", type=int, default=0, help="LoRA adapters of this rank on a frozen base")
@@ -167,7 +169,7 @@ def build_layout(args) -> tuple[str, ModelShape, Layout]:
         "dp_replicate": args.dp_replicate, "zero_stage": args.zero_stage, "tp": args.tp, "pp": args.pp,
         "pp_schedule": args.pp_schedule, "pp_microbatches": args.microbatches, "seq_len": args.seq_len,
         "activation_checkpointing": args.activation_checkpointing, "sequence_parallel": args.sequence_parallel,
-        "cpu_offload": args.cpu_offload, "param_dtype": args.dtype}.items() if v is not None}
+        "cpu_offload": args.cpu_offload, "param_dtype": args.dtype, "ep": args.ep}.items() if v is not None}
     layout = layout.with_(**changes)
     fixed = layout.dp_replicate * layout.tp * layout.pp
     gpus = args.gpus or (layout.world_size if cfg is not None else fixed)
@@ -192,6 +194,10 @@ def _headroom(args) -> float:
     return args.headroom
 
 
+def _global_batch(args, seq_len: int) -> int:
+    return global_batch(args.global_batch_size, args.global_batch_tokens, seq_len)
+
+
 def _lora_rank(args) -> int:
     """--lora-rank, else the config's model.lora.rank, else 0 (no adapters)."""
     if args.lora_rank is None:
@@ -208,7 +214,8 @@ def cmd_estimate(args) -> None:
     name, shape, layout = build_layout(args)
     headroom = _headroom(args)
     cluster = _cluster(args, layout.world_size, name, shape) if args.time else None
-    est = estimate(shape, layout, cluster, model=name, accounting=args.accounting, lora_rank=_lora_rank(args))
+    est = estimate(shape, layout, cluster, model=name, accounting=args.accounting, lora_rank=moe.no_lora(
+        _lora_rank(args), shape), routing_skew=moe.routing_skew(args.routing_skew, shape))
     gpu_name, memory = gpu_memory(args.gpu, getattr(args, "hardware", None))
     tokens = parse_count("--tokens", args.tokens) if args.tokens else None
     if args.json:
@@ -220,21 +227,12 @@ def cmd_estimate(args) -> None:
             out["time"]["days"] = tokens / est.time.tokens_per_s / 86400
         print(json.dumps(out, indent=1))
         return
-    lines = [f"Model: {name}, {shape.num_params():,} parameters ({shape.num_params() / 1e9:.2f} B)",
+    lines = [f"Model: {name}, {shape.num_params():,} parameters ({moe.size_text(shape, short=True)})",
              report.layout_line(layout), ""] + report.memory_table(est) + \
         [report.fit_line(est, gpu_name, memory, headroom), ""] + report.flops_lines(est)
     if est.time:
         lines += [""] + report.time_lines(est, tokens)
     print("\n".join(lines))
-
-
-def _global_batch(args, seq_len: int) -> int:
-    if args.global_batch_size and args.global_batch_tokens:
-        raise UserError("--global-batch-size and --global-batch-tokens: give one of them")
-    if args.global_batch_size:
-        return args.global_batch_size
-    tokens = parse_count("--global-batch-tokens", args.global_batch_tokens or "4M", binary=True)
-    return max(1, round(tokens / seq_len))
 
 
 def cmd_plan(args) -> None:
@@ -263,13 +261,15 @@ def cmd_plan(args) -> None:
     if args.lora_rank < 0:
         raise UserError(f"--lora-rank={args.lora_rank}: must be > 0 (leave it out for full training)")
     space = SearchSpace(seq_len=seq_len, global_batch_size=gbs, zero_stages=stages,
-                        allow_offload=args.allow_offload, param_dtype=args.dtype or "bf16", lora_rank=args.lora_rank)
+                        allow_offload=args.allow_offload, param_dtype=args.dtype or "bf16",
+                        lora_rank=moe.no_lora(args.lora_rank, shape), ep=moe.expert_degrees(args.ep, shape, args.gpus),
+                        routing_skew=moe.routing_skew(args.routing_skew, shape))
     result = search(shape, cluster, space, args.headroom, model=name)
     tokens = parse_count("--tokens", args.tokens) if args.tokens else None
     if not result.ranked:
         raise UserError(f"no layout of {name} fits {args.gpus} x {cluster.gpu.name} "
                         f"({result.considered} considered; try more GPUs, --allow-offload or a smaller --headroom)")
-    header = (f"Model: {name}, {shape.num_params() / 1e9:.2f} B parameters; {args.gpus} x {cluster.gpu.description} "
+    header = (f"Model: {name}, {moe.size_text(shape)}; {args.gpus} x {cluster.gpu.description} "
               f"({cluster.nodes} node(s) x {cluster.gpus_per_node}); global batch {gbs} x {seq_len} tokens")
     if not args.json:  # the ranking first: dry runs take minutes
         print("\n".join([header, "", *report.plan_table(result.ranked, args.top)]), flush=True)
@@ -372,7 +372,7 @@ def cmd_plan_mixed(args) -> None:
         print(json.dumps({"winner": plans[0].as_dict(), "top": [p.as_dict() for p in plans[:args.top]],
                           "fitting": len(plans), "config": str(out) if out else None}, indent=1))
         return
-    header = (f"Model: {name}, {shape.num_params() / 1e9:.2f} B parameters; cluster {args.cluster} ({dtype}); global "
+    header = (f"Model: {name}, {moe.size_text(shape)}; cluster {args.cluster} ({dtype}); global "
               f"batch {space.global_batch_size} x {seq_len} tokens")
     print("\n".join([header, "", *render_plans(plans, args.top), "",
                      f"Wrote {out} (run it with: disttrain train {out})" if out else

@@ -10,7 +10,7 @@ counted on a GPU by benchmarks/dryrun_vs_real.py --saved-by-device).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from disttrain.layout import DTYPE_BYTES, Layout
 from disttrain.models.shape import ModelShape
@@ -120,7 +120,8 @@ class StageActivations:
         return self.saved + self.transient
 
 
-def stage_activation_bytes(shape: ModelShape, layout: Layout, pp_rank: int, fused_norm: bool = True) -> StageActivations:
+def stage_activation_bytes(shape: ModelShape, layout: Layout, pp_rank: int, fused_norm: bool = True,
+                           routing_skew: float = 1.0) -> StageActivations:
     mb, s = layout.micro_batch, layout.seq_len
     held = rank_params(shape, layout, pp_rank)
     layer = layer_activation_bytes(shape, mb, s, layout, fused_norm)
@@ -130,7 +131,13 @@ def stage_activation_bytes(shape: ModelShape, layout: Layout, pp_rank: int, fuse
     else:  # later stages start their backwards sooner: rank r of 1F1B keeps p - r in flight
         in_flight = max(1.0, first * (layout.pp - pp_rank) / layout.pp)
     ec, er = dtype_bytes(layout)
-    saved = held.layers * layer.saved * in_flight
+    layers_saved = held.layers * layer.saved
+    if shape.moe is not None:  # MoE blocks beside any dense ones, routed as `routing_skew` says
+        from disttrain.plan.moe import stage_layers
+        attention = layer_activation_bytes(replace(shape, ffn_hidden_dim=0, moe=None), mb, s, layout, fused_norm)
+        layers_saved, layer = stage_layers(shape, layout, pp_rank, layer, attention, dtype_bytes(layout)[0],
+                                           routing_skew)
+    saved = layers_saved * in_flight
     logits = 0.0
     if held.embedding:
         saved += TOKEN_ID * mb * s * in_flight

@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 from disttrain.models.registry import MODEL_SHAPES, ModelShape
 from disttrain import flops as F
 from disttrain.layout import Layout
-from disttrain.plan.memory import MemoryEstimate, estimate_memory
+from disttrain.plan.memory import MemoryEstimate, estimate_memory, rank_params
 from disttrain.plan.timing import Cluster, StepTime, step_time
 
 
@@ -19,6 +19,7 @@ class Estimate:
     memory: MemoryEstimate
     time: StepTime | None = None
     accounting: str = "runtime"
+    routing_skew: float = 1.0  # MoE: the busiest expert-parallel rank's share over a balanced one (plan/moe.py)
 
     @property
     def tokens_per_step(self) -> int:
@@ -36,6 +37,7 @@ class Estimate:
         out = {
             "model": self.model,
             "params": self.shape.num_params(),
+            "active_params": self.shape.num_params(active=True),
             "params_per_rank": self.memory.params_per_rank,
             "trainable_params_per_rank": self.memory.trainable_per_rank or self.memory.params_per_rank,
             "accounting": self.accounting,
@@ -49,15 +51,20 @@ class Estimate:
         }
         if self.time is not None:
             out["time"] = self.time.as_dict()
+        if self.shape.moe is not None:
+            from disttrain.plan.moe import summary
+            out["moe"] = summary(self.shape, self.layout, rank_params(self.shape, self.layout).experts, self.routing_skew)
         return out
 
 
 def estimate(shape: ModelShape, layout: Layout, cluster: Cluster | None = None, *, model: str = "custom",
-             accounting: str = "runtime", fused_norm: bool = True, lora_rank: int = 0) -> Estimate:
-    """`lora_rank` > 0: LoRA adapters train on a frozen base (memory only; the step time is the full one's)."""
-    memory = estimate_memory(shape, layout, accounting, fused_norm, lora_rank=lora_rank)
-    timing = step_time(shape, layout, cluster) if cluster is not None else None
-    return Estimate(model, shape, layout, memory, timing, accounting)
+             accounting: str = "runtime", fused_norm: bool = True, lora_rank: int = 0,
+             routing_skew: float = 1.0) -> Estimate:
+    """`lora_rank` > 0: LoRA adapters train on a frozen base (memory only; the step time is the full one's).
+    `routing_skew`: an MoE router's load on the busiest expert-parallel rank, 1 = balanced (plan/moe.py)."""
+    memory = estimate_memory(shape, layout, accounting, fused_norm, lora_rank=lora_rank, routing_skew=routing_skew)
+    timing = step_time(shape, layout, cluster, routing_skew) if cluster is not None else None
+    return Estimate(model, shape, layout, memory, timing, accounting, routing_skew)
 
 
 def shape_for_params(n_params: float) -> tuple[str, ModelShape]:

@@ -20,6 +20,7 @@ from disttrain.layout import DTYPE_BYTES, Layout
 from disttrain.plan.activations import (  # noqa: F401 (re-exported: the planner's memory API)
     StageActivations, korthikanti_in_flight_factor, korthikanti_layer_bytes, layer_activation_bytes,
     stage_activation_bytes)
+from disttrain.plan.moe import model_states as moe_model_states
 from disttrain.plan.params import (RankParams, layer_params, lora_layer_params, rank_params,  # noqa: F401
                                    stage_layers)
 
@@ -200,21 +201,24 @@ def _moments(states: ModelStates, acts: StageActivations, layout: Layout, gather
 
 
 def estimate_memory(shape: ModelShape, layout: Layout, accounting: str = "runtime",
-                    fused_norm: bool = True, pp_rank: int | None = None, lora_rank: int = 0) -> MemoryEstimate:
+                    fused_norm: bool = True, pp_rank: int | None = None, lora_rank: int = 0,
+                    routing_skew: float = 1.0) -> MemoryEstimate:
     """The rank that needs the most memory (over pipeline stages), with every stage's total kept;
     with `pp_rank`, that pipeline rank's. `lora_rank` > 0: LoRA adapters on every projection train and
-    the base (held as the runtime holds it, in fp32) is frozen."""
+    the base (held as the runtime holds it, in fp32) is frozen. `routing_skew`: MoE routing (plan/moe.py)."""
     candidates = []
     ranks = {0, layout.pp - 1} | ({1} if layout.pp > 2 else set()) if pp_rank is None else {pp_rank}
     for pp_rank in sorted(ranks):
         held = rank_params(shape, layout, pp_rank)
-        unit = layer_params(shape, layout.tp)
+        unit = layer_params(shape, layout.tp, layout.ep)
         largest = max(shape.dim * shape.ffn_hidden_dim // layout.tp,  # an MLP matrix, or the vocabulary's
                       shape.vocab_size * shape.dim // layout.tp if held.embedding or held.output else 0)
         adapters = held.layers * lora_layer_params(shape, lora_rank, layout.tp) if lora_rank else None
         states = model_state_bytes(held.total + (adapters or 0), layout, accounting, largest_unit=unit,
                                    root_params=held.root, largest_tensor=largest, trainable=adapters)
-        acts = stage_activation_bytes(shape, layout, pp_rank, fused_norm)
+        if held.experts:  # the experts' states on their own data-parallel group
+            states = moe_model_states(model_state_bytes, held, layout, accounting, largest, shape)
+        acts = stage_activation_bytes(shape, layout, pp_rank, fused_norm, routing_skew)
         e = DTYPE_BYTES[layout.param_dtype]
         pipe = 0.0
         if layout.pp > 1:  # a send and a receive buffer per neighbour direction and virtual stage

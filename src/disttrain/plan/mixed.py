@@ -118,7 +118,8 @@ def _evaluate(shape, layout: Layout, groups, rank_types, per_node, headroom, mod
     mean_micro_batches = layout.global_batch_size / layout.dp / layout.micro_batch_size
     per_mb = {name: (est.time.compute_s + est.time.tp_comm_s) / mean_micro_batches
               for name, (_, est) in by_type.items()}
-    rest = max(est.time.dp_exposed_s + est.time.pp_comm_s + est.time.bubble_s for _, est in by_type.values())
+    rest = max(est.time.dp_exposed_s + est.time.pp_comm_s + est.time.bubble_s + est.time.ep_comm_s
+               for _, est in by_type.values())
     fits = {name: est.memory.total <= gpu.memory_bytes * (1 - headroom) for name, (gpu, est) in by_type.items()}
     least = min(by_type.values(), key=lambda v: v[0].memory_bytes)[1]
     equal_shares = [layout.total_microbatches // layout.dp] * layout.dp

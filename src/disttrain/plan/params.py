@@ -19,13 +19,17 @@ class RankParams:
     output: bool
     block: int  # parameters in those layers
     root: int  # embeddings, output layer, final norm: FSDP's root unit
+    experts: int = 0  # of `block`, the routed experts this rank holds (plan/moe.py: num_experts / ep per layer)
 
     @property
     def total(self) -> int:
         return self.block + self.root
 
 
-def layer_params(shape: ModelShape, tp: int = 1) -> int:
+def layer_params(shape: ModelShape, tp: int = 1, ep: int = 1) -> int:
+    if shape.moe is not None or shape.mla is not None:  # the largest block: a dense leading one or an MoE one
+        from disttrain.plan.moe import largest_layer
+        return largest_layer(shape, tp, ep)
     kv_dim = shape.n_kv_heads * shape.head_dim
     matrices = 2 * shape.dim * shape.dim + 2 * shape.dim * kv_dim + 3 * shape.dim * shape.ffn_hidden_dim
     return matrices // tp + 2 * shape.dim  # the two RMSNorm weights are replicated across tp
@@ -52,6 +56,10 @@ def rank_params(shape: ModelShape, layout: Layout, pp_rank: int = 0) -> RankPara
         if not (shape.tie_embeddings and first):
             root += table
     layers = sum(per_stage)
+    if shape.moe is not None or shape.mla is not None:
+        from disttrain.plan.moe import block_params, held_layers
+        block, experts = block_params(shape, layout, held_layers(shape, layout, pp_rank))
+        return RankParams(layers, first, last, block, root, experts)
     return RankParams(layers, first, last, layers * layer_params(shape, layout.tp), root)
 
 

@@ -29,11 +29,22 @@ def memory_table(est: Estimate) -> list[str]:
     lines.append(_row("peak", m["total"]))
     if m["cpu_offloaded"]:
         lines.append(_row("host memory (CPU offload)", m["cpu_offloaded"]))
+    if est.shape.moe is not None:
+        lines += moe_lines(est)
     if est.layout.pp > 1:
         lines.append("  by pipeline rank: " + ", ".join(
             f"{s['pp_rank']}: {s['total'] / GIB:.2f} GiB ({s['in_flight']:.1f} micro-batches in flight)"
             for s in est.memory.per_stage))
     return lines
+
+
+def moe_lines(est: Estimate) -> list[str]:
+    """Where an MoE model's experts are: per rank, and the group their states are spread over."""
+    m = est.as_dict()["moe"]
+    routing = "balanced routing" if est.routing_skew == 1 else f"routing skew {est.routing_skew:g}"
+    return [f"  experts: {m['experts_per_rank']} of {m['num_experts']} per MoE layer on each rank (ep={m['ep']}, "
+            f"{m['moe_layers']} MoE layers), {m['expert_params_per_rank']:,} expert parameters, their states over "
+            f"{m['expert_data_parallel']} rank(s); {routing}"]
 
 
 def plan_table(ranked: list[Estimate], top: int) -> list[str]:
@@ -48,7 +59,7 @@ def plan_table(ranked: list[Estimate], top: int) -> list[str]:
         states = peak["parameters"] + peak["gradients"] + peak["optimizer"]
         acts = peak["activations"] + peak["temporary"]
         lines.append(f"{i:>2}  {t.tokens_per_s_per_gpu:>12,.0f}  {t.mfu:>6.1%}  {t.step_s:>8.2f} {t.compute_s:>8.2f} "
-                     f"{t.bubble_s:>8.2f} {t.tp_comm_s + t.pp_comm_s + t.dp_exposed_s:>7.2f}  {m.total / GIB:>9.1f} "
+                     f"{t.bubble_s:>8.2f} {t.tp_comm_s + t.pp_comm_s + t.dp_exposed_s + t.ep_comm_s:>7.2f}  {m.total / GIB:>9.1f} "
                      f"{states / GIB:>7.1f} {acts / GIB:>6.1f} {peak['communication'] / GIB:>5.1f}  {describe(e.layout)}")
     return lines
 
@@ -75,7 +86,10 @@ def scaling_lines(rows: list[dict]) -> list[str]:
 
 
 def flops_lines(est: Estimate) -> list[str]:
-    return [f"FLOPs per token: {est.flops_per_token:.4g} model (6N + 12·L·H·Q·T), "
+    moe = est.shape.moe
+    active = [f"  (N counts the {est.shape.num_params(active=True) / 1e9:.3g} B active parameters: router, "
+              f"{'shared and ' if moe.n_shared_experts else ''}top-{moe.num_experts_per_tok} experts)"] if moe else []
+    return active + [f"FLOPs per token: {est.flops_per_token:.4g} model (6N + 12·L·H·Q·T), "
             f"{est.hardware_flops_per_token:.4g} hardware (with recomputation)",
             f"FLOPs per step: {est.flops_per_token * est.tokens_per_step:.4g} "
             f"({est.tokens_per_step:,} tokens per step)"]
@@ -89,6 +103,8 @@ def time_lines(est: Estimate, tokens: float | None = None, baseline_tokens_per_s
              f"  compute {t.compute_s * 1e3:10.1f} ms   pipeline bubble {t.bubble_s * 1e3:8.1f} ms",
              f"  tensor-parallel comm {t.tp_comm_s * 1e3:8.1f} ms   pipeline transfers {t.pp_comm_s * 1e3:8.1f} ms",
              f"  data-parallel comm {t.dp_comm_s * 1e3:8.1f} ms, exposed {t.dp_exposed_s * 1e3:8.1f} ms",
+             *([f"  expert all-to-all {t.ep_comm_s * 1e3:8.1f} ms (ep={est.layout.ep}, routing skew "
+                f"{est.routing_skew:g})"] if est.layout.ep > 1 else []),
              f"  step {t.step_s:.3f} s -> {t.tokens_per_s:,.0f} tokens/s, {t.tokens_per_s_per_gpu:,.0f} per GPU, "
              f"MFU {t.mfu:.1%} (HFU {t.hfu:.1%})"]
     if baseline_tokens_per_s_per_gpu:
@@ -129,6 +145,8 @@ def _config(est: Estimate, model: dict, steps: int) -> dict:
                 "activation_checkpointing": lay.activation_checkpointing, "cpu_offload": lay.cpu_offload}
     if lay.pp > 1:
         parallel.update(pp_schedule=lay.pp_schedule, pp_microbatches=lay.microbatches)
+    if lay.ep > 1:
+        parallel["ep"] = lay.ep
     if lay.balanced:  # a mixed cluster: shares by peak FLOP/s to start, then by measured speed
         parallel.update(balance_weights=list(lay.balance_weights), balance="auto")
     precision = ({"param_dtype": lay.param_dtype, "compute_dtype": lay.param_dtype, "reduce_dtype": lay.reduce_dtype}

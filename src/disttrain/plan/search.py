@@ -39,6 +39,16 @@ class SearchSpace:
     param_dtype: str = "bf16"
     virtual_stages: int = VIRTUAL_STAGES
     lora_rank: int = 0  # > 0: LoRA adapters on a frozen base
+    ep: tuple[int, ...] | None = None  # expert-parallel degrees to try (None: every one that divides; plan/moe.py)
+    routing_skew: float = 1.0  # MoE: the busiest expert-parallel rank's load over a balanced one
+
+
+def expert_degrees(shape: ModelShape, dp_shard: int, space: SearchSpace) -> list[int]:
+    """`parallel.ep` values to try: 1 for a dense model, else the divisors of both num_experts and dp_shard (the
+    runtime splits dp_shard into efsdp x ep); the layout rules drop what ep does not compose with."""
+    if shape.moe is None:
+        return [1]
+    return [d for d in divisors(dp_shard) if shape.moe.num_experts % d == 0 and (space.ep is None or d in space.ep)]
 
 
 def layout_families(shape: ModelShape, cluster: Cluster, space: SearchSpace) -> Iterator[Layout]:
@@ -53,14 +63,15 @@ def layout_families(shape: ModelShape, cluster: Cluster, space: SearchSpace) -> 
                 offloads = (False, True) if space.allow_offload and stage >= 2 else (False,)
                 if stage and dp == 1:  # sharding over one rank changes nothing, unless it offloads
                     offloads = tuple(o for o in offloads if o)
-                for dr, schedule, sp, ac, offload in itertools.product(
-                        replicas, schedules, (False, True) if tp > 1 else (False,), space.recompute, offloads):
+                degrees = [(dr, ep) for dr in replicas for ep in expert_degrees(shape, dp // dr, space)]
+                for (dr, ep), schedule, sp, ac, offload in itertools.product(
+                        degrees, schedules, (False, True) if tp > 1 else (False,), space.recompute, offloads):
                     layout = Layout(dp_replicate=dr, dp_shard=dp // dr, tp=tp, pp=pp, zero_stage=stage,
                                     micro_batch_size=1, seq_len=space.seq_len,
                                     global_batch_size=space.global_batch_size, pp_schedule=schedule,
                                     virtual_stages=space.virtual_stages, sequence_parallel=sp,
                                     activation_checkpointing=ac, param_dtype=space.param_dtype,
-                                    compute_dtype=space.param_dtype, cpu_offload=offload)
+                                    compute_dtype=space.param_dtype, cpu_offload=offload, ep=ep)
                     # Validity that does not depend on the micro-batch size:
                     if any(p.key not in MICRO_BATCH_KEYS for p in layout_problems(shape, layout)):
                         continue
@@ -110,7 +121,8 @@ def search(shape: ModelShape, cluster: Cluster, space: SearchSpace, headroom: fl
             if layout_problems(shape, layout):
                 continue
             considered += 1
-            est = estimate(shape, layout, cluster, model=model, lora_rank=space.lora_rank)
+            est = estimate(shape, layout, cluster, model=model, lora_rank=space.lora_rank,
+                           routing_skew=space.routing_skew)
             if not fits(est, budget):
                 break  # larger micro-batches need more memory still
             ranked.append(est)
@@ -126,7 +138,7 @@ def brute_force(shape: ModelShape, cluster: Cluster, space: SearchSpace, headroo
         for mbs in micro_batch_sizes(family, space):
             layout = family.with_(micro_batch_size=mbs)
             if not layout_problems(shape, layout):
-                est = estimate(shape, layout, cluster, lora_rank=space.lora_rank)
+                est = estimate(shape, layout, cluster, lora_rank=space.lora_rank, routing_skew=space.routing_skew)
                 if fits(est, budget):
                     out.append(est)
     out.sort(key=lambda e: (-e.time.tokens_per_s, e.memory.total))
@@ -162,6 +174,15 @@ def gpu_memory(gpu: str, hardware: str | None = None) -> tuple[str, float]:
     return found.name, found.memory_bytes
 
 
+def global_batch(sequences: int | None, tokens: str | None, seq_len: int) -> int:
+    """Sequences per step from `--global-batch-size` or `--global-batch-tokens` (default 4M tokens)."""
+    if sequences and tokens:
+        raise UserError("--global-batch-size and --global-batch-tokens: give one of them")
+    if sequences:
+        return sequences
+    return max(1, round(parse_count("--global-batch-tokens", tokens or "4M", binary=True) / seq_len))
+
+
 def parse_counts(text: str | None) -> list[int]:
     """`--scaling 2,4,8` -> [2, 4, 8]."""
     if not text:
@@ -182,6 +203,8 @@ def describe(layout: Layout) -> str:
     parts.append(f"dp_shard={layout.dp_shard}" if layout.zero_stage >= 2 else f"dp={layout.dp}")
     if layout.tp > 1:
         parts.append(f"tp={layout.tp}" + ("+sp" if layout.sequence_parallel else ""))
+    if layout.ep > 1:
+        parts.append(f"ep={layout.ep}")
     if layout.pp > 1:
         parts.append(f"pp={layout.pp} {layout.pp_schedule} m={layout.microbatches}")
     parts.append(f"zero={layout.zero_stage}")
@@ -212,6 +235,7 @@ def why_winner(result: SearchResult) -> list[str]:
                  "tensor-parallel communication": ot.tp_comm_s - wt.tp_comm_s,
                  "pipeline bubble": ot.bubble_s - wt.bubble_s,
                  "pipeline transfers": ot.pp_comm_s - wt.pp_comm_s,
+                 "expert all-to-all": ot.ep_comm_s - wt.ep_comm_s,
                  "compute (recomputation, efficiency)": ot.compute_s - wt.compute_s}
         cause, delta = max(diffs.items(), key=lambda kv: kv[1])
         gain = wt.tokens_per_s / ot.tokens_per_s - 1

@@ -24,6 +24,7 @@ from disttrain import flops as F
 from disttrain.hardware import GPUSpec
 from disttrain.layout import DTYPE_BYTES, Layout
 from disttrain.plan.memory import layer_params, rank_params
+from disttrain.plan.moe import dispatch_s, expert_excess_flops, expert_layout, routed_params
 
 DDP_BUCKET_BYTES = 25 * 2 ** 20
 TP_COLLECTIVES_PER_LAYER = 7
@@ -131,12 +132,13 @@ class StepTime:
     mfu: float
     hfu: float
     optimizer_s: float = 0.0  # measured profiles only: the GPU table folds it into compute
+    ep_comm_s: float = 0.0  # expert parallel: the all-to-all dispatch and combine (plan/moe.py), exposed
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
 
 
-def step_time(shape: ModelShape, layout: Layout, cluster: Cluster) -> StepTime:
+def step_time(shape: ModelShape, layout: Layout, cluster: Cluster, routing_skew: float = 1.0) -> StepTime:
     gpu = cluster.gpu
     dtype = layout.param_dtype if layout.param_dtype != "fp32" else "tf32"
     peak = gpu.peak_flops(dtype)
@@ -150,6 +152,11 @@ def step_time(shape: ModelShape, layout: Layout, cluster: Cluster) -> StepTime:
     if cluster.elementwise_bytes_per_s is not None:
         compute, optimizer, idle_share = measured_compute(shape, layout, cluster,
                                                           cluster.matmul_rate(layout.tp, dtype, peak))
+    if shape.moe is not None:  # experts run whole on tensor-parallel ranks; a skewed router loads one rank more
+        rate = cluster.matmul_rate(layout.tp, dtype, peak) if cluster.elementwise_bytes_per_s is not None else \
+            peak * cluster.compute_efficiency
+        compute += expert_excess_flops(shape, layout, routing_skew) / rate
+    ep_comm = dispatch_s(shape, layout, cluster, routing_skew)
     per_mb = compute / m  # one micro-batch through this rank's stage(s): forward + backward
     recompute_share = F.recompute_flops_per_token(shape, s, layout.activation_checkpointing) / hw_per_token
     fwd = per_mb * (1 - recompute_share) / 3
@@ -183,39 +190,50 @@ def step_time(shape: ModelShape, layout: Layout, cluster: Cluster) -> StepTime:
         pp_comm = 2 * m * layout.stages_per_rank * p2p_s(e * mb * s * shape.dim / (layout.tp if layout.sequence_parallel else 1), bw, lat)
 
     n_params = held.total
-    unit = layer_params(shape, layout.tp)
+    unit = layer_params(shape, layout.tp, layout.ep)
+    # (data-parallel layout, parameters, largest unit) per group that reduces together: the dense parameters
+    # over dp; an MoE model's routed experts over the dp / ep ranks holding the same experts (plan/moe.py).
+    groups = [(layout, n_params, unit)]
+    if held.experts:
+        expert_unit = routed_params(shape) // layout.ep
+        groups = [(layout, n_params - held.experts, unit - expert_unit),
+                  (expert_layout(layout), held.experts, expert_unit)]
     rb = DTYPE_BYTES[layout.reduce_dtype]
     dp_comm, dp_exposed = 0.0, 0.0
     if layout.dp > 1:
         if layout.zero_stage <= 1:
             bw, lat = cluster.link(layout.dp * layout.tp)
-            ar = all_reduce_s(layout.dp, rb * n_params, bw, lat)
+            ar = sum(all_reduce_s(g.dp, rb * n, bw, lat) for g, n, _ in groups)
             dp_comm = ar
-            last_bucket = all_reduce_s(layout.dp, min(DDP_BUCKET_BYTES, rb * n_params), bw, lat)
+            last_bucket = all_reduce_s(layout.dp, min(DDP_BUCKET_BYTES, rb * groups[0][1]), bw, lat)
             dp_exposed = exposed(ar, bwd, cluster.overlap_efficiency, last_bucket)
             if layout.zero_stage == 1:  # updated parameters broadcast from their owners after the step
-                ag = all_gather_s(layout.dp, 4 * n_params, *cluster.link(layout.dp * layout.tp, "all_gather"))
+                link = cluster.link(layout.dp * layout.tp, "all_gather")
+                ag = sum(all_gather_s(g.dp, 4 * n, *link) for g, n, _ in groups)
                 dp_comm += ag
                 dp_exposed += ag
         else:
-            ds, dr = layout.dp_shard, layout.dp_replicate
+            ds = layout.dp_shard
             bw, lat = cluster.link(ds * layout.tp, "all_gather")
             rbw_s, rlat_s = cluster.link(ds * layout.tp, "reduce_scatter")
             gathers = 2 if layout.reshard_after_forward else 1  # stage 3 gathers again for backward
             # uneven shares keep parameters gathered across a rank's micro-batches: one gather per step
             rounds = 1 if layout.balanced else m
-            ag = all_gather_s(ds, e * n_params, bw, lat)
-            first_unit = all_gather_s(ds, e * unit, bw, lat)
-            rs = reduce_scatter_s(ds, rb * n_params, rbw_s, rlat_s)
-            last_unit = reduce_scatter_s(ds, rb * unit, rbw_s, rlat_s)
+            ag = sum(all_gather_s(g.dp_shard, e * n, bw, lat) for g, n, _ in groups)
+            first_unit = sum(all_gather_s(g.dp_shard, e * u, bw, lat) for g, _, u in groups)
+            rs = sum(reduce_scatter_s(g.dp_shard, rb * n, rbw_s, rlat_s) for g, n, _ in groups)
+            last_unit = sum(reduce_scatter_s(g.dp_shard, rb * u, rbw_s, rlat_s) for g, _, u in groups)
             if cluster.fsdp_gather_s_per_byte is not None and ds > 1:
-                # measured round trips, scaled by the share of bytes a ring moves at ds ranks
-                f = (ds - 1) / ds / ((cluster.fsdp_ranks - 1) / cluster.fsdp_ranks)
-                ag, first_unit = (f * cluster.fsdp_gather_s_per_byte * e * p for p in (n_params, unit))
-                rs, last_unit = (f * cluster.fsdp_reduce_s_per_byte * rb * p for p in (n_params, unit))
-            if dr > 1:
-                rbw, rlat = cluster.link(dr * ds * layout.tp)
-                rs += all_reduce_s(dr, rb * n_params / ds, rbw, rlat)
+                # measured round trips, scaled by the share of bytes a ring moves at each group's size
+                def f(g):
+                    return (g.dp_shard - 1) / g.dp_shard / ((cluster.fsdp_ranks - 1) / cluster.fsdp_ranks)
+                ag, first_unit = (sum(f(g) * cluster.fsdp_gather_s_per_byte * e * p[i] for g, *p in groups)
+                                  for i in (0, 1))
+                rs, last_unit = (sum(f(g) * cluster.fsdp_reduce_s_per_byte * rb * p[i] for g, *p in groups)
+                                 for i in (0, 1))
+            if layout.dp_replicate > 1 or len(groups) > 1:
+                rbw, rlat = cluster.link(layout.dp * layout.tp)
+                rs += sum(all_reduce_s(g.dp_replicate, rb * n / g.dp_shard, rbw, rlat) for g, n, _ in groups)
             dp_comm = rounds * gathers * ag + rs
             oe = cluster.overlap_efficiency
             exposed_fwd = exposed(ag, fwd, oe, first_unit)
@@ -224,11 +242,11 @@ def step_time(shape: ModelShape, layout: Layout, cluster: Cluster) -> StepTime:
     if layout.cpu_offload:  # parameter shards up every micro-batch, gradient shards down, over PCIe
         dp_exposed += (m * e + 4) * n_params / layout.dp_shard / PCIE_BYTES_PER_S
 
-    step = compute + bubble + tp_comm + pp_comm + dp_exposed + optimizer
+    step = compute + bubble + tp_comm + pp_comm + dp_exposed + optimizer + ep_comm
     tps = tokens / step
     per_gpu = tps / world
     return StepTime(compute, bubble, tp_comm, pp_comm, dp_comm, dp_exposed, step, tps, per_gpu,
-                    F.mfu(model_per_token, per_gpu, peak), F.mfu(hw_per_token, per_gpu, peak), optimizer)
+                    F.mfu(model_per_token, per_gpu, peak), F.mfu(hw_per_token, per_gpu, peak), optimizer, ep_comm)
 
 
 # Elements each token reads or writes per layer outside matmuls and attention, forward + backward,

@@ -7,10 +7,14 @@ import json
 from pathlib import Path
 
 from disttrain.errors import UserError
-from disttrain.models.shape import ModelShape, MoEShape
+from disttrain.models.shape import MLAShape, ModelShape, MoEShape
 
 # Decoder-only families whose config.json maps onto ModelShape (SwiGLU MLP, RMSNorm, rotary, GQA).
 DECODER_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3")
+# Mixture-of-experts families: their MoE keys map onto MoEShape (the planner counts them; parameters ModelShape
+# leaves out are listed in docs/PLANNING.md: Qwen3/OLMoE q/k norms, Qwen2-MoE's shared-expert gate, gpt-oss's biases
+# and attention sinks).
+MOE_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "gpt_oss")
 
 
 def read_config(directory: str) -> dict:
@@ -53,6 +57,9 @@ def hf_shape(directory: str) -> ModelShape:
     try:
         dim, heads = int(_get(c, "hidden_size")), int(_get(c, "num_attention_heads"))
         rope = c.get("rope_parameters") or {}
+        mla = _mla(c)
+        if mla is not None:  # every head has its own key and value: n_kv_heads = n_heads
+            c = {**c, "num_key_value_heads": heads, "head_dim": mla.qk_head_dim}
         return ModelShape(
             dim=dim, n_layers=int(_get(c, "num_hidden_layers")), n_heads=heads,
             n_kv_heads=int(c.get("num_key_value_heads") or heads), vocab_size=int(c["vocab_size"]),
@@ -61,23 +68,50 @@ def hf_shape(directory: str) -> ModelShape:
             tie_embeddings=bool(c.get("tie_word_embeddings", False)),
             norm_eps=float(c.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))),
-            qkv_bias=c["model_type"] == "qwen2" or bool(c.get("attention_bias", False)),
+            qkv_bias=c["model_type"] == "qwen2" or bool(c.get("qkv_bias", c.get("attention_bias", False))),
             head_size=int(c.get("head_dim") or 0) if int(c.get("head_dim") or 0) != dim // heads else 0,
-            moe=moe_shape(c))
+            moe=_moe(c, directory), mla=mla)
     except KeyError as exc:
         raise UserError(f"model.hf={directory}: config.json lacks {exc.args[0]} (a causal LM's config has "
                         "hidden_size, num_hidden_layers, num_attention_heads and vocab_size)") from None
 
 
-def moe_shape(c: dict) -> MoEShape | None:
-    """The experts of a transformers MoE config (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, DeepSeek-V3 names);
-    None for a dense one. A shared expert of another width (Qwen2-MoE) counts as that many expert widths."""
-    experts = c.get("num_experts") or c.get("num_local_experts") or c.get("n_routed_experts")
+def _moe(c: dict, directory: str) -> MoEShape | None:
+    """transformers' MoE keys as MoEShape: the routed experts are `num_experts` (Qwen, OLMoE), `n_routed_experts`
+    (DeepSeek) or `num_local_experts` (Mixtral, gpt-oss); each expert's width is `moe_intermediate_size`, or
+    `intermediate_size` where a family has no dense MLP beside its experts (Mixtral, OLMoE, gpt-oss)."""
+    experts = c.get("num_experts") or c.get("n_routed_experts") or c.get("num_local_experts")
     if not experts:
         return None
     width = int(c.get("moe_intermediate_size") or c["intermediate_size"])
-    shared = c.get("n_shared_experts") or round((c.get("shared_expert_intermediate_size") or 0) / width)
-    return MoEShape(num_experts=int(experts), num_experts_per_tok=int(c["num_experts_per_tok"]),
-                    moe_intermediate_size=width, n_shared_experts=int(shared),
-                    first_k_dense_replace=int(c.get("first_k_dense_replace") or 0),
-                    scoring_func=c.get("scoring_func") or "softmax")
+    shared = int(c.get("n_shared_experts") or 0)
+    shared_width = int(c.get("shared_expert_intermediate_size") or 0)  # Qwen2-MoE: one shared expert this wide
+    if shared_width:
+        if shared_width % width:
+            raise UserError(f"model.hf={directory}: shared_expert_intermediate_size={shared_width} is not a multiple "
+                            f"of moe_intermediate_size={width} (allowed: shared experts as wide as k routed ones)")
+        shared = shared_width // width
+    dense = c.get("first_k_dense_replace") or 0
+    only = sorted(c.get("mlp_only_layers") or [])
+    if only:
+        if only != list(range(len(only))) or dense:
+            raise UserError(f"model.hf={directory}: mlp_only_layers={only} (allowed: the leading layers 0..k-1, "
+                            "which become first_k_dense_replace)")
+        dense = len(only)
+    if int(c.get("decoder_sparse_step") or 1) != 1:
+        raise UserError(f"model.hf={directory}: decoder_sparse_step={c['decoder_sparse_step']} (allowed: 1; MoE "
+                        "blocks after first_k_dense_replace leading dense ones, not interleaved)")
+    scoring = c.get("scoring_func") or ("sigmoid" if c["model_type"].startswith("deepseek_v3") else "softmax")
+    top_k = int(c.get("num_experts_per_tok") or 0)
+    if not 0 < top_k <= int(experts):
+        raise UserError(f"model.hf={directory}: num_experts_per_tok={top_k} (allowed: 1 to the {experts} experts)")
+    return MoEShape(num_experts=int(experts), num_experts_per_tok=top_k, moe_intermediate_size=width,
+                    n_shared_experts=shared, first_k_dense_replace=int(dense), scoring_func=scoring)
+
+
+def _mla(c: dict) -> MLAShape | None:
+    if not c.get("kv_lora_rank"):
+        return None
+    return MLAShape(kv_lora_rank=int(c["kv_lora_rank"]), q_lora_rank=int(c.get("q_lora_rank") or 0),
+                    qk_nope_head_dim=int(c["qk_nope_head_dim"]), qk_rope_head_dim=int(c["qk_rope_head_dim"]),
+                    v_head_dim=int(c["v_head_dim"]))

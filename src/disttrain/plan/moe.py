@@ -1,0 +1,275 @@
+"""The planner's mixture-of-experts terms: expert shards per rank, their model states on the experts' own
+data-parallel group, the dispatch buffers a layer holds, and the all-to-all time of token dispatch.
+
+Routing is data-dependent; the planner assumes it: `routing_skew` = 1 is balanced routing (every expert gets
+tokens x top-k / num_experts), and a skew s > 1 sends the busiest expert-parallel rank s times its balanced
+share (at most all ep ranks' tokens), which sizes its receive buffers, its expert matmuls and the all-to-all it
+waits for. Tensor-parallel ranks keep the experts whole (dense layers split, experts not) and route the same
+tokens (their sequence shard with sequence parallelism).
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields, replace
+
+from disttrain.layout import DTYPE_BYTES, Layout
+from disttrain.models.shape import ModelShape
+from disttrain.splits import split_layers
+
+FP32, INDEX = 4, 8
+ALL_TO_ALLS_PER_LAYER = 4  # dispatch and combine in forward, their gradients in backward
+ROUTING_SKEW = 1.0  # balanced
+
+
+def expert_layout(layout: Layout) -> Layout:
+    """The layout the experts' states follow (the runtime's expert mesh, distributed/mesh.py: dp_shard split
+    into efsdp x ep, ep innermost): the dp_shard / ep ranks holding the same experts shard them under ZeRO and
+    dp_replicate replicates them; under DDP the dp / ep ranks holding the same experts replicate them. The same
+    sequences per rank, so the same micro-batches: the group is smaller, not the work."""
+    if layout.ep <= 1:
+        return layout
+    efsdp = layout.dp_shard // layout.ep
+    return replace(layout, dp_shard=efsdp, ep=1, global_batch_size=layout.sequences_per_rank * efsdp *
+                   layout.dp_replicate)
+
+
+def held_layers(shape: ModelShape, layout: Layout, pp_rank: int) -> list[int]:
+    """Indices of the layers pipeline rank `pp_rank` holds (its virtual stages, as `params.stage_layers`)."""
+    counts = split_layers(shape.n_layers, layout.n_stages)
+    starts = [sum(counts[:i]) for i in range(len(counts))]
+    return [layer for stage in range(pp_rank, layout.n_stages, layout.pp)
+            for layer in range(starts[stage], starts[stage] + counts[stage])]
+
+
+def moe_layers(shape: ModelShape, layers: list[int]) -> int:
+    return sum(1 for layer in layers if shape.moe is not None and shape.moe.is_moe_layer(layer))
+
+
+def routed_params(shape: ModelShape) -> int:
+    """One layer's routed experts, all of them: num_experts SwiGLU experts of moe_intermediate_size."""
+    return shape.moe.num_experts * 3 * shape.dim * shape.moe.moe_intermediate_size
+
+
+def layer_params(shape: ModelShape, layer: int, tp: int = 1, ep: int = 1) -> tuple[int, int]:
+    """(parameters, of which routed experts) one rank holds of `layer`: attention and dense MLP split tp ways,
+    the router whole, the shared experts split like a dense MLP, the routed experts num_experts / ep, whole."""
+    attention = shape.attention_params() // tp + 2 * shape.dim  # the two RMSNorm weights are replicated
+    moe = shape.moe
+    if moe is None or not moe.is_moe_layer(layer):
+        return attention + 3 * shape.dim * shape.ffn_hidden_dim // tp, 0
+    experts = routed_params(shape) // ep
+    shared = moe.n_shared_experts * 3 * shape.dim * moe.moe_intermediate_size // tp
+    return attention + shape.dim * moe.num_experts + shared + experts, experts
+
+
+def block_params(shape: ModelShape, layout: Layout, layers: list[int]) -> tuple[int, int]:
+    """(parameters, of which routed experts) of these layers on one rank."""
+    held = [layer_params(shape, layer, layout.tp, layout.ep) for layer in layers]
+    return sum(h[0] for h in held), sum(h[1] for h in held)
+
+
+def largest_layer(shape: ModelShape, tp: int = 1, ep: int = 1) -> int:
+    """The largest block one rank holds (FSDP's largest unit): a dense leading block or an MoE one."""
+    kinds = {0, shape.n_layers - 1}  # the first is dense when first_k_dense_replace > 0, the last is MoE
+    return max(layer_params(shape, layer, tp, ep)[0] for layer in kinds)
+
+
+def expert_tensor(shape: ModelShape, ep: int = 1) -> int:
+    """The largest expert tensor: the fused gate/up projection [num_experts / ep, 2 x width, dim]."""
+    return shape.moe.num_experts // ep * 2 * shape.moe.moe_intermediate_size * shape.dim if shape.moe else 0
+
+
+def model_states(model_state_bytes, held, layout: Layout, accounting: str, largest_tensor: float,
+                 shape: ModelShape):
+    """Dense parameters' states over the data-parallel group, the experts' over theirs (`expert_layout`),
+    added field by field. `model_state_bytes` is memory's (passed in: memory imports this module)."""
+    kinds = [layer_params(shape, layer, layout.tp, layout.ep) for layer in (0, shape.n_layers - 1)]
+    dense_unit, expert_unit = max(total - experts for total, experts in kinds), max(e for _, e in kinds)
+    dense = model_state_bytes(held.total - held.experts, layout, accounting, largest_unit=dense_unit,
+                              root_params=held.root, largest_tensor=largest_tensor)
+    if not held.experts:
+        return dense
+    routed = model_state_bytes(held.experts, expert_layout(layout), accounting, largest_unit=expert_unit,
+                               root_params=0, largest_tensor=expert_tensor(shape, layout.ep))
+    for f in fields(dense):
+        setattr(dense, f.name, getattr(dense, f.name) + getattr(routed, f.name))
+    return dense
+
+
+# ---------------------------------------------------------------- activations
+
+
+def received(layout: Layout, skew: float) -> float:
+    """Rows the busiest expert-parallel rank receives per routed row it sends: 1 when balanced, at most ep."""
+    return min(max(skew, 1.0), float(layout.ep))
+
+
+def moe_layer_bytes(shape: ModelShape, layout: Layout, attention, ec: int, skew: float = ROUTING_SKEW):
+    """One MoE block's activations: `attention`, the dense block's without its MLP (`activations.
+    layer_activation_bytes` of ffn_hidden_dim 0), plus the MoE layer's own tensors per micro-batch, for T tokens
+    routed to k experts each, as models/moe keeps them (checked against saved-tensor hooks,
+    tests/test_plan_moe.py):
+    - the router's fp32 probabilities [T, E] and its sort's int64 indices [T, E] (the top-k are a view of them);
+      per routed row its int64 position in expert order and its token, and its combine weight (compute dtype);
+      the grouped matmuls' int32 offsets per local expert;
+    - the rows each expert matmul keeps, T·k·skew x dim as received, their w1 and w3 outputs, SiLU's output and
+      the gated product (4 x T·k·skew x width); back on this rank the expert outputs and the weighted outputs
+      the combine keeps (2 x T·k x dim);
+    - shared experts as a dense SwiGLU MLP of n_shared x width;
+    - transient: the all-to-all's send and receive buffers (T·k + T·k·skew rows of dim) while it runs, and
+      their gradients in backward.
+    Selective checkpointing keeps the outputs of mm-family matmuls only (parallel/activation_checkpoint.py):
+    the router's logits and the shared experts' projections; the grouped expert matmuls, the routing and the
+    exchange are recomputed. Full keeps the block input and recomputes all of it."""
+    base, micro_batch, seq_len = attention, layout.micro_batch, layout.seq_len
+    moe = shape.moe
+    t = layout.tp
+    tokens = micro_batch * seq_len / (t if layout.sequence_parallel else 1)
+    k, h, width, e = moe.num_experts_per_tok, shape.dim, moe.moe_intermediate_size, moe.num_experts
+    rows = tokens * k * received(layout, skew)
+    sb, shared = micro_batch * seq_len, moe.n_shared_experts * width / t
+    routing = (FP32 + INDEX) * tokens * e + (2 * INDEX + ec) * tokens * k + 4 * e / layout.ep  # + int32 offsets
+    buffers = ec * (tokens * k + rows) * h
+    full = routing + ec * rows * (h + 4 * width) + 2 * ec * tokens * k * h + 4 * ec * sb * shared
+    mode = layout.activation_checkpointing
+    if mode == "full":
+        return replace(base, transient=base.transient + full + buffers)
+    if mode == "selective":  # the attention part counted two matmul outputs of dim: wo's and the MLP's w2
+        kept = ec * tokens * e + (2 * ec * sb * shared if shared else -ec * sb * h / (t if layout.sequence_parallel else 1))
+        return replace(base, saved=base.saved + kept, transient=base.transient + full - kept + buffers)
+    return replace(base, saved=base.saved + full, transient=base.transient + buffers)
+
+
+def stage_layers(shape: ModelShape, layout: Layout, pp_rank: int, dense, attention, ec: int,
+                 skew: float = ROUTING_SKEW):
+    """(saved bytes of every layer this rank holds, the fullest layer) for one micro-batch; `dense` is a dense
+    block's LayerActivations, `attention` the same without its MLP, `ec` the compute dtype's bytes."""
+    layers = held_layers(shape, layout, pp_rank)
+    n_moe = moe_layers(shape, layers)
+    moe = moe_layer_bytes(shape, layout, attention, ec, skew)
+    saved = (len(layers) - n_moe) * dense.saved + n_moe * moe.saved
+    kinds = ([dense] if len(layers) > n_moe else []) + ([moe] if n_moe else [])
+    return saved, max(kinds or [dense], key=lambda layer: layer.transient)
+
+
+# ---------------------------------------------------------------- time
+
+
+def all_to_all_s(n: int, nbytes: float, bandwidth: float, latency: float) -> float:
+    """Pairwise exchange: each of n ranks sends and receives `nbytes` in n − 1 steps, 1/n of it staying
+    local: (n−1)·α + (n−1)/n · M/B (NCCL's all-to-all bus bandwidth convention)."""
+    return 0.0 if n <= 1 else (n - 1) * latency + (n - 1) / n * nbytes / bandwidth
+
+
+def dispatch_s(shape: ModelShape, layout: Layout, cluster, skew: float = ROUTING_SKEW) -> float:
+    """All-to-all time of one step on the fullest pipeline rank: per MoE layer and micro-batch, dispatch and
+    combine in forward and their gradients in backward (recomputation, full or selective, repeats the forward
+    two: the selective policy keeps mm outputs only), each
+    moving T·k rows of dim out and T·k·skew in on the busiest rank, over ep x tp consecutive ranks (intra-node
+    while they fit one). Exposed: tokens must arrive before the experts run, and nothing else is queued."""
+    if shape.moe is None or layout.ep <= 1:
+        return 0.0
+    n_moe = max(moe_layers(shape, held_layers(shape, layout, r)) for r in range(layout.pp))
+    e = DTYPE_BYTES[layout.param_dtype]
+    tokens = layout.micro_batch * layout.seq_len / (layout.tp if layout.sequence_parallel else 1)
+    nbytes = e * tokens * shape.moe.num_experts_per_tok * shape.dim * received(layout, skew)
+    bw, lat = cluster.link(layout.ep * layout.tp, "all_to_all")
+    per_layer = ALL_TO_ALLS_PER_LAYER + (2 if layout.activation_checkpointing != "none" else 0)
+    return layout.microbatches * n_moe * per_layer * all_to_all_s(layout.ep, nbytes, bw, lat)
+
+
+def routed_flops_per_token(shape: ModelShape, layers: int, recompute: str = "none") -> float:
+    """Routed experts' matmul FLOPs per token over `layers` MoE layers: 6 per active expert parameter (8 with
+    recomputation: selective recomputes the grouped expert matmuls too)."""
+    moe = shape.moe
+    return (8.0 if recompute != "none" else 6.0) * layers * moe.num_experts_per_tok * 3 * shape.dim * \
+        moe.moe_intermediate_size
+
+
+def expert_excess_flops(shape: ModelShape, layout: Layout, skew: float = ROUTING_SKEW) -> float:
+    """Routed-expert FLOPs per step the busiest rank does beyond its 1/(tp·pp) share of its replica's work (what
+    the FLOP count divides over every rank): tensor-parallel ranks each run the experts whole on the same
+    tokens, and a skewed router gives the busiest expert-parallel rank skew x its share."""
+    if shape.moe is None:
+        return 0.0
+    n_moe = max(moe_layers(shape, held_layers(shape, layout, r)) for r in range(layout.pp))
+    tokens = layout.sequences_per_rank * layout.seq_len / (layout.tp if layout.sequence_parallel else 1)
+    per_token = routed_flops_per_token(shape, n_moe, layout.activation_checkpointing)
+    share = per_token * layout.sequences_per_rank * layout.seq_len / layout.tp
+    return max(0.0, per_token * tokens * received(layout, skew) - share)
+
+
+def summary(shape: ModelShape, layout: Layout, held_experts: int, skew: float) -> dict:
+    """What `estimate --json` reports of an MoE model."""
+    moe = shape.moe
+    return {"num_experts": moe.num_experts, "experts_per_rank": moe.num_experts // layout.ep, "ep": layout.ep,
+            "expert_params_per_rank": held_experts, "expert_data_parallel": expert_layout(layout).dp,
+            "active_params": shape.num_params(active=True), "routing_skew": skew,
+            "moe_layers": moe_layers(shape, list(range(shape.n_layers)))}
+
+
+# ---------------------------------------------------------------- command line (`disttrain estimate` / `plan`)
+
+
+def add_args(parser, search: bool) -> None:
+    """--ep (one degree for `estimate`, the degrees to try for `plan`) and --routing-skew."""
+    if search:
+        parser.add_argument("--ep", default=None, help="MoE: expert-parallel degrees to consider, e.g. 8 or 1,4,8 "
+                            "(default: every divisor of the expert count and the data-parallel size)")
+    else:
+        parser.add_argument("--ep", type=int, default=None, help="expert-parallel degree of an MoE model (default: "
+                            "the config's parallel.ep, else 1)")
+    parser.add_argument("--routing-skew", type=float, default=1.0, help="MoE: tokens the busiest expert-parallel "
+                        "rank receives over a balanced share (1: balanced routing)")
+
+
+def routing_skew(value: float, shape: ModelShape) -> float:
+    from disttrain.errors import UserError
+
+    if not value >= 1:
+        raise UserError(f"--routing-skew={value}: must be at least 1 (1: balanced routing)")
+    if value != 1 and shape.moe is None:
+        raise UserError(f"--routing-skew={value} needs a mixture-of-experts model (allowed: 1)")
+    return value
+
+
+def expert_degrees(text: str | None, shape: ModelShape, gpus: int) -> tuple[int, ...] | None:
+    """`plan --ep 1,4,8` -> (1, 4, 8), each checked against the experts and the GPU count (None: search all)."""
+    from disttrain.errors import UserError
+    from disttrain.layout_experts import expert_problems
+
+    if text is None:
+        return None
+    try:
+        degrees = tuple(sorted({int(x) for x in str(text).split(",")}))
+    except ValueError:
+        raise UserError(f"--ep={text}: expected comma-separated expert-parallel degrees like 1,4,8") from None
+    for ep in degrees:
+        problems = expert_problems(shape, Layout(dp_shard=ep, ep=ep))
+        if problems:
+            raise UserError(str(problems[0]).replace("parallel.ep=", "--ep="))
+        if gpus % ep:
+            raise UserError(f"--ep={ep} does not divide --gpus={gpus} (expert-parallel ranks are data-parallel ones)")
+    return degrees
+
+
+def no_lora(lora_rank: int, shape: ModelShape) -> int:
+    from disttrain.errors import UserError
+
+    if lora_rank and shape.moe is not None:
+        raise UserError(f"--lora-rank={lora_rank}: LoRA on a mixture-of-experts model is not planned yet (allowed: "
+                        "full training)")
+    return lora_rank
+
+
+def size_text(shape: ModelShape, short: bool = False) -> str:
+    """'30.53 B parameters, 3.35 B active (128 experts, top-8)'; `short`: '30.53 B; 3.35 B active: 128 experts,
+    top-8' (a dense model: '6.74 B')."""
+    text = f"{shape.num_params() / 1e9:.2f} B" + ("" if short else " parameters")
+    moe = shape.moe
+    if moe is None:
+        return text
+    experts = f"{moe.num_experts} experts, top-{moe.num_experts_per_tok}" + \
+        (f", {moe.n_shared_experts} shared" if moe.n_shared_experts else "")
+    active = f"{shape.num_params(active=True) / 1e9:.2f} B active"
+    return f"{text}; {active}: {experts}" if short else f"{text}, {active} ({experts})"

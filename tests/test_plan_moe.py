@@ -1,0 +1,356 @@
+"""The planner's mixture-of-experts terms: parameter counts against transformers' own models and the published
+ones, FLOPs from the active parameters, expert shards per expert-parallel rank, the all-to-all's α-β time,
+dispatch buffers, and the search over `parallel.ep`. In process: nothing here needs a launch."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from disttrain import flops as F
+from disttrain.cli import main
+from disttrain.hardware import find_gpu
+from disttrain.layout import DTYPE_BYTES, Layout
+from disttrain.models.hf.shape import hf_shape
+from disttrain.models.registry import MODEL_SHAPES
+from disttrain.models.shape import ModelShape, MoEShape
+from disttrain.plan.estimate import estimate
+from disttrain.plan.memory import stage_activation_bytes
+from disttrain.plan.moe import ALL_TO_ALLS_PER_LAYER, dispatch_s
+from disttrain.plan.search import SearchSpace, brute_force, search
+from disttrain.plan.timing import Cluster
+from helpers import REPO
+
+transformers = pytest.importorskip("transformers")
+
+SMALL = dict(vocab_size=256, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2)
+# Tiny configs of every MoE family transformers ships, each with its own names for the same things.
+HF_CONFIGS = {
+    "qwen3_moe": ("Qwen3MoeConfig", dict(intermediate_size=96, head_dim=32, moe_intermediate_size=32, num_experts=8,
+                                         num_experts_per_tok=2, mlp_only_layers=[0])),
+    "qwen2_moe": ("Qwen2MoeConfig", dict(intermediate_size=96, moe_intermediate_size=32, num_experts=8,
+                                         shared_expert_intermediate_size=64, num_experts_per_tok=2)),
+    "mixtral": ("MixtralConfig", dict(intermediate_size=96, num_local_experts=4, num_experts_per_tok=2)),
+    "olmoe": ("OlmoeConfig", dict(intermediate_size=32, num_experts=8, num_experts_per_tok=2, eos_token_id=1)),
+    "deepseek_v3": ("DeepseekV3Config", dict(intermediate_size=96, moe_intermediate_size=32, num_key_value_heads=4,
+                                             n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=2,
+                                             first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=24,
+                                             qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16, n_group=2,
+                                             topk_group=1)),
+    "gpt_oss": ("GptOssConfig", dict(intermediate_size=32, head_dim=16, num_local_experts=4, num_experts_per_tok=2)),
+}
+# What ModelShape leaves out, by transformers' parameter names (docs/PLANNING.md): Qwen3's and OLMoE's q/k norms,
+# Qwen2-MoE's shared-expert gate (dim per layer), gpt-oss's attention sinks, output and expert biases.
+NOT_COUNTED = ("q_norm.", "k_norm.", "shared_expert_gate.", ".sinks", "o_proj.bias", "router.bias", "_proj_bias")
+
+
+def _transformers_count(config, skip: tuple[str, ...] = NOT_COUNTED) -> tuple[int, int]:
+    """(all parameters, those ModelShape counts) of transformers' own model, built on the meta device."""
+    import torch
+
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    named = list(model.named_parameters())
+    return sum(p.numel() for _, p in named), sum(p.numel() for n, p in named if not any(s in n for s in skip))
+
+
+@pytest.mark.parametrize("family", list(HF_CONFIGS))
+def test_hf_moe_configs_count_as_transformers_builds_them(family, tmp_path):
+    cls, extra = HF_CONFIGS[family]
+    config = getattr(transformers, cls)(**{**SMALL, **extra})
+    config.save_pretrained(tmp_path)
+    shape = hf_shape(str(tmp_path))
+    total, counted = _transformers_count(config)
+    assert shape.num_params() == counted, (family, total - counted)
+    assert total - counted < 0.02 * total
+    moe = shape.moe
+    assert moe.num_experts == extra.get("num_experts", extra.get("n_routed_experts", extra.get("num_local_experts")))
+    assert moe.num_experts_per_tok == 2
+    assert moe.first_k_dense_replace == (1 if family in ("qwen3_moe", "deepseek_v3") else 0)
+    assert moe.n_shared_experts == {"qwen2_moe": 2, "deepseek_v3": 1}.get(family, 0)
+    assert moe.scoring_func == ("sigmoid" if family == "deepseek_v3" else "softmax")
+    assert (shape.mla is not None) == (family == "deepseek_v3")  # multi-head latent attention, counted exactly
+
+
+@pytest.mark.parametrize("name,cls,config", [
+    ("qwen3-30b-a3b", "Qwen3MoeConfig", dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                                             num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+                                             head_dim=128, moe_intermediate_size=768, num_experts=128,
+                                             num_experts_per_tok=8)),
+    ("mixtral-8x7b", "MixtralConfig", {}),  # transformers' defaults are Mixtral 8x7B's
+])
+def test_registry_moe_shapes_count_as_transformers_builds_them(name, cls, config):
+    total, counted = _transformers_count(getattr(transformers, cls)(**config))
+    assert MODEL_SHAPES[name].num_params() == counted  # Qwen3: less its 48 x 2 x 128 q/k-norm weights
+    assert total - counted == (48 * 2 * 128 if name.startswith("qwen3") else 0)
+
+
+def test_deepseek_v3_config_counts_its_published_size(tmp_path):
+    """DeepSeek-V3's report: 671B parameters, 37B activated per token (its MTP module, not in transformers' model,
+    aside). transformers' DeepseekV3Config defaults are DeepSeek-V3's; the tiny model above checks every term
+    against transformers' own count."""
+    transformers.DeepseekV3Config().save_pretrained(tmp_path)
+    shape = hf_shape(str(tmp_path))
+    assert abs(shape.num_params() / 671e9 - 1) < 0.001
+    assert abs(shape.num_params(active=True) / 37e9 - 1) < 0.02
+    assert (shape.moe.n_shared_experts, shape.moe.first_k_dense_replace, shape.mla.kv_lora_rank) == (1, 3, 512)
+
+
+def test_estimate_prints_the_published_total_and_active_counts(capsys):
+    """Qwen3-30B-A3B's model card: 30.5B in total, 3.3B activated (its exact count, 3.353B, is truncated there)."""
+    main(["estimate", "--model", "qwen3-30b-a3b", "--gpus", "8", "--zero-stage", "3", "--ep", "8", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert abs(out["params"] / 30.5e9 - 1) < 0.01
+    assert abs(out["active_params"] / 3.3e9 - 1) < 0.02
+    # The active parameters by hand from the card's architecture: attention (32 q heads and 4 kv heads of 128),
+    # the router, 8 of the 128 experts of width 768 and two norms per layer; the final norm, embedding, output.
+    d, layers = 2048, 48
+    per_layer = 2 * d * 32 * 128 + 2 * d * 4 * 128 + d * 128 + 8 * 3 * d * 768 + 2 * d
+    assert out["active_params"] == layers * per_layer + d + 2 * 151936 * d
+    assert out["moe"]["experts_per_rank"] == 16 and out["moe"]["ep"] == 8
+    main(["estimate", "--model", "qwen3-30b-a3b", "--gpus", "8", "--zero-stage", "3", "--ep", "8"])
+    assert "30,532,110,336 parameters (30.53 B; 3.35 B active: 128 experts, top-8)" in capsys.readouterr().out
+
+
+def test_flops_per_token_follow_the_active_parameters():
+    shape = MODEL_SHAPES["qwen3-30b-a3b"]
+    active_matmul = shape.num_params(active=True) - shape.vocab_size * shape.dim  # the embedding is a lookup
+    assert F.model_flops_per_token(shape, 4096) == 6 * active_matmul + 12 * 48 * 32 * 128 * 4096
+    # A dense model of the same active size costs the same: FLOPs do not see the idle experts.
+    experts = shape.moe.num_experts
+    every_expert_active = replace(shape, moe=replace(shape.moe, num_experts_per_tok=experts))
+    assert F.model_flops_per_token(every_expert_active, 4096) - F.model_flops_per_token(shape, 4096) == \
+        6 * 48 * (experts - 8) * 3 * shape.dim * 768
+    # Full recomputation redoes one forward of the active blocks.
+    blocks = active_matmul - shape.vocab_size * shape.dim - shape.dim
+    assert F.recompute_flops_per_token(shape, 4096, "full") == 2 * blocks + 12 * 48 * 32 * 128 * 4096 / 3
+    # Selective keeps mm outputs only: the grouped matmuls of the 8 routed experts run again (dense models: none).
+    assert F.recompute_flops_per_token(shape, 4096, "selective") == 2 * 48 * 8 * 3 * shape.dim * 768
+    assert F.recompute_flops_per_token(MODEL_SHAPES["7b"], 4096, "selective") == 0
+
+
+def _expert_split(shape: ModelShape) -> tuple[int, int]:
+    """(dense parameters, routed-expert parameters) from the shape's fields."""
+    moe = shape.moe
+    experts = (shape.n_layers - moe.first_k_dense_replace) * moe.num_experts * 3 * shape.dim * moe.moe_intermediate_size
+    return shape.num_params() - experts, experts
+
+
+@pytest.mark.parametrize("ep", [1, 2, 8])
+def test_expert_states_per_rank_split_over_ep(ep):
+    """DDP: every rank holds the dense parameters and 1/ep of the experts (fp32 parameters, gradients, Adam).
+    ZeRO-3: the experts' dp/ep copies shard them, so a rank's share is 1/dp either way; its gathered block
+    holds num_experts/ep experts."""
+    shape = MODEL_SHAPES["qwen3-30b-a3b"]
+    dense, experts = _expert_split(shape)
+    base = dict(dp_shard=8, seq_len=4096, global_batch_size=8, ep=ep)
+    ddp = estimate(shape, Layout(zero_stage=0, **base)).memory.states
+    assert ddp.params == ddp.grads == 4 * (dense + experts / ep)
+    assert ddp.optimizer == 8 * (dense + experts / ep)
+    zero3 = estimate(shape, Layout(zero_stage=3, **base)).memory
+    assert zero3.states.params == pytest.approx(4 * (dense + experts) / 8, rel=1e-12)
+    block = zero3.moments["block"]["communication"]
+    layer_experts = experts / shape.n_layers
+    assert block - estimate(shape, Layout(zero_stage=3, **{**base, "ep": 1})).memory.moments["block"][
+        "communication"] == pytest.approx((2 * 2 + 2 + 4) * layer_experts * (1 / ep - 1), rel=1e-9)
+
+
+@pytest.mark.parametrize("ep", [1, 2, 8])
+def test_accumulated_gradients_hold_this_ranks_experts_only(ep):
+    """FSDP accumulating two micro-batches keeps the held parameters' gradients unsharded (fp32) until the last
+    reduce-scatter: the dense ones and the E/ep experts this rank computes, not all E."""
+    shape = MODEL_SHAPES["mixtral-8x7b"]
+    dense, experts = _expert_split(shape)
+    lay = Layout(dp_shard=8, zero_stage=3, ep=ep, seq_len=4096, global_batch_size=16, micro_batch_size=1)
+    assert lay.microbatches == 2
+    assert estimate(shape, lay).memory.states.unsharded_grads == 4 * (dense + experts / ep)
+
+
+def test_hsdp_shards_expert_states_over_the_ranks_holding_the_same_experts():
+    """HSDP 2 x 4 with ep=4: the experts' shard group is dp_shard / ep = 1 and dp_replicate replicates them, so
+    a rank holds 1/4 of the experts, as the dense parameters are sharded 4 ways."""
+    shape = MODEL_SHAPES["mixtral-8x7b"]
+    dense, experts = _expert_split(shape)
+    hsdp = estimate(shape, Layout(dp_replicate=2, dp_shard=4, zero_stage=3, ep=4, seq_len=4096,
+                                  global_batch_size=8)).memory.states
+    assert hsdp.params == pytest.approx(4 * dense / 4 + 4 * experts / 4, rel=1e-12)
+
+
+def _a2a(n: int, nbytes: float, gbs: float, latency: float, efficiency: float = 0.8) -> float:
+    return (n - 1) * latency + (n - 1) / n * nbytes / (gbs * 1e9 * efficiency)
+
+
+def test_all_to_all_time_follows_the_alpha_beta_model():
+    shape = MODEL_SHAPES["qwen3-30b-a3b"]
+    h100 = find_gpu("h100")
+    cluster = Cluster(h100, gpus_per_node=8, nodes=4)
+    lay = Layout(dp_shard=32, zero_stage=3, seq_len=4096, global_batch_size=64, micro_batch_size=1)
+    tokens_bytes = 2 * 4096 * 8 * shape.dim  # bf16 rows of dim, top-8, per micro-batch
+    per_step = 2 * shape.n_layers * ALL_TO_ALLS_PER_LAYER  # micro-batches x MoE layers x 4
+    assert dispatch_s(shape, lay, cluster) == 0.0  # ep=1: no dispatch
+    intra = dispatch_s(shape, lay.with_(ep=8), cluster)
+    assert intra == pytest.approx(per_step * _a2a(8, tokens_bytes, h100.intra_node_gbs, 5e-6), rel=1e-12)
+    inter = dispatch_s(shape, lay.with_(ep=16), cluster)  # 16 ranks span two nodes: the network
+    assert inter == pytest.approx(per_step * _a2a(16, tokens_bytes, h100.inter_node_gbs, 15e-6), rel=1e-12)
+    assert inter / intra > 8  # NVLink 450 GB/s against 50 GB/s per GPU
+    # Linear in the tokens routed; skew loads the busiest rank; full recomputation repeats the forward two.
+    long = dispatch_s(shape, lay.with_(ep=8, seq_len=8192), cluster)
+    assert long == pytest.approx(per_step * _a2a(8, 2 * tokens_bytes, h100.intra_node_gbs, 5e-6), rel=1e-12)
+    assert dispatch_s(shape, lay.with_(ep=8), cluster, skew=2.0) == pytest.approx(
+        per_step * _a2a(8, 2 * tokens_bytes, h100.intra_node_gbs, 5e-6), rel=1e-12)
+    for recompute in ("full", "selective"):
+        assert dispatch_s(shape, lay.with_(ep=8, activation_checkpointing=recompute), cluster) == \
+            pytest.approx(1.5 * intra)
+    est = estimate(shape, lay.with_(ep=8), cluster)
+    assert est.time.ep_comm_s == intra and est.time.step_s > est.time.compute_s + intra
+
+
+def test_dispatch_buffers_grow_with_routing_skew_up_to_ep():
+    shape = MODEL_SHAPES["qwen3-30b-a3b"]
+    lay = Layout(dp_shard=8, zero_stage=3, seq_len=4096, global_batch_size=8, ep=8)
+    rows = 4096 * 8  # tokens x top-k, balanced: each rank receives what it sends
+    width, dim, e = 768, shape.dim, DTYPE_BYTES["bf16"]
+    balanced = estimate(shape, lay).memory.activations
+    skewed = estimate(shape, lay, routing_skew=2.0).memory.activations
+    # The busiest rank receives twice the rows: its received copy and expert intermediates (saved, every layer),
+    # and its receive buffer while the all-to-all runs (transient).
+    assert skewed.saved - balanced.saved == pytest.approx(48 * e * rows * (dim + 4 * width), rel=1e-12)
+    assert skewed.layer - balanced.layer == pytest.approx(e * rows * dim, rel=1e-12)
+    capped = estimate(shape, lay.with_(ep=2), routing_skew=8.0).memory.activations  # at most all ep ranks' rows
+    assert capped.saved == estimate(shape, lay.with_(ep=2), routing_skew=2.0).memory.activations.saved
+    one = estimate(shape, lay.with_(ep=1), routing_skew=4.0).memory.activations  # one rank holds every expert
+    assert one.saved == estimate(shape, lay.with_(ep=1)).memory.activations.saved
+
+
+# One MoE layer whose 64 experts are 99.5% of the parameters: tensor and pipeline parallelism cannot split them.
+EXPERT_HEAVY = ModelShape(dim=1024, n_layers=1, n_heads=8, n_kv_heads=8, vocab_size=1024, ffn_hidden_dim=1024,
+                          max_seq_len=2048, moe=MoEShape(num_experts=64, num_experts_per_tok=2,
+                                                         moe_intermediate_size=16384))
+
+
+def test_search_picks_expert_parallelism_when_experts_dominate_memory():
+    cluster = Cluster(find_gpu("l4"), gpus_per_node=8, nodes=1)
+    space = SearchSpace(seq_len=2048, global_batch_size=16, zero_stages=(0,), max_micro_batch_size=2)
+    result = search(EXPERT_HEAVY, cluster, space)
+    assert result.ranked and all(e.layout.ep > 1 for e in result.ranked)
+    assert not search(EXPERT_HEAVY, cluster, replace(space, ep=(1,))).ranked  # without it nothing fits
+    brute = brute_force(EXPERT_HEAVY, cluster, space)
+    assert [e.layout for e in brute] == [e.layout for e in result.ranked]
+    assert {e.layout.ep for e in brute} == {4, 8}  # ep=2 holds 32 experts: 25.8 GB of states, over 21.6
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["estimate", "--model", "qwen3-30b-a3b", "--gpus", "8", "--ep", "3"],
+     "parallel.ep=3 does not divide model.moe.num_experts=128"),
+    (["estimate", "--model", "qwen3-30b-a3b", "--gpus", "4", "--ep", "8"],
+     "parallel.ep=8 does not divide the data-parallel degree parallel.dp_shard=4"),
+    (["estimate", "--model", "7b", "--gpus", "2", "--ep", "2"], "parallel.ep=2 on a dense model"),
+    (["estimate", "--model", "qwen3-30b-a3b", "--routing-skew", "0.5"], "--routing-skew=0.5: must be at least 1"),
+    (["plan", "--model", "mixtral-8x7b", "--gpus", "16", "--ep", "3"],
+     "--ep=3 does not divide model.moe.num_experts=8"),
+    (["plan", "--model", "qwen3-30b-a3b", "--gpus", "32", "--ep", "64"], "--ep=64 does not divide --gpus=32"),
+    (["plan", "--model", "qwen3-30b-a3b", "--gpus", "32", "--ep", "two"], "--ep=two: expected comma-separated"),
+])
+def test_planner_moe_mistakes_are_one_line(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.count("\n") == 1 and message in err, err
+
+
+@pytest.mark.parametrize("extra,message", [
+    (dict(decoder_sparse_step=2), "decoder_sparse_step=2 (allowed: 1"),
+    (dict(mlp_only_layers=[1]), "mlp_only_layers=[1] (allowed: the leading layers"),
+    (dict(num_experts_per_tok=16), "num_experts_per_tok=16 (allowed: 1 to the 8 experts)"),
+])
+def test_hf_moe_configs_the_family_cannot_express_are_one_line(extra, message, tmp_path, capsys):
+    config = transformers.Qwen3MoeConfig(**{**SMALL, "moe_intermediate_size": 32, "num_experts": 8,
+                                            "num_experts_per_tok": 2, **extra})
+    config.save_pretrained(tmp_path)
+    with pytest.raises(SystemExit) as exc:
+        main(["estimate", "--hf", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.count("\n") == 1 and message in err, err
+
+
+def test_a_config_parallel_ep_reaches_the_layout():
+    """`estimate CONFIG` and the dry run read `parallel.ep` through Layout.from_config (1 where a config has no
+    such key)."""
+    from disttrain.config import load_config
+
+    cfg = load_config(str(REPO / "configs" / "demo.yaml"), ["model.name=tiny"])
+    assert Layout.from_config(cfg, 8).ep == getattr(cfg.parallel, "ep", 1)
+    object.__setattr__(cfg.parallel, "ep", 4)  # as a config with the key gives it
+    assert Layout.from_config(cfg, 8).ep == 4
+
+
+def test_plan_writes_the_chosen_expert_parallel_degree(tmp_path, capsys):
+    import yaml
+
+    out = tmp_path / "mixtral.yaml"
+    main(["plan", "--model", "mixtral-8x7b", "--gpus", "16", "--gpu", "a100-80g", "--seq-len", "4096", "--top", "1",
+          "--out", str(out), "--json"])
+    winner = json.loads(capsys.readouterr().out)["winner"]
+    written = yaml.safe_load(out.read_text())
+    assert written["model"]["name"] == "mixtral-8x7b"
+    assert written["parallel"].get("ep", 1) == winner["layout"]["ep"] == winner["moe"]["ep"]
+    assert winner["moe"]["experts_per_rank"] * winner["layout"]["ep"] == 8
+    assert (winner["time"]["ep_comm_s"] > 0) == (winner["layout"]["ep"] > 1)
+
+
+# Two layers of each: debug-moe (shared expert), and leading dense block + top-4 routed experts without shared ones.
+SAVED_TENSOR_SHAPES = {"debug-moe": MODEL_SHAPES["debug-moe"],
+                       "dense-first": replace(MODEL_SHAPES["debug-moe"], n_layers=3, moe=replace(
+                           MODEL_SHAPES["debug-moe"].moe, num_experts_per_tok=4, first_k_dense_replace=1,
+                           n_shared_experts=0, moe_intermediate_size=32))}
+
+
+@pytest.mark.parametrize("name", list(SAVED_TENSOR_SHAPES))
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_moe_activations_match_saved_tensors(name, recompute, monkeypatch):
+    """The planner's MoE block against what autograd keeps for the built-in MoE family on one device (ep = 1):
+    saved-tensor hooks and the selective-checkpoint cache, fp32 and bf16, as for the dense block in
+    tests/test_plan.py."""
+    import torch
+
+    moe_family = pytest.importorskip("disttrain.models.moe")
+    import disttrain.bench.activations as bench
+
+    def build(shape):
+        model = moe_family.moe_spec(shape).build()
+        with torch.no_grad():
+            for p in model.parameters():
+                torch.nn.init.normal_(p, std=0.02)
+        return model
+
+    monkeypatch.setattr(bench, "Transformer", build)
+    shape = SAVED_TENSOR_SHAPES[name]
+    for mb, seq, dtype in ((1, 64, "fp32"), (2, 96, "bf16")):
+        measured = bench.saved_activation_bytes(shape, mb, seq, recompute,
+                                                {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype])
+        layout = Layout(micro_batch_size=mb, global_batch_size=mb, seq_len=seq, activation_checkpointing=recompute,
+                        param_dtype=dtype, compute_dtype=dtype, zero_stage=3)
+        predicted = stage_activation_bytes(shape, layout, 0, fused_norm=False).saved
+        assert predicted == pytest.approx(measured, rel=1e-3), (mb, seq, dtype)
+
+
+def test_skew_and_whole_experts_under_tensor_parallel_cost_compute():
+    """The FLOP count spreads a replica's work evenly over its tp ranks; the busiest expert-parallel rank does
+    skew x its share of the routed experts, and tensor-parallel ranks run the experts whole on the same tokens."""
+    shape = MODEL_SHAPES["qwen3-30b-a3b"]
+    h100 = find_gpu("h100")
+    cluster = Cluster(h100, gpus_per_node=8, nodes=1)
+    rate = h100.peak_flops("bf16") * cluster.compute_efficiency
+    routed_per_token = 6 * 48 * 8 * 3 * shape.dim * 768  # the 8 routed experts of every layer, fwd + bwd
+    lay = Layout(dp_shard=8, zero_stage=3, ep=8, seq_len=4096, global_batch_size=16, micro_batch_size=1)
+    tokens = 2 * 4096  # per data-parallel rank and step
+    balanced = estimate(shape, lay, cluster).time.compute_s
+    assert estimate(shape, lay, cluster, routing_skew=2.0).time.compute_s - balanced == pytest.approx(
+        routed_per_token * tokens / rate, rel=1e-9)
+    tp = Layout(dp_shard=4, tp=2, zero_stage=3, ep=4, seq_len=4096, global_batch_size=16, micro_batch_size=1)
+    even_share = F.hardware_flops_per_token(shape, 4096) * 16 * 4096 / 8  # the whole step's FLOPs over 8 ranks
+    tokens = 4 * 4096  # per data-parallel rank, every one of them routed by both tensor-parallel ranks
+    assert estimate(shape, tp, cluster).time.compute_s == pytest.approx(
+        (even_share + routed_per_token * tokens * (1 - 1 / 2)) / rate, rel=1e-9)
