@@ -62,7 +62,7 @@ def real(out: Path) -> dict:
 
 
 def skew(config: str | None, overrides: list[str], world: int, skews: list[float], microbatches: int | None,
-         gpu: str | None, out: Path) -> dict:
+         gpu: str | None, out: Path, ranks: list[int] | None = None) -> dict:
     from disttrain.cli.dryrun import dry_run
     from disttrain.config import load_config
 
@@ -70,7 +70,7 @@ def skew(config: str | None, overrides: list[str], world: int, skews: list[float
     rows = []
     for s in skews:
         t0 = time.perf_counter()
-        r = dry_run(cfg, world, gpu_name=gpu, microbatches=microbatches, routing_skew=s,
+        r = dry_run(cfg, world, ranks, gpu_name=gpu, microbatches=microbatches, routing_skew=s,
                     progress=lambda m: print(m, file=sys.stderr, flush=True))
         rows.append({"routing_skew": s, "seconds": round(time.perf_counter() - t0, 1),
                      "ranks": [{k: e[k] for k in ("rank", "role", "peak_bytes", "bytes", "planner", "error",
@@ -94,6 +94,7 @@ def main() -> None:
     p.add_argument("--skews", default="1,1.5,2")
     p.add_argument("--microbatches", type=int, default=None)
     p.add_argument("--gpu", default=None)
+    p.add_argument("--rank", type=int, action="append", default=None)
     p.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     if args.what == "real":
@@ -102,7 +103,7 @@ def main() -> None:
         config = args.config if args.config and args.config.endswith((".yaml", ".yml")) else None
         overrides = args.overrides if config else [*([args.config] if args.config else []), *args.overrides]
         skew(config, overrides, args.world_size, [float(s) for s in args.skews.split(",")], args.microbatches,
-             args.gpu, args.out)
+             args.gpu, args.out, args.rank)
 
 
 if __name__ == "__main__":
