@@ -3,7 +3,8 @@ several configs, so a test can compare the dry run's simulated bytes and collect
 
     python -m disttrain.distributed.agent --standalone --nproc-per-node N tests/workers/measure_step.py JOBS.json OUT.json
 
-JOBS.json: {name: [override, ...]}. OUT.json (written by rank 0): {name: [RankRun as a dict, one per rank]}.
+JOBS.json: {name: [override, ...]}, or {name: {"overrides": [...], "routing_skew": 1}} for MoE layers routed as
+the dry run states (dryrun/routing.py; balanced only: every rank's view of the split sizes agrees). OUT.json (written by rank 0): {name: [RankRun as a dict, one per rank]}.
 """
 
 import dataclasses
@@ -16,6 +17,7 @@ import torch.distributed as dist
 from disttrain.config import load_config
 from disttrain.distributed.env import detect_env
 from disttrain.distributed.runtime import init_distributed, shutdown
+from disttrain.dryrun.routing import AssumedRouting
 from disttrain.dryrun.simulate import measure_step
 from disttrain.models.spec import build_model
 from disttrain.process import exit_now
@@ -27,11 +29,13 @@ def main() -> None:
     rt = init_distributed(detect_env(), "auto", 120)
     out = {}
     try:
-        for name, overrides in jobs.items():
+        for name, job in jobs.items():
+            overrides, routing = ((job, None) if isinstance(job, list)
+                                  else (job["overrides"], AssumedRouting(job["routing_skew"])))
             cfg = load_config(None, overrides)
             resolved = resolve_run(cfg, rt.world_size, "cpu")
             model = build_model(resolved.spec, rt.device, cfg.train.seed)
-            run = dataclasses.asdict(measure_step(cfg, resolved.layout, resolved.spec, model))
+            run = dataclasses.asdict(measure_step(cfg, resolved.layout, resolved.spec, model, routing=routing))
             out[name] = [None] * rt.world_size
             dist.all_gather_object(out[name], run)
             gc.collect()

@@ -33,6 +33,9 @@ def add_parser(sub) -> None:
     p.add_argument("--microbatches", type=int, default=None,
                    help="simulate this many micro-batches per rank instead of the config's (faster; the peak of "
                         "accumulation stops growing after 2, of 1F1B-like schedules after pp; GPipe's does not)")
+    p.add_argument("--routing-skew", type=float, default=1.0,
+                   help="MoE: the routing assumed, as the planner's: the simulated rank receives this many times its "
+                        "balanced share of routed rows (1: balanced; dryrun/routing.py)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
 
@@ -67,11 +70,14 @@ def with_microbatches(cfg, layout, n: int):
 
 
 def dry_run(cfg, world_size: int, ranks: list[int] | None = None, gpu_name: str | None = None, steps: int = 2,
-            progress=None, microbatches: int | None = None, headroom: float = 0.1) -> dict:
-    """Simulate each rank and compare with the planner; the JSON `disttrain dryrun --json` prints."""
+            progress=None, microbatches: int | None = None, headroom: float = 0.1, routing_skew: float = 1.0) -> dict:
+    """Simulate each rank and compare with the planner; the JSON `disttrain dryrun --json` prints. MoE layers
+    route as `routing_skew` states, in the simulation and the planner alike."""
     if world_size < 1:
         raise UserError(f"--world-size={world_size}: must be at least 1")
+    from disttrain.dryrun.routing import AssumedRouting
     from disttrain.dryrun.simulate import simulate, unsupported
+    from disttrain.plan.moe import routing_skew as checked_skew
     from disttrain.plan.memory import estimate_memory
     from disttrain.plan.search import memory_budget
     from disttrain.resolve import resolve_run
@@ -85,6 +91,7 @@ def dry_run(cfg, world_size: int, ranks: list[int] | None = None, gpu_name: str 
     except KeyError as exc:
         raise UserError(f"--gpu={exc.args[0]}") from None
     layout = resolved.layout
+    routing = AssumedRouting(checked_skew(routing_skew, resolved.shape))
     problem = unsupported(cfg, layout)
     if problem:  # before any progress line: a refusal is one line
         raise UserError(problem)
@@ -94,13 +101,13 @@ def dry_run(cfg, world_size: int, ranks: list[int] | None = None, gpu_name: str 
             raise UserError(f"--rank={r}: not a rank of --world-size={world_size} (allowed: 0..{world_size - 1})")
     out = []
     for rank in ranks:
-        planned = estimate_memory(resolved.shape, layout, pp_rank=pp_rank_of(layout, rank))
+        planned = estimate_memory(resolved.shape, layout, pp_rank=pp_rank_of(layout, rank), routing_skew=routing.skew)
         planner = {**planned.categories(), "peak_bytes": planned.total}
         if progress:
             progress(f"dry run: rank {rank} of {world_size} ...")
         with _quiet():
             try:
-                run = simulate(cfg, resolved, rank, steps)
+                run = simulate(cfg, resolved, rank, steps, routing)
             except UserError:
                 raise
             except Exception as exc:  # an op or feature the fake tensors or fake group cannot run
@@ -116,7 +123,8 @@ def dry_run(cfg, world_size: int, ranks: list[int] | None = None, gpu_name: str 
             entry.update(_fit(run, memory_budget(gpu.memory_bytes, headroom), layout.micro_batch))
         out.append(entry)
     worst = max(out, key=lambda e: e["peak_bytes"])
-    result = {"world_size": world_size, "layout": layout.as_dict(), "gpu": gpu.name if gpu else None, **worst,
+    result = {"world_size": world_size, "layout": layout.as_dict(), "gpu": gpu.name if gpu else None,
+              **({"routing_skew": routing.skew} if resolved.shape.moe is not None else {}), **worst,
               "fits": worst.get("fits"), "ranks": out}
     return result
 
@@ -160,7 +168,7 @@ def cmd_dryrun(args: argparse.Namespace, overrides: list[str]) -> None:
         raise UserError(f"--headroom={args.headroom}: must be in [0, 1)")
     result = dry_run(cfg, args.world_size, args.rank, args.gpu, args.steps,
                      progress=None if args.json else lambda m: print(m, file=sys.stderr, flush=True),
-                     microbatches=args.microbatches, headroom=args.headroom)
+                     microbatches=args.microbatches, headroom=args.headroom, routing_skew=args.routing_skew)
     print(json.dumps(result, indent=2) if args.json else render(result))
 
 
@@ -174,7 +182,11 @@ def _size(n: float) -> str:
 def render(result: dict) -> str:
     lines = [f"dry run: {result['world_size']} ranks, layout "
              + " ".join(f"{k}={v}" for k, v in result["layout"].items() if k in ("dp_replicate", "dp_shard", "tp", "pp",
-                                                                                  "zero_stage", "micro_batch_size"))]
+                                                                                  "zero_stage", "micro_batch_size",
+                                                                                  "ep"))]
+    if "routing_skew" in result:
+        lines[0] += (", balanced routing" if result["routing_skew"] == 1
+                     else f", routing skew {result['routing_skew']:g} (this rank receives that many times its share)")
     for r in result["ranks"]:
         lines += ["", f"rank {r['rank']} ({r['role']}), {r['seconds']:.1f} s",
                   f"  {'bytes':<14}{'measured':>12}{'planner':>12}{'error':>9}"]

@@ -109,6 +109,31 @@ def gpu_defaults():
 
 
 @contextlib.contextmanager
+def grouped_mm_in_every_dtype():
+    """torch's shape rule for `_grouped_mm` (what fake tensors run) checks the dtype its fast CUDA kernel
+    takes, bf16 only, while the real op runs fp32 too (the CPU kernel, CUDA's fallback) with outputs of the
+    same shapes. Apply the rule to bf16 stand-ins of the inputs (meta tensors inside the rule: nothing is
+    allocated) and give the output the dtype asked for."""
+    from torch import _meta_registrations as meta
+
+    saved = meta._meta_grouped_mm_common
+
+    def any_dtype(mat_a, mat_b, scale_a, scale_b, offs=None, bias=None, scale_result=None, out_dtype=None,
+                  use_fast_accum=False):
+        if scale_a is not None or mat_a.dtype == mat_b.dtype == torch.bfloat16:
+            return saved(mat_a, mat_b, scale_a, scale_b, offs, bias, scale_result, out_dtype, use_fast_accum)
+        out = saved(mat_a.to(torch.bfloat16), mat_b.to(torch.bfloat16), None, None, offs, bias, scale_result, None,
+                    use_fast_accum)
+        return out.to(out_dtype or mat_a.dtype)
+
+    meta._meta_grouped_mm_common = any_dtype
+    try:
+        yield
+    finally:
+        meta._meta_grouped_mm_common = saved
+
+
+@contextlib.contextmanager
 def groups_on_the_fake_backend(active: bool):
     """A group asked for on gloo (the fp16 step's host-side control group) on the fake backend instead:
     gloo would need a real store to connect through."""

@@ -18,9 +18,11 @@ from torch import nn
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
 from disttrain.dryrun.collectives import CollectiveCounter
-from disttrain.dryrun.fake_world import (ddp_on_fake, forget_previous_world, gpu_defaults, groups_on_the_fake_backend,
+from disttrain.dryrun.fake_world import (ddp_on_fake, forget_previous_world, gpu_defaults, grouped_mm_in_every_dtype,
+                                        groups_on_the_fake_backend,
                                         materialize_fake, propagation_in_its_own_fake_mode, scaler_finds_no_overflow,
                                         stage_shapes, static_pipeline)
+from disttrain.dryrun.routing import AssumedRouting, assume_routing
 from disttrain.dryrun.tracking import DDPBuckets, KeepBuckets, LeafInputsSafe, StagesTracker, Tracker, TrackerPhases
 from disttrain.errors import UserError
 from disttrain.layout import MESH_DIMS, Layout
@@ -61,16 +63,20 @@ def unsupported(cfg, layout: Layout) -> str | None:
     if layout.gradient_wrapper == "ddp" and cfg.parallel.ddp_comm_hook != "none":
         return (f"parallel.ddp_comm_hook={cfg.parallel.ddp_comm_hook} cannot be dry-run (the hook reads the "
                 "reduced values back from the process group); allowed: none")
+    if cfg.model.moe.capacity_factor:
+        return (f"model.moe.capacity_factor={cfg.model.moe.capacity_factor} cannot be dry-run (which tokens are "
+                "dropped depends on their values); allowed: 0 (dropless)")
     if cfg.model.lora is not None:
         return ("model.lora cannot be dry-run yet (the simulated model would train every parameter); "
                 "`disttrain estimate` counts LoRA's memory")
     return None
 
 
-def simulate(cfg, resolved: ResolvedRun, rank: int, steps: int = 2) -> RankRun:
+def simulate(cfg, resolved: ResolvedRun, rank: int, steps: int = 2, routing: AssumedRouting | None = None) -> RankRun:
     """Play `rank` of the resolved run's world in this process, with no real memory for the model.
     The resolved device type is the kind of rank simulated ("cuda": torch's defaults there, e.g. foreach
-    AdamW; the tensors still live on this CPU). UserError for what cannot be simulated."""
+    AdamW; the tensors still live on this CPU). MoE layers route as `routing` states (default balanced:
+    dryrun/routing.py). UserError for what cannot be simulated."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -94,16 +100,19 @@ def simulate(cfg, resolved: ResolvedRun, rank: int, steps: int = 2) -> RankRun:
 
         on_gpu = gpu_defaults() if resolved.device_type == "cuda" else contextlib.nullcontext()
         with on_gpu:
-            return measure_step(cfg, layout, spec, model, steps, materialize, fake, t0)
+            return measure_step(cfg, layout, spec, model, steps, materialize, fake, t0,
+                                routing=routing or AssumedRouting())
     finally:
         dist.destroy_process_group()
 
 
 def measure_step(cfg, layout: Layout, spec, model, steps: int = 2, materialize=None, tensor_mode=None,
-                 t0: float | None = None) -> RankRun:
+                 t0: float | None = None, routing: AssumedRouting | None = None) -> RankRun:
     """Build the engine for `model` through the training code path, run `steps` steps of random tokens
     under torch's memory tracker and the collective counter. Also used on real tensors and a real
-    process group, to check the simulation (tests/test_dryrun.py)."""
+    process group, to check the simulation (tests/test_dryrun.py). `routing`: MoE layers route as it
+    states instead of by their values (needed on fake tensors; on real ones, balanced routing only, which
+    every rank's view agrees on)."""
     from torch.nn.parallel import DistributedDataParallel
 
     from disttrain.distributed.env import DistEnv
@@ -124,6 +133,8 @@ def measure_step(cfg, layout: Layout, spec, model, steps: int = 2, materialize=N
                                    layout.global_batch_size * layout.seq_len)
         engine = build_engine(cfg, layout, meshes, spec, model, rt, Phases(StepBreakdown(device)), mean_loss,
                               materialize=materialize, stage_io=stage_io)
+    if routing is not None and spec.moe_layers is not None:
+        assume_routing(spec.moe_layers(model), layout.ep, routing)
     buckets = DDPBuckets()
     if isinstance(engine.model, DistributedDataParallel):
         engine.model.register_comm_hook(engine.model.process_group, buckets.all_reduce)
@@ -132,7 +143,8 @@ def measure_step(cfg, layout: Layout, spec, model, steps: int = 2, materialize=N
     static = static_pipeline() if stage_io is not None else contextlib.nullcontext()
     own = propagation_in_its_own_fake_mode() if tensor_mode is not None else contextlib.nullcontext()
     finite = scaler_finds_no_overflow() if tensor_mode is not None else contextlib.nullcontext()
-    with tensor_mode or contextlib.nullcontext(), static, own, finite:
+    grouped = grouped_mm_in_every_dtype() if tensor_mode is not None else contextlib.nullcontext()
+    with tensor_mode or contextlib.nullcontext(), static, own, finite, grouped:
         return _tracked_steps(cfg, layout, spec, engine, steps, counter, buckets, rank, t0)
 
 

@@ -40,7 +40,7 @@ class AllToAllDispatch:
         ep, per_rank = self.ep, counts.numel() // self.ep
         received_counts = torch.empty_like(counts)
         dist.all_to_all_single(received_counts, counts, group=self.group)  # (source rank, local expert)
-        sent, got = torch.stack([counts, received_counts]).view(2, ep, per_rank).tolist()  # the host sync
+        sent, got = self.host_counts(torch.stack([counts, received_counts]).view(2, ep, per_rank))
         send_splits, recv_splits = [sum(c) for c in sent], [sum(c) for c in got]
         received = wait_tensor(all_to_all_single_autograd(rows, recv_splits, send_splits, self.group))
         # rows arrive grouped by source rank, then expert; the experts want them grouped by expert
@@ -56,6 +56,13 @@ class AllToAllDispatch:
         back = torch.empty_like(perm)
         back[perm] = torch.arange(total, device=rows.device)
         return wait_tensor(all_to_all_single_autograd(y[back].contiguous(), send_splits, recv_splits, self.group))
+
+
+    @staticmethod
+    def host_counts(counts: torch.Tensor) -> list:
+        """The host sync: rows (sent to, received from) each rank per local expert, as lists. The dry run's
+        fake tensors have no values: it substitutes its stated routing here (dryrun/routing.py)."""
+        return counts.tolist()
 
 
 def pipeline_shape_inference() -> bool:

@@ -13,13 +13,17 @@ from disttrain.dtypes import at_least_fp32
 
 
 def build_optimizer(model: nn.Module, optim_cfg) -> torch.optim.Optimizer:
+    """torch's foreach kernels (AdamW's default on GPUs) refuse a list mixing DTensors and plain tensors, as
+    expert-parallel experts under DDP are beside the replicated parameters: those take the per-tensor loop."""
     decay, no_decay = [], []
     for p in model.parameters():
         if p.requires_grad:
             (decay if p.ndim >= 2 else no_decay).append(p)  # norms and biases are vectors
     groups = [{"params": decay, "weight_decay": optim_cfg.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=optim_cfg.lr, betas=tuple(optim_cfg.betas), eps=optim_cfg.eps)
+    mixed = len({isinstance(p, DTensor) for p in decay + no_decay}) > 1
+    return torch.optim.AdamW(groups, lr=optim_cfg.lr, betas=tuple(optim_cfg.betas), eps=optim_cfg.eps,
+                             **({"foreach": False} if mixed else {}))
 
 
 class LRSchedule:

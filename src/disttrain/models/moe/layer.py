@@ -75,7 +75,7 @@ class RoutedExperts:
         experts (None: not known, no balancing loss) -> the weighted sum of the chosen experts' outputs."""
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)  # assignments grouped by expert, in token order within one
-        counts = torch.bincount(flat, minlength=self.num_experts)
+        counts = self.expert_counts(flat)
         kept, dropped = counts, None
         if self.routing.capacity_factor:
             order, kept, dropped = self._drop_overflow(flat, order, counts)
@@ -88,6 +88,11 @@ class RoutedExperts:
         if training and torch.is_grad_enabled() and not (self.trial_pass and self.trial_pass()):
             out = self._account(out, counts, dropped, probs)
         return out
+
+    def expert_counts(self, flat: torch.Tensor) -> torch.Tensor:
+        """Assignments per expert: a shape read from the data, which the dry run's fake tensors do not have
+        (it substitutes a stated routing: dryrun/routing.py)."""
+        return torch.bincount(flat, minlength=self.num_experts)
 
     def _drop_overflow(self, flat, order, counts):
         """Each expert keeps its first `capacity` assignments (in token order); the rest contribute nothing."""
