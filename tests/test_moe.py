@@ -54,6 +54,22 @@ def test_grouped_gemm_matches_the_per_expert_loop():
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
 
 
+def test_grouped_gemm_runs_in_the_autocast_dtype():
+    """grouped_mm is on no autocast list: under bf16 autocast the experts cast as F.linear would, so the grouped
+    path computes in bf16 (what the planner counts) and equals the per-expert loop, which autocast casts itself."""
+    experts = GroupedExperts(4, 16, 8)
+    for p in experts.parameters():
+        torch.nn.init.normal_(p)
+    rows, counts = torch.randn(11, 16), torch.tensor([3, 0, 6, 2])
+    outs = []
+    for grouped in (True, False):
+        experts.grouped_gemm = grouped
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            outs.append(experts(rows, counts))
+    assert outs[0].dtype == outs[1].dtype == torch.bfloat16
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+
+
 def test_tied_scores_route_the_same_under_recomputation():
     """A zero router ties every score: the lowest expert indices win, in the forward and in activation
     checkpointing's recompute, whose gradients equal the plain run's; the step counts each token once."""

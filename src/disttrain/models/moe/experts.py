@@ -40,6 +40,10 @@ class GroupedExperts(nn.Module):
         """rows (n, dim) sorted by this rank's experts, `counts` rows per local expert (int64 tensor);
         `counts_list` the same on the host when the caller already has it (saves the loop a sync)."""
         w1, w2, w3 = local(self.w1), local(self.w2), local(self.w3)
+        device = rows.device.type
+        if torch.is_autocast_enabled(device):  # grouped_mm is on no autocast list (torch 2.13): cast as F.linear is
+            dtype = torch.get_autocast_dtype(device)
+            rows, w1, w2, w3 = (t.to(dtype) for t in (rows, w1, w2, w3))
         if rows.shape[0] and self.grouped_gemm and grouped_gemm_fits(rows, w1.shape[1]):
             offsets = torch.cumsum(counts, 0).to(torch.int32)
             h = F.silu(F.grouped_mm(rows, w1.transpose(-2, -1), offs=offsets)) * \
