@@ -36,6 +36,7 @@ def _layer(routing=MoERouting(), experts=8, top_k=2, scoring="softmax", dtype=to
 
 
 def test_grouped_gemm_matches_the_per_expert_loop():
+    torch.manual_seed(0)
     experts = GroupedExperts(4, 16, 8)
     for p in experts.parameters():
         torch.nn.init.normal_(p)
@@ -49,9 +50,10 @@ def test_grouped_gemm_matches_the_per_expert_loop():
         grads = torch.autograd.grad(out, [rows, *experts.parameters()], upstream)
         results.append((out, grads))
     (a, ga), (b, gb) = results
-    torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
-    for x, y in zip(ga, gb):
-        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+    # fp32 sums in another order: each element within 1e-6 of its tensor's largest magnitude (an element-wise
+    # relative bound fails on elements that nearly cancel, 40 seeds measured: at most 4.7e-8 of the largest)
+    for x, y in zip((a, *ga), (b, *gb)):
+        assert (x - y).abs().max() <= 1e-6 * y.abs().max()
 
 
 def test_grouped_gemm_runs_in_the_autocast_dtype():

@@ -4,9 +4,11 @@ than train are checked against the parser by test_docs.py."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -62,9 +64,24 @@ def _inputs(cwd: Path) -> None:
     pq.write_table(pa.table({"text": paragraphs[half:]}), cwd / "shards" / "part-0.parquet")
 
 
+def _chat_inputs(cwd: Path) -> None:
+    """What the fine-tuning lines read: a chat file and a Hugging Face model directory with its tokenizer and
+    chat template (examples/sft's tiny Llama and BPE, made here)."""
+    spec = importlib.util.spec_from_file_location("make_assets", REPO / "examples" / "sft" / "make_assets.py")
+    make_assets = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_assets)
+    make_assets.main(cwd / "sft-assets")
+    model = cwd / "models" / "llama-3.2-1b"
+    shutil.copytree(cwd / "sft-assets" / "base", model)
+    shutil.copytree(cwd / "sft-assets" / "tokenizer", model, dirs_exist_ok=True)
+    shutil.copy(cwd / "sft-assets" / "chats.jsonl", cwd / "chats.jsonl")
+
+
 def test_quickstart_after_make_demo_trains_what_each_line_says(tmp_path):
     (tmp_path / "configs").symlink_to(REPO / "configs")
+    (tmp_path / "examples").symlink_to(REPO / "examples")
     _inputs(tmp_path)
+    _chat_inputs(tmp_path)
     env = {**cli_env(), "PATH": f"{Path(sys.executable).parent}:{cli_env()['PATH']}"}
     lines = [make_demo_line(), *quickstart_lines()]
     seen: dict[Path, str] = {}
@@ -85,7 +102,7 @@ def test_quickstart_after_make_demo_trains_what_each_line_says(tmp_path):
         if train is not None:
             steps = [r["step"] for r in records(run_dir) if "loss" in r]
             assert steps == [1, 2] and not any(r.get("event") == "resumed" for r in records(run_dir)), line
-    assert len(seen) == 9  # make demo, the eight training lines
+    assert len(seen) == 10  # make demo, the nine training lines (the fine-tuning line among them)
 
 
 def test_torchruns_spelling_of_the_launch_flags_is_accepted():
