@@ -31,6 +31,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from disttrain.checkpoint import integrity, storage
 from disttrain.errors import UserError
@@ -38,6 +39,8 @@ from disttrain.errors import UserError
 log = logging.getLogger(__name__)
 
 COMMIT = "COMMIT"
+# What a failed save raises: an OS or store error, or DCP's gathered CheckpointException (a BaseException).
+SAVE_ERRORS = (Exception, CheckpointException)
 
 
 def rng_state() -> dict:
@@ -76,6 +79,7 @@ class CheckpointManager:
         self._async_group = dist.new_group(backend="gloo") if async_save else None
         self._pending: tuple[int, str, object, float] | None = None
         self._format = "dcp"
+        self.newest: str | None = None  # the newest complete checkpoint known (resumed from or committed)
 
     def step_dir(self, step: int) -> str:
         return storage.join(self.dir, f"step_{step:08d}")
@@ -181,7 +185,7 @@ class CheckpointManager:
             storage.torch_save(rng_state(), storage.join(path, f"rank_{self.rank:05d}.pt"))
             if self.rank == 0:
                 storage.torch_save(train_state, storage.join(path, "train_state.pt"))
-        except Exception as exc:
+        except SAVE_ERRORS as exc:
             failure = f"writing {path} ({storage.describe(exc)})"
         self._settle(step, path, failure)  # every rank's files are written (or the save is abandoned)
         if future is not None:
@@ -202,11 +206,7 @@ class CheckpointManager:
             storage.rmtree(path)
             if storage.exists(path):
                 kept = "the partial checkpoint is removed at the next start"
-        try:
-            newest = self.latest() if self.rank == 0 else None
-        except Exception:
-            newest = None
-        newest_text = storage.name_of(newest) if newest else "none"
+        newest_text = self.newest or "none"  # known without asking a store that may be gone
         raise SaveFailed(step, f"checkpoint save of step {step} in {self.dir} failed: {failures[0]}; {kept}; "
                                f"newest complete checkpoint: {newest_text}")
 
@@ -221,6 +221,7 @@ class CheckpointManager:
             except Exception as exc:
                 failure = f"writing {storage.join(path, COMMIT)} ({storage.describe(exc)})"
         self._settle(step, path, failure, group)
+        self.newest = path
         if self.rank == 0:
             self._apply_retention()
 
@@ -241,7 +242,7 @@ class CheckpointManager:
         failure = None
         try:
             future.result()  # re-raises a failed write
-        except Exception as exc:
+        except SAVE_ERRORS as exc:
             failure = f"writing {path} ({storage.describe(exc)})"
         self._settle(step, path, failure, self._async_group)
         self._commit(step, path, self._async_group)
@@ -262,6 +263,7 @@ class CheckpointManager:
                             f"{engine.checkpoint_format} (resume with the engine that saved it: "
                             f"engine={'deepspeed' if saved == 'deepspeed' else 'torch'})")
         engine.load(path)
+        self.newest = path
         rank_file = storage.join(path, f"rank_{self.rank:05d}.pt")
         if storage.isfile(rank_file):
             set_rng_state(storage.torch_load(rank_file))

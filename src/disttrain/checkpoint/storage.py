@@ -64,7 +64,9 @@ def parent_of(path) -> str:
 
 
 @functools.lru_cache(maxsize=16)
-def _fs_for(protocol: str):
+def _fs_for(protocol: str, pid: int):
+    """One instance per protocol and process: an async file system (s3fs) cannot cross a fork (the suite's
+    workers are forked from their launcher)."""
     import fsspec
 
     if protocol == "file":
@@ -86,9 +88,9 @@ def fs_of(path):
     """(fsspec file system, its path for `path`)."""
     text = str(path)
     if not is_url(text):
-        return _fs_for("file"), os.path.abspath(text.removeprefix("file://"))
+        return _fs_for("file", os.getpid()), os.path.abspath(text.removeprefix("file://"))
     protocol = text.split("://", 1)[0]
-    fs = _fs_for(protocol)
+    fs = _fs_for(protocol, os.getpid())
     return fs, fs._strip_protocol(text)
 
 
@@ -121,10 +123,20 @@ def retried(fn: Callable[[], T], what: str, attempts: int | None = None) -> T:
     raise AssertionError("unreachable")
 
 
+def root_cause(exc: BaseException) -> BaseException:
+    """The first rank's own error inside DCP's CheckpointException (which gathers every rank's)."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        inner = next(iter(failures.values()))
+        return root_cause(inner[0] if isinstance(inner, tuple) else inner)
+    return exc
+
+
 def describe(exc: BaseException) -> str:
     """What failed, in a few words (an errno's name for local file systems, the first line otherwise)."""
     import errno
 
+    exc = root_cause(exc)
     if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return "no space left on the device"
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -283,7 +295,7 @@ def check_reachable(path, key: str) -> None:
     bucket = p.split("/", 1)[0]
     fs.invalidate_cache(bucket)
     try:
-        retried(lambda: fs.ls(bucket, detail=False), f"reaching {where(path)}", attempts=1)
+        retried(lambda: fs.ls(bucket, detail=False), f"reaching {where(path)}", attempts=0)
     except UserError:
         raise
     except Exception as exc:
