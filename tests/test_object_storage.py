@@ -54,7 +54,8 @@ class S3:
 
     def committed(self, prefix: str) -> list[str]:
         fs = self.fs
-        return sorted(p.rsplit("/", 1)[1] for p in fs.ls(f"{BUCKET}/{prefix}")
+        listed = fs.ls(f"{BUCKET}/{prefix}") if fs.exists(f"{BUCKET}/{prefix}") else []
+        return sorted(p.rsplit("/", 1)[1] for p in listed
                       if p.rsplit("/", 1)[1].startswith("step_") and fs.exists(f"{p}/COMMIT"))
 
 

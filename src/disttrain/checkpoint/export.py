@@ -62,14 +62,15 @@ def full_model_state(step_dir) -> dict[str, torch.Tensor]:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         state = get_fp32_state_dict_from_zero_checkpoint(str(step_dir), tag="deepspeed")
-    else:  # what dcp_to_torch_save does, through the storage of the location (local or a URL)
-        import torch.distributed.checkpoint as dcp
+    else:  # what dcp_to_torch_save does, with the reader of the location (a local path or a URL)
         from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+        from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
         from disttrain.checkpoint import storage
 
         full: dict = {}
-        dcp.load(full, storage_reader=storage.dcp_reader(step_dir), planner=_EmptyStateDictLoadPlanner())
+        _load_state_dict(full, storage_reader=storage.dcp_reader(step_dir), planner=_EmptyStateDictLoadPlanner(),
+                         no_dist=True)
         state = full["model"]
     return {k: v.detach().float().contiguous() for k, v in state.items() if not k.startswith("rope_")}
 

@@ -186,7 +186,7 @@ class CheckpointManager:
             if self.rank == 0:
                 storage.torch_save(train_state, storage.join(path, "train_state.pt"))
         except SAVE_ERRORS as exc:
-            failure = f"writing {path} ({storage.describe(exc)})"
+            failure = f"writing {path} ({storage.describe(exc, path)})"
         self._settle(step, path, failure)  # every rank's files are written (or the save is abandoned)
         if future is not None:
             self._pending = (step, path, future, time.perf_counter())
@@ -202,10 +202,8 @@ class CheckpointManager:
         if not failures:
             return
         kept = "removed the partial checkpoint"
-        if self.rank == 0:
-            storage.rmtree(path)
-            if storage.exists(path):
-                kept = "the partial checkpoint is removed at the next start"
+        if self.rank == 0 and not storage.rmtree(path):
+            kept = "the partial checkpoint is removed at the next start"
         newest_text = self.newest or "none"  # known without asking a store that may be gone
         raise SaveFailed(step, f"checkpoint save of step {step} in {self.dir} failed: {failures[0]}; {kept}; "
                                f"newest complete checkpoint: {newest_text}")
@@ -219,7 +217,7 @@ class CheckpointManager:
                     {"step": step, "world_size": dist.get_world_size(), "time": time.time(),
                      "format": self._format, "files": files}))
             except Exception as exc:
-                failure = f"writing {storage.join(path, COMMIT)} ({storage.describe(exc)})"
+                failure = f"writing {storage.join(path, COMMIT)} ({storage.describe(exc, path)})"
         self._settle(step, path, failure, group)
         self.newest = path
         if self.rank == 0:
@@ -243,7 +241,7 @@ class CheckpointManager:
         try:
             future.result()  # re-raises a failed write
         except SAVE_ERRORS as exc:
-            failure = f"writing {path} ({storage.describe(exc)})"
+            failure = f"writing {path} ({storage.describe(exc, path)})"
         self._settle(step, path, failure, self._async_group)
         self._commit(step, path, self._async_group)
         return step, time.perf_counter() - t0

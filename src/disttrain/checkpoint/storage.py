@@ -118,7 +118,7 @@ def retried(fn: Callable[[], T], what: str, attempts: int | None = None) -> T:
             if attempt == attempts or not transient(exc):
                 raise
             wait = BACKOFF_S * 2 ** attempt
-            log.warning("%s failed (%s); retrying in %.1f s", what, describe(exc), wait)
+            log.info("%s failed (%s); retrying in %.1f s", what, describe(exc), wait)  # the log file, not the console
             time.sleep(wait)
     raise AssertionError("unreachable")
 
@@ -132,13 +132,24 @@ def root_cause(exc: BaseException) -> BaseException:
     return exc
 
 
-def describe(exc: BaseException) -> str:
-    """What failed, in a few words (an errno's name for local file systems, the first line otherwise)."""
+FULL_BYTES = 1 << 20  # a local file system with less free than this after a failed write is full
+
+
+def describe(exc: BaseException, location=None) -> str:
+    """What failed, in a few words. A full local disk is named as such even when the writer hid the errno
+    (torch's zip writer reports ENOSPC as a RuntimeError): `location` is checked for free space."""
     import errno
+    import shutil
 
     exc = root_cause(exc)
     if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return "no space left on the device"
+    if location is not None and not is_url(location):
+        probe = str(location)
+        while probe and not os.path.exists(probe):
+            probe = os.path.dirname(probe)
+        if probe and shutil.disk_usage(probe).free < FULL_BYTES:
+            return "no space left on the device"
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return f"{type(exc).__name__}: {text}"[:300]
 
@@ -223,13 +234,15 @@ def makedirs(path) -> None:
         os.makedirs(path, exist_ok=True)
 
 
-def rmtree(path) -> None:
-    """Remove a directory (every object under a prefix); errors are logged, not raised."""
+def rmtree(path) -> bool:
+    """Remove a directory (every object under a prefix); False (logged, not raised) when that failed."""
     fs, p = fs_of(path)
     try:
         retried(lambda: fs.rm(p, recursive=True) if fs.exists(p) else None, f"removing {path}")
     except Exception as exc:
-        log.warning("could not remove %s: %s", path, describe(exc))
+        log.info("could not remove %s: %s", path, describe(exc))  # the caller says so in its own line
+        return False
+    return True
 
 
 def open_file(path, mode: str = "rb", **options):

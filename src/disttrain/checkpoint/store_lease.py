@@ -100,7 +100,7 @@ class StoreLease(lease.Lease):
         try:
             return self._claim_as()
         except Exception as exc:  # the store is unreachable now: keep trying until the claim would expire
-            log.warning("could not renew %s: %s", self.url, storage.describe(exc))
+            log.info("could not renew %s: %s", self.url, storage.describe(exc))
             return True
 
     def release(self) -> None:
@@ -110,8 +110,7 @@ class StoreLease(lease.Lease):
         try:
             self._claim_as(released=True)
         except Exception as exc:
-            log.warning("could not release %s: %s (it expires in %.0f s)", self.url, storage.describe(exc),
-                        lease.TTL_S)
+            log.info("could not release %s: %s (it expires in %.0f s)", self.url, storage.describe(exc), lease.TTL_S)
 
 
 def acquire(checkpoint_dir, key: str, ttl: float = lease.TTL_S) -> tuple[StoreLease | None, lease.Claim | None]:

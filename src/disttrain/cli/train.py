@@ -198,7 +198,7 @@ def _train_here(cfg, env, resolved, fresh: bool) -> None:
     except Preempted:
         sys.exit(EXIT_PREEMPTED)
     except CheckpointFailed as exc:  # the storage policy: the last save failed, the run must not look done
-        logging.getLogger("disttrain.checkpoint").error("%s", exc)
+        logging.getLogger("disttrain.checkpoint").info("stopped: %s", exc)  # the log file; the console gets one line
         if env.rank == 0:
             print(f"disttrain: stopped: {exc}", file=sys.stderr, flush=True)
         sys.exit(EXIT_STORAGE)

@@ -25,7 +25,7 @@ from torch.distributed import run
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.launcher import api
 
-from disttrain.errors import EXIT_HEALTH, EXIT_PREEMPTED, EXIT_USAGE
+from disttrain.errors import EXIT_HEALTH, EXIT_PREEMPTED, EXIT_STORAGE, EXIT_USAGE
 from disttrain.process import exit_now
 
 
@@ -36,9 +36,9 @@ class BoundedExitBarrierAgent(LocalElasticAgent):
 
 
 # Worker exit statuses that mean "disttrain already said why in one line": a user mistake found in the
-# workers, a health check that stopped the run, and a clean preemption (emergency checkpoint saved).
-# torchrun's report would only repeat them.
-QUIET_EXITS = (EXIT_USAGE, EXIT_HEALTH, EXIT_PREEMPTED)
+# workers, a health check that stopped the run, a clean preemption (emergency checkpoint saved), and a
+# final save that storage refused. torchrun's report would only repeat them.
+QUIET_EXITS = (EXIT_USAGE, EXIT_HEALTH, EXIT_PREEMPTED, EXIT_STORAGE)
 
 
 class _QuietExits(logging.Filter):

@@ -121,7 +121,7 @@ class FaultInjector:
 
     def after_step(self, step: int, model=None) -> None:
         f = self.fault
-        if f is None or step != f.step:
+        if f is None or step != f.step or f.kind == "pause_after_save":
             return
         if f.kind == "desync":
             import torch

@@ -293,7 +293,7 @@ class Trainer:
             raise Preempted(step)
         final = step == self.cfg.train.steps and self.cfg.checkpoint.save_final
         if (every and step % every == 0) or decision.save_due or final:
-            self.save_checkpoint(metrics, last=final)
+            self.save_checkpoint(metrics, last=step == self.cfg.train.steps)  # no later save would retry it
             control.saved()
 
     def _no_sample_because(self) -> str | None:
