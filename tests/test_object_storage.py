@@ -115,12 +115,13 @@ def test_a_killed_run_resumes_bitwise_and_one_launch_writes_at_a_time(s3, refere
     common = [*RUN, *ZERO3, f"checkpoint.dir={s3.url('kill')}", "distributed.timeout_s=60"]
     first = subprocess.Popen([sys.executable, "-m", "disttrain", "train", str(DEBUG_CONFIG), f"run.dir={tmp_path}",
                               "run.name=a", *common, "--nproc-per-node", "2"], cwd=REPO, start_new_session=True,
-                             env={**cli_env(), **s3.env, "DISTTRAIN_FAULT": "slow:rank=0:step=0:seconds=0.4"},
+                             env={**cli_env(), **s3.env, "DISTTRAIN_FAULT": "sleep:rank=0:step=5:seconds=600"},
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while not s3.committed("kill"):
         assert first.poll() is None and time.monotonic() < deadline, first.communicate()
         time.sleep(0.1)
+    assert first.poll() is None  # rank 0 stopped stepping after step 5: the launch lives and holds the run
     with pytest.raises(SystemExit) as exc:
         main(["train", str(DEBUG_CONFIG), f"run.dir={tmp_path}", "run.name=b", *common])
     assert exc.value.code == 2
@@ -166,13 +167,50 @@ def test_resume_on_one_process_from_the_two_rank_s3_checkpoint_and_convert_it(s3
     assert remote.keys() == local.keys() and all(torch.equal(remote[k], local[k]) for k in local)
 
 
-def test_store_lost_mid_save_keeps_the_previous_checkpoint_and_says_so(s3, tmp_path):
+@pytest.fixture(scope="module")
+def prepared(s3, tmp_path_factory):
+    """A prepare-data directory, locally and uploaded to the bucket."""
+    from disttrain.cli import main
+
+    root = tmp_path_factory.mktemp("data")
+    (root / "corpus.txt").write_text("\n\n".join(" ".join(f"w{(d * 31 + i) % 101}" for i in range(60))
+                                                  for d in range(120)))
+    main(["prepare-data", str(root / "corpus.txt"), "--out", str(root / "prepared")])
+    s3.fs.put(str(root / "prepared"), f"{BUCKET}/prepared", recursive=True)
+    return root / "prepared", s3.url("prepared")
+
+
+def test_prepared_data_reads_from_the_bucket_in_ranges(prepared, tmp_path):
+    """The same windows as the local directory, mixtures included; read through ranged reads (and the cache)."""
+    import numpy as np
+
+    from disttrain.data.remote import RangeArray
+    from disttrain.data.source import describe_source, load_samples
+
+    local, url = prepared
+    assert describe_source(url, "byte") == describe_source(str(local), "byte")
+    _, remote_train, remote_val = load_samples(url, "byte", 64, cache_dir=str(tmp_path / "cache"))
+    _, local_train, local_val = load_samples(str(local), "byte", 64)
+    assert isinstance(remote_train.tokens, RangeArray) and len(remote_train) == len(local_train) > 8
+    ids = np.array([len(local_train) - 1, 0, 5, 3])
+    for a, b in zip(remote_train.batch(ids), local_train.batch(ids)):
+        assert a.equal(b)
+    assert np.array_equal(remote_val.tokens[:], np.asarray(local_val.tokens))
+    assert any((tmp_path / "cache").iterdir())  # the ranges read are kept locally
+    _, mixed, _ = load_samples({url: 1.0, str(local): 2.0}, "byte", 64)
+    assert [len(p) for p in mixed.parts] == [len(local_train)] * 2
+
+
+def test_store_lost_mid_save_keeps_the_previous_checkpoint_and_says_so(s3, prepared, tmp_path):
     """The store goes away after step 8's data was written and before its COMMIT (the final save): the run fails
-    with one line naming the location, what failed and the newest complete checkpoint; step 4 stays intact."""
+    with one line naming the location, what failed and the newest complete checkpoint; step 4 stays intact.
+    The run reads its data from the bucket too (a mixture of the bucket's and the local copy)."""
     log = tmp_path / "fault.log"
+    local, url = prepared
     proc = subprocess.Popen([sys.executable, "-m", "disttrain", "train", str(DEBUG_CONFIG), f"run.dir={tmp_path}",
                              "run.name=r", "train.steps=8", "checkpoint.every_steps=4", "checkpoint.async=true",
-                             f"checkpoint.dir={s3.url('lost')}", "metrics.comm_profile_every=0"], cwd=REPO,
+                             f"checkpoint.dir={s3.url('lost')}", "metrics.comm_profile_every=0",
+                             f"data.source={{{url}: 1, {local}: 1}}", f"data.cache_dir={tmp_path / 'cache'}"], cwd=REPO,
                             env={**cli_env(), **s3.env, "DISTTRAIN_FAULT": "pause_after_save:rank=0:step=8:seconds=4",
                                  "DISTTRAIN_FAULT_LOG": str(log)},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

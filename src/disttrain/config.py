@@ -83,6 +83,8 @@ class DataConfig(_Section):
                                   "empty: on with a GPU, off on CPU")
     packing: bool = Field(False, description="chat data: several conversations per sequence (first-fit), with "
                           "document masking; false: one conversation per sequence, padded")
+    cache_dir: str = Field("", description="data.source on an object store: keep the byte ranges read in this local "
+                           "directory (fsspec's block cache); empty: read them from the store each time")
 
     @model_validator(mode="after")
     def _packing_masks_documents(self) -> "DataConfig":

@@ -63,6 +63,15 @@ def parent_of(path) -> str:
     return posixpath.dirname(text) if is_url(text) else os.path.dirname(text)
 
 
+def client_options(protocol: str) -> dict:
+    """Client settings (never credentials): short client retries (ours below add the backoff), so a dead
+    endpoint is reported in seconds."""
+    if protocol in ("s3", "s3a"):
+        return {"config_kwargs": {"retries": {"max_attempts": 3, "mode": "standard"}, "connect_timeout": 5,
+                                  "read_timeout": 60}}
+    return {}
+
+
 @functools.lru_cache(maxsize=16)
 def _fs_for(protocol: str, pid: int):
     """One instance per protocol and process: an async file system (s3fs) cannot cross a fork (the suite's
@@ -76,12 +85,7 @@ def _fs_for(protocol: str, pid: int):
     except (ImportError, ValueError) as exc:
         raise UserError(f"{protocol}:// storage needs its fsspec package ({exc}); for s3:// install "
                         "disttrain[s3]") from None
-    options = {"skip_instance_cache": True}
-    if protocol in ("s3", "s3a"):
-        # Short client-side retries: ours (below) add the backoff, and a dead endpoint is reported in seconds.
-        options["config_kwargs"] = {"retries": {"max_attempts": 3, "mode": "standard"}, "connect_timeout": 5,
-                                    "read_timeout": 60}
-    return cls(**options)
+    return cls(skip_instance_cache=True, **client_options(protocol))
 
 
 def fs_of(path):
@@ -287,12 +291,8 @@ def dcp_reader(path):
 
 
 def _dcp_options(path) -> dict:
-    """The same client settings (retries, timeouts) DCP's own file system instance gets."""
-    protocol = str(path).split("://", 1)[0]
-    if protocol in ("s3", "s3a"):
-        return {"config_kwargs": {"retries": {"max_attempts": 3, "mode": "standard"}, "connect_timeout": 5,
-                                  "read_timeout": 60}, "skip_instance_cache": True}
-    return {}
+    """The same client settings DCP's own file system instance gets."""
+    return {**client_options(str(path).split("://", 1)[0]), "skip_instance_cache": True}
 
 
 # ---------------------------------------------------------------- checks at start
