@@ -188,7 +188,8 @@ def test_prepared_data_reads_from_the_bucket_in_ranges(prepared, tmp_path):
     from disttrain.data.source import describe_source, load_samples
 
     local, url = prepared
-    assert describe_source(url, "byte") == describe_source(str(local), "byte")
+    remote_info, local_info = describe_source(url, "byte"), describe_source(str(local), "byte")
+    assert (remote_info.vocab_size, remote_info.eos_id) == (local_info.vocab_size, local_info.eos_id)
     _, remote_train, remote_val = load_samples(url, "byte", 64, cache_dir=str(tmp_path / "cache"))
     _, local_train, local_val = load_samples(str(local), "byte", 64)
     assert isinstance(remote_train.tokens, RangeArray) and len(remote_train) == len(local_train) > 8
