@@ -147,6 +147,11 @@ def test_refused_launch_says_who_holds_the_store(s3, capsys, tmp_path):
         assert exc.value.code == 2 and err.count("\n") == 1, err
         assert f"{s3.url('held')} is being written by another launch (host {socket.gethostname()}, pid " in err
         assert not (tmp_path / "x").exists()  # nothing half-written
+        url = store_lease.location(s3.url("held"))  # S3's conditional PUTs, as moto serves them:
+        assert not store_lease._put(url, b"{}", None)  # a second create of the claim loses (If-None-Match)
+        _, etag = store_lease._get(url)
+        assert held.renew() and not store_lease._put(url, b"{}", etag)  # a rewrite from an outdated read loses
+        assert store_lease.read(s3.url("held")).key == "slurm-job-7"
     finally:
         held.release()
     assert store_lease.read(s3.url("held")).released
