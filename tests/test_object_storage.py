@@ -275,3 +275,32 @@ def test_full_disk_removes_the_partial_checkpoint_and_the_relaunch_finishes(refe
     train(run, *common, nproc=2)
     assert events(run, "resumed")[-1]["step"] == 4
     assert losses(run) == losses(reference)
+
+
+def test_a_missing_bucket_credentials_or_endpoint_is_refused_at_start(s3, monkeypatch, capsys, tmp_path):
+    """One line naming the key and what to fix, exit 2, before anything is written."""
+    from disttrain.checkpoint import storage
+    from disttrain.cli import main
+
+    def refused(url: str, **env) -> str:
+        for key, value in env.items():
+            monkeypatch.delenv(key, raising=False) if value is None else monkeypatch.setenv(key, value)
+        storage._fs_for.cache_clear()  # a client picks up its environment when it is made
+        try:
+            with pytest.raises(SystemExit) as exc:
+                main(["train", str(DEBUG_CONFIG), f"run.dir={tmp_path}", "run.name=x", f"checkpoint.dir={url}"])
+        finally:
+            monkeypatch.undo()
+            storage._fs_for.cache_clear()
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and err.count("\n") == 1 and not (tmp_path / "x").exists(), err
+        return err
+
+    assert "no such bucket" in refused("s3://no-such-bucket/run")
+    no_keys = refused(s3.url("run"), AWS_ACCESS_KEY_ID=None, AWS_SECRET_ACCESS_KEY=None, AWS_PROFILE=None,
+                      AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"), AWS_CONFIG_FILE=str(tmp_path / "none"),
+                      AWS_EC2_METADATA_DISABLED="true")
+    assert f"checkpoint.dir={s3.url('run')}: no credentials found" in no_keys
+    assert "cannot reach the store at http://127.0.0.1:9" in refused(s3.url("run"),
+                                                                      AWS_ENDPOINT_URL="http://127.0.0.1:9")
+    assert "testing" not in no_keys
