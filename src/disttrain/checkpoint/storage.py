@@ -7,7 +7,8 @@ marks a complete checkpoint. Everything goes through fsspec (s3fs for s3://); `p
 (environment, profile, `AWS_ENDPOINT_URL`); nothing here reads, logs or stores them.
 
 Transient store errors (a dropped connection, throttling) are retried with exponential backoff on top of the
-client's own retries; what still fails is raised as StorageFailure with one line naming the location.
+client's own retries; what still fails is raised to the caller, which names the location in one line
+(describe() says what failed).
 """
 
 from __future__ import annotations
@@ -28,10 +29,6 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 RETRIES = int(os.environ.get("DISTTRAIN_STORAGE_RETRIES", "3"))  # attempts after the first, ours
 BACKOFF_S = 0.5  # first wait; doubled each time
-
-
-class StorageFailure(OSError):
-    """A store operation that failed after its retries (full disk, lost connection, throttled store)."""
 
 
 def is_url(path) -> bool:
