@@ -67,6 +67,7 @@ def main() -> None:
                         for row in found:
                             row["launch"] = launch
                         rows += found
+                        Path(args.out).write_text("".join(json.dumps(r) + "\n" for r in rows))  # so far
                         print(f"{model} {store} launch {launch}: {len(found)} rows", flush=True)
     finally:
         server.stop()
