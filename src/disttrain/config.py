@@ -110,6 +110,8 @@ class DataConfig(_Section):
                                   "empty: on with a GPU, off on CPU")
     packing: bool = Field(False, description="chat data: several conversations per sequence (first-fit), with "
                           "document masking; false: one conversation per sequence, padded")
+    cache_dir: str = Field("", description="data.source on an object store: keep the byte ranges read in this local "
+                           "directory (fsspec's block cache); empty: read them from the store each time")
 
     @model_validator(mode="after")
     def _packing_masks_documents(self) -> "DataConfig":
@@ -184,7 +186,8 @@ class PrecisionConfig(_Section):
 
 
 class CheckpointConfig(_Section):
-    dir: str = Field("", description="empty: <run dir>/checkpoints")
+    dir: str = Field("", description="empty: <run dir>/checkpoints; or an fsspec URL (s3://bucket/prefix, gs://, "
+                     "az://) with credentials from the environment or a profile")
     every_steps: int = Field(0, ge=0)
     every_minutes: float = Field(0.0, ge=0)
     keep_last: int = Field(0, ge=0)
@@ -194,7 +197,7 @@ class CheckpointConfig(_Section):
 
     @model_validator(mode="after")
     def _check(self) -> "CheckpointConfig":
-        if self.resume not in ("auto", "none") and not Path(self.resume).is_dir():
+        if self.resume not in ("auto", "none") and "://" not in self.resume and not Path(self.resume).is_dir():
             raise ValueError(f"checkpoint.resume={self.resume}: no such checkpoint directory "
                              "(allowed: auto, none, or an existing checkpoints/step_* directory)")
         return self
@@ -252,7 +255,10 @@ class RunConfig(_Section):
         return Path(self.run.dir) / self.run.name
 
     @property
-    def checkpoint_dir(self) -> Path:
+    def checkpoint_dir(self) -> Path | str:
+        """A local Path, or the URL string itself (pathlib would turn s3://b/p into s3:/b/p)."""
+        if "://" in self.checkpoint.dir:
+            return self.checkpoint.dir.rstrip("/")
         return Path(self.checkpoint.dir) if self.checkpoint.dir else self.run_dir / "checkpoints"
 
     def to_yaml(self) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 EXIT_USAGE = 2  # a user mistake: one line on stderr, nothing half-written
 EXIT_HEALTH = 3  # a health check (non-finite values, diverged replicas) stopped the run
+EXIT_STORAGE = 74  # EX_IOERR: the final or emergency checkpoint could not be saved (one line says where, why)
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: emergency checkpoint written; launchers restart or requeue on it
 EXIT_HANG = 124  # the hang watchdog fired
 

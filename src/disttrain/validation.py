@@ -146,6 +146,9 @@ def _check_keys_for_engine(cfg) -> None:
                                 "engine=deepspeed set precision.compute_dtype (allowed: auto, fp32)")
         if cfg.checkpoint.async_save:
             raise UserError("checkpoint.async=true needs engine=torch (DeepSpeed saves synchronously; allowed: false)")
+        if "://" in cfg.checkpoint.dir:
+            raise UserError(f"checkpoint.dir={cfg.checkpoint.dir} needs engine=torch (DeepSpeed writes to local "
+                            "paths only; allowed with engine=deepspeed: a local or mounted directory)")
         return
     if p.zero_stage < 2:
         for key in ("param_dtype", "reduce_dtype"):

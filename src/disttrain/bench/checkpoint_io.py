@@ -5,7 +5,9 @@ state on the same disk. Run under torchrun:
 
 Each rank fills its optimizer state (one step), then times: a synchronous DCP save (committed),
 an async save (blocking part, and until committed), a DCP load, and torch.save/torch.load of its
-own state dict. Prints one `IO {json}` line per rank and repetition.
+own state dict. Prints one `IO {json}` line per rank and repetition. DIR may be an fsspec URL
+(s3://bucket/prefix): the same through DCP's fsspec storage, and the baseline is torch.save into memory
+plus one PUT of the bytes (torch.load of one GET).
 """
 
 from __future__ import annotations
@@ -13,15 +15,13 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import shutil
 import sys
 import time
-from pathlib import Path
-
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
+from disttrain.checkpoint import storage
 from disttrain.checkpoint.manager import CheckpointManager
 from disttrain.config import load_config
 from disttrain.distributed.env import detect_env
@@ -48,9 +48,11 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     args = parser.parse_args()
     rt = init_distributed(detect_env(), "gloo", 600)
-    root = Path(args.dir)
+    root = args.dir
+    remote = storage.is_url(root)
     cfg = load_config(None, [f"model.name={args.model}", "data.seq_len=16", f"train.global_batch_size={rt.world_size}",
-                             f"parallel.zero_stage={args.zero_stage}", f"run.dir={root}", "run.name=io",
+                             f"parallel.zero_stage={args.zero_stage}",
+                             f"run.dir={'/tmp/disttrain-io' if remote else root}", "run.name=io",
                              "checkpoint.resume=none"])
     run = build_run(cfg, rt)
     engine = run.engine
@@ -58,11 +60,14 @@ def main() -> None:
     state = train_state(run, Progress())
     model_sd, optim_sd = get_state_dict(engine.model, engine.optimizer)
     nbytes = sum(local_bytes(v) for sd in (model_sd, optim_sd) for v in iter_tensors(sd))
-    sync = CheckpointManager(root / "sync", rt.rank)
-    asyn = CheckpointManager(root / "async", rt.rank, async_save=True)
-    plain = root / f"torch_rank{rt.rank}.pt"
+    sync = CheckpointManager(storage.join(root, "sync"), rt.rank)
+    asyn = CheckpointManager(storage.join(root, "async"), rt.rank, async_save=True)
+    plain = storage.join(root, f"torch_rank{rt.rank}.pt")
+    save, load = (storage.torch_save, storage.torch_load) if remote else \
+        (torch.save, lambda p: torch.load(p, weights_only=False))
     for rep in range(args.reps):
-        row = {"rank": rt.rank, "world": rt.world_size, "rep": rep, "bytes": nbytes, "model": args.model}
+        row = {"rank": rt.rank, "world": rt.world_size, "rep": rep, "bytes": nbytes, "model": args.model,
+               "store": root.split("://", 1)[0] if remote else "local"}
         row["dcp_save_s"] = _timed(lambda: sync.save(rep + 1, engine, state))
         t0 = time.perf_counter()
         asyn.save(rep + 1, engine, state)
@@ -72,15 +77,15 @@ def main() -> None:
         row["async_total_s"] = time.perf_counter() - t0
         row["dcp_load_s"] = _timed(lambda: sync.load(sync.step_dir(rep + 1), engine))
         local = {"model": {k: local_shard(v) for k, v in model_sd.items()}, "optim": optim_sd}
-        row["torch_save_s"] = _timed(lambda: torch.save(local, plain))
-        row["torch_load_s"] = _timed(lambda: torch.load(plain, weights_only=False))
+        row["torch_save_s"] = _timed(lambda: save(local, plain))
+        row["torch_load_s"] = _timed(lambda: load(plain))
         for key in ("dcp_save_s", "async_blocking_s", "dcp_load_s", "torch_save_s", "torch_load_s"):
             row[key[:-2] + "_mib_per_s"] = nbytes / 2**20 / max(row[key], 1e-9)
         sys.stdout.write("IO " + json.dumps(row) + "\n")  # one write: ranks share the pipe
         sys.stdout.flush()
         if rt.rank == 0:
-            for d in (root / "sync", root / "async"):
-                shutil.rmtree(d, ignore_errors=True)
+            for d in (storage.join(root, "sync"), storage.join(root, "async")):
+                storage.rmtree(d)
         dist.barrier()
     del run, engine
     gc.collect()

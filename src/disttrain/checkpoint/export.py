@@ -10,7 +10,6 @@ them. Exported files are readable by everyone (0644), like any model download.
 from __future__ import annotations
 
 import json
-import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
@@ -21,27 +20,31 @@ from disttrain.errors import UserError
 FORMATS = ("torch", "safetensors", "hf", "peft")
 
 
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A step directory, or a run directory (its newest committed checkpoint)."""
+def resolve_checkpoint(path: str | Path) -> str:
+    """A step directory, a checkpoint directory, or a run directory (its newest committed checkpoint); local
+    paths or URLs (a run directory's config.yaml may name remote checkpoints)."""
+    from disttrain.checkpoint import storage
     from disttrain.checkpoint.manager import COMMIT, CheckpointManager
 
-    path = Path(path)
-    if (path / COMMIT).is_file():
+    path = str(path).rstrip("/") if storage.is_url(path) else str(path)
+    if storage.isfile(storage.join(path, COMMIT)):
         return path
-    ckpt_dir = path / "checkpoints"
-    config = path / "config.yaml"
-    if config.is_file():
+    ckpt_dir = storage.join(path, "checkpoints")
+    config = storage.join(path, "config.yaml")
+    if storage.isfile(config):
         import yaml
 
-        configured = (yaml.safe_load(config.read_text()) or {}).get("checkpoint", {}).get("dir")
-        ckpt_dir = Path(configured) if configured else ckpt_dir
+        configured = (yaml.safe_load(storage.read_text(config)) or {}).get("checkpoint", {}).get("dir")
+        ckpt_dir = configured or ckpt_dir
+    elif not storage.exists(ckpt_dir):
+        ckpt_dir = path  # a checkpoint directory itself (checkpoint.dir)
     latest = CheckpointManager(ckpt_dir, rank=0).latest()
     if latest is None:
         raise FileNotFoundError(f"{path} is neither a committed checkpoint nor a run directory holding one")
     return latest
 
 
-def checkpoint_spec(step_dir: Path):
+def checkpoint_spec(step_dir):
     """The ModelSpec of the model a checkpoint holds (from the config saved with it)."""
     from disttrain.checkpoint.manager import CheckpointManager
     from disttrain.config import ModelConfig
@@ -51,7 +54,7 @@ def checkpoint_spec(step_dir: Path):
     return model_spec(ModelConfig.model_validate(state["config"]["model"]))
 
 
-def full_model_state(step_dir: Path) -> dict[str, torch.Tensor]:
+def full_model_state(step_dir) -> dict[str, torch.Tensor]:
     """Unsharded fp32 parameters, whatever layout or engine wrote the checkpoint; no process group needed."""
     from disttrain.checkpoint.manager import CheckpointManager
 
@@ -59,12 +62,16 @@ def full_model_state(step_dir: Path) -> dict[str, torch.Tensor]:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         state = get_fp32_state_dict_from_zero_checkpoint(str(step_dir), tag="deepspeed")
-    else:
-        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    else:  # what dcp_to_torch_save does, with the reader of the location (a local path or a URL)
+        from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+        from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-        with tempfile.TemporaryDirectory() as tmp:
-            dcp_to_torch_save(step_dir, Path(tmp) / "full.pt")
-            state = torch.load(Path(tmp) / "full.pt", weights_only=True)["model"]
+        from disttrain.checkpoint import storage
+
+        full: dict = {}
+        _load_state_dict(full, storage_reader=storage.dcp_reader(step_dir), planner=_EmptyStateDictLoadPlanner(),
+                         no_dist=True)
+        state = full["model"]
     return {k: v.detach().float().contiguous() for k, v in state.items() if not k.startswith("rope_")}
 
 
@@ -139,7 +146,7 @@ def run_tokenizer(config: dict) -> str:
     return _tokenizer_spec(source, tok)
 
 
-def _save_tokenizer_and_generation(step_dir: Path, out: Path) -> None:
+def _save_tokenizer_and_generation(step_dir, out: Path) -> None:
     """The run's tokenizer through transformers (a model directory's own files, chat template and special
     tokens included, when it came from model.hf or from chat data) and its generation config: the model directory's, or one
     naming the tokenizer's end-of-document id (transformers' Llama default, id 2, is not ours)."""

@@ -12,7 +12,8 @@ restarts, so that they are never refused by their own earlier claim:
 - else one process.
 
 Works on a shared file system: the record is written to a temporary file and renamed into place
-(a fresh claim is created exclusively with a hard link), and read back to confirm who won.
+(a fresh claim is created exclusively with a hard link), and read back to confirm who won. Checkpoints on an
+object store get the same claim as an object there as well (store_lease.py).
 """
 
 from __future__ import annotations

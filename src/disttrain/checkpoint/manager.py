@@ -11,6 +11,15 @@ Layout of one checkpoint:
 
 The step engine writes and reads model + optimizer state (`engine.save`/`engine.load`); this
 module owns directories, commit, retention, RNG and the choice of what to resume.
+
+The directory is a local path or an fsspec URL (s3://bucket/prefix, ...): every operation goes through
+storage.py. On an object store the same protocol holds: data objects first, COMMIT (one PUT) last, and a
+checkpoint is deleted only after a newer one committed.
+
+A save that fails (no space, a lost connection, a throttled store that stays so) is agreed by every rank,
+its partial directory removed, and raised as SaveFailed with one line naming the location, what failed and
+the newest complete checkpoint; the loop decides what follows (train/loop.py: the next interval retries, a
+failed final or emergency save fails the run).
 """
 
 from __future__ import annotations
@@ -18,20 +27,20 @@ from __future__ import annotations
 import json
 import logging
 import random
-import shutil
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 
-from disttrain.checkpoint import integrity
+from disttrain.checkpoint import integrity, storage
 from disttrain.errors import UserError
 
 log = logging.getLogger(__name__)
 
 COMMIT = "COMMIT"
+# What a failed save raises: an OS or store error, or DCP's gathered CheckpointException (a BaseException).
+SAVE_ERRORS = (Exception, CheckpointException)
 
 
 def rng_state() -> dict:
@@ -48,39 +57,46 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+class SaveFailed(Exception):
+    """A checkpoint save that failed on some rank, agreed by all; str() is the one line for people."""
+
+    def __init__(self, step: int, message: str):
+        super().__init__(message)
+        self.step = step
+
+
 class CheckpointManager:
     """Synchronous saves commit before returning. Async saves (`async_save=True`) return once the
     state is staged in host memory; `poll_done`/`commit_pending` commit them after every rank's
     writes finished, and a new save first waits for the previous one."""
 
-    def __init__(self, directory: str | Path, rank: int, keep_last: int = 0, async_save: bool = False):
-        self.dir = Path(directory)
+    def __init__(self, directory, rank: int, keep_last: int = 0, async_save: bool = False):
+        self.dir = str(directory)
         self.rank = rank
         self.keep_last = keep_last
         self.async_save = async_save
         # DCP's async writer runs collectives while training runs its own: it needs its own group.
         self._async_group = dist.new_group(backend="gloo") if async_save else None
-        self._pending: tuple[int, Path, object, float] | None = None
+        self._pending: tuple[int, str, object, float] | None = None
         self._format = "dcp"
+        self.newest: str | None = None  # the newest complete checkpoint known (resumed from or committed)
 
-    def step_dir(self, step: int) -> Path:
-        return self.dir / f"step_{step:08d}"
+    def step_dir(self, step: int) -> str:
+        return storage.join(self.dir, f"step_{step:08d}")
 
     @staticmethod
-    def step_of(path: Path) -> int:
-        return int(path.name.split("_")[1])
+    def step_of(path) -> int:
+        return int(storage.name_of(path).split("_")[1])
 
-    def _candidates(self) -> list[Path]:
-        if not self.dir.is_dir():
-            return []
-        return sorted((p for p in self.dir.glob("step_*") if p.is_dir() and p.name[5:].isdigit()),
-                      key=self.step_of)
+    def _candidates(self) -> list[str]:
+        names = [n for n in storage.listdir(self.dir) if n.startswith("step_") and n[5:].isdigit()]
+        return sorted((storage.join(self.dir, n) for n in names), key=self.step_of)
 
-    def committed(self) -> list[Path]:
+    def committed(self) -> list[str]:
         """Committed checkpoints, oldest first."""
-        return [p for p in self._candidates() if (p / COMMIT).is_file()]
+        return [p for p in self._candidates() if storage.isfile(storage.join(p, COMMIT))]
 
-    def latest(self) -> Path | None:
+    def latest(self) -> str | None:
         done = self.committed()
         return done[-1] if done else None
 
@@ -89,97 +105,122 @@ class CheckpointManager:
         if self.rank != 0:
             return
         for path in self._candidates():
-            if not (path / COMMIT).is_file():
+            if not storage.isfile(storage.join(path, COMMIT)):
                 log.warning("removing uncommitted checkpoint %s", path)
-                shutil.rmtree(path, ignore_errors=True)
+                storage.rmtree(path)
 
-    def verify(self, path: Path) -> str | None:
+    def verify(self, path) -> str | None:
         """Cheap integrity check without touching any model: None if loadable, else what is wrong
         (naming the file). Catches missing or truncated shards and unreadable metadata."""
         try:
             self.read_train_state(path)
         except Exception as exc:  # truncated or foreign pickle: torch raises several types
-            return f"{path / 'train_state.pt'} is unreadable ({type(exc).__name__})"
+            return f"{storage.join(path, 'train_state.pt')} is unreadable ({type(exc).__name__})"
         if self.format_of(path) != "dcp":
             return None
         try:
-            metadata = FileSystemReader(str(path)).read_metadata()
+            metadata = storage.dcp_reader(path).read_metadata()
+            present = storage.files_under(path)
         except Exception as exc:
-            return f"{path / '.metadata'} is unreadable ({type(exc).__name__})"
+            return f"{storage.join(path, '.metadata')} is unreadable ({type(exc).__name__})"
         needed: dict[str, int] = {}
         for info in metadata.storage_data.values():
             needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
         for name, size in sorted(needed.items()):
-            file = path / name
-            if not file.is_file():
+            file = storage.join(path, name)
+            if name not in present:
                 return f"{file} is missing"
-            if file.stat().st_size < size:
-                return f"{file} is truncated ({file.stat().st_size} of {size} bytes)"
+            if present[name] < size:
+                return f"{file} is truncated ({present[name]} of {size} bytes)"
         return None
 
-    def verify_checksums(self, path: Path) -> str | None:
+    def verify_checksums(self, path) -> str | None:
         """Collective: every file against the size and CRC-32 its COMMIT records (checkpoints written
         before checksums existed pass)."""
         try:
-            files = json.loads((path / COMMIT).read_text()).get("files")
+            files = json.loads(storage.read_text(storage.join(path, COMMIT))).get("files")
         except (OSError, ValueError):
             files = None
         return integrity.check(path, files) if files else None
 
-    def choose_resume(self) -> tuple[Path | None, list[str]]:
+    def choose_resume(self) -> tuple[str | None, list[str]]:
         """Collective: the newest committed checkpoint that verifies (rank 0 checks the structure, all
         ranks share the checksums; the directory is shared storage), and why newer ones were skipped."""
-        box: list = [[str(p) for p in reversed(self.committed())] if self.rank == 0 else None]
+        box: list = [list(reversed(self.committed())) if self.rank == 0 else None]
         dist.broadcast_object_list(box, src=0)
         skipped = []
-        for name in box[0]:
-            path = Path(name)
+        for path in box[0]:
             problem = [self.verify(path) if self.rank == 0 else None]
             dist.broadcast_object_list(problem, src=0)
             reason = problem[0] or self.verify_checksums(path)
             if reason is None:
                 return path, skipped
             if self.rank == 0:
-                log.warning("checkpoint %s cannot be loaded: %s; trying an older one", path.name, reason)
+                log.warning("checkpoint %s cannot be loaded: %s; trying an older one", storage.name_of(path), reason)
             skipped.append(reason)
         return None, skipped
 
     @staticmethod
-    def format_of(path: Path) -> str:
+    def format_of(path) -> str:
         """The state format the engine that saved `path` wrote (from its COMMIT record)."""
         try:
-            return json.loads((path / COMMIT).read_text()).get("format", "dcp")
+            return json.loads(storage.read_text(storage.join(path, COMMIT))).get("format", "dcp")
         except (OSError, ValueError):
             return "dcp"
 
-    def save(self, step: int, engine, train_state: dict) -> Path:
-        """Collective: every rank calls it. Returns the step directory (committed unless async)."""
+    # ---------------------------------------------------------------- saving
+    def save(self, step: int, engine, train_state: dict) -> str:
+        """Collective: every rank calls it. Returns the step directory (committed unless async).
+        Raises SaveFailed (on every rank) when this save or a pending async one failed."""
         self.commit_pending()
         path = self.step_dir(step)
-        if self.rank == 0 and path.exists():
-            shutil.rmtree(path)  # a stale save of the same step (e.g. after a crash and resume)
+        if self.rank == 0 and storage.exists(path):
+            storage.rmtree(path)  # a stale save of the same step (e.g. after a crash and resume)
         dist.barrier()
-        path.mkdir(parents=True, exist_ok=True)  # an async writer creates it only in the background
-        self._format = engine.checkpoint_format
-        future = engine.save(path, self._async_group if self.async_save else None)
-        torch.save(rng_state(), path / f"rank_{self.rank:05d}.pt")
-        if self.rank == 0:
-            torch.save(train_state, path / "train_state.pt")
+        future, failure = None, None
+        try:
+            storage.makedirs(path)  # an async writer creates it only in the background
+            self._format = engine.checkpoint_format
+            future = engine.save(path, self._async_group if self.async_save else None)
+            storage.torch_save(rng_state(), storage.join(path, f"rank_{self.rank:05d}.pt"))
+            if self.rank == 0:
+                storage.torch_save(train_state, storage.join(path, "train_state.pt"))
+        except SAVE_ERRORS as exc:
+            failure = f"writing {path} ({storage.describe(exc, path)})"
+        self._settle(step, path, failure)  # every rank's files are written (or the save is abandoned)
         if future is not None:
             self._pending = (step, path, future, time.perf_counter())
             return path
-        dist.barrier()  # every rank's files are on disk before the marker
         self._commit(step, path)
         return path
 
-    def _commit(self, step: int, path: Path, group=None) -> None:
+    def _settle(self, step: int, path: str, failure: str | None, group=None) -> None:
+        """Collective: agree whether any rank failed; if so, remove the partial checkpoint and raise."""
+        shares: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(shares, failure, group=group)
+        failures = [f for f in shares if f]
+        if not failures:
+            return
+        kept = "removed the partial checkpoint"
+        if self.rank == 0 and not storage.rmtree(path):
+            kept = "the partial checkpoint is removed at the next start"
+        newest_text = self.newest or "none"  # known without asking a store that may be gone
+        raise SaveFailed(step, f"checkpoint save of step {step} in {self.dir} failed: {failures[0]}; {kept}; "
+                               f"newest complete checkpoint: {newest_text}")
+
+    def _commit(self, step: int, path: str, group=None) -> None:
         """Collective: checksum every file (spread over the ranks), then rank 0 writes the marker."""
-        files = integrity.record(path, group)
+        files, failure = integrity.record(path, group)
+        if failure is None and self.rank == 0:
+            try:
+                storage.write_text(storage.join(path, COMMIT), json.dumps(
+                    {"step": step, "world_size": dist.get_world_size(), "time": time.time(),
+                     "format": self._format, "files": files}))
+            except Exception as exc:
+                failure = f"writing {storage.join(path, COMMIT)} ({storage.describe(exc, path)})"
+        self._settle(step, path, failure, group)
+        self.newest = path
         if self.rank == 0:
-            tmp = path / (COMMIT + ".tmp")
-            tmp.write_text(json.dumps({"step": step, "world_size": dist.get_world_size(), "time": time.time(),
-                                       "format": self._format, "files": files}))
-            tmp.replace(path / COMMIT)
             self._apply_retention()
 
     @property
@@ -191,23 +232,28 @@ class CheckpointManager:
 
     def commit_pending(self) -> tuple[int, float] | None:
         """Collective when a save is pending: wait for every rank's writes, then commit.
-        Returns (step, seconds from save start to commit) or None."""
+        Returns (step, seconds from save start to commit) or None; raises SaveFailed."""
         if self._pending is None:
             return None
         step, path, future, t0 = self._pending
         self._pending = None
-        future.result()  # re-raises a failed write
-        dist.barrier(group=self._async_group)
+        failure = None
+        try:
+            future.result()  # re-raises a failed write
+        except SAVE_ERRORS as exc:
+            failure = f"writing {path} ({storage.describe(exc, path)})"
+        self._settle(step, path, failure, self._async_group)
         self._commit(step, path, self._async_group)
         return step, time.perf_counter() - t0
 
     def _apply_retention(self) -> None:
+        """Rank 0, after a commit: only older committed checkpoints go (never the newest, never one in progress)."""
         if self.keep_last <= 0:
             return
         for old in self.committed()[:-self.keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
+            storage.rmtree(old)
 
-    def load(self, path: Path, engine) -> dict:
+    def load(self, path, engine) -> dict:
         """Collective: restore model and optimizer in place, this rank's RNG; return the train state."""
         saved = self.format_of(path)
         if saved != engine.checkpoint_format:
@@ -215,14 +261,15 @@ class CheckpointManager:
                             f"{engine.checkpoint_format} (resume with the engine that saved it: "
                             f"engine={'deepspeed' if saved == 'deepspeed' else 'torch'})")
         engine.load(path)
-        rank_file = path / f"rank_{self.rank:05d}.pt"
-        if rank_file.is_file():
-            set_rng_state(torch.load(rank_file, weights_only=True))
+        self.newest = path
+        rank_file = storage.join(path, f"rank_{self.rank:05d}.pt")
+        if storage.isfile(rank_file):
+            set_rng_state(storage.torch_load(rank_file))
         else:
             log.warning("%s has no RNG state for rank %d (saved on a smaller world); keeping fresh RNG",
                         path, self.rank)
         return self.read_train_state(path)
 
     @staticmethod
-    def read_train_state(path: Path) -> dict:
-        return torch.load(path / "train_state.pt", weights_only=True)
+    def read_train_state(path) -> dict:
+        return storage.torch_load(storage.join(path, "train_state.pt"))

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import asdict, fields
 from pathlib import Path
 
-from disttrain.checkpoint import lease
+from disttrain.checkpoint import lease, storage, store_lease
 from disttrain.checkpoint.compat import run_changes
 from disttrain.errors import UserError
 from disttrain.models.shape import ModelShape
@@ -85,15 +85,11 @@ def lora_settings_problem(state: dict, cfg) -> str | None:
     return ", ".join(diff) or None
 
 
-def newest_state(checkpoint_dir: Path) -> tuple[Path | None, dict | None]:
-    """The newest committed checkpoint whose train_state reads, and that state."""
-    from disttrain.checkpoint.manager import COMMIT, CheckpointManager
+def newest_state(checkpoint_dir) -> tuple[str | None, dict | None]:
+    """The newest committed checkpoint whose train_state reads, and that state (a local path or a URL)."""
+    from disttrain.checkpoint.manager import CheckpointManager
 
-    if not checkpoint_dir.is_dir():
-        return None, None
-    steps = sorted((p for p in checkpoint_dir.glob("step_*") if p.name[5:].isdigit() and (p / COMMIT).is_file()),
-                   key=lambda p: int(p.name[5:]), reverse=True)
-    for path in steps:
+    for path in reversed(CheckpointManager(checkpoint_dir, rank=-1).committed()):
         try:
             return path, CheckpointManager.read_train_state(path)
         except Exception:  # torn or foreign: the workers skip it and say why
@@ -105,19 +101,42 @@ def _show(value) -> str:
     return "empty" if value in ("", None) else str(value)
 
 
-def held_by(cfg, holder: lease.Claim) -> str:
-    return (f"run.name={cfg.run.name}: {cfg.run_dir} is being written by another launch ({holder.describe()}); "
-            f"wait for it to finish, or {NEW_NAME} (a claim not renewed for {lease.TTL_S:.0f} s expires)")
+def held_by(cfg, holder: lease.Claim, where=None) -> str:
+    return (f"run.name={cfg.run.name}: {where or cfg.run_dir} is being written by another launch "
+            f"({holder.describe()}); wait for it to finish, or {NEW_NAME} (a claim not renewed for "
+            f"{lease.TTL_S:.0f} s expires)")
 
 
-def claim(cfg, key: str, existed: bool) -> lease.Lease:
-    """Hold cfg.run_dir for `key`, renewed from a thread; UserError (leaving nothing new) if another won it."""
+class Claims:
+    """The claims one launch holds: its run directory's, and its checkpoint store's when that is remote."""
+
+    def __init__(self, held: list):
+        self.held = held
+
+    def release(self) -> None:
+        for one in reversed(self.held):
+            one.release()
+
+
+def claim(cfg, key: str, existed: bool) -> Claims:
+    """Hold cfg.run_dir (and a remote checkpoint location) for `key`, renewed from threads; UserError (leaving
+    nothing new) if another launch won either."""
     held, holder = lease.acquire(cfg.run_dir, key)
     if held is None:
         remove_if_unused(cfg.run_dir, existed)
         raise UserError(held_by(cfg, holder) if holder else f"run.name={cfg.run.name}: {cfg.run_dir} could not be "
                         "claimed (another launch is starting there)")
-    return held.start()
+    claims = [held.start()]
+    if storage.is_url(cfg.checkpoint_dir):
+        remote, holder = store_lease.acquire(cfg.checkpoint_dir, key)
+        if remote is None:
+            held.release()
+            remove_if_unused(cfg.run_dir, existed)
+            raise UserError(held_by(cfg, holder, cfg.checkpoint_dir) if holder else
+                            f"checkpoint.dir={cfg.checkpoint_dir} could not be claimed (another launch is starting "
+                            "there)")
+        claims.append(remote.start())
+    return Claims(claims)
 
 
 def unused(run_dir: Path) -> bool:
@@ -141,9 +160,14 @@ def check_run_dir(cfg, resolved, key: str) -> None:
     """Refuse this command on cfg.run_dir when another live launch holds it, when it would mix runs, or
     when what it would resume cannot load or is another run. `key`: this job's claim key (lease.py)."""
     run_dir = cfg.run_dir
+    check_stores(cfg)
     holder = lease.live_other(run_dir, key)
     if holder is not None:
         raise UserError(held_by(cfg, holder))
+    if storage.is_url(cfg.checkpoint_dir):
+        holder = store_lease.live_other(cfg.checkpoint_dir, key)
+        if holder is not None:
+            raise UserError(held_by(cfg, holder, cfg.checkpoint_dir))
     mode = cfg.checkpoint.resume
     if mode == "none":
         held = [what for what, there in (("checkpoints", newest_state(cfg.checkpoint_dir)[0] is not None),
@@ -153,7 +177,7 @@ def check_run_dir(cfg, resolved, key: str) -> None:
             raise UserError(f"checkpoint.resume=none: {run_dir} already holds a run ({' and '.join(held)}), and a "
                             f"new one there would mix with it; {NEW_NAME}, or remove {run_dir} first")
         return
-    path, state = (newest_state(cfg.checkpoint_dir) if mode == "auto" else (Path(mode), _read(Path(mode))))
+    path, state = (newest_state(cfg.checkpoint_dir) if mode == "auto" else (mode, _read(mode)))
     if state is None:
         return
     spec = resolved.spec
@@ -174,7 +198,17 @@ def check_run_dir(cfg, resolved, key: str) -> None:
         raise UserError(problem)
 
 
-def format_problem(cfg, path: Path, saved_format: str, engine_format: str) -> str | None:
+def check_stores(cfg) -> None:
+    """Remote checkpoint and data locations answer with the credentials at hand, before any worker starts."""
+    storage.check_reachable(cfg.checkpoint_dir, "checkpoint.dir")
+    if storage.is_url(cfg.checkpoint.resume):
+        storage.check_reachable(cfg.checkpoint.resume, "checkpoint.resume")
+    sources = cfg.data.source if isinstance(cfg.data.source, dict) else {cfg.data.source: 1}
+    for source in sources:
+        storage.check_reachable(source, "data.source")
+
+
+def format_problem(cfg, path, saved_format: str, engine_format: str) -> str | None:
     """A checkpoint another engine wrote: why it cannot resume here."""
     if saved_format == engine_format:
         return None
@@ -195,7 +229,7 @@ def another_run(cfg, state: dict) -> str | None:
             f"{NEW_NAME}, or continue that run with the change: run.allow_changes=true")
 
 
-def _read(path: Path) -> dict | None:
+def _read(path) -> dict | None:
     from disttrain.checkpoint.manager import CheckpointManager
 
     try:

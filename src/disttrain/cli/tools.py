@@ -76,14 +76,18 @@ def cmd_config(args: argparse.Namespace, overrides: list[str]) -> None:
 
 
 def cmd_convert(args: argparse.Namespace) -> None:
+    from disttrain.checkpoint import storage
     from disttrain.checkpoint.export import export, resolve_checkpoint
 
+    storage.check_reachable(args.checkpoint, "convert")
     try:
         step_dir = resolve_checkpoint(args.checkpoint)
     except FileNotFoundError as exc:
         raise UserError(f"convert {args.checkpoint}: {exc}") from None
     default = {"torch": "model.pt", "safetensors": "model.safetensors", "hf": "hf", "peft": "peft"}[args.to]
-    out = Path(args.out) if args.out else step_dir.parent.parent / "export" / default
+    # A remote checkpoint's export lands locally (./export/...) unless --out says where.
+    here = Path("export") if storage.is_url(step_dir) else Path(step_dir).parent.parent / "export"
+    out = Path(args.out) if args.out else here / default
     print(f"wrote {export(step_dir, args.to, out, merge_lora=args.merge_lora)} from {step_dir}")
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from disttrain import process
 from disttrain.config import load_config
-from disttrain.errors import EXIT_HEALTH, EXIT_PREEMPTED, UserError
+from disttrain.errors import EXIT_HEALTH, EXIT_PREEMPTED, EXIT_STORAGE, UserError
 
 PROCESS_START = time.time()  # before torch is imported: recovery benchmarks split start-up time
 LAUNCH_FLAGS = ("nnodes", "node_rank", "max_restarts", "rdzv_endpoint", "rdzv_id", "shutdown_timeout", "rdzv_conf",
@@ -96,6 +96,8 @@ def _self_launch(args: argparse.Namespace, cfg, overrides: list[str]) -> int:
         run_identity.remove_if_unused(cfg.run_dir, existed)
     if code != 0 and _preempted_since(cfg.run_dir, started):
         return EXIT_PREEMPTED  # the workers saved and said so; torchrun's report of their exit is noise
+    if code != 0 and _recorded_since(cfg.run_dir, started, "checkpoint_failed", last=True):
+        return EXIT_STORAGE  # the workers said which save failed and why, in one line
     if report:
         print(report, file=sys.stderr, end="", flush=True)
     return code
@@ -103,13 +105,19 @@ def _self_launch(args: argparse.Namespace, cfg, overrides: list[str]) -> int:
 
 def _preempted_since(run_dir: Path, since: float) -> bool:
     """Whether this launch's workers recorded an emergency checkpoint (metrics.jsonl `preempted`)."""
+    return _recorded_since(run_dir, since, "preempted")
+
+
+def _recorded_since(run_dir: Path, since: float, event: str, **fields) -> bool:
+    """Whether this launch's workers recorded `event` (with these fields) in metrics.jsonl."""
     from disttrain.observe.run_report import load_records
 
     try:
         _, events = load_records(run_dir)
     except FileNotFoundError:  # stopped before the run directory had metrics
         return False
-    return any(e["event"] == "preempted" and e.get("time", 0) >= since for e in events)
+    return any(e["event"] == event and e.get("time", 0) >= since and all(e.get(k) == v for k, v in fields.items())
+               for e in events)
 
 
 def _device_type() -> str:
@@ -165,7 +173,7 @@ def _train_here(cfg, env, resolved, fresh: bool) -> None:
     from disttrain.distributed.runtime import init_distributed, shutdown
     from disttrain.observe.health import NonFiniteError, ReplicaDivergence
     from disttrain.train.builder import build_run
-    from disttrain.train.loop import Preempted, Trainer
+    from disttrain.train.loop import CheckpointFailed, Preempted, Trainer
 
     _setup_logging(cfg.run_dir, env.rank)
     log = logging.getLogger("disttrain.cli")
@@ -189,6 +197,11 @@ def _train_here(cfg, env, resolved, fresh: bool) -> None:
         result = Trainer(run).fit()
     except Preempted:
         sys.exit(EXIT_PREEMPTED)
+    except CheckpointFailed as exc:  # the storage policy: the last save failed, the run must not look done
+        logging.getLogger("disttrain.checkpoint").info("stopped: %s", exc)  # the log file; the console gets one line
+        if env.rank == 0:
+            print(f"disttrain: stopped: {exc}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_STORAGE)
     except (NonFiniteError, ReplicaDivergence) as exc:  # a health check stopped the run
         logging.getLogger("disttrain.health").error("%s", exc)
         if env.rank == 0:

@@ -1,6 +1,7 @@
 """Token-shard format: a directory with meta.json, train.bin and val.bin (flat uint16/uint32 tokens).
 
-Files are read through `numpy.memmap`, so a corpus larger than memory costs nothing to open.
+Files are read through `numpy.memmap`, so a corpus larger than memory costs nothing to open; a directory on an
+object store (an fsspec URL) is read in byte ranges instead (remote.py), with an optional local cache.
 Documents are separated by the tokenizer's end-of-document id. Chat and instruction data (`meta["chat"]`)
 also keep `<split>.mask.bin` (uint8 per token: 1 where the token is a target that carries loss) and
 `<split>.ends.npy` (int64: where each conversation ends), so training can pad or pack whole conversations.
@@ -8,10 +9,13 @@ also keep `<split>.mask.bin` (uint8 per token: 1 where the token is a target tha
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
 import numpy as np
+
+from disttrain.checkpoint import storage
 
 FORMAT = "disttrain-tokens-v1"
 SPLITS = ("train", "val")
@@ -29,27 +33,35 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 
 def read_meta(directory: str | Path) -> dict:
-    meta = json.loads((Path(directory) / "meta.json").read_text())
+    meta = json.loads(storage.read_text(storage.join(directory, "meta.json")))
     if meta.get("format") != FORMAT:
         raise ValueError(f"{directory}/meta.json is not a {FORMAT} shard directory")
     return meta
 
 
-def open_mask(directory: str | Path, split: str) -> tuple[np.ndarray, np.ndarray]:
+def _flat(directory: str | Path, name: str, dtype, cache_dir: str):
+    if storage.is_url(directory):
+        from disttrain.data.remote import RangeArray
+
+        return RangeArray(storage.join(directory, name), dtype, cache_dir)
+    return np.memmap(Path(directory) / name, dtype=dtype, mode="r")
+
+
+def open_mask(directory: str | Path, split: str, cache_dir: str = "") -> tuple[np.ndarray, np.ndarray]:
     """(per-token loss mask, conversation ends) of a chat split."""
     meta = read_meta(directory)
     if meta["splits"].get(split, 0) == 0:
         return np.zeros(0, np.uint8), np.zeros(0, np.int64)
-    return (np.memmap(Path(directory) / f"{split}.mask.bin", dtype=np.uint8, mode="r"),
-            np.load(Path(directory) / f"{split}.ends.npy"))
+    ends = np.load(io.BytesIO(storage.read_bytes(storage.join(directory, f"{split}.ends.npy"))))
+    return _flat(directory, f"{split}.mask.bin", np.uint8, cache_dir), ends
 
 
-def open_split(directory: str | Path, split: str) -> np.ndarray:
+def open_split(directory: str | Path, split: str, cache_dir: str = ""):
+    """A split's tokens: a numpy.memmap, or for a URL an array read in ranges (`cache_dir`: cache them there)."""
     meta = read_meta(directory)
-    path = Path(directory) / f"{split}.bin"
     if meta["splits"].get(split, 0) == 0:
         return np.zeros(0, dtype=meta["dtype"])
-    return np.memmap(path, dtype=meta["dtype"], mode="r")
+    return _flat(directory, f"{split}.bin", meta["dtype"], cache_dir)
 
 
 class ShardWriter:

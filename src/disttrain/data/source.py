@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import hashlib
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from disttrain.checkpoint import storage
 from disttrain.data import shards
 from disttrain.data.tokenizer import Tokenizer, load_tokenizer
 from disttrain.errors import UserError
@@ -27,7 +29,23 @@ def _tokenizer_spec(source, tokenizer: str) -> str:
     if isinstance(source, dict):  # a mixture: its sources share one tokenizer (checked by describe_source)
         source = next(iter(source))
     meta = shards.read_meta(source)
-    return "byte" if meta["tokenizer"] == "byte" else str(Path(source) / meta["tokenizer"])
+    if meta["tokenizer"] == "byte":
+        return "byte"
+    return local_copy(storage.join(source, meta["tokenizer"])) if storage.is_url(source) else \
+        str(Path(source) / meta["tokenizer"])
+
+
+def local_copy(url: str) -> str:
+    """A small file of a remote source (its tokenizer) where the tokenizer library can open it."""
+    import tempfile
+
+    target = Path(tempfile.gettempdir()) / "disttrain-remote" / hashlib.sha256(url.encode()).hexdigest()[:16]
+    if not target.is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_bytes(storage.read_bytes(url))
+        tmp.replace(target)
+    return str(target)
 
 
 PY_PREFIX = "py:"
@@ -52,14 +70,14 @@ def user_datasets(source: str) -> dict:
 
 def source_names(mixture: dict) -> list[str]:
     """Short names of a mixture's sources (for metrics): directory names, whole paths where they clash."""
-    names = [Path(p).name or str(p) for p in mixture]
+    names = [storage.name_of(p) or str(p) for p in mixture]
     return [n if names.count(n) == 1 else str(p) for n, p in zip(names, mixture)]
 
 
 def _tokenizer_identity(directory: str) -> tuple:
     meta = shards.read_meta(directory)
     name = meta["tokenizer"]
-    content = name if name == "byte" else hashlib.sha256((Path(directory) / name).read_bytes()).hexdigest()
+    content = name if name == "byte" else hashlib.sha256(storage.read_bytes(storage.join(directory, name))).hexdigest()
     return meta["vocab_size"], meta["eos_id"], content
 
 
@@ -93,11 +111,11 @@ def describe_source(source, tokenizer: str) -> SourceInfo:
         return SourceInfo(0, source)
 
     if source != "builtin":
-        path = Path(source)
-        if not path.is_dir():
+        path = source
+        if not storage.is_url(source) and not Path(source).is_dir():
             raise UserError(f"data.source={source}: no such directory (allowed: builtin, or a directory "
                               "written by `disttrain prepare-data`)")
-        if not (path / "meta.json").is_file():
+        if not storage.isfile(storage.join(source, "meta.json")):
             raise UserError(f"data.source={source}: no meta.json inside (allowed: builtin, or a directory "
                               "written by `disttrain prepare-data`)")
         try:
@@ -121,16 +139,16 @@ def _concat(token_lists: list[list[int]], eos_id: int | None, dtype: np.dtype) -
     return np.fromiter((t for ids in token_lists for t in (*ids, *sep)), dtype=dtype)
 
 
-def split_samples(directory: str, split: str, seq_len: int, packing: bool = False):
+def split_samples(directory: str, split: str, seq_len: int, packing: bool = False, cache_dir: str = ""):
     """One split of a shard directory: token windows of text, or whole conversations of chat data."""
     from disttrain.data.chat_samples import ChatSamples
     from disttrain.data.loader import TokenWindows
 
-    tokens = shards.open_split(directory, split)
+    tokens = shards.open_split(directory, split, cache_dir)
     meta = shards.read_meta(directory)
     if "chat" not in meta:
         return TokenWindows(tokens, seq_len)
-    mask, ends = shards.open_mask(directory, split)
+    mask, ends = shards.open_mask(directory, split, cache_dir)
     return ChatSamples(tokens, mask, ends, seq_len, meta["eos_id"] or 0, packing)
 
 
@@ -138,21 +156,25 @@ def source_tokenizer(source, tokenizer: str) -> Tokenizer:
     """The run's tokenizer; a chat directory's also renders sample prompts through its chat template."""
     first = next(iter(source)) if isinstance(source, dict) else source
     if first not in ("builtin",) and not str(first).startswith(PY_PREFIX) and "chat" in shards.read_meta(first):
+        if storage.is_url(first):
+            raise UserError(f"data.source={first}: chat data is read from a local directory (its chat template and "
+                            "tokenizer files); copy it to local disk (allowed on an object store: text shards)")
         from disttrain.data.tokenizer import ChatTokenizer
 
         return ChatTokenizer(first)
     return load_tokenizer(_tokenizer_spec(source, tokenizer))
 
 
-def load_samples(source, tokenizer: str, seq_len: int, packing: bool = False):
+def load_samples(source, tokenizer: str, seq_len: int, packing: bool = False, cache_dir: str = ""):
     """(tokenizer or None, train samples, val samples): token windows of text or conversations of chat data
-    (per source, for a mixture), or a user's datasets."""
+    (per source, for a mixture), or a user's datasets. Sources on an object store are read in ranges
+    (`cache_dir`: through a local block cache)."""
     from disttrain.data.loader import DatasetSamples, MixtureSamples
 
     if isinstance(source, dict):
         tok = source_tokenizer(source, tokenizer)
         names = source_names(source)
-        train, val = (MixtureSamples(names, [split_samples(d, split, seq_len, packing) for d in source])
+        train, val = (MixtureSamples(names, [split_samples(d, split, seq_len, packing, cache_dir) for d in source])
                       for split in ("train", "val"))
         for directory, part in zip(source, train.parts):
             if len(part) == 0:
@@ -165,8 +187,8 @@ def load_samples(source, tokenizer: str, seq_len: int, packing: bool = False):
     from disttrain.data.loader import TokenWindows
 
     if source != "builtin":
-        return (source_tokenizer(source, tokenizer), split_samples(source, "train", seq_len, packing),
-                split_samples(source, "val", seq_len, packing))
+        return (source_tokenizer(source, tokenizer), split_samples(source, "train", seq_len, packing, cache_dir),
+                split_samples(source, "val", seq_len, packing, cache_dir))
     tok, splits = load_splits(source, tokenizer)
     return tok, TokenWindows(splits["train"], seq_len), TokenWindows(splits["val"], seq_len)
 

@@ -25,7 +25,7 @@ from torch.distributed import run
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.launcher import api
 
-from disttrain.errors import EXIT_HEALTH, EXIT_PREEMPTED, EXIT_USAGE
+from disttrain.errors import EXIT_HEALTH, EXIT_PREEMPTED, EXIT_STORAGE, EXIT_USAGE
 from disttrain.process import exit_now
 
 
@@ -36,9 +36,9 @@ class BoundedExitBarrierAgent(LocalElasticAgent):
 
 
 # Worker exit statuses that mean "disttrain already said why in one line": a user mistake found in the
-# workers, a health check that stopped the run, and a clean preemption (emergency checkpoint saved).
-# torchrun's report would only repeat them.
-QUIET_EXITS = (EXIT_USAGE, EXIT_HEALTH, EXIT_PREEMPTED)
+# workers, a health check that stopped the run, a clean preemption (emergency checkpoint saved), and a
+# final save that storage refused. torchrun's report would only repeat them.
+QUIET_EXITS = (EXIT_USAGE, EXIT_HEALTH, EXIT_PREEMPTED, EXIT_STORAGE)
 
 
 class _QuietExits(logging.Filter):
@@ -48,7 +48,7 @@ class _QuietExits(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         msg = str(record.msg)
-        if msg.startswith("Sending process "):
+        if msg.startswith(("Sending process ", "Terminating process ")):  # the latter: forked workers' spawn
             return False
         return not (msg.startswith("failed (exitcode: ") and record.args and record.args[0] in QUIET_EXITS)
 
@@ -101,6 +101,7 @@ def launch(argv: list[str]) -> tuple[int, str]:
     api.LocalElasticAgent = BoundedExitBarrierAgent  # what torchrun's launch_agent constructs
     quiet = _QuietExits()
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(quiet)
+    logging.getLogger("torch.multiprocessing.spawn").addFilter(quiet)
     try:
         _run_torchrun(argv)
     except SystemExit as exc:  # torchrun's argument errors
@@ -114,6 +115,7 @@ def launch(argv: list[str]) -> tuple[int, str]:
         return 1, traceback.format_exc()
     finally:
         logging.getLogger("torch.distributed.elastic.multiprocessing.api").removeFilter(quiet)
+        logging.getLogger("torch.multiprocessing.spawn").removeFilter(quiet)
     return 0, ""
 
 

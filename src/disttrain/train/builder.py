@@ -92,7 +92,7 @@ def build_run(cfg: RunConfig, rt: Runtime, resolved: ResolvedRun | None = None) 
 
     t = cfg.train
     tokenizer, train_samples, val_samples = load_samples(cfg.data.source, resolved.tokenizer, cfg.data.seq_len,
-                                                          cfg.data.packing)
+                                                          cfg.data.packing, cfg.data.cache_dir)
     sampler = make_sampler(train_samples, cfg.data.source, t.global_batch_size, t.seed)
     balancer = Balancer(layout, dp_rank, cfg.parallel.balance_every, device_clock(rt.device))
     loader = DistributedBatchLoader(train_samples, sampler, dp_rank, dp_size, t.micro_batch_size,

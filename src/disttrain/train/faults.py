@@ -5,6 +5,9 @@ to kill, signal or stall one rank at a chosen step of the first attempt (not aft
     DISTTRAIN_FAULT="signal:rank=0:step=5:sig=TERM" send itself SIGTERM after step 5
     DISTTRAIN_FAULT="sleep:rank=1:step=4:seconds=600" stop stepping after step 4
     DISTTRAIN_FAULT="kill_after_save:rank=1:step=8" SIGKILL right after step 8's save began
+    DISTTRAIN_FAULT="pause_after_save:rank=0:step=8:seconds=3" wait 3 s after step 8's save began (an async
+                                                    save: its data is written, COMMIT not yet; the test
+                                                    takes the store away meanwhile)
     DISTTRAIN_FAULT="nan:rank=0:step=3"             make this rank's loss NaN in step 3
     DISTTRAIN_FAULT="desync:rank=1:step=4"          nudge one parameter on this rank after step 4
     DISTTRAIN_FAULT="slow:rank=1:step=0:seconds=0.05" sleep before every step's forward (a straggler)
@@ -68,6 +71,9 @@ class FaultInjector:
         if f is not None and f.kind == "kill_after_save" and step == f.step:
             self._record(f.kind, step)
             os.kill(os.getpid(), signal.SIGKILL)
+        if f is not None and f.kind == "pause_after_save" and step == f.step:
+            self._record(f.kind, step)
+            time.sleep(f.seconds)
 
     # ------------------------------------------------------------ phase subscriber (train/phases.py)
     def enter(self, event) -> None:
@@ -115,7 +121,7 @@ class FaultInjector:
 
     def after_step(self, step: int, model=None) -> None:
         f = self.fault
-        if f is None or step != f.step:
+        if f is None or step != f.step or f.kind == "pause_after_save":
             return
         if f.kind == "desync":
             import torch

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from disttrain.checkpoint.manager import SaveFailed
 from disttrain.data.loader import DistributedBatchLoader, MixtureSamples
 from disttrain.data.sampling import GlobalBatchSampler
 from disttrain.data.source import truncation_warnings, validation_gaps
@@ -27,6 +28,10 @@ from disttrain.train.resume import Progress, maybe_resume, train_state
 
 class Preempted(Exception):
     """Raised after the emergency checkpoint; the CLI exits with EXIT_PREEMPTED."""
+
+
+class CheckpointFailed(Exception):
+    """The final or the emergency checkpoint could not be saved; the CLI exits with EXIT_STORAGE."""
 
 
 @dataclass
@@ -113,11 +118,16 @@ class Trainer:
         return record
 
     # ---------------------------------------------------------------- checkpoints
-    def save_checkpoint(self, metrics: MetricsLogger, reason: str = "interval") -> None:
-        """Synchronous: saved and committed. Async: `blocking_s` is what training waited for."""
+    def save_checkpoint(self, metrics: MetricsLogger, reason: str = "interval", last: bool = False) -> None:
+        """Synchronous: saved and committed. Async: `blocking_s` is what training waited for.
+        `last`: no later save would retry a failure (the final or the emergency save)."""
         ckpt, t0 = self.run.ckpt, time.perf_counter()
         self.watchdog.enter(f"step {self.step}: checkpoint save", collective=True)
-        path = ckpt.save(self.step, self.engine, train_state(self.run, self.progress))
+        try:
+            path = ckpt.save(self.step, self.engine, train_state(self.run, self.progress))
+        except SaveFailed as exc:
+            self._save_failed(metrics, exc, last)
+            return
         seconds = time.perf_counter() - t0
         if ckpt.pending_step is None:
             metrics.event("checkpoint_saved", step=self.step, path=str(path), seconds=seconds, reason=reason)
@@ -125,11 +135,24 @@ class Trainer:
             metrics.event("checkpoint_started", step=self.step, path=str(path), blocking_s=seconds, reason=reason)
         self.run.faults.after_save(self.step)
 
-    def _commit_pending(self, metrics: MetricsLogger) -> None:
-        done = self.run.ckpt.commit_pending()
+    def _commit_pending(self, metrics: MetricsLogger, last: bool = False) -> None:
+        try:
+            done = self.run.ckpt.commit_pending()
+        except SaveFailed as exc:
+            self._save_failed(metrics, exc, last)
+            return
         if done:
             metrics.event("checkpoint_saved", step=done[0], path=str(self.run.ckpt.step_dir(done[0])),
                           seconds=done[1], reason="async")
+
+    @staticmethod
+    def _save_failed(metrics: MetricsLogger, exc: SaveFailed, last: bool) -> None:
+        """The storage policy: a failed save is reported in one line and retried at the next interval while
+        training goes on; when no later save would retry it (final, emergency), the run fails."""
+        metrics.event("checkpoint_failed", step=exc.step, message=str(exc), last=last)
+        if last:
+            raise CheckpointFailed(str(exc))
+        metrics.message(f"warning: {exc}; training continues, the next checkpoint retries")
 
     # ---------------------------------------------------------------- loop
     def _announce(self, metrics: MetricsLogger) -> None:
@@ -229,7 +252,7 @@ class Trainer:
                 watchdog.enter(f"step {p.step}: step-boundary agreement", collective=True)
                 self._step_boundary(control, metrics)
                 watchdog.touch()  # evaluation and saving are not step time
-            self._commit_pending(metrics)
+            self._commit_pending(metrics, last=True)
             sample = self.sample() if t.sample_tokens else None
             why_not = self._no_sample_because() if t.sample_tokens else None
             if why_not:
@@ -264,15 +287,15 @@ class Trainer:
         if pending and not decision.write_pending:
             self._commit_pending(metrics)
         if decision.preempted:
-            self.save_checkpoint(metrics, reason="preemption")
-            self._commit_pending(metrics)
+            self.save_checkpoint(metrics, reason="preemption", last=True)
+            self._commit_pending(metrics, last=True)
             metrics.event("preempted", step=step, exit_code=EXIT_PREEMPTED)
             metrics.message(f"preempted: saved step {step}; exiting with {EXIT_PREEMPTED} so the launcher "
                             "restarts or requeues the run")
             raise Preempted(step)
         final = step == self.cfg.train.steps and self.cfg.checkpoint.save_final
         if (every and step % every == 0) or decision.save_due or final:
-            self.save_checkpoint(metrics)
+            self.save_checkpoint(metrics, last=step == self.cfg.train.steps)  # no later save would retry it
             control.saved()
 
     def _no_sample_because(self) -> str | None:

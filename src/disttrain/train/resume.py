@@ -5,8 +5,6 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
-
 import torch.distributed as dist
 
 from disttrain.checkpoint.compat import config_changes
@@ -51,7 +49,7 @@ def maybe_resume(run, progress: Progress) -> None:
                 log.warning("no committed checkpoint in %s could be loaded: starting fresh", ckpt.dir)
             return
     else:
-        path = Path(mode)
+        path = mode
         problem = ckpt.verify(path) or ckpt.verify_checksums(path)
         if problem:
             raise UserError(f"checkpoint.resume={mode}: {problem}")
@@ -70,7 +68,7 @@ def maybe_resume(run, progress: Progress) -> None:
     log.info("resumed from %s at %.3f", path, time.time())
 
 
-def check_compatible(run, path: Path) -> dict:
+def check_compatible(run, path) -> dict:
     """Refuse another model shape or another engine's format before touching any tensor; report every
     other change."""
     problem = format_problem(run.cfg, path, run.ckpt.format_of(path), run.engine.checkpoint_format)
