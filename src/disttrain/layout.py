@@ -285,14 +285,20 @@ def cut_problems(shape: ModelShape | None, layout: Layout) -> list[Problem]:
         problems.append(Problem("precision.compute_dtype", "fp16", "fp32, bf16", f"precision.compute_dtype=fp16 with "
                                 f"parallel.pp={lay.pp}: dynamic loss scaling does not reach inside the pipeline "
                                 "schedule's backward passes (allowed with pp > 1: fp32, bf16)"))
-    if lay.pp > 1 and lay.pp_schedule == "zero_bubble" and lay.activation_checkpointing == "selective":
-        # Found by `disttrain dryrun`, then seen in a real run: the schedule's separate input- and
-        # weight-gradient passes are two backwards through each checkpointed region, which torch's
-        # selective checkpointing refuses ("Trying to backward an extra time").
-        problems.append(Problem("parallel.activation_checkpointing", "selective", "none, full",
-                                "parallel.activation_checkpointing=selective with parallel.pp_schedule=zero_bubble: "
-                                "the schedule runs two backward passes per block, which selective checkpointing "
-                                "refuses (allowed with zero_bubble: none, full; or another pp_schedule)"))
+    if lay.pp > 1 and lay.pp_schedule == "zero_bubble" and lay.activation_checkpointing != "none":
+        # The schedule's separate input- and weight-gradient passes are two backwards through each
+        # checkpointed region. Selective checkpointing refuses that ("Trying to backward an extra time": found
+        # by `disttrain dryrun`, then seen in a real run). Full checkpointing recomputes the block in each pass
+        # and keeps the first recomputation until the weight pass, so it holds more than no checkpointing
+        # (real 2-rank runs, benchmarks/dryrun_vs_real.py --cases pipelines: 3-4x the activations).
+        ac = lay.activation_checkpointing
+        why = ("which selective checkpointing refuses" if ac == "selective" else
+               "and full checkpointing recomputes each block in both and keeps the first recomputation for the "
+               "second, holding more memory than no checkpointing")
+        problems.append(Problem("parallel.activation_checkpointing", ac, "none",
+                                f"parallel.activation_checkpointing={ac} with parallel.pp_schedule=zero_bubble: "
+                                f"the schedule runs two backward passes per block, {why} (allowed with zero_bubble: "
+                                "none; or another pp_schedule)"))
     if lay.engine == "deepspeed":
         problems += _deepspeed_problems(lay)
     if lay.balanced:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from disttrain.layout import DTYPE_BYTES, Layout
 from disttrain.models.shape import ModelShape
-from disttrain.plan.params import rank_params
+from disttrain.plan.params import rank_params, stage_layers
 
 FP32 = 4
 TOKEN_ID = 8  # int64 token ids the embedding's backward keeps
@@ -107,6 +107,59 @@ def layer_activation_bytes(shape: ModelShape, micro_batch: int, seq_len: int, la
     return LayerActivations(saved=full, transient=0.0)
 
 
+def weight_gradient_inputs_bytes(shape: ModelShape, micro_batch: int, seq_len: int, layout: Layout) -> float:
+    """What zero-bubble's input-gradient pass leaves for the weight pass, per layer and micro-batch: torch's
+    `stage_backward_input` keeps the gradient arriving at every op that leads to a weight (each matmul's
+    output, each RMSNorm's scaled output), in the compute dtype. Counted on real tensors for two blocks: 5h +
+    kv + 2f per token (q, the attention projection, w2 and the two norms h each; k and v together one kv; w1
+    and w3 f each); head- and FFN-split tensors divide by tp."""
+    ec, _ = dtype_bytes(layout)
+    kv = shape.n_kv_heads * shape.head_dim
+    return ec * micro_batch * seq_len * (5 * shape.dim + kv + 2 * shape.ffn_hidden_dim) / layout.tp
+
+
+def schedule_order(schedule: str, pp: int, microbatches: int, virtual_stages: int,
+                   pp_rank: int) -> list[tuple[str, int, int]]:
+    """(kind, local stage, micro-batch) in the order torch's multi-stage schedule (`ScheduleInterleaved1F1B`,
+    `ScheduleInterleavedZeroBubble`) runs them on `pp_rank`: its own order table, without the idle slots.
+    Kinds: F forward, B whole backward, I input-gradient pass, W weight-gradient pass."""
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining.schedules import (ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
+                                                        _ComputationType)
+
+    kinds = {_ComputationType.FORWARD: "F", _ComputationType.BACKWARD_INPUT: "I",
+             _ComputationType.BACKWARD_WEIGHT: "W", _ComputationType.FULL_BACKWARD: "B"}
+    rounds = max(1, microbatches // pp)
+    table = SimpleNamespace(n_local_stages=virtual_stages, pp_group_size=pp, _n_microbatches=microbatches,
+                            number_of_rounds=rounds, microbatches_per_round=microbatches // rounds)
+    cls = ScheduleInterleavedZeroBubble if schedule == "zero_bubble" else ScheduleInterleaved1F1B
+    return [(kinds[a.computation_type], a.stage_index // pp, a.microbatch_index)
+            for a in cls._calculate_single_rank_operations(table, pp_rank) if a is not None]
+
+
+def schedule_peak(order: list[tuple[str, int, int]], kept: list[float], pending: list[float]) -> tuple[float, float, float]:
+    """(activations, pending weight-pass inputs, micro-batch stages held) at the fullest point of `order`: a
+    forward adds its stage's `kept` bytes, a whole backward frees them (counted before it frees: its own
+    peak); zero-bubble's input-gradient pass keeps them (its graph is retained for the weight pass) and adds
+    `pending`, and the weight pass frees both."""
+    forwarded, inputs_done, best = set(), set(), (0.0, 0.0, 0.0)
+
+    def held():
+        return sum(kept[s] for s, _ in forwarded), sum(pending[s] for s, _ in inputs_done), len(forwarded)
+
+    for kind, stage, micro in order:
+        if kind == "F":
+            forwarded.add((stage, micro))
+        elif kind == "I":
+            inputs_done.add((stage, micro))
+        best = max(best, held(), key=lambda h: h[0] + h[1])
+        if kind in ("B", "W"):
+            forwarded.discard((stage, micro))
+            inputs_done.discard((stage, micro))
+    return best
+
+
 @dataclass
 class StageActivations:
     saved: float  # every in-flight micro-batch's saved tensors, and the loss's
@@ -114,6 +167,8 @@ class StageActivations:
     in_flight: float
     logits: float = 0.0  # the fp32 log-softmax the loss keeps (last stage)
     layer: float = 0.0  # one layer's recomputed tensors (checkpointing)
+    weight_pass: float = 0.0  # zero-bubble: gradients kept from input-gradient passes for the weight passes
+    weight_pass_at_loss: float = 0.0  # those while the last micro-batch's loss runs its backward
 
     @property
     def peak(self) -> float:
@@ -142,4 +197,27 @@ def stage_activation_bytes(shape: ModelShape, layout: Layout, pp_rank: int, fuse
         output = ec * mb * s * shape.vocab_size / layout.tp if layout.pp > 1 else 0.0
         losses = in_flight if layout.pp > 1 and layout.pp_schedule == "gpipe" else 1.0
         saved += losses * (_norm_bytes(er, mb * s, shape.dim, r, fused_norm) + ec * mb * s * shape.dim + logits + output)
+    if layout.pp > 1 and layout.pp_schedule in ("interleaved_1f1b", "zero_bubble"):
+        return _multi_stage(shape, layout, pp_rank, layer, logits, saved - held.layers * layer.saved * in_flight)
     return StageActivations(saved, max(layer.transient, 2 * logits), in_flight, logits, layer.transient)
+
+
+def _multi_stage(shape: ModelShape, layout: Layout, pp_rank: int, layer: LayerActivations, logits: float,
+                 loss_and_ids: float) -> StageActivations:
+    """A rank holding several stages: each local stage's micro-batches are held from their forward to their
+    backward, in torch's order for the schedule. Zero-bubble (no checkpointing: the layout rules refuse it
+    with checkpointing) holds them to the weight pass, and the ones past their input-gradient pass hold those
+    gradients besides; the last stage's include the logits' gradient."""
+    mb, s, v = layout.micro_batch, layout.seq_len, layout.stages_per_rank
+    counts = stage_layers(shape, layout)[pp_rank]
+    kept = [n * layer.saved for n in counts]
+    pending = [0.0] * len(counts)
+    if layout.pp_schedule == "zero_bubble":
+        ec, _ = dtype_bytes(layout)
+        pending = [n * weight_gradient_inputs_bytes(shape, mb, s, layout) for n in counts]
+        if logits:  # the last stage: its output layer's input gradient, vocabulary-sized
+            pending[-1] += ec * mb * s * shape.vocab_size / layout.tp
+    order = schedule_order(layout.pp_schedule, layout.pp, layout.microbatches, v, pp_rank)
+    held, weight_pass, units = schedule_peak(order, kept, pending)
+    return StageActivations(held + loss_and_ids, max(layer.transient, 2 * logits), units / v, logits,
+                            layer.transient, weight_pass, max(weight_pass - pending[-1], 0.0))

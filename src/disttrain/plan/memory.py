@@ -172,13 +172,15 @@ def _moments(states: ModelStates, acts: StageActivations, layout: Layout, gather
     # FSDP's sharded gradients appear at the last micro-batch's reduce-scatter (set to None after each
     # step); DDP's are its buckets, there from the start.
     grads = s.unsharded_grads if fsdp else s.grads
-    if layout.pp > 1 and layout.pp_schedule == "gpipe":  # every forward, and loss, before the first backward
+    if layout.pp > 1 and layout.pp_schedule in ("gpipe", "zero_bubble"):
+        # GPipe: every forward, and loss, before the first backward; zero-bubble: the input-gradient passes
+        # before the first (deferred) weight pass. FSDP's gradients do not exist yet.
         grads = 0.0 if fsdp else grads
     copies = 0.0 if fsdp else s.buffers  # autocast's low-precision weight copies, kept as activations
     moments = {}
     if acts.logits:  # the loss's backward: its gradient and the logits' (loss_parallel keeps one more shard)
         moments["loss"] = {"parameters": s.params, "gradients": grads, "optimizer": s.optimizer,
-                           "activations": acts.saved + copies, "temporary": (3 if layout.tp > 1 else 2) * acts.logits,
+                           "activations": acts.saved + copies, "temporary": (3 if layout.tp > 1 else 2) * acts.logits + acts.weight_pass_at_loss,
                            "communication": gathered + pipe}
     block_grads = grads if s.unsharded_grads or not fsdp else pb * grad_root  # the root's unsharded grads, pending
     # The block gathered (ZeRO-3: and the next one prefetched) and its unsharded gradients, unless those
@@ -186,7 +188,7 @@ def _moments(states: ModelStates, acts: StageActivations, layout: Layout, gather
     gathers = 2 * pb * unit if layout.reshard_after_forward else 0.0
     in_use = gathers + (0.0 if s.unsharded_grads else (pb + rb) * grad_unit) if fsdp else 0.0
     moments["block"] = {"parameters": s.params, "gradients": block_grads, "optimizer": s.optimizer,
-                        "activations": acts.saved - acts.logits + copies, "temporary": acts.layer,
+                        "activations": acts.saved - acts.logits + copies, "temporary": acts.layer + acts.weight_pass,
                         "communication": gathered + in_use + pipe}
     moments["step"] = {"parameters": s.params, "gradients": s.grads, "optimizer": s.optimizer + s.step_temporary,
                        "activations": 0.0, "temporary": 0.0, "communication": 0.0}
