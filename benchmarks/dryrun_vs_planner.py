@@ -5,7 +5,7 @@ checkpointing, micro-batches per rank and compute dtypes: one rank of a 32-rank 
     python benchmarks/dryrun_vs_planner.py --sample full --models 1b   # every row of one model
     python benchmarks/dryrun_vs_planner.py --replan benchmarks/results/dryrun_vs_planner_grid.json
 
-The full product (582 valid rows) would take days on 2 CPU cores, so by
+The full product (570 valid rows) would take days on 2 CPU cores, so by
 default the grid is sampled: an all-pairs sample (every value of each factor meets every value of every
 other factor in at least one row), chosen greedily by new pairs per estimated second, so that the cheap
 models carry most rows. 70b is held to the layouts that shard its states (ZeRO-3, HSDP, TP, PP 1F1B) at 1 and 2
