@@ -285,20 +285,14 @@ def cut_problems(shape: ModelShape | None, layout: Layout) -> list[Problem]:
         problems.append(Problem("precision.compute_dtype", "fp16", "fp32, bf16", f"precision.compute_dtype=fp16 with "
                                 f"parallel.pp={lay.pp}: dynamic loss scaling does not reach inside the pipeline "
                                 "schedule's backward passes (allowed with pp > 1: fp32, bf16)"))
-    if lay.pp > 1 and lay.pp_schedule == "zero_bubble" and lay.activation_checkpointing != "none":
-        # The schedule's separate input- and weight-gradient passes are two backwards through each
-        # checkpointed region. Selective checkpointing refuses that ("Trying to backward an extra time": found
-        # by `disttrain dryrun`, then seen in a real run). Full checkpointing recomputes the block in each pass
-        # and keeps the first recomputation until the weight pass, so it holds more than no checkpointing
-        # (dry run of 2 ranks on tiny, 4 micro-batches: 49 and 52 MB against 42 and 45 MB without).
-        ac = lay.activation_checkpointing
+    if lay.pp > 1 and lay.pp_schedule == "zero_bubble" and (ac := lay.activation_checkpointing) != "none":
+        # Two backwards per block: selective checkpointing refuses that; full keeps its first recomputation for
+        # the second (dry run, tiny, 2 ranks: 49/52 MB against 42/45 MB without checkpointing).
         why = ("which selective checkpointing refuses" if ac == "selective" else
-               "and full checkpointing recomputes each block in both and keeps the first recomputation for the "
-               "second, holding more memory than no checkpointing")
-        problems.append(Problem("parallel.activation_checkpointing", ac, "none",
-                                f"parallel.activation_checkpointing={ac} with parallel.pp_schedule=zero_bubble: "
-                                f"the schedule runs two backward passes per block, {why} (allowed with zero_bubble: "
-                                "none; or another pp_schedule)"))
+               "and full checkpointing recomputes each block in both, holding more memory than no checkpointing")
+        problems.append(Problem("parallel.activation_checkpointing", ac, "none", f"parallel.activation_checkpointing={ac} "
+                                f"with parallel.pp_schedule=zero_bubble: the schedule runs two backward passes per block, "
+                                f"{why} (allowed with zero_bubble: none; or another pp_schedule)"))
     if lay.engine == "deepspeed":
         problems += _deepspeed_problems(lay)
     if lay.balanced:
