@@ -122,7 +122,9 @@ def schedule_order(schedule: str, pp: int, microbatches: int, virtual_stages: in
                    pp_rank: int) -> list[tuple[str, int, int]]:
     """(kind, local stage, micro-batch) in the order torch's multi-stage schedule (`ScheduleInterleaved1F1B`,
     `ScheduleInterleavedZeroBubble`) runs them on `pp_rank`: its own order table, without the idle slots.
-    Kinds: F forward, B whole backward, I input-gradient pass, W weight-gradient pass."""
+    Kinds: F forward, B whole backward, I input-gradient pass, W weight-gradient pass. The table is a private
+    method of torch's schedules (no public one builds it without stages); the pipeline rows of
+    tests/test_planner_grid.py fail if a torch upgrade moves it."""
     from types import SimpleNamespace
 
     from torch.distributed.pipelining.schedules import (ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
