@@ -33,6 +33,34 @@ def layouts(model: str) -> dict[str, list[str]]:
                             "parallel.pp=2"]}
 
 
+def checkpointing(model: str) -> dict[str, list[str]]:
+    """The layouts above (but TP) with selective and full activation checkpointing (the default is none)."""
+    out = {}
+    for name, overrides in layouts(model).items():
+        if name != "TP=2":
+            for ac in ("selective", "full"):
+                out[f"{name}, {ac} checkpointing"] = [*overrides, f"parallel.activation_checkpointing={ac}"]
+    return out
+
+
+def pipelines(model: str) -> dict[str, list[str]]:
+    """Each multi-stage pipeline schedule (two stages per rank) over 4 micro-batches, with each checkpointing
+    mode it allows (zero-bubble: none), in fp32 and with bf16 autocast."""
+    common = [f"model.name={model}", "data.seq_len=128", "train.micro_batch_size=1", "train.global_batch_size=4",
+              "parallel.dp_shard=1", "parallel.pp=2", "parallel.pp_microbatches=4"]
+    out = {}
+    for schedule in ("interleaved_1f1b", "zero_bubble"):
+        for ac in ("none",) if schedule == "zero_bubble" else ("none", "selective", "full"):
+            for dtype in ("fp32", "bf16"):
+                out[f"PP=2 {schedule}, {ac} checkpointing, {dtype}"] = [
+                    *common, f"parallel.pp_schedule={schedule}", f"parallel.activation_checkpointing={ac}",
+                    f"precision.compute_dtype={dtype}"]
+    return out
+
+
+CASES = {"layouts": layouts, "checkpointing": checkpointing, "pipelines": pipelines}
+
+
 def saved_by_device(dim: int = 1024, seq: int = 2048) -> dict:
     """Bytes autograd keeps for one Llama block (unique storages, parameters excluded), by tensor shape and
     dtype, on the CPU and on CUDA, for bf16 weights, fp32 weights under bf16 autocast, and fp32; with and
@@ -80,6 +108,7 @@ def main() -> None:
     parser.add_argument("--model", default="125m")
     parser.add_argument("--out", default=None)
     parser.add_argument("--saved-by-device", action="store_true")
+    parser.add_argument("--cases", default="layouts", help=f"comma-separated: {', '.join(CASES)}")
     args = parser.parse_args()
     if args.saved_by_device:
         result = saved_by_device()
@@ -94,7 +123,7 @@ def main() -> None:
     from disttrain.dryrun.simulate import simulate
     from disttrain.resolve import resolve_run
 
-    jobs = layouts(args.model)
+    jobs = {k: v for case in args.cases.split(",") for k, v in CASES[case](args.model).items()}
     with tempfile.TemporaryDirectory() as tmp:
         job_file, out_file = Path(tmp) / "jobs.json", Path(tmp) / "out.json"
         job_file.write_text(json.dumps(jobs))

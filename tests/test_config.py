@@ -84,6 +84,10 @@ MISTAKES = {
         ["parallel.pp=2", "parallel.pp_schedule=zero_bubble", "parallel.activation_checkpointing=selective",
          "model.n_layers=4", "train.global_batch_size=4"], ["--nproc-per-node", "2"],
         "parallel.activation_checkpointing=selective with parallel.pp_schedule=zero_bubble"),
+    "zero-bubble under full checkpointing": (  # real runs held more than without checkpointing
+        ["parallel.pp=2", "parallel.pp_schedule=zero_bubble", "parallel.activation_checkpointing=full",
+         "model.n_layers=4", "train.global_batch_size=4"], ["--nproc-per-node", "2"],
+        "parallel.activation_checkpointing=full with parallel.pp_schedule=zero_bubble"),
     "offload without sharding": (["parallel.cpu_offload=true"], [],
                                  "parallel.cpu_offload=true needs parallel.zero_stage 2 or 3 (FSDP2), not 0"),
     "param dtype under DDP": (["precision.param_dtype=bf16"], [],

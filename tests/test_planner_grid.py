@@ -19,16 +19,19 @@ LAYOUTS = {
     "zero3": [f"parallel.dp_shard={RANKS}", "parallel.zero_stage=3"],
     "hsdp": ["parallel.dp_replicate=2", "parallel.dp_shard=4", "parallel.zero_stage=3"],
     "tp2-sp": ["parallel.dp_shard=4", "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.zero_stage=3"],
-    "pp2-gpipe": ["parallel.dp_shard=4", "parallel.pp=2", "parallel.zero_stage=2", "parallel.pp_schedule=gpipe"],
+    **{f"pp2-{schedule}": ["parallel.dp_shard=4", "parallel.pp=2", "parallel.zero_stage=2", f"parallel.pp_schedule={schedule}"]
+       for schedule in ("gpipe", "interleaved_1f1b", "zero_bubble")},
 }
-# A sample of (model, layout, checkpointing, micro-batches per rank, dtype): every layout once, each
-# checkpointing mode, micro-batch count and dtype at least twice, both models. The vocabularies make the
-# loss's logits the peak (125m) or leave it to the blocks (tiny's 256 tokens).
+# A sample of (model, layout, checkpointing, micro-batches per rank, dtype): every layout once (each pipeline
+# schedule whose peak differs: GPipe, and the two several-stages-per-rank schedules the planner follows
+# through torch's order table), each checkpointing mode, micro-batch count and dtype at least twice, both
+# models. The vocabularies make the loss's logits the peak (125m) or leave it to the blocks (tiny's 256 tokens).
 GRID = [("125m", "ddp", "none", 1, "bf16"), ("125m", "zero1", "selective", 1, "fp32"),
         ("125m", "zero2", "full", 2, "bf16"), ("125m", "zero3", "none", 2, "fp32"),
         ("125m", "hsdp", "selective", 1, "bf16"), ("125m", "tp2-sp", "full", 1, "bf16"),
-        ("125m", "pp2-gpipe", "none", 2, "bf16"), ("tiny", "zero3", "full", 1, "bf16"),
-        ("tiny", "zero2", "selective", 1, "fp32")]
+        ("125m", "pp2-gpipe", "none", 2, "bf16"), ("125m", "pp2-interleaved_1f1b", "selective", 2, "fp32"),
+        ("125m", "pp2-zero_bubble", "none", 2, "bf16"), ("tiny", "zero3", "full", 1, "bf16"),
+        ("tiny", "zero2", "none", 2, "bf16"), ("tiny", "zero1", "none", 2, "fp32")]
 
 
 def _config(model: str, name: str, checkpointing: str, per_rank: int, dtype: str):

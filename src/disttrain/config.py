@@ -15,6 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from disttrain.errors import ConfigError, UserError
+from disttrain.overrides import merge_trees as _merge, parse_overrides
 
 __all__ = ["ConfigError", "UserError", "RunConfig", "load_config", "parse_overrides"]
 
@@ -324,39 +325,6 @@ def _format_error(exc: ValidationError) -> str:
         allowed = ", ".join(f.alias or n for n, f in section.model_fields.items())
         return f"{key}: unknown key (allowed in {'.'.join(loc[:-1]) or 'the top level'}: {allowed})"
     return f"{key}={_show(err.get('input'))}: {msg[0].lower() + msg[1:]}"
-
-
-def parse_overrides(items: list[str]) -> dict:
-    """Turn ``a.b=c`` strings into a nested dict; values are parsed as YAML scalars."""
-    tree: dict = {}
-    for item in items:
-        if "=" not in item:
-            raise ConfigError(f"override {item!r} is not of the form key=value (e.g. optim.lr=3e-4)")
-        key, raw = item.split("=", 1)
-        parts = key.strip().split(".")
-        if not all(parts):
-            raise ConfigError(f"override {item!r}: empty key part")
-        try:
-            value = yaml.safe_load(raw) if raw != "" else ""
-        except yaml.YAMLError:
-            value = raw
-        node = tree
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"override {item!r}: {part} is a value, not a section")
-        node[parts[-1]] = value
-    return tree
-
-
-def _merge(base: dict, extra: dict) -> dict:
-    out = dict(base)
-    for key, value in extra.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _merge(out[key], value)
-        else:
-            out[key] = value
-    return out
 
 
 def load_config(path: str | os.PathLike | None, overrides: list[str] | None = None) -> RunConfig:

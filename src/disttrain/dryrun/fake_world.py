@@ -41,13 +41,14 @@ def stage_shapes(spec, layout: Layout):
     dtype = DTYPES[layout.param_dtype] if mp else torch.float32
     logits_dtype = DTYPES[layout.param_dtype if mp else layout.compute_dtype]
     b, t, shape = layout.micro_batch, layout.seq_len, spec.shape
+    hidden = t // layout.tp if layout.sequence_parallel else t  # sequence parallelism: each rank's slice
 
     def example(stage: int):
         inputs = (torch.zeros(b, t, dtype=torch.long) if stage == 0
-                  else torch.empty(b, t, shape.dim, dtype=dtype, requires_grad=True))
+                  else torch.empty(b, hidden, shape.dim, dtype=dtype, requires_grad=True))
         last = stage == layout.n_stages - 1
-        outputs = torch.empty(b, t, shape.vocab_size if last else shape.dim, dtype=logits_dtype if last else dtype,
-                              requires_grad=True)
+        outputs = torch.empty(b, t if last else hidden, shape.vocab_size if last else shape.dim,
+                              dtype=logits_dtype if last else dtype, requires_grad=True)
         return inputs, outputs
 
     return example

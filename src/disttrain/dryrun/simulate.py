@@ -164,6 +164,7 @@ def _tracked_steps(cfg, layout, spec, engine, steps, counter, buckets, rank, t0)
         tracker.track_external(engine.model, engine.optimizer)
     if stages:
         tracker._mod_tracker = LeafInputsSafe()
+        tracker._mod_tracker.watch(stages)
     with tracker, counter:
         engine.phases.subscribe(TrackerPhases(tracker, engine.model))
         buckets.tracker = tracker

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 from disttrain.layout import DTYPE_BYTES, Layout
 from disttrain.models.shape import ModelShape
-from disttrain.plan.params import rank_params
+from disttrain.plan.params import layer_params, rank_params, stage_layers
 
 FP32 = 4
 TOKEN_ID = 8  # int64 token ids the embedding's backward keeps
@@ -107,6 +107,83 @@ def layer_activation_bytes(shape: ModelShape, micro_batch: int, seq_len: int, la
     return LayerActivations(saved=full, transient=0.0)
 
 
+def weight_gradient_inputs_bytes(shape: ModelShape, micro_batch: int, seq_len: int, layout: Layout) -> float:
+    """What zero-bubble's input-gradient pass leaves for the weight pass, per layer and micro-batch: torch's
+    `stage_backward_input` keeps the gradient arriving at every op that leads to a weight (each matmul's
+    output, each RMSNorm's scaled output), in the compute dtype. Counted on real tensors for two blocks: 5h +
+    kv + 2f per token (q, the attention projection, w2 and the two norms h each; k and v together one kv; w1
+    and w3 f each); head- and FFN-split tensors divide by tp."""
+    ec, _ = dtype_bytes(layout)
+    kv = shape.n_kv_heads * shape.head_dim
+    return ec * micro_batch * seq_len * (5 * shape.dim + kv + 2 * shape.ffn_hidden_dim) / layout.tp
+
+
+def schedule_order(schedule: str, pp: int, microbatches: int, virtual_stages: int,
+                   pp_rank: int) -> list[tuple[str, int, int]]:
+    """(kind, local stage, micro-batch) in the order torch's multi-stage schedule (`ScheduleInterleaved1F1B`,
+    `ScheduleInterleavedZeroBubble`) runs them on `pp_rank`: its own order table, without the idle slots.
+    Kinds: F forward, B whole backward, I input-gradient pass, W weight-gradient pass. The table is a private
+    method of torch's schedules (no public one builds it without stages); the pipeline rows of
+    tests/test_planner_grid.py fail if a torch upgrade moves it."""
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining.schedules import (ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
+                                                        _ComputationType)
+
+    kinds = {_ComputationType.FORWARD: "F", _ComputationType.BACKWARD_INPUT: "I",
+             _ComputationType.BACKWARD_WEIGHT: "W", _ComputationType.FULL_BACKWARD: "B"}
+    rounds = max(1, microbatches // pp)
+    table = SimpleNamespace(n_local_stages=virtual_stages, pp_group_size=pp, _n_microbatches=microbatches,
+                            number_of_rounds=rounds, microbatches_per_round=microbatches // rounds)
+    cls = ScheduleInterleavedZeroBubble if schedule == "zero_bubble" else ScheduleInterleaved1F1B
+    return [(kinds[a.computation_type], a.stage_index // pp, a.microbatch_index)
+            for a in cls._calculate_single_rank_operations(table, pp_rank) if a is not None]
+
+
+@dataclass
+class HeldAt:
+    """What a multi-stage rank holds at one moment of its order (bytes)."""
+
+    activations: float = 0.0  # saved tensors of the micro-batch stages not yet through their backward
+    weight_pass: float = 0.0  # zero-bubble: gradients kept from input-gradient passes for the weight passes
+    grads: float = 0.0  # accumulated (unsharded) gradients of the stages that have run a backward
+
+    @property
+    def total(self) -> float:
+        return self.activations + self.weight_pass + self.grads
+
+
+def schedule_peak(order: list[tuple[str, int, int]], kept: list[float], pending: list[float],
+                  grads: list[float], loss_stage: int | None = None) -> tuple[HeldAt, HeldAt]:
+    """The fullest moment of `order` (a whole backward or an input-gradient pass running), and the fullest
+    moment of the loss's backward on `loss_stage` (None: not this rank's). A forward adds its stage's `kept`
+    bytes, a whole backward frees them; zero-bubble's input-gradient pass keeps them (its graph is retained
+    for the weight pass) and adds `pending`, and the weight pass frees both. A stage's `grads` exist from
+    its first backward (weight pass for zero-bubble)."""
+    forwarded, inputs_done, stepped = set(), set(), set()
+    block, loss = HeldAt(), HeldAt()
+
+    def held() -> HeldAt:
+        return HeldAt(sum(kept[s] for s, _ in forwarded), sum(pending[s] for s, _ in inputs_done),
+                      sum(grads[s] for s in stepped))
+
+    for kind, stage, micro in order:
+        if kind in ("B", "I") and stage == loss_stage:  # the loss's backward runs first, before this pass adds
+            loss = max(loss, held(), key=lambda h: h.total)
+        if kind == "F":
+            forwarded.add((stage, micro))
+            continue
+        if kind == "I":
+            inputs_done.add((stage, micro))
+        if kind in ("B", "W"):
+            stepped.add(stage)
+        block = max(block, held(), key=lambda h: h.total)
+        if kind in ("B", "W"):
+            forwarded.discard((stage, micro))
+            inputs_done.discard((stage, micro))
+    return block, loss
+
+
 @dataclass
 class StageActivations:
     saved: float  # every in-flight micro-batch's saved tensors, and the loss's
@@ -114,6 +191,11 @@ class StageActivations:
     in_flight: float
     logits: float = 0.0  # the fp32 log-softmax the loss keeps (last stage)
     layer: float = 0.0  # one layer's recomputed tensors (checkpointing)
+    # Several stages per rank (interleaved 1F1B, zero-bubble): what is held at a block's backward and at the
+    # loss's, from the schedule's order (activations there are in `saved` and `saved_at_loss`).
+    at_block: HeldAt | None = None
+    at_loss: HeldAt | None = None
+    saved_at_loss: float = 0.0
 
     @property
     def peak(self) -> float:
@@ -121,7 +203,9 @@ class StageActivations:
 
 
 def stage_activation_bytes(shape: ModelShape, layout: Layout, pp_rank: int, fused_norm: bool = True,
-                           routing_skew: float = 1.0) -> StageActivations:
+                           routing_skew: float = 1.0, accumulated_grads: float = 0.0) -> StageActivations:
+    """`accumulated_grads`: the unsharded gradients this rank accumulates (zero-bubble's peak may come
+    before some stages' first weight pass, where they do not exist yet)."""
     mb, s = layout.micro_batch, layout.seq_len
     held = rank_params(shape, layout, pp_rank)
     layer = layer_activation_bytes(shape, mb, s, layout, fused_norm)
@@ -149,4 +233,35 @@ def stage_activation_bytes(shape: ModelShape, layout: Layout, pp_rank: int, fuse
         output = ec * mb * s * shape.vocab_size / layout.tp if layout.pp > 1 else 0.0
         losses = in_flight if layout.pp > 1 and layout.pp_schedule == "gpipe" else 1.0
         saved += losses * (_norm_bytes(er, mb * s, shape.dim, r, fused_norm) + ec * mb * s * shape.dim + logits + output)
+    if layout.pp > 1 and layout.pp_schedule in ("interleaved_1f1b", "zero_bubble"):
+        return _multi_stage(shape, layout, pp_rank, layer, logits, saved - held.layers * layer.saved * in_flight,
+                            accumulated_grads)
     return StageActivations(saved, max(layer.transient, 2 * logits), in_flight, logits, layer.transient)
+
+
+def _multi_stage(shape: ModelShape, layout: Layout, pp_rank: int, layer: LayerActivations, logits: float,
+                 loss_and_ids: float, accumulated_grads: float = 0.0) -> StageActivations:
+    """A rank holding several stages: each local stage's micro-batches are held from their forward to their
+    backward, in torch's order for the schedule. Zero-bubble (no checkpointing: the layout rules refuse it
+    with checkpointing) holds them to the weight pass, and the ones past their input-gradient pass hold those
+    gradients besides; the last stage's include the logits' gradient."""
+    mb, s, v = layout.micro_batch, layout.seq_len, layout.stages_per_rank
+    counts = stage_layers(shape, layout)[pp_rank]
+    kept = [n * layer.saved for n in counts]
+    pending = [0.0] * len(counts)
+    if layout.pp_schedule == "zero_bubble":
+        ec, _ = dtype_bytes(layout)
+        pending = [n * weight_gradient_inputs_bytes(shape, mb, s, layout) for n in counts]
+        if logits:  # the last stage: its output layer's input gradient, vocabulary-sized
+            pending[-1] += ec * mb * s * shape.vocab_size / layout.tp
+    # Each stage's share of the accumulated gradients: its layers, and the embedding (first stage) or the
+    # output layer and final norm (last stage).
+    table = shape.vocab_size * shape.dim // layout.tp
+    params = [n * layer_params(shape, layout.tp) + (table if pp_rank == 0 and i == 0 else 0)
+              + (table + shape.dim if logits and i == len(counts) - 1 else 0) for i, n in enumerate(counts)]
+    grads = [accumulated_grads * n / max(sum(params), 1) for n in params]
+    order = schedule_order(layout.pp_schedule, layout.pp, layout.microbatches, v, pp_rank)
+    at_block, at_loss = schedule_peak(order, kept, pending, grads, len(counts) - 1 if logits else None)
+    return StageActivations(at_block.activations + loss_and_ids, max(layer.transient, 2 * logits),
+                            at_block.activations / (sum(kept) / len(kept)) / v if sum(kept) else 0.0,
+                            logits, layer.transient, at_block, at_loss, at_loss.activations + loss_and_ids)

@@ -175,11 +175,17 @@ def _moments(states: ModelStates, acts: StageActivations, layout: Layout, gather
     grads = s.unsharded_grads if fsdp else s.grads
     if layout.pp > 1 and layout.pp_schedule == "gpipe":  # every forward, and loss, before the first backward
         grads = 0.0 if fsdp else grads
+    loss_grads, loss_acts, loss_pending, block_pending = grads, acts.saved, 0.0, 0.0
+    if acts.at_block is not None:  # several stages per rank: what the schedule's order holds at each moment
+        if fsdp:  # FSDP's accumulated gradients exist for the stages that have run a backward
+            grads, loss_grads = acts.at_block.grads, acts.at_loss.grads
+        loss_acts, loss_pending, block_pending = acts.saved_at_loss, acts.at_loss.weight_pass, acts.at_block.weight_pass
     copies = 0.0 if fsdp else s.buffers  # autocast's low-precision weight copies, kept as activations
     moments = {}
     if acts.logits:  # the loss's backward: its gradient and the logits' (loss_parallel keeps one more shard)
-        moments["loss"] = {"parameters": s.params, "gradients": grads, "optimizer": s.optimizer,
-                           "activations": acts.saved + copies, "temporary": (3 if layout.tp > 1 else 2) * acts.logits,
+        moments["loss"] = {"parameters": s.params, "gradients": loss_grads, "optimizer": s.optimizer,
+                           "activations": loss_acts + copies,
+                           "temporary": (3 if layout.tp > 1 else 2) * acts.logits + loss_pending,
                            "communication": gathered + pipe}
     block_grads = grads if s.unsharded_grads or not fsdp else pb * grad_root  # the root's unsharded grads, pending
     # The block gathered (ZeRO-3: and the next one prefetched) and its unsharded gradients, unless those
@@ -187,7 +193,7 @@ def _moments(states: ModelStates, acts: StageActivations, layout: Layout, gather
     gathers = 2 * pb * unit if layout.reshard_after_forward else 0.0
     in_use = gathers + (0.0 if s.unsharded_grads else (pb + rb) * grad_unit) if fsdp else 0.0
     moments["block"] = {"parameters": s.params, "gradients": block_grads, "optimizer": s.optimizer,
-                        "activations": acts.saved - acts.logits + copies, "temporary": acts.layer,
+                        "activations": acts.saved - acts.logits + copies, "temporary": acts.layer + block_pending,
                         "communication": gathered + in_use + pipe}
     moments["step"] = {"parameters": s.params, "gradients": s.grads, "optimizer": s.optimizer + s.step_temporary,
                        "activations": 0.0, "temporary": 0.0, "communication": 0.0}
@@ -218,7 +224,8 @@ def estimate_memory(shape: ModelShape, layout: Layout, accounting: str = "runtim
                                    root_params=held.root, largest_tensor=largest, trainable=adapters)
         if held.experts:  # the experts' states on their own data-parallel group
             states = moe_model_states(model_state_bytes, held, layout, accounting, largest, shape)
-        acts = stage_activation_bytes(shape, layout, pp_rank, fused_norm, routing_skew)
+        acts = stage_activation_bytes(shape, layout, pp_rank, fused_norm, routing_skew=routing_skew,
+                                      accumulated_grads=states.unsharded_grads)
         e = DTYPE_BYTES[layout.param_dtype]
         pipe = 0.0
         if layout.pp > 1:  # a send and a receive buffer per neighbour direction and virtual stage
