@@ -98,3 +98,22 @@ def pipeline_split(model: Transformer, ranges: list[range], owned: list[int]) ->
         model.norm = None
         model.output = None
     return [StageModule(model, ranges[s], s == 0, s == last) for s in owned]
+
+
+def context_parallel(model: nn.Module, cp) -> None:
+    """Attention through the context-parallel kernel, which gets the global document index of every token as
+    its mask; the model is called with full token ids, of which a pre-hook keeps this rank's shard and
+    hands over their global positions."""
+    for block in model.layers.values():
+        block.attention.attend = cp.attention
+    model.attention_mask = _documents_as_they_are
+
+    def shard_inputs(module, args, kwargs):
+        tokens, positions, documents = cp.inputs(args[0], kwargs.get("positions"))
+        return (tokens,), {**kwargs, "positions": positions, "documents": documents}
+
+    model.register_forward_pre_hook(shard_inputs, with_kwargs=True)
+
+
+def _documents_as_they_are(documents):
+    return documents
