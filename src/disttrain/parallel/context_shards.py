@@ -22,9 +22,14 @@ def shard_sequence(t: torch.Tensor, rank: int, size: int) -> torch.Tensor:
     return t[:, shard_index(t.shape[1], rank, size, t.device)]
 
 
-def visible(q_index: torch.Tensor, k_index: torch.Tensor, documents: torch.Tensor | None) -> torch.Tensor:
-    """(batch or 1, 1, q, k) bool: query at global position i may see key at j (j <= i, same document)."""
-    mask = (k_index[None, :] <= q_index[:, None])[None, None]
+def visible(q_index: torch.Tensor, k_index: torch.Tensor, documents: torch.Tensor | None,
+            window: int | None = None) -> torch.Tensor:
+    """(batch or 1, 1, q, k) bool: query at global position i may see key at j (j <= i, same document;
+    i - j < window for sliding-window attention)."""
+    mask = k_index[None, :] <= q_index[:, None]
+    if window is not None:
+        mask &= k_index[None, :] > q_index[:, None] - window
+    mask = mask[None, None]
     if documents is None:
         return mask
     same = documents[:, q_index][:, :, None] == documents[:, k_index][:, None, :]

@@ -16,13 +16,14 @@ from torch.distributed._functional_collectives import (all_gather_single_autogra
 from disttrain.parallel.context_shards import visible
 
 
-def allgather_attention(q, k, v, documents, cp):
+def allgather_attention(q, k, v, documents, cp, scale=None, window=None):
     """Every rank gathers the whole sequence's K/V once per layer; its own queries attend to them."""
     seq_len = q.shape[2] * cp.size
     k_all, v_all = (wait_tensor(all_gather_single_autograd(x.contiguous(), gather_dim=2, group=cp.group))
                     for x in (k, v))
-    mask = visible(cp.index(seq_len, q.device), cp.gathered_index(seq_len, q.device), documents)
-    return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+    mask = visible(cp.index(seq_len, q.device), cp.gathered_index(seq_len, q.device), documents, window)
+    return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, scale=scale,
+                                          enable_gqa=q.shape[1] != k.shape[1])
 
 
 def _to_head_shards(x: torch.Tensor, cp) -> torch.Tensor:
@@ -44,11 +45,11 @@ def _to_sequence_shards(y: torch.Tensor, cp) -> torch.Tensor:
     return got.transpose(0, 1).reshape(b, w * hw, s // w, d)
 
 
-def ulysses_attention(q, k, v, documents, cp):
+def ulysses_attention(q, k, v, documents, cp, scale=None, window=None):
     """Each rank attends for heads / W of the heads over the whole sequence (heads divisible by W)."""
     seq_len = q.shape[2] * cp.size
     qh, kh, vh = (_to_head_shards(x, cp) for x in (q, k, v))
     index = cp.gathered_index(seq_len, q.device)
-    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=visible(index, index, documents),
-                                         enable_gqa=qh.shape[1] != kh.shape[1])
+    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=visible(index, index, documents, window),
+                                         scale=scale, enable_gqa=qh.shape[1] != kh.shape[1])
     return _to_sequence_shards(out, cp)

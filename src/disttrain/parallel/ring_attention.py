@@ -27,8 +27,8 @@ _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
-def ring_attention(q, k, v, documents, cp):
-    return _RingAttention.apply(q, k, v, documents, cp)
+def ring_attention(q, k, v, documents, cp, scale: float | None = None):
+    return _RingAttention.apply(q, k, v, documents, cp, scale)
 
 
 def _shift(t: torch.Tensor, cp, tag: int):
@@ -73,10 +73,10 @@ def _expand_heads(x: torch.Tensor, groups: int) -> torch.Tensor:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, documents, cp):
+    def forward(ctx, q, k, v, documents, cp, scale):
         b, h, t, d = q.shape
         groups = h // k.shape[1]
-        scale = d ** -0.5
+        scale = d ** -0.5 if scale is None else scale
         acc = at_least_fp32(torch.empty((), dtype=q.dtype)).dtype
         out = torch.zeros(q.shape, dtype=acc, device=q.device)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
@@ -132,7 +132,7 @@ class _RingAttention(torch.autograd.Function):
                 kv = incoming
             _wait(grad_works)
             del sent
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
 
 def _merge(out, lse, part, part_lse, rows) -> None:

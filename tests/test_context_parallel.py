@@ -1,0 +1,151 @@
+"""Context parallelism (`parallel.cp`): every sequence sharded over 2 ranks, attention across the shards by
+each `parallel.cp_method`, gives one process's losses and parameters (fp64, 1e-10 relative): the built-in
+model and a transformers Llama, on plain text and on packed chat data (several conversations per
+sequence under document masking, prompt targets masked in both halves of each sequence); with ZeRO-3 and
+activation checkpointing; a checkpoint written at cp=2 resumes on one process and the reverse. The
+attention kernels alone match single-device attention with grouped heads, at 2 ranks. Bad input is one
+line and exit 2."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from chat_tokenizer import records, save_chat_tokenizer
+from helpers import (DEBUG_CONFIG, EXACT, FP64, assert_losses_close, assert_params_exact, final_params, losses,
+                     run_cli, train_many)
+from hf_models import SIZES
+
+METHODS = ("ring", "allgather", "ulysses")
+STEPS = 4
+COMMON = (f"train.steps={STEPS}", "train.global_batch_size=4", "optim.lr=3e-3", "checkpoint.save_final=true",
+          "metrics.sync_check_every=2", FP64)
+CHAT_SEQ = 128
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """Packed chat data (a chat tokenizer, prepare-data) and a tiny transformers Llama for its vocabulary."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from disttrain.cli import main
+
+    root = tmp_path_factory.mktemp("cp_data")
+    tok = save_chat_tokenizer(root / "tok", markers=True)
+    (root / "records.jsonl").write_text("".join(__import__("json").dumps(r) + "\n" for r in records()))
+    main(["prepare-data", str(root / "records.jsonl"), "--out", str(root / "chat"), "--tokenizer", str(tok),
+          "--seq-len", str(CHAT_SEQ), "--val-fraction", "0.25"])
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(LlamaConfig(**{**SIZES, "vocab_size": 384}, tie_word_embeddings=False)) \
+        .save_pretrained(root / "llama")
+    return root
+
+
+def _cases(data) -> dict[str, tuple[str, ...]]:
+    chat = (f"data.source={data / 'chat'}", "data.packing=true", f"data.seq_len={CHAT_SEQ}", "model.vocab_size=384")
+    hf_chat = (f"data.source={data / 'chat'}", "data.packing=true", f"data.seq_len={CHAT_SEQ}",
+               f"model.hf={data / 'llama'}")
+    return {"debug": (), "debug_chat": chat, "hf": (f"model.hf={data / 'llama'}", "data.tokenizer=byte"),
+            "hf_chat": hf_chat}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, data):
+    root = tmp_path_factory.mktemp("cp_runs")
+    cases = _cases(data)
+    one = train_many({f"ref_{c}": (root / f"ref_{c}", (*COMMON, *o)) for c, o in cases.items()}, nproc=1)
+    jobs = {f"{c}_{m}": (root / f"{c}_{m}", (*COMMON, *o, "parallel.cp=2", f"parallel.cp_method={m}"))
+            for c, o in cases.items() for m in METHODS}
+    jobs["zero3_checkpointed"] = (root / "zero3_ac", (*COMMON, *cases["debug_chat"], "parallel.cp=2",
+                                                     "parallel.zero_stage=3", "parallel.activation_checkpointing=full"))
+    two = train_many(jobs, nproc=2)
+    return {**one, **two}
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("case", ["debug", "debug_chat", "hf", "hf_chat"])
+def test_cp2_gives_one_process_losses_and_parameters(runs, case, method):
+    run, ref = runs[f"{case}_{method}"], runs[f"ref_{case}"]
+    assert len(losses(run)) == STEPS
+    assert_losses_close(losses(run), losses(ref), rel=EXACT)
+    assert_params_exact(final_params(run, STEPS), final_params(ref, STEPS))
+
+
+def test_zero3_with_activation_checkpointing(runs):
+    assert_losses_close(losses(runs["zero3_checkpointed"]), losses(runs["ref_debug_chat"]), rel=EXACT)
+    assert_params_exact(final_params(runs["zero3_checkpointed"], STEPS), final_params(runs["ref_debug_chat"], STEPS))
+
+
+def test_packed_sequences_hold_documents_and_masked_targets_in_both_halves(data):
+    """What the chat parity cases train on: sequences of several conversations, each rank's half holding
+    masked targets and valid ones, so a ring without document masks or a per-rank divisor would give
+    another loss."""
+    from disttrain.data.source import load_samples
+
+    tok, samples, _ = load_samples(str(data / "chat"), "auto", CHAT_SEQ, True)
+    x, y = samples.batch(np.arange(len(samples)))
+    x, y = x.numpy(), y.numpy()
+    chunk = CHAT_SEQ // 4
+    halves = [np.r_[0:chunk, 3 * chunk:4 * chunk], np.r_[chunk:3 * chunk]]  # rank 0's and rank 1's tokens
+    starts = ((x[:, :-1] == tok.eos_id) & (x[:, 1:] != tok.eos_id)).sum(axis=1)  # documents after the first
+    assert (starts >= 1).mean() > 0.5
+    for half in halves:
+        assert ((y[:, half] == -100).any(axis=1)).all() and ((y[:, half] != -100).any(axis=1)).mean() > 0.5
+
+
+def test_kernels_match_single_device_attention():
+    """Every method's output and q/k/v gradients, grouped heads, with and without documents (fp64)."""
+    import subprocess
+    import sys
+
+    from helpers import REPO, cli_env
+
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                           str(REPO / "tests" / "workers" / "cp_kernels.py")], cwd=REPO, env=cli_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("ok") == 2 * 2 * len(METHODS), proc.stdout
+
+
+BAD = [
+    (("data.seq_len=66", "parallel.cp=2"), "data.seq_len=66 is not divisible by 2 x parallel.cp = 4"),
+    (("parallel.cp=2", "parallel.cp_method=ulysses", "model.n_heads=6", "model.n_kv_heads=3", "model.dim=48"),
+     "parallel.cp_method=ulysses with parallel.cp=2: model.n_kv_heads=3 is not divisible by 2"),
+    (("parallel.cp=2", "parallel.cp_method=diagonal"), "parallel.cp_method=diagonal"),
+]
+
+
+@pytest.mark.parametrize("overrides, message", BAD, ids=["seq_len", "ulysses heads", "method"])
+def test_bad_context_parallel_input_is_one_line(overrides, message):
+    from disttrain.config import ConfigError, load_config
+    from disttrain.errors import UserError
+    from disttrain.resolve import resolve_run
+
+    with pytest.raises((UserError, ConfigError)) as err:
+        resolve_run(load_config(DEBUG_CONFIG, list(overrides)), 2, "cpu")
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_models_that_cannot_shard_their_sequence_are_refused_by_name(tmp_path):
+    """A transformers model outside the supported families, by its model type; a sliding-window Mistral
+    refuses the ring (its window needs an explicit mask) and takes all-gather. Exit 2 from the CLI."""
+    from transformers import MistralConfig
+
+    from hf_models import save_tiny
+
+    gpt2 = save_tiny("gpt2", tmp_path / "gpt2")
+    proc = run_cli("train", str(DEBUG_CONFIG), f"model.hf={gpt2}", "parallel.cp=2", "data.tokenizer=byte", nproc=2,
+                   check=False)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert f"parallel.cp=2: model gpt2 from model.hf={gpt2} cannot shard its sequence" in proc.stderr
+
+    from disttrain.config import load_config
+    from disttrain.errors import UserError
+    from disttrain.resolve import resolve_run
+
+    MistralConfig(**SIZES, sliding_window=16).save_pretrained(tmp_path / "mistral")
+    base = [f"model.hf={tmp_path / 'mistral'}", "data.tokenizer=byte", "parallel.cp=2"]
+    with pytest.raises(UserError, match="parallel.cp_method=ring: the attention of model mistral .*sliding-window"):
+        resolve_run(load_config(DEBUG_CONFIG, base), 2, "cpu")
+    assert resolve_run(load_config(DEBUG_CONFIG, [*base, "parallel.cp_method=allgather"]), 2, "cpu").layout.cp == 2
