@@ -54,13 +54,21 @@ def _cases(data) -> dict[str, tuple[str, ...]]:
 def runs(tmp_path_factory, data):
     root = tmp_path_factory.mktemp("cp_runs")
     cases = _cases(data)
-    one = train_many({f"ref_{c}": (root / f"ref_{c}", (*COMMON, *o)) for c, o in cases.items()}, nproc=1)
+    fp32 = tuple(o for o in COMMON if o != FP64) + ("checkpoint.every_steps=2",)
+    one_jobs = {f"ref_{c}": (root / f"ref_{c}", (*COMMON, *o)) for c, o in cases.items()}
+    one_jobs["ref_fp32"] = (root / "ref_fp32", fp32)
+    one = train_many(one_jobs, nproc=1)
+    step_2 = "checkpoints/step_00000002"
     jobs = {f"{c}_{m}": (root / f"{c}_{m}", (*COMMON, *o, "parallel.cp=2", f"parallel.cp_method={m}"))
             for c, o in cases.items() for m in METHODS}
     jobs["zero3_checkpointed"] = (root / "zero3_ac", (*COMMON, *cases["debug_chat"], "parallel.cp=2",
                                                      "parallel.zero_stage=3", "parallel.activation_checkpointing=full"))
+    jobs["cp2_fp32"] = (root / "cp2_fp32", (*fp32, "parallel.cp=2"))
+    jobs["cp2_from_one"] = (root / "cp2_from_one", (*fp32, "parallel.cp=2", f"checkpoint.resume={root / 'ref_fp32' / step_2}"))
     two = train_many(jobs, nproc=2)
-    return {**one, **two}
+    back = train_many({"one_from_cp2": (root / "one_from_cp2", (*fp32, f"checkpoint.resume={root / 'cp2_fp32' / step_2}"))},
+                      nproc=1)
+    return {**one, **two, **back}
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -75,6 +83,16 @@ def test_cp2_gives_one_process_losses_and_parameters(runs, case, method):
 def test_zero3_with_activation_checkpointing(runs):
     assert_losses_close(losses(runs["zero3_checkpointed"]), losses(runs["ref_debug_chat"]), rel=EXACT)
     assert_params_exact(final_params(runs["zero3_checkpointed"], STEPS), final_params(runs["ref_debug_chat"], STEPS))
+
+
+@pytest.mark.parametrize("resumed, saved", [("one_from_cp2", "cp2_fp32"), ("cp2_from_one", "ref_fp32")],
+                         ids=["cp2 to one process", "one process to cp2"])
+def test_checkpoints_resume_across_context_parallel_degrees(runs, resumed, saved):
+    """fp32: the steps after the resume give the uninterrupted run's losses within 1e-5."""
+    after = losses(runs[resumed])
+    assert sorted(after) == [3, 4]
+    assert_losses_close(after, {k: v for k, v in losses(runs[saved]).items() if k > 2}, rel=1e-5)
+    assert_losses_close(losses(runs["cp2_fp32"]), losses(runs["ref_fp32"]), rel=1e-5)
 
 
 def test_packed_sequences_hold_documents_and_masked_targets_in_both_halves(data):
