@@ -80,6 +80,53 @@ def test_cp2_gives_one_process_losses_and_parameters(runs, case, method):
     assert_params_exact(final_params(run, STEPS), final_params(ref, STEPS))
 
 
+def _four_rank_jobs(root, data, names) -> dict:
+    """cp=2 x dp_shard=2 (ZeRO-3) and cp=2 x tp=2 (sequence parallel, ZeRO-2), named `{layout}_{case}`."""
+    cases, jobs = _cases(data), {}
+    for name in names:
+        layout, case = name.split("_", 1)
+        chat, o = case.endswith("chat"), cases[case]
+        if layout == "dp2":
+            extra = ("parallel.dp_shard=2", "parallel.zero_stage=3", f"parallel.cp_method={'allgather' if chat else 'ring'}")
+        else:
+            extra = ("parallel.tp=2", "parallel.zero_stage=2", "parallel.sequence_parallel=true",
+                     f"parallel.cp_method={'ring' if chat else 'allgather'}")
+        jobs[name] = (root / name, (*COMMON, *o, "parallel.cp=2", *extra))
+    return train_many(jobs, nproc=4)
+
+
+FOUR_LEAN = ("dp2_hf_chat", "tp2_debug_chat")  # in the suite; the rest with `make test-slow`
+FOUR_ALL = tuple(f"{layout}_{case}" for layout in ("dp2", "tp2") for case in ("debug", "debug_chat", "hf", "hf_chat"))
+
+
+@pytest.fixture(scope="module")
+def four_lean(tmp_path_factory, data):
+    return _four_rank_jobs(tmp_path_factory.mktemp("cp4"), data, FOUR_LEAN)
+
+
+@pytest.fixture(scope="module")
+def four_rest(tmp_path_factory, data):
+    return _four_rank_jobs(tmp_path_factory.mktemp("cp4_rest"), data, [n for n in FOUR_ALL if n not in FOUR_LEAN])
+
+
+def _check_four(run, runs, name):
+    ref = runs[f"ref_{name.split('_', 1)[1]}"]
+    assert_losses_close(losses(run), losses(ref), rel=EXACT)
+    assert_params_exact(final_params(run, STEPS), final_params(ref, STEPS))
+
+
+@pytest.mark.parametrize("name", FOUR_LEAN)
+def test_cp2_with_data_or_tensor_parallel_on_4_ranks(runs, four_lean, name):
+    """Packed documents under cp=2 x dp_shard=2 (HF Llama, all-gather) and cp=2 x tp=2 (built-in, ring)."""
+    _check_four(four_lean[name], runs, name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [n for n in FOUR_ALL if n not in FOUR_LEAN])
+def test_cp2_with_data_or_tensor_parallel_on_4_ranks_every_case(runs, four_rest, name):
+    _check_four(four_rest[name], runs, name)
+
+
 def test_zero3_with_activation_checkpointing(runs):
     assert_losses_close(losses(runs["zero3_checkpointed"]), losses(runs["ref_debug_chat"]), rel=EXACT)
     assert_params_exact(final_params(runs["zero3_checkpointed"], STEPS), final_params(runs["ref_debug_chat"], STEPS))
