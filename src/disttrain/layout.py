@@ -80,6 +80,11 @@ class Layout:
         return self.dp * self.cp
 
     @property
+    def shard_ranks(self) -> int:
+        """Ranks FSDP shards a parameter over (ZeRO-2/3): dp_shard x cp."""
+        return self.dp_shard * self.cp
+
+    @property
     def sequences_per_rank(self) -> int:
         return self.global_batch_size // self.dp
 

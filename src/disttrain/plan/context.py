@@ -54,3 +54,42 @@ def context_extra_bytes(shape: ModelShape, layout: Layout, element_bytes: int) -
     if layout.cp_method == "allgather":  # the gathered K/V and the bool (seq/cp x seq) mask
         return 2 * element_bytes * mb * s * shape.n_kv_heads * shape.head_dim / tp * (cp - 1) / cp + mb * (s // cp) * s
     return mb * s * s  # ulysses: the bool (seq x seq) mask
+
+
+LONG_SEQUENCE = 16384  # the search tries cp > 1 from here on (shorter sequences fit without it)
+
+
+def cp_degrees(seq_len: int, ranks: int, max_cp: int = 32) -> list[int]:
+    """Context-parallel degrees the layout search tries on `ranks` ranks (after tensor parallel): 1, and
+    for long sequences every power of two dividing the ranks and 2 x cp dividing the sequence."""
+    if seq_len < LONG_SEQUENCE:
+        return [1]
+    out, cp = [1], 2
+    while cp <= min(ranks, max_cp):
+        if ranks % cp == 0 and seq_len % (2 * cp) == 0:
+            out.append(cp)
+        cp *= 2
+    return out
+
+
+def context_comm_s(shape: ModelShape, layout: Layout, cluster, compute_s: float,
+                   hw_flops_per_token: float) -> tuple[float, float]:
+    """(seconds of K/V traffic per step, the part not hidden): the ring's exchanges overlap the attention
+    of the block in hand (exposed only where a block's transfer outlasts its attention); all-gather's and
+    Ulysses' collectives are waited for."""
+    from disttrain.flops import attention_flops_per_token
+    from disttrain.plan.params import rank_params
+
+    traffic = kv_traffic_bytes(shape, layout)
+    bw, lat = cluster.link(layout.cp * layout.tp)
+    layers = rank_params(shape, layout, 0).layers
+    messages = {"ring": 3 * layout.cp - 2, "allgather": 2 * (layout.cp - 1), "ulysses": 8 * (layout.cp - 1)}
+    per_mb = layers * (traffic["bytes"] / bw + messages[traffic["method"]] * lat)
+    total = layout.microbatches * per_mb
+    if not traffic["overlapped"]:
+        return total, total
+    attention_s = compute_s * attention_flops_per_token(shape, layout.seq_len) / hw_flops_per_token
+    steps = 2 * layout.cp - 1  # forward and backward blocks, each overlapping one transfer
+    per_block_comm = total / steps
+    per_block_attention = attention_s / steps
+    return total, steps * max(0.0, per_block_comm - cluster.overlap_efficiency * per_block_attention)

@@ -1,6 +1,6 @@
 """Step time from FLOPs, an α-β model of each collective, and the pipeline bubble.
 
-Ranks are laid out as the runtime's DeviceMesh does: (pp, dp_replicate, dp_shard, tp), tensor
+Ranks are laid out as the runtime's DeviceMesh does: (pp, dp_replicate, dp_shard, cp, tp), tensor
 parallel innermost. A collective over a mesh dimension stays on NVLink when the ranks it spans
 fit in one node, else it runs at the network's per-GPU bandwidth (every GPU has its own NIC in
 the reference systems, so rings over nodes are limited by that NIC, not by NVLink).
@@ -131,6 +131,8 @@ class StepTime:
     mfu: float
     hfu: float
     optimizer_s: float = 0.0  # measured profiles only: the GPU table folds it into compute
+    cp_comm_s: float = 0.0  # context parallel's K/V traffic (plan/context.py)
+    cp_exposed_s: float = 0.0  # the part not hidden behind attention
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -170,7 +172,7 @@ def step_time(shape: ModelShape, layout: Layout, cluster: Cluster) -> StepTime:
         bw, lat = cluster.link(layout.tp)
         per_layer = TP_COLLECTIVES_PER_LAYER + (2 if layout.activation_checkpointing == "full" else 0)
         per_step = m * (held.layers * per_layer + int(held.embedding) + int(held.output))
-        one = all_reduce_s(layout.tp, e * mb * s * shape.dim, bw, lat)
+        one = all_reduce_s(layout.tp, e * mb * s // layout.cp * shape.dim, bw, lat)
         measured = cluster.tp_collective
         if measured and measured.get("ranks") == layout.tp:  # as issued (DTensor, waits), moved to this size
             one = max(one, measured["seconds"] + one - all_reduce_s(layout.tp, measured["bytes"], bw, lat))
@@ -180,25 +182,26 @@ def step_time(shape: ModelShape, layout: Layout, cluster: Cluster) -> StepTime:
     if layout.pp > 1:
         bw, lat = cluster.link(world)
         # activations forward and their gradients backward, per micro-batch and virtual stage
-        pp_comm = 2 * m * layout.stages_per_rank * p2p_s(e * mb * s * shape.dim / (layout.tp if layout.sequence_parallel else 1), bw, lat)
+        pp_comm = 2 * m * layout.stages_per_rank * p2p_s(e * mb * s // layout.cp * shape.dim / (layout.tp if layout.sequence_parallel else 1), bw, lat)
 
     n_params = held.total
     unit = layer_params(shape, layout.tp)
     rb = DTYPE_BYTES[layout.reduce_dtype]
     dp_comm, dp_exposed = 0.0, 0.0
-    if layout.dp > 1:
+    dp = layout.gradient_ranks  # context ranks reduce gradients like data-parallel ones
+    if dp > 1:
         if layout.zero_stage <= 1:
-            bw, lat = cluster.link(layout.dp * layout.tp)
-            ar = all_reduce_s(layout.dp, rb * n_params, bw, lat)
+            bw, lat = cluster.link(dp * layout.tp)
+            ar = all_reduce_s(dp, rb * n_params, bw, lat)
             dp_comm = ar
-            last_bucket = all_reduce_s(layout.dp, min(DDP_BUCKET_BYTES, rb * n_params), bw, lat)
+            last_bucket = all_reduce_s(dp, min(DDP_BUCKET_BYTES, rb * n_params), bw, lat)
             dp_exposed = exposed(ar, bwd, cluster.overlap_efficiency, last_bucket)
             if layout.zero_stage == 1:  # updated parameters broadcast from their owners after the step
-                ag = all_gather_s(layout.dp, 4 * n_params, *cluster.link(layout.dp * layout.tp, "all_gather"))
+                ag = all_gather_s(dp, 4 * n_params, *cluster.link(dp * layout.tp, "all_gather"))
                 dp_comm += ag
                 dp_exposed += ag
         else:
-            ds, dr = layout.dp_shard, layout.dp_replicate
+            ds, dr = layout.shard_ranks, layout.dp_replicate
             bw, lat = cluster.link(ds * layout.tp, "all_gather")
             rbw_s, rlat_s = cluster.link(ds * layout.tp, "reduce_scatter")
             gathers = 2 if layout.reshard_after_forward else 1  # stage 3 gathers again for backward
@@ -222,13 +225,19 @@ def step_time(shape: ModelShape, layout: Layout, cluster: Cluster) -> StepTime:
             exposed_bwd = exposed(ag, bwd, oe, first_unit) if gathers == 2 else 0.0
             dp_exposed = rounds * (exposed_fwd + exposed_bwd) + exposed(rs, bwd, oe, last_unit)
     if layout.cpu_offload:  # parameter shards up every micro-batch, gradient shards down, over PCIe
-        dp_exposed += (m * e + 4) * n_params / layout.dp_shard / PCIE_BYTES_PER_S
+        dp_exposed += (m * e + 4) * n_params / layout.shard_ranks / PCIE_BYTES_PER_S
+    cp_comm, cp_exposed = 0.0, 0.0
+    if layout.cp > 1:
+        from disttrain.plan.context import context_comm_s
 
-    step = compute + bubble + tp_comm + pp_comm + dp_exposed + optimizer
+        cp_comm, cp_exposed = context_comm_s(shape, layout, cluster, compute, hw_per_token)
+
+    step = compute + bubble + tp_comm + pp_comm + dp_exposed + optimizer + cp_exposed
     tps = tokens / step
     per_gpu = tps / world
     return StepTime(compute, bubble, tp_comm, pp_comm, dp_comm, dp_exposed, step, tps, per_gpu,
-                    F.mfu(model_per_token, per_gpu, peak), F.mfu(hw_per_token, per_gpu, peak), optimizer)
+                    F.mfu(model_per_token, per_gpu, peak), F.mfu(hw_per_token, per_gpu, peak), optimizer,
+                    cp_comm, cp_exposed)
 
 
 # Elements each token reads or writes per layer outside matmuls and attention, forward + backward,
@@ -259,7 +268,7 @@ def measured_compute(shape: ModelShape, layout: Layout, cluster: Cluster, matmul
 def _stage_compute(shape: ModelShape, layout: Layout, cluster: Cluster, matmul_rate: float, pp_rank: int):
     s, m, mb = layout.seq_len, layout.microbatches, layout.micro_batch
     held = rank_params(shape, layout, pp_rank)
-    tokens = mb * s * m  # this rank's tokens per step (tensor-parallel ranks share theirs)
+    tokens = mb * s // layout.cp * m  # this rank's tokens per step (tensor-parallel ranks share theirs)
     t, r = layout.tp, layout.tp if layout.sequence_parallel else 1
     full = layout.activation_checkpointing == "full"  # recomputes every block's forward: matmuls and attention
     layer_matmul = (8.0 if full else 6.0) * F.block_params(shape) / shape.n_layers
@@ -278,7 +287,8 @@ def _stage_compute(shape: ModelShape, layout: Layout, cluster: Cluster, matmul_r
         sp = layout.sequence_parallel
         root = DTENSOR_OPS_ROOT[sp] if held.embedding or held.output else 0
         seconds += m * (DTENSOR_OPS_PER_LAYER[sp] * held.layers + root) * cluster.dtensor_op_s
-    updated = held.total / (layout.dp_shard if layout.zero_stage >= 2 else layout.dp if layout.zero_stage == 1 else 1)
+    updated = held.total / (layout.shard_ranks if layout.zero_stage >= 2 else layout.gradient_ranks
+                            if layout.zero_stage == 1 else 1)
     return seconds, updated * cluster.optimizer_s_per_param
 
 
