@@ -173,7 +173,7 @@ def _size(n: float) -> str:
 
 def render(result: dict) -> str:
     lines = [f"dry run: {result['world_size']} ranks, layout "
-             + " ".join(f"{k}={v}" for k, v in result["layout"].items() if k in ("dp_replicate", "dp_shard", "tp", "pp",
+             + " ".join(f"{k}={v}" for k, v in result["layout"].items() if k in ("dp_replicate", "dp_shard", "cp", "tp", "pp",
                                                                                   "zero_stage", "micro_batch_size"))]
     for r in result["ranks"]:
         lines += ["", f"rank {r['rank']} ({r['role']}), {r['seconds']:.1f} s",
