@@ -81,12 +81,15 @@ def test_cp2_gives_one_process_losses_and_parameters(runs, case, method):
 
 
 def _four_rank_jobs(root, data, names) -> dict:
-    """cp=2 x dp_shard=2 (ZeRO-3) and cp=2 x tp=2 (sequence parallel, ZeRO-2), named `{layout}_{case}`."""
+    """cp=2 x dp_shard=2 (ZeRO-3), cp=2 x tp=2 (sequence parallel, ZeRO-2) and cp=2 x pp=2 (ZeRO-2), named
+    `{layout}_{case}`."""
     cases, jobs = _cases(data), {}
     for name in names:
         layout, case = name.split("_", 1)
         chat, o = case.endswith("chat"), cases[case]
-        if layout == "dp2":
+        if layout == "pp2":  # (no document masking with pipeline stages)
+            extra = ("parallel.pp=2", "parallel.pp_microbatches=2", "parallel.zero_stage=2")
+        elif layout == "dp2":
             extra = ("parallel.dp_shard=2", "parallel.zero_stage=3", f"parallel.cp_method={'allgather' if chat else 'ring'}")
         else:
             extra = ("parallel.tp=2", "parallel.zero_stage=2", "parallel.sequence_parallel=true",
@@ -95,7 +98,7 @@ def _four_rank_jobs(root, data, names) -> dict:
     return train_many(jobs, nproc=4)
 
 
-FOUR_LEAN = ("dp2_hf_chat", "tp2_debug_chat")  # in the suite; the rest with `make test-slow`
+FOUR_LEAN = ("dp2_hf_chat", "tp2_debug_chat", "pp2_debug")  # in the suite; the rest with `make test-slow`
 FOUR_ALL = tuple(f"{layout}_{case}" for layout in ("dp2", "tp2") for case in ("debug", "debug_chat", "hf", "hf_chat"))
 
 
@@ -117,7 +120,8 @@ def _check_four(run, runs, name):
 
 @pytest.mark.parametrize("name", FOUR_LEAN)
 def test_cp2_with_data_or_tensor_parallel_on_4_ranks(runs, four_lean, name):
-    """Packed documents under cp=2 x dp_shard=2 (HF Llama, all-gather) and cp=2 x tp=2 (built-in, ring)."""
+    """Packed documents under cp=2 x dp_shard=2 (HF Llama, all-gather) and cp=2 x tp=2 (built-in, ring);
+    cp=2 x pp=2 (built-in, ring, 1F1B)."""
     _check_four(four_lean[name], runs, name)
 
 

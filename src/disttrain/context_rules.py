@@ -35,10 +35,6 @@ def cp_problems(shape, layout) -> list[Problem]:
     if lay.engine == "deepspeed":
         problems.append(Problem("parallel.cp", cp, "1 with engine=deepspeed", f"parallel.cp={cp} needs engine=torch "
                                 "(allowed with engine=deepspeed: parallel.cp=1)"))
-    if lay.pp > 1:
-        problems.append(Problem("parallel.cp", cp, "1 with parallel.pp > 1", f"parallel.cp={cp} with parallel.pp="
-                                f"{lay.pp}: context parallelism does not compose with pipeline stages yet (allowed "
-                                "with pp > 1: parallel.cp=1)"))
     if lay.balanced:
         problems.append(Problem("parallel.cp", cp, "1 with uneven shares", f"parallel.cp={cp} with parallel.balance: "
                                 "context ranks share each sequence, so shares cannot differ between them (allowed: "

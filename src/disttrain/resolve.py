@@ -145,6 +145,10 @@ def _context_problems(spec, layout: Layout, what: str) -> list[Problem]:
         return [Problem("parallel.cp", cp, "1", f"parallel.cp={cp}: {what} cannot shard its sequence (context "
                         "parallelism needs the built-in model or a transformers llama, mistral, qwen2 or qwen3 "
                         "model; allowed for it: parallel.cp=1)")]
+    if layout.pp > 1 and spec.name != "llama":
+        return [Problem("parallel.cp", cp, "1 with parallel.pp > 1", f"parallel.cp={cp} with parallel.pp={layout.pp}: "
+                        f"{what} (context-parallel pipeline stages need the built-in model; allowed for it: one of "
+                        "cp, pp)")]
     if method not in spec.context_parallel_methods:
         allowed = ", ".join(spec.context_parallel_methods)
         return [Problem("parallel.cp_method", method, allowed, f"parallel.cp_method={method}: the attention of "

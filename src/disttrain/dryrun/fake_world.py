@@ -40,10 +40,10 @@ def stage_shapes(spec, layout: Layout):
     mp = layout.gradient_wrapper == "fsdp" and layout.param_dtype != "fp32"
     dtype = DTYPES[layout.param_dtype] if mp else torch.float32
     logits_dtype = DTYPES[layout.param_dtype if mp else layout.compute_dtype]
-    b, t, shape = layout.micro_batch, layout.seq_len, spec.shape
+    b, t, shape = layout.micro_batch, layout.seq_len // layout.cp, spec.shape  # a context rank's tokens
 
     def example(stage: int):
-        inputs = (torch.zeros(b, t, dtype=torch.long) if stage == 0
+        inputs = (torch.zeros(b, layout.seq_len, dtype=torch.long) if stage == 0  # the full sequences' ids
                   else torch.empty(b, t, shape.dim, dtype=dtype, requires_grad=True))
         last = stage == layout.n_stages - 1
         outputs = torch.empty(b, t, shape.vocab_size if last else shape.dim, dtype=logits_dtype if last else dtype,
