@@ -259,3 +259,21 @@ def test_the_planner_proposes_context_parallel_for_long_sequences():
     assert cp_degrees(4096, 32) == [1] and cp_degrees(131072, 16) == [1, 2, 4, 8, 16]
     ring, gather = (kv_traffic_bytes(shape, winner.with_(cp_method=m))["bytes"] for m in ("ring", "allgather"))
     assert ring > gather > 0  # the ring sends more bytes, hidden behind attention
+
+
+@pytest.mark.slow
+def test_dry_run_activations_fall_as_one_over_cp(tmp_path):
+    """The real step of rank 0 under fake tensors (`disttrain dryrun`), `tiny` at seq 8,192: the activations
+    measured at cp 2 and 4 are within 10% of 1/cp of cp 1's (about a minute of CPU)."""
+    import re
+
+    measured = {}
+    for cp in (1, 2, 4):
+        cfg = tmp_path / f"cp{cp}.yaml"
+        cfg.write_text(f"model: {{name: tiny, max_seq_len: 8192}}\ndata: {{seq_len: 8192}}\ntrain: {{global_batch_size: 1}}\n"
+                       f"parallel: {{cp: {cp}}}\n")
+        out = run_cli("dryrun", str(cfg), "--world-size", str(cp), "--rank", "0", timeout=600).stdout
+        value, unit = re.search(r"activations\s+([\d.]+) (MiB|GiB)", out).groups()
+        measured[cp] = float(value) * (1024 if unit == "GiB" else 1)
+    for cp in (2, 4):
+        assert abs(measured[cp] * cp / measured[1] - 1) < 0.10, measured
