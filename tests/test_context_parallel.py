@@ -87,7 +87,10 @@ def _four_rank_jobs(root, data, names) -> dict:
     for name in names:
         layout, case = name.split("_", 1)
         chat, o = case.endswith("chat"), cases[case]
-        if layout == "pp2":  # (no document masking with pipeline stages)
+        if layout in ("hsdp", "zero1"):
+            extra = ("parallel.dp_replicate=2", "parallel.dp_shard=1", "parallel.zero_stage=3") if layout == "hsdp" \
+                else ("parallel.dp_shard=2", "parallel.zero_stage=1")
+        elif layout == "pp2":  # (no document masking with pipeline stages)
             extra = ("parallel.pp=2", "parallel.pp_microbatches=2", "parallel.zero_stage=2")
         elif layout == "dp2":
             extra = ("parallel.dp_shard=2", "parallel.zero_stage=3", f"parallel.cp_method={'allgather' if chat else 'ring'}")
@@ -99,7 +102,8 @@ def _four_rank_jobs(root, data, names) -> dict:
 
 
 FOUR_LEAN = ("dp2_hf_chat", "tp2_debug_chat", "pp2_debug")  # in the suite; the rest with `make test-slow`
-FOUR_ALL = tuple(f"{layout}_{case}" for layout in ("dp2", "tp2") for case in ("debug", "debug_chat", "hf", "hf_chat"))
+FOUR_ALL = tuple(f"{layout}_{case}" for layout in ("dp2", "tp2") for case in ("debug", "debug_chat", "hf", "hf_chat")) \
+    + ("pp2_debug", "hsdp_debug_chat", "zero1_hf")
 
 
 @pytest.fixture(scope="module")
