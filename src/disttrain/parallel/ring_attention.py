@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from disttrain.dtypes import at_least_fp32
+from disttrain.parallel.context_shards import visible
 
 _KV_TAG, _GRAD_TAG = 71, 72
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -55,13 +56,12 @@ def _block(cp, source: int, t: int, q_dtype, documents, device):
         rows, cols, causal = slice(half, t), slice(0, t), False
     if documents is None:
         return rows, cols, causal, None
-    from disttrain.parallel.context_shards import visible
-
     seq_len = documents.shape[1]
     q_index = cp.index(seq_len, device)[rows]
     k_index = cp.index(seq_len, device, source)[cols]
-    allowed = visible(q_index, k_index, documents)
-    if source != cp.rank:  # off-diagonal blocks are wholly before or after: only documents mask
+    if source == cp.rank:
+        allowed = visible(q_index, k_index, documents)
+    else:  # off-diagonal blocks lie wholly before the queries: only documents mask
         allowed = documents[:, q_index][:, None, :, None] == documents[:, k_index][:, None, None, :]
     mask = torch.zeros(allowed.shape, dtype=q_dtype, device=device).masked_fill_(~allowed, float("-inf"))
     return rows, cols, False, (mask, allowed.any(-1))
