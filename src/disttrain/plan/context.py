@@ -31,7 +31,7 @@ def kv_traffic_bytes(shape: ModelShape, layout: Layout) -> dict:
     """Bytes one context rank sends per layer per micro-batch (forward + backward), and whether compute
     hides them ("overlapped": the ring sends the next block while computing this one)."""
     cp, tp = layout.cp, layout.tp
-    e = DTYPE_BYTES[layout.compute_dtype if layout.compute_dtype != "fp32" else "fp32"]
+    e = DTYPE_BYTES[layout.compute_dtype]
     local = layout.seq_len // cp * layout.micro_batch
     kv = 2 * e * local * shape.n_kv_heads * shape.head_dim / tp  # this rank's K and V
     q = e * local * shape.n_heads * shape.head_dim / tp
