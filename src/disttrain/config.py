@@ -154,6 +154,10 @@ class ParallelConfig(_Section):
     tp: int = Field(1, gt=0)
     pp: int = Field(1, gt=0)
     ep: int = Field(1, gt=0, description="expert-parallel degree: experts split over this many data-parallel ranks")
+    cp: int = Field(1, gt=0, description="context parallel: each sequence sharded over this many ranks")
+    cp_method: Literal["ring", "allgather", "ulysses"] = Field(
+        "ring", description="how attention sees the other shards: ring (K/V passed round), allgather (K/V "
+        "gathered once per layer), ulysses (all-to-all to head shards)")
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"] = "1f1b"
     pp_microbatches: int = Field(0, ge=0, description="0: per-rank batch / train.micro_batch_size")
     pp_layers: list[int] = Field(default_factory=list, description="layers per pipeline stage; []: balanced")

@@ -5,9 +5,9 @@ Built once per process from the config and the world size (`resolve.resolve_run`
 and the planner all read it. Rules return typed `Problem`s, so no other module re-derives a layout
 rule or reads its message text. Pure Python (no torch).
 
-Mesh dimension order, outermost first: pp, dp_replicate, dp_shard, tp. Tensor parallel is
-innermost so its ranks share a node (NVLink); pipeline outermost so its point-to-point traffic is
-what crosses nodes.
+Mesh dimension order, outermost first: pp, dp_replicate, dp_shard, cp, tp. Tensor parallel is
+innermost so its ranks share a node (NVLink), context parallel next to it (K/V traffic every layer);
+pipeline outermost so its point-to-point traffic is what crosses nodes.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from disttrain.models.shape import ModelShape
 
 __all__ = ["Layout", "Problem", "batch_problems", "cut_problems", "layout_problems", "world_problems"]
 
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "zero_bubble")  # several virtual stages per rank
 VIRTUAL_STAGES = 2  # stages per rank for the multi-stage schedules (rank r owns stages r and r + pp)
@@ -44,6 +44,8 @@ class Layout:
     tp: int = 1
     pp: int = 1
     ep: int = 1  # expert parallel: experts split over ep of the dp_shard ranks (contiguous, innermost)
+    cp: int = 1  # context parallel: ranks sharing each sequence (rank r holds chunks r and 2cp-1-r)
+    cp_method: str = "ring"
     zero_stage: int = 0
     micro_batch_size: int = 1
     seq_len: int = 2048
@@ -69,11 +71,22 @@ class Layout:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:
-        return (self.pp, self.dp_replicate, self.dp_shard, self.tp)
+        return (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
+
+    @property
+    def gradient_ranks(self) -> int:
+        """Ranks a parameter's gradient is reduced over: data parallel x context parallel (each context
+        rank computes the gradient of its own tokens, like a data-parallel rank)."""
+        return self.dp * self.cp
+
+    @property
+    def shard_ranks(self) -> int:
+        """Ranks FSDP shards a parameter over (ZeRO-2/3): dp_shard x cp."""
+        return self.dp_shard * self.cp
 
     @property
     def sequences_per_rank(self) -> int:
@@ -139,7 +152,7 @@ class Layout:
             return "deepspeed"
         if self.zero_stage >= 2:
             return "fsdp"
-        return "ddp" if self.dp > 1 else "none"
+        return "ddp" if self.gradient_ranks > 1 else "none"
 
     @property
     def reshard_after_forward(self) -> bool:
@@ -200,7 +213,8 @@ class Layout:
             param_dtype = prec.compute_dtype
         reduce_dtype = prec.reduce_dtype if prec.reduce_dtype != "auto" else (
             "fp64" if prec.compute_dtype == "fp64" else "fp32")
-        return cls(dp_replicate=p.dp_replicate, dp_shard=dp_shard, tp=p.tp, pp=p.pp, ep=p.ep, zero_stage=p.zero_stage,
+        return cls(dp_replicate=p.dp_replicate, dp_shard=dp_shard, tp=p.tp, pp=p.pp, ep=p.ep, cp=p.cp,
+                   cp_method=p.cp_method, zero_stage=p.zero_stage,
                    micro_batch_size=cfg.train.micro_batch_size or per_rank, seq_len=cfg.data.seq_len,
                    global_batch_size=cfg.train.global_batch_size, pp_schedule=p.pp_schedule,
                    pp_microbatches=p.pp_microbatches, pp_layers=tuple(p.pp_layers),
@@ -212,27 +226,30 @@ class Layout:
 
 def resolve_dp_shard(parallel, world_size: int) -> int:
     """`dp_shard=-1` takes what is left of the world size; the product must equal it."""
-    problems = world_problems(parallel.dp_replicate, parallel.dp_shard, parallel.tp, parallel.pp, world_size)
+    problems = world_problems(parallel.dp_replicate, parallel.dp_shard, parallel.tp, parallel.pp, world_size,
+                              parallel.cp)
     if problems:
         raise UserError(str(problems[0]))
-    fixed = parallel.dp_replicate * parallel.tp * parallel.pp
+    fixed = parallel.dp_replicate * parallel.tp * parallel.pp * parallel.cp
     return world_size // fixed if parallel.dp_shard == -1 else parallel.dp_shard
 
 
 # ---------------------------------------------------------------- the rules (each a Problem: problem.py)
-def world_problems(dp_replicate: int, dp_shard: int, tp: int, pp: int, world_size: int) -> list[Problem]:
+def world_problems(dp_replicate: int, dp_shard: int, tp: int, pp: int, world_size: int,
+                   cp: int = 1) -> list[Problem]:
     """The degrees must multiply to the world size (`dp_shard=-1`: whatever is left of it)."""
-    fixed = dp_replicate * tp * pp
+    fixed = dp_replicate * tp * pp * cp
+    cp_text = f" x parallel.cp={cp}" if cp > 1 else ""
     if dp_shard == -1:
         if world_size % fixed:
             return [Problem("parallel.dp_shard", dp_shard, f"degrees whose product divides {world_size}",
-                            f"parallel.dp_replicate={dp_replicate} x parallel.tp={tp} x parallel.pp={pp} = {fixed} "
-                            f"does not divide the world size {world_size}")]
+                            f"parallel.dp_replicate={dp_replicate} x parallel.tp={tp} x parallel.pp={pp}{cp_text} = "
+                            f"{fixed} does not divide the world size {world_size}")]
         dp_shard = world_size // fixed
     if fixed * dp_shard != world_size:
         return [Problem("parallel.dp_shard", dp_shard, f"degrees multiplying to {world_size}",
                         f"parallel.dp_replicate={dp_replicate} x parallel.dp_shard={dp_shard} x parallel.tp={tp} x "
-                        f"parallel.pp={pp} = {fixed * dp_shard} does not equal the world size {world_size}")]
+                        f"parallel.pp={pp}{cp_text} = {fixed * dp_shard} does not equal the world size {world_size}")]
     return []
 
 
@@ -290,10 +307,16 @@ def cut_problems(shape: ModelShape | None, layout: Layout) -> list[Problem]:
                                 f"with parallel.pp_schedule=zero_bubble: the schedule runs two backward passes per block, "
                                 f"{why} (allowed with zero_bubble: none; or another pp_schedule)"))
     problems += expert_problems(shape, lay)
+    if lay.cp > 1:
+        from disttrain.context_rules import cp_problems
+
+        problems += cp_problems(shape, lay)
     if lay.engine == "deepspeed":
         problems += _deepspeed_problems(lay)
     if lay.balanced:
-        problems += _balance_cut_problems(lay)
+        from disttrain.balance_rules import balance_cut_problems
+
+        problems += balance_cut_problems(lay)
     if lay.cpu_offload and lay.zero_stage < 2:
         problems.append(Problem("parallel.cpu_offload", True, "false with zero_stage 0 or 1", "parallel.cpu_offload="
                                 f"true needs parallel.zero_stage 2 or 3 (FSDP2), not {lay.zero_stage}"))
@@ -323,7 +346,9 @@ def batch_problems(layout: Layout) -> list[Problem]:
                                     f"{what} must be at least parallel.pp={lay.pp} for pp_schedule={lay.pp_schedule}"))
     problems += expert_batch_problems(lay)
     if lay.balanced:
-        problems += _balance_batch_problems(lay)
+        from disttrain.balance_rules import balance_batch_problems
+
+        problems += balance_batch_problems(lay)
     elif lay.global_batch_size % lay.dp:
         problems.append(Problem("train.global_batch_size", lay.global_batch_size, f"a multiple of {lay.dp}",
                                 f"train.global_batch_size={lay.global_batch_size} is not divisible by the "
@@ -338,9 +363,9 @@ def batch_problems(layout: Layout) -> list[Problem]:
                                 f"{lay.sequences_per_rank}", f"train.micro_batch_size={lay.micro_batch_size} does "
                                 f"not divide the per-rank batch {lay.sequences_per_rank} (train.global_batch_size="
                                 f"{lay.global_batch_size} over {lay.dp} data-parallel ranks)"))
-    if lay.engine == "torch" and (lay.tp > 1 or lay.pp > 1) and lay.dp > 1 and lay.zero_stage < 2:
+    if lay.engine == "torch" and (lay.tp > 1 or lay.pp > 1) and lay.gradient_ranks > 1 and lay.zero_stage < 2:
         key = f"parallel.tp={lay.tp}" if lay.tp > 1 else f"parallel.pp={lay.pp}"
-        problems.append(Problem("parallel.zero_stage", lay.zero_stage, "2, 3", f"{key} with {lay.dp} data-parallel "
+        problems.append(Problem("parallel.zero_stage", lay.zero_stage, "2, 3", f"{key} with {lay.gradient_ranks} data-parallel "
                                 f"ranks needs parallel.zero_stage 2 or 3, not {lay.zero_stage} (FSDP2 composes with "
                                 "tensor and pipeline parallelism on the mesh; DDP and ZeRO-1 take neither DTensor "
                                 "parameters nor a schedule's many backward passes)"))
@@ -358,41 +383,4 @@ def _deepspeed_problems(layout: Layout) -> list[Problem]:
         problems.append(Problem("parallel.dp_replicate", layout.dp_replicate, "1 with engine=deepspeed",
                                 f"parallel.dp_replicate={layout.dp_replicate} needs engine=torch (HSDP); DeepSpeed "
                                 "partitions over the whole world (allowed with engine=deepspeed: 1)"))
-    return problems
-
-
-def _balance_cut_problems(layout: Layout) -> list[Problem]:
-    if layout.balance == "auto":
-        key, value, what = "parallel.balance", "auto", "parallel.balance=auto"
-    else:
-        key, value, what = "parallel.balance_weights", list(layout.balance_weights), "parallel.balance_weights"
-    problems = []
-    if layout.engine != "torch":
-        problems.append(Problem(key, value, "equal shares with engine=deepspeed", f"{what} needs engine=torch "
-                                "(DeepSpeed splits the batch evenly itself)"))
-    if layout.pp > 1:
-        problems.append(Problem(key, value, "equal shares with pp > 1", f"{what} with parallel.pp={layout.pp}: a "
-                                "pipeline schedule runs the same number of micro-batches on every rank (allowed: pp=1)"))
-    if any(not w > 0 for w in layout.balance_weights):
-        problems.append(Problem("parallel.balance_weights", list(layout.balance_weights), "positive weights",
-                                f"parallel.balance_weights={list(layout.balance_weights)}: every weight must be positive"))
-    return problems
-
-
-def _balance_batch_problems(layout: Layout) -> list[Problem]:
-    g, m, dp = layout.global_batch_size, layout.micro_batch_size, layout.dp
-    problems = []
-    if layout.balance_weights and len(layout.balance_weights) != dp:
-        weights = list(layout.balance_weights)
-        problems.append(Problem("parallel.balance_weights", weights, f"{dp} weights", f"parallel.balance_weights="
-                                f"{weights}: {len(weights)} weight(s) for {dp} data-parallel rank(s) (world size "
-                                f"{layout.world_size}); give one per rank"))
-    if g % m:
-        problems.append(Problem("train.micro_batch_size", m, f"a divisor of {g}", f"train.micro_batch_size={m} does "
-                                f"not divide train.global_batch_size={g} (uneven shares are counted in whole "
-                                "micro-batches)"))
-    elif g // m < dp:
-        problems.append(Problem("train.micro_batch_size", m, f"at most {g // dp}", f"train.global_batch_size={g} / "
-                                f"train.micro_batch_size={m} = {g // m} micro-batches, fewer than the {dp} "
-                                "data-parallel ranks (each needs at least one)"))
     return problems

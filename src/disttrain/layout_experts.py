@@ -17,6 +17,10 @@ def expert_problems(shape: ModelShape | None, layout) -> list[Problem]:  # layou
                         f"moe_intermediate_size x n_shared_experts = {shared}")]
     if ep == 1:
         return []
+    if getattr(layout, "cp", 1) > 1:  # the routing statistics and dispatch would need the context ranks too
+        return [Problem("parallel.cp", layout.cp, "1 with parallel.ep > 1",
+                        f"parallel.cp={layout.cp} with parallel.ep={ep}: expert and context parallelism do not "
+                        "compose yet (allowed: one of them above 1)")]
     if shape is not None and moe is None:
         return [Problem("parallel.ep", ep, "1 for a dense model", f"parallel.ep={ep} on a dense model (no experts "
                         "to split; allowed: 1, or an MoE model such as model.name=debug-moe)")]

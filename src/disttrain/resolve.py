@@ -58,7 +58,7 @@ def resolve_run(cfg, world_size: int | None, device_type: str) -> ResolvedRun:
     if shape is not None:
         check_shape(cfg, shape)
     p = cfg.parallel
-    world = [] if world_size is None else world_problems(p.dp_replicate, p.dp_shard, p.tp, p.pp, world_size)
+    world = [] if world_size is None else world_problems(p.dp_replicate, p.dp_shard, p.tp, p.pp, world_size, p.cp)
     layout = Layout.from_config(cfg, None if world else world_size, device_type)
     _raise_first(cut_problems(shape, layout))
     if world_size is not None:
@@ -125,6 +125,8 @@ def model_problems(spec, layout: Layout, cfg, device_type: str) -> list[Problem]
             problems.append(Problem("data.document_masking", True, "false", f"data.document_masking=true: model "
                                     f"{spec.name} has no document masking (its ModelSpec sets no mask_documents; "
                                     "allowed for it: false)"))
+    if lay.cp > 1:
+        problems += _context_problems(spec, lay, what)
     if cfg.model.lora is not None:
         from disttrain.models.lora import lora_problem
 
@@ -138,3 +140,22 @@ def model_problems(spec, layout: Layout, cfg, device_type: str) -> list[Problem]
                                 f"parallel.tp={lay.tp} does not run on CPU with this torch (compiled DTensor backward "
                                 "fails); allowed on CPU: parallel.compile=false with tp > 1, or compile with tp=1"))
     return problems
+
+
+def _context_problems(spec, layout: Layout, what: str) -> list[Problem]:
+    """Context parallelism needs the family's hook, and a method its attention can take."""
+    cp, method = layout.cp, layout.cp_method
+    if spec.context_parallel is None:
+        return [Problem("parallel.cp", cp, "1", f"parallel.cp={cp}: {what} cannot shard its sequence (context "
+                        "parallelism needs the built-in model or a transformers llama, mistral, qwen2 or qwen3 "
+                        "model; allowed for it: parallel.cp=1)")]
+    if layout.pp > 1 and spec.name != "llama":
+        return [Problem("parallel.cp", cp, "1 with parallel.pp > 1", f"parallel.cp={cp} with parallel.pp={layout.pp}: "
+                        f"{what} (context-parallel pipeline stages need the built-in model; allowed for it: one of "
+                        "cp, pp)")]
+    if method not in spec.context_parallel_methods:
+        allowed = ", ".join(spec.context_parallel_methods)
+        return [Problem("parallel.cp_method", method, allowed, f"parallel.cp_method={method}: the attention of "
+                        f"{what} cannot take it ({spec.context_parallel_note or 'not supported'}; allowed for it: "
+                        f"{allowed})")]
+    return []

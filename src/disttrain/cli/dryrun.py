@@ -181,7 +181,7 @@ def _size(n: float) -> str:
 
 def render(result: dict) -> str:
     lines = [f"dry run: {result['world_size']} ranks, layout "
-             + " ".join(f"{k}={v}" for k, v in result["layout"].items() if k in ("dp_replicate", "dp_shard", "tp", "pp",
+             + " ".join(f"{k}={v}" for k, v in result["layout"].items() if k in ("dp_replicate", "dp_shard", "cp", "tp", "pp",
                                                                                   "zero_stage", "micro_batch_size",
                                                                                   "ep"))]
     if "routing_skew" in result:

@@ -171,9 +171,9 @@ def build_layout(args) -> tuple[str, ModelShape, Layout]:
         "activation_checkpointing": args.activation_checkpointing, "sequence_parallel": args.sequence_parallel,
         "cpu_offload": args.cpu_offload, "param_dtype": args.dtype, "ep": args.ep}.items() if v is not None}
     layout = layout.with_(**changes)
-    fixed = layout.dp_replicate * layout.tp * layout.pp
+    fixed = layout.dp_replicate * layout.tp * layout.pp * layout.cp
     gpus = args.gpus or (layout.world_size if cfg is not None else fixed)
-    if world_problems(layout.dp_replicate, -1, layout.tp, layout.pp, gpus):
+    if world_problems(layout.dp_replicate, -1, layout.tp, layout.pp, gpus, layout.cp):
         raise UserError(f"--gpus={gpus} is not divisible by dp_replicate x tp x pp = {fixed}")
     layout = layout.with_(dp_shard=gpus // fixed)
     mbs = args.micro_batch_size or (layout.micro_batch_size if cfg is not None else 1)

@@ -1,9 +1,11 @@
 """The DeviceMesh a Layout names, and the process groups the runtime takes from it.
 
-One 4-D mesh over (pp, dp_replicate, dp_shard, tp) — size-1 dims included, in layout.MESH_DIMS
-order — plus the flattened data-parallel mesh, and with expert parallelism a 5-D mesh over the same
-ranks with dp_shard split into (efsdp, ep). Everything else (FSDP's mesh, the replica group
-the sync check compares over) is a slice of it chosen by the Layout.
+One 5-D mesh over (pp, dp_replicate, dp_shard, cp, tp) — size-1 dims included, in layout.MESH_DIMS
+order — plus two flattened meshes: the data-parallel ranks (dp_replicate x dp_shard: who reads which
+sequences) and the gradient ranks (those x cp: who reduces gradients and sums the loss, since each
+context rank computes the gradient of its own tokens); with expert parallelism, a mesh over the same
+ranks with dp_shard split into (efsdp, ep). Everything else (FSDP's mesh, the replica group the sync
+check compares over) is a slice of it chosen by the Layout.
 """
 
 from __future__ import annotations
@@ -17,8 +19,10 @@ from disttrain.layout import MESH_DIMS, Layout
 
 @dataclass(frozen=True)
 class Meshes:
-    world: DeviceMesh  # over (pp, dp_replicate, dp_shard, tp)
-    dp: DeviceMesh  # the data-parallel ranks (dp_replicate x dp_shard flattened)
+    world: DeviceMesh  # over (pp, dp_replicate, dp_shard, cp, tp)
+    dp: DeviceMesh  # the data-parallel ranks (dp_replicate x dp_shard flattened): one slice of the batch each
+    dp_cp: DeviceMesh  # the gradient ranks (dp_replicate x dp_shard x cp flattened); `dp` when cp = 1
+    shard_cp: DeviceMesh | None = None  # dp_shard x cp flattened (FSDP's shard dim under cp); None when cp = 1
     experts: DeviceMesh | None = None  # over (pp, dp_replicate, efsdp, ep, tp): dp_shard split for experts
 
     @property
@@ -37,9 +41,16 @@ class Meshes:
     def pp(self) -> DeviceMesh:
         return self.world["pp"]
 
+    @property
+    def cp(self) -> DeviceMesh:
+        return self.world["cp"]
+
     def fsdp(self, layout: Layout) -> DeviceMesh:
-        dims = layout.fsdp_dims
-        return self.world[dims] if len(dims) > 1 else self.world[dims[0]]
+        """FSDP shards over dp_shard (x cp), replicating over dp_replicate when HSDP."""
+        shard = "dp_shard_cp" if layout.cp > 1 else "dp_shard"
+        if len(layout.fsdp_dims) > 1:
+            return self.world["dp_replicate", shard]
+        return self.shard_cp if layout.cp > 1 else self.world["dp_shard"]
 
     def replica_group(self, layout: Layout):
         """The group whose ranks hold identical parameters (None: no replicas to compare)."""
@@ -47,7 +58,7 @@ class Meshes:
         if not dims:
             return None
         if dims == ("dp_replicate", "dp_shard"):
-            return self.dp.get_group()
+            return self.dp_cp.get_group()
         return self.world[dims[0]].get_group()
 
 
@@ -55,9 +66,14 @@ def build_meshes(layout: Layout, device_type: str) -> Meshes:
     world = init_device_mesh(device_type, layout.mesh_shape, mesh_dim_names=MESH_DIMS)
     experts = None
     if layout.ep > 1:  # expert-parallel ranks innermost within dp_shard (neighbours, like tensor parallel)
-        pp, dpr, dps, tp = layout.mesh_shape
-        experts = DeviceMesh(device_type, world.mesh.reshape(pp, dpr, dps // layout.ep, layout.ep, tp),
+        pp, dpr, dps, cp, tp = layout.mesh_shape  # cp = 1: the layout rules keep ep and cp apart
+        experts = DeviceMesh(device_type, world.mesh.reshape(pp, dpr, dps // layout.ep, layout.ep, cp * tp),
                              mesh_dim_names=("pp", "dp_replicate", "efsdp", "ep", "tp"))
-    # `_flatten` gives one group over both dp dims; torch asks callers to keep the flattened mesh
+    # `_flatten` gives one group over several dims; torch asks callers to keep the flattened mesh
     # themselves rather than slice it from the root again.
-    return Meshes(world=world, dp=world["dp_replicate", "dp_shard"]._flatten("dp"), experts=experts)
+    dp = world["dp_replicate", "dp_shard"]._flatten("dp")
+    if layout.cp == 1:
+        return Meshes(world=world, dp=dp, dp_cp=dp, experts=experts)
+    shard_cp = world["dp_shard", "cp"]._flatten("dp_shard_cp")
+    dp_cp = world["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+    return Meshes(world=world, dp=dp, dp_cp=dp_cp, shard_cp=shard_cp, experts=experts)

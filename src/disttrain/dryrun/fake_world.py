@@ -40,11 +40,11 @@ def stage_shapes(spec, layout: Layout):
     mp = layout.gradient_wrapper == "fsdp" and layout.param_dtype != "fp32"
     dtype = DTYPES[layout.param_dtype] if mp else torch.float32
     logits_dtype = DTYPES[layout.param_dtype if mp else layout.compute_dtype]
-    b, t, shape = layout.micro_batch, layout.seq_len, spec.shape
+    b, t, shape = layout.micro_batch, layout.seq_len // layout.cp, spec.shape  # a context rank's tokens
     hidden = t // layout.tp if layout.sequence_parallel else t  # sequence parallelism: each rank's slice
 
     def example(stage: int):
-        inputs = (torch.zeros(b, t, dtype=torch.long) if stage == 0
+        inputs = (torch.zeros(b, layout.seq_len, dtype=torch.long) if stage == 0  # the full sequences' ids
                   else torch.empty(b, hidden, shape.dim, dtype=dtype, requires_grad=True))
         last = stage == layout.n_stages - 1
         outputs = torch.empty(b, t if last else hidden, shape.vocab_size if last else shape.dim,

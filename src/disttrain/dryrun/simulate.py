@@ -119,7 +119,7 @@ def measure_step(cfg, layout: Layout, spec, model, steps: int = 2, materialize=N
     from disttrain.distributed.mesh import build_meshes
     from disttrain.distributed.runtime import Runtime
     from disttrain.observe.breakdown import StepBreakdown
-    from disttrain.train.builder import build_engine
+    from disttrain.train.builder import build_engine, context_shard
 
     t0 = time.perf_counter() if t0 is None else t0
     rank, world, device = dist.get_rank(), layout.world_size, torch.device("cpu")
@@ -129,8 +129,8 @@ def measure_step(cfg, layout: Layout, spec, model, steps: int = 2, materialize=N
         else contextlib.nullcontext()
     stage_io = stage_shapes(spec, layout) if layout.pp > 1 else None  # real runs too: same code measured
     with building, groups_on_the_fake_backend(tensor_mode is not None):
-        mean_loss = GlobalMeanLoss(spec.loss_sum, meshes.dp.get_group(), layout.dp, False,
-                                   layout.global_batch_size * layout.seq_len)
+        mean_loss = GlobalMeanLoss(spec.loss_sum, meshes.dp_cp.get_group(), layout.gradient_ranks, False,
+                                   layout.global_batch_size * layout.seq_len, context_shard(layout, meshes))
         engine = build_engine(cfg, layout, meshes, spec, model, rt, Phases(StepBreakdown(device)), mean_loss,
                               materialize=materialize, stage_io=stage_io)
     if routing is not None and spec.moe_layers is not None:

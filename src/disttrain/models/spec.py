@@ -60,6 +60,13 @@ class ModelSpec:
     mask_documents: Callable[[nn.Module, int], None] | None = None
     """Make the whole (unsplit) module stop attention at an end-of-document id and restart positions
     after it (`data.document_masking`); None: the family cannot."""
+    context_parallel: Callable[[nn.Module, object], None] | None = None
+    """Make the whole module train on one context-parallel shard of each sequence (`parallel.cp`): it is then
+    called with the full sequences' token ids, hands `cp.inputs` what it gets and attends through
+    `cp.attention` (parallel/context.py); None: the family cannot shard its sequence."""
+    context_parallel_methods: tuple[str, ...] = ("ring", "allgather", "ulysses")
+    """The `parallel.cp_method`s its attention can take; `context_parallel_note` says why not the others."""
+    context_parallel_note: str = ""
     to_hf: Callable[[dict], dict] | None = None
     from_hf: Callable[[dict], dict] | None = None
     hf_config: Callable[[], dict] | None = None

@@ -1,6 +1,6 @@
 """Compose the parallelisms onto a single-device model (or one pipeline stage of it), always in
-the same order: (SyncBatchNorm) -> tensor parallel -> expert parallel -> activation checkpointing ->
-compile -> FSDP/DDP (the experts' own FSDP units first).
+the same order: (SyncBatchNorm) -> tensor parallel -> expert parallel -> context parallel ->
+activation checkpointing -> compile -> FSDP/DDP (the experts' own FSDP units first).
 
 The pipeline split comes first, in parallel/pipeline.py, which calls `parallelize` per stage.
 What each step does is decided by the Layout; which modules it touches, by the ModelSpec.
@@ -22,9 +22,10 @@ from disttrain.parallel.compile import apply_compile
 
 
 def parallelize(model: nn.Module, spec, layout: Layout, meshes: Meshes, device: torch.device,
-                options) -> nn.Module:
-    """`options`: the config's `parallel` section (compile, DDP knobs). Returns the module to call
-    (a DDP wrapper, or the same module sharded in place)."""
+                options, document_eos: int | None = None) -> nn.Module:
+    """`options`: the config's `parallel` section (compile, DDP knobs); `document_eos`: the end token under
+    document masking (None: off). Returns the module to call (a DDP wrapper, or the same module sharded
+    in place)."""
     if spec.sync_batchnorm and layout.dp > 1:
         from disttrain.parallel.sync_batchnorm import convert_sync_batchnorm
 
@@ -38,6 +39,10 @@ def parallelize(model: nn.Module, spec, layout: Layout, meshes: Meshes, device: 
         from disttrain.parallel.expert import apply_expert_parallel
 
         experts = apply_expert_parallel(model, spec, layout, meshes)
+    if layout.cp > 1:
+        from disttrain.parallel.context import apply_context_parallel
+
+        apply_context_parallel(model, spec, meshes.cp, layout.cp_method, layout.seq_len, document_eos)
     blocks = spec.blocks(model)
     apply_activation_checkpointing(blocks, layout.activation_checkpointing)
     if options.compile:
@@ -54,7 +59,7 @@ def parallelize(model: nn.Module, spec, layout: Layout, meshes: Meshes, device: 
             from disttrain.parallel.expert import expert_parameter_names
 
             DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, expert_parameter_names(model))
-        return apply_ddp(model, meshes.dp.get_group(), device, options)
+        return apply_ddp(model, meshes.dp_cp.get_group(), device, options)
     return model
 
 

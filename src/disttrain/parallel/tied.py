@@ -23,9 +23,8 @@ class TiedAcrossStages:
         self.group = None
         if layout.pp == 1 or not tied_parameters:
             return
-        mesh = meshes.world.mesh  # global ranks, shape (pp, dp_replicate, dp_shard, tp)
-        pairs = [[int(mesh[0, r, s, t]), int(mesh[-1, r, s, t])]
-                 for r in range(mesh.shape[1]) for s in range(mesh.shape[2]) for t in range(mesh.shape[3])]
+        mesh = meshes.world.mesh.flatten(1)  # global ranks, (pp, every other dim)
+        pairs = [[int(mesh[0, i]), int(mesh[-1, i])] for i in range(mesh.shape[1])]
         self.group, _ = dist.new_subgroups_by_enumeration(pairs)  # collective: every rank creates every pair
         held = {clean_fqn(n): p for n, p in model.named_parameters()}
         for names in tied_parameters:

@@ -206,9 +206,14 @@ def stage_activation_bytes(shape: ModelShape, layout: Layout, pp_rank: int, fuse
                            routing_skew: float = 1.0, accumulated_grads: float = 0.0) -> StageActivations:
     """`accumulated_grads`: the unsharded gradients this rank accumulates (zero-bubble's peak may come
     before some stages' first weight pass, where they do not exist yet)."""
-    mb, s = layout.micro_batch, layout.seq_len
+    mb, s = layout.micro_batch, layout.seq_len // layout.cp  # a context rank holds seq_len / cp tokens
     held = rank_params(shape, layout, pp_rank)
     layer = layer_activation_bytes(shape, mb, s, layout, fused_norm)
+    if layout.cp > 1:
+        from disttrain.plan.context import context_extra_bytes
+
+        extra = context_extra_bytes(shape, layout, dtype_bytes(layout)[0])
+        layer = LayerActivations(saved=layer.saved + extra, transient=layer.transient)
     first = korthikanti_in_flight_factor(layout.pp, layout.microbatches, layout.pp_schedule, layout.stages_per_rank)
     if pp_rank == 0 or layout.pp_schedule == "gpipe":
         in_flight = first

@@ -62,9 +62,9 @@ def model_state_bytes(n_params: float, layout: Layout, accounting: str = "runtim
     if accounting == "zero-paper":
         master = 0 if pb == FP32 else FP32
         p, g, o = pb * n_params, pb * t, (master + ADAM_MOMENT_BYTES) * t
-        d_opt = layout.dp if stage == 1 else layout.dp_shard
-        return ModelStates(params=p / (layout.dp_shard if stage >= 3 else 1),
-                           grads=g / (layout.dp_shard if stage >= 2 else 1),
+        d_opt = layout.gradient_ranks if stage == 1 else layout.shard_ranks
+        return ModelStates(params=p / (layout.shard_ranks if stage >= 3 else 1),
+                           grads=g / (layout.shard_ranks if stage >= 2 else 1),
                            optimizer=o / (d_opt if stage >= 1 else 1), buffers=0.0,
                            step_temporary=FP32 * t / (d_opt if stage >= 1 else 1))
     if accounting != "runtime":
@@ -81,10 +81,10 @@ def model_state_bytes(n_params: float, layout: Layout, accounting: str = "runtim
         if trainable is not None and low:  # a frozen base already in the compute dtype needs no copies
             held_copies = t
         buffers = pb * held_copies if pb != FP32 else 0.0
-        owned = max(t / layout.dp, largest_tensor) if stage == 1 else t
+        owned = max(t / layout.gradient_ranks, largest_tensor) if stage == 1 else t
         return ModelStates(p, g, ADAM_MOMENT_BYTES * owned, buffers, step_temporary=FP32 * owned,
-                           first_step_grads=g if layout.dp > 1 else 0.0)
-    d = layout.dp_shard
+                           first_step_grads=g if layout.gradient_ranks > 1 else 0.0)
+    d = layout.shard_ranks
     rb = DTYPE_BYTES[layout.reduce_dtype]
     if not layout.reshard_after_forward:  # gathered parameters stay from forward to backward; one unit's gradients unsharded
         buffers = pb * n_params + (pb + rb) * largest_unit

@@ -141,6 +141,7 @@ def winner_config(est: Estimate, tokens: float | None = None) -> dict:
 def _config(est: Estimate, model: dict, steps: int) -> dict:
     lay = est.layout
     parallel = {"dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard, "tp": lay.tp, "pp": lay.pp,
+                **({"cp": lay.cp, "cp_method": lay.cp_method} if lay.cp > 1 else {}),
                 "zero_stage": lay.zero_stage, "sequence_parallel": lay.sequence_parallel,
                 "activation_checkpointing": lay.activation_checkpointing, "cpu_offload": lay.cpu_offload}
     if lay.pp > 1:

@@ -15,6 +15,7 @@ from typing import Iterator
 
 from disttrain.errors import UserError
 from disttrain.models.registry import ModelShape
+from disttrain.plan.context import cp_degrees
 from disttrain.plan.estimate import Estimate, estimate
 from disttrain.layout import RECOMPUTE, SCHEDULES, VIRTUAL_STAGES, Layout, layout_problems
 from disttrain.plan.timing import Cluster
@@ -54,19 +55,21 @@ def expert_degrees(shape: ModelShape, dp_shard: int, space: SearchSpace) -> list
 def layout_families(shape: ModelShape, cluster: Cluster, space: SearchSpace) -> Iterator[Layout]:
     """Every valid layout except the micro-batch size (left at 1)."""
     gpus, gpn = cluster.gpus, cluster.gpus_per_node
-    for tp in (d for d in divisors(min(gpn, gpus)) if gpus % d == 0):
-        for pp in divisors(gpus // tp):
-            dp = gpus // (tp * pp)
+    for tp, cp in ((t, c) for t in divisors(min(gpn, gpus)) if gpus % t == 0
+                   for c in cp_degrees(space.seq_len, gpus // t)):
+        for pp in divisors(gpus // (tp * cp)):
+            dp = gpus // (tp * pp * cp)
             schedules = space.schedules if pp > 1 else ("1f1b",)
             for stage in space.zero_stages:
                 replicas = divisors(dp) if stage >= 2 else [1]
                 offloads = (False, True) if space.allow_offload and stage >= 2 else (False,)
-                if stage and dp == 1:  # sharding over one rank changes nothing, unless it offloads
+                if stage and dp * cp == 1:  # sharding over one rank changes nothing, unless it offloads
                     offloads = tuple(o for o in offloads if o)
-                degrees = [(dr, ep) for dr in replicas for ep in expert_degrees(shape, dp // dr, space)]
+                degrees = [(dr, ep) for dr in replicas
+                           for ep in (expert_degrees(shape, dp // dr, space) if cp == 1 else (1,))]
                 for (dr, ep), schedule, sp, ac, offload in itertools.product(
                         degrees, schedules, (False, True) if tp > 1 else (False,), space.recompute, offloads):
-                    layout = Layout(dp_replicate=dr, dp_shard=dp // dr, tp=tp, pp=pp, zero_stage=stage,
+                    layout = Layout(dp_replicate=dr, dp_shard=dp // dr, tp=tp, pp=pp, cp=cp, zero_stage=stage,
                                     micro_batch_size=1, seq_len=space.seq_len,
                                     global_batch_size=space.global_batch_size, pp_schedule=schedule,
                                     virtual_stages=space.virtual_stages, sequence_parallel=sp,
@@ -201,6 +204,8 @@ def describe(layout: Layout) -> str:
     if layout.dp_replicate > 1:
         parts.append(f"dp_replicate={layout.dp_replicate}")
     parts.append(f"dp_shard={layout.dp_shard}" if layout.zero_stage >= 2 else f"dp={layout.dp}")
+    if layout.cp > 1:
+        parts.append(f"cp={layout.cp} {layout.cp_method}")
     if layout.tp > 1:
         parts.append(f"tp={layout.tp}" + ("+sp" if layout.sequence_parallel else ""))
     if layout.ep > 1:

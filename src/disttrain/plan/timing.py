@@ -1,6 +1,6 @@
 """Step time from FLOPs, an α-β model of each collective, and the pipeline bubble.
 
-Ranks are laid out as the runtime's DeviceMesh does: (pp, dp_replicate, dp_shard, tp), tensor
+Ranks are laid out as the runtime's DeviceMesh does: (pp, dp_replicate, dp_shard, cp, tp), tensor
 parallel innermost. A collective over a mesh dimension stays on NVLink when the ranks it spans
 fit in one node, else it runs at the network's per-GPU bandwidth (every GPU has its own NIC in
 the reference systems, so rings over nodes are limited by that NIC, not by NVLink).
@@ -133,6 +133,8 @@ class StepTime:
     hfu: float
     optimizer_s: float = 0.0  # measured profiles only: the GPU table folds it into compute
     ep_comm_s: float = 0.0  # expert parallel: the all-to-all dispatch and combine (plan/moe.py), exposed
+    cp_comm_s: float = 0.0  # context parallel's K/V traffic (plan/context.py)
+    cp_exposed_s: float = 0.0  # the part not hidden behind attention
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -177,7 +179,7 @@ def step_time(shape: ModelShape, layout: Layout, cluster: Cluster, routing_skew:
         bw, lat = cluster.link(layout.tp)
         per_layer = TP_COLLECTIVES_PER_LAYER + (2 if layout.activation_checkpointing == "full" else 0)
         per_step = m * (held.layers * per_layer + int(held.embedding) + int(held.output))
-        one = all_reduce_s(layout.tp, e * mb * s * shape.dim, bw, lat)
+        one = all_reduce_s(layout.tp, e * mb * s // layout.cp * shape.dim, bw, lat)
         measured = cluster.tp_collective
         if measured and measured.get("ranks") == layout.tp:  # as issued (DTensor, waits), moved to this size
             one = max(one, measured["seconds"] + one - all_reduce_s(layout.tp, measured["bytes"], bw, lat))
@@ -187,7 +189,7 @@ def step_time(shape: ModelShape, layout: Layout, cluster: Cluster, routing_skew:
     if layout.pp > 1:
         bw, lat = cluster.link(world)
         # activations forward and their gradients backward, per micro-batch and virtual stage
-        pp_comm = 2 * m * layout.stages_per_rank * p2p_s(e * mb * s * shape.dim / (layout.tp if layout.sequence_parallel else 1), bw, lat)
+        pp_comm = 2 * m * layout.stages_per_rank * p2p_s(e * mb * s // layout.cp * shape.dim / (layout.tp if layout.sequence_parallel else 1), bw, lat)
 
     n_params = held.total
     unit = layer_params(shape, layout.tp, layout.ep)
@@ -200,53 +202,60 @@ def step_time(shape: ModelShape, layout: Layout, cluster: Cluster, routing_skew:
                   (expert_layout(layout), held.experts, expert_unit)]
     rb = DTYPE_BYTES[layout.reduce_dtype]
     dp_comm, dp_exposed = 0.0, 0.0
-    if layout.dp > 1:
+    dp = layout.gradient_ranks  # context ranks reduce gradients like data-parallel ones
+    if dp > 1:
         if layout.zero_stage <= 1:
-            bw, lat = cluster.link(layout.dp * layout.tp)
-            ar = sum(all_reduce_s(g.dp, rb * n, bw, lat) for g, n, _ in groups)
+            bw, lat = cluster.link(dp * layout.tp)
+            ar = sum(all_reduce_s(g.gradient_ranks, rb * n, bw, lat) for g, n, _ in groups)
             dp_comm = ar
-            last_bucket = all_reduce_s(layout.dp, min(DDP_BUCKET_BYTES, rb * groups[0][1]), bw, lat)
+            last_bucket = all_reduce_s(dp, min(DDP_BUCKET_BYTES, rb * groups[0][1]), bw, lat)
             dp_exposed = exposed(ar, bwd, cluster.overlap_efficiency, last_bucket)
             if layout.zero_stage == 1:  # updated parameters broadcast from their owners after the step
-                link = cluster.link(layout.dp * layout.tp, "all_gather")
-                ag = sum(all_gather_s(g.dp, 4 * n, *link) for g, n, _ in groups)
+                link = cluster.link(dp * layout.tp, "all_gather")
+                ag = sum(all_gather_s(g.gradient_ranks, 4 * n, *link) for g, n, _ in groups)
                 dp_comm += ag
                 dp_exposed += ag
         else:
-            ds = layout.dp_shard
+            ds, dr = layout.shard_ranks, layout.dp_replicate
             bw, lat = cluster.link(ds * layout.tp, "all_gather")
             rbw_s, rlat_s = cluster.link(ds * layout.tp, "reduce_scatter")
             gathers = 2 if layout.reshard_after_forward else 1  # stage 3 gathers again for backward
             # uneven shares keep parameters gathered across a rank's micro-batches: one gather per step
             rounds = 1 if layout.balanced else m
-            ag = sum(all_gather_s(g.dp_shard, e * n, bw, lat) for g, n, _ in groups)
-            first_unit = sum(all_gather_s(g.dp_shard, e * u, bw, lat) for g, _, u in groups)
-            rs = sum(reduce_scatter_s(g.dp_shard, rb * n, rbw_s, rlat_s) for g, n, _ in groups)
-            last_unit = sum(reduce_scatter_s(g.dp_shard, rb * u, rbw_s, rlat_s) for g, _, u in groups)
+            ag = sum(all_gather_s(g.shard_ranks, e * n, bw, lat) for g, n, _ in groups)
+            first_unit = sum(all_gather_s(g.shard_ranks, e * u, bw, lat) for g, _, u in groups)
+            rs = sum(reduce_scatter_s(g.shard_ranks, rb * n, rbw_s, rlat_s) for g, n, _ in groups)
+            last_unit = sum(reduce_scatter_s(g.shard_ranks, rb * u, rbw_s, rlat_s) for g, _, u in groups)
             if cluster.fsdp_gather_s_per_byte is not None and ds > 1:
                 # measured round trips, scaled by the share of bytes a ring moves at each group's size
                 def f(g):
-                    return (g.dp_shard - 1) / g.dp_shard / ((cluster.fsdp_ranks - 1) / cluster.fsdp_ranks)
+                    return (g.shard_ranks - 1) / g.shard_ranks / ((cluster.fsdp_ranks - 1) / cluster.fsdp_ranks)
                 ag, first_unit = (sum(f(g) * cluster.fsdp_gather_s_per_byte * e * p[i] for g, *p in groups)
                                   for i in (0, 1))
                 rs, last_unit = (sum(f(g) * cluster.fsdp_reduce_s_per_byte * rb * p[i] for g, *p in groups)
                                  for i in (0, 1))
             if layout.dp_replicate > 1 or len(groups) > 1:
                 rbw, rlat = cluster.link(layout.dp * layout.tp)
-                rs += sum(all_reduce_s(g.dp_replicate, rb * n / g.dp_shard, rbw, rlat) for g, n, _ in groups)
+                rs += sum(all_reduce_s(g.dp_replicate, rb * n / g.shard_ranks, rbw, rlat) for g, n, _ in groups)
             dp_comm = rounds * gathers * ag + rs
             oe = cluster.overlap_efficiency
             exposed_fwd = exposed(ag, fwd, oe, first_unit)
             exposed_bwd = exposed(ag, bwd, oe, first_unit) if gathers == 2 else 0.0
             dp_exposed = rounds * (exposed_fwd + exposed_bwd) + exposed(rs, bwd, oe, last_unit)
     if layout.cpu_offload:  # parameter shards up every micro-batch, gradient shards down, over PCIe
-        dp_exposed += (m * e + 4) * n_params / layout.dp_shard / PCIE_BYTES_PER_S
+        dp_exposed += (m * e + 4) * n_params / layout.shard_ranks / PCIE_BYTES_PER_S
+    cp_comm, cp_exposed = 0.0, 0.0
+    if layout.cp > 1:
+        from disttrain.plan.context import context_comm_s
 
-    step = compute + bubble + tp_comm + pp_comm + dp_exposed + optimizer + ep_comm
+        cp_comm, cp_exposed = context_comm_s(shape, layout, cluster, compute, hw_per_token)
+
+    step = compute + bubble + tp_comm + pp_comm + dp_exposed + optimizer + ep_comm + cp_exposed
     tps = tokens / step
     per_gpu = tps / world
     return StepTime(compute, bubble, tp_comm, pp_comm, dp_comm, dp_exposed, step, tps, per_gpu,
-                    F.mfu(model_per_token, per_gpu, peak), F.mfu(hw_per_token, per_gpu, peak), optimizer, ep_comm)
+                    F.mfu(model_per_token, per_gpu, peak), F.mfu(hw_per_token, per_gpu, peak), optimizer, ep_comm,
+                    cp_comm, cp_exposed)
 
 
 # Elements each token reads or writes per layer outside matmuls and attention, forward + backward,
@@ -277,7 +286,7 @@ def measured_compute(shape: ModelShape, layout: Layout, cluster: Cluster, matmul
 def _stage_compute(shape: ModelShape, layout: Layout, cluster: Cluster, matmul_rate: float, pp_rank: int):
     s, m, mb = layout.seq_len, layout.microbatches, layout.micro_batch
     held = rank_params(shape, layout, pp_rank)
-    tokens = mb * s * m  # this rank's tokens per step (tensor-parallel ranks share theirs)
+    tokens = mb * s // layout.cp * m  # this rank's tokens per step (tensor-parallel ranks share theirs)
     t, r = layout.tp, layout.tp if layout.sequence_parallel else 1
     full = layout.activation_checkpointing == "full"  # recomputes every block's forward: matmuls and attention
     layer_matmul = (8.0 if full else 6.0) * F.block_params(shape) / shape.n_layers
@@ -296,7 +305,8 @@ def _stage_compute(shape: ModelShape, layout: Layout, cluster: Cluster, matmul_r
         sp = layout.sequence_parallel
         root = DTENSOR_OPS_ROOT[sp] if held.embedding or held.output else 0
         seconds += m * (DTENSOR_OPS_PER_LAYER[sp] * held.layers + root) * cluster.dtensor_op_s
-    updated = held.total / (layout.dp_shard if layout.zero_stage >= 2 else layout.dp if layout.zero_stage == 1 else 1)
+    updated = held.total / (layout.shard_ranks if layout.zero_stage >= 2 else layout.gradient_ranks
+                            if layout.zero_stage == 1 else 1)
     return seconds, updated * cluster.optimizer_s_per_param
 
 

@@ -133,9 +133,11 @@ def build_run(cfg: RunConfig, rt: Runtime, resolved: ResolvedRun | None = None) 
     compute_clock = HostComputeClock()
     # fault injection innermost (last in, first out), so what it simulates (a slow rank) counts as phase time
     phases = Phases(breakdown, compute_clock, *([balancer.timer] if balancer.timer is not None else []), faults)
-    mean_loss = GlobalMeanLoss(spec.loss_sum, meshes.dp.get_group(), layout.dp, train_samples.masks_targets,
-                               t.global_batch_size * train_samples.targets_per_sample)
-    engine = build_engine(cfg, layout, meshes, spec, model, rt, phases, mean_loss)
+    mean_loss = GlobalMeanLoss(spec.loss_sum, meshes.dp_cp.get_group(), layout.gradient_ranks,
+                               train_samples.masks_targets, t.global_batch_size * train_samples.targets_per_sample,
+                               context_shard(layout, meshes))
+    eos = tokenizer.eos_id if cfg.data.document_masking else None
+    engine = build_engine(cfg, layout, meshes, spec, model, rt, phases, mean_loss, document_eos=eos)
     peak_flops, _ = peak_flops_per_device(cfg, layout, rt.device)
     routing = None
     if spec.moe_layers is not None:
@@ -151,12 +153,13 @@ def build_run(cfg: RunConfig, rt: Runtime, resolved: ResolvedRun | None = None) 
 
 
 def build_engine(cfg: RunConfig, layout: Layout, meshes: Meshes, spec: ModelSpec, model: nn.Module, rt: Runtime,
-                 phases: Phases, mean_loss: GlobalMeanLoss, materialize=None, stage_io=None) -> StepEngine:
+                 phases: Phases, mean_loss: GlobalMeanLoss, materialize=None, stage_io=None,
+                 document_eos: int | None = None) -> StepEngine:
     """The one place that picks an engine: DeepSpeed, a pipeline schedule, or plain torch.
     `materialize(module)`: for a model built on the meta device (the dry run), called once the
     layout is applied and before the optimizer sees the parameters; `stage_io`: pipeline stage shapes
     given up front (parallel/pipeline.py)."""
-    device, dp_group = rt.device, meshes.dp.get_group()
+    device, dp_group = rt.device, meshes.dp_cp.get_group()  # gradients and loss sums: dp x cp
     tensor_parallel = layout.tp > 1
     if layout.engine == "deepspeed":
         from disttrain.parallel.activation_checkpoint import apply_activation_checkpointing
@@ -185,7 +188,7 @@ def build_engine(cfg: RunConfig, layout: Layout, meshes: Meshes, spec: ModelSpec
 
     if materialize is not None and layout.gradient_wrapper != "fsdp":
         materialize(model)  # DDP checks and broadcasts parameter storage as it wraps
-    wrapped = parallelize(model, spec, layout, meshes, device, cfg.parallel)
+    wrapped = parallelize(model, spec, layout, meshes, device, cfg.parallel, document_eos)
     if materialize is not None and layout.gradient_wrapper == "fsdp":
         materialize(wrapped)  # fully_shard takes meta parameters, not fake ones
     if layout.sharded_optimizer:
@@ -219,3 +222,14 @@ def _optimizer_step(cfg: RunConfig, optimizer, precision: Precision, pp_group,
     control = dist.new_group(backend="gloo") if precision.scaler.is_enabled() else None
     return OptimizerStep(optimizer, scheduler, precision, cfg.optim.grad_clip, cfg.metrics.nonfinite, pp_group,
                          control, keep_gradients)
+
+
+def context_shard(layout: Layout, meshes: Meshes):
+    """This rank's shard of a (batch, seq) target tensor under context parallelism (None: cp = 1)."""
+    if layout.cp == 1:
+        return None
+    from functools import partial
+
+    from disttrain.parallel.context_shards import shard_sequence
+
+    return partial(shard_sequence, rank=meshes.cp.get_local_rank(), size=layout.cp)

@@ -3,7 +3,8 @@
 The loss of a step is the mean cross-entropy over the *valid* targets of the whole global batch:
 targets equal to IGNORE_INDEX (-100, PyTorch's and transformers' ignore index: padding, prompt tokens
 in fine-tuning) carry no loss, and the divisor is their count over every data-parallel rank,
-micro-batch and pipeline micro-batch. Each micro-batch backpropagates the *sum* of its target losses
+micro-batch, pipeline micro-batch and context-parallel shard (a context rank counts as one more
+data-parallel rank here: it holds its shard of each sequence's targets, `shard_targets`). Each micro-batch backpropagates the *sum* of its target losses
 (the ModelSpec's `loss_sum`) divided by the mean data-parallel rank's share of that count (global
 count / dp); data-parallel gradient averaging (DDP, FSDP, DeepSpeed all divide by dp) then gives the
 gradient of the global mean, whatever the shares (uneven ones included). The logged loss is that same
@@ -29,8 +30,11 @@ class GlobalMeanLoss:
     """`loss_sum(outputs, targets) / (global valid targets / dp)`: the per-micro-batch loss every engine
     backpropagates (and the pipeline schedule's `loss_fn`). `start_step` sets the divisor for a step."""
 
-    def __init__(self, loss_sum, dp_group, dp: int, masks_targets: bool, targets_per_step: int):
-        self.loss_sum, self.dp_group, self.dp = loss_sum, dp_group, dp
+    def __init__(self, loss_sum, dp_group, dp: int, masks_targets: bool, targets_per_step: int,
+                 shard_targets=None):
+        self.dp_group, self.dp = dp_group, dp
+        self.shard_targets = shard_targets or (lambda targets: targets)
+        self.model_loss_sum = loss_sum
         self.masks_targets = masks_targets  # the data may hold IGNORE_INDEX targets: count them
         self.targets: torch.Tensor | int = targets_per_step  # of the whole global batch, this step
         self.divisor: torch.Tensor | float = targets_per_step / dp
@@ -40,10 +44,17 @@ class GlobalMeanLoss:
         `targets`: every target tensor this rank computes in the step, already on its device."""
         if not self.masks_targets:
             return
-        count = torch.stack([valid_targets(y) for y in targets]).sum()
+        count = torch.stack([valid_targets(self.shard_targets(y)) for y in targets]).sum()
         dist.all_reduce(count, group=self.dp_group)
         count = count.clamp(min=1)  # a step whose every target is masked: loss 0 and no gradient, not 0/0
         self.targets, self.divisor = count, count / self.dp
+
+    def loss_sum(self, outputs, targets: torch.Tensor) -> torch.Tensor:
+        """The target-loss sum of this rank's outputs (its shard of `targets` under context parallelism)."""
+        return self.model_loss_sum(outputs, self.shard_targets(targets))
+
+    def valid_targets(self, targets: torch.Tensor) -> torch.Tensor:
+        return valid_targets(self.shard_targets(targets))
 
     def __call__(self, outputs, targets: torch.Tensor) -> torch.Tensor:
         loss_sum = self.loss_sum(outputs, targets)

@@ -15,7 +15,7 @@ import torch
 from disttrain.checkpoint import dcp_io
 from disttrain.parallel.pipeline import PipelineParts
 from disttrain.train.engine import OptimizerStep, OwnOptimizerStep, StepResult
-from disttrain.train.loss import GlobalMeanLoss, loss_context, valid_targets
+from disttrain.train.loss import GlobalMeanLoss, loss_context
 from disttrain.train.phases import PhaseEvent, Phases, Subscriber
 
 
@@ -82,7 +82,7 @@ class PipelineEngine(OwnOptimizerStep):
         targets are counted where the loss is, on the last stage."""
         inputs, targets = self._batch(micro_batches)
         total = self._run(inputs, targets, None)
-        count = valid_targets(targets) if self.parts.is_last else torch.zeros((), dtype=torch.float64)
+        count = self.mean_loss.valid_targets(targets) if self.parts.is_last else torch.zeros((), dtype=torch.float64)
         return total, count.to(self.device)
 
     def save(self, path: Path, async_group=None):

@@ -12,7 +12,7 @@ from torch import nn
 from disttrain.checkpoint import dcp_io
 from disttrain.parallel.parallelize import gather, gradient_sync_disabled, reshard
 from disttrain.train.engine import OptimizerStep, OwnOptimizerStep, StepResult
-from disttrain.train.loss import GlobalMeanLoss, loss_context, replicated_value, valid_targets
+from disttrain.train.loss import GlobalMeanLoss, loss_context, replicated_value
 from disttrain.train.phases import Phases
 
 
@@ -65,7 +65,7 @@ class TorchEngine(OwnOptimizerStep):
                 with self.precision.autocast():
                     out = self.model(x)
                 total += replicated_value(self.mean_loss.loss_sum(out, y)).double()
-            targets += valid_targets(y)
+            targets += self.mean_loss.valid_targets(y)
         if self.keep_gathered:  # forward-only passes left parameters gathered
             reshard(self.model)
         return total, targets

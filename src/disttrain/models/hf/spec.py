@@ -122,6 +122,9 @@ def hf_spec(directory: str, routing=None) -> ModelSpec:
     raw = read_config(directory)
     tied = (("model.embed_tokens.weight", "lm_head.weight"),) if shape.tie_embeddings else ()
     has_tp = bool(getattr(config, "base_model_tp_plan", None))
+    from disttrain.models.hf import context
+
+    cp_methods, cp_note = context.methods(config)
     fingerprint = hashlib.sha256(json.dumps({k: raw.get(k) for k in sorted(raw) if k not in (
         "transformers_version", "torch_dtype", "dtype", "use_cache", "architectures")}, sort_keys=True,
         default=str).encode()).hexdigest()[:16]
@@ -134,6 +137,8 @@ def hf_spec(directory: str, routing=None) -> ModelSpec:
         pipeline_split=parallel_plan.pipeline_split if splittable else None, tied_parameters=tied,
         mask_documents=mask_documents,
         moe_layers=partial(hf_moe_layers, routing=routing or MoERouting()) if config.model_type in SUPPORTED else None,
+        context_parallel=context.context_parallel if config.model_type in context.MODEL_TYPES else None,
+        context_parallel_methods=cp_methods, context_parallel_note=cp_note,
         to_hf=dict, from_hf=dict, hf_config=lambda: {**raw, "use_cache": True},
         load_pretrained=lambda m: load_pretrained(m, directory), fingerprint=fingerprint)
 

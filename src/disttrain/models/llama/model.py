@@ -34,11 +34,20 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return (at_least_fp32(x) * cos + at_least_fp32(rotated) * sin).type_as(x)
 
 
+def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """q (batch, heads, seq, head_dim), k/v with as many or fewer (grouped) heads; `mask` None: causal."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                          enable_gqa=q.shape[1] != k.shape[1])
+
+
 class Attention(nn.Module):
     def __init__(self, shape: ModelShape):
         super().__init__()
         hd = shape.head_dim
         self.head_dim = hd
+        # The attention kernel (q, k, v, mask) -> out; context parallelism swaps in one that sees the
+        # other ranks' shards of the sequence (parallel/context.py), as transformers' registry does.
+        self.attend = local_attention
         self.wq = nn.Linear(shape.dim, shape.n_heads * hd, bias=False)
         self.wk = nn.Linear(shape.dim, shape.n_kv_heads * hd, bias=False)
         self.wv = nn.Linear(shape.dim, shape.n_kv_heads * hd, bias=False)
@@ -54,8 +63,7 @@ class Attention(nn.Module):
         k = apply_rotary(self.wk(x).view(b, t, -1, self.head_dim), cos, sin)
         v = self.wv(x).view(b, t, -1, self.head_dim)
         q, k, v = (y.transpose(1, 2) for y in (q, k, v))
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                             enable_gqa=q.shape[1] != k.shape[1])
+        out = self.attend(q, k, v, mask)
         return self.wo(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -102,6 +110,8 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.document_eos: int | None = None  # set by `mask_documents`
+        # documents (batch, seq) -> what blocks hand the attention kernel as its mask (see `forward`)
+        self.attention_mask = block_causal_mask
 
     def tie_weights(self) -> None:
         """Share the output matrix with the embedding; redo after `to_empty`, which unties them."""
@@ -118,13 +128,20 @@ class Transformer(nn.Module):
             if module is not self and hasattr(module, "reset_buffers"):
                 module.reset_buffers()
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens (batch, seq) int64 -> logits (batch, seq, vocab); on a middle pipeline stage, hidden states."""
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens (batch, seq) int64 -> logits (batch, seq, vocab); on a middle pipeline stage, hidden states.
+        `positions` (batch, seq): the tokens' rotary positions (default 0, 1, ...); `documents`: the document
+        index of each token, turned into the attention mask by `attention_mask` (default: from the end
+        tokens under document masking, else none: causal)."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         cos, sin, mask = self.rope_cos, self.rope_sin, None
-        if self.document_eos is not None:  # whole-model only (a pipeline stage never sees token ids)
+        if self.document_eos is not None and documents is None:  # whole-model only (a stage never sees ids)
             positions, documents = document_positions(tokens, self.document_eos)
-            cos, sin, mask = cos[positions], sin[positions], block_causal_mask(documents)
+        if positions is not None:
+            cos, sin = cos[positions], sin[positions]
+        if documents is not None:
+            mask = self.attention_mask(documents)
         for block in self.layers.values():
             h = block(h, cos, sin, mask)
         if self.norm is not None:

@@ -90,8 +90,9 @@ class StageModule(nn.Module):
         self.register_buffer("rope_sin", model.rope_sin, persistent=False)
         self.document_eos = None  # document masking needs token ids, which only the first stage has
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return Transformer.forward(self, h)
+    def forward(self, h: torch.Tensor, positions: torch.Tensor | None = None,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
+        return Transformer.forward(self, h, positions, documents)
 
 
 def pipeline_split(model: Transformer, ranges: list[range], owned: list[int]) -> list[nn.Module]:
@@ -107,3 +108,26 @@ def pipeline_split(model: Transformer, ranges: list[range], owned: list[int]) ->
         model.norm = None
         model.output = None
     return [StageModule(model, ranges[s], s == 0, s == last) for s in owned]
+
+
+def context_parallel(model: nn.Module, cp) -> None:
+    """Attention through the context-parallel kernel, which gets the global document index of every token as
+    its mask; the model (or a pipeline stage) is called with full token ids, of which a pre-hook keeps this
+    rank's shard and hands over their global positions. A later pipeline stage gets this rank's hidden
+    states, and only their positions (no document masking there)."""
+    for block in model.layers.values():
+        block.attention.attend = cp.attention
+    model.attention_mask = _documents_as_they_are
+
+    def shard_inputs(module, args, kwargs):
+        if args[0].is_floating_point():  # hidden states from the previous pipeline stage: already sharded
+            b, t = args[0].shape[:2]
+            return args, {**kwargs, "positions": cp.index(t * cp.size, args[0].device).expand(b, -1)}
+        tokens, positions, documents = cp.inputs(args[0], kwargs.get("positions"))
+        return (tokens,), {**kwargs, "positions": positions, "documents": documents}
+
+    model.register_forward_pre_hook(shard_inputs, with_kwargs=True)
+
+
+def _documents_as_they_are(documents):
+    return documents

@@ -1,0 +1,58 @@
+"""disttrain's context parallelism (`parallel.cp=2`, ring) against a hand-written loop around the same ring on
+torch.distributed alone (workloads/plain_cp_ring.py): the `tiny` model at one sequence of `--seq-len` tokens
+per step, 2 processes, fp32. Start-up cancels out (a short and a long run, as in overhead.py); repetitions
+interleave; ratios are disttrain over the hand-written loop within a repetition.
+
+    python benchmarks/cp_vs_handwritten.py --reps 4 --seq-len 4096 --short 1 --long 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+from overhead import REPO, WORKLOADS, disttrain_command, measure_command, write_results
+
+
+def command(name: str, steps: int, seq_len: int, run_dir) -> list[str]:
+    if name == "hand-written":
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                str(WORKLOADS / "plain_cp_ring.py"), "--steps", str(steps), "--seq-len", str(seq_len)]
+    return disttrain_command([f"model.max_seq_len={seq_len}", f"data.seq_len={seq_len}", "train.global_batch_size=1",
+                              "train.micro_batch_size=1", "parallel.cp=2", "parallel.cp_method=ring",
+                              "metrics.log_every=1000", "metrics.sync_check_every=0",
+                              "metrics.comm_profile_every=0"], steps, run_dir)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument("--short", type=int, default=1)
+    parser.add_argument("--long", type=int, default=4)
+    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "cp_vs_handwritten.json"))
+    args = parser.parse_args()
+    run_dir = REPO / "runs" / "bench-cp"
+    names = ["disttrain cp=2", "hand-written"]
+    results: dict = {n: [] for n in names}
+    tokens = args.seq_len * (args.long - args.short)
+    for rep in range(args.reps):
+        for name in names[rep % 2:] + names[:rep % 2]:
+            w1, c1 = measure_command(command(name, args.short, args.seq_len, run_dir))
+            w2, c2 = measure_command(command(name, args.long, args.seq_len, run_dir))
+            row = {"tokens_per_s": tokens / (w2 - w1), "cpu_s_per_token": (c2 - c1) / tokens}
+            results[name].append(row)
+            print(f"rep {rep + 1}/{args.reps} {name:>15}: {row['tokens_per_s']:7.0f} tok/s, "
+                  f"{1e3 * row['cpu_s_per_token']:6.3f} CPU-ms/token", flush=True)
+    ours, theirs = results[names[0]], results[names[1]]
+    speed = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(ours, theirs)]
+    cpu = [a["cpu_s_per_token"] / b["cpu_s_per_token"] for a, b in zip(ours, theirs)]
+    summary = {"throughput_ratio_median": statistics.median(speed), "throughput_ratio_range": [min(speed), max(speed)],
+               "cpu_per_token_ratio_median": statistics.median(cpu), "cpu_per_token_ratio_range": [min(cpu), max(cpu)]}
+    print(summary)
+    write_results(args.out, {"args": vars(args), "runs": results, "summary": summary})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,145 @@
+"""Ring attention over the context-parallel group, written by hand.
+
+Why not torch's: `torch.distributed.tensor.experimental.context_parallel` refuses CPU attention (SDPA's
+CPU flash kernel, `aten._scaled_dot_product_flash_attention_for_cpu`, has no DTensor sharding rule, and
+Flex attention has no CPU backward), it shards buffers in place with `resize_` (refused on tensors that
+need grad), and its ring (`_templated_ring_attention`) is private. This one calls the same fused kernels
+on every device: the CPU flash op and its backward op here, which accept a merged output and
+log-sum-exp, so each block's backward is one kernel call.
+
+Forward: K/V (one packed tensor) travel round the ring with `batch_isend_irecv`, the next block in
+flight while this one is computed; each block's (out, lse) is merged with the online-softmax rule.
+With head-tail chunks (rank r holds chunks r and 2W-1-r), the block from rank s is causal when s == r,
+all of the local queries against s's first chunk when s < r, and the local second chunk against all of
+s's keys when s > r: every rank computes the same amount. Document masking adds an explicit mask.
+Backward: K/V go round again with their dK/dV accumulators, which arrive home after a full circle.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from disttrain.dtypes import at_least_fp32
+from disttrain.parallel.context_shards import visible
+
+_KV_TAG, _GRAD_TAG = 71, 72
+_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def ring_attention(q, k, v, documents, cp, scale: float | None = None):
+    return _RingAttention.apply(q, k, v, documents, cp, scale)
+
+
+def _shift(t: torch.Tensor, cp, tag: int):
+    """Send `t` to the next rank of the ring, receive the previous rank's: (buffer, works to wait on)."""
+    buf = torch.empty_like(t)
+    ops = [dist.P2POp(dist.isend, t, group=cp.group, group_peer=(cp.rank + 1) % cp.size, tag=tag),
+           dist.P2POp(dist.irecv, buf, group=cp.group, group_peer=(cp.rank - 1) % cp.size, tag=tag)]
+    return buf, dist.batch_isend_irecv(ops)
+
+
+def _wait(works) -> None:
+    for w in works:
+        w.wait()
+
+
+def _block(cp, source: int, t: int, q_dtype, documents, device):
+    """(query rows, key columns, is_causal, additive mask or None) of the block from rank `source`."""
+    half = t // 2
+    if source == cp.rank:
+        rows, cols, causal = slice(0, t), slice(0, t), documents is None
+    elif source < cp.rank:
+        rows, cols, causal = slice(0, t), slice(0, half), False
+    else:
+        rows, cols, causal = slice(half, t), slice(0, t), False
+    if documents is None:
+        return rows, cols, causal, None
+    seq_len = documents.shape[1]
+    q_index = cp.index(seq_len, device)[rows]
+    k_index = cp.index(seq_len, device, source)[cols]
+    if source == cp.rank:
+        allowed = visible(q_index, k_index, documents)
+    else:  # off-diagonal blocks lie wholly before the queries: only documents mask
+        allowed = documents[:, q_index][:, None, :, None] == documents[:, k_index][:, None, None, :]
+    mask = torch.zeros(allowed.shape, dtype=q_dtype, device=device).masked_fill_(~allowed, float("-inf"))
+    return rows, cols, False, (mask, allowed.any(-1))
+
+
+def _expand_heads(x: torch.Tensor, groups: int) -> torch.Tensor:
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, documents, cp, scale):
+        b, h, t, d = q.shape
+        groups = h // k.shape[1]
+        scale = d ** -0.5 if scale is None else scale
+        acc = at_least_fp32(torch.empty((), dtype=q.dtype)).dtype
+        out = torch.zeros(q.shape, dtype=acc, device=q.device)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
+        kv = torch.stack([k, v])
+        for step in range(cp.size):
+            source = (cp.rank - step) % cp.size
+            if step < cp.size - 1:
+                incoming, works = _shift(kv, cp, _KV_TAG)
+            rows, cols, causal, mask = _block(cp, source, t, q.dtype, documents, q.device)
+            kb, vb = (_expand_heads(x[:, :, cols], groups) for x in kv)
+            part, part_lse = _FLASH(q[:, :, rows], kb, vb, 0.0, causal,
+                                    attn_mask=None if mask is None else mask[0], scale=scale)
+            part_lse = part_lse.to(acc)
+            if mask is not None:  # rows that see nothing in this block: the kernel says lse 0, out 0
+                part_lse = part_lse.masked_fill(~mask[1], float("-inf"))
+            _merge(out, lse, part.to(acc), part_lse, rows)
+            if step < cp.size - 1:
+                _wait(works)
+                kv = incoming
+        out = out.to(q.dtype)
+        ctx.cp, ctx.scale, ctx.groups = cp, scale, groups
+        ctx.save_for_backward(q, k, v, out, lse, documents)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse, documents = ctx.saved_tensors
+        cp, scale, groups = ctx.cp, ctx.scale, ctx.groups
+        t = q.shape[2]
+        acc = lse.dtype
+        grad_out = grad_out.contiguous()
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        kv = torch.stack([k, v])
+        dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)  # the travelling accumulator of `kv`'s owner
+        for step in range(cp.size):
+            source = (cp.rank - step) % cp.size
+            if step < cp.size - 1:
+                incoming, works = _shift(kv, cp, _KV_TAG)
+            rows, cols, causal, mask = _block(cp, source, t, q.dtype, documents, q.device)
+            kb, vb = (_expand_heads(x[:, :, cols], groups) for x in kv)
+            dq_part, dk_part, dv_part = _FLASH_BACKWARD(
+                grad_out[:, :, rows], q[:, :, rows], kb, vb, out[:, :, rows], lse[:, :, rows].contiguous(), 0.0,
+                causal, attn_mask=None if mask is None else mask[0], scale=scale)
+            dq[:, :, rows] += dq_part
+            for i, part in enumerate((dk_part, dv_part)):
+                if groups > 1:
+                    part = part.unflatten(1, (-1, groups)).sum(2)
+                dkv[i][:, :, cols] += part
+            sent = dkv
+            dkv, grad_works = _shift(sent, cp, _GRAD_TAG)  # on to the next rank; home after a full circle
+            if step < cp.size - 1:
+                _wait(works)
+                kv = incoming
+            _wait(grad_works)
+            del sent
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+
+
+def _merge(out, lse, part, part_lse, rows) -> None:
+    """Online softmax: fold a block's (out, lse) over some query rows into the running ones, in place."""
+    old = lse[:, :, rows]
+    new = torch.logaddexp(old, part_lse)
+    keep = torch.exp(old - new).nan_to_num_(0.0)[..., None]  # -inf - -inf: a row nothing has reached yet
+    take = torch.exp(part_lse - new).nan_to_num_(0.0)[..., None]
+    out[:, :, rows] = out[:, :, rows] * keep + part * take
+    lse[:, :, rows] = new

@@ -1,0 +1,95 @@
+"""The planner's context-parallel terms (`parallel.cp`, `parallel.cp_method`): attention FLOPs per context
+rank, K/V traffic per method, and what each method keeps beyond a 1/cp share of the activations.
+
+Head-tail chunks balance causal attention, so each context rank computes 1/cp of the sequence's attention
+FLOPs and holds seq_len/cp tokens of every activation. On top of that share:
+  ring       keeps nothing more (masks only under document masking, one block at a time); per layer it
+             sends cp-1 K/V blocks forward and, in backward, cp-1 K/V blocks plus cp dK/dV blocks, each
+             overlapped with one block's attention;
+  allgather  keeps the gathered K/V (whole sequence) and a boolean (seq_len/cp x seq_len) mask per layer;
+             per layer one all-gather of K/V forward and one reduce-scatter of dK/dV backward, not overlapped;
+  ulysses    keeps head-sharded q/k/v/out (the same bytes as its shard) and a (seq_len x seq_len) mask per
+             layer; per layer all-to-alls of q, k, v and the output forward, and of their gradients backward.
+Pure Python.
+"""
+
+from __future__ import annotations
+
+from disttrain.layout import DTYPE_BYTES, Layout
+from disttrain.models.shape import ModelShape
+
+
+def attention_flops_per_rank(shape: ModelShape, layout: Layout) -> float:
+    """Forward + backward attention FLOPs (scores and weighted values) of one context rank per micro-batch:
+    the causal half of 12 x layers x heads x head_dim x seq_len^2, split evenly over cp (head-tail chunks)."""
+    s = layout.seq_len
+    return 12.0 * shape.n_layers * shape.n_heads * shape.head_dim * s * s / 2 * layout.micro_batch / layout.cp \
+        / layout.tp
+
+
+def kv_traffic_bytes(shape: ModelShape, layout: Layout) -> dict:
+    """Bytes one context rank sends per layer per micro-batch (forward + backward), and whether compute
+    hides them ("overlapped": the ring sends the next block while computing this one)."""
+    cp, tp = layout.cp, layout.tp
+    e = DTYPE_BYTES[layout.compute_dtype]
+    local = layout.seq_len // cp * layout.micro_batch
+    kv = 2 * e * local * shape.n_kv_heads * shape.head_dim / tp  # this rank's K and V
+    q = e * local * shape.n_heads * shape.head_dim / tp
+    if cp == 1:
+        return {"method": layout.cp_method, "bytes": 0.0, "overlapped": True}
+    if layout.cp_method == "ring":
+        sent = (cp - 1) * kv + (cp - 1) * kv + cp * kv * (4 if e < 4 else e) / e  # dK/dV accumulate in fp32
+        return {"method": "ring", "bytes": sent, "overlapped": True}
+    if layout.cp_method == "allgather":
+        return {"method": "allgather", "bytes": 2 * (cp - 1) * kv, "overlapped": False}
+    # ulysses: q, k, v and the output out to the other ranks ((cp - 1)/cp of each), gradients back
+    return {"method": "ulysses", "bytes": 2 * (cp - 1) / cp * (2 * q + kv), "overlapped": False}
+
+
+def context_extra_bytes(shape: ModelShape, layout: Layout, element_bytes: int) -> float:
+    """What a layer keeps besides its seq_len/cp share of the activations, per micro-batch."""
+    if layout.cp == 1 or layout.cp_method == "ring" or layout.activation_checkpointing == "full":
+        return 0.0
+    s, mb, cp, tp = layout.seq_len, layout.micro_batch, layout.cp, layout.tp
+    if layout.cp_method == "allgather":  # the gathered K/V and the bool (seq/cp x seq) mask
+        return 2 * element_bytes * mb * s * shape.n_kv_heads * shape.head_dim / tp * (cp - 1) / cp + mb * (s // cp) * s
+    return mb * s * s  # ulysses: the bool (seq x seq) mask
+
+
+LONG_SEQUENCE = 16384  # the search tries cp > 1 from here on (shorter sequences fit without it)
+
+
+def cp_degrees(seq_len: int, ranks: int, max_cp: int = 32) -> list[int]:
+    """Context-parallel degrees the layout search tries on `ranks` ranks (after tensor parallel): 1, and
+    for long sequences every power of two dividing the ranks and 2 x cp dividing the sequence."""
+    if seq_len < LONG_SEQUENCE:
+        return [1]
+    out, cp = [1], 2
+    while cp <= min(ranks, max_cp):
+        if ranks % cp == 0 and seq_len % (2 * cp) == 0:
+            out.append(cp)
+        cp *= 2
+    return out
+
+
+def context_comm_s(shape: ModelShape, layout: Layout, cluster, compute_s: float,
+                   hw_flops_per_token: float) -> tuple[float, float]:
+    """(seconds of K/V traffic per step, the part not hidden): the ring's exchanges overlap the attention
+    of the block in hand (exposed only where a block's transfer outlasts its attention); all-gather's and
+    Ulysses' collectives are waited for."""
+    from disttrain.flops import attention_flops_per_token
+    from disttrain.plan.params import rank_params
+
+    traffic = kv_traffic_bytes(shape, layout)
+    bw, lat = cluster.link(layout.cp * layout.tp)
+    layers = rank_params(shape, layout, 0).layers
+    messages = {"ring": 3 * layout.cp - 2, "allgather": 2 * (layout.cp - 1), "ulysses": 8 * (layout.cp - 1)}
+    per_mb = layers * (traffic["bytes"] / bw + messages[traffic["method"]] * lat)
+    total = layout.microbatches * per_mb
+    if not traffic["overlapped"]:
+        return total, total
+    attention_s = compute_s * attention_flops_per_token(shape, layout.seq_len) / hw_flops_per_token
+    steps = 2 * layout.cp - 1  # forward and backward blocks, each overlapping one transfer
+    per_block_comm = total / steps
+    per_block_attention = attention_s / steps
+    return total, steps * max(0.0, per_block_comm - cluster.overlap_efficiency * per_block_attention)

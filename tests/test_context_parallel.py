@@ -1,0 +1,283 @@
+"""Context parallelism (`parallel.cp`): every sequence sharded over 2 ranks, attention across the shards by
+each `parallel.cp_method`, gives one process's losses and parameters (fp64, 1e-10 relative): the built-in
+model and a transformers Llama, on plain text and on packed chat data (several conversations per
+sequence under document masking, prompt targets masked in both halves of each sequence); with ZeRO-3 and
+activation checkpointing; a checkpoint written at cp=2 resumes on one process and the reverse. The
+attention kernels alone match single-device attention with grouped heads, at 2 ranks. Bad input is one
+line and exit 2."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from chat_tokenizer import records, save_chat_tokenizer
+from helpers import (DEBUG_CONFIG, EXACT, FP64, assert_losses_close, assert_params_exact, final_params, losses,
+                     run_cli, train_many)
+from hf_models import SIZES
+
+METHODS = ("ring", "allgather", "ulysses")
+STEPS = 4
+COMMON = (f"train.steps={STEPS}", "train.global_batch_size=4", "optim.lr=3e-3", "checkpoint.save_final=true",
+          "metrics.sync_check_every=2", FP64)
+CHAT_SEQ = 128
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """Packed chat data (a chat tokenizer, prepare-data) and a tiny transformers Llama for its vocabulary."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from disttrain.cli import main
+
+    root = tmp_path_factory.mktemp("cp_data")
+    tok = save_chat_tokenizer(root / "tok", markers=True)
+    (root / "records.jsonl").write_text("".join(__import__("json").dumps(r) + "\n" for r in records()))
+    main(["prepare-data", str(root / "records.jsonl"), "--out", str(root / "chat"), "--tokenizer", str(tok),
+          "--seq-len", str(CHAT_SEQ), "--val-fraction", "0.25"])
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(LlamaConfig(**{**SIZES, "vocab_size": 384}, tie_word_embeddings=False)) \
+        .save_pretrained(root / "llama")
+    return root
+
+
+def _cases(data) -> dict[str, tuple[str, ...]]:
+    chat = (f"data.source={data / 'chat'}", "data.packing=true", f"data.seq_len={CHAT_SEQ}", "model.vocab_size=384")
+    hf_chat = (f"data.source={data / 'chat'}", "data.packing=true", f"data.seq_len={CHAT_SEQ}",
+               f"model.hf={data / 'llama'}")
+    return {"debug": (), "debug_chat": chat, "hf": (f"model.hf={data / 'llama'}", "data.tokenizer=byte"),
+            "hf_chat": hf_chat}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, data):
+    root = tmp_path_factory.mktemp("cp_runs")
+    cases = _cases(data)
+    fp32 = tuple(o for o in COMMON if o != FP64) + ("checkpoint.every_steps=2",)
+    one_jobs = {f"ref_{c}": (root / f"ref_{c}", (*COMMON, *o)) for c, o in cases.items()}
+    one_jobs["ref_fp32"] = (root / "ref_fp32", fp32)
+    one = train_many(one_jobs, nproc=1)
+    step_2 = "checkpoints/step_00000002"
+    jobs = {f"{c}_{m}": (root / f"{c}_{m}", (*COMMON, *o, "parallel.cp=2", f"parallel.cp_method={m}"))
+            for c, o in cases.items() for m in METHODS}
+    jobs["zero3_checkpointed"] = (root / "zero3_ac", (*COMMON, *cases["debug_chat"], "parallel.cp=2",
+                                                     "parallel.zero_stage=3", "parallel.activation_checkpointing=full"))
+    jobs["cp2_fp32"] = (root / "cp2_fp32", (*fp32, "parallel.cp=2"))
+    jobs["cp2_from_one"] = (root / "cp2_from_one", (*fp32, "parallel.cp=2", f"checkpoint.resume={root / 'ref_fp32' / step_2}"))
+    two = train_many(jobs, nproc=2)
+    back = train_many({"one_from_cp2": (root / "one_from_cp2", (*fp32, f"checkpoint.resume={root / 'cp2_fp32' / step_2}"))},
+                      nproc=1)
+    return {**one, **two, **back}
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("case", ["debug", "debug_chat", "hf", "hf_chat"])
+def test_cp2_gives_one_process_losses_and_parameters(runs, case, method):
+    run, ref = runs[f"{case}_{method}"], runs[f"ref_{case}"]
+    assert len(losses(run)) == STEPS
+    assert_losses_close(losses(run), losses(ref), rel=EXACT)
+    assert_params_exact(final_params(run, STEPS), final_params(ref, STEPS))
+
+
+def _four_rank_jobs(root, data, names) -> dict:
+    """cp=2 x dp_shard=2 (ZeRO-3), cp=2 x tp=2 (sequence parallel, ZeRO-2) and cp=2 x pp=2 (ZeRO-2), named
+    `{layout}_{case}`."""
+    cases, jobs = _cases(data), {}
+    for name in names:
+        layout, case = name.split("_", 1)
+        chat, o = case.endswith("chat"), cases[case]
+        if layout in ("hsdp", "zero1"):
+            extra = ("parallel.dp_replicate=2", "parallel.dp_shard=1", "parallel.zero_stage=3") if layout == "hsdp" \
+                else ("parallel.dp_shard=2", "parallel.zero_stage=1")
+        elif layout == "pp2":  # (no document masking with pipeline stages)
+            extra = ("parallel.pp=2", "parallel.pp_microbatches=2", "parallel.zero_stage=2")
+        elif layout == "dp2":
+            extra = ("parallel.dp_shard=2", "parallel.zero_stage=3", f"parallel.cp_method={'allgather' if chat else 'ring'}")
+        else:
+            extra = ("parallel.tp=2", "parallel.zero_stage=2", "parallel.sequence_parallel=true",
+                     f"parallel.cp_method={'ring' if chat else 'allgather'}")
+        jobs[name] = (root / name, (*COMMON, *o, "parallel.cp=2", *extra))
+    return train_many(jobs, nproc=4)
+
+
+FOUR_LEAN = ("dp2_hf_chat", "tp2_debug_chat", "pp2_debug")  # in the suite; the rest with `make test-slow`
+FOUR_ALL = tuple(f"{layout}_{case}" for layout in ("dp2", "tp2") for case in ("debug", "debug_chat", "hf", "hf_chat")) \
+    + ("pp2_debug", "hsdp_debug_chat", "zero1_hf")
+
+
+@pytest.fixture(scope="module")
+def four_lean(tmp_path_factory, data):
+    return _four_rank_jobs(tmp_path_factory.mktemp("cp4"), data, FOUR_LEAN)
+
+
+@pytest.fixture(scope="module")
+def four_rest(tmp_path_factory, data):
+    return _four_rank_jobs(tmp_path_factory.mktemp("cp4_rest"), data, [n for n in FOUR_ALL if n not in FOUR_LEAN])
+
+
+def _check_four(run, runs, name):
+    ref = runs[f"ref_{name.split('_', 1)[1]}"]
+    assert_losses_close(losses(run), losses(ref), rel=EXACT)
+    assert_params_exact(final_params(run, STEPS), final_params(ref, STEPS))
+
+
+@pytest.mark.parametrize("name", FOUR_LEAN)
+def test_cp2_with_data_or_tensor_parallel_on_4_ranks(runs, four_lean, name):
+    """Packed documents under cp=2 x dp_shard=2 (HF Llama, all-gather) and cp=2 x tp=2 (built-in, ring);
+    cp=2 x pp=2 (built-in, ring, 1F1B)."""
+    _check_four(four_lean[name], runs, name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [n for n in FOUR_ALL if n not in FOUR_LEAN])
+def test_cp2_with_data_or_tensor_parallel_on_4_ranks_every_case(runs, four_rest, name):
+    _check_four(four_rest[name], runs, name)
+
+
+def test_zero3_with_activation_checkpointing(runs):
+    assert_losses_close(losses(runs["zero3_checkpointed"]), losses(runs["ref_debug_chat"]), rel=EXACT)
+    assert_params_exact(final_params(runs["zero3_checkpointed"], STEPS), final_params(runs["ref_debug_chat"], STEPS))
+
+
+@pytest.mark.parametrize("resumed, saved", [("one_from_cp2", "cp2_fp32"), ("cp2_from_one", "ref_fp32")],
+                         ids=["cp2 to one process", "one process to cp2"])
+def test_checkpoints_resume_across_context_parallel_degrees(runs, resumed, saved):
+    """fp32: the steps after the resume give the uninterrupted run's losses within 1e-5."""
+    after = losses(runs[resumed])
+    assert sorted(after) == [3, 4]
+    assert_losses_close(after, {k: v for k, v in losses(runs[saved]).items() if k > 2}, rel=1e-5)
+    assert_losses_close(losses(runs["cp2_fp32"]), losses(runs["ref_fp32"]), rel=1e-5)
+
+
+def test_packed_sequences_hold_documents_and_masked_targets_in_both_halves(data):
+    """What the chat parity cases train on: sequences of several conversations, each rank's half holding
+    masked targets and valid ones, so a ring without document masks or a per-rank divisor would give
+    another loss."""
+    from disttrain.data.source import load_samples
+
+    tok, samples, _ = load_samples(str(data / "chat"), "auto", CHAT_SEQ, True)
+    x, y = samples.batch(np.arange(len(samples)))
+    x, y = x.numpy(), y.numpy()
+    chunk = CHAT_SEQ // 4
+    halves = [np.r_[0:chunk, 3 * chunk:4 * chunk], np.r_[chunk:3 * chunk]]  # rank 0's and rank 1's tokens
+    starts = ((x[:, :-1] == tok.eos_id) & (x[:, 1:] != tok.eos_id)).sum(axis=1)  # documents after the first
+    assert (starts >= 1).mean() > 0.5
+    for half in halves:
+        assert ((y[:, half] == -100).any(axis=1)).all() and ((y[:, half] != -100).any(axis=1)).mean() > 0.5
+
+
+def test_kernels_match_single_device_attention():
+    """Every method's output and q/k/v gradients, grouped heads, with and without documents (fp64)."""
+    import subprocess
+    import sys
+
+    from helpers import REPO, cli_env
+
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                           str(REPO / "tests" / "workers" / "cp_kernels.py")], cwd=REPO, env=cli_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("ok") == 2 * 2 * len(METHODS), proc.stdout
+
+
+BAD = [
+    (("data.seq_len=66", "parallel.cp=2"), "data.seq_len=66 is not divisible by 2 x parallel.cp = 4"),
+    (("parallel.cp=2", "parallel.cp_method=ulysses", "model.n_heads=6", "model.n_kv_heads=3", "model.dim=48"),
+     "parallel.cp_method=ulysses with parallel.cp=2: model.n_kv_heads=3 is not divisible by 2"),
+    (("parallel.cp=2", "parallel.cp_method=diagonal"), "parallel.cp_method=diagonal"),
+]
+
+
+@pytest.mark.parametrize("overrides, message", BAD, ids=["seq_len", "ulysses heads", "method"])
+def test_bad_context_parallel_input_is_one_line(overrides, message):
+    from disttrain.config import ConfigError, load_config
+    from disttrain.errors import UserError
+    from disttrain.resolve import resolve_run
+
+    with pytest.raises((UserError, ConfigError)) as err:
+        resolve_run(load_config(DEBUG_CONFIG, list(overrides)), 2, "cpu")
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_models_that_cannot_shard_their_sequence_are_refused_by_name(tmp_path):
+    """A transformers model outside the supported families, by its model type; a sliding-window Mistral
+    refuses the ring (its window needs an explicit mask) and takes all-gather. Exit 2 from the CLI."""
+    from transformers import MistralConfig
+
+    from hf_models import save_tiny
+
+    gpt2 = save_tiny("gpt2", tmp_path / "gpt2")
+    proc = run_cli("train", str(DEBUG_CONFIG), f"model.hf={gpt2}", "parallel.cp=2", "data.tokenizer=byte", nproc=2,
+                   check=False)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert f"parallel.cp=2: model gpt2 from model.hf={gpt2} cannot shard its sequence" in proc.stderr
+
+    from disttrain.config import load_config
+    from disttrain.errors import UserError
+    from disttrain.resolve import resolve_run
+
+    MistralConfig(**SIZES, sliding_window=16).save_pretrained(tmp_path / "mistral")
+    base = [f"model.hf={tmp_path / 'mistral'}", "data.tokenizer=byte", "parallel.cp=2"]
+    with pytest.raises(UserError, match="parallel.cp_method=ring: the attention of model mistral .*sliding-window"):
+        resolve_run(load_config(DEBUG_CONFIG, base), 2, "cpu")
+    assert resolve_run(load_config(DEBUG_CONFIG, [*base, "parallel.cp_method=allgather"]), 2, "cpu").layout.cp == 2
+
+
+def test_estimate_gives_activation_bytes_falling_as_one_over_cp(tmp_path):
+    """`disttrain estimate` of `tiny` at seq 8,192: the ring's per-rank activations at cp 2 and 4 are within
+    10% of 1/cp of cp 1's; all-gather and Ulysses keep more (gathered K/V, explicit masks)."""
+    import re
+
+    def activations(cp: int, method: str = "ring") -> int:
+        cfg = tmp_path / f"cp{cp}_{method}.yaml"
+        cfg.write_text(f"model: {{name: tiny, max_seq_len: 8192}}\ndata: {{seq_len: 8192}}\ntrain: {{global_batch_size: 1}}\n"
+                       f"parallel: {{cp: {cp}, cp_method: {method}}}\n")
+        out = run_cli("estimate", str(cfg), "--gpus", str(cp)).stdout
+        return int(re.search(r"activations\s+([\d,]+) B", out).group(1).replace(",", ""))
+
+    one = activations(1)
+    for cp in (2, 4):
+        assert abs(activations(cp) * cp / one - 1) < 0.10
+    assert activations(2, "allgather") > activations(2) and activations(2, "ulysses") > activations(2, "allgather")
+
+
+def test_the_planner_proposes_context_parallel_for_long_sequences():
+    """7b at 131,072 tokens on 32 H100s: the winner shards the sequence, more than 10% faster than the best
+    layout without cp; short sequences search no cp (the rest of the grid as before)."""
+    from disttrain.hardware import find_gpu
+    from disttrain.models.llama.shapes import MODEL_SHAPES
+    from disttrain.plan.context import cp_degrees, kv_traffic_bytes
+    from disttrain.plan.search import SearchSpace, search
+    from disttrain.plan.timing import Cluster
+    from dataclasses import replace
+
+    shape = replace(MODEL_SHAPES["7b"], max_seq_len=131072)
+    cluster = Cluster(find_gpu("h100"), 8, 4)
+    result = search(shape, cluster, SearchSpace(seq_len=131072, global_batch_size=32, param_dtype="bf16"), model="7b")
+    winner = result.ranked[0].layout
+    assert winner.cp > 1 and winner.cp_method == "ring" and winner.world_size == 32
+    best_without = next(e for e in result.ranked if e.layout.cp == 1)  # e.g. tp=8 with full recomputation
+    assert result.ranked[0].time.tokens_per_s > 1.1 * best_without.time.tokens_per_s
+    assert result.ranked[0].time.cp_comm_s > 0
+    assert cp_degrees(4096, 32) == [1] and cp_degrees(131072, 16) == [1, 2, 4, 8, 16]
+    ring, gather = (kv_traffic_bytes(shape, winner.with_(cp_method=m))["bytes"] for m in ("ring", "allgather"))
+    assert ring > gather > 0  # the ring sends more bytes, hidden behind attention
+
+
+@pytest.mark.slow
+def test_dry_run_activations_fall_as_one_over_cp(tmp_path):
+    """The real step of rank 0 under fake tensors (`disttrain dryrun`), `tiny` at seq 8,192: the activations
+    measured at cp 2 and 4 are within 10% of 1/cp of cp 1's (about a minute of CPU)."""
+    import re
+
+    measured = {}
+    for cp in (1, 2, 4):
+        cfg = tmp_path / f"cp{cp}.yaml"
+        cfg.write_text(f"model: {{name: tiny, max_seq_len: 8192}}\ndata: {{seq_len: 8192}}\ntrain: {{global_batch_size: 1}}\n"
+                       f"parallel: {{cp: {cp}}}\n")
+        out = run_cli("dryrun", str(cfg), "--world-size", str(cp), "--rank", "0", timeout=600).stdout
+        value, unit = re.search(r"activations\s+([\d.]+) (MiB|GiB)", out).groups()
+        measured[cp] = float(value) * (1024 if unit == "GiB" else 1)
+    for cp in (2, 4):
+        assert abs(measured[cp] * cp / measured[1] - 1) < 0.10, measured
