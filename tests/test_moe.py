@@ -177,6 +177,7 @@ def test_hf_moe_through_our_dispatch_equals_transformers(tmp_path, kind):
     (("model.name=debug", "parallel.ep=2", "model.moe.num_experts=4"), "model.name=debug is dense; an MoE needs"),
     (("parallel.ep=2", "parallel.zero_stage=3", "parallel.activation_checkpointing=selective"),
      "parallel.activation_checkpointing=selective with parallel.ep=2 and parallel.zero_stage=3"),
+    (("parallel.ep=2", "parallel.cp=2"), "parallel.cp=2 with parallel.ep=2: expert and context parallelism do not"),
 ])
 def test_bad_moe_config_is_one_line(overrides, message):
     with pytest.raises(UserError) as err:

@@ -102,7 +102,7 @@ def test_quickstart_after_make_demo_trains_what_each_line_says(tmp_path):
         if train is not None:
             steps = [r["step"] for r in records(run_dir) if "loss" in r]
             assert steps == [1, 2] and not any(r.get("event") == "resumed" for r in records(run_dir)), line
-    assert len(seen) == 10  # make demo, the nine training lines (the fine-tuning line among them)
+    assert len(seen) == 11  # make demo, the ten training lines (fine-tuning and context parallel among them)
 
 
 def test_torchruns_spelling_of_the_launch_flags_is_accepted():
