@@ -23,6 +23,8 @@ from helpers import DEBUG_CONFIG
       "train.micro_batch_size=1"], 2, "dp=1 zero=0 pp=2 interleaved_1f1b m=8"),
     (["parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.zero_stage=3"], 4,
      "dp=4 (2 replicas x 2 shards) zero=3"),
+    (["model.name=debug-moe", "parallel.ep=2"], 2, "dp=2 zero=0 ep=2"),
+    (["parallel.cp=2", "parallel.cp_method=allgather"], 2, "dp=1 zero=0 cp=2 allgather"),
 ])
 def test_the_start_line_states_the_layout(overrides, world, expected):
     layout = resolve_run(load_config(DEBUG_CONFIG, overrides), world, "cpu").layout

@@ -16,10 +16,15 @@ def _fmt_duration(seconds: float) -> str:
 
 
 def describe_layout(layout) -> str:
-    """How the run is cut, in the config's words: `dp=2 zero=3`, `tp=2 sp`, `pp=2 interleaved_1f1b m=8`."""
+    """How the run is cut, in the config's words: `dp=2 zero=3`, `ep=2`, `cp=2 ring`, `tp=2 sp`,
+    `pp=2 interleaved_1f1b m=8`."""
     dp = f"dp={layout.dp}" + (f" ({layout.dp_replicate} replicas x {layout.dp_shard} shards)"
                               if layout.dp_replicate > 1 and layout.dp_shard > 1 else "")
     parts = [dp, ("deepspeed " if layout.engine == "deepspeed" else "") + f"zero={layout.zero_stage}"]
+    if layout.ep > 1:
+        parts.append(f"ep={layout.ep}")
+    if layout.cp > 1:
+        parts.append(f"cp={layout.cp} {layout.cp_method}")
     if layout.tp > 1:
         parts.append(f"tp={layout.tp}" + (" sp" if layout.sequence_parallel else ""))
     if layout.pp > 1:
