@@ -303,6 +303,8 @@ class Trainer:
             return f"generation needs a tokenizer (data.source={self.cfg.data.source} gives token ids)"
         if self.run.layout.pp > 1:
             return f"generation needs the whole model in one process (parallel.pp={self.run.layout.pp} splits it)"
+        if self.run.layout.cp > 1:  # the attention kernel expects this rank's shard of a full-length sequence
+            return f"generation needs whole sequences in each process (parallel.cp={self.run.layout.cp} shards them)"
         return None
 
     def sample(self) -> str | None:
