@@ -103,6 +103,18 @@ def saved_by_device(dim: int = 1024, seq: int = 2048) -> dict:
     return out
 
 
+def measure_real(jobs: dict) -> tuple[dict, float]:
+    """Run each job's real step on 2 gloo ranks (tests/workers/measure_step.py): (measured bytes per job, seconds)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        job_file, out_file = Path(tmp) / "jobs.json", Path(tmp) / "out.json"
+        job_file.write_text(json.dumps(jobs))
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "disttrain.distributed.agent", "--standalone", "--nproc-per-node=2",
+                        str(REPO / "tests" / "workers" / "measure_step.py"), str(job_file), str(out_file)],
+                       check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=REPO)
+        return json.loads(out_file.read_text()), time.perf_counter() - t0
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="125m")
@@ -124,15 +136,7 @@ def main() -> None:
     from disttrain.resolve import resolve_run
 
     jobs = {k: v for case in args.cases.split(",") for k, v in CASES[case](args.model).items()}
-    with tempfile.TemporaryDirectory() as tmp:
-        job_file, out_file = Path(tmp) / "jobs.json", Path(tmp) / "out.json"
-        job_file.write_text(json.dumps(jobs))
-        t0 = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "disttrain.distributed.agent", "--standalone", "--nproc-per-node=2",
-                        str(REPO / "tests" / "workers" / "measure_step.py"), str(job_file), str(out_file)],
-                       check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=REPO)
-        real_s = time.perf_counter() - t0
-        real = json.loads(out_file.read_text())
+    real, real_s = measure_real(jobs)
     rows = []
     for name, overrides in jobs.items():
         cfg = load_config(None, overrides)

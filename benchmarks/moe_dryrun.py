@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -30,20 +28,13 @@ def real(out: Path) -> dict:
     from disttrain.dryrun.simulate import simulate
     from disttrain.plan.memory import estimate_memory
     from disttrain.resolve import resolve_run
+    from dryrun_vs_real import measure_real  # benchmarks/ is on the path when a script here runs
 
     jobs = {}
     for name, overrides in LAYOUTS.items():
         jobs[f"{name}, router's routing"] = overrides
         jobs[f"{name}, balanced routing"] = {"overrides": overrides, "routing_skew": 1.0}
-    with tempfile.TemporaryDirectory() as tmp:
-        jobs_file, result = Path(tmp) / "jobs.json", Path(tmp) / "out.json"
-        jobs_file.write_text(json.dumps(jobs))
-        t0 = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "disttrain.distributed.agent", "--standalone", "--nproc-per-node=2",
-                        str(REPO / "tests" / "workers" / "measure_step.py"), str(jobs_file), str(result)],
-                       cwd=REPO, check=True)
-        measured = json.loads(result.read_text())
-        real_s = time.perf_counter() - t0
+    measured, real_s = measure_real(jobs)
     rows = []
     for name, overrides in LAYOUTS.items():
         cfg = load_config(None, overrides)
