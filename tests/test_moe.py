@@ -204,6 +204,8 @@ def test_expert_parallel_equals_one_process(tmp_path):
         "zero2": ("parallel.ep=2", "parallel.zero_stage=2"),
         "ddp_selective": ("parallel.ep=2", "parallel.zero_stage=0", "parallel.activation_checkpointing=selective"),
         "save32": ("parallel.ep=2", "parallel.zero_stage=3", *fp32, "train.steps=2"),
+        # no balancing loss: the routing statistics are reduced once per step, after the optimizer step
+        "ddp_noaux": ("parallel.ep=2", "parallel.zero_stage=0", "model.moe.aux_loss_coef=0"),
     }
     hf = {kind: (f"model.hf={save_tiny(kind, tmp_path / kind)}", f"train.steps={STEPS}", "train.global_batch_size=4",
                  "checkpoint.save_final=true", "model.moe.aux_loss_coef=0.01", FP64) for kind in ("qwen3_moe", "mixtral")}
@@ -224,14 +226,16 @@ def test_expert_parallel_equals_one_process(tmp_path):
                                                                          "run.allow_changes=true"))}, nproc=4))
     single = train_many({"one": (tmp_path / "one", (*COMMON, FP64)), "one32": (tmp_path / "one32", (*COMMON, *fp32)),
                          "one8": (tmp_path / "one8", (*COMMON, FP64, "train.global_batch_size=8")),
+                         "one_noaux": (tmp_path / "one_noaux", (*COMMON, FP64, "model.moe.aux_loss_coef=0")),
                          "hf_qwen3_moe_one": (tmp_path / "hf_qwen3_moe_one", hf["qwen3_moe"]),
                          "hf_mixtral_one": (tmp_path / "hf_mixtral_one", hf["mixtral"]),
                          "resume32": (runs["save32"], (*COMMON, *fp32, "run.allow_changes=true"))}, nproc=1)
     reference = final_params(single["one"], STEPS)
     assert any(name.endswith("expert_bias") and t.abs().sum() > 0 for name, t in reference.items())
     four_rank = ("dp4", "pp2", "tp2", "hsdp")
-    for name in ("ddp", "zero3_full", "zero2", "ddp_selective", *four_rank, "hf_qwen3_moe", "hf_mixtral"):
-        one = single[f"{name}_one" if name.startswith("hf_") else "one8" if name in four_rank else "one"]
+    for name in ("ddp", "zero3_full", "zero2", "ddp_selective", *four_rank, "hf_qwen3_moe", "hf_mixtral", "ddp_noaux"):
+        one = single[f"{name}_one" if name.startswith("hf_") else "one8" if name in four_rank else
+                     "one_noaux" if name == "ddp_noaux" else "one"]
         assert_losses_close(losses(runs[name]), losses(one), rel=EXACT)
         assert_params_exact(final_params(runs[name], STEPS), final_params(one, STEPS))
         assert _counts(runs[name]) == _counts(one) and len(_counts(runs[name])) == STEPS

@@ -141,7 +141,14 @@ class ExpertGradients:
 
 def finish_routing_step(layers: dict):
     """After each optimizer step: the MoE layers' step statistics and balancing bias (models/moe/layer.py)."""
+    @torch.no_grad()
     def finish(updated: bool) -> None:
+        pending = [layer for layer in layers.values() if layer.stats_pending]
+        if pending:  # every layer's step sums in one all-reduce; the micro-batch count (last) is the same on all
+            flat = torch.cat([layer.step_stats[:-1] for layer in pending])
+            dist.all_reduce(flat, group=pending[0].stats_group)
+            for layer, part in zip(pending, flat.split([layer.step_stats.numel() - 1 for layer in pending])):
+                layer.step_stats[:-1] = part
         for layer in layers.values():
             layer.finish_step(updated)
     return finish

@@ -103,20 +103,21 @@ class RoutedExperts:
         return order[keep], counts.clamp(max=capacity), (~keep).sum()
 
     def _account(self, out: torch.Tensor, counts, dropped, probs: torch.Tensor) -> torch.Tensor:
-        """Global routing statistics of this micro-batch (one all-reduce), the balancing loss attached to
-        `out`, and the step's accumulators."""
+        """Routing statistics of this micro-batch and the balancing loss attached to `out`. The loss needs the
+        global batch's loads now (one all-reduce per layer and micro-batch); without it, the step's local sums
+        wait for `finish_routing_step`, which reduces every layer's in one all-reduce per step."""
         e = self.num_experts
+        coef = self.routing.aux_loss_coef
         if probs is None:  # a router whose probabilities are unknown: loads only
             probs = torch.zeros(out.shape[0], e, dtype=torch.float64, device=out.device)
         p = probs.detach().double()
         entropy = -(p * p.clamp_min(1e-30).log()).sum()
         local = torch.cat([counts.double(), p.sum(0), torch.stack([
             dropped.double() if dropped is not None else p.new_zeros(()), entropy, p.new_tensor(float(p.shape[0]))])])
-        if self.stats_group is not None:
+        if self.stats_group is not None and coef:
             dist.all_reduce(local, group=self.stats_group)
         g_counts, g_probs, tokens = local[:e], local[e:2 * e], local[-1]
         load = g_counts / (tokens * self.top_k)  # fraction of the global batch's assignments per expert
-        coef = self.routing.aux_loss_coef
         aux_value = coef * e * (load * g_probs / tokens).sum()
         if coef:
             local_aux = coef * e * (load.to(probs.dtype) * probs.sum(0)).sum() / tokens.to(probs.dtype)
@@ -126,6 +127,11 @@ class RoutedExperts:
                                                     torch.ones_like(tokens)])])
             self.step_stats = row if self.step_stats is None else self.step_stats + row
         return out
+
+    @property
+    def stats_pending(self) -> bool:
+        """This step's statistics are still per rank (no balancing loss asked for the global ones earlier)."""
+        return self.step_stats is not None and self.stats_group is not None and not self.routing.aux_loss_coef
 
     @torch.no_grad()
     def finish_step(self, updated: bool) -> None:
