@@ -93,7 +93,9 @@ def test_auto_moves_work_off_the_slow_rank(two_rank_runs):
     first = events(run, "rebalance")[0]
     assert first["step"] == 5 and first["previous_shares"] == [2, 2] and first["shares"] == [3, 1]
     slow, fast = first["seconds_per_micro_batch"][1], first["seconds_per_micro_batch"][0]
-    assert slow > 0.02 > fast
+    # the slow rank does the same work plus its 20 ms sleep; how long the work itself takes depends on the
+    # machine's load (a loaded suite measured 28 ms on the fast rank), so compare the two ranks
+    assert slow > 0.02 and slow - fast > 0.01
     by_step = {r["step"]: r["balance_shares"] for r in records(run) if "balance_shares" in r}
     assert by_step[5] == [2, 2] and by_step[6] == [3, 1]  # a new split takes effect at the next step
 
