@@ -82,7 +82,22 @@ def _fs_for(protocol: str, pid: int):
     except (ImportError, ValueError) as exc:
         raise UserError(f"{protocol}:// storage needs its fsspec package ({exc}); for s3:// install "
                         "disttrain[s3]") from None
-    return cls(skip_instance_cache=True, **client_options(protocol))
+    fs = cls(skip_instance_cache=True, **client_options(protocol))
+    if getattr(fs, "async_impl", False):
+        _quiet_orphaned_tasks()
+    return fs
+
+
+def _quiet_orphaned_tasks() -> None:
+    """When the store drops mid-upload, aiohttp leaves a request task whose error nobody awaits (the failure
+    itself reaches us through the call that was waiting); asyncio would print it with a traceback when the
+    task is collected. Such errors go to the debug log, so a storage fault stays one line."""
+    from fsspec.asyn import get_loop
+
+    def handler(loop, context):
+        log.debug("storage client: %s (%r)", context.get("message"), context.get("exception"))
+
+    get_loop().set_exception_handler(handler)
 
 
 def fs_of(path):
