@@ -92,3 +92,26 @@ def test_a_second_launch_of_a_live_run_is_refused_and_a_preemption_ends_quietly(
     assert steps == list(range(1, len(steps) + 1))  # one writer: no step twice
     assert (run / "config.yaml").read_text() == config
     assert lease.read(run).released
+
+
+def test_a_run_refused_while_assembling_leaves_no_renewal_behind(tmp_path, capsys, monkeypatch):
+    """Weights that do not fit the model are found after the claim is taken; the fresh run directory is removed.
+    The claim must stop renewing first: a renewal into the removed directory once printed a logging traceback
+    from the lease thread (seen when the machine was slow enough for a renewal to fall in between)."""
+    from safetensors.torch import save_file
+    import threading
+    import torch
+
+    weights = tmp_path / "w.safetensors"
+    save_file({"tok_embeddings.weight": torch.zeros(256, 64)}, str(weights))
+    monkeypatch.setattr(lease.Lease.start, "__defaults__", (0.0002,))  # renew as often as possible
+    failures = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: failures.append(args.exc_value))
+    for attempt in range(3):
+        with pytest.raises(SystemExit) as exc:
+            main(["train", str(DEBUG_CONFIG), f"run.dir={tmp_path / 'runs'}", f"run.name=r{attempt}",
+                  f"model.init_from={weights}"])
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and err.count("\n") == 1 and "the weights lack" in err, err
+        assert not (tmp_path / "runs" / f"r{attempt}").exists()
+    assert not failures

@@ -162,14 +162,15 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> None:
             held = run_identity.claim(cfg, key, cfg.run_dir.exists())
 
     try:
-        _train_here(cfg, env, resolved, fresh)
+        _train_here(cfg, env, resolved, fresh, held)
     finally:
         if held is not None:
             held.release()
 
 
-def _train_here(cfg, env, resolved, fresh: bool) -> None:
-    """This rank's share of the run, from the process group to the final line."""
+def _train_here(cfg, env, resolved, fresh: bool, held=None) -> None:
+    """This rank's share of the run, from the process group to the final line. `held`: the claims this process
+    renews, released before a fresh run directory is removed (a renewal there would log into a deleted file)."""
     from disttrain.distributed.runtime import init_distributed, shutdown
     from disttrain.observe.health import NonFiniteError, ReplicaDivergence
     from disttrain.train.builder import build_run
@@ -190,6 +191,8 @@ def _train_here(cfg, env, resolved, fresh: bool) -> None:
             run = build_run(cfg, rt, resolved)
         except UserError:  # found while assembling (weights that do not fit): leave nothing behind
             if fresh and env.rank == 0:
+                if held is not None:
+                    held.release()
                 for handler in logging.getLogger("disttrain").handlers:
                     handler.close()
                 shutil.rmtree(cfg.run_dir, ignore_errors=True)
