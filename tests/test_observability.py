@@ -152,7 +152,10 @@ def test_straggler_report_names_the_slow_rank(tmp_path):
     # so there rank 0 waits for rank 1 inside forward and both look equally slow.
     rows = [r for r in records(run) if "loss" in r and r["step"] != 2]
     assert len(rows) == 5
-    assert all(r["slowest_rank"] == 1 and r["rank_compute_max_s"] >= 0.2 > r["rank_compute_min_s"] for r in rows)
+    # Rank 1 does rank 0's work plus a 0.2 s sleep; the work itself took over 0.2 s in a heavily loaded suite,
+    # so the fast rank is held to the gap, not to an absolute time.
+    assert all(r["slowest_rank"] == 1 and r["rank_compute_max_s"] >= 0.2 and
+               r["rank_compute_max_s"] - r["rank_compute_min_s"] > 0.1 for r in rows), rows
 
 
 def test_step_breakdown_adds_up_to_the_step_time(tmp_path):
