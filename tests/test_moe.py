@@ -19,7 +19,8 @@ from disttrain.models.registry import model_spec
 from disttrain.models.spec import build_model
 from disttrain.resolve import resolve_run
 from hf_models import save_tiny
-from helpers import EXACT, FP64, assert_losses_close, assert_params_exact, final_params, losses, records, train_many
+from helpers import (EXACT, FP64, assert_losses_close, assert_params_exact, final_params, losses, records, run_main,
+                     train_many)
 
 STEPS = 4
 COMMON = (f"train.steps={STEPS}", "train.global_batch_size=4", "model.name=debug-moe", "checkpoint.save_final=true",
@@ -201,6 +202,40 @@ def test_hf_moe_through_our_dispatch_equals_transformers(tmp_path, kind):
         torch.testing.assert_close(x, y, rtol=1e-10, atol=1e-14)
 
 
+def test_builtin_moe_exports_as_qwen2_moe_with_equal_logits(tmp_path):
+    """`--to hf` of the built-in family (a leading dense block, shared and routed experts): transformers'
+    Qwen2-MoE loads it and gives the same logits; the names map back to the same parameters; sigmoid
+    scoring is refused in one line."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    from disttrain.models.llama import moe_hf_names as hf_names
+
+    overrides = ["model.name=debug-moe", "model.moe.first_k_dense_replace=1", "model.n_layers=3"]
+    spec = model_spec(load_config(None, overrides).model)
+    model = build_model(spec, torch.device("cpu"), 0, torch.float64)
+    state = model.state_dict()
+    hf_state = spec.to_hf(state)
+    save_file({k: v.contiguous() for k, v in hf_state.items()}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(__import__("json").dumps(spec.hf_config()))
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path, local_files_only=True, dtype=torch.float64)
+    theirs.set_experts_implementation("eager")  # transformers' grouped_mm refuses float64
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = theirs(tokens).logits, model(tokens)
+    # transformers' Qwen2-MoE takes its RMSNorm and router softmax in float32 even in a float64 model: the
+    # logits agree to float32 rounding (measured 5.5e-8 at most), not to float64's; a wrong mapping (a swapped
+    # w1/w3, the shared expert's scale, a dense layer routed) moves them by their own size
+    assert (a - b).abs().max() <= 1e-6 * b.abs().max()
+    back = spec.from_hf(hf_state)
+    assert back.keys() == {k for k in state if not k.endswith("expert_bias")}
+    assert all(torch.equal(back[k], state[k]) for k in back)
+    sigmoid = model_spec(load_config(None, [*overrides, "model.moe.scoring_func=sigmoid"]).model)
+    with pytest.raises(UserError, match="model.moe.scoring_func=sigmoid has no transformers family"):
+        sigmoid.hf_config()
+    assert hf_names.hf_config(spec.shape)["mlp_only_layers"] == [0]
+
+
 @pytest.mark.parametrize("overrides, message", [
     (("parallel.ep=3",), "parallel.ep=3 does not divide model.moe.num_experts=8"),
     (("parallel.ep=4", "model.moe.num_experts=4"), "parallel.ep=4 does not divide the data-parallel degree"),
@@ -253,8 +288,9 @@ def test_expert_parallel_equals_one_process(tmp_path):
         "save32": ("parallel.ep=2", "parallel.zero_stage=3", *fp32, "train.steps=2"),
         # no balancing loss: the routing statistics are reduced once per step, after the optimizer step
         "ddp_noaux": ("parallel.ep=2", "parallel.zero_stage=0", "model.moe.aux_loss_coef=0"),
-        # every conversation in each step, padded to 128 tokens: the loads count its real tokens only
-        "chat": ("parallel.ep=2", "parallel.zero_stage=0"),
+        # every conversation in each step, padded to 128 tokens: the loads count its real tokens only; no
+        # balancing bias, so that `convert --to hf` can write it as Qwen2-MoE (below)
+        "chat": ("parallel.ep=2", "parallel.zero_stage=0", "model.moe.bias_update_rate=0"),
     }
     chat_data = (f"data.source={chat}", "model.vocab_size=384", "data.seq_len=128",
                  f"train.global_batch_size={conversations}")
@@ -278,7 +314,8 @@ def test_expert_parallel_equals_one_process(tmp_path):
                                                                          "run.allow_changes=true"))}, nproc=4))
     single = train_many({"one": (tmp_path / "one", (*COMMON, FP64)), "one32": (tmp_path / "one32", (*COMMON, *fp32)),
                          "one_noaux": (tmp_path / "one_noaux", (*COMMON, FP64, "model.moe.aux_loss_coef=0")),
-                         "one_chat": (tmp_path / "one_chat", (*COMMON, FP64, *chat_data)),
+                         "one_chat": (tmp_path / "one_chat", (*COMMON, FP64, *chat_data,
+                                                              "model.moe.bias_update_rate=0")),
                          "hf_qwen3_moe_one": (tmp_path / "hf_qwen3_moe_one", hf["qwen3_moe"]),
                          "hf_mixtral_one": (tmp_path / "hf_mixtral_one", hf["mixtral"]),
                          "resume32": (runs["save32"], (*COMMON, *fp32, "run.allow_changes=true"))}, nproc=1)
@@ -304,6 +341,20 @@ def test_expert_parallel_equals_one_process(tmp_path):
     assert trained.keys() <= loaded.keys()
     differ = [k for k, t in trained.items() if not torch.equal(loaded[k], t.to(torch.float32).double())]
     assert not differ, differ  # the export is float32
+    # `disttrain convert --to hf` of the built-in family: transformers' Qwen2-MoE loads every trained parameter
+    # (test_builtin_moe_exports_as_qwen2_moe_with_equal_logits checks the logits); a moved bias is refused
+    from disttrain.models.llama.moe_hf_names import from_hf
+
+    exported = export(runs["chat"] / "checkpoints" / f"step_{STEPS:08d}", "hf", tmp_path / "chat_hf")
+    loaded = from_hf(AutoModelForCausalLM.from_pretrained(exported, local_files_only=True).state_dict())
+    trained = final_params(runs["chat"], STEPS)
+    assert loaded.keys() == {k for k in trained if not k.endswith("expert_bias")}
+    differ = [k for k, t in loaded.items() if not torch.equal(t, trained[k].to(torch.float32))]
+    assert not differ, differ
+    code, _, err = run_main("convert", str(runs["ddp_selective"] / "checkpoints" / f"step_{STEPS:08d}"), "--to",
+                            "hf", "--out", str(tmp_path / "biased_hf"))
+    assert code == 2 and err.count("\n") == 1 and "balancing bias has moved" in err, err
+    assert not (tmp_path / "biased_hf").exists()
     # `disttrain report`'s expert-load heat map: layer x expert over steps, tokens over the mean
     from disttrain.observe.run_report import expert_loads, figures, load_records
 
