@@ -139,7 +139,7 @@ def test_padding_reaches_no_expert():
     results = []
     for padded in (True, False):
         inp = (x if padded else x.reshape(-1, 16)[keep]).clone().requires_grad_()
-        layer.routed_rows = keep if padded else None
+        layer.routed_rows, layer.routed_rows_of = (keep, 12) if padded else (None, 0)
         out = layer(inp)
         grads = torch.autograd.grad(out.square().sum(), [inp, *layer.parameters()])
         layer.finish_step(updated=True)

@@ -67,6 +67,7 @@ class RoutedExperts:
         self.aux_grad_scale = 1.0
         self.trial_pass = None  # a callable saying this forward is not training (a pipeline's shape inference)
         self.routed_rows: torch.Tensor | None = None  # token rows to route (None: all); see models/moe/padding.py
+        self.routed_rows_of = 0  # ... out of this many (the forward's tokens)
         self.step_stats: torch.Tensor | None = None  # [counts (E), dropped, aux loss, entropy sum, tokens, rounds]
         self.last_step: torch.Tensor | None = None
 
@@ -75,8 +76,8 @@ class RoutedExperts:
         """x (tokens, dim), the router's choice (weights and experts (tokens, k)) and probabilities over all
         experts (None: not known, no balancing loss) -> the weighted sum of the chosen experts' outputs.
         Rows left out of `routed_rows` (padding) reach no expert, count in no statistic and get zeros."""
-        keep = self.routed_rows
-        if keep is None or keep.numel() == x.shape[0]:
+        keep, rows_of = self.routed_rows, self.routed_rows_of
+        if keep is None or keep.numel() == x.shape[0] or rows_of != x.shape[0]:  # all rows, or another input's
             return self._route(x, weights, experts, probs, training)
         inner = self._route(x[keep], weights[keep], experts[keep], probs[keep] if probs is not None else None,
                             training)

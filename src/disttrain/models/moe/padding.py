@@ -32,7 +32,7 @@ def exclude_padding(model: nn.Module, layers, end_id: int) -> None:
             return
         rows = (~padding(tokens, end_id)).reshape(-1).nonzero().squeeze(1)
         for layer in layers:
-            layer.routed_rows = rows
+            layer.routed_rows, layer.routed_rows_of = rows, tokens.numel()
         return None
 
     model.register_forward_pre_hook(hook, with_kwargs=True)
