@@ -31,8 +31,8 @@ def _ignore_profiler_ranges() -> None:
     an FSDP unit inside a selectively checkpointed block (expert parallelism's experts under ZeRO-2/3) opens
     them a different number of times in the recompute than in the forward; selective checkpointing replays
     ops by their count and fails ("profiler._record_function_enter_new ... not found in storage"). The ranges
-    compute nothing, so they join the ops it passes through (`SAC_IGNORED_OPS`, public), as torch's own fix
-    does (pytorch/pytorch#185178, torchtitan#3427)."""
+    compute nothing, so they join the ops it passes through (`SAC_IGNORED_OPS`, public), as the fix proposed
+    to torch does (pytorch/pytorch#185178, reported as torchtitan#3427)."""
     from torch.utils.checkpoint import SAC_IGNORED_OPS
 
     profiler = torch.ops.profiler
