@@ -1,10 +1,12 @@
 """Mixture of experts: the layer on one device (grouped GEMM against the per-expert loop, tied scores under
-activation checkpointing, the balancing loss's gradient, evaluation, capacity), the config's refusals, and
+activation checkpointing, the balancing loss's gradient, evaluation, capacity, padding), the export of the
+built-in family as transformers' Qwen2-MoE, the config's refusals, and
 expert parallelism against one process (fp64 at 1e-10: losses, every parameter, the balancing bias, tokens
 per expert) plus a checkpoint saved at ep=2 resumed on one process and at ep=4 (fp32, 1e-5)."""
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -217,7 +219,7 @@ def test_builtin_moe_exports_as_qwen2_moe_with_equal_logits(tmp_path):
     state = model.state_dict()
     hf_state = spec.to_hf(state)
     save_file({k: v.contiguous() for k, v in hf_state.items()}, str(tmp_path / "model.safetensors"))
-    (tmp_path / "config.json").write_text(__import__("json").dumps(spec.hf_config()))
+    (tmp_path / "config.json").write_text(json.dumps(spec.hf_config()))
     theirs = AutoModelForCausalLM.from_pretrained(tmp_path, local_files_only=True, dtype=torch.float64)
     theirs.set_experts_implementation("eager")  # transformers' grouped_mm refuses float64
     tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -258,12 +260,13 @@ def _counts(run) -> list:
 
 def _chat_data(root):
     """Chat data with one conversation per sequence of 128 (padded with the end token); how many tokens of
-    the training split are not padding, read from its conversation ends (each cut to the 129 a row holds)."""
+    the training split are not padding, read from its conversation ends (each cut to a row's 128 inputs)."""
     import numpy as np
 
     from chat_tokenizer import prepare, records, save_chat_tokenizer
 
-    code, _, err = prepare(root, records(), save_chat_tokenizer(root / "tok"), "--seq-len", "128", "--val-fraction", "0")
+    code, _, err = prepare(root, records(), save_chat_tokenizer(root / "tok"), "--seq-len", "128",
+                           "--val-fraction", "0")
     assert code == 0, err
     ends = np.load(root / "out" / "train.ends.npy")
     lengths = np.diff(np.concatenate([[0], ends]))
