@@ -10,6 +10,7 @@ their reads, inside `Optimizer.step`, are counted apart.
 
     python benchmarks/step_counts.py [--micro-batch 8]      # re-launches itself under torchrun
     python benchmarks/step_counts.py --hf   # the HF workload: disttrain ZeRO-3 vs fully_shard per decoder layer
+    python benchmarks/step_counts.py --moe  # debug-moe at ep=2, ZeRO-3: disttrain vs workloads/plain_moe_ep.py
 """
 
 from __future__ import annotations
@@ -115,7 +116,20 @@ def hf_pair(rt) -> dict:
     return rows
 
 
-def worker(micro_batch: int, out: Path, hf: bool = False) -> None:
+def moe_pair(rt, micro_batch: int) -> dict:
+    """debug-moe at ep=2 under ZeRO-3 (no balancing loss or bias) against the hand-written expert-parallel loop."""
+    import plain_moe_ep
+    import torch.distributed as dist
+
+    overrides = ["model.name=debug-moe", "parallel.ep=2", "parallel.zero_stage=3", "model.moe.aux_loss_coef=0",
+                 "model.moe.bias_update_rate=0"]
+    rows = {"disttrain moe ep2 zero3": per_step(disttrain_steps(rt, overrides, micro_batch))}
+    dist.barrier()
+    rows["hand-written moe ep2 fsdp2"] = per_step(lambda steps: plain_moe_ep.train(steps, micro_batch))
+    return rows
+
+
+def worker(micro_batch: int, out: Path, hf: bool = False, moe: bool = False) -> None:
     import torch.distributed as dist
 
     from disttrain.distributed.env import detect_env
@@ -124,7 +138,7 @@ def worker(micro_batch: int, out: Path, hf: bool = False) -> None:
     rt = init_distributed(detect_env(), "gloo", 300)
     rows = {}
     try:
-        for layout, overrides in ({} if hf else LAYOUTS).items():
+        for layout, overrides in ({} if hf or moe else LAYOUTS).items():
             rows[f"disttrain {layout}"] = per_step(disttrain_steps(rt, overrides, micro_batch))
             dist.barrier()
             rows[f"hand-written {layout}"] = per_step(handwritten_steps(layout, micro_batch))
@@ -132,8 +146,8 @@ def worker(micro_batch: int, out: Path, hf: bool = False) -> None:
             if rt.rank == 0:
                 print(f"{layout}: disttrain {rows[f'disttrain {layout}']}\n      hand-written "
                       f"{rows[f'hand-written {layout}']}", flush=True)
-        if hf:
-            rows = hf_pair(rt)
+        if hf or moe:
+            rows = hf_pair(rt) if hf else moe_pair(rt, micro_batch)
             if rt.rank == 0:
                 print("\n".join(f"{name}: {row}" for name, row in rows.items()), flush=True)
         if rt.rank == 0:
@@ -148,17 +162,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--hf", action="store_true", help="only the Hugging Face workload's sharded pair")
+    parser.add_argument("--moe", action="store_true", help="only the expert-parallel pair (debug-moe, ep=2)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    name = "step_counts_hf.json" if args.hf else f"step_counts_mb{args.micro_batch}.json"
+    name = "step_counts_hf.json" if args.hf else "step_counts_moe.json" if args.moe else \
+        f"step_counts_mb{args.micro_batch}.json"
     out = Path(args.out or REPO / "benchmarks" / "results" / name)
     if "LOCAL_RANK" in os.environ:
-        worker(args.micro_batch, out, args.hf)
+        worker(args.micro_batch, out, args.hf, args.moe)
         return
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(WORKLOADS), str(REPO / "src"), os.environ.get("PYTHONPATH", "")]))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
-           "--micro-batch", str(args.micro_batch), "--out", str(out), *(["--hf"] if args.hf else [])]
+           "--micro-batch", str(args.micro_batch), "--out", str(out), *(["--hf"] if args.hf else []),
+           *(["--moe"] if args.moe else [])]
     sys.exit(subprocess.run(cmd, env=env, cwd=REPO).returncode)
 
 

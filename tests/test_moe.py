@@ -1,10 +1,12 @@
 """Mixture of experts: the layer on one device (grouped GEMM against the per-expert loop, tied scores under
-activation checkpointing, the balancing loss's gradient, evaluation, capacity), the config's refusals, and
+activation checkpointing, the balancing loss's gradient, evaluation, capacity, padding), the export of the
+built-in family as transformers' Qwen2-MoE, the config's refusals, and
 expert parallelism against one process (fp64 at 1e-10: losses, every parameter, the balancing bias, tokens
 per expert) plus a checkpoint saved at ep=2 resumed on one process and at ep=4 (fp32, 1e-5)."""
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -19,7 +21,8 @@ from disttrain.models.registry import model_spec
 from disttrain.models.spec import build_model
 from disttrain.resolve import resolve_run
 from hf_models import save_tiny
-from helpers import EXACT, FP64, assert_losses_close, assert_params_exact, final_params, losses, records, train_many
+from helpers import (EXACT, FP64, assert_losses_close, assert_params_exact, final_params, losses, records, run_main,
+                     train_many)
 
 STEPS = 4
 COMMON = (f"train.steps={STEPS}", "train.global_batch_size=4", "model.name=debug-moe", "checkpoint.save_final=true",
@@ -123,6 +126,40 @@ def test_evaluation_counts_nothing_and_leaves_the_bias():
     assert torch.equal(layer.router.expert_bias, expected)
 
 
+def test_padding_reaches_no_expert():
+    """Padding (an end token right after an end token: how chat data pads) is left out of the routing: the
+    other rows' outputs, every gradient (the balancing loss's included), the loads and the bias move equal
+    those of a batch holding the other rows alone, and padding rows get zeros (fp64)."""
+    from disttrain.models.moe.padding import padding
+
+    tokens = torch.tensor([[5, 7, 3, 3, 3, 3], [9, 3, 4, 8, 3, 3]])  # 3: the end token; row 1 packs two documents
+    pad = padding(tokens, 3)
+    assert pad.tolist() == [[False, False, False, True, True, True], [False] * 5 + [True]]
+    keep = (~pad).reshape(-1).nonzero().squeeze(1)
+    layer = _layer(MoERouting(aux_loss_coef=0.1, bias_update_rate=0.1))
+    x = torch.randn(2, 6, 16, dtype=torch.float64)
+    results = []
+    for padded in (True, False):
+        inp = (x if padded else x.reshape(-1, 16)[keep]).clone().requires_grad_()
+        layer.routed_rows, layer.routed_rows_of = (keep, 12) if padded else (None, 0)
+        out = layer(inp)
+        grads = torch.autograd.grad(out.square().sum(), [inp, *layer.parameters()])
+        layer.finish_step(updated=True)
+        flat = out.reshape(-1, 16)
+        results.append((flat[keep] if padded else flat, grads[0].reshape(-1, 16)[keep] if padded else grads[0],
+                        grads[1:], layer.step_summary(), layer.router.expert_bias.clone()))
+        if padded:
+            assert not flat[pad.reshape(-1)].any()
+        layer.router.reset_buffers()
+    (out_a, gx_a, g_a, sum_a, bias_a), (out_b, gx_b, g_b, sum_b, bias_b) = results
+    assert sum(sum_a["tokens_per_expert"]) == 2 * len(keep) and sum_a == sum_b and bias_a.any()
+    torch.testing.assert_close(out_a, out_b, rtol=1e-12, atol=0)
+    torch.testing.assert_close(gx_a, gx_b, rtol=1e-12, atol=0)
+    for a, b in zip(g_a, g_b):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-15)
+    assert torch.equal(bias_a, bias_b)
+
+
 def test_capacity_drops_overflow_and_reports_it():
     layer = _layer(MoERouting(capacity_factor=1.0), experts=4, top_k=1)
     torch.nn.init.zeros_(layer.router.gate.weight)  # every token to expert 0; its capacity is 12 / 4 = 3
@@ -167,6 +204,40 @@ def test_hf_moe_through_our_dispatch_equals_transformers(tmp_path, kind):
         torch.testing.assert_close(x, y, rtol=1e-10, atol=1e-14)
 
 
+def test_builtin_moe_exports_as_qwen2_moe_with_equal_logits(tmp_path):
+    """`--to hf` of the built-in family (a leading dense block, shared and routed experts): transformers'
+    Qwen2-MoE loads it and gives the same logits; the names map back to the same parameters; sigmoid
+    scoring is refused in one line."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    from disttrain.models.llama import moe_hf_names as hf_names
+
+    overrides = ["model.name=debug-moe", "model.moe.first_k_dense_replace=1", "model.n_layers=3"]
+    spec = model_spec(load_config(None, overrides).model)
+    model = build_model(spec, torch.device("cpu"), 0, torch.float64)
+    state = model.state_dict()
+    hf_state = spec.to_hf(state)
+    save_file({k: v.contiguous() for k, v in hf_state.items()}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(spec.hf_config()))
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path, local_files_only=True, dtype=torch.float64)
+    theirs.set_experts_implementation("eager")  # transformers' grouped_mm refuses float64
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = theirs(tokens).logits, model(tokens)
+    # transformers' Qwen2-MoE takes its RMSNorm and router softmax in float32 even in a float64 model: the
+    # logits agree to float32 rounding (measured 5.5e-8 at most), not to float64's; a wrong mapping (a swapped
+    # w1/w3, the shared expert's scale, a dense layer routed) moves them by their own size
+    assert (a - b).abs().max() <= 1e-6 * b.abs().max()
+    back = spec.from_hf(hf_state)
+    assert back.keys() == {k for k in state if not k.endswith("expert_bias")}
+    assert all(torch.equal(back[k], state[k]) for k in back)
+    sigmoid = model_spec(load_config(None, [*overrides, "model.moe.scoring_func=sigmoid"]).model)
+    with pytest.raises(UserError, match="model.moe.scoring_func=sigmoid has no transformers family"):
+        sigmoid.hf_config()
+    assert hf_names.hf_config(spec.shape)["mlp_only_layers"] == [0]
+
+
 @pytest.mark.parametrize("overrides, message", [
     (("parallel.ep=3",), "parallel.ep=3 does not divide model.moe.num_experts=8"),
     (("parallel.ep=4", "model.moe.num_experts=4"), "parallel.ep=4 does not divide the data-parallel degree"),
@@ -175,8 +246,6 @@ def test_hf_moe_through_our_dispatch_equals_transformers(tmp_path, kind):
     (("model.moe.capacity_factor=0.5",), "model.moe.capacity_factor=0.5: below 1 drops tokens"),
     (("parallel.ep=2", "parallel.zero_stage=1"), "parallel.ep=2 with parallel.zero_stage=1"),
     (("model.name=debug", "parallel.ep=2", "model.moe.num_experts=4"), "model.name=debug is dense; an MoE needs"),
-    (("parallel.ep=2", "parallel.zero_stage=3", "parallel.activation_checkpointing=selective"),
-     "parallel.activation_checkpointing=selective with parallel.ep=2 and parallel.zero_stage=3"),
     (("parallel.ep=2", "parallel.cp=2"), "parallel.cp=2 with parallel.ep=2: expert and context parallelism do not"),
 ])
 def test_bad_moe_config_is_one_line(overrides, message):
@@ -189,35 +258,57 @@ def _counts(run) -> list:
     return [r["moe_tokens_per_expert"] for r in records(run) if "moe_tokens_per_expert" in r]
 
 
+def _chat_data(root):
+    """Chat data with one conversation per sequence of 128 (padded with the end token); how many tokens of
+    the training split are not padding, read from its conversation ends (each cut to a row's 128 inputs)."""
+    import numpy as np
+
+    from chat_tokenizer import prepare, records, save_chat_tokenizer
+
+    code, _, err = prepare(root, records(), save_chat_tokenizer(root / "tok"), "--seq-len", "128",
+                           "--val-fraction", "0")
+    assert code == 0, err
+    ends = np.load(root / "out" / "train.ends.npy")
+    lengths = np.diff(np.concatenate([[0], ends]))
+    return root / "out", len(ends), int(np.minimum(lengths, 128).sum())
+
+
 def test_expert_parallel_equals_one_process(tmp_path):
-    """ep=2 on 2 ranks under DDP (with and without selective activation checkpointing), ZeRO-2, and ZeRO-3
-    with full activation checkpointing; transformers' Qwen3-MoE (DDP) and Mixtral (ZeRO-3, full checkpointing)
-    through disttrain's dispatch; on 4 ranks ZeRO-3 with dp_shard=4, pipeline pp=2 (GPipe) and tensor parallel
-    tp=2 (attention and shared experts split, routed experts whole) and HSDP (2 x 2), each with ep=2:
+    """ep=2 on 2 ranks under DDP (with selective activation checkpointing, and without a balancing loss),
+    ZeRO-2 with selective checkpointing and ZeRO-3 with full; transformers' Qwen3-MoE (DDP) and Mixtral
+    (ZeRO-3, full checkpointing) through disttrain's dispatch; padded chat data (DDP), whose padding reaches
+    no expert; on 4 ranks ZeRO-3 with dp_shard=4 and selective checkpointing, pipeline pp=2 (GPipe), tensor
+    parallel tp=2 (attention and shared experts split, routed experts whole) and HSDP (2 x 2), each with ep=2:
     one process's losses, parameters, balancing bias (a buffer in the checkpoint) and tokens per expert in
     fp64; then an fp32 run saved at ep=2 resumes on one process and at ep=4 on 4 ranks with an uninterrupted
     run's losses."""
     fp32 = ("optim.schedule=constant", "optim.warmup_steps=0")
+    chat, conversations, real_tokens = _chat_data(tmp_path / "chat")
     jobs = {
-        "ddp": ("parallel.ep=2", "parallel.zero_stage=0"),
-        "zero3_full": ("parallel.ep=2", "parallel.zero_stage=3", "parallel.activation_checkpointing=full"),
-        "zero2": ("parallel.ep=2", "parallel.zero_stage=2"),
         "ddp_selective": ("parallel.ep=2", "parallel.zero_stage=0", "parallel.activation_checkpointing=selective"),
+        "zero3_full": ("parallel.ep=2", "parallel.zero_stage=3", "parallel.activation_checkpointing=full"),
+        "zero2_selective": ("parallel.ep=2", "parallel.zero_stage=2", "parallel.activation_checkpointing=selective"),
         "save32": ("parallel.ep=2", "parallel.zero_stage=3", *fp32, "train.steps=2"),
         # no balancing loss: the routing statistics are reduced once per step, after the optimizer step
         "ddp_noaux": ("parallel.ep=2", "parallel.zero_stage=0", "model.moe.aux_loss_coef=0"),
+        # every conversation in each step, padded to 128 tokens: the loads count its real tokens only; no
+        # balancing bias, so that `convert --to hf` can write it as Qwen2-MoE (below)
+        "chat": ("parallel.ep=2", "parallel.zero_stage=0", "model.moe.bias_update_rate=0"),
     }
+    chat_data = (f"data.source={chat}", "model.vocab_size=384", "data.seq_len=128",
+                 f"train.global_batch_size={conversations}")
     hf = {kind: (f"model.hf={save_tiny(kind, tmp_path / kind)}", f"train.steps={STEPS}", "train.global_batch_size=4",
                  "checkpoint.save_final=true", "model.moe.aux_loss_coef=0.01", FP64) for kind in ("qwen3_moe", "mixtral")}
-    jobs = {name: (*COMMON, *(() if name == "save32" else (FP64,)), *o) for name, o in jobs.items()}
+    jobs = {name: (*COMMON, *(() if name == "save32" else (FP64,)), *(chat_data if name == "chat" else ()), *o)
+            for name, o in jobs.items()}
     jobs.update({"hf_qwen3_moe": (*hf["qwen3_moe"], "parallel.ep=2", "parallel.zero_stage=0"),
                  "hf_mixtral": (*hf["mixtral"], "parallel.ep=2", "parallel.zero_stage=3",
                                 "parallel.activation_checkpointing=full")})
     runs = train_many({name: (tmp_path / name, o) for name, o in jobs.items()}, nproc=2)
-    # 4 ranks: experts' gradients reduced over 2 ranks holding the same experts; a pipeline of 2 stages
-    four = (*COMMON, FP64, "train.global_batch_size=8", "parallel.ep=2", "parallel.zero_stage=3")
+    # 4 ranks (one sequence each): experts' gradients reduced over 2 ranks holding the same experts; 2 stages
+    four = (*COMMON, FP64, "parallel.ep=2", "parallel.zero_stage=3")
     shutil.copytree(runs["save32"], tmp_path / "resume32_ep4")  # the same checkpoint, resumed at ep=4 on 4 ranks
-    runs.update(train_many({"dp4": (tmp_path / "dp4", four),
+    runs.update(train_many({"dp4": (tmp_path / "dp4", (*four, "parallel.activation_checkpointing=selective")),
                             "pp2": (tmp_path / "pp2", (*four, "parallel.pp=2", "parallel.pp_schedule=gpipe")),
                             "tp2": (tmp_path / "tp2", (*four, "parallel.tp=2")),
                             "hsdp": (tmp_path / "hsdp", (*four, "parallel.dp_replicate=2", "parallel.dp_shard=2")),
@@ -225,20 +316,23 @@ def test_expert_parallel_equals_one_process(tmp_path):
                                                                          "parallel.zero_stage=3",
                                                                          "run.allow_changes=true"))}, nproc=4))
     single = train_many({"one": (tmp_path / "one", (*COMMON, FP64)), "one32": (tmp_path / "one32", (*COMMON, *fp32)),
-                         "one8": (tmp_path / "one8", (*COMMON, FP64, "train.global_batch_size=8")),
                          "one_noaux": (tmp_path / "one_noaux", (*COMMON, FP64, "model.moe.aux_loss_coef=0")),
+                         "one_chat": (tmp_path / "one_chat", (*COMMON, FP64, *chat_data,
+                                                              "model.moe.bias_update_rate=0")),
                          "hf_qwen3_moe_one": (tmp_path / "hf_qwen3_moe_one", hf["qwen3_moe"]),
                          "hf_mixtral_one": (tmp_path / "hf_mixtral_one", hf["mixtral"]),
                          "resume32": (runs["save32"], (*COMMON, *fp32, "run.allow_changes=true"))}, nproc=1)
     reference = final_params(single["one"], STEPS)
     assert any(name.endswith("expert_bias") and t.abs().sum() > 0 for name, t in reference.items())
-    four_rank = ("dp4", "pp2", "tp2", "hsdp")
-    for name in ("ddp", "zero3_full", "zero2", "ddp_selective", *four_rank, "hf_qwen3_moe", "hf_mixtral", "ddp_noaux"):
-        one = single[f"{name}_one" if name.startswith("hf_") else "one8" if name in four_rank else
-                     "one_noaux" if name == "ddp_noaux" else "one"]
+    for name in ("ddp_selective", "zero3_full", "zero2_selective", "dp4", "pp2", "tp2", "hsdp", "hf_qwen3_moe",
+                 "hf_mixtral", "ddp_noaux", "chat"):
+        one = single[f"{name}_one" if name.startswith("hf_") else "one_noaux" if name == "ddp_noaux" else
+                     "one_chat" if name == "chat" else "one"]
         assert_losses_close(losses(runs[name]), losses(one), rel=EXACT)
         assert_params_exact(final_params(runs[name], STEPS), final_params(one, STEPS))
         assert _counts(runs[name]) == _counts(one) and len(_counts(runs[name])) == STEPS
+    for step in _counts(runs["chat"]):  # top-2 of the real tokens, not of 128 per conversation
+        assert sum(step["layers.1.feed_forward"]) == 2 * real_tokens < 2 * 128 * conversations
     # `disttrain convert --to hf` of the ep=2 ZeRO-3 Mixtral run: transformers loads every trained parameter
     from transformers import AutoModelForCausalLM
 
@@ -250,12 +344,26 @@ def test_expert_parallel_equals_one_process(tmp_path):
     assert trained.keys() <= loaded.keys()
     differ = [k for k, t in trained.items() if not torch.equal(loaded[k], t.to(torch.float32).double())]
     assert not differ, differ  # the export is float32
+    # `disttrain convert --to hf` of the built-in family: transformers' Qwen2-MoE loads every trained parameter
+    # (test_builtin_moe_exports_as_qwen2_moe_with_equal_logits checks the logits); a moved bias is refused
+    from disttrain.models.llama.moe_hf_names import from_hf
+
+    exported = export(runs["chat"] / "checkpoints" / f"step_{STEPS:08d}", "hf", tmp_path / "chat_hf")
+    loaded = from_hf(AutoModelForCausalLM.from_pretrained(exported, local_files_only=True).state_dict())
+    trained = final_params(runs["chat"], STEPS)
+    assert loaded.keys() == {k for k in trained if not k.endswith("expert_bias")}
+    differ = [k for k, t in loaded.items() if not torch.equal(t, trained[k].to(torch.float32))]
+    assert not differ, differ
+    code, _, err = run_main("convert", str(runs["ddp_selective"] / "checkpoints" / f"step_{STEPS:08d}"), "--to",
+                            "hf", "--out", str(tmp_path / "biased_hf"))
+    assert code == 2 and err.count("\n") == 1 and "balancing bias has moved" in err, err
+    assert not (tmp_path / "biased_hf").exists()
     # `disttrain report`'s expert-load heat map: layer x expert over steps, tokens over the mean
     from disttrain.observe.run_report import expert_loads, figures, load_records
 
-    assert "expert_load.png" in figures(*load_records(runs["ddp"]))
-    counts = _counts(runs["ddp"])
-    steps, grid = expert_loads(records(runs["ddp"]))["layers.1.feed_forward"]
+    assert "expert_load.png" in figures(*load_records(runs["ddp_selective"]))
+    counts = _counts(runs["ddp_selective"])
+    steps, grid = expert_loads(records(runs["ddp_selective"]))["layers.1.feed_forward"]
     assert steps == list(range(1, STEPS + 1))
     assert grid[3][0] == pytest.approx(counts[0]["layers.1.feed_forward"][3] / (sum(counts[0]["layers.1.feed_forward"]) / 8))
     straight = losses(single["one32"])

@@ -291,7 +291,7 @@ def test_plan_writes_the_chosen_expert_parallel_degree(tmp_path, capsys):
 
     out = tmp_path / "mixtral.yaml"
     main(["plan", "--model", "mixtral-8x7b", "--gpus", "16", "--gpu", "a100-80g", "--seq-len", "4096", "--top", "1",
-          "--out", str(out), "--json"])
+          "--zero-stages", "3", "--out", str(out), "--json"])  # one ZeRO stage: a third of the search's CPU
     winner = json.loads(capsys.readouterr().out)["winner"]
     written = yaml.safe_load(out.read_text())
     assert written["model"]["name"] == "mixtral-8x7b"

@@ -33,13 +33,6 @@ def expert_problems(shape: ModelShape | None, layout) -> list[Problem]:  # layou
         return [Problem("parallel.ep", ep, "1 with " + what, f"parallel.ep={ep} with {what}: experts are split "
                         "by the torch engine under DDP (zero_stage 0) or FSDP (zero_stage 2, 3) with equal shares "
                         "(allowed with it: parallel.ep=1)")]
-    if layout.activation_checkpointing == "selective" and layout.zero_stage >= 2:
-        # torch 2.13: the experts' own FSDP unit inside a selectively checkpointed block issues its profiler
-        # ranges more often in the recompute than in the forward, which selective checkpointing refuses.
-        return [Problem("parallel.activation_checkpointing", "selective", "none, full", "parallel.activation_"
-                        f"checkpointing=selective with parallel.ep={ep} and parallel.zero_stage={layout.zero_stage}: "
-                        "the experts' FSDP unit inside the checkpointed block is not recomputed alike (allowed: "
-                        "none, full; or selective with zero_stage=0)")]
     return []
 
 

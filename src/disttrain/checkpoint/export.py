@@ -116,10 +116,11 @@ def export(checkpoint: str | Path, fmt: str, out: str | Path, merge_lora: bool =
     elif fmt == "hf":
         if spec.to_hf is None:
             raise UserError(f"--to hf: model {spec.name} has no Hugging Face name mapping (allowed: torch, safetensors)")
-        out.mkdir(parents=True, exist_ok=True)
         hf_state = {k: v.clone() for k, v in spec.to_hf(_untie(state, spec)).items()}
+        config = spec.hf_config()  # both may refuse what transformers cannot express: before anything is written
+        out.mkdir(parents=True, exist_ok=True)
         save_file(hf_state, str(out / "model.safetensors"), metadata={"format": "pt"})
-        (out / "config.json").write_text(json.dumps(spec.hf_config(), indent=2) + "\n")
+        (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         _save_tokenizer_and_generation(step_dir, out)
     else:
         raise ValueError(f"unknown format {fmt!r} (allowed: {', '.join(FORMATS)})")

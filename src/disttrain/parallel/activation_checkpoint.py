@@ -26,6 +26,22 @@ if hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention"):
     _SAVE.add(torch.ops.aten._scaled_dot_product_cudnn_attention.default)
 
 
+def _ignore_profiler_ranges() -> None:
+    """torch 2.13 trap: FSDP2's hooks open profiler ranges (`record_function`, dispatched as profiler ops), and
+    an FSDP unit inside a selectively checkpointed block (expert parallelism's experts under ZeRO-2/3) opens
+    them a different number of times in the recompute than in the forward; selective checkpointing replays
+    ops by their count and fails ("profiler._record_function_enter_new ... not found in storage"). The ranges
+    compute nothing, so they join the ops it passes through (`SAC_IGNORED_OPS`, public), as the fix proposed
+    to torch does (pytorch/pytorch#185178, reported as torchtitan#3427)."""
+    from torch.utils.checkpoint import SAC_IGNORED_OPS
+
+    profiler = torch.ops.profiler
+    for name in ("_record_function_enter", "_record_function_enter_new", "_record_function_exit"):
+        packet = getattr(profiler, name, None)
+        if packet is not None:
+            SAC_IGNORED_OPS.update(getattr(packet, overload) for overload in packet.overloads())
+
+
 def _save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in _SAVE else CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -41,6 +57,7 @@ def apply_activation_checkpointing(blocks: nn.Module, mode: str) -> None:
         return
     kwargs = {"preserve_rng_state": False}
     if mode == "selective":
+        _ignore_profiler_ranges()
         kwargs["context_fn"] = selective_context
     for key, block in list(blocks.named_children()):
         setattr(blocks, key, checkpoint_wrapper(block, **kwargs))

@@ -106,6 +106,11 @@ def build_run(cfg: RunConfig, rt: Runtime, resolved: ResolvedRun | None = None) 
     model = build_model(spec, rt.device, t.seed, torch.float64 if layout.compute_dtype == "fp64" else None)
     if cfg.data.document_masking:  # validation checked the spec can and the tokenizer has an end token
         spec.mask_documents(model, tokenizer.eos_id)
+    if spec.moe_layers is not None and train_samples.masks_targets and tokenizer.eos_id is not None \
+            and layout.pp == layout.cp == 1:  # a stage or a sequence shard sees no whole rows of token ids
+        from disttrain.models.moe.padding import exclude_padding  # padding reaches no expert
+
+        exclude_padding(model, spec.moe_layers(model).values(), tokenizer.eos_id)
     if cfg.model.init_from:
         from disttrain.checkpoint.export import init_from
 

@@ -35,8 +35,11 @@ def moe_spec(shape: ModelShape, routing: MoERouting | None = None):
     dense = llama_spec(replace(shape, moe=None))
     # tensor parallel: the dense model's plan splits attention and shared experts, not the routed experts;
     # no sequence parallelism (the router would see a slice of the sequence)
+    from disttrain.models.llama import moe_hf_names as hf_names
+
     return replace(dense, name="moe", build=partial(Transformer, shape, partial(block_mlp, shape, routing)),
-                   shape=shape, sequence_parallel=False, to_hf=None, from_hf=None, hf_config=None,
+                   shape=shape, sequence_parallel=False, to_hf=partial(hf_names.to_hf, shape=shape),
+                   from_hf=hf_names.from_hf, hf_config=partial(hf_names.hf_config, shape),
                    moe_layers=moe_layers, fingerprint=_fingerprint(shape))
 
 

@@ -66,13 +66,24 @@ class RoutedExperts:
         self.stats_group = None
         self.aux_grad_scale = 1.0
         self.trial_pass = None  # a callable saying this forward is not training (a pipeline's shape inference)
+        self.routed_rows: torch.Tensor | None = None  # token rows to route (None: all); see models/moe/padding.py
+        self.routed_rows_of = 0  # ... out of this many (the forward's tokens)
         self.step_stats: torch.Tensor | None = None  # [counts (E), dropped, aux loss, entropy sum, tokens, rounds]
         self.last_step: torch.Tensor | None = None
 
     def routed(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, probs: torch.Tensor | None,
                training: bool) -> torch.Tensor:
         """x (tokens, dim), the router's choice (weights and experts (tokens, k)) and probabilities over all
-        experts (None: not known, no balancing loss) -> the weighted sum of the chosen experts' outputs."""
+        experts (None: not known, no balancing loss) -> the weighted sum of the chosen experts' outputs.
+        Rows left out of `routed_rows` (padding) reach no expert, count in no statistic and get zeros."""
+        keep, rows_of = self.routed_rows, self.routed_rows_of
+        if keep is None or keep.numel() == x.shape[0] or rows_of != x.shape[0]:  # all rows, or another input's
+            return self._route(x, weights, experts, probs, training)
+        inner = self._route(x[keep], weights[keep], experts[keep], probs[keep] if probs is not None else None,
+                            training)
+        return torch.zeros_like(x).index_copy(0, keep, inner)
+
+    def _route(self, x, weights, experts, probs, training: bool) -> torch.Tensor:
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)  # assignments grouped by expert, in token order within one
         counts = self.expert_counts(flat)

@@ -1,0 +1,76 @@
+"""A hand-written expert-parallel loop on torch.distributed alone: the baseline for disttrain's `parallel.ep=2`
+with `parallel.zero_stage=3` on 2 processes.
+
+The model is disttrain's single-device `debug-moe` (so only the training framework differs). By hand: each
+rank keeps its half of every layer's experts as plain parameters; token rows go to their expert's rank and
+back through the same all-to-all exchange disttrain uses (`AllToAllDispatch`: counts, one host sync, two
+uneven `all_to_all_single_autograd`), experts run as grouped GEMMs; every other parameter is sharded by
+`fully_shard` per block and at the root (the experts left out: `ignored_params`), gradients reduced once per
+step (no sync on the first micro-batch); expert gradients divided by the data-parallel size; AdamW with
+global-norm clipping at 1.0 over both kinds. No balancing loss or bias, no routing statistics reduced.
+Global batch 16 x 128, micro-batches of 4 (2 per rank), fp32.
+"""
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from common import LR, RandomWindows, loss_fn, parse_args
+from disttrain.models.moe import MoEFeedForward, moe_spec
+from disttrain.models.registry import MODEL_SHAPES
+from disttrain.models.spec import build_model
+from disttrain.parallel.expert import AllToAllDispatch
+
+GLOBAL_BATCH = 16
+
+
+def train(steps: int, micro_batch: int = 4) -> None:
+    """`steps` optimizer steps in the running process group (benchmarks/step_counts.py calls it under its
+    profiler)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    model = build_model(moe_spec(MODEL_SHAPES["debug-moe"]), torch.device("cpu"), seed=0)
+    experts = []
+    for layer in (m for m in model.modules() if isinstance(m, MoEFeedForward)):
+        for name, p in list(layer.experts.named_parameters(recurse=False)):
+            per_rank = p.shape[0] // world
+            mine = torch.nn.Parameter(p.detach()[rank * per_rank:(rank + 1) * per_rank].clone())
+            layer.experts.register_parameter(name, mine)
+            experts.append(mine)
+        layer.expert_dispatch = AllToAllDispatch(dist.group.WORLD, world)
+    ignored = set(experts)
+    for block in model.layers.values():
+        fully_shard(block, mesh=mesh, ignored_params=ignored)
+    fully_shard(model, mesh=mesh, ignored_params=ignored)
+    dense = [p for p in model.parameters() if p not in ignored]
+    opts = [torch.optim.AdamW(group, lr=LR, betas=(0.9, 0.95), weight_decay=0.1) for group in (dense, experts)]
+    data = RandomWindows(rank, micro_batch=micro_batch)
+    micro = GLOBAL_BATCH // world // micro_batch
+    for _ in range(steps):
+        for i in range(micro):
+            model.set_requires_gradient_sync(i == micro - 1)
+            x, y = data.micro_batch()
+            (loss_fn(model(x), y) / micro).backward()
+        expert_grads = [p.grad for p in experts]
+        torch._foreach_div_(expert_grads, world)  # FSDP averages the others over data parallel
+        dense_sq = torch.nn.utils.get_total_norm([p.grad for p in dense]).full_tensor() ** 2
+        expert_sq = torch.stack([g.norm() for g in expert_grads]).square().sum()
+        dist.all_reduce(expert_sq)
+        coef = min(1.0, 1.0 / (float((dense_sq + expert_sq).sqrt()) + 1e-6))
+        for grads in ([p.grad for p in dense], expert_grads):
+            torch._foreach_mul_(grads, coef)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+
+def main():
+    args = parse_args()
+    dist.init_process_group("gloo")
+    train(args.steps, args.micro_batch)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
