@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -20,6 +21,7 @@ RUN = ("train.steps=12", "train.global_batch_size=4", "train.micro_batch_size=1"
        "metrics.comm_profile_every=0")
 ZERO3 = ("parallel.zero_stage=3",)
 BUCKET = "disttrain-test"
+KEY_ID, SECRET = "AKIDDISTTRAINTEST", "s3cr3t-n0t-in-any-file"  # moto takes any
 
 
 class S3:
@@ -29,8 +31,8 @@ class S3:
         from moto.server import ThreadedMotoServer
 
         self.port = port
-        self.env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "testing",
-                    "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+        self.env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": KEY_ID,
+                    "AWS_SECRET_ACCESS_KEY": SECRET, "AWS_DEFAULT_REGION": "us-east-1",
                     "DISTTRAIN_STORAGE_RETRIES": "1"}
         self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
         self.server.start()
@@ -137,8 +139,9 @@ def test_async_save_to_s3_records_blocking_time_and_keeps_the_last_two(s3, refer
     listed = {p.rsplit("/", 1)[1]: fs.size(p) for p in fs.find(f"{BUCKET}/ref/step_00000012")}
     assert {name: size for name, (size, _) in record["files"].items()} == \
         {k: v for k, v in listed.items() if k != "COMMIT"}  # every object there, COMMIT last and naming them
-    assert "testing" not in (reference / "config.yaml").read_text()  # credentials stay in the environment
-    assert "testing" not in (reference / "metrics.jsonl").read_text()
+    written = [p for p in reference.rglob("*") if p.is_file()]  # config.yaml, metrics.jsonl, the ranks' logs
+    assert {"config.yaml", "metrics.jsonl", "rank_00000.log"} <= {p.name for p in written}
+    assert not [p for p in written if KEY_ID.encode() in p.read_bytes() or SECRET.encode() in p.read_bytes()]
 
 
 def test_preempted_then_killed_launch_resumes_bitwise_and_a_lost_store_keeps_the_last(s3, reference, run_args,
@@ -159,8 +162,9 @@ def test_preempted_then_killed_launch_resumes_bitwise_and_a_lost_store_keeps_the
 
     url = s3.url("kill")
     common = [*run_args, *ZERO3, f"checkpoint.dir={url}"]
-    first = launch(s3, tmp_path / "a", *common, new_session=True,
-                   env={"DISTTRAIN_FAULT": "sleep:rank=1:step=5:seconds=600;pause_after_save:rank=0:step=5:seconds=600"})
+    stall = "sleep:rank=1:step=5:seconds=600;pause_after_save:rank=0:step=5:seconds=600"
+    first = launch(s3, tmp_path / "a", *common, "distributed.timeout_s=300", new_session=True,
+                   env={"DISTTRAIN_FAULT": stall})  # rank 0 waits for the stalled rank 1 until SIGTERM
     wait_for(first, lambda: s3.committed("kill"))
     assert first.poll() is None  # rank 1 stopped stepping after step 5: the launch lives and holds the run
     with pytest.raises(SystemExit) as exc:
@@ -178,8 +182,8 @@ def test_preempted_then_killed_launch_resumes_bitwise_and_a_lost_store_keeps_the
     assert stale is not None and not stale.released and stale.pid == first.pid  # left behind by the SIGKILL
 
     log = tmp_path / "fault.log"
-    second = launch(s3, run, *common, "checkpoint.async=true",
-                    env={"DISTTRAIN_FAULT": "pause_after_save:rank=0:step=12:seconds=4", "DISTTRAIN_FAULT_LOG": str(log)})
+    second = launch(s3, run, *common, "checkpoint.async=true", env={
+        "DISTTRAIN_FAULT": "pause_after_save:rank=0:step=12:seconds=4", "DISTTRAIN_FAULT_LOG": str(log)})
     wait_for(second, log.is_file)
     s3.server.stop()
     try:
@@ -193,6 +197,7 @@ def test_preempted_then_killed_launch_resumes_bitwise_and_a_lost_store_keeps_the
     last = err.strip().splitlines()[-1]
     assert last.startswith(f"disttrain: stopped: checkpoint save of step 12 in {url} failed: "), err[-3000:]
     assert last.endswith(f"newest complete checkpoint: {s3.url('kill', 'step_00000008')}"), last
+    assert "; the partial checkpoint is removed at the next start; " in last  # the store is gone: it cannot be now
     assert "Traceback" not in err, err[-3000:]
     assert s3.committed("kill") == ["step_00000004", "step_00000005", "step_00000008"]
     fs = s3.fs
@@ -321,4 +326,31 @@ def test_a_missing_bucket_credentials_or_endpoint_is_refused_at_start(s3, monkey
     assert f"checkpoint.dir={s3.url('run')}: no credentials found" in no_keys
     assert "cannot reach the store at http://127.0.0.1:9" in refused(s3.url("run"),
                                                                       AWS_ENDPOINT_URL="http://127.0.0.1:9")
-    assert "testing" not in no_keys
+    assert KEY_ID not in no_keys and SECRET not in no_keys
+
+
+def test_transient_store_errors_are_retried_with_backoff_and_others_are_not(monkeypatch):
+    """A dropped connection or throttling is tried again after 0.5 s, then 1 s; no space or a missing object
+    fails at once; the last transient error is raised when the retries run out."""
+    from disttrain.checkpoint import storage
+
+    waits = []
+    monkeypatch.setattr(storage, "time", SimpleNamespace(sleep=waits.append))  # this module's clock only
+
+    def flaky(errors):
+        def call():
+            if errors:
+                raise errors.pop(0)
+            return "done"
+        return call
+
+    throttled = OSError("An error occurred (SlowDown) when calling the PutObject operation: reduce your rate")
+    assert storage.retried(flaky([ConnectionResetError("reset by peer"), throttled]), "writing x", 3) == "done"
+    assert waits == [0.5, 1.0]
+    for permanent in (OSError(28, "No space left on device"), FileNotFoundError("s3://b/missing")):
+        with pytest.raises(type(permanent)):
+            storage.retried(flaky([permanent]), "writing x", 3)
+    assert waits == [0.5, 1.0]
+    with pytest.raises(TimeoutError):
+        storage.retried(flaky([TimeoutError("read timed out")] * 3), "reading x", 2)
+    assert waits == [0.5, 1.0, 0.5, 1.0]
