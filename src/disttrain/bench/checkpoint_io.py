@@ -7,7 +7,10 @@ Each rank fills its optimizer state (one step), then times: a synchronous DCP sa
 an async save (blocking part, and until committed), a DCP load, and torch.save/torch.load of its
 own state dict. Prints one `IO {json}` line per rank and repetition. DIR may be an fsspec URL
 (s3://bucket/prefix): the same through DCP's fsspec storage, and the baseline is torch.save into memory
-plus one PUT of the bytes (torch.load of one GET).
+plus one PUT of the bytes (torch.load of one GET). `--writer s3torchconnector` puts s3torchconnector's DCP
+writer and reader (AWS's CRT client) in place of DCP's fsspec storage for an s3:// DIR, everything else the same
+(the commit still reads every object back through s3fs for its checksums): a benchmark of the two, not a path
+disttrain trains with.
 """
 
 from __future__ import annotations
@@ -40,13 +43,37 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
+def _use_s3torchconnector() -> None:
+    """storage.dcp_writer/dcp_reader for s3:// through s3torchconnector. Its DCP classes take no endpoint: the
+    client under them is made with AWS_ENDPOINT_URL (path-style addressing, as S3-compatible stores need)."""
+    import os
+
+    from s3torchconnector import S3ClientConfig
+    from s3torchconnector._s3client import S3Client
+    from s3torchconnector.dcp import S3StorageReader, S3StorageWriter
+    from s3torchconnector.dcp.s3_file_system import S3FileSystem
+
+    region, endpoint = os.environ.get("AWS_DEFAULT_REGION", "us-east-1"), os.environ.get("AWS_ENDPOINT_URL")
+    config = S3ClientConfig(force_path_style=endpoint is not None)
+
+    def with_endpoint(obj):
+        obj.fs = S3FileSystem(region, s3_client=S3Client(region, endpoint=endpoint, s3client_config=config))
+        return obj
+
+    storage.dcp_writer = lambda path: with_endpoint(S3StorageWriter(region, str(path), s3client_config=config))
+    storage.dcp_reader = lambda path: with_endpoint(S3StorageReader(region, str(path), s3client_config=config))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("dir")
     parser.add_argument("--model", default="125m")
     parser.add_argument("--zero-stage", type=int, default=3)
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--writer", choices=("fsspec", "s3torchconnector"), default="fsspec")
     args = parser.parse_args()
+    if args.writer == "s3torchconnector":
+        _use_s3torchconnector()
     rt = init_distributed(detect_env(), "gloo", 600)
     root = args.dir
     remote = storage.is_url(root)
@@ -67,7 +94,7 @@ def main() -> None:
         (torch.save, lambda p: torch.load(p, weights_only=False))
     for rep in range(args.reps):
         row = {"rank": rt.rank, "world": rt.world_size, "rep": rep, "bytes": nbytes, "model": args.model,
-               "store": root.split("://", 1)[0] if remote else "local"}
+               "store": root.split("://", 1)[0] if remote else "local", "writer": args.writer if remote else "file"}
         row["dcp_save_s"] = _timed(lambda: sync.save(rep + 1, engine, state))
         t0 = time.perf_counter()
         asyn.save(rep + 1, engine, state)

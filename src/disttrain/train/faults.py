@@ -3,7 +3,8 @@ to kill, signal or stall one rank at a chosen step of the first attempt (not aft
 
     DISTTRAIN_FAULT="kill:rank=1:step=7"            SIGKILL itself after step 7
     DISTTRAIN_FAULT="signal:rank=0:step=5:sig=TERM" send itself SIGTERM after step 5
-    DISTTRAIN_FAULT="sleep:rank=1:step=4:seconds=600" stop stepping after step 4
+    DISTTRAIN_FAULT="sleep:rank=1:step=4:seconds=600" stop stepping after step 4 (until SIGTERM/SIGUSR1: a
+                                                    stalled rank that a scheduler then preempts)
     DISTTRAIN_FAULT="kill_after_save:rank=1:step=8" SIGKILL right after step 8's save began
     DISTTRAIN_FAULT="pause_after_save:rank=0:step=8:seconds=3" wait 3 s after step 8's save began (an async
                                                     save: its data is written, COMMIT not yet; the test
@@ -13,7 +14,8 @@ to kill, signal or stall one rank at a chosen step of the first attempt (not aft
     DISTTRAIN_FAULT="slow:rank=1:step=0:seconds=0.05" sleep before every step's forward (a straggler)
     DISTTRAIN_FAULT="kill_agent_at_exit:rank=1:step=0" SIGKILL the torchrun agent as this worker finishes
                                                     (a node that vanishes once training is done)
-    (add ":attempts=all" to apply a fault after restarts too; by default only the first attempt has it)
+    (add ":attempts=all" to apply a fault after restarts too; by default only the first attempt has it;
+    several faults, one per rank, are separated by ";": "sleep:rank=1:step=5:seconds=600;pause_after_save:rank=0:...")
     DISTTRAIN_FAULT="slowdown:rank=1:step=0:factor=2" every forward and backward takes 2x as long (a slower GPU)
     DISTTRAIN_FAULT="hang_backward:rank=1:step=5:seconds=600" stop inside step 5's (first) backward
 """
@@ -48,7 +50,8 @@ def parse_fault(spec: str | None) -> Fault | None:
 
 class FaultInjector:
     def __init__(self, rank: int, environ=os.environ):
-        fault = parse_fault(environ.get("DISTTRAIN_FAULT"))
+        faults = [parse_fault(spec) for spec in (environ.get("DISTTRAIN_FAULT") or "").split(";")]
+        fault = next((f for f in faults if f is not None and f.rank == rank), None)
         first_attempt = environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
         self.fault = fault if fault and fault.rank == rank and (first_attempt or fault.every_attempt) else None
         self._phase_start = time.perf_counter()
@@ -136,4 +139,28 @@ class FaultInjector:
         elif f.kind == "signal":
             os.kill(os.getpid(), getattr(signal, f"SIG{f.sig}"))
         elif f.kind == "sleep":
-            time.sleep(f.seconds)
+            _sleep_until_preempted(f.seconds)
+
+
+def _sleep_until_preempted(seconds: float) -> None:
+    """Sleep, cut short by SIGTERM or SIGUSR1, which the run's own handler (resilience.StepControl) still gets:
+    a stalled rank is woken by a preemption and saves with the others (a plain sleep would resume after the
+    handler and hold every rank until the launcher's kill)."""
+    woke: list[int] = []
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+
+    def wake(signum, frame):
+        woke.append(signum)
+        handler = previous[signum]
+        if callable(handler):
+            handler(signum, frame)
+
+    for sig in previous:
+        signal.signal(sig, wake)
+    deadline = time.monotonic() + seconds
+    try:
+        while not woke and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
