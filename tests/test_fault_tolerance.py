@@ -123,7 +123,7 @@ def test_async_save_commits_and_a_kill_mid_save_keeps_the_previous(uninterrupted
 
 def _signal_after_steps(cmd: list[str], run: Path, sig: int, steps: int = 4) -> subprocess.CompletedProcess:
     proc = subprocess.Popen(cmd, cwd=REPO, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 600  # waits for a state only: generous for a loaded machine
     while time.monotonic() < deadline and proc.poll() is None:
         metrics = run / "metrics.jsonl"
         if metrics.is_file() and sum('"loss"' in line for line in metrics.read_text().splitlines()) >= steps:
@@ -181,7 +181,7 @@ def _srun_step(tmp_path: Path, name: str, *overrides: str, signal_after: int | N
         procs.append(subprocess.Popen(cmd, cwd=REPO, env=task_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True))
     if signal_after is not None:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 600  # waits for a state only: generous for a loaded machine
         while time.monotonic() < deadline and all(p.poll() is None for p in procs):
             metrics = tmp_path / name / "metrics.jsonl"
             if metrics.is_file() and sum('"loss"' in line for line in metrics.read_text().splitlines()) >= signal_after:

@@ -96,7 +96,7 @@ def launch(s3: S3, run_dir: Path, *overrides: str, nproc: int | None = 2, env: d
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def wait_for(proc: subprocess.Popen, ready, timeout: float = 120) -> None:
+def wait_for(proc: subprocess.Popen, ready, timeout: float = 600) -> None:
     deadline = time.monotonic() + timeout
     while not ready():
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
