@@ -91,11 +91,20 @@ def test_every_rank_serves_prometheus_metrics_during_a_run(tmp_path):
     assert (tmp_path / "run" / "checkpoints" / f"step_{preempted[0]['step']:08d}" / "COMMIT").is_file()
 
 
-def test_tensorboard_scalars_read_back(tmp_path):
+@pytest.fixture(scope="module")
+def tracked_run(tmp_path_factory):
+    """One run logging to every sink at once: TensorBoard, MLflow's file store and W&B offline."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # what the sink sets for itself; MLflow's client reads it too
+        yield train(tmp_path_factory.mktemp("tracked") / "run", "train.steps=6", "train.eval_every=3",
+                    "metrics.tensorboard=true", "metrics.peak_tflops=0.5", "metrics.mlflow=true", "metrics.wandb=true",
+                    env={"WANDB_SILENT": "true"})
+
+
+def test_tensorboard_scalars_read_back(tracked_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    run = train(tmp_path / "run", "train.steps=6", "train.eval_every=3", "metrics.tensorboard=true",
-                "metrics.peak_tflops=0.5")
+    run = tracked_run
     # MFU: PaLM's 6N + 12·L·H·Q·T per token (N without the input embedding lookup) over the peak.
     shape = MODEL_SHAPES["debug"]
     per_token = 6 * (shape.num_params() - shape.vocab_size * shape.dim) + 12 * shape.n_layers * shape.dim * 64
@@ -206,21 +215,19 @@ def _wandb_offline_file(run_dir):
     return files[0].read_bytes()
 
 
-def test_mlflow_and_wandb_trackers_log_offline(tmp_path, monkeypatch):
+def test_mlflow_and_wandb_trackers_log_offline(tracked_run):
     """The real packages, offline: MLflow's file store under the run directory (read back with its own
     client), W&B's offline run file (its records carry the logged keys and the config)."""
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # what the sink sets for itself
     from mlflow.tracking import MlflowClient
 
-    run = train(tmp_path / "run", "train.steps=4", "train.eval_every=2", "metrics.mlflow=true", "metrics.wandb=true",
-                env={"WANDB_SILENT": "true"})
+    run = tracked_run
     client = MlflowClient(tracking_uri=(run / "mlruns").resolve().as_uri())
     [logged_run] = client.search_runs([client.get_experiment_by_name("disttrain").experiment_id])
     assert logged_run.info.run_name == "run" and logged_run.info.status == "FINISHED"
     assert logged_run.data.params["model.name"] == "debug"
     history = {m.step: m.value for m in client.get_metric_history(logged_run.info.run_id, "loss")}
     assert history == pytest_approx_dict(losses(run))
-    assert [m.step for m in client.get_metric_history(logged_run.info.run_id, "eval_loss")] == [2, 4]
+    assert [m.step for m in client.get_metric_history(logged_run.info.run_id, "eval_loss")] == [3, 6]
     data = _wandb_offline_file(run)
     for key in (b"train/loss", b"train/tokens_per_sec", b"eval/loss", b'"debug"'):
         assert key in data, key
