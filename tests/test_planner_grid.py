@@ -87,6 +87,29 @@ def test_the_dry_run_keeps_for_rms_norm_what_cuda_keeps():
     assert sorted(t.element_size() * t.numel() for t in saved if t is not bf16.weight) == [2 * 16 * 4, 2 * 16 * 64 * 2]
 
 
+def test_the_dry_run_norm_backward_allocates_what_cuda_allocates():
+    """On fake tensors (the dry run) RMSNorm's backward creates only its two outputs, as CUDA's fused kernel
+    does, not the CPU decomposition's fp32 input-sized temporaries (which decided a block's backward peak
+    under tensor parallelism without sequence parallelism)."""
+    import torch
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from disttrain.dryrun.fake_world import gpu_defaults
+
+    with FakeTensorMode(), gpu_defaults():
+        norm = torch.nn.RMSNorm(1024, dtype=torch.bfloat16)
+        x = torch.randn(8, 1024, 1024, dtype=torch.bfloat16, requires_grad=True)
+        y = norm(x)
+        grad = torch.ones_like(y)
+        tracker = MemTracker()
+        with tracker:
+            torch.autograd.grad(y, (x, norm.weight), grad)
+        snapshot = next(iter(tracker.get_tracker_snapshot("peak").values()))
+    created = sum(v for k, v in snapshot.items() if getattr(k, "value", k) != "Total")
+    assert created == x.numel() * 2 + norm.weight.numel() * 2  # dx (bf16) and the weight's gradient
+
+
 def test_autocast_activations_match_saved_tensors():
     """fp32 weights under bf16 autocast (DDP's precision): the planner's saved bytes per step, plus autocast's
     weight copies, are what autograd keeps (CPU decomposed norms, as on this machine)."""

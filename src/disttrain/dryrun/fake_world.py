@@ -59,7 +59,12 @@ class FusedRMSNorm(torch.autograd.Function):
     """RMSNorm keeping for backward what torch's CUDA kernel (`_fused_rms_norm`) keeps: the input and the
     fp32 reciprocal RMS. On the CPU, `F.rms_norm` is decomposed into ops that keep an fp32 copy of the
     input and the fp32 normalised input besides (counted on both devices by benchmarks/dryrun_vs_real.py
-    --saved-by-device: 9 bytes per element per norm on the CPU for bf16, 2 on CUDA)."""
+    --saved-by-device: 9 bytes per element per norm on the CPU for bf16, 2 on CUDA).
+
+    On fake tensors the backward is torch's own `_fused_rms_norm_backward`, whose meta kernel allocates
+    what the CUDA kernel does, its two outputs; the CPU decomposition (real tensors: its values) holds up
+    to five fp32 input-sized temporaries at once, which under tensor parallelism without sequence
+    parallelism (norms over the whole hidden size, the rest split) made a block's backward the peak."""
 
     @staticmethod
     def forward(ctx, x, normalized_shape, weight, eps):
@@ -70,19 +75,26 @@ class FusedRMSNorm(torch.autograd.Function):
         y = xf * rstd
         if weight is not None:
             y = y * weight
-        ctx.dims = dims
+        ctx.dims, ctx.normalized_shape = dims, list(normalized_shape)
         ctx.save_for_backward(x, rstd, weight)
         return y.to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad):
+        from torch._subclasses.fake_tensor import is_fake
+
         x, rstd, weight = ctx.saved_tensors
+        wants_weight = weight is not None and ctx.needs_input_grad[2]
+        if is_fake(x) and is_fake(grad):
+            dx, dweight = torch.ops.aten._fused_rms_norm_backward(grad, x, ctx.normalized_shape, rstd, weight,
+                                                                  [True, wants_weight])
+            return dx, None, dweight if wants_weight else None, None
         xhat = at_least_fp32(x) * rstd
         g = at_least_fp32(grad)
         gw = g * weight if weight is not None else g
         dx = rstd * (gw - xhat * (gw * xhat).mean(ctx.dims, keepdim=True))
         dweight = None
-        if weight is not None and ctx.needs_input_grad[2]:
+        if wants_weight:
             lead = tuple(range(g.dim() - len(ctx.dims)))
             dweight = (g * xhat).sum(lead).to(weight.dtype)
         return dx.to(x.dtype), None, dweight, None
