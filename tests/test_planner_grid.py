@@ -46,7 +46,15 @@ def _config(model: str, name: str, checkpointing: str, per_rank: int, dtype: str
     return load_config(None, [*overrides, f"precision.compute_dtype={dtype}"])
 
 
-@pytest.mark.parametrize("row", GRID, ids=["-".join(map(str, r)) for r in GRID])
+# Rows the suite leaves to `make test-slow` (each 20-30 s of CPU): the suite keeps every checkpointing mode,
+# dtype and micro-batch count, ZeRO-1/2/3, DDP, HSDP and GPipe; these add TP+SP and the two schedules with
+# several stages per rank.
+SLOW_ROWS = {("125m", "zero1", "selective", 1, "fp32"), ("125m", "tp2-sp", "full", 1, "bf16"),
+             ("125m", "pp2-interleaved_1f1b", "selective", 2, "fp32"), ("125m", "pp2-zero_bubble", "none", 2, "bf16")}
+
+
+@pytest.mark.parametrize("row", [pytest.param(r, marks=pytest.mark.slow) if r in SLOW_ROWS else r for r in GRID],
+                         ids=["-".join(map(str, r)) for r in GRID])
 def test_planner_within_5_percent_of_the_dry_run(row):
     """The planner's peak for the rank the dry run found fullest is within ±5% of the dry run's."""
     from disttrain.cli.dryrun import dry_run, pp_rank_of
