@@ -285,3 +285,30 @@ def test_dry_run_activations_fall_as_one_over_cp(tmp_path):
         measured[cp] = float(value) * (1024 if unit == "GiB" else 1)
     for cp in (2, 4):
         assert abs(measured[cp] * cp / measured[1] - 1) < 0.10, measured
+
+
+@pytest.mark.slow
+def test_dry_run_confirms_the_ring_cache_under_selective_checkpointing(tmp_path):
+    """Selective checkpointing caches each ring block's kernel output: the dry run's default ranks include the
+    last context rank, which holds (cp - 1) / 2 blocks per layer more than rank 0 (plan/context.py). `tiny`,
+    cp=4 on 4 simulated ranks (a few minutes of CPU)."""
+    import json
+
+    from disttrain.models.llama.shapes import MODEL_SHAPES
+    from disttrain.plan.context import ring_selective_cache_bytes
+    from disttrain.resolve import resolve_run
+    from disttrain.config import load_config
+
+    cfg = tmp_path / "cp4.yaml"
+    cfg.write_text("model: {name: tiny, max_seq_len: 4096}\ndata: {seq_len: 4096}\ntrain: {global_batch_size: 1}\n"
+                   "parallel: {cp: 4, activation_checkpointing: selective}\n")
+    code, out, err = run_main("dryrun", str(cfg), "--world-size", "4", "--json")
+    assert code == 0, err
+    ranks = {r["rank"]: r for r in json.loads(out)["ranks"]}
+    assert sorted(ranks) == [0, 3]
+    layout = resolve_run(load_config(cfg, []), 4, "cpu").layout
+    per_block = ring_selective_cache_bytes(MODEL_SHAPES["tiny"], layout, 4) / layout.cp
+    extra = ranks[3]["bytes"]["activations"] - ranks[0]["bytes"]["activations"]
+    # rank 3: 4 full-row blocks per layer, rank 0: 1 + 3 halves; at the peak (a block's backward) that block's
+    # cache has gone to its recomputation, so n_layers - 1 layers hold theirs
+    assert abs(extra / ((MODEL_SHAPES["tiny"].n_layers - 1) * 1.5 * per_block) - 1) < 0.02, extra
