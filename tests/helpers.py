@@ -75,11 +75,14 @@ def train_many(jobs: dict[str, tuple], nproc: int, config: Path = DEBUG_CONFIG,
                timeout: float = 600, env: dict | None = None) -> dict[str, Path]:
     """Train each job (name -> (run_dir, overrides) or (run_dir, overrides, its own config)) in turn, in ONE
     launch of `nproc` real gloo processes running the same builder and loop as `disttrain train`; returns
-    name -> run_dir. For tests whose subject is a layout's numbers, not launching (tests of the CLI use `train`)."""
-    spec = [{"config": str(job[2] if len(job) > 2 else config),
+    name -> run_dir. For tests whose subject is a layout's numbers, not launching (tests of the CLI use `train`).
+    A job given as a dict ({"call": "module:function", "args": [...]}, tests/workers/train_many.py) runs a check
+    in the same processes instead, and maps to itself."""
+    spec = [job if isinstance(job, dict) else
+            {"config": str(job[2] if len(job) > 2 else config),
              "overrides": [f"run.dir={job[0].parent}", f"run.name={job[0].name}", "distributed.timeout_s=60",
                            *job[1]]} for job in jobs.values()]
-    first = next(iter(jobs.values()))[0]
+    first = next(job for job in jobs.values() if not isinstance(job, dict))[0]
     first.parent.mkdir(parents=True, exist_ok=True)
     job_file = first.parent / f"jobs_{first.name}.json"
     job_file.write_text(json.dumps(spec))
@@ -90,7 +93,7 @@ def train_many(jobs: dict[str, tuple], nproc: int, config: Path = DEBUG_CONFIG,
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"
                              f"\n--- stderr\n{proc.stderr[-6000:]}")
-    return {name: job[0] for name, job in jobs.items()}
+    return {name: job if isinstance(job, dict) else job[0] for name, job in jobs.items()}
 
 
 def records(run_dir: Path) -> list[dict]:

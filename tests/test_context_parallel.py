@@ -8,12 +8,14 @@ line and exit 2."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 from chat_tokenizer import records, save_chat_tokenizer
 from helpers import (DEBUG_CONFIG, EXACT, FP64, assert_losses_close, assert_params_exact, final_params, losses,
-                     run_cli, train_many)
+                     run_cli, run_main, train_many)
 from hf_models import SIZES
 
 METHODS = ("ring", "allgather", "ulysses")
@@ -21,6 +23,8 @@ STEPS = 4
 COMMON = (f"train.steps={STEPS}", "train.global_batch_size=4", "optim.lr=3e-3", "checkpoint.save_final=true",
           "metrics.sync_check_every=2", FP64)
 CHAT_SEQ = 128
+FP32 = (*(o for o in COMMON if o != FP64), "checkpoint.every_steps=2")  # the checkpoint tests' runs
+STEP_2 = "checkpoints/step_00000002"
 
 
 @pytest.fixture(scope="module")
@@ -52,23 +56,22 @@ def _cases(data) -> dict[str, tuple[str, ...]]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, data):
+    """Two launches: cp=2 on 2 ranks (every case and method, ZeRO-3 with checkpointing, an fp32 run saving at
+    step 2, and the attention kernels alone), then one process (the references, and the fp32 run resumed
+    from the cp=2 checkpoint)."""
     root = tmp_path_factory.mktemp("cp_runs")
     cases = _cases(data)
-    fp32 = tuple(o for o in COMMON if o != FP64) + ("checkpoint.every_steps=2",)
-    one_jobs = {f"ref_{c}": (root / f"ref_{c}", (*COMMON, *o)) for c, o in cases.items()}
-    one_jobs["ref_fp32"] = (root / "ref_fp32", fp32)
-    one = train_many(one_jobs, nproc=1)
-    step_2 = "checkpoints/step_00000002"
-    jobs = {f"{c}_{m}": (root / f"{c}_{m}", (*COMMON, *o, "parallel.cp=2", f"parallel.cp_method={m}"))
-            for c, o in cases.items() for m in METHODS}
+    jobs = {"kernels": {"call": "cp_kernels:check", "args": [str(root / "kernels")]}}
+    jobs |= {f"{c}_{m}": (root / f"{c}_{m}", (*COMMON, *o, "parallel.cp=2", f"parallel.cp_method={m}"))
+             for c, o in cases.items() for m in METHODS}
     jobs["zero3_checkpointed"] = (root / "zero3_ac", (*COMMON, *cases["debug_chat"], "parallel.cp=2",
                                                      "parallel.zero_stage=3", "parallel.activation_checkpointing=full"))
-    jobs["cp2_fp32"] = (root / "cp2_fp32", (*fp32, "parallel.cp=2"))
-    jobs["cp2_from_one"] = (root / "cp2_from_one", (*fp32, "parallel.cp=2", f"checkpoint.resume={root / 'ref_fp32' / step_2}"))
+    jobs["cp2_fp32"] = (root / "cp2_fp32", (*FP32, "parallel.cp=2"))
     two = train_many(jobs, nproc=2)
-    back = train_many({"one_from_cp2": (root / "one_from_cp2", (*fp32, f"checkpoint.resume={root / 'cp2_fp32' / step_2}"))},
-                      nproc=1)
-    return {**one, **two, **back}
+    one_jobs = {f"ref_{c}": (root / f"ref_{c}", (*COMMON, *o)) for c, o in cases.items()}
+    one_jobs["ref_fp32"] = (root / "ref_fp32", FP32)
+    one_jobs["one_from_cp2"] = (root / "one_from_cp2", (*FP32, f"checkpoint.resume={root / 'cp2_fp32' / STEP_2}"))
+    return {**two, **train_many(one_jobs, nproc=1)}
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -80,9 +83,9 @@ def test_cp2_gives_one_process_losses_and_parameters(runs, case, method):
     assert_params_exact(final_params(run, STEPS), final_params(ref, STEPS))
 
 
-def _four_rank_jobs(root, data, names) -> dict:
+def _four_rank_jobs(root, data, names, resume_from=None) -> dict:
     """cp=2 x dp_shard=2 (ZeRO-3), cp=2 x tp=2 (sequence parallel, ZeRO-2) and cp=2 x pp=2 (ZeRO-2), named
-    `{layout}_{case}`."""
+    `{layout}_{case}`; with `resume_from`, also `cp2_from_one` resuming that checkpoint."""
     cases, jobs = _cases(data), {}
     for name in names:
         layout, case = name.split("_", 1)
@@ -98,6 +101,9 @@ def _four_rank_jobs(root, data, names) -> dict:
             extra = ("parallel.tp=2", "parallel.zero_stage=2", "parallel.sequence_parallel=true",
                      f"parallel.cp_method={'ring' if chat else 'allgather'}")
         jobs[name] = (root / name, (*COMMON, *o, "parallel.cp=2", *extra))
+    if resume_from is not None:  # one process's checkpoint resumed at cp=2 x dp_shard=2
+        jobs["cp2_from_one"] = (root / "cp2_from_one", (*FP32, "parallel.cp=2", "parallel.dp_shard=2",
+                                                         f"checkpoint.resume={resume_from}"))
     return train_many(jobs, nproc=4)
 
 
@@ -107,8 +113,8 @@ FOUR_ALL = tuple(f"{layout}_{case}" for layout in ("dp2", "tp2") for case in ("d
 
 
 @pytest.fixture(scope="module")
-def four_lean(tmp_path_factory, data):
-    return _four_rank_jobs(tmp_path_factory.mktemp("cp4"), data, FOUR_LEAN)
+def four_lean(tmp_path_factory, data, runs):
+    return _four_rank_jobs(tmp_path_factory.mktemp("cp4"), data, FOUR_LEAN, runs["ref_fp32"] / STEP_2)
 
 
 @pytest.fixture(scope="module")
@@ -141,10 +147,10 @@ def test_zero3_with_activation_checkpointing(runs):
 
 
 @pytest.mark.parametrize("resumed, saved", [("one_from_cp2", "cp2_fp32"), ("cp2_from_one", "ref_fp32")],
-                         ids=["cp2 to one process", "one process to cp2"])
-def test_checkpoints_resume_across_context_parallel_degrees(runs, resumed, saved):
+                         ids=["cp2 to one process", "one process to cp2 x dp_shard2"])
+def test_checkpoints_resume_across_context_parallel_degrees(runs, four_lean, resumed, saved):
     """fp32: the steps after the resume give the uninterrupted run's losses within 1e-5."""
-    after = losses(runs[resumed])
+    after = losses({**runs, **four_lean}[resumed])
     assert sorted(after) == [3, 4]
     assert_losses_close(after, {k: v for k, v in losses(runs[saved]).items() if k > 2}, rel=1e-5)
     assert_losses_close(losses(runs["cp2_fp32"]), losses(runs["ref_fp32"]), rel=1e-5)
@@ -167,18 +173,14 @@ def test_packed_sequences_hold_documents_and_masked_targets_in_both_halves(data)
         assert ((y[:, half] == -100).any(axis=1)).all() and ((y[:, half] != -100).any(axis=1)).mean() > 0.5
 
 
-def test_kernels_match_single_device_attention():
-    """Every method's output and q/k/v gradients, grouped heads, with and without documents (fp64)."""
-    import subprocess
-    import sys
+def test_kernels_match_single_device_attention(runs):
+    """Every method's output and q/k/v gradients, grouped heads, with and without documents (fp64, 1e-12;
+    tests/workers/cp_kernels.py, run in the 2-rank launch)."""
+    import json
 
-    from helpers import REPO, cli_env
-
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                           str(REPO / "tests" / "workers" / "cp_kernels.py")], cwd=REPO, env=cli_env(),
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("ok") == 2 * 2 * len(METHODS), proc.stdout
+    for rank in (0, 1):
+        result = json.loads(Path(f"{runs['kernels']['args'][0]}.rank{rank}.json").read_text())
+        assert result == {f"{m} documents={d}": "ok" for d in (False, True) for m in METHODS}, (rank, result)
 
 
 BAD = [
@@ -207,11 +209,12 @@ def test_models_that_cannot_shard_their_sequence_are_refused_by_name(tmp_path):
 
     from hf_models import save_tiny
 
-    gpt2 = save_tiny("gpt2", tmp_path / "gpt2")
-    proc = run_cli("train", str(DEBUG_CONFIG), f"model.hf={gpt2}", "parallel.cp=2", "data.tokenizer=byte", nproc=2,
-                   check=False)
-    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
-    assert f"parallel.cp=2: model gpt2 from model.hf={gpt2} cannot shard its sequence" in proc.stderr
+    gpt2 = save_tiny("gpt2", tmp_path / "gpt2")  # (the launcher refuses before starting any worker)
+    code, _, err = run_main("train", str(DEBUG_CONFIG), f"model.hf={gpt2}", "parallel.cp=2", "data.tokenizer=byte",
+                            f"run.dir={tmp_path / 'runs'}", "--nproc-per-node", "2")
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"parallel.cp=2: model gpt2 from model.hf={gpt2} cannot shard its sequence" in err
+    assert not (tmp_path / "runs").exists()  # nothing written
 
     from disttrain.config import load_config
     from disttrain.errors import UserError
@@ -233,7 +236,8 @@ def test_estimate_gives_activation_bytes_falling_as_one_over_cp(tmp_path):
         cfg = tmp_path / f"cp{cp}_{method}.yaml"
         cfg.write_text(f"model: {{name: tiny, max_seq_len: 8192}}\ndata: {{seq_len: 8192}}\ntrain: {{global_batch_size: 1}}\n"
                        f"parallel: {{cp: {cp}, cp_method: {method}}}\n")
-        out = run_cli("estimate", str(cfg), "--gpus", str(cp)).stdout
+        code, out, err = run_main("estimate", str(cfg), "--gpus", str(cp))  # pure Python: in this process
+        assert code == 0, err
         return int(re.search(r"activations\s+([\d,]+) B", out).group(1).replace(",", ""))
 
     one = activations(1)
@@ -281,3 +285,30 @@ def test_dry_run_activations_fall_as_one_over_cp(tmp_path):
         measured[cp] = float(value) * (1024 if unit == "GiB" else 1)
     for cp in (2, 4):
         assert abs(measured[cp] * cp / measured[1] - 1) < 0.10, measured
+
+
+@pytest.mark.slow
+def test_dry_run_confirms_the_ring_cache_under_selective_checkpointing(tmp_path):
+    """Selective checkpointing caches each ring block's kernel output: the dry run's default ranks include the
+    last context rank, which holds (cp - 1) / 2 blocks per layer more than rank 0 (plan/context.py). `tiny`,
+    cp=4 on 4 simulated ranks (a few minutes of CPU)."""
+    import json
+
+    from disttrain.models.llama.shapes import MODEL_SHAPES
+    from disttrain.plan.context import ring_selective_cache_bytes
+    from disttrain.resolve import resolve_run
+    from disttrain.config import load_config
+
+    cfg = tmp_path / "cp4.yaml"
+    cfg.write_text("model: {name: tiny, max_seq_len: 4096}\ndata: {seq_len: 4096}\ntrain: {global_batch_size: 1}\n"
+                   "parallel: {cp: 4, activation_checkpointing: selective}\n")
+    code, out, err = run_main("dryrun", str(cfg), "--world-size", "4", "--json")
+    assert code == 0, err
+    ranks = {r["rank"]: r for r in json.loads(out)["ranks"]}
+    assert sorted(ranks) == [0, 3]
+    layout = resolve_run(load_config(cfg, []), 4, "cpu").layout
+    per_block = ring_selective_cache_bytes(MODEL_SHAPES["tiny"], layout, 4) / layout.cp
+    extra = ranks[3]["bytes"]["activations"] - ranks[0]["bytes"]["activations"]
+    # rank 3: 4 full-row blocks per layer, rank 0: 1 + 3 halves; at the peak (a block's backward) that block's
+    # cache has gone to its recomputation, so n_layers - 1 layers hold theirs
+    assert abs(extra / ((MODEL_SHAPES["tiny"].n_layers - 1) * 1.5 * per_block) - 1) < 0.02, extra

@@ -1,8 +1,12 @@
 """Each context-parallel attention method against single-device SDPA (fp64): output and q/k/v gradients of
-this rank's shard, grouped-query heads, with and without document masking. Prints one "ok" per case.
+this rank's shard, grouped-query heads, with and without document masking. `check(out)` runs in a launch's
+process group (a `train_many` job, tests/workers/train_many.py) and writes each case's result, "ok" or the
+mismatch, to `out`.rank<r>.json; run alone it prints them:
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 tests/workers/cp_kernels.py
 """
+
+import json
 
 import torch
 import torch.distributed as dist
@@ -13,14 +17,14 @@ from disttrain.models.documents import block_causal_mask
 from disttrain.parallel.context import ContextParallel
 
 
-def main() -> None:
-    dist.init_process_group("gloo")
+def results() -> dict[str, str]:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("cp",))
     g = torch.Generator().manual_seed(0)
     b, h, hk, s, d = 2, 4, 2, 16, 8
     q, go = (torch.randn(b, h, s, d, dtype=torch.float64, generator=g) for _ in range(2))
     k, v = (torch.randn(b, hk, s, d, dtype=torch.float64, generator=g) for _ in range(2))
     documents = torch.tensor([[0] * 5 + [1] * 7 + [2] * 4, [0] * 3 + [1] * 13])
+    out_of = {}
     for docs in (None, documents):
         mask = None if docs is None else block_causal_mask(docs)
         full = [x.clone().requires_grad_() for x in (q, k, v)]
@@ -32,12 +36,25 @@ def main() -> None:
             local = [x[:, :, idx].clone().requires_grad_() for x in (q, k, v)]
             out = cp.attention(*local, docs)
             out.backward(go[:, :, idx])
-            torch.testing.assert_close(out, ref[:, :, idx], rtol=1e-12, atol=1e-12)
-            for mine, whole in zip(local, full):
-                torch.testing.assert_close(mine.grad, whole.grad[:, :, idx], rtol=1e-12, atol=1e-12)
-            print("ok", method, docs is not None, flush=True)
-    dist.destroy_process_group()
+            case = f"{method} documents={docs is not None}"
+            try:
+                torch.testing.assert_close(out, ref[:, :, idx], rtol=1e-12, atol=1e-12)
+                for name, mine, whole in zip("qkv", local, full):
+                    torch.testing.assert_close(mine.grad, whole.grad[:, :, idx], rtol=1e-12, atol=1e-12,
+                                               msg=lambda m, name=name: f"d{name}: {m}")
+                out_of[case] = "ok"
+            except AssertionError as exc:
+                out_of[case] = str(exc).splitlines()[0]
+    return out_of
+
+
+def check(out: str) -> None:
+    with open(f"{out}.rank{dist.get_rank()}.json", "w") as f:
+        json.dump(results(), f)
 
 
 if __name__ == "__main__":
-    main()
+    dist.init_process_group("gloo")
+    for case, result in results().items():
+        print(case, result, flush=True)
+    dist.destroy_process_group()

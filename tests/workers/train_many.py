@@ -4,10 +4,13 @@ so that a test module pays the start-up of N processes once rather than once per
     python -m torch.distributed.run --standalone --nproc-per-node N tests/workers/train_many.py JOBS.json
 
 JOBS.json: [{"config": PATH, "overrides": [...]}, ...]. Each job goes through the same builder and
-loop as `disttrain train` (only the process group is shared).
+loop as `disttrain train` (only the process group is shared). A job {"call": "module:function", "args": [...]}
+instead calls a check of this directory that needs the launch's process group (e.g. cp_kernels:check), so a
+test module pays no launch of its own for it.
 """
 
 import gc
+import importlib
 import json
 import os
 import sys
@@ -29,6 +32,12 @@ def main() -> None:
     rt = init_distributed(detect_env(), "auto", 120)
     try:
         for job in jobs:
+            if "call" in job:
+                sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # (forked workers run it by path)
+                module, function = job["call"].split(":")
+                getattr(importlib.import_module(module), function)(*job.get("args", []))
+                dist.barrier()
+                continue
             started = time.perf_counter()
             cfg = load_config(job["config"], job["overrides"])
             counters.clear()

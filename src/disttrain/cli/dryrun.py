@@ -42,9 +42,14 @@ def add_parser(sub) -> None:
 def default_ranks(layout) -> list[int]:
     """One rank per distinct role: the first and last pipeline stage and one in between (they hold
     different layers, embeddings or head, and micro-batches in flight). Within a stage every rank
-    holds the same shapes (FSDP pads shards to equal size; TP splits evenly, which validation checks)."""
+    holds the same shapes (FSDP pads shards to equal size; TP splits evenly, which validation checks), except
+    the ring's context ranks under selective checkpointing (plan/context.py ring_selective_cache_bytes): the
+    last context rank of the first stage holds the most, and is simulated too."""
     per_stage = layout.world_size // layout.pp
-    return [p * per_stage for p in sorted({0, layout.pp - 1} | ({1} if layout.pp > 2 else set()))]
+    ranks = [p * per_stage for p in sorted({0, layout.pp - 1} | ({1} if layout.pp > 2 else set()))]
+    if layout.cp > 1 and layout.cp_method == "ring" and layout.activation_checkpointing == "selective":
+        ranks.insert(1, (layout.cp - 1) * layout.tp)  # mesh order (pp, dp_replicate, dp_shard, cp, tp)
+    return ranks
 
 
 def pp_rank_of(layout, rank: int) -> int:

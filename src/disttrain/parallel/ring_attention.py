@@ -78,7 +78,10 @@ class _RingAttention(torch.autograd.Function):
         groups = h // k.shape[1]
         scale = d ** -0.5 if scale is None else scale
         acc = at_least_fp32(torch.empty((), dtype=q.dtype)).dtype
-        out = torch.zeros(q.shape, dtype=acc, device=q.device)
+        # (batch, tokens, heads, head_dim) in memory, as the flash kernels write theirs: the model's
+        # transpose back to tokens-first is then contiguous and its reshape a view, not a second copy that
+        # the output projection would keep beside the one saved here
+        out = torch.zeros((b, t, h, d), dtype=acc, device=q.device).transpose(1, 2)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
         kv = torch.stack([k, v])
         for step in range(cp.size):

@@ -210,10 +210,11 @@ def stage_activation_bytes(shape: ModelShape, layout: Layout, pp_rank: int, fuse
     held = rank_params(shape, layout, pp_rank)
     layer = layer_activation_bytes(shape, mb, s, layout, fused_norm)
     if layout.cp > 1:
-        from disttrain.plan.context import context_extra_bytes
+        from disttrain.plan.context import context_extra_bytes, ring_backward_temporary_bytes
 
-        extra = context_extra_bytes(shape, layout, dtype_bytes(layout)[0])
-        layer = LayerActivations(saved=layer.saved + extra, transient=layer.transient)
+        ec = dtype_bytes(layout)[0]
+        layer = LayerActivations(saved=layer.saved + context_extra_bytes(shape, layout, ec),
+                                 transient=layer.transient + ring_backward_temporary_bytes(shape, layout, ec))
     first = korthikanti_in_flight_factor(layout.pp, layout.microbatches, layout.pp_schedule, layout.stages_per_rank)
     if pp_rank == 0 or layout.pp_schedule == "gpipe":
         in_flight = first

@@ -3,7 +3,9 @@ rank, K/V traffic per method, and what each method keeps beyond a 1/cp share of 
 
 Head-tail chunks balance causal attention, so each context rank computes 1/cp of the sequence's attention
 FLOPs and holds seq_len/cp tokens of every activation. On top of that share:
-  ring       keeps nothing more (masks only under document masking, one block at a time); per layer it
+  ring       keeps nothing more (masks only under document masking, one block at a time) but, under
+             selective checkpointing, every block's kernel output (ring_selective_cache_bytes); it holds a few
+             Q- and K/V-sized temporaries while a layer's backward runs (ring_backward_temporary_bytes); per layer it
              sends cp-1 K/V blocks forward and, in backward, cp-1 K/V blocks plus cp dK/dV blocks, each
              overlapped with one block's attention;
   allgather  keeps the gathered K/V (whole sequence) and a boolean (seq_len/cp x seq_len) mask per layer;
@@ -46,9 +48,39 @@ def kv_traffic_bytes(shape: ModelShape, layout: Layout) -> dict:
     return {"method": "ulysses", "bytes": 2 * (cp - 1) / cp * (2 * q + kv), "overlapped": False}
 
 
+def ring_backward_temporary_bytes(shape: ModelShape, layout: Layout, element_bytes: int) -> float:
+    """What the ring's backward (parallel/ring_attention.py) holds besides the saved tensors while a block's
+    kernel runs, per micro-batch: the contiguous output gradient, the accumulating dQ and travelling dK/dV
+    (at least fp32), this block's K/V and the next one arriving, the K/V expanded to every query head
+    (grouped heads only) and the kernel's dQ, dK, dV for the block. The forward holds less (its merge
+    works on one block's output at a time), so the backward bounds the ring's temporaries."""
+    if layout.cp == 1 or layout.cp_method != "ring":
+        return 0.0
+    e, acc = element_bytes, max(element_bytes, 4)
+    tokens = layout.seq_len // layout.cp * layout.micro_batch
+    q = tokens * shape.n_heads * shape.head_dim / layout.tp  # elements of Q (and of K/V expanded to its heads)
+    kv = 2 * tokens * shape.n_kv_heads * shape.head_dim / layout.tp  # K and V stacked
+    expanded = 2 * e * q if shape.n_heads != shape.n_kv_heads else 0.0
+    return (e + acc) * q + (2 * e + acc) * kv + expanded + 3 * e * q
+
+
+def ring_selective_cache_bytes(shape: ModelShape, layout: Layout, element_bytes: int) -> float:
+    """Selective checkpointing keeps the output of every attention kernel call (parallel/activation_checkpoint.py),
+    and the ring calls the kernel once per block: each block's output and fp32 log-sum-exp stay cached from
+    forward to backward beside the ring's merged output. Context rank r computes its own block and r blocks
+    from earlier ranks over all its query rows, and cp-1-r blocks from later ranks over half of them; the
+    last context rank (cp blocks of full rows) holds the most, and the planner counts that rank."""
+    if layout.cp == 1 or layout.cp_method != "ring" or layout.activation_checkpointing != "selective":
+        return 0.0
+    q = layout.seq_len // layout.cp * layout.micro_batch * shape.n_heads * shape.head_dim / layout.tp
+    return layout.cp * (element_bytes * q + 4 * q / shape.head_dim)
+
+
 def context_extra_bytes(shape: ModelShape, layout: Layout, element_bytes: int) -> float:
     """What a layer keeps besides its seq_len/cp share of the activations, per micro-batch."""
-    if layout.cp == 1 or layout.cp_method == "ring" or layout.activation_checkpointing == "full":
+    if layout.cp_method == "ring":
+        return ring_selective_cache_bytes(shape, layout, element_bytes)
+    if layout.cp == 1 or layout.activation_checkpointing == "full":
         return 0.0
     s, mb, cp, tp = layout.seq_len, layout.micro_batch, layout.cp, layout.tp
     if layout.cp_method == "allgather":  # the gathered K/V and the bool (seq/cp x seq) mask
