@@ -34,15 +34,64 @@ def cli_env() -> dict:
 
 def run_cli(*args: str, nproc: int | None = None, timeout: float = 300, check: bool = True,
             env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "disttrain", *args]
-    if nproc is not None:
-        cmd += ["--nproc-per-node", str(nproc)]
-    proc = subprocess.run(cmd, cwd=cwd or REPO, env={**cli_env(), **(env or {})}, capture_output=True, text=True,
-                          timeout=timeout)
+    """`python -m disttrain ARGS` as a separate process (forked from this worker's pre-imported interpreter,
+    tests/zygote.py), its output captured."""
+    args = (*args, *(("--nproc-per-node", str(nproc)) if nproc is not None else ()))
+    proc = run_module("disttrain", args, env={**cli_env(), **(env or {})}, cwd=cwd or REPO, timeout=timeout)
     if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"
+        raise AssertionError(f"{' '.join(proc.args)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"
                              f"\n--- stderr\n{proc.stderr[-4000:]}")
     return proc
+
+
+_ZYGOTE: list = []  # this pytest worker's tests/zygote.py server, started at its first command
+
+
+def _zygote() -> subprocess.Popen | None:
+    if os.environ.get("DISTTRAIN_TEST_FORK", "1") == "0":
+        return None
+    if not _ZYGOTE or _ZYGOTE[0].poll() is not None:
+        import atexit
+
+        _ZYGOTE[:] = [subprocess.Popen([sys.executable, str(REPO / "tests" / "zygote.py")], cwd=REPO, env=cli_env(),
+                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)]
+        atexit.register(_stop_zygote, _ZYGOTE[0])
+    return _ZYGOTE[0]
+
+
+def _stop_zygote(server: subprocess.Popen) -> None:
+    """End of the worker: the server's input closes, it leaves its loop and is waited for."""
+    server.stdin.close()
+    server.wait(timeout=60)
+
+
+def run_module(module: str, args, env: dict, cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+    """`python -m MODULE ARGS` run to completion in its own process: a fork of the pre-imported server (the
+    command sees its own arguments, environment, working directory and standard streams), or a fresh
+    interpreter with DISTTRAIN_TEST_FORK=0."""
+    import tempfile
+    import threading
+
+    cmd = [sys.executable, "-m", module, *args]
+    server = _zygote()
+    if server is None:
+        return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    with tempfile.TemporaryDirectory() as tmp:
+        out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+        server.stdin.write(json.dumps({"module": module, "args": list(args), "env": env, "cwd": str(cwd),
+                                       "stdout": str(out), "stderr": str(err)}) + "\n")
+        server.stdin.flush()
+        pid = json.loads(server.stdout.readline())["pid"]
+        reply: list = []
+        reader = threading.Thread(target=lambda: reply.append(server.stdout.readline()), daemon=True)
+        reader.start()
+        reader.join(timeout)
+        if reader.is_alive():
+            os.kill(pid, 9)
+            reader.join()
+            raise subprocess.TimeoutExpired(cmd, timeout, out.read_text(), err.read_text())
+        code = json.loads(reply[0])["code"]
+        return subprocess.CompletedProcess(cmd, code, out.read_text(errors="replace"), err.read_text(errors="replace"))
 
 
 def run_main(*args: str) -> tuple[int, str, str]:
@@ -86,12 +135,11 @@ def train_many(jobs: dict[str, tuple], nproc: int, config: Path = DEBUG_CONFIG,
     first.parent.mkdir(parents=True, exist_ok=True)
     job_file = first.parent / f"jobs_{first.name}.json"
     job_file.write_text(json.dumps(spec))
-    cmd = [sys.executable, "-m", "disttrain.distributed.agent", "--standalone", f"--nproc-per-node={nproc}",
-           str(REPO / "tests" / "workers" / "train_many.py"), str(job_file)]
-    proc = subprocess.run(cmd, cwd=REPO, env={**cli_env(), **(env or {})}, capture_output=True, text=True,
-                          timeout=timeout)
+    proc = run_module("disttrain.distributed.agent", ["--standalone", f"--nproc-per-node={nproc}",
+                                                      str(REPO / "tests" / "workers" / "train_many.py"), str(job_file)],
+                      env={**cli_env(), **(env or {})}, cwd=REPO, timeout=timeout)
     if proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"
+        raise AssertionError(f"{' '.join(proc.args)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"
                              f"\n--- stderr\n{proc.stderr[-6000:]}")
     return {name: job if isinstance(job, dict) else job[0] for name, job in jobs.items()}
 
