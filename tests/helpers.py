@@ -59,6 +59,13 @@ def _zygote() -> subprocess.Popen | None:
     return _ZYGOTE[0]
 
 
+def _starts_differently(env: dict) -> bool:
+    """An environment that changes how an interpreter starts (PYTHONPATH with a sitecustomize hook, say) needs
+    a fresh one."""
+    started = cli_env()
+    return any(env.get(k) != started.get(k) for k in {*env, *started} if k.startswith("PYTHON"))
+
+
 def _stop_zygote(server: subprocess.Popen) -> None:
     """End of the worker: the server's input closes, it leaves its loop and is waited for."""
     server.stdin.close()
@@ -74,7 +81,7 @@ def run_module(module: str, args, env: dict, cwd: Path, timeout: float) -> subpr
 
     cmd = [sys.executable, "-m", module, *args]
     server = _zygote()
-    if server is None:
+    if server is None or _starts_differently(env):
         return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     with tempfile.TemporaryDirectory() as tmp:
         out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
