@@ -9,10 +9,9 @@ interleave; ratios are disttrain over the hand-written loop within a repetition.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 
-from overhead import REPO, WORKLOADS, disttrain_command, measure_command, write_results
+from overhead import REPO, WORKLOADS, disttrain_command, interleaved, summarize, write_results
 
 
 def command(name: str, steps: int, seq_len: int, run_dir) -> list[str]:
@@ -35,21 +34,9 @@ def main() -> None:
     args = parser.parse_args()
     run_dir = REPO / "runs" / "bench-cp"
     names = ["disttrain cp=2", "hand-written"]
-    results: dict = {n: [] for n in names}
-    tokens = args.seq_len * (args.long - args.short)
-    for rep in range(args.reps):
-        for name in names[rep % 2:] + names[:rep % 2]:
-            w1, c1 = measure_command(command(name, args.short, args.seq_len, run_dir))
-            w2, c2 = measure_command(command(name, args.long, args.seq_len, run_dir))
-            row = {"tokens_per_s": tokens / (w2 - w1), "cpu_s_per_token": (c2 - c1) / tokens}
-            results[name].append(row)
-            print(f"rep {rep + 1}/{args.reps} {name:>15}: {row['tokens_per_s']:7.0f} tok/s, "
-                  f"{1e3 * row['cpu_s_per_token']:6.3f} CPU-ms/token", flush=True)
-    ours, theirs = results[names[0]], results[names[1]]
-    speed = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(ours, theirs)]
-    cpu = [a["cpu_s_per_token"] / b["cpu_s_per_token"] for a, b in zip(ours, theirs)]
-    summary = {"throughput_ratio_median": statistics.median(speed), "throughput_ratio_range": [min(speed), max(speed)],
-               "cpu_per_token_ratio_median": statistics.median(cpu), "cpu_per_token_ratio_range": [min(cpu), max(cpu)]}
+    results = interleaved(names, lambda name, steps: command(name, steps, args.seq_len, run_dir), args.reps,
+                          args.short, args.long, tokens_per_step=args.seq_len)
+    summary = summarize(results, baseline="hand-written")[names[0]]
     print(summary)
     write_results(args.out, {"args": vars(args), "runs": results, "summary": summary})
 

@@ -52,20 +52,21 @@ def measure_command(cmd: list[str]) -> tuple[float, float]:
     return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
-def steady_state(command_for_steps, short: int, long: int) -> dict:
+def steady_state(command_for_steps, short: int, long: int, tokens_per_step: int = TOKENS_PER_STEP) -> dict:
     """Throughput and CPU per token of the steps between `short` and `long` (start-up cancels out)."""
     w1, c1 = measure_command(command_for_steps(short))
     w2, c2 = measure_command(command_for_steps(long))
-    tokens = TOKENS_PER_STEP * (long - short)
+    tokens = tokens_per_step * (long - short)
     return {"tokens_per_s": tokens / (w2 - w1), "cpu_s_per_token": (c2 - c1) / tokens}
 
 
-def interleaved(names: list[str], command_for, reps: int, short: int, long: int) -> dict[str, list[dict]]:
+def interleaved(names: list[str], command_for, reps: int, short: int, long: int,
+                tokens_per_step: int = TOKENS_PER_STEP) -> dict[str, list[dict]]:
     """Every variant once per repetition, starting one later each time; `command_for(name, steps)`."""
     results: dict[str, list[dict]] = {n: [] for n in names}
     for rep in range(reps):
         for name in names[rep % len(names):] + names[:rep % len(names)]:
-            row = steady_state(lambda steps: command_for(name, steps), short, long)
+            row = steady_state(lambda steps: command_for(name, steps), short, long, tokens_per_step)
             results[name].append(row)
             print(f"rep {rep + 1}/{reps} {name:>16}: {row['tokens_per_s']:8.0f} tok/s, "
                   f"{1e6 * row['cpu_s_per_token']:7.1f} CPU-us/token", flush=True)
