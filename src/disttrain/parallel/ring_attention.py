@@ -83,22 +83,13 @@ class _RingAttention(torch.autograd.Function):
         # the output projection would keep beside the one saved here
         out = torch.zeros((b, t, h, d), dtype=acc, device=q.device).transpose(1, 2)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
-        kv = torch.stack([k, v])
-        for step in range(cp.size):
-            source = (cp.rank - step) % cp.size
-            if step < cp.size - 1:
-                incoming, works = _shift(kv, cp, _KV_TAG)
-            rows, cols, causal, mask = _block(cp, source, t, q.dtype, documents, q.device)
-            kb, vb = (_expand_heads(x[:, :, cols], groups) for x in kv)
+        for rows, cols, causal, mask, kb, vb in _ring(torch.stack([k, v]), cp, q, documents, groups):
             part, part_lse = _FLASH(q[:, :, rows], kb, vb, 0.0, causal,
                                     attn_mask=None if mask is None else mask[0], scale=scale)
             part_lse = part_lse.to(acc)
             if mask is not None:  # rows that see nothing in this block: the kernel says lse 0, out 0
                 part_lse = part_lse.masked_fill(~mask[1], float("-inf"))
             _merge(out, lse, part.to(acc), part_lse, rows)
-            if step < cp.size - 1:
-                _wait(works)
-                kv = incoming
         out = out.to(q.dtype)
         ctx.cp, ctx.scale, ctx.groups = cp, scale, groups
         ctx.save_for_backward(q, k, v, out, lse, documents)
@@ -108,18 +99,12 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, out, lse, documents = ctx.saved_tensors
         cp, scale, groups = ctx.cp, ctx.scale, ctx.groups
-        t = q.shape[2]
         acc = lse.dtype
         grad_out = grad_out.contiguous()
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        kv = torch.stack([k, v])
-        dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)  # the travelling accumulator of `kv`'s owner
-        for step in range(cp.size):
-            source = (cp.rank - step) % cp.size
-            if step < cp.size - 1:
-                incoming, works = _shift(kv, cp, _KV_TAG)
-            rows, cols, causal, mask = _block(cp, source, t, q.dtype, documents, q.device)
-            kb, vb = (_expand_heads(x[:, :, cols], groups) for x in kv)
+        dkv = torch.zeros((2, *k.shape), dtype=acc, device=q.device)  # the travelling accumulator of K/V's owner
+        # the stacked K/V is passed, not kept: only the block in flight stays alive, as before the walk was shared
+        for rows, cols, causal, mask, kb, vb in _ring(torch.stack([k, v]), cp, q, documents, groups):
             dq_part, dk_part, dv_part = _FLASH_BACKWARD(
                 grad_out[:, :, rows], q[:, :, rows], kb, vb, out[:, :, rows], lse[:, :, rows].contiguous(), 0.0,
                 causal, attn_mask=None if mask is None else mask[0], scale=scale)
@@ -130,12 +115,27 @@ class _RingAttention(torch.autograd.Function):
                 dkv[i][:, :, cols] += part
             sent = dkv
             dkv, grad_works = _shift(sent, cp, _GRAD_TAG)  # on to the next rank; home after a full circle
-            if step < cp.size - 1:
-                _wait(works)
-                kv = incoming
             _wait(grad_works)
             del sent
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+
+
+def _ring(kv, cp, q, documents, groups):
+    """The ring walk both passes share: for each of the cp blocks of K/V (this rank's first), the next block is
+    already on its way while the caller computes with this one, given as (rows, cols, causal, mask, k, v) with
+    K/V heads expanded to the query heads."""
+    t = q.shape[2]
+    for step in range(cp.size):
+        source = (cp.rank - step) % cp.size
+        last = step == cp.size - 1
+        if not last:
+            incoming, works = _shift(kv, cp, _KV_TAG)
+        rows, cols, causal, mask = _block(cp, source, t, q.dtype, documents, q.device)
+        kb, vb = (_expand_heads(x[:, :, cols], groups) for x in kv)
+        yield rows, cols, causal, mask, kb, vb
+        if not last:
+            _wait(works)
+            kv = incoming
 
 
 def _merge(out, lse, part, part_lse, rows) -> None:
