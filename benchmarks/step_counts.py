@@ -11,11 +11,16 @@ their reads, inside `Optimizer.step`, are counted apart.
     python benchmarks/step_counts.py [--micro-batch 8]      # re-launches itself under torchrun
     python benchmarks/step_counts.py --hf   # the HF workload: disttrain ZeRO-3 vs fully_shard per decoder layer
     python benchmarks/step_counts.py --moe  # debug-moe at ep=2, ZeRO-3: disttrain vs workloads/plain_moe_ep.py
+    python benchmarks/step_counts.py --moe --stacks  # ... and each host sync per step by the line it comes from
+
+`--stacks` adds, per step, the profiler's host syncs by the ops they ran inside, and the Python calls that
+would wait for a GPU by the line of disttrain or the workload that made them (`sync_sources`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import subprocess
@@ -28,6 +33,7 @@ WORKLOADS = REPO / "benchmarks" / "workloads"
 LAYOUTS = {"ddp": ["parallel.zero_stage=0"], "zero2": ["parallel.zero_stage=2"], "zero3": ["parallel.zero_stage=3"],
            "tp2": ["parallel.tp=2"], "pp2 1f1b": ["parallel.pp=2", "parallel.pp_schedule=1f1b"]}
 SHORT, EXTRA = 3, 4  # steps of the short run; the long run has EXTRA more
+STACKS = False  # --stacks: also count host syncs per source line
 
 
 def count_events(prof) -> Counter:
@@ -41,8 +47,19 @@ def count_events(prof) -> Counter:
             counts[f"{kind} count"] += 1
             counts[f"{kind} bytes"] += size
         elif e.name == "aten::_local_scalar_dense":
-            counts["optimizer step counters" if _inside(e, "Optimizer.step") else "host syncs"] += 1
+            kind = "optimizer step counters" if _inside(e, "Optimizer.step") else "host syncs"
+            counts[kind] += 1
+            if STACKS and kind == "host syncs":
+                counts[f"host sync in {_parents(e)}"] += 1
     return counts
+
+
+def _parents(event, depth: int = 5) -> str:
+    names, parent = [], event.cpu_parent
+    while parent is not None and len(names) < depth:
+        names.append(parent.name)
+        parent = parent.cpu_parent
+    return " <- ".join(names) or "(top level)"
 
 
 def _inside(event, prefix: str) -> bool:
@@ -63,14 +80,52 @@ def _itemsize(dtype_name: str) -> int:
     return sizes.get(dtype_name.replace("c10::", "").lower(), 4)  # float, int
 
 
+SYNC_CALLS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "nonzero", "cpu", "numpy")
+
+
+def sync_sources():
+    """A torch-function mode counting the Python calls that wait for the device on a GPU (`.item()`, `.tolist()`,
+    `bool(t)`, `float(t)`, `nonzero()`, `.cpu()`, and `torch.tensor(list)` on a device: a blocking copy), by
+    the innermost line of this repository's code (disttrain, the workloads) and the torch line under it. The
+    profiler's `_local_scalar_dense` count misses `.tolist()` and copies, and counts reads inside torch's CPU
+    kernels that a GPU never makes; the profiler's own `with_stack` fails to parse under torch 2.13 here."""
+    import traceback
+
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    class Sources(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.counts: Counter = Counter()
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            name = getattr(func, "__name__", "")
+            if name == "_grouped_mm":  # torch's CPU kernel reads each group's end offset on the host
+                self.counts["grouped GEMM calls in forward"] += 1
+            if name in SYNC_CALLS or (func is torch.tensor and (kwargs or {}).get("device") is not None):
+                stack = traceback.extract_stack()[:-1]
+                ours = [f for f in stack if "/src/disttrain/" in f.filename or "/benchmarks/" in f.filename]
+                if ours and not any(f.name == "step" and "/optim/" in f.filename for f in stack):
+                    inner = stack[-1]
+                    where = f"{ours[-1].filename.split('/src/')[-1].split('/benchmarks/')[-1]}:{ours[-1].lineno}"
+                    if inner is not ours[-1]:
+                        where += f" via {inner.filename.split('site-packages/')[-1]}:{inner.lineno}"
+                    self.counts[f"python sync {name} at {where}"] += 1
+            return func(*args, **(kwargs or {}))
+
+    return Sources()
+
+
 def per_step(run_steps) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     totals = []
     for steps in (SHORT, SHORT + EXTRA):
         with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-            run_steps(steps)
-        totals.append(count_events(prof))
+            with sync_sources() if STACKS else contextlib.nullcontext() as sources:
+                run_steps(steps)
+        totals.append(count_events(prof) + (sources.counts if STACKS else Counter()))
     keys = sorted(set(totals[0]) | set(totals[1]))
     return {k: (totals[1][k] - totals[0][k]) / EXTRA for k in keys if totals[1][k] != totals[0][k]}
 
@@ -163,8 +218,11 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--hf", action="store_true", help="only the Hugging Face workload's sharded pair")
     parser.add_argument("--moe", action="store_true", help="only the expert-parallel pair (debug-moe, ep=2)")
+    parser.add_argument("--stacks", action="store_true", help="count host syncs per source line as well")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    global STACKS
+    STACKS = args.stacks
     name = "step_counts_hf.json" if args.hf else "step_counts_moe.json" if args.moe else \
         f"step_counts_mb{args.micro_batch}.json"
     out = Path(args.out or REPO / "benchmarks" / "results" / name)
@@ -175,7 +233,7 @@ def main() -> None:
                PYTHONPATH=os.pathsep.join([str(WORKLOADS), str(REPO / "src"), os.environ.get("PYTHONPATH", "")]))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
            "--micro-batch", str(args.micro_batch), "--out", str(out), *(["--hf"] if args.hf else []),
-           *(["--moe"] if args.moe else [])]
+           *(["--moe"] if args.moe else []), *(["--stacks"] if args.stacks else [])]
     sys.exit(subprocess.run(cmd, env=env, cwd=REPO).returncode)
 
 

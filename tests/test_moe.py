@@ -292,8 +292,10 @@ def test_expert_parallel_equals_one_process(tmp_path):
         # no balancing loss: the routing statistics are reduced once per step, after the optimizer step
         "ddp_noaux": ("parallel.ep=2", "parallel.zero_stage=0", "model.moe.aux_loss_coef=0"),
         # every conversation in each step, padded to 128 tokens: the loads count its real tokens only; no
-        # balancing bias, so that `convert --to hf` can write it as Qwen2-MoE (below)
-        "chat": ("parallel.ep=2", "parallel.zero_stage=0", "model.moe.bias_update_rate=0"),
+        # balancing bias, so that `convert --to hf` can write it as Qwen2-MoE (below), nor loss: the routing
+        # statistics are reduced only when a logging step reads them
+        "chat": ("parallel.ep=2", "parallel.zero_stage=0", "model.moe.bias_update_rate=0",
+                 "model.moe.aux_loss_coef=0"),
     }
     chat_data = (f"data.source={chat}", "model.vocab_size=384", "data.seq_len=128",
                  f"train.global_batch_size={conversations}")
@@ -318,7 +320,8 @@ def test_expert_parallel_equals_one_process(tmp_path):
     single = train_many({"one": (tmp_path / "one", (*COMMON, FP64)), "one32": (tmp_path / "one32", (*COMMON, *fp32)),
                          "one_noaux": (tmp_path / "one_noaux", (*COMMON, FP64, "model.moe.aux_loss_coef=0")),
                          "one_chat": (tmp_path / "one_chat", (*COMMON, FP64, *chat_data,
-                                                              "model.moe.bias_update_rate=0")),
+                                                              "model.moe.bias_update_rate=0",
+                                                              "model.moe.aux_loss_coef=0")),
                          "hf_qwen3_moe_one": (tmp_path / "hf_qwen3_moe_one", hf["qwen3_moe"]),
                          "hf_mixtral_one": (tmp_path / "hf_mixtral_one", hf["mixtral"]),
                          "resume32": (runs["save32"], (*COMMON, *fp32, "run.allow_changes=true"))}, nproc=1)

@@ -1,7 +1,8 @@
 """Routing of each MoE layer on logging steps: the tokens each expert was chosen for over the global
 batch, their max/mean imbalance, dropped tokens, the balancing loss and the router's entropy.
 
-The layers already summed their statistics over the data-parallel ranks (models/moe/layer.py); under a
+The layers' statistics are summed over the data-parallel ranks here, when a logging step reads them (one
+all-reduce; models/moe/layer.py), unless a balancing loss or bias summed them already; under a
 pipeline each stage holds some layers, so the summaries are gathered over the pipeline ranks
 (a collective, on logging steps only). Record keys: `moe_tokens_per_expert` ({layer: counts}, the
 TensorBoard histogram), and per layer `moe_<n>_load_imbalance`, `_dropped_tokens`, `_aux_loss`,
@@ -14,6 +15,7 @@ import re
 
 import torch.distributed as dist
 
+from disttrain.models.moe.layer import reduce_routing_statistics
 from disttrain.parallel.names import clean_fqn
 
 SCALARS = ("load_imbalance", "dropped_tokens", "aux_loss", "router_entropy")
@@ -25,6 +27,7 @@ class RoutingMonitor:
         self.pp_group = pp_group
 
     def record(self) -> dict:
+        reduce_routing_statistics(self.layers.values())  # summed over data-parallel ranks only when read
         summaries = {name: s for name, layer in self.layers.items() if (s := layer.step_summary()) is not None}
         if self.pp_group is not None and dist.get_world_size(self.pp_group) > 1:
             gathered: list = [None] * dist.get_world_size(self.pp_group)

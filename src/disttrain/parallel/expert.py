@@ -28,6 +28,7 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from disttrain.layout import Layout
+from disttrain.models.moe.layer import reduce_routing_statistics
 
 
 class AllToAllDispatch:
@@ -40,11 +41,14 @@ class AllToAllDispatch:
         ep, per_rank = self.ep, counts.numel() // self.ep
         received_counts = torch.empty_like(counts)
         dist.all_to_all_single(received_counts, counts, group=self.group)  # (source rank, local expert)
-        sent, got = self.host_counts(torch.stack([counts, received_counts]).view(2, ep, per_rank))
+        both = torch.stack([counts, received_counts]).view(2, ep, per_rank)
+        sent, got = self.host_counts(both)
         send_splits, recv_splits = [sum(c) for c in sent], [sum(c) for c in got]
         received = wait_tensor(all_to_all_single_autograd(rows, recv_splits, send_splits, self.group))
-        # rows arrive grouped by source rank, then expert; the experts want them grouped by expert
-        got_t = torch.tensor(got, device=rows.device)  # (source, expert)
+        # rows arrive grouped by source rank, then expert; the experts want them grouped by expert. The
+        # permutation is computed from the counts already on the device: a tensor built from the host lists
+        # would be a blocking copy on a GPU, waiting for the all-to-all just queued.
+        got_t = both[1]  # (source, expert)
         lengths = got_t.t().reshape(-1)  # segments in (expert, source) order
         starts = (torch.cumsum(got_t.reshape(-1), 0) - got_t.reshape(-1)).view(ep, per_rank).t().reshape(-1)
         out_starts = torch.cumsum(lengths, 0) - lengths
@@ -52,7 +56,7 @@ class AllToAllDispatch:
         perm = torch.arange(total, device=rows.device) + torch.repeat_interleave(starts - out_starts, lengths,
                                                                                 output_size=total)
         per_expert = [sum(got[s][e] for s in range(ep)) for e in range(per_rank)]
-        y = experts(received[perm], torch.tensor(per_expert, device=rows.device), per_expert)
+        y = experts(received[perm], got_t.sum(0), per_expert)
         back = torch.empty_like(perm)
         back[perm] = torch.arange(total, device=rows.device)
         return wait_tensor(all_to_all_single_autograd(y[back].contiguous(), send_splits, recv_splits, self.group))
@@ -140,15 +144,16 @@ class ExpertGradients:
 
 
 def finish_routing_step(layers: dict):
-    """After each optimizer step: the MoE layers' step statistics and balancing bias (models/moe/layer.py)."""
+    """After each optimizer step: the MoE layers' step statistics and balancing bias (models/moe/layer.py).
+    The statistics are summed over the data-parallel ranks here only when a balancing bias moves by them;
+    otherwise when a logging step reads them (observe/moe.py): no collective on the other steps."""
+    layers = list(layers.values())
+    bias = any(layer.routing.bias_update_rate for layer in layers)
+
     @torch.no_grad()
     def finish(updated: bool) -> None:
-        pending = [layer for layer in layers.values() if layer.stats_pending]
-        if pending:  # every layer's step sums in one all-reduce; the micro-batch count (last) is the same on all
-            flat = torch.cat([layer.step_stats[:-1] for layer in pending])
-            dist.all_reduce(flat, group=pending[0].stats_group)
-            for layer, part in zip(pending, flat.split([layer.step_stats.numel() - 1 for layer in pending])):
-                layer.step_stats[:-1] = part
-        for layer in layers.values():
+        if updated and bias:
+            reduce_routing_statistics(layers)
+        for layer in layers:
             layer.finish_step(updated)
     return finish

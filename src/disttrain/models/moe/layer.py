@@ -70,6 +70,7 @@ class RoutedExperts:
         self.routed_rows_of = 0  # ... out of this many (the forward's tokens)
         self.step_stats: torch.Tensor | None = None  # [counts (E), dropped, aux loss, entropy sum, tokens, rounds]
         self.last_step: torch.Tensor | None = None
+        self.stats_local = False  # the latest statistics (step_stats; last_step after finish_step) are per rank
 
     def routed(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, probs: torch.Tensor | None,
                training: bool) -> torch.Tensor:
@@ -116,7 +117,8 @@ class RoutedExperts:
     def _account(self, out: torch.Tensor, counts, dropped, probs: torch.Tensor) -> torch.Tensor:
         """Routing statistics of this micro-batch and the balancing loss attached to `out`. The loss needs the
         global batch's loads now (one all-reduce per layer and micro-batch); without it, the step's local sums
-        wait for `finish_routing_step`, which reduces every layer's in one all-reduce per step."""
+        wait for `reduce_routing_statistics`, which reduces every layer's in one all-reduce on the steps that read
+        them (a bias update, a logging step)."""
         e = self.num_experts
         coef = self.routing.aux_loss_coef
         if probs is None:  # a router whose probabilities are unknown: loads only
@@ -137,17 +139,14 @@ class RoutedExperts:
             row = torch.cat([g_counts, torch.stack([local[2 * e], aux_value, local[2 * e + 1], tokens,
                                                     torch.ones_like(tokens)])])
             self.step_stats = row if self.step_stats is None else self.step_stats + row
+            self.stats_local = self.stats_group is not None and not coef  # no balancing loss summed them
         return out
-
-    @property
-    def stats_pending(self) -> bool:
-        """This step's statistics are still per rank (no balancing loss asked for the global ones earlier)."""
-        return self.step_stats is not None and self.stats_group is not None and not self.routing.aux_loss_coef
 
     @torch.no_grad()
     def finish_step(self, updated: bool) -> None:
         """After the optimizer step: keep the step's statistics for reporting; move the bias (when the
-        step updated the parameters). Evaluation never gets here: its forward passes count nothing."""
+        step updated the parameters; by global counts: `reduce_routing_statistics` first when `stats_local`).
+        Evaluation never gets here: its forward passes count nothing."""
         if self.step_stats is None:
             return
         self.last_step, self.step_stats = self.step_stats, None
@@ -155,7 +154,8 @@ class RoutedExperts:
             self.update_bias(self.last_step[:self.num_experts], self.routing.bias_update_rate)
 
     def step_summary(self) -> dict | None:
-        """The last training step's routing over its global batch (host sync), or None before one."""
+        """The last training step's routing over its global batch (host sync), or None before one.
+        Per-rank statistics (`stats_local`) are summed first by `reduce_routing_statistics`."""
         if self.last_step is None:
             return None
         values = self.last_step.tolist()
@@ -164,6 +164,22 @@ class RoutedExperts:
         mean = sum(counts) / e
         return {"tokens_per_expert": [int(c) for c in counts], "load_imbalance": max(counts) / mean if mean else 0.0,
                 "dropped_tokens": int(dropped), "aux_loss": aux / rounds, "router_entropy": entropy / tokens}
+
+
+@torch.no_grad()
+def reduce_routing_statistics(layers) -> None:
+    """Sum the latest per-rank statistics of every layer holding them over the data-parallel ranks, in one
+    all-reduce (the micro-batch count, last, is the same on every rank). Collective over `stats_group`: every
+    rank calls it at the same point (after a step that moves the bias, or on a logging step)."""
+    local = [layer for layer in layers if layer.stats_local]
+    if not local:
+        return
+    stats = [layer.step_stats if layer.step_stats is not None else layer.last_step for layer in local]
+    flat = torch.cat([s[:-1] for s in stats])
+    dist.all_reduce(flat, group=local[0].stats_group)
+    for layer, s, part in zip(local, stats, flat.split([s.numel() - 1 for s in stats])):
+        s[:-1] = part
+        layer.stats_local = False
 
 
 class MoEFeedForward(RoutedExperts, nn.Module):
