@@ -75,6 +75,35 @@ def test_grouped_gemm_runs_in_the_autocast_dtype():
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
 
 
+def test_autocast_copies_are_made_once_for_all_micro_batches():
+    """Like autocast's cache for F.linear: the experts' bf16 weights are cast once and shared by every
+    micro-batch's graph until the optimizer step, with the gradients of a cast per micro-batch."""
+    experts = GroupedExperts(4, 16, 8)
+    for p in experts.parameters():
+        torch.nn.init.normal_(p)
+    batches = [(torch.randn(11, 16), torch.tensor([3, 0, 6, 2])), (torch.randn(7, 16), torch.tensor([1, 2, 2, 2]))]
+
+    def grads(shared: bool):
+        experts.zero_grad(set_to_none=True)
+        copies = set()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            outs = []
+            for rows, counts in batches:
+                if not shared:
+                    experts.release_compute_copies()
+                outs.append(experts(rows, counts))
+                copies.add(id(experts.compute_copies[1][0]))
+        for out in outs:  # separate backwards, as a pipeline's micro-batches
+            out.float().square().sum().backward()
+        experts.release_compute_copies()
+        return len(copies), [p.grad for p in experts.parameters()]
+
+    (once, shared), (each, separate) = grads(True), grads(False)
+    assert (once, each) == (1, 2)
+    for a, b in zip(shared, separate):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 def test_tied_scores_route_the_same_under_recomputation():
     """A zero router ties every score: the lowest expert indices win, in the forward and in activation
     checkpointing's recompute, whose gradients equal the plain run's; the step counts each token once."""

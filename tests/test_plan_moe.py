@@ -336,6 +336,48 @@ def test_moe_activations_match_saved_tensors(name, recompute, monkeypatch):
         assert predicted == pytest.approx(measured, rel=1e-3), (mb, seq, dtype)
 
 
+@pytest.mark.parametrize("name", list(SAVED_TENSOR_SHAPES))
+def test_moe_layer_under_autocast_matches_saved_tensors(name):
+    """fp32 weights under bf16 autocast (DDP, ZeRO-1): what one MoE layer keeps for backward, its input and its
+    weights' cast copies apart (the planner counts those with the block's norm and the model states), against
+    the planner's MoE term plus the two casts of the MLP input the dense block's term already holds."""
+    import torch
+
+    from disttrain.models.moe.layer import MoEFeedForward, MoERouting
+    from disttrain.plan.activations import LayerActivations, dtype_bytes
+    from disttrain.plan.moe import moe_layer_bytes
+
+    shape, mb, seq = SAVED_TENSOR_SHAPES[name], 2, 96
+    moe = shape.moe
+    torch.manual_seed(0)
+    shared = None
+    if moe.n_shared_experts:
+        from disttrain.models.llama.model import FeedForward
+        shared = FeedForward(shape.dim, moe.n_shared_experts * moe.moe_intermediate_size)
+    layer = MoEFeedForward(shape.dim, moe.num_experts, moe.num_experts_per_tok, moe.moe_intermediate_size,
+                           moe.n_shared_experts, "softmax", MoERouting(), shared)
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    x = torch.randn(mb, seq, shape.dim, requires_grad=True)
+    params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    held: dict[int, tuple] = {}
+
+    def pack(t):
+        held.setdefault(t.untyped_storage().data_ptr(), (t.untyped_storage().nbytes(), t.dtype, t.dim()))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
+        layer(x).sum().backward()
+    cast_sizes = {2 * p.numel() for p in layer.parameters() if p.dim() >= 2}
+    weight_casts = {k for k, (nbytes, dtype, dim) in held.items() if dtype == torch.bfloat16 and nbytes in cast_sizes}
+    measured = sum(v[0] for k, v in held.items() if k not in params | weight_casts | {x.untyped_storage().data_ptr()})
+    layout = Layout(micro_batch_size=mb, global_batch_size=mb, seq_len=seq, param_dtype="bf16", compute_dtype="bf16",
+                    zero_stage=0)  # DDP's layout names the autocast dtype as its parameter dtype
+    ec, er = dtype_bytes(layout)
+    predicted = moe_layer_bytes(shape, layout, LayerActivations(0.0, 0.0), ec, er=er).saved + 2 * ec * mb * seq * shape.dim
+    assert predicted == pytest.approx(measured, rel=1e-3)
+
+
 def test_skew_and_whole_experts_under_tensor_parallel_cost_compute():
     """The FLOP count spreads a replica's work evenly over its tp ranks; the busiest expert-parallel rank does
     skew x its share of the routed experts, and tensor-parallel ranks run the experts whole on the same tokens."""

@@ -225,8 +225,7 @@ def stage_activation_bytes(shape: ModelShape, layout: Layout, pp_rank: int, fuse
     if shape.moe is not None:  # MoE blocks beside any dense ones, routed as `routing_skew` says
         from disttrain.plan.moe import stage_layers
         attention = layer_activation_bytes(replace(shape, ffn_hidden_dim=0, moe=None), mb, s, layout, fused_norm)
-        layers_saved, layer = stage_layers(shape, layout, pp_rank, layer, attention, dtype_bytes(layout)[0],
-                                           routing_skew)
+        layers_saved, layer = stage_layers(shape, layout, pp_rank, layer, attention, ec, routing_skew, er)
     saved = layers_saved * in_flight
     logits = 0.0
     if held.embedding:

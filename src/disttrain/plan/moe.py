@@ -104,7 +104,8 @@ def received(layout: Layout, skew: float) -> float:
     return min(max(skew, 1.0), float(layout.ep))
 
 
-def moe_layer_bytes(shape: ModelShape, layout: Layout, attention, ec: int, skew: float = ROUTING_SKEW):
+def moe_layer_bytes(shape: ModelShape, layout: Layout, attention, ec: int, skew: float = ROUTING_SKEW,
+                    er: int | None = None):
     """One MoE block's activations: `attention`, the dense block's without its MLP (`activations.
     layer_activation_bytes` of ffn_hidden_dim 0), plus the MoE layer's own tensors per micro-batch, for T tokens
     routed to k experts each, as models/moe keeps them (checked against saved-tensor hooks,
@@ -118,9 +119,17 @@ def moe_layer_bytes(shape: ModelShape, layout: Layout, attention, ec: int, skew:
     - shared experts as a dense SwiGLU MLP of n_shared x width;
     - transient: the all-to-all's send and receive buffers (T·k + T·k·skew rows of dim) while it runs, and
       their gradients in backward.
+    Under autocast over fp32 weights (DDP, ZeRO-1) the combine's weighted outputs are kept in the residual
+    dtype (index_add keeps its source, cast back to the input's dtype), the block's norm output is cast once
+    for the router (and twice more for shared experts) where the dense block counts two casts, and an expert
+    tensor's gradient is made in the compute dtype and cast to fp32 in backward (measured by the dry run:
+    6 bytes per element of one [experts, width, dim] tensor at Qwen3-30B-A3B's first pipeline stage).
+    `ec`/`er`: the compute and residual dtypes' bytes (activations.dtype_bytes; they differ under autocast).
     Selective checkpointing keeps the outputs of mm-family matmuls only (parallel/activation_checkpoint.py):
     the router's logits and the shared experts' projections; the grouped expert matmuls, the routing and the
     exchange are recomputed. Full keeps the block input and recomputes all of it."""
+    er = ec if er is None else er
+    autocast = er != ec
     base, micro_batch, seq_len = attention, layout.micro_batch, layout.seq_len
     moe = shape.moe
     t = layout.tp
@@ -130,7 +139,10 @@ def moe_layer_bytes(shape: ModelShape, layout: Layout, attention, ec: int, skew:
     sb, shared = micro_batch * seq_len, moe.n_shared_experts * width / t
     routing = (FP32 + INDEX) * tokens * e + (2 * INDEX + ec) * tokens * k + 4 * e / layout.ep  # + int32 offsets
     buffers = ec * (tokens * k + rows) * h
-    full = routing + ec * rows * (h + 4 * width) + 2 * ec * tokens * k * h + 4 * ec * sb * shared
+    casts = (2 * (moe.n_shared_experts > 0) - 1) * ec * sb * h if autocast else 0.0
+    full = routing + ec * rows * (h + 4 * width) + (ec + er) * tokens * k * h + 4 * ec * sb * shared + casts
+    if autocast:
+        buffers += (ec + FP32) * e // layout.ep * width * h
     mode = layout.activation_checkpointing
     if mode == "full":
         return replace(base, transient=base.transient + full + buffers)
@@ -141,12 +153,12 @@ def moe_layer_bytes(shape: ModelShape, layout: Layout, attention, ec: int, skew:
 
 
 def stage_layers(shape: ModelShape, layout: Layout, pp_rank: int, dense, attention, ec: int,
-                 skew: float = ROUTING_SKEW):
+                 skew: float = ROUTING_SKEW, er: int | None = None):
     """(saved bytes of every layer this rank holds, the fullest layer) for one micro-batch; `dense` is a dense
     block's LayerActivations, `attention` the same without its MLP, `ec` the compute dtype's bytes."""
     layers = held_layers(shape, layout, pp_rank)
     n_moe = moe_layers(shape, layers)
-    moe = moe_layer_bytes(shape, layout, attention, ec, skew)
+    moe = moe_layer_bytes(shape, layout, attention, ec, skew, er)
     saved = (len(layers) - n_moe) * dense.saved + n_moe * moe.saved
     kinds = ([dense] if len(layers) > n_moe else []) + ([moe] if n_moe else [])
     return saved, max(kinds or [dense], key=lambda layer: layer.transient)

@@ -35,6 +35,26 @@ class GroupedExperts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden, dim))  # up
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden))  # down
         self.grouped_gemm = True  # False: always the per-expert loop (benchmarks compare the two)
+        self.compute_copies: tuple | None = None  # (key, weights in the autocast dtype): see `_autocast_weights`
+
+    def _autocast_weights(self, weights: tuple, dtype: torch.dtype) -> tuple:
+        """The weights in the autocast dtype, made once and shared by every forward until they change, as
+        autocast's own cache does for the weights F.linear casts (grouped_mm is on no autocast list: torch
+        2.13). A copy per call would be saved for backward by every micro-batch in flight: 32 copies of 128
+        experts on the first stage of a 32-stage pipeline (found by the dry run). Keyed by each parameter and
+        its version (an optimizer step, FSDP's next all-gather change it); dropped after each optimizer step
+        (`release_compute_copies`). Without gradients (evaluation) nothing is kept."""
+        params = (self.w1, self.w2, self.w3)
+        key = (dtype, *((id(p), local(p)._version) for p in params))
+        if self.compute_copies is not None and self.compute_copies[0] == key:
+            return self.compute_copies[1]
+        copies = tuple(w.to(dtype) for w in weights)
+        if torch.is_grad_enabled() and torch.is_autocast_cache_enabled():
+            self.compute_copies = (key, copies)
+        return copies
+
+    def release_compute_copies(self) -> None:
+        self.compute_copies = None
 
     def forward(self, rows: torch.Tensor, counts: torch.Tensor, counts_list: list[int] | None = None) -> torch.Tensor:
         """rows (n, dim) sorted by this rank's experts, `counts` rows per local expert (int64 tensor);
@@ -43,7 +63,9 @@ class GroupedExperts(nn.Module):
         device = rows.device.type
         if torch.is_autocast_enabled(device):  # grouped_mm is on no autocast list (torch 2.13): cast as F.linear is
             dtype = torch.get_autocast_dtype(device)
-            rows, w1, w2, w3 = (t.to(dtype) for t in (rows, w1, w2, w3))
+            rows = rows.to(dtype)
+            if w1.dtype != dtype:
+                w1, w2, w3 = self._autocast_weights((w1, w2, w3), dtype)
         if rows.shape[0] and self.grouped_gemm and grouped_gemm_fits(rows, w1.shape[1]):
             offsets = torch.cumsum(counts, 0).to(torch.int32)
             h = F.silu(F.grouped_mm(rows, w1.transpose(-2, -1), offs=offsets)) * \

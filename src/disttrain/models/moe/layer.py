@@ -147,6 +147,9 @@ class RoutedExperts:
         """After the optimizer step: keep the step's statistics for reporting; move the bias (when the
         step updated the parameters; by global counts: `reduce_routing_statistics` first when `stats_local`).
         Evaluation never gets here: its forward passes count nothing."""
+        release = getattr(getattr(self, "experts", None), "release_compute_copies", None)
+        if release is not None:  # the weights change: their autocast copies with them
+            release()
         if self.step_stats is None:
             return
         self.last_step, self.step_stats = self.step_stats, None
