@@ -77,7 +77,8 @@ def test_grouped_gemm_runs_in_the_autocast_dtype():
 
 def test_autocast_copies_are_made_once_for_all_micro_batches():
     """Like autocast's cache for F.linear: the experts' bf16 weights are cast once and shared by every
-    micro-batch's graph until the optimizer step, with the gradients of a cast per micro-batch."""
+    micro-batch's graph until the optimizer step, with the gradients of a cast per micro-batch; under
+    activation checkpointing every call casts (no copy outlives a checkpointed forward)."""
     experts = GroupedExperts(4, 16, 8)
     for p in experts.parameters():
         torch.nn.init.normal_(p)
@@ -92,7 +93,7 @@ def test_autocast_copies_are_made_once_for_all_micro_batches():
                 if not shared:
                     experts.release_compute_copies()
                 outs.append(experts(rows, counts))
-                copies.add(id(experts.compute_copies[1][0]))
+                copies.add(experts.compute_copies[1][0])
         for out in outs:  # separate backwards, as a pipeline's micro-batches
             out.float().square().sum().backward()
         experts.release_compute_copies()
@@ -102,6 +103,9 @@ def test_autocast_copies_are_made_once_for_all_micro_batches():
     assert (once, each) == (1, 2)
     for a, b in zip(shared, separate):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        checkpoint(experts, *batches[0], use_reentrant=False).float().sum().backward()
+    assert experts.compute_copies is None
 
 
 def test_tied_scores_route_the_same_under_recomputation():

@@ -38,18 +38,20 @@ class GroupedExperts(nn.Module):
         self.compute_copies: tuple | None = None  # (key, weights in the autocast dtype): see `_autocast_weights`
 
     def _autocast_weights(self, weights: tuple, dtype: torch.dtype) -> tuple:
-        """The weights in the autocast dtype, made once and shared by every forward until they change, as
-        autocast's own cache does for the weights F.linear casts (grouped_mm is on no autocast list: torch
-        2.13). A copy per call would be saved for backward by every micro-batch in flight: 32 copies of 128
-        experts on the first stage of a 32-stage pipeline (found by the dry run). Keyed by each parameter and
-        its version (an optimizer step, FSDP's next all-gather change it); dropped after each optimizer step
-        (`release_compute_copies`). Without gradients (evaluation) nothing is kept."""
+        """The weights in the autocast dtype, made once and shared by every forward of the step, as autocast's
+        own cache does for the weights F.linear casts (grouped_mm is on no autocast list: torch 2.13). A copy
+        per call would be saved for backward by every micro-batch in flight: 32 copies of 128 experts on the
+        first stage of a 32-stage pipeline (found by the dry run). Under activation checkpointing (saved-tensor
+        hooks active: the forward and its recomputation) each call casts again, so that no copy outlives its
+        block's forward there, as with autocast. Keyed by each parameter and its version (an optimizer step,
+        FSDP's next all-gather change it); dropped after each optimizer step (`release_compute_copies`)."""
         params = (self.w1, self.w2, self.w3)
         key = (dtype, *((id(p), local(p)._version) for p in params))
         if self.compute_copies is not None and self.compute_copies[0] == key:
             return self.compute_copies[1]
         copies = tuple(w.to(dtype) for w in weights)
-        if torch.is_grad_enabled() and torch.is_autocast_cache_enabled():
+        checkpointed = torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+        if torch.is_grad_enabled() and not checkpointed:
             self.compute_copies = (key, copies)
         return copies
 
