@@ -1,8 +1,9 @@
 """Mixture of experts: the layer on one device (grouped GEMM against the per-expert loop, tied scores under
 activation checkpointing, the balancing loss's gradient, evaluation, capacity, padding), the export of the
 built-in family as transformers' Qwen2-MoE, the config's refusals, and
-expert parallelism against one process (fp64 at 1e-10: losses, every parameter, the balancing bias, tokens
-per expert) plus a checkpoint saved at ep=2 resumed on one process and at ep=4 (fp32, 1e-5)."""
+expert parallelism, with context parallelism too, against one process (fp64 at 1e-10: losses, every
+parameter, the balancing bias, tokens per expert) plus a checkpoint saved at ep=2 resumed on one process
+and at ep=4 over dp_shard=2 x cp=2 (fp32, 1e-5)."""
 
 from __future__ import annotations
 
@@ -246,7 +247,8 @@ def test_builtin_moe_exports_as_qwen2_moe_with_equal_logits(tmp_path):
     (("model.moe.capacity_factor=0.5",), "model.moe.capacity_factor=0.5: below 1 drops tokens"),
     (("parallel.ep=2", "parallel.zero_stage=1"), "parallel.ep=2 with parallel.zero_stage=1"),
     (("model.name=debug", "parallel.ep=2", "model.moe.num_experts=4"), "model.name=debug is dense; an MoE needs"),
-    (("parallel.ep=2", "parallel.cp=2"), "parallel.cp=2 with parallel.ep=2: expert and context parallelism do not"),
+    (("parallel.ep=4", "parallel.cp=2", "parallel.dp_shard=1"),
+     "parallel.ep=4 does not divide parallel.dp_shard x parallel.cp = 1 x 2"),
 ])
 def test_bad_moe_config_is_one_line(overrides, message):
     with pytest.raises(UserError) as err:
@@ -278,10 +280,12 @@ def test_expert_parallel_equals_one_process(tmp_path):
     ZeRO-2 with selective checkpointing and ZeRO-3 with full; transformers' Qwen3-MoE (DDP) and Mixtral
     (ZeRO-3, full checkpointing) through disttrain's dispatch; padded chat data (DDP), whose padding reaches
     no expert; on 4 ranks ZeRO-3 with dp_shard=4 and selective checkpointing, pipeline pp=2 (GPipe), tensor
-    parallel tp=2 (attention and shared experts split, routed experts whole) and HSDP (2 x 2), each with ep=2:
-    one process's losses, parameters, balancing bias (a buffer in the checkpoint) and tokens per expert in
-    fp64; then an fp32 run saved at ep=2 resumes on one process and at ep=4 on 4 ranks with an uninterrupted
-    run's losses."""
+    parallel tp=2 (attention and shared experts split, routed experts whole) and HSDP (2 x 2), each with ep=2;
+    context parallel cp=2 with ep=2 borrowing the context ranks (2 ranks, ZeRO-3, document masking) and with
+    dp_shard=2 (4 ranks, ZeRO-2, experts sharded over the data-parallel pair): one process's losses,
+    parameters, balancing bias (a buffer in the checkpoint) and tokens per expert in fp64; then an fp32 run
+    saved at ep=2 resumes on one process and at ep=4 on 4 ranks (dp_shard=2 x cp=2: experts split over data
+    and context ranks) with an uninterrupted run's losses."""
     fp32 = ("optim.schedule=constant", "optim.warmup_steps=0")
     chat, conversations, real_tokens = _chat_data(tmp_path / "chat")
     jobs = {
@@ -294,6 +298,8 @@ def test_expert_parallel_equals_one_process(tmp_path):
         # every conversation in each step, padded to 128 tokens: the loads count its real tokens only; no
         # balancing bias, so that `convert --to hf` can write it as Qwen2-MoE (below)
         "chat": ("parallel.ep=2", "parallel.zero_stage=0", "model.moe.bias_update_rate=0"),
+        # context parallel: ep borrows the 2 context ranks (dp_shard=1), documents masked across the chunks
+        "cp2_docs": ("parallel.ep=2", "parallel.cp=2", "parallel.zero_stage=3", "data.document_masking=true"),
     }
     chat_data = (f"data.source={chat}", "model.vocab_size=384", "data.seq_len=128",
                  f"train.global_batch_size={conversations}")
@@ -308,26 +314,33 @@ def test_expert_parallel_equals_one_process(tmp_path):
     # 4 ranks (one sequence each): experts' gradients reduced over 2 ranks holding the same experts; 2 stages
     four = (*COMMON, FP64, "parallel.ep=2", "parallel.zero_stage=3")
     shutil.copytree(runs["save32"], tmp_path / "resume32_ep4")  # the same checkpoint, resumed at ep=4 on 4 ranks
+    # (dp_shard=2 x cp=2: ep spans the data-parallel and the context pairs)
     runs.update(train_many({"dp4": (tmp_path / "dp4", (*four, "parallel.activation_checkpointing=selective")),
                             "pp2": (tmp_path / "pp2", (*four, "parallel.pp=2", "parallel.pp_schedule=gpipe")),
                             "tp2": (tmp_path / "tp2", (*four, "parallel.tp=2")),
                             "hsdp": (tmp_path / "hsdp", (*four, "parallel.dp_replicate=2", "parallel.dp_shard=2")),
+                            # ep over the context pair, experts sharded over the 2 data-parallel ranks
+                            "cp2_dp2": (tmp_path / "cp2_dp2", (*COMMON, FP64, "parallel.ep=2", "parallel.cp=2",
+                                                               "parallel.dp_shard=2", "parallel.zero_stage=2")),
                             "resume32_ep4": (tmp_path / "resume32_ep4", (*COMMON, *fp32, "parallel.ep=4",
-                                                                         "parallel.zero_stage=3",
+                                                                         "parallel.zero_stage=3", "parallel.cp=2",
+                                                                         "parallel.dp_shard=2",
                                                                          "run.allow_changes=true"))}, nproc=4))
     single = train_many({"one": (tmp_path / "one", (*COMMON, FP64)), "one32": (tmp_path / "one32", (*COMMON, *fp32)),
                          "one_noaux": (tmp_path / "one_noaux", (*COMMON, FP64, "model.moe.aux_loss_coef=0")),
+                         "one_docs": (tmp_path / "one_docs", (*COMMON, FP64, "data.document_masking=true")),
                          "one_chat": (tmp_path / "one_chat", (*COMMON, FP64, *chat_data,
                                                               "model.moe.bias_update_rate=0")),
                          "hf_qwen3_moe_one": (tmp_path / "hf_qwen3_moe_one", hf["qwen3_moe"]),
                          "hf_mixtral_one": (tmp_path / "hf_mixtral_one", hf["mixtral"]),
                          "resume32": (runs["save32"], (*COMMON, *fp32, "run.allow_changes=true"))}, nproc=1)
     reference = final_params(single["one"], STEPS)
+    assert losses(single["one_docs"])[STEPS] != losses(single["one"])[STEPS]  # the mask cuts documents
     assert any(name.endswith("expert_bias") and t.abs().sum() > 0 for name, t in reference.items())
     for name in ("ddp_selective", "zero3_full", "zero2_selective", "dp4", "pp2", "tp2", "hsdp", "hf_qwen3_moe",
-                 "hf_mixtral", "ddp_noaux", "chat"):
+                 "hf_mixtral", "ddp_noaux", "chat", "cp2_docs", "cp2_dp2"):
         one = single[f"{name}_one" if name.startswith("hf_") else "one_noaux" if name == "ddp_noaux" else
-                     "one_chat" if name == "chat" else "one"]
+                     "one_chat" if name == "chat" else "one_docs" if name == "cp2_docs" else "one"]
         assert_losses_close(losses(runs[name]), losses(one), rel=EXACT)
         assert_params_exact(final_params(runs[name], STEPS), final_params(one, STEPS))
         assert _counts(runs[name]) == _counts(one) and len(_counts(runs[name])) == STEPS
