@@ -189,7 +189,7 @@ def routed_flops_per_token(shape: ModelShape, layers: int, recompute: str = "non
 
 
 def expert_excess_flops(shape: ModelShape, layout: Layout, skew: float = ROUTING_SKEW) -> float:
-    """Routed-expert FLOPs per step the busiest rank does beyond its 1/(tp·pp) share of its replica's work (what
+    """Routed-expert FLOPs per step the busiest rank does beyond its 1/(tp·cp·pp) share of its replica's work (what
     the FLOP count divides over every rank): tensor-parallel ranks each run the experts whole on the same
     tokens, and a skewed router gives the busiest expert-parallel rank skew x its share."""
     if shape.moe is None:
@@ -251,7 +251,8 @@ def expert_degrees(text: str | None, shape: ModelShape, gpus: int) -> tuple[int,
         if problems:
             raise UserError(str(problems[0]).replace("parallel.ep=", "--ep="))
         if gpus % ep:
-            raise UserError(f"--ep={ep} does not divide --gpus={gpus} (expert-parallel ranks are data-parallel ones)")
+            raise UserError(f"--ep={ep} does not divide --gpus={gpus} (expert-parallel ranks are data- or "
+                            "context-parallel ones)")
     return degrees
 
 
