@@ -277,20 +277,22 @@ def _chat_data(root):
 
 def test_expert_parallel_equals_one_process(tmp_path):
     """ep=2 on 2 ranks under DDP (with selective activation checkpointing, and without a balancing loss),
-    ZeRO-2 with selective checkpointing and ZeRO-3 with full; transformers' Qwen3-MoE (DDP) and Mixtral
-    (ZeRO-3, full checkpointing) through disttrain's dispatch; padded chat data (DDP), whose padding reaches
-    no expert; on 4 ranks ZeRO-3 with dp_shard=4 and selective checkpointing, pipeline pp=2 (GPipe), tensor
-    parallel tp=2 (attention and shared experts split, routed experts whole) and HSDP (2 x 2), each with ep=2;
-    context parallel cp=2 with ep=2 borrowing the context ranks (2 ranks, ZeRO-3, document masking) and with
-    dp_shard=2 (4 ranks, ZeRO-2, experts sharded over the data-parallel pair): one process's losses,
-    parameters, balancing bias (a buffer in the checkpoint) and tokens per expert in fp64; then an fp32 run
-    saved at ep=2 resumes on one process and at ep=4 on 4 ranks (dp_shard=2 x cp=2: experts split over data
-    and context ranks) with an uninterrupted run's losses."""
+    ZeRO-2 with selective checkpointing, and ZeRO-3 with full over the context pair (cp=2, dp_shard=1: ep
+    borrows the context ranks); transformers' Qwen3-MoE (DDP) and Mixtral (ZeRO-3, full checkpointing)
+    through disttrain's dispatch; padded chat data (DDP), whose padding reaches no expert; on 4 ranks ZeRO-3
+    with dp_shard=4 and selective checkpointing, pipeline pp=2 (GPipe), tensor parallel tp=2 (attention and
+    shared experts split, routed experts whole), HSDP (2 x 2), and dp_shard=2 x cp=2 (ZeRO-2, document
+    masking: ep over each context pair, experts sharded over the data-parallel pair), each with ep=2: one
+    process's losses, parameters, balancing bias (a buffer in the checkpoint) and tokens per expert in fp64;
+    then an fp32 run saved at ep=2 resumes on one process and at ep=4 on 4 ranks (dp_shard=2 x cp=2: experts
+    split over data and context ranks) with an uninterrupted run's losses."""
     fp32 = ("optim.schedule=constant", "optim.warmup_steps=0")
     chat, conversations, real_tokens = _chat_data(tmp_path / "chat")
     jobs = {
         "ddp_selective": ("parallel.ep=2", "parallel.zero_stage=0", "parallel.activation_checkpointing=selective"),
-        "zero3_full": ("parallel.ep=2", "parallel.zero_stage=3", "parallel.activation_checkpointing=full"),
+        # ZeRO-3 with full checkpointing, ep=2 borrowing the context ranks (dp_shard=1, cp=2)
+        "cp2_zero3_full": ("parallel.ep=2", "parallel.cp=2", "parallel.zero_stage=3",
+                           "parallel.activation_checkpointing=full"),
         "zero2_selective": ("parallel.ep=2", "parallel.zero_stage=2", "parallel.activation_checkpointing=selective"),
         "save32": ("parallel.ep=2", "parallel.zero_stage=3", *fp32, "train.steps=2"),
         # no balancing loss: the routing statistics are reduced once per step, after the optimizer step
@@ -298,8 +300,6 @@ def test_expert_parallel_equals_one_process(tmp_path):
         # every conversation in each step, padded to 128 tokens: the loads count its real tokens only; no
         # balancing bias, so that `convert --to hf` can write it as Qwen2-MoE (below)
         "chat": ("parallel.ep=2", "parallel.zero_stage=0", "model.moe.bias_update_rate=0"),
-        # context parallel: ep borrows the 2 context ranks (dp_shard=1), documents masked across the chunks
-        "cp2_docs": ("parallel.ep=2", "parallel.cp=2", "parallel.zero_stage=3", "data.document_masking=true"),
     }
     chat_data = (f"data.source={chat}", "model.vocab_size=384", "data.seq_len=128",
                  f"train.global_batch_size={conversations}")
@@ -319,9 +319,12 @@ def test_expert_parallel_equals_one_process(tmp_path):
                             "pp2": (tmp_path / "pp2", (*four, "parallel.pp=2", "parallel.pp_schedule=gpipe")),
                             "tp2": (tmp_path / "tp2", (*four, "parallel.tp=2")),
                             "hsdp": (tmp_path / "hsdp", (*four, "parallel.dp_replicate=2", "parallel.dp_shard=2")),
-                            # ep over the context pair, experts sharded over the 2 data-parallel ranks
-                            "cp2_dp2": (tmp_path / "cp2_dp2", (*COMMON, FP64, "parallel.ep=2", "parallel.cp=2",
-                                                               "parallel.dp_shard=2", "parallel.zero_stage=2")),
+                            # ep over each context pair, experts sharded over the 2 data-parallel ranks;
+                            # documents masked across the context chunks
+                            "cp2_dp2_docs": (tmp_path / "cp2_dp2_docs", (*COMMON, FP64, "parallel.ep=2",
+                                                                         "parallel.cp=2", "parallel.dp_shard=2",
+                                                                         "parallel.zero_stage=2",
+                                                                         "data.document_masking=true")),
                             "resume32_ep4": (tmp_path / "resume32_ep4", (*COMMON, *fp32, "parallel.ep=4",
                                                                          "parallel.zero_stage=3", "parallel.cp=2",
                                                                          "parallel.dp_shard=2",
@@ -337,10 +340,10 @@ def test_expert_parallel_equals_one_process(tmp_path):
     reference = final_params(single["one"], STEPS)
     assert losses(single["one_docs"])[STEPS] != losses(single["one"])[STEPS]  # the mask cuts documents
     assert any(name.endswith("expert_bias") and t.abs().sum() > 0 for name, t in reference.items())
-    for name in ("ddp_selective", "zero3_full", "zero2_selective", "dp4", "pp2", "tp2", "hsdp", "hf_qwen3_moe",
-                 "hf_mixtral", "ddp_noaux", "chat", "cp2_docs", "cp2_dp2"):
+    for name in ("ddp_selective", "cp2_zero3_full", "zero2_selective", "dp4", "pp2", "tp2", "hsdp", "hf_qwen3_moe",
+                 "hf_mixtral", "ddp_noaux", "chat", "cp2_dp2_docs"):
         one = single[f"{name}_one" if name.startswith("hf_") else "one_noaux" if name == "ddp_noaux" else
-                     "one_chat" if name == "chat" else "one_docs" if name == "cp2_docs" else "one"]
+                     "one_chat" if name == "chat" else "one_docs" if name == "cp2_dp2_docs" else "one"]
         assert_losses_close(losses(runs[name]), losses(one), rel=EXACT)
         assert_params_exact(final_params(runs[name], STEPS), final_params(one, STEPS))
         assert _counts(runs[name]) == _counts(one) and len(_counts(runs[name])) == STEPS
