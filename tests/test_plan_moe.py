@@ -239,7 +239,8 @@ def test_context_parallel_ranks_route_their_chunk_and_lend_themselves_to_ep():
     per_step = 2 * shape.n_layers * ALL_TO_ALLS_PER_LAYER
     assert dispatch_s(shape, lay, cluster) == pytest.approx(
         per_step * _a2a(8, rows, cluster.gpu.intra_node_gbs, 5e-6), rel=1e-12)
-    space = SearchSpace(seq_len=32768, global_batch_size=8, zero_stages=(3,), recompute=("full",), schedules=("1f1b",))
+    space = SearchSpace(seq_len=32768, global_batch_size=8, zero_stages=(3,), recompute=("full",),
+                        schedules=("1f1b",))
     assert any(lay.cp > 1 and lay.ep > 1 and lay.ep > lay.dp_shard for lay in layout_families(shape, cluster, space))
 
 

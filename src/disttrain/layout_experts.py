@@ -1,5 +1,6 @@
 """Layout rules of expert parallelism (`parallel.ep`): an MoE model, experts that split evenly over
-data-parallel x context-parallel ranks, and what it composes with. Pure Python; layout.py asks them with the others."""
+data-parallel x context-parallel ranks, and what it composes with. Pure Python; layout.py asks them with
+the others."""
 
 from __future__ import annotations
 
