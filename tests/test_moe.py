@@ -260,6 +260,12 @@ def _counts(run) -> list:
     return [r["moe_tokens_per_expert"] for r in records(run) if "moe_tokens_per_expert" in r]
 
 
+def _routing_scalars(run) -> dict:
+    """(step, key) -> each logged routing scalar: aux loss, router entropy, load imbalance, dropped tokens."""
+    return {(r["step"], k): v for r in records(run) if "moe_tokens_per_expert" in r
+            for k, v in r.items() if k.startswith("moe_") and k != "moe_tokens_per_expert"}
+
+
 def _chat_data(root):
     """Chat data with one conversation per sequence of 128 (padded with the end token); how many tokens of
     the training split are not padding, read from its conversation ends (each cut to a row's 128 inputs)."""
@@ -347,6 +353,10 @@ def test_expert_parallel_equals_one_process(tmp_path):
         assert_losses_close(losses(runs[name]), losses(one), rel=EXACT)
         assert_params_exact(final_params(runs[name], STEPS), final_params(one, STEPS))
         assert _counts(runs[name]) == _counts(one) and len(_counts(runs[name])) == STEPS
+        if name.startswith("cp2"):  # statistics reduced over the context ranks too: the global batch's
+            ours, theirs = _routing_scalars(runs[name]), _routing_scalars(one)
+            assert ours.keys() == theirs.keys() and any(k.endswith("_router_entropy") for _, k in ours)
+            assert all(ours[k] == pytest.approx(theirs[k], rel=EXACT) for k in ours), (ours, theirs)
     for step in _counts(runs["chat"]):  # top-2 of the real tokens, not of 128 per conversation
         assert sum(step["layers.1.feed_forward"]) == 2 * real_tokens < 2 * 128 * conversations
     # `disttrain convert --to hf` of the ep=2 ZeRO-3 Mixtral run: transformers loads every trained parameter
