@@ -235,6 +235,8 @@ def test_context_parallel_ranks_route_their_chunk_and_lend_themselves_to_ep():
     assert estimate(shape, lay).memory.states.params == pytest.approx(4 * (dense + experts) / 8, rel=1e-12)
     ddp = estimate(shape, lay.with_(zero_stage=0)).memory.states
     assert ddp.params == 4 * (dense + experts / 8)
+    spread = {ep: estimate(shape, lay.with_(ep=ep)).as_dict()["moe"]["expert_data_parallel"] for ep in (1, 2, 8)}
+    assert spread == {1: 8, 2: 4, 8: 1}  # the ranks an expert's states are spread over: dp_shard x cp / ep
     rows = 2 * 4096 * 8 * shape.dim  # bf16 rows of dim, top-8, per micro-batch: this rank's half of the sequence
     per_step = 2 * shape.n_layers * ALL_TO_ALLS_PER_LAYER
     assert dispatch_s(shape, lay, cluster) == pytest.approx(

@@ -205,7 +205,7 @@ def summary(shape: ModelShape, layout: Layout, held_experts: int, skew: float) -
     """What `estimate --json` reports of an MoE model."""
     moe = shape.moe
     return {"num_experts": moe.num_experts, "experts_per_rank": moe.num_experts // layout.ep, "ep": layout.ep,
-            "expert_params_per_rank": held_experts, "expert_data_parallel": expert_layout(layout).dp,
+            "expert_params_per_rank": held_experts, "expert_data_parallel": expert_layout(layout).gradient_ranks,
             "active_params": shape.num_params(active=True), "routing_skew": skew,
             "moe_layers": moe_layers(shape, list(range(shape.n_layers)))}
 
