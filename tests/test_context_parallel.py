@@ -269,6 +269,29 @@ def test_the_planner_proposes_context_parallel_for_long_sequences():
     assert ring > gather > 0  # the ring sends more bytes, hidden behind attention
 
 
+def test_the_planner_counts_rotary_tables_and_the_whole_embedding_gradient_as_the_dry_run_measures():
+    """Three terms that apply to every layout (the 7b's 131,072-token dry run found them), on rank 0 of
+    dp_shard=2 x tp=2+sp ZeRO-2 bf16 with 2 micro-batches, simulated in this process: the rotary tables
+    (max_seq_len x head_dim fp32, cos and sin) under parameters; FSDP2's bf16 cast of them into every block,
+    kept for the backward, under activations; the embedding's accumulated gradient, which DTensor gives whole
+    on each tp rank, under gradients. Category by category the planner's peak is the dry run's. A long
+    max_seq_len and a large vocabulary make each term a sizeable share of its category."""
+    from disttrain.config import load_config
+    from disttrain.dryrun.simulate import simulate
+    from disttrain.plan.memory import estimate_memory
+    from disttrain.resolve import resolve_run
+
+    cfg = load_config(None, ["model.name=tiny", "model.n_layers=2", "model.vocab_size=16384", "model.max_seq_len=8192",
+                             "data.seq_len=256", "train.micro_batch_size=1", "train.global_batch_size=4",
+                             "parallel.dp_shard=2", "parallel.tp=2", "parallel.sequence_parallel=true",
+                             "parallel.zero_stage=2", "precision.param_dtype=bf16", "precision.compute_dtype=bf16"])
+    resolved = resolve_run(cfg, 4, "cuda")
+    measured = simulate(cfg, resolved, 0).bytes
+    planned = estimate_memory(resolved.shape, resolved.layout, pp_rank=0).categories()
+    for category in ("parameters", "gradients", "activations"):
+        assert abs(planned[category] / measured[category] - 1) < 1e-3, (category, planned, measured)
+
+
 @pytest.mark.slow
 def test_dry_run_activations_fall_as_one_over_cp(tmp_path):
     """The real step of rank 0 under fake tensors (`disttrain dryrun`), `tiny` at seq 8,192: the activations
