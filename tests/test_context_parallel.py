@@ -330,7 +330,7 @@ def test_dry_run_confirms_the_ring_cache_under_selective_checkpointing(tmp_path)
     ranks = {r["rank"]: r for r in json.loads(out)["ranks"]}
     assert sorted(ranks) == [0, 3]
     layout = resolve_run(load_config(cfg, []), 4, "cpu").layout
-    per_block = ring_selective_cache_bytes(MODEL_SHAPES["tiny"], layout, 4) / layout.cp
+    per_block = ring_selective_cache_bytes(MODEL_SHAPES["tiny"], layout, 4) / (layout.cp - 1)
     extra = ranks[3]["bytes"]["activations"] - ranks[0]["bytes"]["activations"]
     # rank 3: 4 full-row blocks per layer, rank 0: 1 + 3 halves; at the peak (a block's backward) that block's
     # cache has gone to its recomputation, so n_layers - 1 layers hold theirs
