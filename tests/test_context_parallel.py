@@ -274,22 +274,25 @@ def test_the_planner_counts_rotary_tables_and_the_whole_embedding_gradient_as_th
     dp_shard=2 x tp=2+sp ZeRO-2 bf16 with 2 micro-batches, simulated in this process: the rotary tables
     (max_seq_len x head_dim fp32, cos and sin) under parameters; FSDP2's bf16 cast of them into every block,
     kept for the backward, under activations; the embedding's accumulated gradient, which DTensor gives whole
-    on each tp rank, under gradients. Category by category the planner's peak is the dry run's. A long
+    on each tp rank, under gradients (unless the output matrix is tied to it: the output's sharded gradient
+    is added to it). Category by category the planner's peak is the dry run's, tied and untied. A long
     max_seq_len and a large vocabulary make each term a sizeable share of its category."""
     from disttrain.config import load_config
     from disttrain.dryrun.simulate import simulate
     from disttrain.plan.memory import estimate_memory
     from disttrain.resolve import resolve_run
 
-    cfg = load_config(None, ["model.name=tiny", "model.n_layers=2", "model.vocab_size=16384", "model.max_seq_len=8192",
-                             "data.seq_len=256", "train.micro_batch_size=1", "train.global_batch_size=4",
-                             "parallel.dp_shard=2", "parallel.tp=2", "parallel.sequence_parallel=true",
-                             "parallel.zero_stage=2", "precision.param_dtype=bf16", "precision.compute_dtype=bf16"])
-    resolved = resolve_run(cfg, 4, "cuda")
-    measured = simulate(cfg, resolved, 0).bytes
-    planned = estimate_memory(resolved.shape, resolved.layout, pp_rank=0).categories()
-    for category in ("parameters", "gradients", "activations"):
-        assert abs(planned[category] / measured[category] - 1) < 1e-3, (category, planned, measured)
+    for tied in ("false", "true"):
+        cfg = load_config(None, ["model.name=tiny", "model.n_layers=2", "model.vocab_size=16384",
+                                 "model.max_seq_len=8192", f"model.tie_embeddings={tied}", "data.seq_len=256",
+                                 "train.micro_batch_size=1", "train.global_batch_size=4", "parallel.dp_shard=2",
+                                 "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.zero_stage=2",
+                                 "precision.param_dtype=bf16", "precision.compute_dtype=bf16"])
+        resolved = resolve_run(cfg, 4, "cuda")
+        measured = simulate(cfg, resolved, 0).bytes
+        planned = estimate_memory(resolved.shape, resolved.layout, pp_rank=0).categories()
+        for category in ("parameters", "gradients", "activations"):
+            assert abs(planned[category] / measured[category] - 1) < 1e-3, (tied, category, planned, measured)
 
 
 @pytest.mark.slow

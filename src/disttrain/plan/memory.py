@@ -226,7 +226,8 @@ def estimate_memory(shape: ModelShape, layout: Layout, accounting: str = "runtim
         if held.experts:  # the experts' states on their own data-parallel group
             states = moe_model_states(model_state_bytes, held, layout, accounting, largest, shape)
         states.tables = rotary_table_bytes(shape)
-        if states.unsharded_grads and layout.tp > 1 and held.embedding and not lora_rank:
+        tied = shape.tie_embeddings and held.output  # the output's sharded gradient is added to it: sharded
+        if states.unsharded_grads and layout.tp > 1 and held.embedding and not tied and not lora_rank:
             # DTensor's embedding backward gives the vocabulary-parallel table's gradient whole (Replicate on
             # tp), and FSDP2 accumulates it so until the last micro-batch's reduce-scatter redistributes it.
             states.unsharded_grads += DTYPE_BYTES[layout.reduce_dtype] * shape.vocab_size * shape.dim * (
