@@ -295,6 +295,28 @@ def test_the_planner_counts_rotary_tables_and_the_whole_embedding_gradient_as_th
             assert abs(planned[category] / measured[category] - 1) < 1e-3, (tied, category, planned, measured)
 
 
+def test_the_planner_counts_the_ring_traffic_the_dry_run_sends():
+    """Rank 0 of cp=2 (`tiny`, 2 layers, simulated in this process) sends per step what the planner counts:
+    K/V blocks forward and backward and dK/dV blocks backward, and with recomputation the forward's K/V
+    blocks once more (checkpointing replays the block, the ring's walk included)."""
+    from disttrain.config import load_config
+    from disttrain.dryrun.simulate import simulate
+    from disttrain.plan.context import kv_traffic_bytes
+    from disttrain.resolve import resolve_run
+
+    sent = {}
+    for checkpointing in ("none", "selective"):
+        cfg = load_config(None, ["model.name=tiny", "model.n_layers=2", "data.seq_len=512", "train.micro_batch_size=1",
+                                 "train.global_batch_size=1", "parallel.cp=2",
+                                 f"parallel.activation_checkpointing={checkpointing}"])
+        resolved = resolve_run(cfg, 2, "cuda")
+        run = simulate(cfg, resolved, 0)
+        sent[checkpointing] = sum(c["bytes"] for c in run.collectives if c["dim"] == "cp" and c["kind"] == "send")
+        planned = resolved.shape.n_layers * kv_traffic_bytes(resolved.shape, resolved.layout)["bytes"]
+        assert sent[checkpointing] == planned, (checkpointing, sent, planned)
+    assert sent["selective"] > sent["none"]
+
+
 @pytest.mark.slow
 def test_dry_run_activations_fall_as_one_over_cp(tmp_path):
     """The real step of rank 0 under fake tensors (`disttrain dryrun`), `tiny` at seq 8,192: the activations

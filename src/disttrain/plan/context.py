@@ -41,6 +41,8 @@ def kv_traffic_bytes(shape: ModelShape, layout: Layout) -> dict:
         return {"method": layout.cp_method, "bytes": 0.0, "overlapped": True}
     if layout.cp_method == "ring":
         sent = (cp - 1) * kv + (cp - 1) * kv + cp * kv * (4 if e < 4 else e) / e  # dK/dV accumulate in fp32
+        if layout.activation_checkpointing != "none":  # recomputing the block walks the forward's ring again
+            sent += (cp - 1) * kv
         return {"method": "ring", "bytes": sent, "overlapped": True}
     if layout.cp_method == "allgather":
         return {"method": "allgather", "bytes": 2 * (cp - 1) * kv, "overlapped": False}
