@@ -79,8 +79,9 @@ def _norm_bytes(er: int, tokens: int, h: int, r: int, fused: bool) -> float:
 def rotary_input_bytes(shape: ModelShape, micro_batch: int, seq_len: int, layout: Layout) -> float:
     """FSDP2's mixed precision casts each block's floating-point inputs to the parameter dtype, the rotary
     tables among them: one copy per block, which its rotary products keep for the backward. Whole tables
-    (max_seq_len rows) unless positions pick this rank's rows (context parallelism)."""
-    if layout.zero_stage < 2 or layout.engine != "torch" or layout.param_dtype == "fp32":
+    (max_seq_len rows) unless positions pick this rank's rows (context parallelism). transformers' models
+    compute theirs per forward in the hidden states' dtype, which FSDP2 leaves alone."""
+    if not shape.rotary_tables or layout.zero_stage < 2 or layout.engine != "torch" or layout.param_dtype == "fp32":
         return 0.0
     rows = micro_batch * seq_len if layout.cp > 1 else shape.max_seq_len
     return 2 * DTYPE_BYTES[layout.param_dtype] * rows * shape.head_dim
