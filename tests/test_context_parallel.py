@@ -269,6 +269,49 @@ def test_the_planner_proposes_context_parallel_for_long_sequences():
     assert ring > gather > 0  # the ring sends more bytes, hidden behind attention
 
 
+def test_the_planner_counts_rotary_tables_and_the_whole_embedding_gradient_as_the_dry_run_measures():
+    """Three terms that apply to every layout (the 7b's 131,072-token dry run found them), on rank 0 of
+    dp_shard=2 x tp=2+sp ZeRO-2 bf16 with 2 micro-batches, simulated in this process: the rotary tables
+    (max_seq_len x head_dim fp32, cos and sin) under parameters; FSDP2's bf16 cast of them into every block,
+    kept for the backward, under activations; the embedding's accumulated gradient, which DTensor gives whole
+    on each tp rank, under gradients (unless the output matrix is tied to it: the output's sharded gradient
+    is added to it). Category by category the planner's peak is the dry run's, tied and untied. A long
+    max_seq_len and a large vocabulary make each term a sizeable share of its category."""
+    from disttrain.config import load_config
+    from disttrain.dryrun.simulate import simulate
+    from disttrain.plan.memory import estimate_memory
+    from disttrain.resolve import resolve_run
+
+    for tied in ("false", "true"):
+        cfg = load_config(None, ["model.name=tiny", "model.n_layers=2", "model.vocab_size=16384",
+                                 "model.max_seq_len=8192", f"model.tie_embeddings={tied}", "data.seq_len=256",
+                                 "train.micro_batch_size=1", "train.global_batch_size=4", "parallel.dp_shard=2",
+                                 "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.zero_stage=2",
+                                 "precision.param_dtype=bf16", "precision.compute_dtype=bf16"])
+        resolved = resolve_run(cfg, 4, "cuda")
+        measured = simulate(cfg, resolved, 0).bytes
+        planned = estimate_memory(resolved.shape, resolved.layout, pp_rank=0).categories()
+        for category in ("parameters", "gradients", "activations"):
+            assert abs(planned[category] / measured[category] - 1) < 1e-3, (tied, category, planned, measured)
+
+
+def test_the_planner_counts_the_ring_traffic_the_dry_run_sends():
+    """Rank 0 of cp=2 under selective checkpointing (`tiny`, 2 layers, simulated in this process) sends per
+    step what the planner counts: K/V blocks forward and backward, dK/dV blocks backward, and the forward's
+    K/V blocks once more (checkpointing replays the block, the ring's walk included): 10 blocks, not 8."""
+    from disttrain.config import load_config
+    from disttrain.dryrun.simulate import simulate
+    from disttrain.plan.context import kv_traffic_bytes
+    from disttrain.resolve import resolve_run
+
+    cfg = load_config(None, ["model.name=tiny", "model.n_layers=2", "data.seq_len=512", "train.micro_batch_size=1",
+                             "train.global_batch_size=1", "parallel.cp=2", "parallel.activation_checkpointing=selective"])
+    resolved = resolve_run(cfg, 2, "cuda")
+    sends = [c for c in simulate(cfg, resolved, 0).collectives if c["dim"] == "cp" and c["kind"] == "send"]
+    assert sum(c["count"] for c in sends) == 2 * 5  # per layer: 1 K/V forward, 1 again, 1 K/V and 2 dK/dV back
+    assert sum(c["bytes"] for c in sends) == 2 * kv_traffic_bytes(resolved.shape, resolved.layout)["bytes"]
+
+
 @pytest.mark.slow
 def test_dry_run_activations_fall_as_one_over_cp(tmp_path):
     """The real step of rank 0 under fake tensors (`disttrain dryrun`), `tiny` at seq 8,192: the activations
@@ -307,7 +350,7 @@ def test_dry_run_confirms_the_ring_cache_under_selective_checkpointing(tmp_path)
     ranks = {r["rank"]: r for r in json.loads(out)["ranks"]}
     assert sorted(ranks) == [0, 3]
     layout = resolve_run(load_config(cfg, []), 4, "cpu").layout
-    per_block = ring_selective_cache_bytes(MODEL_SHAPES["tiny"], layout, 4) / layout.cp
+    per_block = ring_selective_cache_bytes(MODEL_SHAPES["tiny"], layout, 4) / (layout.cp - 1)
     extra = ranks[3]["bytes"]["activations"] - ranks[0]["bytes"]["activations"]
     # rank 3: 4 full-row blocks per layer, rank 0: 1 + 3 halves; at the peak (a block's backward) that block's
     # cache has gone to its recomputation, so n_layers - 1 layers hold theirs

@@ -240,10 +240,16 @@ def test_hugging_face_models_follow_the_zero_arithmetic(kind, tmp_path):
         reference = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory))
     n = sum(p.numel() for p in reference.parameters())  # shared tensors once
     buffers = sum(b.numel() * b.element_size() for b in reference.buffers())
-    run = _simulate([f"model.hf={directory}", "data.seq_len=64", "train.micro_batch_size=1",
-                     "train.global_batch_size=8", "parallel.dp_shard=8", "parallel.zero_stage=3"], 8)
+    overrides = [f"model.hf={directory}", "data.seq_len=64", "train.micro_batch_size=1", "train.global_batch_size=8",
+                 "parallel.dp_shard=8", "parallel.zero_stage=3"]
+    run = _simulate(overrides, 8)
     assert run.bytes["parameters"] - buffers == 4 * n // 8
     assert run.bytes["optimizer"] == 8 * n // 8 + 4 * len(list(reference.parameters()))
+    # transformers computes cos/sin per forward: the planner counts no rotary tables (the built-in models' are)
+    from disttrain.plan.memory import estimate_memory
+
+    resolved = resolve_run(load_config(None, overrides), 8, "cuda")
+    assert estimate_memory(resolved.shape, resolved.layout).states.tables == 0 < buffers
 
 
 def test_3d_states_follow_the_planner_at_8_ranks():

@@ -1,8 +1,9 @@
 """Mixture of experts: the layer on one device (grouped GEMM against the per-expert loop, tied scores under
 activation checkpointing, the balancing loss's gradient, evaluation, capacity, padding), the export of the
 built-in family as transformers' Qwen2-MoE, the config's refusals, and
-expert parallelism against one process (fp64 at 1e-10: losses, every parameter, the balancing bias, tokens
-per expert) plus a checkpoint saved at ep=2 resumed on one process and at ep=4 (fp32, 1e-5)."""
+expert parallelism, with context parallelism too, against one process (fp64 at 1e-10: losses, every
+parameter, the balancing bias, tokens per expert) plus a checkpoint saved at ep=2 resumed on one process
+and at ep=4 over dp_shard=2 x cp=2 (fp32, 1e-5)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from hf_models import save_tiny
 from helpers import (EXACT, FP64, assert_losses_close, assert_params_exact, final_params, losses, records, run_main,
                      train_many)
 
-STEPS = 4
+STEPS = 3  # the bias moves twice before the last step; the resumed runs compare one step after step 2
 COMMON = (f"train.steps={STEPS}", "train.global_batch_size=4", "model.name=debug-moe", "checkpoint.save_final=true",
           "metrics.sync_check_every=2", "model.moe.aux_loss_coef=0.01", "model.moe.bias_update_rate=0.001")
 
@@ -279,7 +280,8 @@ def test_builtin_moe_exports_as_qwen2_moe_with_equal_logits(tmp_path):
     (("model.moe.capacity_factor=0.5",), "model.moe.capacity_factor=0.5: below 1 drops tokens"),
     (("parallel.ep=2", "parallel.zero_stage=1"), "parallel.ep=2 with parallel.zero_stage=1"),
     (("model.name=debug", "parallel.ep=2", "model.moe.num_experts=4"), "model.name=debug is dense; an MoE needs"),
-    (("parallel.ep=2", "parallel.cp=2"), "parallel.cp=2 with parallel.ep=2: expert and context parallelism do not"),
+    (("parallel.ep=4", "parallel.cp=2", "parallel.dp_shard=1"),
+     "parallel.ep=4 does not divide parallel.dp_shard x parallel.cp = 1 x 2"),
 ])
 def test_bad_moe_config_is_one_line(overrides, message):
     with pytest.raises(UserError) as err:
@@ -289,6 +291,12 @@ def test_bad_moe_config_is_one_line(overrides, message):
 
 def _counts(run) -> list:
     return [r["moe_tokens_per_expert"] for r in records(run) if "moe_tokens_per_expert" in r]
+
+
+def _routing_scalars(run) -> dict:
+    """(step, key) -> each logged routing scalar: aux loss, router entropy, load imbalance, dropped tokens."""
+    return {(r["step"], k): v for r in records(run) if "moe_tokens_per_expert" in r
+            for k, v in r.items() if k.startswith("moe_") and k != "moe_tokens_per_expert"}
 
 
 def _chat_data(root):
@@ -308,18 +316,22 @@ def _chat_data(root):
 
 def test_expert_parallel_equals_one_process(tmp_path):
     """ep=2 on 2 ranks under DDP (with selective activation checkpointing, and without a balancing loss),
-    ZeRO-2 with selective checkpointing and ZeRO-3 with full; transformers' Qwen3-MoE (DDP) and Mixtral
-    (ZeRO-3, full checkpointing) through disttrain's dispatch; padded chat data (DDP), whose padding reaches
-    no expert; on 4 ranks ZeRO-3 with dp_shard=4 and selective checkpointing, pipeline pp=2 (GPipe), tensor
-    parallel tp=2 (attention and shared experts split, routed experts whole) and HSDP (2 x 2), each with ep=2:
-    one process's losses, parameters, balancing bias (a buffer in the checkpoint) and tokens per expert in
-    fp64; then an fp32 run saved at ep=2 resumes on one process and at ep=4 on 4 ranks with an uninterrupted
-    run's losses."""
+    ZeRO-2 with selective checkpointing, and ZeRO-3 with full over the context pair (cp=2, dp_shard=1: ep
+    borrows the context ranks); transformers' Qwen3-MoE (DDP) and Mixtral (ZeRO-3, full checkpointing)
+    through disttrain's dispatch; padded chat data (DDP), whose padding reaches no expert; on 4 ranks ZeRO-3
+    with dp_shard=4 and selective checkpointing, pipeline pp=2 (GPipe), tensor parallel tp=2 (attention and
+    shared experts split, routed experts whole), HSDP (2 x 2), and dp_shard=2 x cp=2 (ZeRO-2, document
+    masking: ep over each context pair, experts sharded over the data-parallel pair), each with ep=2: one
+    process's losses, parameters, balancing bias (a buffer in the checkpoint) and tokens per expert in fp64;
+    then an fp32 run saved at ep=2 resumes on one process and at ep=4 on 4 ranks (dp_shard=2 x cp=2: experts
+    split over data and context ranks) with an uninterrupted run's losses."""
     fp32 = ("optim.schedule=constant", "optim.warmup_steps=0")
     chat, conversations, real_tokens = _chat_data(tmp_path / "chat")
     jobs = {
         "ddp_selective": ("parallel.ep=2", "parallel.zero_stage=0", "parallel.activation_checkpointing=selective"),
-        "zero3_full": ("parallel.ep=2", "parallel.zero_stage=3", "parallel.activation_checkpointing=full"),
+        # ZeRO-3 with full checkpointing, ep=2 borrowing the context ranks (dp_shard=1, cp=2)
+        "cp2_zero3_full": ("parallel.ep=2", "parallel.cp=2", "parallel.zero_stage=3",
+                           "parallel.activation_checkpointing=full"),
         "zero2_selective": ("parallel.ep=2", "parallel.zero_stage=2", "parallel.activation_checkpointing=selective"),
         "save32": ("parallel.ep=2", "parallel.zero_stage=3", *fp32, "train.steps=2"),
         # no balancing loss: the routing statistics are reduced once per step, after the optimizer step
@@ -343,15 +355,24 @@ def test_expert_parallel_equals_one_process(tmp_path):
     # 4 ranks (one sequence each): experts' gradients reduced over 2 ranks holding the same experts; 2 stages
     four = (*COMMON, FP64, "parallel.ep=2", "parallel.zero_stage=3")
     shutil.copytree(runs["save32"], tmp_path / "resume32_ep4")  # the same checkpoint, resumed at ep=4 on 4 ranks
+    # (dp_shard=2 x cp=2: ep spans the data-parallel and the context pairs)
     runs.update(train_many({"dp4": (tmp_path / "dp4", (*four, "parallel.activation_checkpointing=selective")),
                             "pp2": (tmp_path / "pp2", (*four, "parallel.pp=2", "parallel.pp_schedule=gpipe")),
                             "tp2": (tmp_path / "tp2", (*four, "parallel.tp=2")),
                             "hsdp": (tmp_path / "hsdp", (*four, "parallel.dp_replicate=2", "parallel.dp_shard=2")),
+                            # ep over each context pair, experts sharded over the 2 data-parallel ranks;
+                            # documents masked across the context chunks
+                            "cp2_dp2_docs": (tmp_path / "cp2_dp2_docs", (*COMMON, FP64, "parallel.ep=2",
+                                                                         "parallel.cp=2", "parallel.dp_shard=2",
+                                                                         "parallel.zero_stage=2",
+                                                                         "data.document_masking=true")),
                             "resume32_ep4": (tmp_path / "resume32_ep4", (*COMMON, *fp32, "parallel.ep=4",
-                                                                         "parallel.zero_stage=3",
+                                                                         "parallel.zero_stage=3", "parallel.cp=2",
+                                                                         "parallel.dp_shard=2",
                                                                          "run.allow_changes=true"))}, nproc=4))
     single = train_many({"one": (tmp_path / "one", (*COMMON, FP64)), "one32": (tmp_path / "one32", (*COMMON, *fp32)),
                          "one_noaux": (tmp_path / "one_noaux", (*COMMON, FP64, "model.moe.aux_loss_coef=0")),
+                         "one_docs": (tmp_path / "one_docs", (*COMMON, FP64, "data.document_masking=true")),
                          "one_chat": (tmp_path / "one_chat", (*COMMON, FP64, *chat_data,
                                                               "model.moe.bias_update_rate=0",
                                                               "model.moe.aux_loss_coef=0")),
@@ -359,14 +380,19 @@ def test_expert_parallel_equals_one_process(tmp_path):
                          "hf_mixtral_one": (tmp_path / "hf_mixtral_one", hf["mixtral"]),
                          "resume32": (runs["save32"], (*COMMON, *fp32, "run.allow_changes=true"))}, nproc=1)
     reference = final_params(single["one"], STEPS)
+    assert losses(single["one_docs"])[STEPS] != losses(single["one"])[STEPS]  # the mask cuts documents
     assert any(name.endswith("expert_bias") and t.abs().sum() > 0 for name, t in reference.items())
-    for name in ("ddp_selective", "zero3_full", "zero2_selective", "dp4", "pp2", "tp2", "hsdp", "hf_qwen3_moe",
-                 "hf_mixtral", "ddp_noaux", "chat"):
+    for name in ("ddp_selective", "cp2_zero3_full", "zero2_selective", "dp4", "pp2", "tp2", "hsdp", "hf_qwen3_moe",
+                 "hf_mixtral", "ddp_noaux", "chat", "cp2_dp2_docs"):
         one = single[f"{name}_one" if name.startswith("hf_") else "one_noaux" if name == "ddp_noaux" else
-                     "one_chat" if name == "chat" else "one"]
+                     "one_chat" if name == "chat" else "one_docs" if name == "cp2_dp2_docs" else "one"]
         assert_losses_close(losses(runs[name]), losses(one), rel=EXACT)
         assert_params_exact(final_params(runs[name], STEPS), final_params(one, STEPS))
         assert _counts(runs[name]) == _counts(one) and len(_counts(runs[name])) == STEPS
+        if name.startswith("cp2"):  # statistics reduced over the context ranks too: the global batch's
+            ours, theirs = _routing_scalars(runs[name]), _routing_scalars(one)
+            assert ours.keys() == theirs.keys() and any(k.endswith("_router_entropy") for _, k in ours)
+            assert all(ours[k] == pytest.approx(theirs[k], rel=EXACT) for k in ours), (ours, theirs)
     for step in _counts(runs["chat"]):  # top-2 of the real tokens, not of 128 per conversation
         assert sum(step["layers.1.feed_forward"]) == 2 * real_tokens < 2 * 128 * conversations
     # `disttrain convert --to hf` of the ep=2 ZeRO-3 Mixtral run: transformers loads every trained parameter

@@ -17,9 +17,10 @@ from disttrain.models.hf.shape import hf_shape
 from disttrain.models.registry import MODEL_SHAPES
 from disttrain.models.shape import ModelShape, MoEShape
 from disttrain.plan.estimate import estimate
+from disttrain.plan.activations import rotary_input_bytes
 from disttrain.plan.memory import stage_activation_bytes
 from disttrain.plan.moe import ALL_TO_ALLS_PER_LAYER, dispatch_s
-from disttrain.plan.search import SearchSpace, brute_force, search
+from disttrain.plan.search import SearchSpace, brute_force, layout_families, search
 from disttrain.plan.timing import Cluster
 from helpers import REPO
 
@@ -224,6 +225,28 @@ def test_dispatch_buffers_grow_with_routing_skew_up_to_ep():
     assert one.saved == estimate(shape, lay.with_(ep=1)).memory.activations.saved
 
 
+def test_context_parallel_ranks_route_their_chunk_and_lend_themselves_to_ep():
+    """cp=2 x dp_shard=4 with ep=8: expert parallelism borrows the context ranks (8 ranks hold 1/8 of the experts
+    each, the experts' shard group is dp_shard x cp / ep = 1), each rank routes half of every sequence (the
+    all-to-all moves the rows of 4,096 of 8,192 tokens), and the search tries ep with cp."""
+    shape = MODEL_SHAPES["qwen3-30b-a3b"]
+    dense, experts = _expert_split(shape)
+    cluster = Cluster(find_gpu("h100"), gpus_per_node=8, nodes=1)
+    lay = Layout(dp_shard=4, cp=2, ep=8, zero_stage=3, seq_len=8192, global_batch_size=8, micro_batch_size=1)
+    assert estimate(shape, lay).memory.states.params == pytest.approx(4 * (dense + experts) / 8, rel=1e-12)
+    ddp = estimate(shape, lay.with_(zero_stage=0)).memory.states
+    assert ddp.params == 4 * (dense + experts / 8)
+    spread = {ep: estimate(shape, lay.with_(ep=ep)).as_dict()["moe"]["expert_data_parallel"] for ep in (1, 2, 8)}
+    assert spread == {1: 8, 2: 4, 8: 1}  # the ranks an expert's states are spread over: dp_shard x cp / ep
+    rows = 2 * 4096 * 8 * shape.dim  # bf16 rows of dim, top-8, per micro-batch: this rank's half of the sequence
+    per_step = 2 * shape.n_layers * ALL_TO_ALLS_PER_LAYER
+    assert dispatch_s(shape, lay, cluster) == pytest.approx(
+        per_step * _a2a(8, rows, cluster.gpu.intra_node_gbs, 5e-6), rel=1e-12)
+    space = SearchSpace(seq_len=32768, global_batch_size=8, zero_stages=(3,), recompute=("full",),
+                        schedules=("1f1b",))
+    assert any(lay.cp > 1 and lay.ep > 1 and lay.ep > lay.dp_shard for lay in layout_families(shape, cluster, space))
+
+
 # One MoE layer whose 64 experts are 99.5% of the parameters: tensor and pipeline parallelism cannot split them.
 EXPERT_HEAVY = ModelShape(dim=1024, n_layers=1, n_heads=8, n_kv_heads=8, vocab_size=1024, ffn_hidden_dim=1024,
                           max_seq_len=2048, moe=MoEShape(num_experts=64, num_experts_per_tok=2,
@@ -332,7 +355,9 @@ def test_moe_activations_match_saved_tensors(name, recompute, monkeypatch):
                                                 {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype])
         layout = Layout(micro_batch_size=mb, global_batch_size=mb, seq_len=seq, activation_checkpointing=recompute,
                         param_dtype=dtype, compute_dtype=dtype, zero_stage=3)
-        predicted = stage_activation_bytes(shape, layout, 0, fused_norm=False).saved
+        # one device: no FSDP2 to cast the rotary tables into each block (tests/test_context_parallel.py)
+        uncast = shape.n_layers * rotary_input_bytes(shape, mb, seq, layout)
+        predicted = stage_activation_bytes(shape, layout, 0, fused_norm=False).saved - uncast
         assert predicted == pytest.approx(measured, rel=1e-3), (mb, seq, dtype)
 
 

@@ -43,7 +43,7 @@ class Layout:
     dp_shard: int = 1
     tp: int = 1
     pp: int = 1
-    ep: int = 1  # expert parallel: experts split over ep of the dp_shard ranks (contiguous, innermost)
+    ep: int = 1  # expert parallel: experts split over ep of the dp_shard x cp ranks (contiguous, innermost)
     cp: int = 1  # context parallel: ranks sharing each sequence (rank r holds chunks r and 2cp-1-r)
     cp_method: str = "ring"
     zero_stage: int = 0
@@ -120,8 +120,9 @@ class Layout:
 
     @property
     def efsdp(self) -> int:
-        """Data-parallel ranks holding the same experts: what expert gradients reduce (and ZeRO shards) over."""
-        return self.dp // self.ep
+        """Gradient ranks holding the same experts: what expert gradients reduce (and ZeRO shards) over.
+        Experts are split over ep of the dp_shard x cp ranks, so the context ranks count here too."""
+        return self.gradient_ranks // self.ep
 
     # ------------------------------------------------------------ what each technique does
     @property

@@ -1,5 +1,6 @@
 """Layout rules of expert parallelism (`parallel.ep`): an MoE model, experts that split evenly over
-data-parallel ranks, and what it composes with. Pure Python; layout.py asks them with the others."""
+data-parallel x context-parallel ranks, and what it composes with. Pure Python; layout.py asks them with
+the others."""
 
 from __future__ import annotations
 
@@ -17,10 +18,6 @@ def expert_problems(shape: ModelShape | None, layout) -> list[Problem]:  # layou
                         f"moe_intermediate_size x n_shared_experts = {shared}")]
     if ep == 1:
         return []
-    if getattr(layout, "cp", 1) > 1:  # the routing statistics and dispatch would need the context ranks too
-        return [Problem("parallel.cp", layout.cp, "1 with parallel.ep > 1",
-                        f"parallel.cp={layout.cp} with parallel.ep={ep}: expert and context parallelism do not "
-                        "compose yet (allowed: one of them above 1)")]
     if shape is not None and moe is None:
         return [Problem("parallel.ep", ep, "1 for a dense model", f"parallel.ep={ep} on a dense model (no experts "
                         "to split; allowed: 1, or an MoE model such as model.name=debug-moe)")]
@@ -37,9 +34,14 @@ def expert_problems(shape: ModelShape | None, layout) -> list[Problem]:  # layou
 
 
 def expert_batch_problems(layout) -> list[Problem]:  # layout: a layout.Layout
-    """Experts are split over `ep` of the dp_shard ranks."""
-    if layout.ep > 1 and layout.dp_shard % layout.ep:
-        return [Problem("parallel.ep", layout.ep, f"a divisor of parallel.dp_shard={layout.dp_shard}",
-                        f"parallel.ep={layout.ep} does not divide the data-parallel degree parallel.dp_shard="
-                        f"{layout.dp_shard} (experts are split over data-parallel ranks)")]
+    """Experts are split over `ep` of the dp_shard x cp ranks (the MoE layer is token-wise: a context rank's
+    chunk of a sequence is more tokens to dispatch, as a data-parallel rank's sequences are)."""
+    cp = getattr(layout, "cp", 1)
+    if layout.ep > 1 and (layout.dp_shard * cp) % layout.ep:
+        ranks = (f"parallel.dp_shard x parallel.cp = {layout.dp_shard} x {cp}" if cp > 1 else
+                 f"the data-parallel degree parallel.dp_shard={layout.dp_shard}")
+        allowed = f"a divisor of parallel.dp_shard x parallel.cp = {layout.dp_shard * cp}"
+        return [Problem("parallel.ep", layout.ep, allowed,
+                        f"parallel.ep={layout.ep} does not divide {ranks} (experts are split over data-parallel "
+                        "and context-parallel ranks)")]
     return []

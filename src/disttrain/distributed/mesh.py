@@ -4,8 +4,10 @@ One 5-D mesh over (pp, dp_replicate, dp_shard, cp, tp) — size-1 dims included,
 order — plus two flattened meshes: the data-parallel ranks (dp_replicate x dp_shard: who reads which
 sequences) and the gradient ranks (those x cp: who reduces gradients and sums the loss, since each
 context rank computes the gradient of its own tokens); with expert parallelism, a mesh over the same
-ranks with dp_shard split into (efsdp, ep). Everything else (FSDP's mesh, the replica group the sync
-check compares over) is a slice of it chosen by the Layout.
+ranks with dp_shard x cp split into (efsdp, ep): the MoE layer is token-wise, so a context rank's chunk
+of a sequence is more tokens to dispatch, and ep borrows context ranks as it borrows data-parallel
+ones. Everything else (FSDP's mesh, the replica group the sync check compares over) is a slice of it
+chosen by the Layout.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ class Meshes:
     dp: DeviceMesh  # the data-parallel ranks (dp_replicate x dp_shard flattened): one slice of the batch each
     dp_cp: DeviceMesh  # the gradient ranks (dp_replicate x dp_shard x cp flattened); `dp` when cp = 1
     shard_cp: DeviceMesh | None = None  # dp_shard x cp flattened (FSDP's shard dim under cp); None when cp = 1
-    experts: DeviceMesh | None = None  # over (pp, dp_replicate, efsdp, ep, tp): dp_shard split for experts
+    experts: DeviceMesh | None = None  # over (pp, dp_replicate, efsdp, ep, tp): dp_shard x cp split for experts
 
     @property
     def ep(self) -> DeviceMesh:
@@ -65,9 +67,9 @@ class Meshes:
 def build_meshes(layout: Layout, device_type: str) -> Meshes:
     world = init_device_mesh(device_type, layout.mesh_shape, mesh_dim_names=MESH_DIMS)
     experts = None
-    if layout.ep > 1:  # expert-parallel ranks innermost within dp_shard (neighbours, like tensor parallel)
-        pp, dpr, dps, cp, tp = layout.mesh_shape  # cp = 1: the layout rules keep ep and cp apart
-        experts = DeviceMesh(device_type, world.mesh.reshape(pp, dpr, dps // layout.ep, layout.ep, cp * tp),
+    if layout.ep > 1:  # expert-parallel ranks innermost within dp_shard x cp (neighbours: cp ranks first)
+        pp, dpr, dps, cp, tp = layout.mesh_shape  # dp_shard and cp are adjacent: one dim of dps * cp ranks
+        experts = DeviceMesh(device_type, world.mesh.reshape(pp, dpr, dps * cp // layout.ep, layout.ep, tp),
                              mesh_dim_names=("pp", "dp_replicate", "efsdp", "ep", "tp"))
     # `_flatten` gives one group over several dims; torch asks callers to keep the flattened mesh
     # themselves rather than slice it from the root again.

@@ -67,6 +67,9 @@ class ModelShape:
     head_size: int = 0  # 0: dim / n_heads; set when a family decouples the two (Qwen3, Gemma)
     moe: MoEShape | None = None  # None: every block has a dense SwiGLU MLP
     mla: MLAShape | None = None  # None: grouped-query attention of n_heads / n_kv_heads x head_dim
+    # Precomputed cos/sin buffers, as the built-in models hold (transformers' compute theirs per forward); the
+    # planner's to count, not the model's identity (models/llama shape_fingerprint leaves it out).
+    rotary_tables: bool = True
 
     @property
     def head_dim(self) -> int:

@@ -1,20 +1,21 @@
 """Expert parallelism, applied from outside to the MoE layers a ModelSpec names (`spec.moe_layers`).
 
 Every layout (one process included) sets each MoE layer's routing statistics to be summed over the
-data-parallel group and the balancing loss's gradient scale (models/moe/layer.py). With `parallel.ep`
-> 1 the experts are split over `ep` data-parallel ranks (contiguous ones, inside dp_shard):
+gradient ranks (data parallel x context parallel: every token of the global batch once) and the balancing
+loss's gradient scale (models/moe/layer.py). With `parallel.ep` > 1 the experts are split over `ep` of
+those ranks (contiguous ones, inside dp_shard x cp: the layer is token-wise, so a context rank's chunk of
+a sequence is more tokens to dispatch):
 - the fused expert weights become DTensors sharded on the expert dimension over the `ep` mesh, so that
   checkpoints (DCP) reshard them to any other layout and the global gradient norm counts each once;
 - the token rows go to the rank owning their expert and back through
   `all_to_all_single_autograd` with uneven splits (one exchange of per-expert counts, one host sync for
   the split sizes, two all-to-alls per layer and micro-batch);
 - gradients: each expert's gradient is the sum over every token source, so it is reduced over the
-  ranks holding the same experts (`efsdp`) and divided by the whole data-parallel size. Under ZeRO-2/3
+  ranks holding the same experts (`efsdp`) and divided by the gradient ranks (dp x cp). Under ZeRO-2/3
   the experts are their own FSDP unit on the `efsdp` mesh with that divide factor (and forced sum
   reduction when efsdp > 1: gloo has no PREMUL_SUM; never with efsdp == 1, where torch 2.13 would then
   divide twice); under DDP they are left out of DDP and reduced by `ExpertGradients` before clipping.
 Nothing here is written by torch for us: its MoE pieces (torchtitan's) are not part of torch.
-Context parallelism, when it lands, adds its sequence ranks to `stats_group` (tokens of the global batch).
 """
 
 from __future__ import annotations
@@ -87,8 +88,8 @@ def apply_expert_parallel(model: nn.Module, spec, layout: Layout, meshes) -> lis
     layers = spec.moe_layers(model) if spec.moe_layers is not None else {}
     split = []
     for layer in layers.values():
-        layer.stats_group = meshes.dp.get_group() if layout.dp > 1 else None
-        layer.aux_grad_scale = layout.dp / layout.microbatches
+        layer.stats_group = meshes.dp_cp.get_group() if layout.gradient_ranks > 1 else None
+        layer.aux_grad_scale = layout.gradient_ranks / layout.microbatches
         layer.trial_pass = pipeline_shape_inference if layout.pp > 1 else None
         if layout.ep > 1:
             experts = layer.experts
@@ -108,7 +109,7 @@ def shard_experts(experts: list[nn.Module], layout: Layout, meshes, fsdp_kwargs:
 
     for module in experts:
         fully_shard(module, mesh=meshes.efsdp(layout), **fsdp_kwargs)
-        # FSDP only sums: ExpertGradients divides by dp. torch 2.13 divides a one-rank mesh's gradient by
+        # FSDP only sums: ExpertGradients divides by dp x cp. torch 2.13 divides a one-rank mesh's gradient by
         # the divide factor AND by its pre/post factors (fp64, or forced sum), so any factor but 1 is wrong
         # there; forced sum also spares gloo the PREMUL_SUM it lacks.
         module.set_gradient_divide_factor(1.0)
@@ -121,7 +122,7 @@ def expert_parameter_names(model: nn.Module) -> list[str]:
 
 class ExpertGradients:
     """Expert gradients summed over the ranks that hold the same experts (under DDP here; FSDP sums them
-    itself), then divided by the data-parallel size (what DDP and FSDP do for every other gradient).
+    itself), then divided by the gradient ranks, dp x cp (what DDP and FSDP do for every other gradient).
     Called once per step, before clipping."""
 
     def __init__(self, model: nn.Module, layout: Layout, meshes):
@@ -129,7 +130,7 @@ class ExpertGradients:
                        and "ep" in p.device_mesh.mesh_dim_names]
         reduce = layout.gradient_wrapper == "ddp" and layout.efsdp > 1
         self.group = meshes.efsdp(layout).get_group() if reduce else None
-        self.dp = layout.dp
+        self.ranks = layout.gradient_ranks
 
     @torch.no_grad()
     def __call__(self) -> None:
@@ -139,7 +140,7 @@ class ExpertGradients:
         flat = torch.cat([g.reshape(-1) for g in grads])
         if self.group is not None:
             dist.all_reduce(flat, group=self.group)
-        flat.div_(self.dp)
+        flat.div_(self.ranks)
         torch._foreach_copy_(grads, [t.view_as(g) for t, g in zip(flat.split([g.numel() for g in grads]), grads)])
 
 

@@ -76,6 +76,17 @@ def _norm_bytes(er: int, tokens: int, h: int, r: int, fused: bool) -> float:
     return kept_input * tokens * h / r + FP32 * tokens / r
 
 
+def rotary_input_bytes(shape: ModelShape, micro_batch: int, seq_len: int, layout: Layout) -> float:
+    """FSDP2's mixed precision casts each block's floating-point inputs to the parameter dtype, the rotary
+    tables among them: one copy per block, which its rotary products keep for the backward. Whole tables
+    (max_seq_len rows) unless positions pick this rank's rows (context parallelism). transformers' models
+    compute theirs per forward in the hidden states' dtype, which FSDP2 leaves alone."""
+    if not shape.rotary_tables or layout.zero_stage < 2 or layout.engine != "torch" or layout.param_dtype == "fp32":
+        return 0.0
+    rows = micro_batch * seq_len if layout.cp > 1 else shape.max_seq_len
+    return 2 * DTYPE_BYTES[layout.param_dtype] * rows * shape.head_dim
+
+
 def layer_activation_bytes(shape: ModelShape, micro_batch: int, seq_len: int, layout: Layout,
                            fused_norm: bool = True) -> LayerActivations:
     """Saved tensors of one `TransformerBlock` of models/llama (checked against saved-tensor hooks in
@@ -94,8 +105,9 @@ def layer_activation_bytes(shape: ModelShape, micro_batch: int, seq_len: int, la
     norms = 2 * _norm_bytes(er, sb, h, r, fused_norm) + ec * sb * h * sum(copies)
     attention = ec * sb * (h + 2 * kv + h) / t + FP32 * micro_batch * (shape.n_heads // t) * seq_len  # q k v out, lse
     mlp = 4 * ec * sb * f / t
-    full = norms + attention + mlp
-    residual = er * sb * h / r
+    rotary = rotary_input_bytes(shape, micro_batch, seq_len, layout)  # kept whatever the checkpointing
+    full = norms + attention + mlp + rotary
+    residual = er * sb * h / r + rotary
     mode = layout.activation_checkpointing
     if mode == "full":
         return LayerActivations(saved=residual, transient=full)

@@ -41,6 +41,8 @@ def kv_traffic_bytes(shape: ModelShape, layout: Layout) -> dict:
         return {"method": layout.cp_method, "bytes": 0.0, "overlapped": True}
     if layout.cp_method == "ring":
         sent = (cp - 1) * kv + (cp - 1) * kv + cp * kv * (4 if e < 4 else e) / e  # dK/dV accumulate in fp32
+        if layout.activation_checkpointing != "none":  # recomputing the block walks the forward's ring again
+            sent += (cp - 1) * kv
         return {"method": "ring", "bytes": sent, "overlapped": True}
     if layout.cp_method == "allgather":
         return {"method": "allgather", "bytes": 2 * (cp - 1) * kv, "overlapped": False}
@@ -67,13 +69,15 @@ def ring_backward_temporary_bytes(shape: ModelShape, layout: Layout, element_byt
 def ring_selective_cache_bytes(shape: ModelShape, layout: Layout, element_bytes: int) -> float:
     """Selective checkpointing keeps the output of every attention kernel call (parallel/activation_checkpoint.py),
     and the ring calls the kernel once per block: each block's output and fp32 log-sum-exp stay cached from
-    forward to backward beside the ring's merged output. Context rank r computes its own block and r blocks
-    from earlier ranks over all its query rows, and cp-1-r blocks from later ranks over half of them; the
-    last context rank (cp blocks of full rows) holds the most, and the planner counts that rank."""
+    forward to backward, in place of the one attention output (and log-sum-exp) a layer keeps otherwise: the
+    ring's merged output is recomputed from them, not kept. Context rank r computes its own block and r
+    blocks from earlier ranks over all its query rows, and cp-1-r blocks from later ranks over half of them;
+    the last context rank (cp blocks of full rows, cp - 1 more than a layer without the ring) holds the most,
+    and the planner counts that rank (the 7b at 131,072 tokens, cp=4: as the 32-rank dry run measures)."""
     if layout.cp == 1 or layout.cp_method != "ring" or layout.activation_checkpointing != "selective":
         return 0.0
     q = layout.seq_len // layout.cp * layout.micro_batch * shape.n_heads * shape.head_dim / layout.tp
-    return layout.cp * (element_bytes * q + 4 * q / shape.head_dim)
+    return (layout.cp - 1) * (element_bytes * q + 4 * q / shape.head_dim)
 
 
 def context_extra_bytes(shape: ModelShape, layout: Layout, element_bytes: int) -> float:

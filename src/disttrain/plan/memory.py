@@ -22,7 +22,7 @@ from disttrain.plan.activations import (  # noqa: F401 (re-exported: the planner
     stage_activation_bytes)
 from disttrain.plan.moe import model_states as moe_model_states
 from disttrain.plan.params import (RankParams, layer_params, lora_layer_params, rank_params,  # noqa: F401
-                                   stage_layers)
+                                   rotary_table_bytes, stage_layers)
 
 ACCOUNTINGS = ("runtime", "zero-paper")
 FP32 = 4
@@ -45,6 +45,7 @@ class ModelStates:
     # DDP's first backward: autograd's fresh gradients exist beside the buckets until the reducer copies
     # them in (measured on real tensors and by the dry run); from then on gradients are bucket views.
     first_step_grads: float = 0.0
+    tables: float = 0.0  # buffers held whole beside the parameters (the rotary tables)
 
 
 def model_state_bytes(n_params: float, layout: Layout, accounting: str = "runtime",
@@ -183,7 +184,7 @@ def _moments(states: ModelStates, acts: StageActivations, layout: Layout, gather
     copies = 0.0 if fsdp else s.buffers  # autocast's low-precision weight copies, kept as activations
     moments = {}
     if acts.logits:  # the loss's backward: its gradient and the logits' (loss_parallel keeps one more shard)
-        moments["loss"] = {"parameters": s.params, "gradients": loss_grads, "optimizer": s.optimizer,
+        moments["loss"] = {"parameters": s.params + s.tables, "gradients": loss_grads, "optimizer": s.optimizer,
                            "activations": loss_acts + copies,
                            "temporary": (3 if layout.tp > 1 else 2) * acts.logits + loss_pending,
                            "communication": gathered + pipe}
@@ -192,13 +193,13 @@ def _moments(states: ModelStates, acts: StageActivations, layout: Layout, gather
     # are already counted among the accumulated ones.
     gathers = 2 * pb * unit if layout.reshard_after_forward else 0.0
     in_use = gathers + (0.0 if s.unsharded_grads else (pb + rb) * grad_unit) if fsdp else 0.0
-    moments["block"] = {"parameters": s.params, "gradients": block_grads, "optimizer": s.optimizer,
+    moments["block"] = {"parameters": s.params + s.tables, "gradients": block_grads, "optimizer": s.optimizer,
                         "activations": acts.saved - acts.logits + copies, "temporary": acts.layer + block_pending,
                         "communication": gathered + in_use + pipe}
-    moments["step"] = {"parameters": s.params, "gradients": s.grads, "optimizer": s.optimizer + s.step_temporary,
+    moments["step"] = {"parameters": s.params + s.tables, "gradients": s.grads, "optimizer": s.optimizer + s.step_temporary,
                        "activations": 0.0, "temporary": 0.0, "communication": 0.0}
     if s.first_step_grads:  # DDP's first step: no optimizer states yet, autograd's gradients beside the buckets
-        moments["first step"] = {"parameters": s.params, "gradients": s.grads + s.first_step_grads,
+        moments["first step"] = {"parameters": s.params + s.tables, "gradients": s.grads + s.first_step_grads,
                                  "optimizer": 0.0, "activations": copies, "temporary": 0.0, "communication": 0.0}
         if layout.microbatches > 1 and "loss" in moments:  # accumulated outside the buckets, through the next loss
             moments["first step"] = {**moments["loss"], "optimizer": 0.0,
@@ -224,6 +225,13 @@ def estimate_memory(shape: ModelShape, layout: Layout, accounting: str = "runtim
                                    root_params=held.root, largest_tensor=largest, trainable=adapters)
         if held.experts:  # the experts' states on their own data-parallel group
             states = moe_model_states(model_state_bytes, held, layout, accounting, largest, shape)
+        states.tables = rotary_table_bytes(shape)
+        tied = shape.tie_embeddings and held.output  # the output's sharded gradient is added to it: sharded
+        if states.unsharded_grads and layout.tp > 1 and held.embedding and not tied and not lora_rank:
+            # DTensor's embedding backward gives the vocabulary-parallel table's gradient whole (Replicate on
+            # tp), and FSDP2 accumulates it so until the last micro-batch's reduce-scatter redistributes it.
+            states.unsharded_grads += DTYPE_BYTES[layout.reduce_dtype] * shape.vocab_size * shape.dim * (
+                layout.tp - 1) // layout.tp
         acts = stage_activation_bytes(shape, layout, pp_rank, fused_norm, routing_skew=routing_skew,
                                       accumulated_grads=states.unsharded_grads)
         e = DTYPE_BYTES[layout.param_dtype]

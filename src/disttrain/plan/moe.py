@@ -5,7 +5,8 @@ Routing is data-dependent; the planner assumes it: `routing_skew` = 1 is balance
 tokens x top-k / num_experts), and a skew s > 1 sends the busiest expert-parallel rank s times its balanced
 share (at most all ep ranks' tokens), which sizes its receive buffers, its expert matmuls and the all-to-all it
 waits for. Tensor-parallel ranks keep the experts whole (dense layers split, experts not) and route the same
-tokens (their sequence shard with sequence parallelism).
+tokens (their sequence shard with sequence parallelism). A context-parallel rank routes its 1/cp of each
+sequence: expert parallelism borrows the context ranks as it borrows the data-parallel ones.
 """
 
 from __future__ import annotations
@@ -22,14 +23,15 @@ ROUTING_SKEW = 1.0  # balanced
 
 
 def expert_layout(layout: Layout) -> Layout:
-    """The layout the experts' states follow (the runtime's expert mesh, distributed/mesh.py: dp_shard split
-    into efsdp x ep, ep innermost): the dp_shard / ep ranks holding the same experts shard them under ZeRO and
-    dp_replicate replicates them; under DDP the dp / ep ranks holding the same experts replicate them. The same
-    sequences per rank, so the same micro-batches: the group is smaller, not the work."""
+    """The layout the experts' states follow (the runtime's expert mesh, distributed/mesh.py: dp_shard x cp
+    split into efsdp x ep, ep innermost): the dp_shard x cp / ep ranks holding the same experts shard them
+    under ZeRO and dp_replicate replicates them; under DDP the dp x cp / ep ranks holding the same experts
+    replicate them. The same sequences per rank, so the same micro-batches: the group is smaller, not the
+    work (its cp is folded into efsdp: the experts' group has no context dimension)."""
     if layout.ep <= 1:
         return layout
-    efsdp = layout.dp_shard // layout.ep
-    return replace(layout, dp_shard=efsdp, ep=1, global_batch_size=layout.sequences_per_rank * efsdp *
+    efsdp = layout.dp_shard * layout.cp // layout.ep
+    return replace(layout, dp_shard=efsdp, cp=1, ep=1, global_batch_size=layout.sequences_per_rank * efsdp *
                    layout.dp_replicate)
 
 
@@ -133,10 +135,10 @@ def moe_layer_bytes(shape: ModelShape, layout: Layout, attention, ec: int, skew:
     base, micro_batch, seq_len = attention, layout.micro_batch, layout.seq_len
     moe = shape.moe
     t = layout.tp
-    tokens = micro_batch * seq_len / (t if layout.sequence_parallel else 1)
+    tokens = micro_batch * seq_len / layout.cp / (t if layout.sequence_parallel else 1)
     k, h, width, e = moe.num_experts_per_tok, shape.dim, moe.moe_intermediate_size, moe.num_experts
     rows = tokens * k * received(layout, skew)
-    sb, shared = micro_batch * seq_len, moe.n_shared_experts * width / t
+    sb, shared = micro_batch * seq_len / layout.cp, moe.n_shared_experts * width / t
     routing = (FP32 + INDEX) * tokens * e + (2 * INDEX + ec) * tokens * k + 4 * e / layout.ep  # + int32 offsets
     buffers = ec * (tokens * k + rows) * h
     casts = (2 * (moe.n_shared_experts > 0) - 1) * ec * sb * h if autocast else 0.0
@@ -183,7 +185,7 @@ def dispatch_s(shape: ModelShape, layout: Layout, cluster, skew: float = ROUTING
         return 0.0
     n_moe = max(moe_layers(shape, held_layers(shape, layout, r)) for r in range(layout.pp))
     e = DTYPE_BYTES[layout.param_dtype]
-    tokens = layout.micro_batch * layout.seq_len / (layout.tp if layout.sequence_parallel else 1)
+    tokens = layout.micro_batch * layout.seq_len / layout.cp / (layout.tp if layout.sequence_parallel else 1)
     nbytes = e * tokens * shape.moe.num_experts_per_tok * shape.dim * received(layout, skew)
     bw, lat = cluster.link(layout.ep * layout.tp, "all_to_all")
     per_layer = ALL_TO_ALLS_PER_LAYER + (2 if layout.activation_checkpointing != "none" else 0)
@@ -199,15 +201,15 @@ def routed_flops_per_token(shape: ModelShape, layers: int, recompute: str = "non
 
 
 def expert_excess_flops(shape: ModelShape, layout: Layout, skew: float = ROUTING_SKEW) -> float:
-    """Routed-expert FLOPs per step the busiest rank does beyond its 1/(tp·pp) share of its replica's work (what
+    """Routed-expert FLOPs per step the busiest rank does beyond its 1/(tp·cp·pp) share of its replica's work (what
     the FLOP count divides over every rank): tensor-parallel ranks each run the experts whole on the same
     tokens, and a skewed router gives the busiest expert-parallel rank skew x its share."""
     if shape.moe is None:
         return 0.0
     n_moe = max(moe_layers(shape, held_layers(shape, layout, r)) for r in range(layout.pp))
-    tokens = layout.sequences_per_rank * layout.seq_len / (layout.tp if layout.sequence_parallel else 1)
+    tokens = layout.sequences_per_rank * layout.seq_len / layout.cp / (layout.tp if layout.sequence_parallel else 1)
     per_token = routed_flops_per_token(shape, n_moe, layout.activation_checkpointing)
-    share = per_token * layout.sequences_per_rank * layout.seq_len / layout.tp
+    share = per_token * layout.sequences_per_rank * layout.seq_len / (layout.tp * layout.cp)
     return max(0.0, per_token * tokens * received(layout, skew) - share)
 
 
@@ -215,7 +217,7 @@ def summary(shape: ModelShape, layout: Layout, held_experts: int, skew: float) -
     """What `estimate --json` reports of an MoE model."""
     moe = shape.moe
     return {"num_experts": moe.num_experts, "experts_per_rank": moe.num_experts // layout.ep, "ep": layout.ep,
-            "expert_params_per_rank": held_experts, "expert_data_parallel": expert_layout(layout).dp,
+            "expert_params_per_rank": held_experts, "expert_data_parallel": expert_layout(layout).gradient_ranks,
             "active_params": shape.num_params(active=True), "routing_skew": skew,
             "moe_layers": moe_layers(shape, list(range(shape.n_layers)))}
 
@@ -261,7 +263,8 @@ def expert_degrees(text: str | None, shape: ModelShape, gpus: int) -> tuple[int,
         if problems:
             raise UserError(str(problems[0]).replace("parallel.ep=", "--ep="))
         if gpus % ep:
-            raise UserError(f"--ep={ep} does not divide --gpus={gpus} (expert-parallel ranks are data-parallel ones)")
+            raise UserError(f"--ep={ep} does not divide --gpus={gpus} (expert-parallel ranks are data- or "
+                            "context-parallel ones)")
     return degrees
 
 

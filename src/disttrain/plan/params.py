@@ -26,6 +26,12 @@ class RankParams:
         return self.block + self.root
 
 
+def rotary_table_bytes(shape: ModelShape) -> int:
+    """The built-in models' rotary tables (cos and sin, max_seq_len x head_dim fp32): buffers every rank holds
+    whole, whatever the layout (the dry run files them under parameters); none in transformers' models."""
+    return 2 * 4 * shape.max_seq_len * shape.head_dim if shape.rotary_tables else 0
+
+
 def layer_params(shape: ModelShape, tp: int = 1, ep: int = 1) -> int:
     if shape.moe is not None or shape.mla is not None:  # the largest block: a dense leading one or an MoE one
         from disttrain.plan.moe import largest_layer

@@ -45,8 +45,9 @@ class SearchSpace:
 
 
 def expert_degrees(shape: ModelShape, dp_shard: int, space: SearchSpace) -> list[int]:
-    """`parallel.ep` values to try: 1 for a dense model, else the divisors of both num_experts and dp_shard (the
-    runtime splits dp_shard into efsdp x ep); the layout rules drop what ep does not compose with."""
+    """`parallel.ep` values to try: 1 for a dense model, else the divisors of both num_experts and `dp_shard`
+    (pass dp_shard x cp: the runtime splits it into efsdp x ep); the layout rules drop what ep does not compose
+    with."""
     if shape.moe is None:
         return [1]
     return [d for d in divisors(dp_shard) if shape.moe.num_experts % d == 0 and (space.ep is None or d in space.ep)]
@@ -66,7 +67,7 @@ def layout_families(shape: ModelShape, cluster: Cluster, space: SearchSpace) -> 
                 if stage and dp * cp == 1:  # sharding over one rank changes nothing, unless it offloads
                     offloads = tuple(o for o in offloads if o)
                 degrees = [(dr, ep) for dr in replicas
-                           for ep in (expert_degrees(shape, dp // dr, space) if cp == 1 else (1,))]
+                           for ep in expert_degrees(shape, dp // dr * cp, space)]
                 for (dr, ep), schedule, sp, ac, offload in itertools.product(
                         degrees, schedules, (False, True) if tp > 1 else (False,), space.recompute, offloads):
                     layout = Layout(dp_replicate=dr, dp_shard=dp // dr, tp=tp, pp=pp, cp=cp, zero_stage=stage,

@@ -70,7 +70,7 @@ def hf_shape(directory: str) -> ModelShape:
             rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))),
             qkv_bias=c["model_type"] == "qwen2" or bool(c.get("qkv_bias", c.get("attention_bias", False))),
             head_size=int(c.get("head_dim") or 0) if int(c.get("head_dim") or 0) != dim // heads else 0,
-            moe=_moe(c, directory), mla=mla)
+            moe=_moe(c, directory), mla=mla, rotary_tables=False)
     except KeyError as exc:
         raise UserError(f"model.hf={directory}: config.json lacks {exc.args[0]} (a causal LM's config has "
                         "hidden_size, num_hidden_layers, num_attention_heads and vocab_size)") from None

@@ -29,4 +29,5 @@ def llama_spec(shape: ModelShape):
 
 
 def shape_fingerprint(shape: ModelShape) -> str:
-    return hashlib.sha256(json.dumps(asdict(shape), sort_keys=True).encode()).hexdigest()[:16]
+    dims = {k: v for k, v in asdict(shape).items() if k != "rotary_tables"}  # how to count, not what is trained
+    return hashlib.sha256(json.dumps(dims, sort_keys=True).encode()).hexdigest()[:16]

@@ -4,10 +4,11 @@ Single-device code with two places parallelism plugs into from outside (parallel
 - `expert_dispatch`: runs expert-sorted rows through their experts. None runs them here; expert
   parallelism puts an all-to-all exchange there.
 - `trial_pass`: says when a forward is none of the training's (a pipeline stage's shape inference).
-- `stats_group`: the data-parallel group the routing statistics are summed over, so that the balancing
-  loss, the balancing bias and the reported loads are those of the whole global batch on every layout
-  (one all-reduce of 2E + 3 numbers per layer and micro-batch). `aux_grad_scale` turns the local share
-  of that loss into this rank's part of the global objective (data-parallel ranks / micro-batches).
+- `stats_group`: the gradient ranks' group (data x context parallel) the routing statistics are summed
+  over, so that the balancing loss, the balancing bias and the reported loads are those of the whole
+  global batch on every layout (one all-reduce of 2E + 3 numbers per layer and micro-batch).
+  `aux_grad_scale` turns the local share of that loss into this rank's part of the global objective
+  (gradient ranks / micro-batches).
 
 Routing statistics of a training step (tokens each expert was chosen for, dropped tokens, probability
 mass, entropy, the balancing loss) accumulate over its micro-batches, skipping activation-checkpoint
