@@ -76,6 +76,33 @@ def test_grouped_gemm_runs_in_the_autocast_dtype():
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
 
 
+def test_transformers_experts_run_in_the_autocast_dtype():
+    """transformers' fused experts (models/hf/moe.py) cast under autocast as the built-in ones do: bf16 rows and
+    weights, equal to a per-expert F.linear loop that autocast casts itself, the weights cast once per step."""
+    from transformers import AutoModelForCausalLM
+
+    from disttrain.models.hf.moe import hf_moe_layers
+    from hf_models import tiny_config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("qwen3_moe"))
+    layer = next(iter(hf_moe_layers(model, MoERouting()).values()))
+    experts = layer.experts
+    rows, counts = torch.randn(13, 64), torch.tensor([3, 0, 6, 2, 0, 1, 1, 0])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = layer.compute_experts(rows, counts, None)
+        again = layer.compute_experts(rows, counts, None)
+        expected = []
+        for e, x in enumerate(torch.split(rows, counts.tolist())):
+            gate, up = torch.nn.functional.linear(x, experts.gate_up_proj[e]).chunk(2, dim=-1)
+            expected.append(torch.nn.functional.linear(experts.act_fn(gate) * up, experts.down_proj[e]))
+    assert out.dtype == torch.bfloat16 and layer.autocast_weights.entry[1][0].dtype == torch.bfloat16
+    torch.testing.assert_close(out, torch.cat(expected), rtol=0, atol=0)
+    torch.testing.assert_close(again, out, rtol=0, atol=0)
+    layer.finish_step(updated=True)
+    assert layer.autocast_weights.entry is None
+
+
 def test_autocast_copies_are_made_once_for_all_micro_batches():
     """Like autocast's cache for F.linear: the experts' bf16 weights are cast once and shared by every
     micro-batch's graph until the optimizer step, with the gradients of a cast per micro-batch; under

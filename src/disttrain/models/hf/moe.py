@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from disttrain.dtypes import at_least_fp32
-from disttrain.models.moe.experts import grouped_gemm_fits, local
+from disttrain.models.moe.experts import AutocastWeights, grouped_gemm_fits, in_autocast_dtype
 from disttrain.models.moe.layer import MoERouting, RoutedExperts
 
 SUPPORTED = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
@@ -30,6 +30,7 @@ class HFRoutedExperts(RoutedExperts):
         self.init_routing(experts.num_experts, block.gate.top_k, routing)
         self.experts, self.act = experts, experts.act_fn
         self.logits: torch.Tensor | None = None
+        self.autocast_weights = AutocastWeights()
         block.gate.register_forward_hook(self._keep_logits)
         experts.forward = self.forward
 
@@ -42,7 +43,9 @@ class HFRoutedExperts(RoutedExperts):
         return self.routed(hidden_states, top_k_weights, top_k_index, probs, self.experts.training)
 
     def compute_experts(self, rows: torch.Tensor, counts: torch.Tensor, counts_list):
-        gate_up, down = local(self.experts.gate_up_proj), local(self.experts.down_proj)
+        # grouped_mm is on no autocast list (torch 2.13): cast as F.linear is, as the built-in experts do
+        rows, (gate_up, down) = in_autocast_dtype(self.autocast_weights, rows,
+                                                  (self.experts.gate_up_proj, self.experts.down_proj))
         if rows.shape[0] and grouped_gemm_fits(rows, gate_up.shape[1]) and grouped_gemm_fits(rows, down.shape[2]):
             offsets = torch.cumsum(counts, 0).to(torch.int32)
             gate, up = F.grouped_mm(rows, gate_up.transpose(-2, -1), offs=offsets).chunk(2, dim=-1)
@@ -53,6 +56,9 @@ class HFRoutedExperts(RoutedExperts):
             gate, up = F.linear(x, gate_up[e]).chunk(2, dim=-1)
             outs.append(F.linear(self.act(gate) * up, down[e]))
         return torch.cat(outs) if outs else rows.new_zeros(0, down.shape[1])
+
+    def release_compute_copies(self) -> None:
+        self.autocast_weights.release()
 
     def update_bias(self, counts, rate) -> None:  # refused by validation: transformers' routers have no bias
         raise NotImplementedError

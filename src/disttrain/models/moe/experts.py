@@ -27,6 +27,45 @@ def grouped_gemm_fits(x: torch.Tensor, hidden: int) -> bool:
             and (hidden * size) % 16 == 0)
 
 
+class AutocastWeights:
+    """Expert weights in the autocast dtype, made once and shared by every forward of the step, as autocast's
+    own cache does for the weights F.linear casts (grouped_mm is on no autocast list: torch 2.13). A copy
+    per call would be saved for backward by every micro-batch in flight: 32 copies of 128 experts on the
+    first stage of a 32-stage pipeline (found by the dry run). Under activation checkpointing (saved-tensor
+    hooks active: the forward and its recomputation) each call casts again, so that no copy outlives its
+    block's forward there, as with autocast. Keyed by each parameter and its version (an optimizer step,
+    FSDP's next all-gather change it); dropped after each optimizer step (`release`). Written here because
+    autocast's cache only serves the ops on its lists."""
+
+    def __init__(self):
+        self.entry: tuple | None = None  # (key, weights in the autocast dtype)
+
+    def get(self, params: tuple, weights: tuple, dtype: torch.dtype) -> tuple:
+        key = (dtype, *((id(p), local(p)._version) for p in params))
+        if self.entry is not None and self.entry[0] == key:
+            return self.entry[1]
+        copies = tuple(w.to(dtype) for w in weights)
+        checkpointed = torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+        if torch.is_grad_enabled() and not checkpointed:
+            self.entry = (key, copies)
+        return copies
+
+    def release(self) -> None:
+        self.entry = None
+
+
+def in_autocast_dtype(cache: AutocastWeights, rows: torch.Tensor, params: tuple) -> tuple:
+    """(rows, weights) as the experts compute them: cast to the autocast dtype when autocast is on."""
+    weights = tuple(local(p) for p in params)
+    device = rows.device.type
+    if not torch.is_autocast_enabled(device):
+        return rows, weights
+    dtype = torch.get_autocast_dtype(device)
+    if weights[0].dtype != dtype:
+        weights = cache.get(params, weights, dtype)
+    return rows.to(dtype), weights
+
+
 class GroupedExperts(nn.Module):
     def __init__(self, num_experts: int, dim: int, hidden: int):
         super().__init__()
@@ -35,39 +74,20 @@ class GroupedExperts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden, dim))  # up
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden))  # down
         self.grouped_gemm = True  # False: always the per-expert loop (benchmarks compare the two)
-        self.compute_copies: tuple | None = None  # (key, weights in the autocast dtype): see `_autocast_weights`
+        self.autocast_weights = AutocastWeights()
 
-    def _autocast_weights(self, weights: tuple, dtype: torch.dtype) -> tuple:
-        """The weights in the autocast dtype, made once and shared by every forward of the step, as autocast's
-        own cache does for the weights F.linear casts (grouped_mm is on no autocast list: torch 2.13). A copy
-        per call would be saved for backward by every micro-batch in flight: 32 copies of 128 experts on the
-        first stage of a 32-stage pipeline (found by the dry run). Under activation checkpointing (saved-tensor
-        hooks active: the forward and its recomputation) each call casts again, so that no copy outlives its
-        block's forward there, as with autocast. Keyed by each parameter and its version (an optimizer step,
-        FSDP's next all-gather change it); dropped after each optimizer step (`release_compute_copies`)."""
-        params = (self.w1, self.w2, self.w3)
-        key = (dtype, *((id(p), local(p)._version) for p in params))
-        if self.compute_copies is not None and self.compute_copies[0] == key:
-            return self.compute_copies[1]
-        copies = tuple(w.to(dtype) for w in weights)
-        checkpointed = torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
-        if torch.is_grad_enabled() and not checkpointed:
-            self.compute_copies = (key, copies)
-        return copies
+    @property
+    def compute_copies(self) -> tuple | None:  # (key, weights in the autocast dtype) or None
+        return self.autocast_weights.entry
 
     def release_compute_copies(self) -> None:
-        self.compute_copies = None
+        self.autocast_weights.release()
 
     def forward(self, rows: torch.Tensor, counts: torch.Tensor, counts_list: list[int] | None = None) -> torch.Tensor:
         """rows (n, dim) sorted by this rank's experts, `counts` rows per local expert (int64 tensor);
         `counts_list` the same on the host when the caller already has it (saves the loop a sync)."""
-        w1, w2, w3 = local(self.w1), local(self.w2), local(self.w3)
-        device = rows.device.type
-        if torch.is_autocast_enabled(device):  # grouped_mm is on no autocast list (torch 2.13): cast as F.linear is
-            dtype = torch.get_autocast_dtype(device)
-            rows = rows.to(dtype)
-            if w1.dtype != dtype:
-                w1, w2, w3 = self._autocast_weights((w1, w2, w3), dtype)
+        # grouped_mm is on no autocast list (torch 2.13): cast as F.linear is
+        rows, (w1, w2, w3) = in_autocast_dtype(self.autocast_weights, rows, (self.w1, self.w2, self.w3))
         if rows.shape[0] and self.grouped_gemm and grouped_gemm_fits(rows, w1.shape[1]):
             offsets = torch.cumsum(counts, 0).to(torch.int32)
             h = F.silu(F.grouped_mm(rows, w1.transpose(-2, -1), offs=offsets)) * \

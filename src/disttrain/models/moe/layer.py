@@ -73,6 +73,12 @@ class RoutedExperts:
         self.last_step: torch.Tensor | None = None
         self.stats_local = False  # the latest statistics (step_stats; last_step after finish_step) are per rank
 
+    def release_compute_copies(self) -> None:
+        """Drop the experts' autocast weight copies (models/moe/experts.py AutocastWeights)."""
+        release = getattr(getattr(self, "experts", None), "release_compute_copies", None)
+        if release is not None:
+            release()
+
     def routed(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, probs: torch.Tensor | None,
                training: bool) -> torch.Tensor:
         """x (tokens, dim), the router's choice (weights and experts (tokens, k)) and probabilities over all
@@ -148,9 +154,7 @@ class RoutedExperts:
         """After the optimizer step: keep the step's statistics for reporting; move the bias (when the
         step updated the parameters; by global counts: `reduce_routing_statistics` first when `stats_local`).
         Evaluation never gets here: its forward passes count nothing."""
-        release = getattr(getattr(self, "experts", None), "release_compute_copies", None)
-        if release is not None:  # the weights change: their autocast copies with them
-            release()
+        self.release_compute_copies()  # the weights change: their autocast copies with them
         if self.step_stats is None:
             return
         self.last_step, self.step_stats = self.step_stats, None
