@@ -8,8 +8,11 @@ uneven `all_to_all_single_autograd`), experts run as grouped GEMMs; every other 
 `fully_shard` per block and at the root (the experts left out: `ignored_params`), gradients reduced once per
 step (no sync on the first micro-batch); expert gradients divided by the data-parallel size; AdamW with
 global-norm clipping at 1.0 over both kinds. No balancing loss or bias, no routing statistics reduced.
-Global batch 16 x 128, micro-batches of 4 (2 per rank), fp32.
+Global batch 16 x 128, micro-batches of 4 (2 per rank), fp32. `--size tiny` runs a `tiny`-sized MoE instead
+(dim 256, 4 layers, 16 experts of width 256, top-2: SIZES, the same overrides disttrain's side gives).
 """
+
+import dataclasses
 
 import torch
 import torch.distributed as dist
@@ -23,14 +26,26 @@ from disttrain.models.spec import build_model
 from disttrain.parallel.expert import AllToAllDispatch
 
 GLOBAL_BATCH = 16
+# Model sizes, as disttrain config overrides of `debug-moe` (moe_vs_handwritten.py passes the same to disttrain).
+SIZES = {"debug": {},
+         "tiny": {"dim": 256, "n_layers": 4, "n_heads": 8, "n_kv_heads": 4, "ffn_hidden_dim": 768,
+                  "moe.num_experts": 16, "moe.moe_intermediate_size": 256}}
 
 
-def train(steps: int, micro_batch: int = 4) -> None:
+def shape_of(size: str):
+    """debug-moe with SIZES[size] applied: the model both loops train."""
+    base = MODEL_SHAPES["debug-moe"]
+    top = {k: v for k, v in SIZES[size].items() if not k.startswith("moe.")}
+    moe = {k[4:]: v for k, v in SIZES[size].items() if k.startswith("moe.")}
+    return dataclasses.replace(base, **top, moe=dataclasses.replace(base.moe, **moe))
+
+
+def train(steps: int, micro_batch: int = 4, size: str = "debug") -> None:
     """`steps` optimizer steps in the running process group (benchmarks/step_counts.py calls it under its
     profiler)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
-    model = build_model(moe_spec(MODEL_SHAPES["debug-moe"]), torch.device("cpu"), seed=0)
+    model = build_model(moe_spec(shape_of(size)), torch.device("cpu"), seed=0)
     experts = []
     for layer in (m for m in model.modules() if isinstance(m, MoEFeedForward)):
         for name, p in list(layer.experts.named_parameters(recurse=False)):
@@ -66,9 +81,9 @@ def train(steps: int, micro_batch: int = 4) -> None:
 
 
 def main():
-    args = parse_args()
+    args = parse_args(lambda parser: parser.add_argument("--size", choices=sorted(SIZES), default="debug"))
     dist.init_process_group("gloo")
-    train(args.steps, args.micro_batch)
+    train(args.steps, args.micro_batch, args.size)
     dist.destroy_process_group()
 
 
