@@ -81,14 +81,33 @@ def ring_selective_cache_bytes(shape: ModelShape, layout: Layout, element_bytes:
 
 
 def context_extra_bytes(shape: ModelShape, layout: Layout, element_bytes: int) -> float:
-    """What a layer keeps besides its seq_len/cp share of the activations, per micro-batch."""
+    """What a layer keeps besides its seq_len/cp share of the activations, per micro-batch. Checkpointing
+    (full or selective: neither collectives nor masks are matmuls) recomputes all-gather's and Ulysses' extras
+    in the layer's backward instead (`context_recomputed_bytes`)."""
     if layout.cp_method == "ring":
         return ring_selective_cache_bytes(shape, layout, element_bytes)
-    if layout.cp == 1 or layout.activation_checkpointing == "full":
+    if layout.activation_checkpointing != "none":
+        return 0.0
+    return _gathered_bytes(shape, layout, element_bytes)
+
+
+def context_recomputed_bytes(shape: ModelShape, layout: Layout, element_bytes: int) -> float:
+    """All-gather's and Ulysses' extras under checkpointing: remade while the layer's backward runs."""
+    if layout.cp_method == "ring" or layout.activation_checkpointing == "none":
+        return 0.0
+    return _gathered_bytes(shape, layout, element_bytes)
+
+
+def _gathered_bytes(shape: ModelShape, layout: Layout, element_bytes: int) -> float:
+    if layout.cp == 1:
         return 0.0
     s, mb, cp, tp = layout.seq_len, layout.micro_batch, layout.cp, layout.tp
-    if layout.cp_method == "allgather":  # the gathered K/V and the bool (seq/cp x seq) mask
-        return 2 * element_bytes * mb * s * shape.n_kv_heads * shape.head_dim / tp * (cp - 1) / cp + mb * (s // cp) * s
+    if layout.cp_method == "allgather":
+        # The attention keeps the gathered K/V in place of its own shard (grouped heads: expanded to every query
+        # head, as SDPA with a mask takes them; measured by the dry run on `tiny`), and the bool (seq/cp x seq) mask.
+        heads = shape.n_heads if shape.n_heads != shape.n_kv_heads else shape.n_kv_heads
+        kv = 2 * element_bytes * mb * shape.head_dim / tp * (s * heads - s // cp * shape.n_kv_heads)
+        return kv + mb * (s // cp) * s
     return mb * s * s  # ulysses: the bool (seq x seq) mask
 
 
