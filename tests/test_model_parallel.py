@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from workers import model_states
 from helpers import (EXACT, FP64, assert_losses_close, assert_parity, events, final_params, losses, records, train,
                      train_many)
 
@@ -53,14 +54,20 @@ def tied_reference(references):
     return references["tied"]
 
 
+MODEL_STATES = {"parallel.tp=2": {"tp": 2}, "parallel.pp=2": {"pp": 2}}  # override -> planner Layout fields
+
+
 @pytest.fixture(scope="module")
 def two_rank_runs(tmp_path_factory, four_rank_runs):
-    """Also ZeRO-3 resumed from the pp=2 x tp=2 checkpoint of step 3 (another layout and world size)."""
+    """Also ZeRO-3 resumed from the pp=2 x tp=2 checkpoint of step 3 (another layout and world size), and the
+    per-rank model-state measurement of tp=2 and of pp=2 (tests/workers/model_states.py) in the same launch."""
     root = tmp_path_factory.mktemp("two")
     ckpt = four_rank_runs["pp x tp + sp"] / "checkpoints" / "step_00000003"
     resumed = {"zero3 resumed": ("parallel.zero_stage=3", f"checkpoint.resume={ckpt}")}
-    return train_many({k: (root / k.replace(" ", "_"), (*COMMON, *v)) for k, v in {**TWO_RANKS, **resumed}.items()},
-                      nproc=2)
+    jobs = {k: (root / k.replace(" ", "_"), (*COMMON, *v)) for k, v in {**TWO_RANKS, **resumed}.items()}
+    jobs |= {f"states {o}": model_states.job(root / f"states_{o.split('.')[1][:2]}", stages=[0], overrides=[o])
+             for o in MODEL_STATES}
+    return train_many(jobs, nproc=2)
 
 
 @pytest.fixture(scope="module")
@@ -125,17 +132,16 @@ def test_three_d_on_eight_ranks(reference, tmp_path):
     _assert_parity(run, reference)
 
 
-@pytest.mark.parametrize("override,layout", [("parallel.tp=2", {"tp": 2}), ("parallel.pp=2", {"pp": 2})])
-def test_per_rank_model_states_match_the_planner(override, layout, tmp_path):
+@pytest.mark.parametrize("override", list(MODEL_STATES))
+def test_per_rank_model_states_match_the_planner(override, two_rank_runs):
     """Tensor parallel halves every matrix (norms replicated); pipeline ranks hold their stages
     (embedding first, norm and output last): parameter, gradient and Adam bytes per rank equal
-    the planner's `rank_params` accounting."""
-    from disttrain.bench.model_states import launch
+    the planner's `rank_params` accounting (measured in the engine's own step, on 2 ranks)."""
     from disttrain.models.registry import MODEL_SHAPES
     from disttrain.layout import Layout
     from disttrain.plan.memory import model_state_bytes, rank_params
 
-    rows = launch(2, tmp_path, stages=[0], overrides=[override])
+    rows, layout = model_states.rows(two_rank_runs[f"states {override}"]), MODEL_STATES[override]
     assert len(rows) == 2
     shape, lay = MODEL_SHAPES["tiny"], Layout(param_dtype="fp32", **layout)
     for row in rows:
