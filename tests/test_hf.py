@@ -13,7 +13,7 @@ import torch
 
 from hf_models import save_tiny
 from helpers import (DEBUG_CONFIG, EXACT, FP64, assert_losses_close, assert_parity, final_params, losses, run_cli,
-                     run_main, train, train_many)
+                     run_main, train_many)
 
 LR = 3e-3
 COMMON_FP32 = ("train.steps=6", "train.global_batch_size=4", "train.micro_batch_size=1", "data.seq_len=64",
@@ -50,12 +50,16 @@ def hf_dirs(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def references(hf_dirs, tmp_path_factory):
+def references(hf_dirs, two_rank_runs, tmp_path_factory):
+    """One process; also Qwen2 resumed from the 2-rank ZeRO-3 checkpoint of step 3 (another world size)."""
     root = tmp_path_factory.mktemp("ref")
     jobs = {k: (root / k, (*COMMON, f"model.hf={d}")) for k, d in hf_dirs.items()}
     jobs["llama documents"] = (root / "llama_documents", (*COMMON, f"model.hf={hf_dirs['llama']}",
                                                           "data.document_masking=true"))
     jobs["llama fp32"] = (root / "llama_fp32", (*COMMON_FP32, f"model.hf={hf_dirs['llama']}"))  # for LOW_PRECISION
+    step3 = two_rank_runs["qwen2 zero3"] / "checkpoints" / "step_00000003"
+    jobs["qwen2 resumed"] = (root / "qwen2_resumed", (*COMMON, f"model.hf={hf_dirs['qwen2']}",
+                                                      f"checkpoint.resume={step3}"))
     return train_many(jobs, nproc=1)
 
 
@@ -165,11 +169,10 @@ def test_norms_stay_float64_in_an_fp64_model(kind, hf_dirs):
             assert norm(h).equal(exact) and not type(norm).forward(norm, h).equal(exact)
 
 
-def test_checkpoint_resumes_on_one_process(two_rank_runs, tmp_path, hf_dirs):
+def test_checkpoint_resumes_on_one_process(two_rank_runs, references):
     run = two_rank_runs["qwen2 zero3"]
-    resumed = train(tmp_path / "resumed", *COMMON, f"model.hf={hf_dirs['qwen2']}",
-                    f"checkpoint.resume={run / 'checkpoints' / 'step_00000003'}")
-    assert_losses_close(losses(resumed), {s: v for s, v in losses(run).items() if s > 3}, rel=EXACT)
+    assert_losses_close(losses(references["qwen2 resumed"]), {s: v for s, v in losses(run).items() if s > 3},
+                        rel=EXACT)
 
 
 @pytest.mark.parametrize("source", ["qwen2 zero3", "llama pp2", "builtin"])

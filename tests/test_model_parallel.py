@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from workers import model_states
-from helpers import (EXACT, FP64, assert_losses_close, assert_parity, events, final_params, losses, records, train,
+from helpers import (EXACT, FP64, assert_losses_close, assert_parity, events, final_params, losses, records,
                      train_many)
 
 LR = 3e-3
@@ -37,11 +37,14 @@ FOUR_RANKS = {
 
 
 @pytest.fixture(scope="module")
-def references(tmp_path_factory):
-    """One process: plain, with tied embeddings, with document masking."""
+def references(tmp_path_factory, four_rank_runs):
+    """One process: plain, with tied embeddings, with document masking; and resumed from the pp=2 x tp=2
+    checkpoint of step 3 (another layout and world size)."""
     root = tmp_path_factory.mktemp("ref")
+    ckpt = four_rank_runs["pp x tp + sp"] / "checkpoints" / "step_00000003"
     return train_many({"plain": (root / "run", (*COMMON, SAMPLE)), "tied": (root / "tied", (*COMMON, "model.tie_embeddings=true")),
-                       "documents": (root / "documents", (*COMMON, "data.document_masking=true"))}, nproc=1)
+                       "documents": (root / "documents", (*COMMON, "data.document_masking=true")),
+                       "resumed": (root / "resumed", (*COMMON, f"checkpoint.resume={ckpt}"))}, nproc=1)
 
 
 @pytest.fixture(scope="module")
@@ -116,12 +119,11 @@ def test_four_rank_compositions_equal_single_process(layout, four_rank_runs, ref
     _assert_parity(four_rank_runs[layout], reference)
 
 
-def test_pp_tp_checkpoint_resumes_on_other_layouts(four_rank_runs, two_rank_runs, tmp_path):
+def test_pp_tp_checkpoint_resumes_on_other_layouts(four_rank_runs, two_rank_runs, references):
     """Saved by pp=2 x tp=2; resumed by one process and by ZeRO-3 over 2 ranks: the same losses."""
     run = four_rank_runs["pp x tp + sp"]
     expected = {s: v for s, v in losses(run).items() if s > 3}
-    single = train(tmp_path / "single", *COMMON, f"checkpoint.resume={run / 'checkpoints' / 'step_00000003'}")
-    assert_losses_close(losses(single), expected, rel=EXACT)
+    assert_losses_close(losses(references["resumed"]), expected, rel=EXACT)
     assert_losses_close(losses(two_rank_runs["zero3 resumed"]), expected, rel=EXACT)
 
 
