@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from workers import model_states
 from helpers import (EXACT, FP64, assert_losses_close, assert_parity, events, final_params, losses, records,
                      train_many)
+from workers import model_states
 
 LR = 3e-3
 # 4 layers so that interleaved schedules get 2 stages per rank on 2 ranks; 4 micro-batches of 1.
