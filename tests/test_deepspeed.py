@@ -12,7 +12,7 @@ import torch
 from disttrain.config import load_config
 from disttrain.train.deepspeed_engine import deepspeed_config
 from helpers import (DEBUG_CONFIG, FP64, LR, PARITY_FP32, REPO, assert_losses_close, assert_params_close, cli_env,
-                     load_model_params, losses, run_cli, train, train_many)
+                     load_model_params, losses, run_main, train, train_many)
 
 COMMON = PARITY_FP32  # DeepSpeed trains in fp32, bf16 or fp16: compared with the session's fp32 reference
 
@@ -32,9 +32,10 @@ def test_config_maps_every_setting():
 
 
 def test_shipped_json_is_the_export_of_its_yaml():
-    proc = subprocess.run([sys.executable, "-m", "disttrain", "config", "export-deepspeed", "configs/deepspeed.yaml",
-                           "--world-size", "2"], cwd=REPO, env=cli_env(), capture_output=True, text=True, check=True)
-    assert json.loads(proc.stdout) == json.loads((REPO / "configs" / "deepspeed.json").read_text())
+    """The command in this process: it starts none."""
+    code, out, err = run_main("config", "export-deepspeed", str(REPO / "configs" / "deepspeed.yaml"), "--world-size", "2")
+    assert code == 0, err
+    assert json.loads(out) == json.loads((REPO / "configs" / "deepspeed.json").read_text())
 
 
 def test_missing_deepspeed_is_one_line_with_install_hint(tmp_path):
@@ -56,11 +57,12 @@ def test_missing_deepspeed_is_one_line_with_install_hint(tmp_path):
 
 
 def test_fp64_under_deepspeed_is_one_line(tmp_path):
-    """DeepSpeed has no double-precision mode: refused before anything starts, whether or not it is installed."""
-    proc = run_cli("train", str(DEBUG_CONFIG), f"run.dir={tmp_path / 'runs'}", "engine=deepspeed", FP64, check=False)
-    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+    """DeepSpeed has no double-precision mode: refused before anything starts, whether or not it is installed (the
+    command in this process: the refusal comes before any process group)."""
+    code, _, err = run_main("train", str(DEBUG_CONFIG), f"run.dir={tmp_path / 'runs'}", "engine=deepspeed", FP64)
+    assert code == 2 and err.strip().splitlines() == [
         "disttrain: error: precision.compute_dtype=fp64 needs engine=torch (DeepSpeed trains in fp32, bf16 or fp16; "
-        "allowed with engine=deepspeed: fp32, bf16, fp16)"], proc.stderr
+        "allowed with engine=deepspeed: fp32, bf16, fp16)"], err
     assert not (tmp_path / "runs").exists()
 
 
@@ -78,15 +80,15 @@ def _deepspeed_params(checkpoint) -> dict:
 
 @pytest.fixture(scope="module")
 def deepspeed_runs(tmp_path_factory):
-    """ZeRO-2 and ZeRO-3 under DeepSpeed, each saved at step 10 and resumed from there: one launch."""
+    """ZeRO-2 and ZeRO-3 under DeepSpeed, each saved at step 15 and resumed from there: one launch."""
     pytest.importorskip("deepspeed")
     root = tmp_path_factory.mktemp("ds")
     jobs = {}
     for stage in (2, 3):
         common = (*COMMON, "engine=deepspeed", f"parallel.zero_stage={stage}", "train.micro_batch_size=1")
-        jobs[f"{stage}"] = (root / f"zero{stage}", (*common, "checkpoint.every_steps=10"))
+        jobs[f"{stage}"] = (root / f"zero{stage}", (*common, "checkpoint.every_steps=15"))
         jobs[f"{stage} resumed"] = (root / f"zero{stage}_resumed", (
-            *common, f"checkpoint.resume={root / f'zero{stage}' / 'checkpoints' / 'step_00000010'}"))
+            *common, f"checkpoint.resume={root / f'zero{stage}' / 'checkpoints' / 'step_00000015'}"))
     return train_many(jobs, nproc=2)
 
 
@@ -96,9 +98,9 @@ def test_deepspeed_matches_torch_engine(stage, reference, deepspeed_runs):
     assert_losses_close(losses(run), losses(reference), rel=1e-5)
     expected = load_model_params(reference / "checkpoints" / "step_00000020")
     assert_params_close(_deepspeed_params(run / "checkpoints" / "step_00000020"), expected, rel=1e-5, lr=LR)
-    # Resumed from step 10 under DeepSpeed: the same losses for steps 11-20.
+    # Resumed from step 15 under DeepSpeed: the same losses for steps 16-20.
     resumed = deepspeed_runs[f"{stage} resumed"]
-    assert_losses_close(losses(resumed), {s: v for s, v in losses(run).items() if s > 10}, rel=1e-6)
+    assert_losses_close(losses(resumed), {s: v for s, v in losses(run).items() if s > 15}, rel=1e-6)
 
 
 def test_resuming_under_the_other_engine_is_one_line(reference, tmp_path, capsys):

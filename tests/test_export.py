@@ -11,7 +11,7 @@ from disttrain.checkpoint.export import init_from
 from disttrain.models.llama import llama_spec
 from disttrain.models.spec import build_model
 from disttrain.models.registry import MODEL_SHAPES
-from helpers import load_model_params, losses, run_cli, train
+from helpers import load_model_params, losses, run_cli, run_main, train
 from dataclasses import replace
 
 SHAPE = replace(MODEL_SHAPES["debug"], tie_embeddings=True)
@@ -33,8 +33,8 @@ def _reference_model(run):
 
 @pytest.mark.parametrize("fmt,name", [("torch", "model.pt"), ("safetensors", "model.safetensors"), ("hf", "hf")])
 def test_exported_weights_reproduce_the_checkpoint_logits(sharded_run, fmt, name, tmp_path):
-    proc = run_cli("convert", str(sharded_run), "--to", fmt, "--out", str(tmp_path / name))
-    assert "step_00000006" in proc.stdout
+    code, out, err = run_main("convert", str(sharded_run), "--to", fmt, "--out", str(tmp_path / name))  # no process
+    assert code == 0 and "step_00000006" in out, err
     model = build_model(llama_spec(SHAPE), torch.device("cpu"), seed=999)  # different init: every weight must be overwritten
     init_from(model, tmp_path / name, llama_spec(SHAPE))
     x = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
@@ -45,7 +45,7 @@ def test_exported_weights_reproduce_the_checkpoint_logits(sharded_run, fmt, name
 def test_hf_export_loads_in_transformers_with_the_same_logits(sharded_run, tmp_path):
     transformers = pytest.importorskip("transformers")
     out = tmp_path / "hf"
-    run_cli("convert", str(sharded_run), "--to", "hf", "--out", str(out))
+    assert run_main("convert", str(sharded_run), "--to", "hf", "--out", str(out))[0] == 0
     assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is True
     hf = transformers.LlamaForCausalLM.from_pretrained(str(out), attn_implementation="sdpa").eval()
     x = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(1))
@@ -56,7 +56,7 @@ def test_hf_export_loads_in_transformers_with_the_same_logits(sharded_run, tmp_p
 
 
 def test_init_from_starts_a_run_from_exported_weights(sharded_run, tmp_path):
-    run_cli("convert", str(sharded_run), "--to", "safetensors", "--out", str(tmp_path / "w.safetensors"))
+    assert run_main("convert", str(sharded_run), "--to", "safetensors", "--out", str(tmp_path / "w.safetensors"))[0] == 0
     fresh = losses(train(tmp_path / "fresh", "train.steps=2", "model.tie_embeddings=true"))
     warm = losses(train(tmp_path / "warm", "train.steps=2", "model.tie_embeddings=true",
                         f"model.init_from={tmp_path / 'w.safetensors'}"))
@@ -76,5 +76,5 @@ def test_init_from_starts_a_run_from_exported_weights(sharded_run, tmp_path):
 
 
 def test_convert_refuses_a_directory_without_checkpoints(tmp_path):
-    proc = run_cli("convert", str(tmp_path), check=False)
-    assert proc.returncode == 2 and "neither a committed checkpoint nor a run directory" in proc.stderr
+    code, _, err = run_main("convert", str(tmp_path))
+    assert code == 2 and "neither a committed checkpoint nor a run directory" in err

@@ -13,7 +13,7 @@ import torch
 
 from hf_models import save_tiny
 from helpers import (DEBUG_CONFIG, EXACT, FP64, assert_losses_close, assert_parity, final_params, losses, run_cli,
-                     train, train_many)
+                     run_main, train_many)
 
 LR = 3e-3
 COMMON_FP32 = ("train.steps=6", "train.global_batch_size=4", "train.micro_batch_size=1", "data.seq_len=64",
@@ -50,12 +50,16 @@ def hf_dirs(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def references(hf_dirs, tmp_path_factory):
+def references(hf_dirs, two_rank_runs, tmp_path_factory):
+    """One process; also Qwen2 resumed from the 2-rank ZeRO-3 checkpoint of step 3 (another world size)."""
     root = tmp_path_factory.mktemp("ref")
     jobs = {k: (root / k, (*COMMON, f"model.hf={d}")) for k, d in hf_dirs.items()}
     jobs["llama documents"] = (root / "llama_documents", (*COMMON, f"model.hf={hf_dirs['llama']}",
                                                           "data.document_masking=true"))
     jobs["llama fp32"] = (root / "llama_fp32", (*COMMON_FP32, f"model.hf={hf_dirs['llama']}"))  # for LOW_PRECISION
+    step3 = two_rank_runs["qwen2 zero3"] / "checkpoints" / "step_00000003"
+    jobs["qwen2 resumed"] = (root / "qwen2_resumed", (*COMMON, f"model.hf={hf_dirs['qwen2']}",
+                                                      f"checkpoint.resume={step3}"))
     return train_many(jobs, nproc=1)
 
 
@@ -165,11 +169,10 @@ def test_norms_stay_float64_in_an_fp64_model(kind, hf_dirs):
             assert norm(h).equal(exact) and not type(norm).forward(norm, h).equal(exact)
 
 
-def test_checkpoint_resumes_on_one_process(two_rank_runs, tmp_path, hf_dirs):
+def test_checkpoint_resumes_on_one_process(two_rank_runs, references):
     run = two_rank_runs["qwen2 zero3"]
-    resumed = train(tmp_path / "resumed", *COMMON, f"model.hf={hf_dirs['qwen2']}",
-                    f"checkpoint.resume={run / 'checkpoints' / 'step_00000003'}")
-    assert_losses_close(losses(resumed), {s: v for s, v in losses(run).items() if s > 3}, rel=EXACT)
+    assert_losses_close(losses(references["qwen2 resumed"]), {s: v for s, v in losses(run).items() if s > 3},
+                        rel=EXACT)
 
 
 @pytest.mark.parametrize("source", ["qwen2 zero3", "llama pp2", "builtin"])
@@ -181,7 +184,8 @@ def test_convert_to_hf_loads_in_transformers(source, two_rank_runs, tmp_path, de
 
     run = debug_reference if source == "builtin" else two_rank_runs[source]
     out = tmp_path / "hf"
-    run_cli("convert", str(run), "--to", "hf", "--out", str(out))
+    code, _, err = run_main("convert", str(run), "--to", "hf", "--out", str(out))  # starts no process
+    assert code == 0, err
     model = AutoModelForCausalLM.from_pretrained(out)
     loaded = dict(model.named_parameters())
     saved = {k: v.float() for k, v in final_params(run, 20 if source == "builtin" else 6).items()}
@@ -210,12 +214,14 @@ BAD = {
 
 @pytest.mark.parametrize("name", list(BAD))
 def test_bad_hf_input_is_one_line(name, tmp_path):
+    """Refused by the launcher before any worker starts (resolve_run), so run in this process as the launcher
+    runs it."""
     make, overrides, expected, *nproc = BAD[name]
     make(tmp_path / "model")
-    proc = run_cli("train", str(DEBUG_CONFIG), f"run.dir={tmp_path / 'runs'}", f"model.hf={tmp_path / 'model'}",
-                   *overrides, "--nproc-per-node", nproc[0] if nproc else "2", check=False)
-    lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2 and len(lines) == 1 and expected in lines[0], proc.stderr
+    code, _, err = run_main("train", str(DEBUG_CONFIG), f"run.dir={tmp_path / 'runs'}", f"model.hf={tmp_path / 'model'}",
+                            *overrides, "--nproc-per-node", nproc[0] if nproc else "2")
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and expected in lines[0], err
     assert not (tmp_path / "runs").exists()
 
 
@@ -238,6 +244,8 @@ def test_estimate_counts_the_parameters_of_an_hf_directory(kind, hf_dirs):
 
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(hf_dirs[kind]))
     expected = sum(p.numel() for p in model.parameters())  # parameters() yields a tied tensor once
-    out = json.loads(run_cli("estimate", "--hf", str(hf_dirs[kind]), "--gpus", "2", "--json").stdout)
+    code, stdout, err = run_main("estimate", "--hf", str(hf_dirs[kind]), "--gpus", "2", "--json")
+    assert code == 0, err
+    out = json.loads(stdout)
     assert out["params"] == expected
     assert out["flops_per_token"] >= 6 * (expected - model.config.hidden_size * model.config.vocab_size)

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import (EXACT, FP64, assert_losses_close, assert_parity, events, final_params, losses, records, train,
+from helpers import (EXACT, FP64, assert_losses_close, assert_parity, events, final_params, losses, records,
                      train_many)
+from workers import model_states
 
 LR = 3e-3
 # 4 layers so that interleaved schedules get 2 stages per rank on 2 ranks; 4 micro-batches of 1.
@@ -36,11 +37,14 @@ FOUR_RANKS = {
 
 
 @pytest.fixture(scope="module")
-def references(tmp_path_factory):
-    """One process: plain, with tied embeddings, with document masking."""
+def references(tmp_path_factory, four_rank_runs):
+    """One process: plain, with tied embeddings, with document masking; and resumed from the pp=2 x tp=2
+    checkpoint of step 3 (another layout and world size)."""
     root = tmp_path_factory.mktemp("ref")
+    ckpt = four_rank_runs["pp x tp + sp"] / "checkpoints" / "step_00000003"
     return train_many({"plain": (root / "run", (*COMMON, SAMPLE)), "tied": (root / "tied", (*COMMON, "model.tie_embeddings=true")),
-                       "documents": (root / "documents", (*COMMON, "data.document_masking=true"))}, nproc=1)
+                       "documents": (root / "documents", (*COMMON, "data.document_masking=true")),
+                       "resumed": (root / "resumed", (*COMMON, f"checkpoint.resume={ckpt}"))}, nproc=1)
 
 
 @pytest.fixture(scope="module")
@@ -53,14 +57,20 @@ def tied_reference(references):
     return references["tied"]
 
 
+MODEL_STATES = {"parallel.tp=2": {"tp": 2}, "parallel.pp=2": {"pp": 2}}  # override -> planner Layout fields
+
+
 @pytest.fixture(scope="module")
 def two_rank_runs(tmp_path_factory, four_rank_runs):
-    """Also ZeRO-3 resumed from the pp=2 x tp=2 checkpoint of step 3 (another layout and world size)."""
+    """Also ZeRO-3 resumed from the pp=2 x tp=2 checkpoint of step 3 (another layout and world size), and the
+    per-rank model-state measurement of tp=2 and of pp=2 (tests/workers/model_states.py) in the same launch."""
     root = tmp_path_factory.mktemp("two")
     ckpt = four_rank_runs["pp x tp + sp"] / "checkpoints" / "step_00000003"
     resumed = {"zero3 resumed": ("parallel.zero_stage=3", f"checkpoint.resume={ckpt}")}
-    return train_many({k: (root / k.replace(" ", "_"), (*COMMON, *v)) for k, v in {**TWO_RANKS, **resumed}.items()},
-                      nproc=2)
+    jobs = {k: (root / k.replace(" ", "_"), (*COMMON, *v)) for k, v in {**TWO_RANKS, **resumed}.items()}
+    jobs |= {f"states {o}": model_states.job(root / f"states_{o.split('.')[1][:2]}", stages=[0], overrides=[o])
+             for o in MODEL_STATES}
+    return train_many(jobs, nproc=2)
 
 
 @pytest.fixture(scope="module")
@@ -109,12 +119,11 @@ def test_four_rank_compositions_equal_single_process(layout, four_rank_runs, ref
     _assert_parity(four_rank_runs[layout], reference)
 
 
-def test_pp_tp_checkpoint_resumes_on_other_layouts(four_rank_runs, two_rank_runs, tmp_path):
+def test_pp_tp_checkpoint_resumes_on_other_layouts(four_rank_runs, two_rank_runs, references):
     """Saved by pp=2 x tp=2; resumed by one process and by ZeRO-3 over 2 ranks: the same losses."""
     run = four_rank_runs["pp x tp + sp"]
     expected = {s: v for s, v in losses(run).items() if s > 3}
-    single = train(tmp_path / "single", *COMMON, f"checkpoint.resume={run / 'checkpoints' / 'step_00000003'}")
-    assert_losses_close(losses(single), expected, rel=EXACT)
+    assert_losses_close(losses(references["resumed"]), expected, rel=EXACT)
     assert_losses_close(losses(two_rank_runs["zero3 resumed"]), expected, rel=EXACT)
 
 
@@ -125,17 +134,16 @@ def test_three_d_on_eight_ranks(reference, tmp_path):
     _assert_parity(run, reference)
 
 
-@pytest.mark.parametrize("override,layout", [("parallel.tp=2", {"tp": 2}), ("parallel.pp=2", {"pp": 2})])
-def test_per_rank_model_states_match_the_planner(override, layout, tmp_path):
+@pytest.mark.parametrize("override", list(MODEL_STATES))
+def test_per_rank_model_states_match_the_planner(override, two_rank_runs):
     """Tensor parallel halves every matrix (norms replicated); pipeline ranks hold their stages
     (embedding first, norm and output last): parameter, gradient and Adam bytes per rank equal
-    the planner's `rank_params` accounting."""
-    from disttrain.bench.model_states import launch
+    the planner's `rank_params` accounting (measured in the engine's own step, on 2 ranks)."""
     from disttrain.models.registry import MODEL_SHAPES
     from disttrain.layout import Layout
     from disttrain.plan.memory import model_state_bytes, rank_params
 
-    rows = launch(2, tmp_path, stages=[0], overrides=[override])
+    rows, layout = model_states.rows(two_rank_runs[f"states {override}"]), MODEL_STATES[override]
     assert len(rows) == 2
     shape, lay = MODEL_SHAPES["tiny"], Layout(param_dtype="fp32", **layout)
     for row in rows:

@@ -96,11 +96,11 @@ def launch(s3: S3, run_dir: Path, *overrides: str, nproc: int | None = 2, env: d
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def wait_for(proc: subprocess.Popen, ready, timeout: float = 600) -> None:
+def wait_for(proc: subprocess.Popen, ready, timeout: float = 600, every: float = 0.05) -> None:
     deadline = time.monotonic() + timeout
     while not ready():
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        time.sleep(0.05)
+        time.sleep(every)
 
 
 @pytest.fixture(scope="module")
@@ -165,14 +165,16 @@ def test_preempted_then_killed_launch_resumes_bitwise_and_a_lost_store_keeps_the
     stall = "sleep:rank=1:step=5:seconds=600;pause_after_save:rank=0:step=5:seconds=600"
     first = launch(s3, tmp_path / "a", *common, "distributed.timeout_s=300", new_session=True,
                    env={"DISTTRAIN_FAULT": stall})  # rank 0 waits for the stalled rank 1 until SIGTERM
-    wait_for(first, lambda: s3.committed("kill"))
+    # A listing of the store costs this process (client and moto server) ~10 ms of CPU: every 0.5 s, where the
+    # runs wait 600 s for the next step
+    wait_for(first, lambda: s3.committed("kill"), every=0.5)
     assert first.poll() is None  # rank 1 stopped stepping after step 5: the launch lives and holds the run
     with pytest.raises(SystemExit) as exc:
         main(["train", str(DEBUG_CONFIG), f"run.dir={tmp_path}", "run.name=b", *common])
     assert exc.value.code == 2
 
     first.send_signal(signal.SIGTERM)  # the scheduler's notice, to the launcher: it passes it to the workers
-    wait_for(first, lambda: "step_00000005" in s3.committed("kill"))
+    wait_for(first, lambda: "step_00000005" in s3.committed("kill"), every=0.5)
     os.killpg(first.pid, signal.SIGKILL)  # the grace time is over: launcher and workers
     first.communicate()
     run = tmp_path / "a"

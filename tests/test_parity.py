@@ -12,16 +12,24 @@ from helpers import PARITY, PARITY_FP32, assert_losses_close, assert_parity, los
 
 @pytest.fixture(scope="module")
 def ddp_runs(tmp_path_factory):
-    """Every 2-rank DDP run of this module, in one launch."""
+    """Every 2-rank run of this module, in one launch: DDP with its options and hooks, and parallel.compile=true
+    (inductor, one compiled graph per block) under DDP and ZeRO-3 ("compiled ddp", "compiled zero3")."""
+    import os
+    from pathlib import Path
+
     root = tmp_path_factory.mktemp("ddp")
     hooks = {f"hook_{h}": (root / f"hook_{h}", (*PARITY_FP32, "train.micro_batch_size=1", f"parallel.ddp_comm_hook={h}"))
              for h in ("fp16", "bf16", "powersgd")}
+    compiled = (*PARITY, "train.micro_batch_size=1", "parallel.compile=true")
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "disttrain-tests" / "inductor"
     return train_many({
         "micro_1": (root / "micro_1", (*PARITY, "train.micro_batch_size=1")),
         "options": (root / "options", (*PARITY, "train.micro_batch_size=2", "parallel.ddp_static_graph=true",
                                        "parallel.ddp_gradient_as_bucket_view=false", "parallel.ddp_bucket_cap_mb=0.01")),
         **hooks,
-    }, nproc=2)
+        "compiled ddp": (root / "compiled_ddp", compiled),
+        "compiled zero3": (root / "compiled_zero3", (*compiled, "parallel.zero_stage=3")),
+    }, nproc=2, env={"TORCHINDUCTOR_CACHE_DIR": str(cache)})
 
 
 def test_reference_trains(debug_reference):
@@ -62,35 +70,24 @@ def test_powersgd_hook_through_the_config(ddp_runs, debug_reference_fp32):
     assert run[20] < run[1] - 1.0
 
 
-@pytest.fixture(scope="module")
-def compiled_runs(tmp_path_factory):
-    """parallel.compile=true (inductor, one compiled graph per block) under DDP and ZeRO-3, one launch."""
-    import os
-    from pathlib import Path
-
-    root = tmp_path_factory.mktemp("compiled")
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "disttrain-tests" / "inductor"
-    common = (*PARITY, "train.micro_batch_size=1", "parallel.compile=true")
-    return train_many({"ddp": (root / "ddp", common), "zero3": (root / "zero3", (*common, "parallel.zero_stage=3"))},
-                      nproc=2, env={"TORCHINDUCTOR_CACHE_DIR": str(cache)})
-
-
 @pytest.mark.parametrize("layout", ["ddp", "zero3"])
-def test_compile_equals_eager(layout, compiled_runs, ddp_runs, debug_reference):
-    """Compiled blocks (dynamo captured graphs in this run, none in an eager run) give eager's numbers."""
-    stats = json.loads((compiled_runs[layout] / "dynamo_stats.json").read_text())
+def test_compile_equals_eager(layout, ddp_runs, debug_reference):
+    """Compiled blocks (dynamo captured graphs in this run, none in an eager run of the same launch: train_many
+    counts per job) give eager's numbers."""
+    stats = json.loads((ddp_runs[f"compiled {layout}"] / "dynamo_stats.json").read_text())
     assert stats.get("unique_graphs", 0) >= 1, stats
     assert json.loads((ddp_runs["micro_1"] / "dynamo_stats.json").read_text()).get("unique_graphs", 0) == 0
-    assert_parity(compiled_runs[layout], debug_reference)
+    assert_parity(ddp_runs[f"compiled {layout}"], debug_reference)
 
 
 def test_compile_with_tensor_parallel_is_refused_on_cpu(tmp_path):
-    """Compiled DTensor blocks fail in backward with torch 2.13 on CPU: refused up front in one line."""
-    from helpers import DEBUG_CONFIG, run_cli
+    """Compiled DTensor blocks fail in backward with torch 2.13 on CPU: refused up front in one line (by the
+    launcher before any worker starts: the command in this process)."""
+    from helpers import DEBUG_CONFIG, run_main
 
-    proc = run_cli("train", str(DEBUG_CONFIG), f"run.dir={tmp_path}", "parallel.compile=true", "parallel.tp=2",
-                   nproc=2, check=False)
-    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+    code, _, err = run_main("train", str(DEBUG_CONFIG), f"run.dir={tmp_path}", "parallel.compile=true", "parallel.tp=2",
+                            "--nproc-per-node", "2")
+    assert code == 2 and err.strip().splitlines() == [
         "disttrain: error: parallel.compile=true with parallel.tp=2 does not run on CPU with this torch (compiled "
         "DTensor backward fails); allowed on CPU: parallel.compile=false with tp > 1, or compile with tp=1"]
     assert not any(tmp_path.iterdir())

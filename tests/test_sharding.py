@@ -9,6 +9,7 @@ import torch
 
 from disttrain.models.registry import MODEL_SHAPES
 from helpers import PARITY, assert_losses_close, assert_parity, final_params, losses, train, train_many
+from workers import model_states
 
 SHARDED = ("train.micro_batch_size=1", "checkpoint.every_steps=10")  # 2 micro-batches per rank on 2 ranks
 LAYOUTS = {
@@ -25,16 +26,18 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def two_rank_runs(tmp_path_factory):
-    """Every 2-rank layout of this module, in one launch of 2 real processes."""
+    """Every 2-rank layout of this module, and the model-state measurement of ZeRO stages 0-3 on 2 ranks
+    (tests/workers/model_states.py), in one launch of 2 real processes."""
     root = tmp_path_factory.mktemp("two")
-    return train_many({name: (root / name.replace(" ", "_"), (*PARITY, *SHARDED, *extra))
-                       for name, extra in LAYOUTS.items()}, nproc=2)
+    jobs = {name: (root / name.replace(" ", "_"), (*PARITY, *SHARDED, *extra)) for name, extra in LAYOUTS.items()}
+    return train_many({**jobs, "model states": model_states.job(root / "states")}, nproc=2)
 
 
 @pytest.fixture(scope="module")
 def four_rank_runs(tmp_path_factory, two_rank_runs):
     """Global batch 4 on 4 ranks (one sequence each): ZeRO-3, HSDP 2x2 (shards within pairs, replicates
-    across them), and ZeRO-3 resumed from the 2-rank ZeRO-3 checkpoint of step 10; one launch."""
+    across them), ZeRO-3 resumed from the 2-rank ZeRO-3 checkpoint of step 10, and the model-state
+    measurement on 4 ranks; one launch."""
     root = tmp_path_factory.mktemp("four")
     ckpt = two_rank_runs["zero3"] / "checkpoints" / "step_00000010"
     return train_many({
@@ -42,7 +45,18 @@ def four_rank_runs(tmp_path_factory, two_rank_runs):
         "hsdp 2x2": (root / "hsdp", (*PARITY, "parallel.zero_stage=3", "parallel.dp_replicate=2",
                                      "parallel.dp_shard=2")),
         "resumed": (root / "resumed", (*PARITY, "parallel.zero_stage=3", f"checkpoint.resume={ckpt}")),
+        "model states": model_states.job(root / "states"),
     }, nproc=4)
+
+
+@pytest.fixture(scope="module")
+def model_state_rows(two_rank_runs, four_rank_runs, tmp_path_factory):
+    """nproc -> every rank's model-state rows at ZeRO stages 0-3; one process through the benchmarks' own
+    launcher (`disttrain.bench.model_states.launch`, torchrun running the module), which this keeps tested."""
+    from disttrain.bench.model_states import launch
+
+    return {1: launch(1, tmp_path_factory.mktemp("one")), 2: model_states.rows(two_rank_runs["model states"]),
+            4: model_states.rows(four_rank_runs["model states"])}
 
 
 @pytest.mark.parametrize("layout", [k for k in LAYOUTS if k != "zero2 bf16 params"])
@@ -65,18 +79,17 @@ def test_stage3_checkpoint_resumes_on_other_layouts(two_rank_runs, four_rank_run
 
 
 @pytest.mark.parametrize("nproc", [1, 2, 4])
-def test_model_state_bytes_match_the_planner(nproc, tmp_path):
+def test_model_state_bytes_match_the_planner(nproc, model_state_rows):
     """What each rank allocates for parameters, gradients and Adam states at ZeRO stages 0-3 equals
     the planner's runtime accounting (`disttrain estimate`), within 5% (ZeRO-1 assigns whole
     tensors to ranks, so its optimizer shards are only roughly even)."""
-    from disttrain.bench.model_states import launch
     from disttrain.layout import Layout
     from disttrain.plan.memory import model_state_bytes
 
     shape = MODEL_SHAPES["tiny"]
     psi = shape.num_params()
     root = 2 * shape.vocab_size * shape.dim + shape.dim  # embeddings, output, final norm
-    rows = launch(nproc, tmp_path)
+    rows = model_state_rows[nproc]
     assert len(rows) == 4 * nproc
     for row in rows:
         stage = row["stage"]
