@@ -184,6 +184,26 @@ def schedule_peak(order: list[tuple[str, int, int]], kept: list[float], pending:
     return block, loss
 
 
+def stage_output_bytes(shape: ModelShape, layout: Layout) -> float:
+    """One micro-batch's output of a pipeline stage other than the last (the residual stream, split by
+    sequence parallelism), which torch's `PipelineStage` keeps from its forward to its backward
+    (`fwd_cache`); no layer of the stage saves it."""
+    _, er = dtype_bytes(layout)
+    r = layout.tp if layout.sequence_parallel else 1
+    return er * layout.micro_batch * (layout.seq_len // layout.cp) * shape.dim / r
+
+
+def pipeline_recv_bytes(shape: ModelShape, layout: Layout, pp_rank: int) -> float:
+    """The receive buffers torch's `PipelineStage` allocates once, for every micro-batch of the step, and
+    keeps across steps (`_prepare_forward_infra`, `_setup_backward_recv_info`): each stage but the first
+    receives its input, each but the last its output's gradient, both shaped like a stage output."""
+    ends = 0
+    for local in range(layout.stages_per_rank):
+        stage = local * layout.pp + pp_rank
+        ends += (stage > 0) + (stage < layout.n_stages - 1)
+    return layout.microbatches * ends * stage_output_bytes(shape, layout)
+
+
 @dataclass
 class StageActivations:
     saved: float  # every in-flight micro-batch's saved tensors, and the loss's
@@ -242,6 +262,8 @@ def stage_activation_bytes(shape: ModelShape, layout: Layout, pp_rank: int, fuse
     if layout.pp > 1 and layout.pp_schedule in ("interleaved_1f1b", "zero_bubble"):
         return _multi_stage(shape, layout, pp_rank, layer, logits, saved - held.layers * layer.saved * in_flight,
                             accumulated_grads)
+    if layout.pp > 1 and not held.output:  # the schedule keeps each in-flight micro-batch's stage output
+        saved += stage_output_bytes(shape, layout) * in_flight
     return StageActivations(saved, max(layer.transient, 2 * logits), in_flight, logits, layer.transient)
 
 
@@ -253,7 +275,8 @@ def _multi_stage(shape: ModelShape, layout: Layout, pp_rank: int, layer: LayerAc
     gradients besides; the last stage's include the logits' gradient."""
     mb, s, v = layout.micro_batch, layout.seq_len, layout.stages_per_rank
     counts = stage_layers(shape, layout)[pp_rank]
-    kept = [n * layer.saved for n in counts]
+    kept = [n * layer.saved + (0.0 if logits and i == len(counts) - 1 else stage_output_bytes(shape, layout))
+            for i, n in enumerate(counts)]
     pending = [0.0] * len(counts)
     if layout.pp_schedule == "zero_bubble":
         ec, _ = dtype_bytes(layout)

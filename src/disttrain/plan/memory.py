@@ -19,7 +19,7 @@ from disttrain.models.registry import ModelShape
 from disttrain.layout import DTYPE_BYTES, Layout
 from disttrain.plan.activations import (  # noqa: F401 (re-exported: the planner's memory API)
     StageActivations, korthikanti_in_flight_factor, korthikanti_layer_bytes, layer_activation_bytes,
-    stage_activation_bytes)
+    pipeline_recv_bytes, stage_activation_bytes)
 from disttrain.plan.moe import model_states as moe_model_states
 from disttrain.plan.params import (RankParams, layer_params, lora_layer_params, rank_params,  # noqa: F401
                                    stage_layers)
@@ -77,7 +77,10 @@ def model_state_bytes(n_params: float, layout: Layout, accounting: str = "runtim
         # low-precision copy of each weight for the backward - of every weight without checkpointing; with
         # it, a block's copies are remade in its recomputation, so only the uncheckpointed root's stay,
         # plus the block being recomputed (measured by the dry run: 7b ZeRO-1 selective, 0.6 not 12.6 GiB).
-        held_copies = n_params if layout.activation_checkpointing == "none" else root_params + largest_unit
+        # A pipeline runs its schedule's whole step (every forward and backward) in one autocast region, whose
+        # cache keeps every weight's copy until the step ends, checkpointing or not (tiny, pp=2 1F1B, dry run).
+        whole = layout.activation_checkpointing == "none" or layout.pp > 1
+        held_copies = n_params if whole else root_params + largest_unit
         if trainable is not None and low:  # a frozen base already in the compute dtype needs no copies
             held_copies = t
         buffers = pb * held_copies if pb != FP32 else 0.0
@@ -196,7 +199,7 @@ def _moments(states: ModelStates, acts: StageActivations, layout: Layout, gather
                         "activations": acts.saved - acts.logits + copies, "temporary": acts.layer + block_pending,
                         "communication": gathered + in_use + pipe}
     moments["step"] = {"parameters": s.params, "gradients": s.grads, "optimizer": s.optimizer + s.step_temporary,
-                       "activations": 0.0, "temporary": 0.0, "communication": 0.0}
+                       "activations": 0.0, "temporary": 0.0, "communication": pipe}  # receive buffers stay
     if s.first_step_grads:  # DDP's first step: no optimizer states yet, autograd's gradients beside the buckets
         moments["first step"] = {"parameters": s.params, "gradients": s.grads + s.first_step_grads,
                                  "optimizer": 0.0, "activations": copies, "temporary": 0.0, "communication": 0.0}
@@ -226,10 +229,7 @@ def estimate_memory(shape: ModelShape, layout: Layout, accounting: str = "runtim
             states = moe_model_states(model_state_bytes, held, layout, accounting, largest, shape)
         acts = stage_activation_bytes(shape, layout, pp_rank, fused_norm, routing_skew=routing_skew,
                                       accumulated_grads=states.unsharded_grads)
-        e = DTYPE_BYTES[layout.param_dtype]
-        pipe = 0.0
-        if layout.pp > 1:  # a send and a receive buffer per neighbour direction and virtual stage
-            pipe = 2 * e * layout.micro_batch * layout.seq_len * shape.dim * layout.stages_per_rank
+        pipe = pipeline_recv_bytes(shape, layout, pp_rank) if layout.pp > 1 else 0.0
         pb = DTYPE_BYTES[layout.param_dtype]
         gathered = 0.0
         if layout.zero_stage >= 2:
