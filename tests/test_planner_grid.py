@@ -225,3 +225,19 @@ def test_plan_verify_drops_a_layout_its_dry_run_disproves(monkeypatch, capsys):
     disproved = next(line for line in err if "does NOT fit" in line).split("]", 1)[1].split(":", 1)[0].strip()
     out = "".join(p.out for p in printed_before) + captured.out
     assert disproved not in out[out.index("Winner: "):] and "Dropped (a dry run needs more than the" in out
+
+
+def test_verify_adds_the_receive_buffers_of_the_micro_batches_it_leaves_out():
+    """`plan --verify` simulates fewer micro-batches than a 1F1B pipeline runs, but torch allocates a receive
+    buffer per micro-batch: the capped dry run plus the buffers it left out is the full dry run's peak."""
+    from disttrain.cli.dryrun import dry_run, verify_plan
+    from disttrain.config import RunConfig
+    from disttrain.plan.estimate import estimate
+    from disttrain.plan.render import winner_config
+
+    layout = Layout(pp=2, pp_schedule="1f1b", seq_len=64, micro_batch_size=1, global_batch_size=8, zero_stage=0)
+    est = estimate(MODEL_SHAPES["debug"], layout, model="debug")
+    (row,) = verify_plan([est], 2, "a100-80g")
+    assert row["left_out_bytes"] > 0  # 8 micro-batches, 4 simulated
+    full = dry_run(RunConfig.model_validate(winner_config(est)), 2)
+    assert row["peak_bytes"] == max(r["peak_bytes"] for r in full["ranks"])

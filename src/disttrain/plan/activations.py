@@ -204,6 +204,12 @@ def pipeline_recv_bytes(shape: ModelShape, layout: Layout, pp_rank: int) -> floa
     return layout.microbatches * ends * stage_output_bytes(shape, layout)
 
 
+def pipeline_batch_bytes(layout: Layout) -> float:
+    """The token ids and targets of every micro-batch of the step, which the pipeline engine hands the
+    schedule as one batch on every rank (the schedule splits it)."""
+    return 2 * TOKEN_ID * layout.microbatches * layout.micro_batch * layout.seq_len
+
+
 @dataclass
 class StageActivations:
     saved: float  # every in-flight micro-batch's saved tensors, and the loss's

@@ -19,7 +19,7 @@ from disttrain.models.registry import ModelShape
 from disttrain.layout import DTYPE_BYTES, Layout
 from disttrain.plan.activations import (  # noqa: F401 (re-exported: the planner's memory API)
     StageActivations, korthikanti_in_flight_factor, korthikanti_layer_bytes, layer_activation_bytes,
-    pipeline_recv_bytes, stage_activation_bytes)
+    pipeline_batch_bytes, pipeline_recv_bytes, stage_activation_bytes)
 from disttrain.plan.moe import model_states as moe_model_states
 from disttrain.plan.params import (RankParams, layer_params, lora_layer_params, rank_params,  # noqa: F401
                                    stage_layers)
@@ -229,7 +229,7 @@ def estimate_memory(shape: ModelShape, layout: Layout, accounting: str = "runtim
             states = moe_model_states(model_state_bytes, held, layout, accounting, largest, shape)
         acts = stage_activation_bytes(shape, layout, pp_rank, fused_norm, routing_skew=routing_skew,
                                       accumulated_grads=states.unsharded_grads)
-        pipe = pipeline_recv_bytes(shape, layout, pp_rank) if layout.pp > 1 else 0.0
+        pipe = pipeline_recv_bytes(shape, layout, pp_rank) + pipeline_batch_bytes(layout) if layout.pp > 1 else 0.0
         pb = DTYPE_BYTES[layout.param_dtype]
         gathered = 0.0
         if layout.zero_stage >= 2:
