@@ -94,7 +94,8 @@ def model_state_bytes(n_params: float, layout: Layout, accounting: str = "runtim
     else:  # current + prefetched block gathered, the root unit kept gathered for backward
         buffers = pb * (2 * largest_unit + root_params) + (pb + rb) * largest_unit
     states = ModelStates(p / d, g / d, o / d, buffers, step_temporary=FP32 * t / d)
-    if layout.microbatches > 1:  # on the device even with CPU offload
+    if layout.microbatches > 1 or layout.pp > 1:  # on the device even with CPU offload; a pipeline schedule defers
+        # the reduce-scatter to after its last micro-batch (`perform_reduce_grad`), even with one
         states.unsharded_grads = rb * t
     if layout.cpu_offload:
         states.cpu = states.params + states.grads + states.optimizer
@@ -198,6 +199,9 @@ def _moments(states: ModelStates, acts: StageActivations, layout: Layout, gather
     moments["block"] = {"parameters": s.params, "gradients": block_grads, "optimizer": s.optimizer,
                         "activations": acts.saved - acts.logits + copies, "temporary": acts.layer + block_pending,
                         "communication": gathered + in_use + pipe}
+    if fsdp and layout.pp > 1:  # the last backward done, before the deferred reduce-scatter: every unsharded gradient
+        moments["backward end"] = {"parameters": s.params, "gradients": s.unsharded_grads, "optimizer": s.optimizer,
+                                   "activations": 0.0, "temporary": 0.0, "communication": gathered + pipe}
     moments["step"] = {"parameters": s.params, "gradients": s.grads, "optimizer": s.optimizer + s.step_temporary,
                        "activations": 0.0, "temporary": 0.0, "communication": pipe}  # receive buffers stay
     if s.first_step_grads:  # DDP's first step: no optimizer states yet, autograd's gradients beside the buckets
