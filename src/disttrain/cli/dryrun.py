@@ -32,7 +32,8 @@ def add_parser(sub) -> None:
                                                         "from the second)")
     p.add_argument("--microbatches", type=int, default=None,
                    help="simulate this many micro-batches per rank instead of the config's (faster; the peak of "
-                        "accumulation stops growing after 2, of 1F1B-like schedules after pp; GPipe's does not)")
+                        "accumulation stops growing after 2, of 1F1B-like schedules after pp, but for a pipeline's receive "
+                        "buffers, one per micro-batch; GPipe's does not)")
     p.add_argument("--routing-skew", type=float, default=1.0,
                    help="MoE: the routing assumed, as the planner's: the simulated rank receives this many times its "
                         "balanced share of routed rows (1: balanced; dryrun/routing.py)")
