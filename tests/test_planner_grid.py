@@ -241,3 +241,47 @@ def test_verify_adds_the_receive_buffers_of_the_micro_batches_it_leaves_out():
     assert row["left_out_bytes"] > 0  # 8 micro-batches, 4 simulated
     full = dry_run(RunConfig.model_validate(winner_config(est)), 2)
     assert row["peak_bytes"] == max(r["peak_bytes"] for r in full["ranks"])
+
+
+def test_the_dry_run_counts_ddp_buckets_from_the_start():
+    """DDP allocates its gradient buckets when it wraps the model, which no op shows a memory tracker: the dry
+    run counts them from the start (the first step's second micro-batch has autograd's fresh gradients beside
+    them), and once, when the first gradient is copied into them."""
+    import contextlib
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed._tools.mem_tracker import _MemRefType
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from disttrain.dryrun.fake_world import ddp_on_fake
+    from disttrain.dryrun.tracking import DDPBuckets, Tracker
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        with ddp_on_fake(contextlib.nullcontext()):
+            ddp = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8)),
+                                          gradient_as_bucket_view=True)
+        buckets = DDPBuckets()
+        ddp.register_comm_hook(None, buckets.all_reduce)
+        tracker = Tracker(buckets)
+        tracker.track_external(ddp)
+        grad_bytes = sum(p.numel() * 4 for p in ddp.parameters())
+
+        def gradients():
+            return sum(v for snap in tracker.get_tracker_snapshot("current").values()
+                       for k, v in snap.items() if k == _MemRefType.GRAD)
+
+        with tracker:
+            buckets.tracker = tracker
+            buckets.stand_in(ddp.reducer)
+            assert gradients() == grad_bytes
+            with ddp.no_sync():
+                ddp(torch.randn(4, 64)).sum().backward()
+            tracker.reset_mod_stats()  # the second micro-batch's forward (as TrackerPhases does between them)
+            ddp(torch.randn(4, 64)).sum().backward()
+            assert gradients() == grad_bytes  # the buckets, once: the fresh gradients are gone
+            assert all(not w for w in buckets.stand_ins.values())
+    finally:
+        dist.destroy_process_group()
