@@ -220,7 +220,8 @@ def verify_plan(estimates: list, gpus: int, gpu_name: str, progress=None) -> lis
     the measured peak beside the planner's. Micro-batches are capped where that cannot lower the peak
     (see --microbatches), so a 13B check takes about a minute per stage. A pipeline's receive buffers are the
     exception (torch's `PipelineStage` allocates one per micro-batch and step, pytorch/pytorch#136380), and so
-    are the step's token ids: those of the micro-batches left out are added to each rank's measured peak, and said so (`left_out_bytes`)."""
+    are the step's token ids: those of the micro-batches left out are added to each rank's measured peak, and
+    said so (`left_out_bytes`)."""
     from disttrain.config import RunConfig
     from disttrain.plan.activations import pipeline_batch_bytes, pipeline_recv_bytes
     from disttrain.plan.render import winner_config

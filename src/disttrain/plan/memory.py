@@ -168,7 +168,8 @@ def _moments(states: ModelStates, acts: StageActivations, layout: Layout, gather
              grad_root: float | None = None) -> dict[str, dict]:
     """What is alive at each moment, by category. `gathered`: FSDP's all-gathered parameters held through
     the step (ZeRO-2: every unit; ZeRO-3: the root unit); `unit`: one block's parameters; `grad_unit`,
-    `grad_root`: those of them that get gradients (LoRA: the block's adapters, none of the root's)."""
+    `grad_root`: those of them that get gradients (LoRA: the block's adapters, none of the root's); `pipe`:
+    a pipeline's receive buffers and token ids, activations to the dry run's tracker (made outside any backward)."""
     grad_unit = unit if grad_unit is None else grad_unit
     grad_root = root if grad_root is None else grad_root
     s = states
@@ -188,22 +189,22 @@ def _moments(states: ModelStates, acts: StageActivations, layout: Layout, gather
     moments = {}
     if acts.logits:  # the loss's backward: its gradient and the logits' (loss_parallel keeps one more shard)
         moments["loss"] = {"parameters": s.params, "gradients": loss_grads, "optimizer": s.optimizer,
-                           "activations": loss_acts + copies,
+                           "activations": loss_acts + copies + pipe,
                            "temporary": (3 if layout.tp > 1 else 2) * acts.logits + loss_pending,
-                           "communication": gathered + pipe}
+                           "communication": gathered}
     block_grads = grads if s.unsharded_grads or not fsdp else pb * grad_root  # the root's unsharded grads, pending
     # The block gathered (ZeRO-3: and the next one prefetched) and its unsharded gradients, unless those
     # are already counted among the accumulated ones.
     gathers = 2 * pb * unit if layout.reshard_after_forward else 0.0
     in_use = gathers + (0.0 if s.unsharded_grads else (pb + rb) * grad_unit) if fsdp else 0.0
     moments["block"] = {"parameters": s.params, "gradients": block_grads, "optimizer": s.optimizer,
-                        "activations": acts.saved - acts.logits + copies, "temporary": acts.layer + block_pending,
-                        "communication": gathered + in_use + pipe}
+                        "activations": acts.saved - acts.logits + copies + pipe,
+                        "temporary": acts.layer + block_pending, "communication": gathered + in_use}
     if fsdp and layout.pp > 1:  # the last backward done, before the deferred reduce-scatter: every unsharded gradient
         moments["backward end"] = {"parameters": s.params, "gradients": s.unsharded_grads, "optimizer": s.optimizer,
-                                   "activations": 0.0, "temporary": 0.0, "communication": gathered + pipe}
+                                   "activations": pipe, "temporary": 0.0, "communication": gathered}
     moments["step"] = {"parameters": s.params, "gradients": s.grads, "optimizer": s.optimizer + s.step_temporary,
-                       "activations": 0.0, "temporary": 0.0, "communication": pipe}  # receive buffers stay
+                       "activations": pipe, "temporary": 0.0, "communication": 0.0}  # receive buffers stay
     if s.first_step_grads:  # DDP's first step: no optimizer states yet, autograd's gradients beside the buckets
         moments["first step"] = {"parameters": s.params, "gradients": s.grads + s.first_step_grads,
                                  "optimizer": 0.0, "activations": copies, "temporary": 0.0, "communication": 0.0}
