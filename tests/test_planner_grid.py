@@ -1,5 +1,7 @@
 """The planner held to the dry run over a sampled grid at small scale (8 simulated ranks, in this process),
-the fused RMSNorm the dry run stands in for CUDA's, and what `plan --verify` and `estimate` say about fitting."""
+the dry run's independence of what ran before it, the fused RMSNorm and DDP buckets it stands in for a GPU's,
+and what `plan --verify` (with the receive buffers of micro-batches it does not simulate) and `estimate` say
+about fitting."""
 
 from __future__ import annotations
 
