@@ -165,7 +165,7 @@ class MemoryEstimate:
 
 def _moments(states: ModelStates, acts: StageActivations, layout: Layout, gathered: float, unit: float,
              root: float, pipe: float, grad_unit: float | None = None,
-             grad_root: float | None = None) -> dict[str, dict]:
+             grad_root: float | None = None, all_gathered: float = 0.0) -> dict[str, dict]:
     """What is alive at each moment, by category. `gathered`: FSDP's all-gathered parameters held through
     the step (ZeRO-2: every unit; ZeRO-3: the root unit); `unit`: one block's parameters; `grad_unit`,
     `grad_root`: those of them that get gradients (LoRA: the block's adapters, none of the root's); `pipe`:
@@ -181,17 +181,19 @@ def _moments(states: ModelStates, acts: StageActivations, layout: Layout, gather
     if layout.pp > 1 and layout.pp_schedule == "gpipe":  # every forward, and loss, before the first backward
         grads = 0.0 if fsdp else grads
     loss_grads, loss_acts, loss_pending, block_pending = grads, acts.saved, 0.0, 0.0
+    loss_gathered = block_gathered = 0.0
     if acts.at_block is not None:  # several stages per rank: what the schedule's order holds at each moment
         if fsdp:  # FSDP's accumulated gradients exist for the stages that have run a backward
             grads, loss_grads = acts.at_block.grads, acts.at_loss.grads
         loss_acts, loss_pending, block_pending = acts.saved_at_loss, acts.at_loss.weight_pass, acts.at_block.weight_pass
+        loss_gathered, block_gathered = acts.at_loss.gathered, acts.at_block.gathered
     copies = 0.0 if fsdp else s.buffers  # autocast's low-precision weight copies, kept as activations
     moments = {}
     if acts.logits:  # the loss's backward: its gradient and the logits' (loss_parallel keeps one more shard)
         moments["loss"] = {"parameters": s.params, "gradients": loss_grads, "optimizer": s.optimizer,
                            "activations": loss_acts + copies + pipe,
                            "temporary": (3 if layout.tp > 1 else 2) * acts.logits + loss_pending,
-                           "communication": gathered}
+                           "communication": gathered + loss_gathered}
     block_grads = grads if s.unsharded_grads or not fsdp else pb * grad_root  # the root's unsharded grads, pending
     # The block gathered (ZeRO-3: and the next one prefetched) and its unsharded gradients, unless those
     # are already counted among the accumulated ones.
@@ -199,10 +201,15 @@ def _moments(states: ModelStates, acts: StageActivations, layout: Layout, gather
     in_use = gathers + (0.0 if s.unsharded_grads else (pb + rb) * grad_unit) if fsdp else 0.0
     moments["block"] = {"parameters": s.params, "gradients": block_grads, "optimizer": s.optimizer,
                         "activations": acts.saved - acts.logits + copies + pipe,
-                        "temporary": acts.layer + block_pending, "communication": gathered + in_use}
-    if fsdp and layout.pp > 1:  # the last backward done, before the deferred reduce-scatter: every unsharded gradient
+                        "temporary": acts.layer + block_pending, "communication": gathered + in_use + block_gathered}
+    if fsdp and layout.pp > 1:
+        # A backward done, before the deferred reduce-scatter: every unsharded gradient; and torch's schedules keep
+        # the parameters gathered after every backward but the last (`set_reshard_after_backward(False)`), so the
+        # end of the one before the last holds the stage's whole parameters and the other in-flight micro-batches.
+        others = acts.saved * max(acts.in_flight - 1, 0.0) / acts.in_flight if layout.microbatches > 1 else 0.0
         moments["backward end"] = {"parameters": s.params, "gradients": s.unsharded_grads, "optimizer": s.optimizer,
-                                   "activations": pipe, "temporary": 0.0, "communication": gathered}
+                                   "activations": others + pipe, "temporary": 0.0,
+                                   "communication": all_gathered if layout.microbatches > 1 else gathered}
     moments["step"] = {"parameters": s.params, "gradients": s.grads, "optimizer": s.optimizer + s.step_temporary,
                        "activations": pipe, "temporary": 0.0, "communication": 0.0}  # receive buffers stay
     if s.first_step_grads:  # DDP's first step: no optimizer states yet, autograd's gradients beside the buckets
@@ -243,7 +250,7 @@ def estimate_memory(shape: ModelShape, layout: Layout, accounting: str = "runtim
         lora_unit = lora_layer_params(shape, lora_rank, layout.tp) if lora_rank else None
         est.moments = _moments(states, acts, layout, gathered, unit if layout.zero_stage >= 2 else 0.0, held.root, pipe,
                                grad_unit=lora_unit if layout.zero_stage >= 2 else None,
-                               grad_root=0.0 if lora_rank else None)
+                               grad_root=0.0 if lora_rank else None, all_gathered=pb * held.total)
         candidates.append(est)
     worst = max(candidates, key=lambda m: m.total)
     worst.per_stage = [{"pp_rank": m.pp_rank, "total": m.total, "activations": m.activations.peak,
