@@ -211,6 +211,8 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/dryrun_vs_planner_grid.json")
     parser.add_argument("--list", action="store_true", help="print the rows and their estimated time, run nothing")
     parser.add_argument("--replan", default=None, help="a results file: recompute its planner side only")
+    parser.add_argument("--rerun", action="append", default=[],
+                        help="measure this row again (model,layout,checkpointing,per_rank,dtype; repeatable), then stop")
     args = parser.parse_args()
     if args.replan:
         data = json.loads(Path(args.replan).read_text())
@@ -218,6 +220,17 @@ def main() -> None:
             row["planner"] = planner_side(row)
         Path(args.replan).write_text(json.dumps(data, indent=1))
         print("\n".join(table(data["rows"]) + [""] + distribution(data["rows"])))
+        return
+    if args.rerun:
+        out = Path(args.out)
+        data = json.loads(out.read_text())
+        for text in args.rerun:
+            model, name, ac, per_rank, dtype = text.split(",")
+            spec = (model, name, ac, int(per_rank), dtype)
+            row = run_row(spec, args.seq_len)
+            data["rows"] = [r for r in data["rows"] if key(r) != spec or r["seq_len"] != args.seq_len] + [row]
+            out.write_text(json.dumps(data, indent=1))
+            print(table([row])[-1], flush=True)
         return
     models = args.models.split(",")
     specs = full_grid(models) if args.sample == "full" else pairwise_sample(models)

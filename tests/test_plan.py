@@ -269,7 +269,7 @@ def _toy_cluster(memory_gb: float, gpus_per_node: int, nodes: int) -> Cluster:
     return Cluster(gpu, gpus_per_node, nodes)
 
 
-@pytest.mark.parametrize("memory_gb,gpn,nodes", [(4.0, 4, 1), (2.0, 4, 2), (1.0, 2, 2)])
+@pytest.mark.parametrize("memory_gb,gpn,nodes", [(4.0, 4, 1), (2.0, 4, 2), (1.25, 2, 2)])
 def test_search_agrees_with_brute_force(memory_gb, gpn, nodes):
     shape = MODEL_SHAPES["125m"]
     cluster = _toy_cluster(memory_gb, gpn, nodes)

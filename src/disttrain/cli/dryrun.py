@@ -32,7 +32,8 @@ def add_parser(sub) -> None:
                                                         "from the second)")
     p.add_argument("--microbatches", type=int, default=None,
                    help="simulate this many micro-batches per rank instead of the config's (faster; the peak of "
-                        "accumulation stops growing after 2, of 1F1B-like schedules after pp; GPipe's does not)")
+                        "accumulation stops growing after 2, of 1F1B-like schedules after pp, but for a pipeline's receive "
+                        "buffers, one per micro-batch; GPipe's does not)")
     p.add_argument("--routing-skew", type=float, default=1.0,
                    help="MoE: the routing assumed, as the planner's: the simulated rank receives this many times its "
                         "balanced share of routed rows (1: balanced; dryrun/routing.py)")
@@ -217,8 +218,12 @@ def render(result: dict) -> str:
 def verify_plan(estimates: list, gpus: int, gpu_name: str, progress=None) -> list[dict]:
     """`disttrain plan --verify N`: dry-run each of the best layouts on `gpus` simulated ranks and set
     the measured peak beside the planner's. Micro-batches are capped where that cannot lower the peak
-    (see --microbatches), so a 13B check takes about a minute per stage."""
+    (see --microbatches), so a 13B check takes about a minute per stage. A pipeline's receive buffers are the
+    exception (torch's `PipelineStage` allocates one per micro-batch and step, pytorch/pytorch#136380), and so
+    are the step's token ids: those of the micro-batches left out are added to each rank's measured peak, and
+    said so (`left_out_bytes`)."""
     from disttrain.config import RunConfig
+    from disttrain.plan.activations import pipeline_batch_bytes, pipeline_recv_bytes
     from disttrain.plan.render import winner_config
     from disttrain.plan.search import describe
 
@@ -234,10 +239,17 @@ def verify_plan(estimates: list, gpus: int, gpu_name: str, progress=None) -> lis
         except UserError as exc:
             rows.append({"layout": describe(lay), "planner_peak_bytes": est.memory.total, "error": str(exc)})
             continue
-        worst = max(result["ranks"], key=lambda r: r["peak_bytes"])
-        rows.append({"layout": describe(lay), "planner_peak_bytes": est.memory.total, "peak_bytes": worst["peak_bytes"],
-                     "rank": worst["rank"], "fits": worst["fits"], "headroom_bytes": worst["headroom_bytes"],
-                     "planner_error": _error(est.memory.total, worst["peak_bytes"]),
+        left_out = {}
+        for r in result["ranks"]:  # the receive buffers of the micro-batches the cap left out
+            per_micro_batch = (pipeline_recv_bytes(est.shape, lay, pp_rank_of(lay, r["rank"]))
+                               + pipeline_batch_bytes(lay)) / lay.microbatches
+            left_out[r["rank"]] = int(per_micro_batch * (lay.microbatches - cap)) if cap and lay.pp > 1 else 0
+        worst = max(result["ranks"], key=lambda r: r["peak_bytes"] + left_out[r["rank"]])
+        peak = worst["peak_bytes"] + left_out[worst["rank"]]
+        budget = worst["budget_bytes"]
+        rows.append({"layout": describe(lay), "planner_peak_bytes": est.memory.total, "peak_bytes": peak,
+                     "rank": worst["rank"], "fits": peak <= budget, "headroom_bytes": int(budget - peak),
+                     "planner_error": _error(est.memory.total, peak), "left_out_bytes": left_out[worst["rank"]],
                      "seconds": sum(r["seconds"] for r in result["ranks"])})
     return rows
 
@@ -251,5 +263,7 @@ def verify_lines(rows: list[dict]) -> list[str]:
             continue
         lines.append(f"  {_size(r['planner_peak_bytes']):>10}  {_size(r['peak_bytes']):>10}  {r['planner_error']:>+7.1%}  "
                      f"{'yes' if r['fits'] else 'NO':>4}  {r['layout']}"
-                     + ("  <- the planner says it fits; the dry run does not" if not r["fits"] else ""))
+                     + ("  <- the planner says it fits; the dry run does not" if not r["fits"] else "")
+                     + (f" (with {_size(r['left_out_bytes'])} of receive buffers for the micro-batches not simulated)"
+                        if r.get("left_out_bytes") else ""))
     return lines

@@ -168,6 +168,8 @@ def _tracked_steps(cfg, layout, spec, engine, steps, counter, buckets, rank, t0)
     with tracker, counter:
         engine.phases.subscribe(TrackerPhases(tracker, engine.model))
         buckets.tracker = tracker
+        if hasattr(engine.model, "reducer"):  # DDP (ZeRO-0/1)
+            buckets.stand_in(engine.model.reducer)
         for step in range(1, steps + 1):
             counter.reset()
             engine.train_step(batch, step)

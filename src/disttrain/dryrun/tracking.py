@@ -62,6 +62,29 @@ class DDPBuckets:
         self.tracker = None  # set once the step runs under a tracker
         self.sizes: set[int] = set()  # bytes of each bucket
         self.storages: set[int] = set()  # the buckets' own storages
+        self.stand_ins: dict[int, list[torch.Tensor]] = {}  # bytes -> stand-ins for buckets not yet seen
+
+    def stand_in(self, reducer) -> None:
+        """DDP allocates its buckets when it wraps the model, outside any op the tracker sees: until the first
+        gradient is copied into a bucket (the second micro-batch of the first step, after no_sync's first), a
+        tracker would not count it, while autograd's fresh gradients already exist beside it on a GPU. Count
+        a zero copy of each bucket (made in the active tensor mode) as gradients until the bucket itself appears."""
+        from torch.distributed._tools.mem_tracker import _MemRefType
+
+        for bucket in reducer._get_zeros_like_grad_buckets():
+            buffer = bucket.buffer()
+            self.stand_ins.setdefault(buffer.untyped_storage().nbytes(), []).append(buffer)
+            self.tracker._update_and_maybe_create_winfos(buffer, _MemRefType.GRAD)
+
+    def adopt(self, t: torch.Tensor) -> bool:
+        """`t` is written by a copy into storage the tracker has not seen: if that is a bucket's size, it is the
+        bucket, and its stand-in goes (True)."""
+        st = t.untyped_storage()
+        waiting = self.stand_ins.get(st.nbytes())
+        if not waiting or st._cdata in self.storages or st in self.tracker._WINFO:
+            return False
+        waiting.pop()
+        return True
 
     def all_reduce(self, group, bucket):
         from torch.distributed._tools.mem_tracker import _MemRefType
@@ -86,15 +109,26 @@ class DDPBuckets:
 
 
 class Tracker(MemTracker):
-    """torch's MemTracker, blind to the fake-only copies of DDP buckets (see `DDPBuckets`)."""
+    """torch's MemTracker, blind to the fake-only copies of DDP buckets and counting the buckets from the start
+    (see `DDPBuckets`)."""
 
     def __init__(self, buckets: DDPBuckets):
         super().__init__()
         self._buckets = buckets
+        self._op = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self._op = func
+        return super().__torch_dispatch__(func, types, args, kwargs)
 
     def _track(self, reftype, t: torch.Tensor) -> None:
-        if not self._buckets.phantom(t):
-            super()._track(reftype, t)
+        from torch.distributed._tools.mem_tracker import _MemRefType
+
+        if self._buckets.phantom(t):
+            return
+        if self._op is torch.ops.aten.copy_.default and self._buckets.adopt(t):
+            reftype = _MemRefType.GRAD
+        super()._track(reftype, t)
 
 
 class LeafInputsSafe(ModTracker):

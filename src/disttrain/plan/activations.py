@@ -159,31 +159,36 @@ class HeldAt:
     activations: float = 0.0  # saved tensors of the micro-batch stages not yet through their backward
     weight_pass: float = 0.0  # zero-bubble: gradients kept from input-gradient passes for the weight passes
     grads: float = 0.0  # accumulated (unsharded) gradients of the stages that have run a backward
+    gathered: float = 0.0  # ZeRO-3: parameters a backward left gathered (torch's schedules reshard only the last)
 
     @property
     def total(self) -> float:
-        return self.activations + self.weight_pass + self.grads
+        return self.activations + self.weight_pass + self.grads + self.gathered
 
 
 def schedule_peak(order: list[tuple[str, int, int]], kept: list[float], pending: list[float],
-                  grads: list[float], loss_stage: int | None = None) -> tuple[HeldAt, HeldAt]:
+                  grads: list[float], loss_stage: int | None = None,
+                  params: list[float] | None = None) -> tuple[HeldAt, HeldAt]:
     """The fullest moment of `order` (a whole backward or an input-gradient pass running), and the fullest
     moment of the loss's backward on `loss_stage` (None: not this rank's). A forward adds its stage's `kept`
     bytes, a whole backward frees them; zero-bubble's input-gradient pass keeps them (its graph is retained
     for the weight pass) and adds `pending`, and the weight pass frees both. A stage's `grads` exist from
-    its first backward (weight pass for zero-bubble)."""
-    forwarded, inputs_done, stepped = set(), set(), set()
+    its first backward (weight pass for zero-bubble). `params` (ZeRO-3): a stage's gathered parameters, left
+    gathered by each of its backwards but the last until its next forward reshards them."""
+    forwarded, inputs_done, stepped, gathered = set(), set(), set(), set()
     block, loss = HeldAt(), HeldAt()
+    last = max((m for _, _, m in order), default=0)
 
     def held() -> HeldAt:
         return HeldAt(sum(kept[s] for s, _ in forwarded), sum(pending[s] for s, _ in inputs_done),
-                      sum(grads[s] for s in stepped))
+                      sum(grads[s] for s in stepped), sum(params[s] for s in gathered) if params else 0.0)
 
     for kind, stage, micro in order:
         if kind in ("B", "I") and stage == loss_stage:  # the loss's backward runs first, before this pass adds
             loss = max(loss, held(), key=lambda h: h.total)
         if kind == "F":
             forwarded.add((stage, micro))
+            gathered.discard(stage)
             continue
         if kind == "I":
             inputs_done.add((stage, micro))
@@ -193,7 +198,36 @@ def schedule_peak(order: list[tuple[str, int, int]], kept: list[float], pending:
         if kind in ("B", "W"):
             forwarded.discard((stage, micro))
             inputs_done.discard((stage, micro))
+            if params and micro != last:  # the backward's end: its stage stays gathered
+                gathered.add(stage)
+                block = max(block, held(), key=lambda h: h.total)
     return block, loss
+
+
+def stage_output_bytes(shape: ModelShape, layout: Layout) -> float:
+    """One micro-batch's output of a pipeline stage other than the last (the residual stream, split by
+    sequence parallelism), which torch's `PipelineStage` keeps from its forward to its backward
+    (`fwd_cache`); no layer of the stage saves it."""
+    _, er = dtype_bytes(layout)
+    r = layout.tp if layout.sequence_parallel else 1
+    return er * layout.micro_batch * (layout.seq_len // layout.cp) * shape.dim / r
+
+
+def pipeline_recv_bytes(shape: ModelShape, layout: Layout, pp_rank: int) -> float:
+    """The receive buffers torch's `PipelineStage` allocates once, for every micro-batch of the step, and
+    keeps across steps (`_prepare_forward_infra`, `_setup_backward_recv_info`): each stage but the first
+    receives its input, each but the last its output's gradient, both shaped like a stage output."""
+    ends = 0
+    for local in range(layout.stages_per_rank):
+        stage = local * layout.pp + pp_rank
+        ends += (stage > 0) + (stage < layout.n_stages - 1)
+    return layout.microbatches * ends * stage_output_bytes(shape, layout)
+
+
+def pipeline_batch_bytes(layout: Layout) -> float:
+    """The token ids and targets of every micro-batch of the step, which the pipeline engine hands the
+    schedule as one batch on every rank (the schedule splits it)."""
+    return 2 * TOKEN_ID * layout.microbatches * layout.micro_batch * layout.seq_len
 
 
 @dataclass
@@ -257,6 +291,8 @@ def stage_activation_bytes(shape: ModelShape, layout: Layout, pp_rank: int, fuse
     if layout.pp > 1 and layout.pp_schedule in ("interleaved_1f1b", "zero_bubble"):
         return _multi_stage(shape, layout, pp_rank, layer, logits, saved - held.layers * layer.saved * in_flight,
                             accumulated_grads)
+    if layout.pp > 1 and not held.output:  # the schedule keeps each in-flight micro-batch's stage output
+        saved += stage_output_bytes(shape, layout) * in_flight
     return StageActivations(saved, max(layer.transient, 2 * logits), in_flight, logits, layer.transient,
                             layer_saved=layers_saved / held.layers if held.layers else 0.0)
 
@@ -280,7 +316,8 @@ def _multi_stage(shape: ModelShape, layout: Layout, pp_rank: int, layer: LayerAc
     gradients besides; the last stage's include the logits' gradient."""
     mb, s, v = layout.micro_batch, layout.seq_len, layout.stages_per_rank
     counts = stage_layers(shape, layout)[pp_rank]
-    kept = [n * layer.saved for n in counts]
+    kept = [n * layer.saved + (0.0 if logits and i == len(counts) - 1 else stage_output_bytes(shape, layout))
+            for i, n in enumerate(counts)]
     pending = [0.0] * len(counts)
     if layout.pp_schedule == "zero_bubble":
         ec, _ = dtype_bytes(layout)
@@ -294,7 +331,10 @@ def _multi_stage(shape: ModelShape, layout: Layout, pp_rank: int, layer: LayerAc
               + (table + shape.dim if logits and i == len(counts) - 1 else 0) for i, n in enumerate(counts)]
     grads = [accumulated_grads * n / max(sum(params), 1) for n in params]
     order = schedule_order(layout.pp_schedule, layout.pp, layout.microbatches, v, pp_rank)
-    at_block, at_loss = schedule_peak(order, kept, pending, grads, len(counts) - 1 if logits else None)
+    gathered = None
+    if layout.zero_stage >= 3 and layout.reshard_after_forward:
+        gathered = [DTYPE_BYTES[layout.param_dtype] * n for n in params]
+    at_block, at_loss = schedule_peak(order, kept, pending, grads, len(counts) - 1 if logits else None, gathered)
     return StageActivations(at_block.activations + loss_and_ids, max(layer.transient, 2 * logits),
                             at_block.activations / (sum(kept) / len(kept)) / v if sum(kept) else 0.0,
                             logits, layer.transient, at_block, at_loss, at_loss.activations + loss_and_ids)

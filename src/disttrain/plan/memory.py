@@ -19,7 +19,7 @@ from disttrain.models.registry import ModelShape
 from disttrain.layout import DTYPE_BYTES, Layout
 from disttrain.plan.activations import (  # noqa: F401 (re-exported: the planner's memory API)
     StageActivations, korthikanti_in_flight_factor, korthikanti_layer_bytes, layer_activation_bytes,
-    stage_activation_bytes)
+    pipeline_batch_bytes, pipeline_recv_bytes, stage_activation_bytes)
 from disttrain.plan.moe import model_states as moe_model_states
 from disttrain.plan.params import (RankParams, layer_params, lora_layer_params, rank_params,  # noqa: F401
                                    rotary_table_bytes, stage_layers)
@@ -78,7 +78,10 @@ def model_state_bytes(n_params: float, layout: Layout, accounting: str = "runtim
         # low-precision copy of each weight for the backward - of every weight without checkpointing; with
         # it, a block's copies are remade in its recomputation, so only the uncheckpointed root's stay,
         # plus the block being recomputed (measured by the dry run: 7b ZeRO-1 selective, 0.6 not 12.6 GiB).
-        held_copies = n_params if layout.activation_checkpointing == "none" else root_params + largest_unit
+        # A pipeline runs its schedule's whole step (every forward and backward) in one autocast region, whose
+        # cache keeps every weight's copy until the step ends, checkpointing or not (tiny, pp=2 1F1B, dry run).
+        whole = layout.activation_checkpointing == "none" or layout.pp > 1
+        held_copies = n_params if whole else root_params + largest_unit
         if trainable is not None and low:  # a frozen base already in the compute dtype needs no copies
             held_copies = t
         buffers = pb * held_copies if pb != FP32 else 0.0
@@ -92,7 +95,8 @@ def model_state_bytes(n_params: float, layout: Layout, accounting: str = "runtim
     else:  # current + prefetched block gathered, the root unit kept gathered for backward
         buffers = pb * (2 * largest_unit + root_params) + (pb + rb) * largest_unit
     states = ModelStates(p / d, g / d, o / d, buffers, step_temporary=FP32 * t / d)
-    if layout.microbatches > 1:  # on the device even with CPU offload
+    if layout.microbatches > 1 or layout.pp > 1:  # on the device even with CPU offload; a pipeline schedule defers
+        # the reduce-scatter to after its last micro-batch (`perform_reduce_grad`), even with one
         states.unsharded_grads = rb * t
     if layout.cpu_offload:
         states.cpu = states.params + states.grads + states.optimizer
@@ -162,10 +166,11 @@ class MemoryEstimate:
 
 def _moments(states: ModelStates, acts: StageActivations, layout: Layout, gathered: float, unit: float,
              root: float, pipe: float, grad_unit: float | None = None,
-             grad_root: float | None = None) -> dict[str, dict]:
+             grad_root: float | None = None, all_gathered: float = 0.0) -> dict[str, dict]:
     """What is alive at each moment, by category. `gathered`: FSDP's all-gathered parameters held through
     the step (ZeRO-2: every unit; ZeRO-3: the root unit); `unit`: one block's parameters; `grad_unit`,
-    `grad_root`: those of them that get gradients (LoRA: the block's adapters, none of the root's)."""
+    `grad_root`: those of them that get gradients (LoRA: the block's adapters, none of the root's); `pipe`:
+    a pipeline's receive buffers and token ids, activations to the dry run's tracker (made outside any backward)."""
     grad_unit = unit if grad_unit is None else grad_unit
     grad_root = root if grad_root is None else grad_root
     s = states
@@ -177,17 +182,19 @@ def _moments(states: ModelStates, acts: StageActivations, layout: Layout, gather
     if layout.pp > 1 and layout.pp_schedule == "gpipe":  # every forward, and loss, before the first backward
         grads = 0.0 if fsdp else grads
     loss_grads, loss_acts, loss_pending, block_pending = grads, acts.saved, 0.0, 0.0
+    loss_gathered = block_gathered = 0.0
     if acts.at_block is not None:  # several stages per rank: what the schedule's order holds at each moment
         if fsdp:  # FSDP's accumulated gradients exist for the stages that have run a backward
             grads, loss_grads = acts.at_block.grads, acts.at_loss.grads
         loss_acts, loss_pending, block_pending = acts.saved_at_loss, acts.at_loss.weight_pass, acts.at_block.weight_pass
+        loss_gathered, block_gathered = acts.at_loss.gathered, acts.at_block.gathered
     copies = 0.0 if fsdp else s.buffers  # autocast's low-precision weight copies, kept as activations
     moments = {}
     if acts.logits:  # the loss's backward: its gradient and the logits' (loss_parallel keeps one more shard)
         moments["loss"] = {"parameters": s.params + s.tables, "gradients": loss_grads, "optimizer": s.optimizer,
-                           "activations": loss_acts + copies,
+                           "activations": loss_acts + copies + pipe,
                            "temporary": (3 if layout.tp > 1 else 2) * acts.logits + loss_pending,
-                           "communication": gathered + pipe}
+                           "communication": gathered + loss_gathered}
     block_grads = grads if s.unsharded_grads or not fsdp else pb * grad_root  # the root's unsharded grads, pending
     # The block gathered (ZeRO-3: and the next one prefetched) and its unsharded gradients, unless those
     # are already counted among the accumulated ones.
@@ -202,10 +209,19 @@ def _moments(states: ModelStates, acts: StageActivations, layout: Layout, gather
         previous = (rb - (0 if layout.reshard_after_forward else pb)) * grad_unit
         in_use = gathers + pb * grad_unit + max(0.0, previous - acts.layer_saved)
     moments["block"] = {"parameters": s.params + s.tables, "gradients": block_grads, "optimizer": s.optimizer,
-                        "activations": acts.saved - acts.logits + copies, "temporary": acts.layer + block_pending,
-                        "communication": gathered + in_use + pipe}
-    moments["step"] = {"parameters": s.params + s.tables, "gradients": s.grads, "optimizer": s.optimizer + s.step_temporary,
-                       "activations": 0.0, "temporary": 0.0, "communication": 0.0}
+                        "activations": acts.saved - acts.logits + copies + pipe,
+                        "temporary": acts.layer + block_pending, "communication": gathered + in_use + block_gathered}
+    if fsdp and layout.pp > 1:
+        # A backward done, before the deferred reduce-scatter: every unsharded gradient; and torch's schedules keep
+        # the parameters gathered after every backward but the last (`set_reshard_after_backward(False)`), so the
+        # end of the one before the last holds the stage's whole parameters and the other in-flight micro-batches.
+        others = acts.saved * max(acts.in_flight - 1, 0.0) / acts.in_flight if layout.microbatches > 1 else 0.0
+        moments["backward end"] = {"parameters": s.params + s.tables, "gradients": s.unsharded_grads,
+                                   "optimizer": s.optimizer, "activations": others + pipe, "temporary": 0.0,
+                                   "communication": all_gathered if layout.microbatches > 1 else gathered}
+    moments["step"] = {"parameters": s.params + s.tables, "gradients": s.grads,
+                       "optimizer": s.optimizer + s.step_temporary,
+                       "activations": pipe, "temporary": 0.0, "communication": 0.0}  # receive buffers stay
     if s.first_step_grads:  # DDP's first step: no optimizer states yet, autograd's gradients beside the buckets
         moments["first step"] = {"parameters": s.params + s.tables, "gradients": s.grads + s.first_step_grads,
                                  "optimizer": 0.0, "activations": copies, "temporary": 0.0, "communication": 0.0}
@@ -242,10 +258,7 @@ def estimate_memory(shape: ModelShape, layout: Layout, accounting: str = "runtim
                 layout.tp - 1) // layout.tp
         acts = stage_activation_bytes(shape, layout, pp_rank, fused_norm, routing_skew=routing_skew,
                                       accumulated_grads=states.unsharded_grads)
-        e = DTYPE_BYTES[layout.param_dtype]
-        pipe = 0.0
-        if layout.pp > 1:  # a send and a receive buffer per neighbour direction and virtual stage
-            pipe = 2 * e * layout.micro_batch * layout.seq_len * shape.dim * layout.stages_per_rank
+        pipe = pipeline_recv_bytes(shape, layout, pp_rank) + pipeline_batch_bytes(layout) if layout.pp > 1 else 0.0
         pb = DTYPE_BYTES[layout.param_dtype]
         gathered = 0.0
         if layout.zero_stage >= 2:
@@ -254,7 +267,7 @@ def estimate_memory(shape: ModelShape, layout: Layout, accounting: str = "runtim
         lora_unit = lora_layer_params(shape, lora_rank, layout.tp) if lora_rank else None
         est.moments = _moments(states, acts, layout, gathered, unit if layout.zero_stage >= 2 else 0.0, held.root, pipe,
                                grad_unit=lora_unit if layout.zero_stage >= 2 else None,
-                               grad_root=0.0 if lora_rank else None)
+                               grad_root=0.0 if lora_rank else None, all_gathered=pb * held.total)
         candidates.append(est)
     worst = max(candidates, key=lambda m: m.total)
     worst.per_stage = [{"pp_rank": m.pp_rank, "total": m.total, "activations": m.activations.peak,

@@ -14,7 +14,7 @@ def _row(label: str, nbytes: float) -> str:
 
 
 MOMENTS = {"loss": "the loss's backward", "block": "a block's backward", "step": "the optimizer step",
-           "first step": "DDP's first step"}
+           "first step": "DDP's first step", "backward end": "the last backward's end"}
 
 
 def memory_table(est: Estimate) -> list[str]:
