@@ -5,6 +5,7 @@ real run reads under the same routing is measured by benchmarks/moe_dryrun.py (d
 from __future__ import annotations
 
 import pytest
+import torch
 
 from disttrain.cli.dryrun import dry_run
 from disttrain.config import load_config
@@ -65,6 +66,22 @@ def test_dry_run_of_expert_with_context_parallel_matches_the_planner():
     a2a = [c for c in run["collectives"] if c["kind"] == "all_to_all"]
     assert a2a == [{"kind": "all_to_all", "dim": "cp", "count": 5 * shape.n_layers,
                     "bytes": int(per_layer * shape.n_layers)}], a2a
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_experts_outside_fsdp_on_a_one_rank_expert_mesh(stage):
+    """ep=2 on 2 ranks in fp32: each rank holds other experts, FSDP would only copy them (parallel/expert.py
+    experts_need_fsdp), so they stay plain DTensors on the ep mesh. The dry run still counts their parameters
+    and gradients, and the planner leaves them out of FSDP's gathered bytes: every category within 1%."""
+    from disttrain.parallel.expert import experts_need_fsdp
+
+    cfg = load_config(None, [*EP2, f"parallel.zero_stage={stage}", "parallel.dp_shard=2", "train.global_batch_size=8",
+                             "precision.param_dtype=fp32", "precision.compute_dtype=fp32"])
+    layout = resolve_run(cfg, 2, "cpu").layout
+    experts = [torch.nn.Linear(2, 2)]
+    assert not experts_need_fsdp(experts, layout, torch.float32) and experts_need_fsdp(experts, layout, torch.bfloat16)
+    run = dry_run(cfg, 2)["ranks"][0]
+    assert all(e is None or abs(e) <= 0.01 for e in run["error"].values()), run["error"]
 
 
 def test_dry_run_refusals_for_moe():

@@ -148,6 +148,23 @@ def measure_step(cfg, layout: Layout, spec, model, steps: int = 2, materialize=N
         return _tracked_steps(cfg, layout, spec, engine, steps, counter, buckets, rank, t0)
 
 
+def track_unwrapped_experts(tracker, model: nn.Module) -> None:
+    """Expert parameters no FSDP unit holds (parallel/expert.py experts_need_fsdp: a one-rank expert mesh) are
+    invisible to `FSDPMemTracker`, which only follows FSDP's own parameters (its `track_external` does
+    nothing): track them, and their gradients, as it tracks FSDP's sharded ones."""
+    from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType
+    from torch.distributed.tensor import DTensor
+
+    unwrapped = [p for p in model.parameters()  # on the ep mesh: FSDP's own parameters are on efsdp's
+                 if isinstance(p, DTensor) and "ep" in (p.device_mesh.mesh_dim_names or ())]
+    def track_grad(param) -> None:
+        tracker._update_and_maybe_create_winfos(param.grad, _FSDPRefType.SHARDED_GRAD)
+
+    for param in unwrapped:
+        tracker._update_and_maybe_create_winfos(param, _FSDPRefType.SHARDED_PARAM)
+        param.register_post_accumulate_grad_hook(track_grad)
+
+
 def _tracked_steps(cfg, layout, spec, engine, steps, counter, buckets, rank, t0) -> RankRun:
     from torch.distributed.fsdp import FSDPModule
 
@@ -157,6 +174,7 @@ def _tracked_steps(cfg, layout, spec, engine, steps, counter, buckets, rank, t0)
     stages = getattr(getattr(engine, "parts", None), "stages", [])
     if isinstance(engine.model, FSDPModule):
         tracker = FSDPMemTracker(engine.model, engine.optimizer)
+        track_unwrapped_experts(tracker, engine.model)
     elif stages and isinstance(stages[0].submod, FSDPModule):  # pipeline stages, each an FSDP root
         tracker = StagesTracker(nn.ModuleList([stage.submod for stage in stages]), engine.optimizer)
     else:

@@ -103,10 +103,25 @@ def apply_expert_parallel(model: nn.Module, spec, layout: Layout, meshes) -> lis
     return split
 
 
-def shard_experts(experts: list[nn.Module], layout: Layout, meshes, fsdp_kwargs: dict) -> None:
-    """ZeRO-2/3: each experts module its own FSDP unit on the expert data-parallel mesh."""
+def experts_need_fsdp(experts: list[nn.Module], layout: Layout, param_dtype: torch.dtype) -> bool:
+    """FSDP on a one-rank expert mesh (ep equal to dp x cp: every rank holds other experts) shards nothing: it
+    only copies the experts into and out of its buffers for every forward and backward (CPU: about an eighth of
+    a tiny-sized MoE's step at ep=2 on 2 ranks, benchmarks/moe_vs_handwritten.py). Skipped there unless it
+    casts them (a lower parameter dtype) or offloads them; the experts then stay plain DTensors on the ep mesh,
+    as under DDP, left out of the other FSDP units."""
+    if layout.efsdp > 1 or layout.cpu_offload:
+        return True
+    return any(p.dtype != param_dtype for module in experts for p in module.parameters())
+
+
+def shard_experts(experts: list[nn.Module], layout: Layout, meshes, fsdp_kwargs: dict) -> set:
+    """ZeRO-2/3: each experts module its own FSDP unit on the expert data-parallel mesh, where that mesh has
+    something to shard or cast (`experts_need_fsdp`). Returns the expert parameters left unwrapped, for the
+    other FSDP units to ignore (their gradients are divided by ExpertGradients, nothing to reduce)."""
     from torch.distributed.fsdp import fully_shard
 
+    if not experts_need_fsdp(experts, layout, fsdp_kwargs["mp_policy"].param_dtype):
+        return {p for module in experts for p in module.parameters()}
     for module in experts:
         fully_shard(module, mesh=meshes.efsdp(layout), **fsdp_kwargs)
         # FSDP only sums: ExpertGradients divides by dp x cp. torch 2.13 divides a one-rank mesh's gradient by
@@ -114,6 +129,7 @@ def shard_experts(experts: list[nn.Module], layout: Layout, meshes, fsdp_kwargs:
         # there; forced sum also spares gloo the PREMUL_SUM it lacks.
         module.set_gradient_divide_factor(1.0)
         module.set_force_sum_reduction_for_comms(True)
+    return set()
 
 
 def expert_parameter_names(model: nn.Module) -> list[str]:

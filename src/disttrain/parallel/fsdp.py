@@ -27,14 +27,16 @@ def apply_fsdp(model: nn.Module, blocks: nn.Module, mesh, layout: Layout, expert
     mp = MixedPrecisionPolicy(param_dtype=DTYPES[layout.param_dtype], reduce_dtype=DTYPES[layout.reduce_dtype])
     # Pinned host memory needs an accelerator; on CPU-only machines pinning raises.
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if layout.cpu_offload else OffloadPolicy()
+    ignored = set()  # expert parameters no FSDP unit holds (parallel/expert.py experts_need_fsdp)
     if experts:
         from disttrain.parallel.expert import shard_experts
 
-        shard_experts(list(experts), layout, meshes, dict(reshard_after_forward=layout.reshard_after_forward,
-                                                         mp_policy=mp, offload_policy=offload))
+        ignored = shard_experts(list(experts), layout, meshes, dict(
+            reshard_after_forward=layout.reshard_after_forward, mp_policy=mp, offload_policy=offload))
+    extra = {"ignored_params": ignored} if ignored else {}
     for block in blocks.children():
         fully_shard(block, mesh=mesh, reshard_after_forward=layout.reshard_after_forward, mp_policy=mp,
-                    offload_policy=offload)
+                    offload_policy=offload, **extra)
     # The root's parameters (embeddings, norm, output) are needed first in backward: keep them gathered.
-    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp, offload_policy=offload)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp, offload_policy=offload, **extra)
     return model

@@ -20,7 +20,8 @@ from disttrain.layout import DTYPE_BYTES, Layout
 from disttrain.plan.activations import (  # noqa: F401 (re-exported: the planner's memory API)
     StageActivations, korthikanti_in_flight_factor, korthikanti_layer_bytes, layer_activation_bytes,
     pipeline_batch_bytes, pipeline_recv_bytes, stage_activation_bytes)
-from disttrain.plan.moe import model_states as moe_model_states
+from disttrain.plan.moe import experts_unwrapped, model_states as moe_model_states
+from disttrain.plan.moe import layer_params as moe_layer_params
 from disttrain.plan.params import (RankParams, layer_params, lora_layer_params, rank_params,  # noqa: F401
                                    rotary_table_bytes, stage_layers)
 
@@ -260,14 +261,17 @@ def estimate_memory(shape: ModelShape, layout: Layout, accounting: str = "runtim
                                       accumulated_grads=states.unsharded_grads)
         pipe = pipeline_recv_bytes(shape, layout, pp_rank) + pipeline_batch_bytes(layout) if layout.pp > 1 else 0.0
         pb = DTYPE_BYTES[layout.param_dtype]
-        gathered = 0.0
+        gathered, all_held = 0.0, held.total
+        if held.experts and experts_unwrapped(layout):  # no FSDP unit gathers the experts (one-rank mesh)
+            all_held -= held.experts
+            unit -= moe_layer_params(shape, shape.n_layers - 1, layout.tp, layout.ep)[1]
         if layout.zero_stage >= 2:
-            gathered = pb * (held.total if not layout.reshard_after_forward else held.root)
+            gathered = pb * (all_held if not layout.reshard_after_forward else held.root)
         est = MemoryEstimate(held.total + (adapters or 0), states, acts, pipe, pp_rank, trainable_per_rank=adapters)
         lora_unit = lora_layer_params(shape, lora_rank, layout.tp) if lora_rank else None
         est.moments = _moments(states, acts, layout, gathered, unit if layout.zero_stage >= 2 else 0.0, held.root, pipe,
                                grad_unit=lora_unit if layout.zero_stage >= 2 else None,
-                               grad_root=0.0 if lora_rank else None, all_gathered=pb * held.total)
+                               grad_root=0.0 if lora_rank else None, all_gathered=pb * all_held)
         candidates.append(est)
     worst = max(candidates, key=lambda m: m.total)
     worst.per_stage = [{"pp_rank": m.pp_rank, "total": m.total, "activations": m.activations.peak,
