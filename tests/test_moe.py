@@ -383,8 +383,10 @@ def test_expert_parallel_equals_one_process(tmp_path):
             for name, o in jobs.items()}
     jobs.update({"hf_qwen3_moe": (*hf["qwen3_moe"], "parallel.ep=2", "parallel.zero_stage=0"),
                  "hf_mixtral": (*hf["mixtral"], "parallel.ep=2", "parallel.zero_stage=3",
-                                "parallel.activation_checkpointing=full")})
-    runs = train_many({name: (tmp_path / name, o) for name, o in jobs.items()}, nproc=2)
+                                "parallel.activation_checkpointing=full"),
+                 # ZeRO-1's states: each dense one on one rank, each expert shard's on its rank (workers/)
+                 "zero1_states": {"call": "zero1_experts:check"}})
+    runs = train_many({name: o if isinstance(o, dict) else (tmp_path / name, o) for name, o in jobs.items()}, nproc=2)
     # 4 ranks (one sequence each): experts' gradients reduced over 2 ranks holding the same experts; 2 stages
     four = (*COMMON, FP64, "parallel.ep=2", "parallel.zero_stage=3")
     shutil.copytree(runs["save32"], tmp_path / "resume32_ep4")  # the same checkpoint, resumed at ep=4 on 4 ranks
