@@ -25,7 +25,8 @@ def expert_problems(shape: ModelShape | None, layout) -> list[Problem]:  # layou
         return [Problem("parallel.ep", ep, f"a divisor of model.moe.num_experts={moe.num_experts}",
                         f"parallel.ep={ep} does not divide model.moe.num_experts={moe.num_experts}")]
     if layout.engine == "deepspeed" or layout.balanced:
-        what = "engine=deepspeed" if layout.engine == "deepspeed" else "uneven shares (parallel.balance/balance_weights)"
+        what = ("engine=deepspeed" if layout.engine == "deepspeed" else
+                "uneven shares (parallel.balance/balance_weights)")
         return [Problem("parallel.ep", ep, "1 with " + what, f"parallel.ep={ep} with {what}: experts are split "
                         "by the torch engine (zero_stage 0 to 3) with equal shares (allowed with it: parallel.ep=1)")]
     return []
