@@ -22,8 +22,8 @@ from disttrain.models.registry import model_spec
 from disttrain.models.spec import build_model
 from disttrain.resolve import resolve_run
 from hf_models import save_tiny
-from helpers import (EXACT, FP64, assert_losses_close, assert_params_exact, final_params, losses, records, run_main,
-                     train_many)
+from helpers import (EXACT, FP64, LR, assert_losses_close, assert_params_close, assert_params_exact, final_params,
+                     losses, records, run_main, train_many)
 
 STEPS = 3  # the bias moves twice before the last step; the resumed runs compare one step after step 2
 COMMON = (f"train.steps={STEPS}", "train.global_batch_size=4", "model.name=debug-moe", "checkpoint.save_final=true",
@@ -305,7 +305,7 @@ def test_builtin_moe_exports_as_qwen2_moe_with_equal_logits(tmp_path):
     (("model.name=debug", "parallel.ep=2"), "parallel.ep=2 on a dense model"),
     (("model.moe.num_experts_per_tok=9",), "model.moe.num_experts_per_tok=9 exceeds model.moe.num_experts=8"),
     (("model.moe.capacity_factor=0.5",), "model.moe.capacity_factor=0.5: below 1 drops tokens"),
-    (("parallel.ep=2", "parallel.zero_stage=1"), "parallel.ep=2 with parallel.zero_stage=1"),
+    (("parallel.ep=2", "engine=deepspeed"), "parallel.ep=2 with engine=deepspeed"),
     (("model.name=debug", "parallel.ep=2", "model.moe.num_experts=4"), "model.name=debug is dense; an MoE needs"),
     (("parallel.ep=4", "parallel.cp=2", "parallel.dp_shard=1"),
      "parallel.ep=4 does not divide parallel.dp_shard x parallel.cp = 1 x 2"),
@@ -343,15 +343,18 @@ def _chat_data(root):
 
 def test_expert_parallel_equals_one_process(tmp_path):
     """ep=2 on 2 ranks under DDP (with selective activation checkpointing, and without a balancing loss),
-    ZeRO-2 with selective checkpointing, and ZeRO-3 with full over the context pair (cp=2, dp_shard=1: ep
+    ZeRO-1, ZeRO-2 with selective checkpointing, and ZeRO-3 with full over the context pair (cp=2, dp_shard=1: ep
     borrows the context ranks); transformers' Qwen3-MoE (DDP) and Mixtral (ZeRO-3, full checkpointing)
     through disttrain's dispatch; padded chat data (DDP), whose padding reaches no expert; on 4 ranks ZeRO-3
     with dp_shard=4 and selective checkpointing, pipeline pp=2 (GPipe), tensor parallel tp=2 (attention and
     shared experts split, routed experts whole), HSDP (2 x 2), and dp_shard=2 x cp=2 (ZeRO-2, document
-    masking: ep over each context pair, experts sharded over the data-parallel pair), each with ep=2: one
+    masking: ep over each context pair, experts sharded over the data-parallel pair) and ZeRO-1 (expert states
+    on 2 ranks each), each with ep=2: one
     process's losses, parameters, balancing bias (a buffer in the checkpoint) and tokens per expert in fp64;
     then an fp32 run saved at ep=2 resumes on one process and at ep=4 on 4 ranks (dp_shard=2 x cp=2: experts
-    split over data and context ranks) with an uninterrupted run's losses."""
+    split over data and context ranks) with an uninterrupted run's losses, and one saved at ep=2 under ZeRO-1
+    on one process, and the ZeRO-3 one under ZeRO-1 on 4 ranks, with the losses and parameters after the
+    resumed step (the optimizer states reshard)."""
     fp32 = ("optim.schedule=constant", "optim.warmup_steps=0")
     chat, conversations, real_tokens = _chat_data(tmp_path / "chat")
     jobs = {
@@ -361,6 +364,9 @@ def test_expert_parallel_equals_one_process(tmp_path):
                            "parallel.activation_checkpointing=full"),
         "zero2_selective": ("parallel.ep=2", "parallel.zero_stage=2", "parallel.activation_checkpointing=selective"),
         "save32": ("parallel.ep=2", "parallel.zero_stage=3", *fp32, "train.steps=2"),
+        # ZeRO-1: dense optimizer states split over the ranks, expert states beside them (parallel/zero1.py)
+        "zero1": ("parallel.ep=2", "parallel.zero_stage=1"),
+        "save32_zero1": ("parallel.ep=2", "parallel.zero_stage=1", *fp32, "train.steps=2"),
         # no balancing loss: the routing statistics are reduced once per step, after the optimizer step
         "ddp_noaux": ("parallel.ep=2", "parallel.zero_stage=0", "model.moe.aux_loss_coef=0"),
         # every conversation in each step, padded to 128 tokens: the loads count its real tokens only; no
@@ -373,19 +379,24 @@ def test_expert_parallel_equals_one_process(tmp_path):
                  f"train.global_batch_size={conversations}")
     hf = {kind: (f"model.hf={save_tiny(kind, tmp_path / kind)}", f"train.steps={STEPS}", "train.global_batch_size=4",
                  "checkpoint.save_final=true", "model.moe.aux_loss_coef=0.01", FP64) for kind in ("qwen3_moe", "mixtral")}
-    jobs = {name: (*COMMON, *(() if name == "save32" else (FP64,)), *(chat_data if name == "chat" else ()), *o)
+    jobs = {name: (*COMMON, *(() if name.startswith("save32") else (FP64,)), *(chat_data if name == "chat" else ()), *o)
             for name, o in jobs.items()}
     jobs.update({"hf_qwen3_moe": (*hf["qwen3_moe"], "parallel.ep=2", "parallel.zero_stage=0"),
                  "hf_mixtral": (*hf["mixtral"], "parallel.ep=2", "parallel.zero_stage=3",
-                                "parallel.activation_checkpointing=full")})
-    runs = train_many({name: (tmp_path / name, o) for name, o in jobs.items()}, nproc=2)
+                                "parallel.activation_checkpointing=full"),
+                 # ZeRO-1's states: each dense one on one rank, each expert shard's on its rank (workers/)
+                 "zero1_states": {"call": "zero1_experts:check"}})
+    runs = train_many({name: o if isinstance(o, dict) else (tmp_path / name, o) for name, o in jobs.items()}, nproc=2)
     # 4 ranks (one sequence each): experts' gradients reduced over 2 ranks holding the same experts; 2 stages
     four = (*COMMON, FP64, "parallel.ep=2", "parallel.zero_stage=3")
     shutil.copytree(runs["save32"], tmp_path / "resume32_ep4")  # the same checkpoint, resumed at ep=4 on 4 ranks
+    shutil.copytree(runs["save32"], tmp_path / "resume32_to_zero1")  # and under ZeRO-1 (dp_shard=4)
     # (dp_shard=2 x cp=2: ep spans the data-parallel and the context pairs)
     runs.update(train_many({"dp4": (tmp_path / "dp4", (*four, "parallel.activation_checkpointing=selective")),
                             "pp2": (tmp_path / "pp2", (*four, "parallel.pp=2", "parallel.pp_schedule=gpipe")),
                             "tp2": (tmp_path / "tp2", (*four, "parallel.tp=2")),
+                            # ZeRO-1 with each expert shard on 2 ranks: its state replicated over them
+                            "zero1_dp4": (tmp_path / "zero1_dp4", (*four, "parallel.zero_stage=1")),
                             "hsdp": (tmp_path / "hsdp", (*four, "parallel.dp_replicate=2", "parallel.dp_shard=2")),
                             # ep over each context pair, experts sharded over the 2 data-parallel ranks;
                             # documents masked across the context chunks
@@ -396,7 +407,11 @@ def test_expert_parallel_equals_one_process(tmp_path):
                             "resume32_ep4": (tmp_path / "resume32_ep4", (*COMMON, *fp32, "parallel.ep=4",
                                                                          "parallel.zero_stage=3", "parallel.cp=2",
                                                                          "parallel.dp_shard=2",
-                                                                         "run.allow_changes=true"))}, nproc=4))
+                                                                         "run.allow_changes=true")),
+                            "resume32_to_zero1": (tmp_path / "resume32_to_zero1", (*COMMON, *fp32, "parallel.ep=2",
+                                                                                   "parallel.zero_stage=1",
+                                                                                   "run.allow_changes=true"))},
+                           nproc=4))
     single = train_many({"one": (tmp_path / "one", (*COMMON, FP64)), "one32": (tmp_path / "one32", (*COMMON, *fp32)),
                          "one_noaux": (tmp_path / "one_noaux", (*COMMON, FP64, "model.moe.aux_loss_coef=0")),
                          "one_docs": (tmp_path / "one_docs", (*COMMON, FP64, "data.document_masking=true")),
@@ -405,12 +420,14 @@ def test_expert_parallel_equals_one_process(tmp_path):
                                                               "model.moe.aux_loss_coef=0")),
                          "hf_qwen3_moe_one": (tmp_path / "hf_qwen3_moe_one", hf["qwen3_moe"]),
                          "hf_mixtral_one": (tmp_path / "hf_mixtral_one", hf["mixtral"]),
-                         "resume32": (runs["save32"], (*COMMON, *fp32, "run.allow_changes=true"))}, nproc=1)
+                         "resume32": (runs["save32"], (*COMMON, *fp32, "run.allow_changes=true")),
+                         "resume32_zero1": (runs["save32_zero1"], (*COMMON, *fp32, "run.allow_changes=true"))},
+                        nproc=1)
     reference = final_params(single["one"], STEPS)
     assert losses(single["one_docs"])[STEPS] != losses(single["one"])[STEPS]  # the mask cuts documents
     assert any(name.endswith("expert_bias") and t.abs().sum() > 0 for name, t in reference.items())
     for name in ("ddp_selective", "cp2_zero3_full", "zero2_selective", "dp4", "pp2", "tp2", "hsdp", "hf_qwen3_moe",
-                 "hf_mixtral", "ddp_noaux", "chat", "cp2_dp2_docs"):
+                 "hf_mixtral", "ddp_noaux", "chat", "cp2_dp2_docs", "zero1", "zero1_dp4"):
         one = single[f"{name}_one" if name.startswith("hf_") else "one_noaux" if name == "ddp_noaux" else
                      "one_chat" if name == "chat" else "one_docs" if name == "cp2_dp2_docs" else "one"]
         assert_losses_close(losses(runs[name]), losses(one), rel=EXACT)
@@ -456,7 +473,12 @@ def test_expert_parallel_equals_one_process(tmp_path):
     assert steps == list(range(1, STEPS + 1))
     assert grid[3][0] == pytest.approx(counts[0]["layers.1.feed_forward"][3] / (sum(counts[0]["layers.1.feed_forward"]) / 8))
     straight = losses(single["one32"])
-    for resumed in (losses(single["resume32"]), losses(runs["resume32_ep4"])):
+    for resumed in (losses(single["resume32"]), losses(runs["resume32_ep4"]), losses(single["resume32_zero1"]),
+                    losses(runs["resume32_to_zero1"])):
         assert sorted(resumed) == list(range(1, STEPS + 1))
         assert_losses_close({s: resumed[s] for s in range(3, STEPS + 1)}, {s: straight[s] for s in range(3, STEPS + 1)},
                             rel=1e-5)
+    # the step after the resume moves parameters by the optimizer states the ZeRO-1 checkpoint held (expert
+    # states included): a missing or misplaced state moves them by a sizeable fraction of lr
+    for resumed in (single["resume32"], single["resume32_zero1"], runs["resume32_to_zero1"]):
+        assert_params_close(final_params(resumed, STEPS), final_params(single["one32"], STEPS), rel=1e-5, lr=LR)

@@ -142,14 +142,19 @@ def _expert_split(shape: ModelShape) -> tuple[int, int]:
 @pytest.mark.parametrize("ep", [1, 2, 8])
 def test_expert_states_per_rank_split_over_ep(ep):
     """DDP: every rank holds the dense parameters and 1/ep of the experts (fp32 parameters, gradients, Adam).
-    ZeRO-3: the experts' dp/ep copies shard them, so a rank's share is 1/dp either way; its gathered block
-    holds num_experts/ep experts."""
+    ZeRO-1 splits the dense states (one rank holds the embedding's whole) and keeps the experts' beside them,
+    1/ep of them on every rank. ZeRO-3: the experts' dp/ep copies shard them, so a rank's share is 1/dp either
+    way; its gathered block holds num_experts/ep experts."""
     shape = MODEL_SHAPES["qwen3-30b-a3b"]
     dense, experts = _expert_split(shape)
     base = dict(dp_shard=8, seq_len=4096, global_batch_size=8, ep=ep)
     ddp = estimate(shape, Layout(zero_stage=0, **base)).memory.states
     assert ddp.params == ddp.grads == 4 * (dense + experts / ep)
     assert ddp.optimizer == 8 * (dense + experts / ep)
+    if ep > 1:
+        zero1 = estimate(shape, Layout(zero_stage=1, **base)).memory.states
+        assert zero1.params == ddp.params
+        assert zero1.optimizer == 8 * (max(dense / 8, shape.vocab_size * shape.dim) + experts / ep)
     zero3 = estimate(shape, Layout(zero_stage=3, **base)).memory
     assert zero3.states.params == pytest.approx(4 * (dense + experts) / 8, rel=1e-12)
     block = zero3.moments["block"]["communication"]
@@ -268,6 +273,8 @@ def test_search_picks_expert_parallelism_when_experts_dominate_memory():
     brute = brute_force(EXPERT_HEAVY, cluster, space)
     assert [e.layout for e in brute] == [e.layout for e in result.ranked]
     assert {e.layout.ep for e in brute} == {4, 8}  # ep=2 holds 32 experts: 25.8 GB of states, over 21.6
+    with_zero1 = search(EXPERT_HEAVY, cluster, replace(space, zero_stages=(0, 1))).ranked  # it composes with ep
+    assert {(e.layout.zero_stage, e.layout.ep) for e in with_zero1} == {(0, 4), (0, 8), (1, 4), (1, 8)}
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -24,12 +24,11 @@ def expert_problems(shape: ModelShape | None, layout) -> list[Problem]:  # layou
     if moe is not None and moe.num_experts % ep:
         return [Problem("parallel.ep", ep, f"a divisor of model.moe.num_experts={moe.num_experts}",
                         f"parallel.ep={ep} does not divide model.moe.num_experts={moe.num_experts}")]
-    if layout.engine == "deepspeed" or layout.zero_stage == 1 or layout.balanced:
-        what = ("engine=deepspeed" if layout.engine == "deepspeed" else "parallel.zero_stage=1"
-                if layout.zero_stage == 1 else "uneven shares (parallel.balance/balance_weights)")
+    if layout.engine == "deepspeed" or layout.balanced:
+        what = ("engine=deepspeed" if layout.engine == "deepspeed" else
+                "uneven shares (parallel.balance/balance_weights)")
         return [Problem("parallel.ep", ep, "1 with " + what, f"parallel.ep={ep} with {what}: experts are split "
-                        "by the torch engine under DDP (zero_stage 0) or FSDP (zero_stage 2, 3) with equal shares "
-                        "(allowed with it: parallel.ep=1)")]
+                        "by the torch engine (zero_stage 0 to 3) with equal shares (allowed with it: parallel.ep=1)")]
     return []
 
 

@@ -14,7 +14,8 @@ a sequence is more tokens to dispatch):
   ranks holding the same experts (`efsdp`) and divided by the gradient ranks (dp x cp). Under ZeRO-2/3
   the experts are their own FSDP unit on the `efsdp` mesh with that divide factor (and forced sum
   reduction when efsdp > 1: gloo has no PREMUL_SUM; never with efsdp == 1, where torch 2.13 would then
-  divide twice); under DDP they are left out of DDP and reduced by `ExpertGradients` before clipping.
+  divide twice); under DDP and ZeRO-1 they are left out of DDP and reduced by `ExpertGradients` before
+  clipping (ZeRO-1 steps their optimizer states beside its own: parallel/zero1.py).
 Nothing here is written by torch for us: its MoE pieces (torchtitan's) are not part of torch.
 """
 

@@ -4,9 +4,16 @@ FSDP2 has no mode that shards only the optimizer state (its gradients are always
 reduce-scattered), so stage 1 is torch's ZeroRedundancyOptimizer: each data-parallel rank owns
 the AdamW state of a subset of parameters, steps them, and broadcasts the updated values.
 
+Expert parallelism (`parallel.ep` > 1): the expert shards are DTensors on the `ep` mesh, which
+ZeroRedundancyOptimizer cannot take (its broadcast of updated values, c10d.broadcast_, has no DTensor
+sharding rule in torch 2.13). They are stepped beside it by a plain AdamW on each rank (`ExpertsBeside`),
+so their state is split over the `ep` ranks and replicated over the ranks holding the same experts
+(`efsdp`): exactly ZeRO-1 when ep equals the data-parallel degree (every rank holds other experts), and
+efsdp copies of the experts' share otherwise. Their gradients are reduced as under DDP (ExpertGradients).
+
 For checkpoints the owned states are exposed under parameter names in the same nested form
-`get_state_dict` gives for any other layout, so a stage-1 checkpoint reloads into DDP, FSDP or
-another world size, and the other way round.
+`get_state_dict` gives for any other layout (expert states as DTensors, which DCP reshards), so a
+stage-1 checkpoint reloads into DDP, FSDP or another world size, and the other way round.
 """
 
 from __future__ import annotations
@@ -18,14 +25,39 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from disttrain.parallel.names import clean_fqn
 
 
-def build_zero1_optimizer(model: nn.Module, optim_cfg, group) -> ZeroRedundancyOptimizer:
-    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
-    opt = ZeroRedundancyOptimizer(decay, optimizer_class=torch.optim.AdamW, process_group=group,
-                                  lr=optim_cfg.lr, betas=tuple(optim_cfg.betas), eps=optim_cfg.eps,
-                                  weight_decay=optim_cfg.weight_decay)
-    opt.add_param_group({"params": no_decay, "weight_decay": 0.0})
-    return opt
+class ExpertsBeside(torch.optim.Optimizer):
+    """One optimizer to the step, scheduler and scaler: ZeroRedundancyOptimizer over the dense parameters
+    and an AdamW over this rank's expert shards. Its param groups are theirs (the same dicts, dense first),
+    so the schedule's learning rate reaches both. torch has no optimizer that chains two."""
+
+    def __init__(self, dense: ZeroRedundancyOptimizer, experts: torch.optim.Optimizer):
+        self.dense, self.experts = dense, experts
+        super().__init__(dense.param_groups + experts.param_groups, dense.defaults)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = self.dense.step(closure)
+        self.experts.step()
+        return loss
+
+
+def build_zero1_optimizer(model: nn.Module, optim_cfg, group) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    dense = [p for p in params if not getattr(p, "expert_parallel", False)]
+    kwargs = {"lr": optim_cfg.lr, "betas": tuple(optim_cfg.betas), "eps": optim_cfg.eps}
+    opt = ZeroRedundancyOptimizer([p for p in dense if p.ndim >= 2], optimizer_class=torch.optim.AdamW,
+                                  process_group=group, weight_decay=optim_cfg.weight_decay, **kwargs)
+    opt.add_param_group({"params": [p for p in dense if p.ndim < 2], "weight_decay": 0.0})
+    experts = [p for p in params if getattr(p, "expert_parallel", False)]
+    if not experts:
+        return opt
+    groups = [{"params": [p for p in experts if p.ndim >= 2], "weight_decay": optim_cfg.weight_decay},
+              {"params": [p for p in experts if p.ndim < 2], "weight_decay": 0.0}]
+    return ExpertsBeside(opt, torch.optim.AdamW([g for g in groups if g["params"]], **kwargs))
+
+
+def _parts(opt) -> tuple[ZeroRedundancyOptimizer, torch.optim.Optimizer | None]:
+    return (opt.dense, opt.experts) if isinstance(opt, ExpertsBeside) else (opt, None)
 
 
 def _names(model: nn.Module) -> dict[int, str]:
@@ -33,33 +65,48 @@ def _names(model: nn.Module) -> dict[int, str]:
     return {id(p): clean_fqn(name) for name, p in model.named_parameters()}
 
 
-def _group_meta(opt: ZeroRedundancyOptimizer, names: dict[int, str]) -> list[dict]:
-    return [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
-            for g in opt.param_groups]
+def _group_meta(model: nn.Module, opt, names: dict[int, str]) -> list[dict]:
+    """The dense groups' settings over every parameter split as build_optimizer splits them (matrices
+    decay, vectors do not), so that the groups name the same parameters in every layout."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    split = ([p for p in params if p.ndim >= 2], [p for p in params if p.ndim < 2])
+    return [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in ps]}
+            for g, ps in zip(_parts(opt)[0].param_groups, split)]
 
 
-def zero1_state_dict(model: nn.Module, opt: ZeroRedundancyOptimizer) -> dict:
-    """This rank's owned states keyed by parameter name (each name on exactly one rank)."""
+def _owned(opt) -> list[tuple[torch.optim.Optimizer, nn.Parameter]]:
+    dense, experts = _parts(opt)
+    owners = [dense.optim] + ([experts] if experts is not None else [])
+    return [(o, p) for o in owners for g in o.param_groups for p in g["params"]]
+
+
+def zero1_state_dict(model: nn.Module, opt) -> dict:
+    """This rank's owned states keyed by parameter name (each dense name on exactly one rank; each expert
+    shard on the ranks holding it, which DCP writes once)."""
     names = _names(model)
-    state = {names[id(p)]: dict(s) for p, s in opt.optim.state.items()}
-    return {"state": state, "param_groups": _group_meta(opt, names)}
+    state = {names[id(p)]: dict(o.state[p]) for o, p in _owned(opt) if p in o.state}
+    return {"state": state, "param_groups": _group_meta(model, opt, names)}
 
 
-def zero1_load_template(model: nn.Module, opt: ZeroRedundancyOptimizer) -> dict:
-    """Tensors to load into: this rank's owned parameters' AdamW state, shaped like the parameters."""
+def zero1_load_template(model: nn.Module, opt) -> dict:
+    """Tensors to load into: this rank's owned parameters' AdamW state, shaped like the parameters
+    (DTensors for expert shards: DCP reads this rank's experts from any saved layout)."""
     names = _names(model)
-    state = {}
-    for group in opt.optim.param_groups:
-        for p in group["params"]:
-            state[names[id(p)]] = {"step": torch.zeros((), dtype=torch.float32),
-                                   "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
-    return {"state": state, "param_groups": _group_meta(opt, names)}
+    state = {names[id(p)]: {"step": torch.zeros((), dtype=torch.float32), "exp_avg": torch.zeros_like(p),
+                            "exp_avg_sq": torch.zeros_like(p)} for _, p in _owned(opt)}
+    return {"state": state, "param_groups": _group_meta(model, opt, names)}
 
 
-def zero1_load_state_dict(model: nn.Module, opt: ZeroRedundancyOptimizer, loaded: dict) -> None:
+def zero1_load_state_dict(model: nn.Module, opt, loaded: dict) -> None:
+    owner = {id(p): o for o, p in _owned(opt)}
     by_name = {clean_fqn(name): p for name, p in model.named_parameters()}
     for name, s in loaded["state"].items():
-        opt.optim.state[by_name[name]] = {k: v.clone() for k, v in s.items()}
-    for groups in (opt.param_groups, opt.optim.param_groups):
+        p = by_name[name]
+        owner[id(p)].state[p] = {k: v.clone() for k, v in s.items()}
+    dense, experts = _parts(opt)
+    for groups in (dense.param_groups, dense.optim.param_groups):
         for group, meta in zip(groups, loaded["param_groups"]):
             group.update({k: v for k, v in meta.items() if k != "params"})
+    for group in experts.param_groups if experts is not None else ():  # decay, or none for vectors only
+        meta = loaded["param_groups"][0 if group["params"][0].ndim >= 2 else 1]
+        group.update({k: v for k, v in meta.items() if k != "params"})
