@@ -154,9 +154,11 @@ class ExpertGradients:
         grads = [p.grad.to_local() for p in self.params if p.grad is not None]
         if not grads:
             return
+        if self.group is None:  # nothing to sum: divide in place (no flat copy of every expert gradient)
+            torch._foreach_div_(grads, self.ranks)
+            return
         flat = torch.cat([g.reshape(-1) for g in grads])
-        if self.group is not None:
-            dist.all_reduce(flat, group=self.group)
+        dist.all_reduce(flat, group=self.group)
         flat.div_(self.ranks)
         torch._foreach_copy_(grads, [t.view_as(g) for t, g in zip(flat.split([g.numel() for g in grads]), grads)])
 
