@@ -153,10 +153,11 @@ def track_unwrapped_experts(tracker, model: nn.Module) -> None:
     invisible to `FSDPMemTracker`, which only follows FSDP's own parameters (its `track_external` does
     nothing): track them, and their gradients, as it tracks FSDP's sharded ones."""
     from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType
-    from torch.distributed.tensor import DTensor
 
-    unwrapped = [p for p in model.parameters()  # on the ep mesh: FSDP's own parameters are on efsdp's
-                 if isinstance(p, DTensor) and "ep" in (p.device_mesh.mesh_dim_names or ())]
+    from disttrain.parallel.expert import is_expert_shard
+
+    unwrapped = [p for p in model.parameters() if is_expert_shard(p)]
+
     def track_grad(param) -> None:
         tracker._update_and_maybe_create_winfos(param.grad, _FSDPRefType.SHARDED_GRAD)
 
@@ -177,6 +178,7 @@ def _tracked_steps(cfg, layout, spec, engine, steps, counter, buckets, rank, t0)
         track_unwrapped_experts(tracker, engine.model)
     elif stages and isinstance(stages[0].submod, FSDPModule):  # pipeline stages, each an FSDP root
         tracker = StagesTracker(nn.ModuleList([stage.submod for stage in stages]), engine.optimizer)
+        track_unwrapped_experts(tracker, nn.ModuleList([stage.submod for stage in stages]))
     else:
         tracker = Tracker(buckets)
         tracker.track_external(engine.model, engine.optimizer)

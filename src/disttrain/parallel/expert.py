@@ -133,6 +133,12 @@ def shard_experts(experts: list[nn.Module], layout: Layout, meshes, fsdp_kwargs:
     return set()
 
 
+def is_expert_shard(param: torch.Tensor) -> bool:
+    """An expert parameter split by expert parallelism and held by no FSDP unit: a DTensor on the `ep` mesh
+    (FSDP's own parameters are on the efsdp or data-parallel mesh)."""
+    return isinstance(param, DTensor) and "ep" in (param.device_mesh.mesh_dim_names or ())
+
+
 def expert_parameter_names(model: nn.Module) -> list[str]:
     return [name for name, p in model.named_parameters() if isinstance(p, DTensor)]
 
@@ -143,8 +149,7 @@ class ExpertGradients:
     Called once per step, before clipping."""
 
     def __init__(self, model: nn.Module, layout: Layout, meshes):
-        self.params = [p for p in model.parameters() if isinstance(p, DTensor) and p.device_mesh.mesh_dim_names
-                       and "ep" in p.device_mesh.mesh_dim_names]
+        self.params = [p for p in model.parameters() if is_expert_shard(p)]
         reduce = layout.gradient_wrapper == "ddp" and layout.efsdp > 1
         self.group = meshes.efsdp(layout).get_group() if reduce else None
         self.ranks = layout.gradient_ranks
@@ -165,7 +170,7 @@ class ExpertGradients:
 
 def finish_routing_step(layers: dict):
     """After each optimizer step: the MoE layers' step statistics and balancing bias (models/moe/layer.py).
-    The statistics are summed over the data-parallel ranks here only when a balancing bias moves by them;
+    The statistics are summed over the gradient ranks here only when a balancing bias moves by them;
     otherwise when a logging step reads them (observe/moe.py): no collective on the other steps."""
     layers = list(layers.values())
     bias = any(layer.routing.bias_update_rate for layer in layers)

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
+from disttrain.parallel.expert import is_expert_shard
 from disttrain.parallel.names import clean_fqn
 
 
@@ -43,12 +44,12 @@ class ExpertsBeside(torch.optim.Optimizer):
 
 def build_zero1_optimizer(model: nn.Module, optim_cfg, group) -> torch.optim.Optimizer:
     params = [p for p in model.parameters() if p.requires_grad]
-    dense = [p for p in params if not getattr(p, "expert_parallel", False)]
+    dense = [p for p in params if not is_expert_shard(p)]
     kwargs = {"lr": optim_cfg.lr, "betas": tuple(optim_cfg.betas), "eps": optim_cfg.eps}
     opt = ZeroRedundancyOptimizer([p for p in dense if p.ndim >= 2], optimizer_class=torch.optim.AdamW,
                                   process_group=group, weight_decay=optim_cfg.weight_decay, **kwargs)
     opt.add_param_group({"params": [p for p in dense if p.ndim < 2], "weight_decay": 0.0})
-    experts = [p for p in params if getattr(p, "expert_parallel", False)]
+    experts = [p for p in params if is_expert_shard(p)]
     if not experts:
         return opt
     groups = [{"params": [p for p in experts if p.ndim >= 2], "weight_decay": optim_cfg.weight_decay},

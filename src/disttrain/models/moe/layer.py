@@ -176,9 +176,10 @@ class RoutedExperts:
 
 @torch.no_grad()
 def reduce_routing_statistics(layers) -> None:
-    """Sum the latest per-rank statistics of every layer holding them over the data-parallel ranks, in one
-    all-reduce (the micro-batch count, last, is the same on every rank). Collective over `stats_group`: every
-    rank calls it at the same point (after a step that moves the bias, or on a logging step)."""
+    """Sum the latest per-rank statistics of every layer holding them over the gradient ranks (`stats_group`:
+    data x context parallel) in one all-reduce (the micro-batch count, last, is the same on every rank).
+    Collective: every rank calls it at the same point (after a step that moves the bias, or on a logging
+    step)."""
     local = [layer for layer in layers if layer.stats_local]
     if not local:
         return
