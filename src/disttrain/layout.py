@@ -124,6 +124,13 @@ class Layout:
         Experts are split over ep of the dp_shard x cp ranks, so the context ranks count here too."""
         return self.gradient_ranks // self.ep
 
+    @property
+    def experts_outside_fsdp(self) -> bool:
+        """ZeRO-2/3 with one rank per expert group (efsdp 1) and nothing to cast or offload: FSDP would only
+        copy the experts in and out of its buffers, so they stay DTensors on the ep mesh (parallel/expert.py)."""
+        return (self.zero_stage >= 2 and self.ep > 1 and self.efsdp == 1 and not self.cpu_offload
+                and self.param_dtype in ("fp32", "fp64"))
+
     # ------------------------------------------------------------ what each technique does
     @property
     def stages_per_rank(self) -> int:

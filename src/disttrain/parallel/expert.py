@@ -107,12 +107,11 @@ def apply_expert_parallel(model: nn.Module, spec, layout: Layout, meshes) -> lis
 def experts_need_fsdp(experts: list[nn.Module], layout: Layout, param_dtype: torch.dtype) -> bool:
     """FSDP on a one-rank expert mesh (ep equal to dp x cp: every rank holds other experts) shards nothing: it
     only copies the experts into and out of its buffers for every forward and backward (CPU: about an eighth of
-    a tiny-sized MoE's step at ep=2 on 2 ranks, benchmarks/moe_vs_handwritten.py). Skipped there unless it
-    casts them (a lower parameter dtype) or offloads them; the experts then stay plain DTensors on the ep mesh,
-    as under DDP, left out of the other FSDP units."""
-    if layout.efsdp > 1 or layout.cpu_offload:
-        return True
-    return any(p.dtype != param_dtype for module in experts for p in module.parameters())
+    a tiny-sized MoE's step at ep=2 on 2 ranks, benchmarks/moe_vs_handwritten.py). The layout says when
+    (`Layout.experts_outside_fsdp`, which the planner counts by); experts stored in another dtype than the one
+    FSDP would give them keep it for the cast."""
+    return not layout.experts_outside_fsdp or any(p.dtype != param_dtype for module in experts
+                                                  for p in module.parameters())
 
 
 def shard_experts(experts: list[nn.Module], layout: Layout, meshes, fsdp_kwargs: dict) -> set:

@@ -20,7 +20,7 @@ from disttrain.layout import DTYPE_BYTES, Layout
 from disttrain.plan.activations import (  # noqa: F401 (re-exported: the planner's memory API)
     StageActivations, korthikanti_in_flight_factor, korthikanti_layer_bytes, layer_activation_bytes,
     pipeline_batch_bytes, pipeline_recv_bytes, stage_activation_bytes)
-from disttrain.plan.moe import experts_unwrapped, model_states as moe_model_states
+from disttrain.plan.moe import model_states as moe_model_states
 from disttrain.plan.moe import layer_params as moe_layer_params
 from disttrain.plan.params import (RankParams, layer_params, lora_layer_params, rank_params,  # noqa: F401
                                    rotary_table_bytes, stage_layers)
@@ -262,7 +262,7 @@ def estimate_memory(shape: ModelShape, layout: Layout, accounting: str = "runtim
         pipe = pipeline_recv_bytes(shape, layout, pp_rank) + pipeline_batch_bytes(layout) if layout.pp > 1 else 0.0
         pb = DTYPE_BYTES[layout.param_dtype]
         gathered, all_held = 0.0, held.total
-        if held.experts and experts_unwrapped(layout):  # no FSDP unit gathers the experts (one-rank mesh)
+        if held.experts and layout.experts_outside_fsdp:  # no FSDP unit gathers the experts (one-rank mesh)
             all_held -= held.experts
             unit -= moe_layer_params(shape, shape.n_layers - 1, layout.tp, layout.ep)[1]
         if layout.zero_stage >= 2:

@@ -37,13 +37,6 @@ def expert_layout(layout: Layout) -> Layout:
                    layout.dp_replicate, zero_stage=0 if layout.zero_stage == 1 else layout.zero_stage)
 
 
-def experts_unwrapped(layout: Layout) -> bool:
-    """ZeRO-2/3 leaves the experts out of FSDP on a one-rank expert mesh when it would neither cast nor offload
-    them (parallel/expert.py experts_need_fsdp): nothing gathers them, their states stay whole on their rank."""
-    return (layout.zero_stage >= 2 and layout.ep > 1 and layout.efsdp == 1 and not layout.cpu_offload
-            and layout.param_dtype in ("fp32", "fp64"))
-
-
 def held_layers(shape: ModelShape, layout: Layout, pp_rank: int) -> list[int]:
     """Indices of the layers pipeline rank `pp_rank` holds (its virtual stages, as `params.stage_layers`)."""
     counts = split_layers(shape.n_layers, layout.n_stages)
