@@ -4,12 +4,13 @@ FSDP2 has no mode that shards only the optimizer state (its gradients are always
 reduce-scattered), so stage 1 is torch's ZeroRedundancyOptimizer: each data-parallel rank owns
 the AdamW state of a subset of parameters, steps them, and broadcasts the updated values.
 
-Expert parallelism (`parallel.ep` > 1): the expert shards are DTensors on the `ep` mesh, which
-ZeroRedundancyOptimizer cannot take (its broadcast of updated values, c10d.broadcast_, has no DTensor
-sharding rule in torch 2.13). They are stepped beside it by a plain AdamW on each rank (`ExpertsBeside`),
-so their state is split over the `ep` ranks and replicated over the ranks holding the same experts
-(`efsdp`): exactly ZeRO-1 when ep equals the data-parallel degree (every rank holds other experts), and
-efsdp copies of the experts' share otherwise. Their gradients are reduced as under DDP (ExpertGradients).
+Expert parallelism (`parallel.ep` > 1): ZeroRedundancyOptimizer cannot take the expert shards (it would
+broadcast one rank's update of a parameter that every rank holds differently; as DTensors, c10d.broadcast_
+has no sharding rule in torch 2.13). They are stepped beside it by a plain AdamW on each rank
+(`ExpertsBeside`), so their state is split over the `ep` ranks and replicated over the ranks holding the
+same experts (`efsdp`): exactly ZeRO-1 when ep equals the data-parallel degree (every rank holds other
+experts), and efsdp copies of the experts' share otherwise. Their gradients are reduced as under DDP
+(ExpertGradients).
 
 For checkpoints the owned states are exposed under parameter names in the same nested form
 `get_state_dict` gives for any other layout (expert states as DTensors, which DCP reshards), so a
@@ -23,6 +24,7 @@ from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from disttrain.parallel.expert import is_expert_shard
+from disttrain.parallel.expert_shards import mine_state, whole_state
 from disttrain.parallel.names import clean_fqn
 
 
@@ -85,16 +87,21 @@ def zero1_state_dict(model: nn.Module, opt) -> dict:
     """This rank's owned states keyed by parameter name (each dense name on exactly one rank; each expert
     shard on the ranks holding it, which DCP writes once)."""
     names = _names(model)
-    state = {names[id(p)]: dict(o.state[p]) for o, p in _owned(opt) if p in o.state}
+    state = {names[id(p)]: _whole(p, dict(o.state[p])) for o, p in _owned(opt) if p in o.state}
     return {"state": state, "param_groups": _group_meta(model, opt, names)}
+
+
+def _whole(param, entry: dict) -> dict:
+    """Expert shards' states as whole DTensors (parallel/expert_shards.py), so DCP reshards them."""
+    return whole_state(param, entry) if is_expert_shard(param) else entry
 
 
 def zero1_load_template(model: nn.Module, opt) -> dict:
     """Tensors to load into: this rank's owned parameters' AdamW state, shaped like the parameters
-    (DTensors for expert shards: DCP reads this rank's experts from any saved layout)."""
+    (whole DTensors for expert shards: DCP reads this rank's experts from any saved layout)."""
     names = _names(model)
-    state = {names[id(p)]: {"step": torch.zeros((), dtype=torch.float32), "exp_avg": torch.zeros_like(p),
-                            "exp_avg_sq": torch.zeros_like(p)} for _, p in _owned(opt)}
+    state = {names[id(p)]: _whole(p, {"step": torch.zeros((), dtype=torch.float32), "exp_avg": torch.zeros_like(p),
+                                      "exp_avg_sq": torch.zeros_like(p)}) for _, p in _owned(opt)}
     return {"state": state, "param_groups": _group_meta(model, opt, names)}
 
 
@@ -103,6 +110,7 @@ def zero1_load_state_dict(model: nn.Module, opt, loaded: dict) -> None:
     by_name = {clean_fqn(name): p for name, p in model.named_parameters()}
     for name, s in loaded["state"].items():
         p = by_name[name]
+        s = mine_state(p, s) if is_expert_shard(p) else s
         owner[id(p)].state[p] = {k: v.clone() for k, v in s.items()}
     dense, experts = _parts(opt)
     for groups in (dense.param_groups, dense.optim.param_groups):
