@@ -160,7 +160,7 @@ class ExpertGradients:
     def __init__(self, model: nn.Module, layout: Layout, meshes):
         self.params = [p for p in model.parameters() if is_expert_parameter(p)]
         reduce = layout.gradient_wrapper == "ddp" and layout.efsdp > 1
-        self.group = meshes.efsdp(layout).get_group() if reduce else None
+        self.group = meshes.same_experts.get_group() if reduce else None
         self.ranks = layout.gradient_ranks
 
     @torch.no_grad()
