@@ -97,30 +97,16 @@ def mine_state(param: torch.Tensor, entry: dict) -> dict:
 def hold_expert_states(optimizer: torch.optim.Optimizer) -> None:
     """Show `optimizer`'s expert-shard states whole in its state dicts (nothing to do without shards)."""
     if any(shard_of(p) is not None for group in optimizer.param_groups for p in group["params"]):
-        optimizer.register_state_dict_post_hook(_whole_states)
-        optimizer.register_load_state_dict_pre_hook(_mine_states)
+        optimizer.register_state_dict_post_hook(lambda opt, state_dict: _map_states(opt, state_dict, whole_state))
+        optimizer.register_load_state_dict_pre_hook(lambda opt, state_dict: _map_states(opt, state_dict, mine_state))
 
 
-def _expert_keys(optimizer, state_dict):
-    """(state key, parameter) of each expert shard: the saved groups list their keys (indices, or names under
-    DCP) in the order of the optimizer's groups."""
+def _map_states(optimizer, state_dict: dict, convert) -> dict:
+    """`state_dict` with `convert(param, entry)` applied to each expert shard's state entry. The saved groups
+    list their keys (indices, or names under DCP) in the order of the optimizer's groups."""
+    state = dict(state_dict["state"])
     for saved, group in zip(state_dict["param_groups"], optimizer.param_groups):
         for key, param in zip(saved["params"], group["params"]):
-            if shard_of(param) is not None:
-                yield key, param
-
-
-def _whole_states(optimizer, state_dict: dict) -> dict:
-    state = dict(state_dict["state"])
-    for key, param in _expert_keys(optimizer, state_dict):
-        if key in state:
-            state[key] = whole_state(param, state[key])
-    return {**state_dict, "state": state}
-
-
-def _mine_states(optimizer, state_dict: dict) -> dict:
-    state = dict(state_dict["state"])
-    for key, param in _expert_keys(optimizer, state_dict):
-        if key in state:
-            state[key] = mine_state(param, state[key])
+            if shard_of(param) is not None and key in state:
+                state[key] = convert(param, state[key])
     return {**state_dict, "state": state}
