@@ -212,16 +212,12 @@ def _moments(states: ModelStates, acts: StageActivations, layout: Layout, gather
         # fullest block measured, and was taken for the peak (+9% and +17%); `tiny` cp=4 ZeRO-3: +12.6%.
         previous = (rb - (0 if layout.reshard_after_forward else pb)) * grad_unit
         in_use = gathers + pb * grad_unit + max(0.0, previous - acts.layer_saved)
-    temporary, communication = acts.layer + block_pending, gathered + in_use + block_gathered
-    if mlp and mlp - in_use + gathers > 0:
-        # The first block's MLP backward: its gradients beside the recomputed tensors (activations.mlp_backward_bytes),
-        # before that block's other weight gradients or any reduce-scatter input exist (which `in_use` counts at a
-        # later block's end). Counted on top of `in_use` (the dry run never holds both), they made `tiny` ZeRO-3
-        # with full checkpointing +12% and 13b ZeRO-3 selective fp32 +5.6%.
-        temporary, communication = temporary + mlp, gathered + gathers + block_gathered
-    moments["block"] = {"parameters": s.params + s.tables, "gradients": block_grads, "optimizer": s.optimizer,
-                        "activations": acts.saved - acts.logits + copies + pipe,
-                        "temporary": temporary, "communication": communication}
+    block = {"parameters": s.params + s.tables, "gradients": block_grads, "optimizer": s.optimizer,
+             "activations": acts.saved - acts.logits + copies + pipe, "temporary": acts.layer + block_pending,
+             "communication": gathered + in_use + block_gathered}
+    moments["block"] = max(block, _mlp_backward(block, acts, layout, mlp, gathered + gathers + block_gathered,
+                                                s.grads if not fsdp and layout.gradient_ranks > 1 else 0.0),
+                           key=lambda m: sum(m.values()))
     if fsdp and layout.pp > 1:
         # A backward done, before the deferred reduce-scatter: every unsharded gradient; and torch's schedules keep
         # the parameters gathered after every backward but the last (`set_reshard_after_backward(False)`), so the
@@ -251,6 +247,24 @@ def _moments(states: ModelStates, acts: StageActivations, layout: Layout, gather
             moments["first step"] = {**moments["loss"], "optimizer": 0.0,
                                      "temporary": moments["loss"]["temporary"] + s.first_step_grads}
     return moments
+
+
+def _mlp_backward(block: dict, acts: StageActivations, layout: Layout, mlp: float, communication: float,
+                  first_grads: float) -> dict:
+    """The first block's MLP backward: its gradients beside the recomputed tensors (activations.mlp_backward_bytes),
+    before that block's other weight gradients or any reduce-scatter input exist (which the block moment counts at
+    a later block's end: counted on top of those, the dry run never holding both, they made `tiny` ZeRO-3 with
+    full checkpointing +12% and 13b ZeRO-3 selective fp32 +5.6%). A pipeline rank whose first backward comes with
+    every micro-batch of the step in flight (no steady state: m <= in flight) holds none of the step's gradients
+    yet there (set to None after each step; DDP's buckets, `first_grads`, stay), and one micro-batch fewer at the
+    next backward (tiny, tp=2+sp x pp=4, 4 micro-batches: the first rank +6.5% counting both at once)."""
+    moment = {**block, "temporary": block["temporary"] + mlp, "communication": communication}
+    if not mlp or layout.pp == 1 or acts.at_block is not None or layout.microbatches > acts.in_flight:
+        return moment
+    first = {**moment, "gradients": first_grads}
+    one = (acts.saved - acts.logits) / acts.in_flight
+    later = {**moment, "activations": moment["activations"] - one} if layout.microbatches > 1 else first
+    return max(first, later, key=lambda m: sum(m.values()))
 
 
 def estimate_memory(shape: ModelShape, layout: Layout, accounting: str = "runtime",
