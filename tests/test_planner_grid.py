@@ -77,6 +77,27 @@ def _planner_within_5_percent(row) -> dict:
     return result
 
 
+def test_a_zero3_pipeline_stage_gathered_through_its_backward():
+    """HSDP 2 x 2 under a 2-stage 1F1B pipeline with ZeRO-3 and selective checkpointing (13b's planned layout on 32
+    A100s, here `tiny` with four blocks per stage): torch's schedules leave each block gathered after its backward,
+    so a late block's MLP backward holds the whole stage gathered beside the other micro-batch in flight, the
+    block's recomputed tensors and the MLP's gradients. Every pipeline rank within ±5% (−5.2% and −5.6% before the
+    planner counted that moment; 13b was −2.5%, over its budget by dry run)."""
+    from disttrain.cli.dryrun import dry_run, pp_rank_of
+    from disttrain.plan.memory import estimate_memory
+    from disttrain.resolve import resolve_run
+
+    cfg = load_config(None, ["model.name=tiny", "model.n_layers=8", "data.seq_len=128", "train.micro_batch_size=1",
+                             "train.global_batch_size=8", "parallel.dp_replicate=2", "parallel.dp_shard=2",
+                             "parallel.pp=2", "parallel.pp_schedule=1f1b", "parallel.pp_microbatches=2",
+                             "parallel.zero_stage=3", "parallel.activation_checkpointing=selective",
+                             "precision.param_dtype=bf16", "precision.compute_dtype=bf16"])
+    resolved = resolve_run(cfg, RANKS, "cuda")
+    for run in dry_run(cfg, RANKS)["ranks"]:
+        planned = estimate_memory(resolved.shape, resolved.layout, pp_rank=pp_rank_of(resolved.layout, run["rank"]))
+        assert abs(planned.total / run["peak_bytes"] - 1) <= 0.05, (run["rank"], planned.moments, run["bytes"])
+
+
 @pytest.mark.slow
 def test_every_pipeline_rank_of_tensor_sequence_and_pipeline_parallelism():
     """tp=2+sp × pp=4 without data parallelism (the composition the 70B plans pick), fp32 weights under bf16
