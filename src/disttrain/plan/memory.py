@@ -230,8 +230,17 @@ def _moments(states: ModelStates, acts: StageActivations, layout: Layout, gather
             # The same backward's last blocks: the stage is gathered by then (the last block's all-gather prefetched),
             # while this micro-batch still holds its first two blocks' saved tensors and the MLP backward's gradients.
             # The dry run's peak of 13b, HSDP 4 x 4, pp=2 1F1B, ZeRO-3 (the second block's MLP backward, 32 ranks).
-            moments["gathered block"] = {**moments["backward end"], "temporary": acts.layer + mlp,
-                                         "activations": others + min(layers, 2) * acts.layer_saved + pipe}
+            late = {**moments["backward end"], "temporary": acts.layer + mlp,
+                    "activations": others + min(layers, 2) * acts.layer_saved + pipe}
+            if layout.microbatches <= acts.in_flight:
+                # No steady state (every micro-batch in flight at the first backward): the first backward's late blocks
+                # hold the other micro-batches but only the gradients of the blocks done (none of the root's); a later
+                # backward holds every gradient and one micro-batch fewer (tiny, 8 blocks, m=2: +3.8% counting both).
+                done = (s.unsharded_grads - rb * grad_root) * max(layers - 2, 0) / max(layers, 1)
+                late = max({**late, "gradients": done},
+                           {**late, "activations": late["activations"] - acts.saved / acts.in_flight},
+                           key=lambda m: sum(m.values()))
+            moments["gathered block"] = late
         # After the last backward, torch's `perform_reduce_grad` reduces unit by unit (the root first) with the rest of
         # the stage still gathered and every unsharded gradient alive: the first unit's parameters resharded, its
         # reduce-scatter input and output beside them, activations to the dry run's tracker (made outside any
