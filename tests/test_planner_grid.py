@@ -49,11 +49,13 @@ def _config(model: str, name: str, checkpointing: str, per_rank: int, dtype: str
     return load_config(None, [*overrides, f"precision.compute_dtype={dtype}"])
 
 
-# Rows the suite leaves to `make test-slow` (each 20-30 s of CPU): the suite keeps every checkpointing mode,
-# dtype and micro-batch count, ZeRO-1/2/3, DDP, HSDP and GPipe; these add TP+SP and the two schedules with
-# several stages per rank.
+# Rows the suite leaves to `make test-slow` (each 7-30 s of CPU): the suite keeps every checkpointing mode,
+# dtype and micro-batch count, ZeRO-1/2/3, DDP, HSDP and GPipe (selective checkpointing and HSDP in
+# test_a_zero3_pipeline_stage_gathered_through_its_backward); these add TP+SP, the two schedules with several
+# stages per rank, and HSDP without a pipeline.
 SLOW_ROWS = {("125m", "zero1", "selective", 1, "fp32"), ("125m", "tp2-sp", "full", 1, "bf16"),
-             ("125m", "pp2-interleaved_1f1b", "selective", 2, "fp32"), ("125m", "pp2-zero_bubble", "none", 2, "bf16")}
+             ("125m", "pp2-interleaved_1f1b", "selective", 2, "fp32"), ("125m", "pp2-zero_bubble", "none", 2, "bf16"),
+             ("125m", "hsdp", "selective", 1, "bf16")}
 
 
 @pytest.mark.parametrize("row", [pytest.param(r, marks=pytest.mark.slow) if r in SLOW_ROWS else r for r in GRID],
@@ -75,6 +77,28 @@ def _planner_within_5_percent(row) -> dict:
     planned = estimate_memory(resolved.shape, resolved.layout, pp_rank=pp_rank_of(resolved.layout, worst["rank"]))
     assert abs(planned.total / worst["peak_bytes"] - 1) <= 0.05, (row, planned.moments, worst["bytes"])
     return result
+
+
+def test_a_zero3_pipeline_stage_gathered_through_its_backward():
+    """HSDP 2 x 2 under a 2-stage 1F1B pipeline with ZeRO-3 and selective checkpointing (13b's planned layout on 32
+    A100s, here `tiny` with four blocks per stage and 3 micro-batches, one more than the first stage keeps in
+    flight, as in 13b's 64): torch's schedules leave each block gathered after its backward,
+    so a late block's MLP backward holds the whole stage gathered beside the other micro-batch in flight, the
+    block's recomputed tensors and the MLP's gradients. Every pipeline rank within ±5% (−5.2% and −5.6% before the
+    planner counted that moment; 13b was −2.5%, over its budget by dry run)."""
+    from disttrain.cli.dryrun import dry_run, pp_rank_of
+    from disttrain.plan.memory import estimate_memory
+    from disttrain.resolve import resolve_run
+
+    cfg = load_config(None, ["model.name=tiny", "model.n_layers=8", "data.seq_len=128", "train.micro_batch_size=1",
+                             "train.global_batch_size=12", "parallel.dp_replicate=2", "parallel.dp_shard=2",
+                             "parallel.pp=2", "parallel.pp_schedule=1f1b", "parallel.pp_microbatches=3",
+                             "parallel.zero_stage=3", "parallel.activation_checkpointing=selective",
+                             "precision.param_dtype=bf16", "precision.compute_dtype=bf16"])
+    resolved = resolve_run(cfg, RANKS, "cuda")
+    for run in dry_run(cfg, RANKS)["ranks"]:
+        planned = estimate_memory(resolved.shape, resolved.layout, pp_rank=pp_rank_of(resolved.layout, run["rank"]))
+        assert abs(planned.total / run["peak_bytes"] - 1) <= 0.05, (run["rank"], planned.moments, run["bytes"])
 
 
 @pytest.mark.slow
@@ -256,10 +280,10 @@ def test_verify_adds_the_receive_buffers_of_the_micro_batches_it_leaves_out():
     from disttrain.plan.estimate import estimate
     from disttrain.plan.render import winner_config
 
-    layout = Layout(pp=2, pp_schedule="1f1b", seq_len=64, micro_batch_size=1, global_batch_size=8, zero_stage=0)
+    layout = Layout(pp=2, pp_schedule="1f1b", seq_len=64, micro_batch_size=1, global_batch_size=6, zero_stage=0)
     est = estimate(MODEL_SHAPES["debug"], layout, model="debug")
     (row,) = verify_plan([est], 2, "a100-80g")
-    assert row["left_out_bytes"] > 0  # 8 micro-batches, 4 simulated
+    assert row["left_out_bytes"] > 0  # 6 micro-batches, 4 simulated
     full = dry_run(RunConfig.model_validate(winner_config(est)), 2)
     assert row["peak_bytes"] == max(r["peak_bytes"] for r in full["ranks"])
 

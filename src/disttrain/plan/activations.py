@@ -119,6 +119,22 @@ def layer_activation_bytes(shape: ModelShape, micro_batch: int, seq_len: int, la
     return LayerActivations(saved=full, transient=0.0)
 
 
+def mlp_backward_bytes(shape: ModelShape, micro_batch: int, seq_len: int, layout: Layout) -> float:
+    """The gradients a block's MLP backward holds at once beyond the layer's saved and recomputed tensors, at
+    the gated product's backward: the w2 input's gradient and the product's two input gradients (three
+    FFN-sized tensors, while the w2 input itself is freed: two more in all), in the compute dtype, and w2's
+    fresh weight gradient in the compute dtype where gradients are kept apart from it (FSDP2's unsharded
+    gradients; autocast over fp32 weights). Found by the dry run's tracker at the peak (`tiny`, pp=2 1F1B,
+    no data parallelism: three FFN-sized temporaries in every checkpointing mode; 13b, pp=2 ZeRO-3: the
+    bf16 weight gradient besides). Dense blocks only: a mixture of experts' backward is counted in plan/moe.py."""
+    if shape.moe is not None:
+        return 0.0
+    ec, _ = dtype_bytes(layout)
+    f = shape.ffn_hidden_dim / layout.tp
+    fresh = layout.zero_stage >= 2 or autocast(layout)
+    return ec * micro_batch * seq_len * 2 * f + (ec * shape.dim * f if fresh else 0.0)
+
+
 def weight_gradient_inputs_bytes(shape: ModelShape, micro_batch: int, seq_len: int, layout: Layout) -> float:
     """What zero-bubble's input-gradient pass leaves for the weight pass, per layer and micro-batch: torch's
     `stage_backward_input` keeps the gradient arriving at every op that leads to a weight (each matmul's

@@ -19,7 +19,7 @@ from disttrain.models.registry import ModelShape
 from disttrain.layout import DTYPE_BYTES, Layout
 from disttrain.plan.activations import (  # noqa: F401 (re-exported: the planner's memory API)
     StageActivations, korthikanti_in_flight_factor, korthikanti_layer_bytes, layer_activation_bytes,
-    pipeline_batch_bytes, pipeline_recv_bytes, stage_activation_bytes)
+    mlp_backward_bytes, pipeline_batch_bytes, pipeline_recv_bytes, stage_activation_bytes)
 from disttrain.plan.moe import model_states as moe_model_states
 from disttrain.plan.moe import layer_params as moe_layer_params
 from disttrain.plan.params import (RankParams, layer_params, lora_layer_params, rank_params,  # noqa: F401
@@ -167,11 +167,14 @@ class MemoryEstimate:
 
 def _moments(states: ModelStates, acts: StageActivations, layout: Layout, gathered: float, unit: float,
              root: float, pipe: float, grad_unit: float | None = None,
-             grad_root: float | None = None, all_gathered: float = 0.0) -> dict[str, dict]:
+             grad_root: float | None = None, all_gathered: float = 0.0, mlp: float = 0.0, layers: int = 0,
+             reduced: float = 0.0) -> dict[str, dict]:
     """What is alive at each moment, by category. `gathered`: FSDP's all-gathered parameters held through
     the step (ZeRO-2: every unit; ZeRO-3: the root unit); `unit`: one block's parameters; `grad_unit`,
     `grad_root`: those of them that get gradients (LoRA: the block's adapters, none of the root's); `pipe`:
-    a pipeline's receive buffers and token ids, activations to the dry run's tracker (made outside any backward)."""
+    a pipeline's receive buffers and token ids, activations to the dry run's tracker (made outside any backward);
+    `mlp`: the MLP backward's gradients (activations.mlp_backward_bytes); `layers`: the rank's blocks; `reduced`:
+    the parameters of the first FSDP unit whose reduce-scatter a pipeline defers to after its last backward."""
     grad_unit = unit if grad_unit is None else grad_unit
     grad_root = root if grad_root is None else grad_root
     s = states
@@ -209,9 +212,12 @@ def _moments(states: ModelStates, acts: StageActivations, layout: Layout, gather
         # fullest block measured, and was taken for the peak (+9% and +17%); `tiny` cp=4 ZeRO-3: +12.6%.
         previous = (rb - (0 if layout.reshard_after_forward else pb)) * grad_unit
         in_use = gathers + pb * grad_unit + max(0.0, previous - acts.layer_saved)
-    moments["block"] = {"parameters": s.params + s.tables, "gradients": block_grads, "optimizer": s.optimizer,
-                        "activations": acts.saved - acts.logits + copies + pipe,
-                        "temporary": acts.layer + block_pending, "communication": gathered + in_use + block_gathered}
+    block = {"parameters": s.params + s.tables, "gradients": block_grads, "optimizer": s.optimizer,
+             "activations": acts.saved - acts.logits + copies + pipe, "temporary": acts.layer + block_pending,
+             "communication": gathered + in_use + block_gathered}
+    moments["block"] = max(block, _mlp_backward(block, acts, layout, mlp, gathered + gathers + block_gathered,
+                                                s.grads if not fsdp and layout.gradient_ranks > 1 else 0.0),
+                           key=lambda m: sum(m.values()))
     if fsdp and layout.pp > 1:
         # A backward done, before the deferred reduce-scatter: every unsharded gradient; and torch's schedules keep
         # the parameters gathered after every backward but the last (`set_reshard_after_backward(False)`), so the
@@ -220,6 +226,27 @@ def _moments(states: ModelStates, acts: StageActivations, layout: Layout, gather
         moments["backward end"] = {"parameters": s.params + s.tables, "gradients": s.unsharded_grads,
                                    "optimizer": s.optimizer, "activations": others + pipe, "temporary": 0.0,
                                    "communication": all_gathered if layout.microbatches > 1 else gathered}
+        if layout.microbatches > 1 and layout.reshard_after_forward and acts.at_block is None:
+            # The same backward's last blocks: the stage is gathered by then (the last block's all-gather prefetched),
+            # while this micro-batch still holds its first two blocks' saved tensors and the MLP backward's gradients.
+            # The dry run's peak of 13b, HSDP 4 x 4, pp=2 1F1B, ZeRO-3 (the second block's MLP backward, 32 ranks).
+            late = {**moments["backward end"], "temporary": acts.layer + mlp,
+                    "activations": others + min(layers, 2) * acts.layer_saved + pipe}
+            if layout.microbatches <= acts.in_flight:
+                # No steady state (every micro-batch in flight at the first backward): the first backward's late blocks
+                # hold the other micro-batches but only the gradients of the blocks done (none of the root's); a later
+                # backward holds every gradient and one micro-batch fewer (tiny, 8 blocks, m=2: +3.8% counting both).
+                done = (s.unsharded_grads - rb * grad_root) * max(layers - 2, 0) / max(layers, 1)
+                late = max({**late, "gradients": done},
+                           {**late, "activations": late["activations"] - acts.saved / acts.in_flight},
+                           key=lambda m: sum(m.values()))
+            moments["gathered block"] = late
+        # After the last backward, torch's `perform_reduce_grad` reduces unit by unit (the root first) with the rest of
+        # the stage still gathered and every unsharded gradient alive: the first unit's parameters resharded, its
+        # reduce-scatter input and output beside them, activations to the dry run's tracker (made outside any
+        # backward). 125m at seq 256, HSDP 2 x 2, pp=2 1F1B, ZeRO-3: the dry run's peak, −7.3% before.
+        moments["reduce"] = {**moments["backward end"], "activations": pipe + rb * reduced * (1 + 1 / layout.shard_ranks),
+                             "communication": all_gathered - pb * reduced}
     moments["step"] = {"parameters": s.params + s.tables, "gradients": s.grads,
                        "optimizer": s.optimizer + s.step_temporary,
                        "activations": pipe, "temporary": 0.0, "communication": 0.0}  # receive buffers stay
@@ -230,6 +257,24 @@ def _moments(states: ModelStates, acts: StageActivations, layout: Layout, gather
             moments["first step"] = {**moments["loss"], "optimizer": 0.0,
                                      "temporary": moments["loss"]["temporary"] + s.first_step_grads}
     return moments
+
+
+def _mlp_backward(block: dict, acts: StageActivations, layout: Layout, mlp: float, communication: float,
+                  first_grads: float) -> dict:
+    """The first block's MLP backward: its gradients beside the recomputed tensors (activations.mlp_backward_bytes),
+    before that block's other weight gradients or any reduce-scatter input exist (which the block moment counts at
+    a later block's end: counted on top of those, the dry run never holding both, they made `tiny` ZeRO-3 with
+    full checkpointing +12% and 13b ZeRO-3 selective fp32 +5.6%). A pipeline rank whose first backward comes with
+    every micro-batch of the step in flight (no steady state: m <= in flight) holds none of the step's gradients
+    yet there (set to None after each step; DDP's buckets, `first_grads`, stay), and one micro-batch fewer at the
+    next backward (tiny, tp=2+sp x pp=4, 4 micro-batches: the first rank +6.5% counting both at once)."""
+    moment = {**block, "temporary": block["temporary"] + mlp, "communication": communication}
+    if not mlp or layout.pp == 1 or acts.at_block is not None or layout.microbatches > acts.in_flight:
+        return moment
+    first = {**moment, "gradients": first_grads}
+    one = (acts.saved - acts.logits) / acts.in_flight
+    later = {**moment, "activations": moment["activations"] - one} if layout.microbatches > 1 else first
+    return max(first, later, key=lambda m: sum(m.values()))
 
 
 def estimate_memory(shape: ModelShape, layout: Layout, accounting: str = "runtime",
@@ -271,7 +316,9 @@ def estimate_memory(shape: ModelShape, layout: Layout, accounting: str = "runtim
         lora_unit = lora_layer_params(shape, lora_rank, layout.tp) if lora_rank else None
         est.moments = _moments(states, acts, layout, gathered, unit if layout.zero_stage >= 2 else 0.0, held.root, pipe,
                                grad_unit=lora_unit if layout.zero_stage >= 2 else None,
-                               grad_root=0.0 if lora_rank else None, all_gathered=pb * all_held)
+                               grad_root=0.0 if lora_rank else None, all_gathered=pb * all_held,
+                               mlp=mlp_backward_bytes(shape, layout.micro_batch, layout.seq_len // layout.cp, layout),
+                               layers=held.layers, reduced=held.root or unit)
         candidates.append(est)
     worst = max(candidates, key=lambda m: m.total)
     worst.per_stage = [{"pp_rank": m.pp_rank, "total": m.total, "activations": m.activations.peak,

@@ -14,7 +14,9 @@ def _row(label: str, nbytes: float) -> str:
 
 
 MOMENTS = {"loss": "the loss's backward", "block": "a block's backward", "step": "the optimizer step",
-           "first step": "DDP's first step", "backward end": "the last backward's end"}
+           "first step": "DDP's first step", "backward end": "the last backward's end",
+           "gathered block": "a block, stage gathered",
+           "reduce": "the deferred reduction"}
 
 
 def memory_table(est: Estimate) -> list[str]:
