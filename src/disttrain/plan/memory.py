@@ -216,7 +216,8 @@ def _moments(states: ModelStates, acts: StageActivations, layout: Layout, gather
         in_use = gathers + pb * grad_unit + max(0.0, previous - acts.layer_saved)
     moments["block"] = {"parameters": s.params + s.tables, "gradients": block_grads, "optimizer": s.optimizer,
                         "activations": acts.saved - acts.logits + copies + pipe,
-                        "temporary": acts.layer + block_pending, "communication": gathered + in_use + block_gathered}
+                        "temporary": acts.layer + block_pending + (acts.at_block.fresh if acts.at_block else 0.0),
+                        "communication": gathered + in_use + block_gathered}
     if first_backward:
         # That backward frees one micro-batch's activations block by block while the gradients accumulate: its
         # last block (a recomputation, under checkpointing) runs beside nearly all of them and the other micro-batches.
