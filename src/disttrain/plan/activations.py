@@ -176,21 +176,24 @@ class HeldAt:
     weight_pass: float = 0.0  # zero-bubble: gradients kept from input-gradient passes for the weight passes
     grads: float = 0.0  # accumulated (unsharded) gradients of the stages that have run a backward
     gathered: float = 0.0  # ZeRO-3: parameters a backward left gathered (torch's schedules reshard only the last)
+    fresh: float = 0.0  # a gradient pass's first block's gradients, in the parameter dtype, before FSDP takes them
 
     @property
     def total(self) -> float:
-        return self.activations + self.weight_pass + self.grads + self.gathered
+        return self.activations + self.weight_pass + self.grads + self.gathered + self.fresh
 
 
 def schedule_peak(order: list[tuple[str, int, int]], kept: list[float], pending: list[float],
                   grads: list[float], loss_stage: int | None = None,
-                  params: list[float] | None = None) -> tuple[HeldAt, HeldAt]:
+                  params: list[float] | None = None, fresh: list[float] | None = None) -> tuple[HeldAt, HeldAt]:
     """The fullest moment of `order` (a whole backward or an input-gradient pass running), and the fullest
     moment of the loss's backward on `loss_stage` (None: not this rank's). A forward adds its stage's `kept`
     bytes, a whole backward frees them; zero-bubble's input-gradient pass keeps them (its graph is retained
     for the weight pass) and adds `pending`, and the weight pass frees both. A stage's `grads` exist from
     its first backward (weight pass for zero-bubble). `params` (ZeRO-3): a stage's gathered parameters, left
-    gathered by each of its backwards but the last until its next forward reshards them."""
+    gathered by each of its backwards but the last until its next forward reshards them. `fresh`: the gradients
+    a stage's first block makes at the start of each of its gradient passes (B or W), in the parameter dtype, before
+    FSDP's post-backward casts them into the accumulated ones."""
     forwarded, inputs_done, stepped, gathered = set(), set(), set(), set()
     block, loss = HeldAt(), HeldAt()
     last = max((m for _, _, m in order), default=0)
@@ -208,12 +211,18 @@ def schedule_peak(order: list[tuple[str, int, int]], kept: list[float], pending:
             continue
         if kind == "I":
             inputs_done.add((stage, micro))
-        if kind in ("B", "W"):
-            stepped.add(stage)
-        block = max(block, held(), key=lambda h: h.total)
+        now = held()
+        if fresh and kind in ("B", "W"):
+            now.fresh = fresh[stage]
+        block = max(block, now, key=lambda h: h.total)
         if kind in ("B", "W"):
             forwarded.discard((stage, micro))
             inputs_done.discard((stage, micro))
+            # A stage's first gradients grow while the pass frees its micro-batch block by block: counted at the
+            # pass's start without them, at its end with them (7b pp=4 zero-bubble: +6.7% counting both at once).
+            if stage not in stepped:
+                stepped.add(stage)
+                block = max(block, held(), key=lambda h: h.total)
             if params and micro != last:  # the backward's end: its stage stays gathered
                 gathered.add(stage)
                 block = max(block, held(), key=lambda h: h.total)
@@ -350,7 +359,9 @@ def _multi_stage(shape: ModelShape, layout: Layout, pp_rank: int, layer: LayerAc
     gathered = None
     if layout.zero_stage >= 3 and layout.reshard_after_forward:
         gathered = [DTYPE_BYTES[layout.param_dtype] * n for n in params]
-    at_block, at_loss = schedule_peak(order, kept, pending, grads, len(counts) - 1 if logits else None, gathered)
+    fresh = [DTYPE_BYTES[layout.param_dtype] * layer_params(shape, layout.tp) * (n > 0) for n in counts] \
+        if accumulated_grads else None
+    at_block, at_loss = schedule_peak(order, kept, pending, grads, len(counts) - 1 if logits else None, gathered, fresh)
     return StageActivations(at_block.activations + loss_and_ids, max(layer.transient, 2 * logits),
                             at_block.activations / (sum(kept) / len(kept)) / v if sum(kept) else 0.0,
                             logits, layer.transient, at_block, at_loss, at_loss.activations + loss_and_ids)
