@@ -243,6 +243,9 @@ class StageActivations:
     at_loss: HeldAt | None = None
     saved_at_loss: float = 0.0
     layer_saved: float = 0.0  # one layer's saved tensors (one micro-batch), freed once its backward is done
+    # Of a block's parameters, the share whose gradient exists at the fullest moment of its backward (inside
+    # the MLP's: the output projection's, w2); the rest are made after it (1.0 where not counted: MoE blocks).
+    grad_share: float = 1.0
 
     @property
     def peak(self) -> float:
@@ -274,6 +277,14 @@ def stage_activation_bytes(shape: ModelShape, layout: Layout, pp_rank: int, fuse
     if shape.moe is not None:  # MoE blocks beside any dense ones, routed as `routing_skew` says
         from disttrain.plan.moe import stage_layers
         layers_saved, layer = stage_layers(shape, layout, pp_rank, layer, attention, ec, routing_skew, er)
+    grad_share = 1.0
+    if shape.moe is None:
+        # The MLP's backward makes the gradients of the SwiGLU's product and of both its factors (FFN-sized, compute
+        # dtype) while the recomputed (or saved) factors still exist, and frees the product's gradient before the
+        # last: two more than the block's own tensors at its fullest (the dry run's tracker, op by op: `tiny`
+        # ZeRO-3, selective and full checkpointing, fp32 and bf16). By then only w2's weight gradient exists.
+        layer = replace(layer, transient=layer.transient + 2 * ec * mb * s * shape.ffn_hidden_dim / layout.tp)
+        grad_share = shape.dim * shape.ffn_hidden_dim / layout.tp / layer_params(shape, layout.tp)
     if ring:
         layer = _ring_backward(layer, attention, ring)
     saved = layers_saved * in_flight
@@ -294,7 +305,7 @@ def stage_activation_bytes(shape: ModelShape, layout: Layout, pp_rank: int, fuse
     if layout.pp > 1 and not held.output:  # the schedule keeps each in-flight micro-batch's stage output
         saved += stage_output_bytes(shape, layout) * in_flight
     return StageActivations(saved, max(layer.transient, 2 * logits), in_flight, logits, layer.transient,
-                            layer_saved=layers_saved / held.layers if held.layers else 0.0)
+                            layer_saved=layers_saved / held.layers if held.layers else 0.0, grad_share=grad_share)
 
 
 def _ring_backward(layer: LayerActivations, attention: LayerActivations, ring: float) -> LayerActivations:

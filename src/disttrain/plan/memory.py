@@ -196,22 +196,28 @@ def _moments(states: ModelStates, acts: StageActivations, layout: Layout, gather
                            "activations": loss_acts + copies + pipe,
                            "temporary": (3 if layout.tp > 1 else 2) * acts.logits + loss_pending,
                            "communication": gathered + loss_gathered}
-    block_grads = grads if s.unsharded_grads or not fsdp else pb * grad_root  # the root's unsharded grads, pending
+    block_grads = grads if s.unsharded_grads or not fsdp else 0.0
     # The block gathered (ZeRO-3: and the next one prefetched) and its unsharded gradients, unless those
     # are already counted among the accumulated ones.
     gathers = 2 * pb * unit if layout.reshard_after_forward else 0.0
     in_use = gathers + (0.0 if s.unsharded_grads else (pb + rb) * grad_unit) if fsdp else 0.0
+    block_acts, block_temp = acts.saved - acts.logits + copies + pipe, acts.layer + block_pending
     if fsdp and not s.unsharded_grads:
-        # One micro-batch: the block's unsharded gradients are alive (pb); from the second block on, the
-        # previous block's reduce-scatter input too (rb), while that block's saved activations are freed and,
-        # under ZeRO-2, its gathered parameters (pb, among `gathered`). Torch's tracker on the dry run, `debug`
-        # and `debug-moe` at seq 128, cp=2, ZeRO-2: the block moment counted both at once, 28-29% over the
-        # fullest block measured, and was taken for the peak (+9% and +17%); `tiny` cp=4 ZeRO-3: +12.6%.
+        # One micro-batch: the root's unsharded gradients, pending until the end of the backward, and of the
+        # block's only those made by its fullest moment (acts.grad_share), temporaries to the dry run's tracker;
+        # from the second block on, the previous block's reduce-scatter input too (rb), while that block's saved
+        # activations are freed and, under ZeRO-2, its gathered parameters (pb, among `gathered`): the fuller of
+        # the first and a later block. Torch's tracker on the dry run, `debug` and `debug-moe` at seq 128, cp=2,
+        # ZeRO-2: the block moment counted both at once, 28-29% over the fullest block measured, and was taken for
+        # the peak (+9% and +17%); `tiny` cp=4 ZeRO-3: +12.6%.
         previous = (rb - (0 if layout.reshard_after_forward else pb)) * grad_unit
-        in_use = gathers + pb * grad_unit + max(0.0, previous - acts.layer_saved)
+        later = previous > acts.layer_saved
+        in_use = gathers + (previous if later else 0.0)
+        block_acts -= acts.layer_saved if later else 0.0
+        block_temp += pb * (grad_root + acts.grad_share * grad_unit)
     moments["block"] = {"parameters": s.params + s.tables, "gradients": block_grads, "optimizer": s.optimizer,
-                        "activations": acts.saved - acts.logits + copies + pipe,
-                        "temporary": acts.layer + block_pending, "communication": gathered + in_use + block_gathered}
+                        "activations": block_acts, "temporary": block_temp,
+                        "communication": gathered + in_use + block_gathered}
     if fsdp and layout.pp > 1:
         # A backward done, before the deferred reduce-scatter: every unsharded gradient; and torch's schedules keep
         # the parameters gathered after every backward but the last (`set_reshard_after_backward(False)`), so the
