@@ -201,19 +201,20 @@ def _moments(states: ModelStates, acts: StageActivations, layout: Layout, gather
     # are already counted among the accumulated ones.
     gathers = 2 * pb * unit if layout.reshard_after_forward else 0.0
     in_use = gathers + (0.0 if s.unsharded_grads else (pb + rb) * grad_unit) if fsdp else 0.0
-    block_acts, block_temp = acts.saved - acts.logits + copies + pipe, acts.layer + block_pending
+    block_acts, block_temp = acts.saved - acts.logits - acts.block_freed + copies + pipe, acts.layer + block_pending
     if fsdp and not s.unsharded_grads:
-        # One micro-batch: the root's unsharded gradients, pending until the end of the backward, and of the
-        # block's only those made by its fullest moment (acts.grad_share), temporaries to the dry run's tracker;
-        # from the second block on, the previous block's reduce-scatter input too (rb), while that block's saved
-        # activations are freed and, under ZeRO-2, its gathered parameters (pb, among `gathered`): the fuller of
-        # the first and a later block. Torch's tracker on the dry run, `debug` and `debug-moe` at seq 128, cp=2,
-        # ZeRO-2: the block moment counted both at once, 28-29% over the fullest block measured, and was taken for
-        # the peak (+9% and +17%); `tiny` cp=4 ZeRO-3: +12.6%.
+        # One micro-batch: the output layer's unsharded gradients, pending until the end of the backward, and of
+        # the block's only those made by its fullest moment (acts.grad_share), temporaries to the dry run's
+        # tracker; from the second block on, the previous block's reduce-scatter input too (rb) and its sharded
+        # gradients, while that block's saved activations are freed and, under ZeRO-2, its gathered parameters
+        # (pb, among `gathered`): the fuller of the first and a later block. Torch's tracker on the dry run,
+        # `debug` and `debug-moe` at seq 128, cp=2, ZeRO-2: the block moment counted both at once, 28-29% over
+        # the fullest block measured, and was taken for the peak (+9% and +17%); `tiny` cp=4 ZeRO-3: +12.6%.
         previous = (rb - (0 if layout.reshard_after_forward else pb)) * grad_unit
         later = previous > acts.layer_saved
         in_use = gathers + (previous if later else 0.0)
         block_acts -= acts.layer_saved if later else 0.0
+        block_grads = FP32 * grad_unit / layout.shard_ranks if later else 0.0  # that block's sharded gradients
         block_temp += pb * (grad_root + acts.grad_share * grad_unit)
     moments["block"] = {"parameters": s.params + s.tables, "gradients": block_grads, "optimizer": s.optimizer,
                         "activations": block_acts, "temporary": block_temp,
@@ -236,6 +237,12 @@ def _moments(states: ModelStates, acts: StageActivations, layout: Layout, gather
             moments["first step"] = {**moments["loss"], "optimizer": 0.0,
                                      "temporary": moments["loss"]["temporary"] + s.first_step_grads}
     return moments
+
+
+def output_params(shape: ModelShape, layout: Layout, held) -> float:
+    """The root unit's parameters whose gradients a block's backward finds made: the output layer's and the final
+    norm's (the input embedding's come at the very end, unless it is the output layer's, tied)."""
+    return shape.vocab_size * shape.dim / layout.tp + shape.dim if held.output else 0.0
 
 
 def estimate_memory(shape: ModelShape, layout: Layout, accounting: str = "runtime",
@@ -277,7 +284,8 @@ def estimate_memory(shape: ModelShape, layout: Layout, accounting: str = "runtim
         lora_unit = lora_layer_params(shape, lora_rank, layout.tp) if lora_rank else None
         est.moments = _moments(states, acts, layout, gathered, unit if layout.zero_stage >= 2 else 0.0, held.root, pipe,
                                grad_unit=lora_unit if layout.zero_stage >= 2 else None,
-                               grad_root=0.0 if lora_rank else None, all_gathered=pb * all_held)
+                               grad_root=0.0 if lora_rank else output_params(shape, layout, held),
+                               all_gathered=pb * all_held)
         candidates.append(est)
     worst = max(candidates, key=lambda m: m.total)
     worst.per_stage = [{"pp_rank": m.pp_rank, "total": m.total, "activations": m.activations.peak,
