@@ -47,6 +47,9 @@ class ModelStates:
     # them in (measured on real tensors and by the dry run); from then on gradients are bucket views.
     first_step_grads: float = 0.0
     tables: float = 0.0  # buffers held whole beside the parameters (the rotary tables)
+    # Autocast over fp32 weights (DDP, ZeRO-1) caches a copy of every weight it casts until the forward's autocast
+    # region ends, checkpointing or not: all of them exist at the loss's forward (the dry run: 125m, 8 ranks).
+    forward_copies: float = 0.0
 
 
 def model_state_bytes(n_params: float, layout: Layout, accounting: str = "runtime",
@@ -230,12 +233,20 @@ def _moments(states: ModelStates, acts: StageActivations, layout: Layout, gather
     moments["step"] = {"parameters": s.params + s.tables, "gradients": s.grads,
                        "optimizer": s.optimizer + s.step_temporary,
                        "activations": pipe, "temporary": 0.0, "communication": 0.0}  # receive buffers stay
+    if s.forward_copies > copies and acts.logits and layout.pp == 1 and layout.tp == 1:
+        # The loss's forward, under autocast with checkpointing: every weight's cached copy, and beside the fp32
+        # log-softmax it keeps, the logits in the compute dtype and their fp32 copy (the dry run's peak at 125m and
+        # 1b, DDP and ZeRO-1 with full checkpointing and two micro-batches: all of it activations to its tracker).
+        ec = DTYPE_BYTES[layout.param_dtype]
+        logits = acts.logits * (1 + (1 + ec / FP32 if ec < FP32 else 1))
+        moments["loss forward"] = {**moments["loss"], "temporary": 0.0, "activations":
+                                   loss_acts - acts.logits + logits + s.forward_copies + pipe}
     if s.first_step_grads:  # DDP's first step: no optimizer states yet, autograd's gradients beside the buckets
         moments["first step"] = {"parameters": s.params + s.tables, "gradients": s.grads + s.first_step_grads,
                                  "optimizer": 0.0, "activations": copies, "temporary": 0.0, "communication": 0.0}
         if layout.microbatches > 1 and "loss" in moments:  # accumulated outside the buckets, through the next loss
-            moments["first step"] = {**moments["loss"], "optimizer": 0.0,
-                                     "temporary": moments["loss"]["temporary"] + s.first_step_grads}
+            loss = max((moments[k] for k in ("loss", "loss forward") if k in moments), key=lambda m: sum(m.values()))
+            moments["first step"] = {**loss, "optimizer": 0.0, "gradients": loss["gradients"] + s.first_step_grads}
     return moments
 
 
@@ -264,6 +275,10 @@ def estimate_memory(shape: ModelShape, layout: Layout, accounting: str = "runtim
         if held.experts:  # the experts' states on their own data-parallel group
             states = moe_model_states(model_state_bytes, held, layout, accounting, largest, shape)
         states.tables = rotary_table_bytes(shape)
+        if layout.zero_stage <= 1 and states.buffers and not lora_rank:  # autocast: every matrix but the input table
+            embedding = shape.vocab_size * shape.dim // layout.tp if held.embedding and not shape.tie_embeddings else 0
+            states.forward_copies = DTYPE_BYTES[layout.param_dtype] * (
+                held.total - embedding - shape.dim * (2 * held.layers + held.output))
         tied = shape.tie_embeddings and held.output  # the output's sharded gradient is added to it: sharded
         if states.unsharded_grads and layout.tp > 1 and held.embedding and not tied and not lora_rank:
             # DTensor's embedding backward gives the vocabulary-parallel table's gradient whole (Replicate on
