@@ -244,6 +244,7 @@ class StageActivations:
     saved_at_loss: float = 0.0
     layer_saved: float = 0.0  # one layer's saved tensors (one micro-batch), freed once its backward is done
     block_freed: float = 0.0  # saved tensors gone by the fullest moment of a block's backward (block_backward_bytes)
+    loss_inputs: float = 0.0  # of those, the final norm's and the output layer's saved inputs (last stage)
     # Of a block's parameters, the share whose gradient exists at the fullest moment of its backward (inside
     # the MLP's: the output projection's, w2); the rest are made after it (1.0 where not counted: MoE blocks).
     grad_share: float = 1.0
@@ -302,11 +303,12 @@ def stage_activation_bytes(shape: ModelShape, layout: Layout, pp_rank: int, fuse
                             accumulated_grads)
     if layout.pp > 1 and not held.output:  # the schedule keeps each in-flight micro-batch's stage output
         saved += stage_output_bytes(shape, layout) * in_flight
+    loss_inputs = 0.0
     if held.output:  # the final norm's and the output layer's saved inputs, freed before any block's backward
-        freed += _norm_bytes(er, mb * s, shape.dim, r, fused_norm) + ec * mb * s * shape.dim
+        loss_inputs = _norm_bytes(er, mb * s, shape.dim, r, fused_norm) + ec * mb * s * shape.dim
     return StageActivations(saved, max(layer.transient, 2 * logits), in_flight, logits, layer.transient,
                             layer_saved=layers_saved / held.layers if held.layers else 0.0, grad_share=grad_share,
-                            block_freed=freed)
+                            block_freed=freed + loss_inputs, loss_inputs=loss_inputs)
 
 
 def block_backward_bytes(shape: ModelShape, micro_batch: int, seq_len: int, layout: Layout) -> tuple[float, float]:

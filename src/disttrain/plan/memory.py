@@ -214,14 +214,31 @@ def _moments(states: ModelStates, acts: StageActivations, layout: Layout, gather
         # `debug` and `debug-moe` at seq 128, cp=2, ZeRO-2: the block moment counted both at once, 28-29% over
         # the fullest block measured, and was taken for the peak (+9% and +17%); `tiny` cp=4 ZeRO-3: +12.6%.
         previous = (rb - (0 if layout.reshard_after_forward else pb)) * grad_unit
-        later = previous > acts.layer_saved
+        sharded = FP32 * grad_unit / layout.shard_ranks  # that block's sharded gradients
+        later = previous + sharded > acts.layer_saved
         in_use = gathers + (previous if later else 0.0)
         block_acts -= acts.layer_saved if later else 0.0
-        block_grads = FP32 * grad_unit / layout.shard_ranks if later else 0.0  # that block's sharded gradients
+        block_grads = sharded if later else 0.0
         block_temp += pb * (grad_root + acts.grad_share * grad_unit)
+    elif fsdp and layout.pp == 1 and FP32 * grad_unit / layout.shard_ranks > acts.layer_saved:
+        # Accumulating: in the last micro-batch's backward each finished block's gradients become its reduce-scatter
+        # input and a sharded gradient, fuller than a first block when its saved tensors are fewer (checkpointing).
+        block_grads += FP32 * grad_unit / layout.shard_ranks - rb * grad_unit
+        in_use += rb * grad_unit
+        block_acts -= acts.layer_saved
     moments["block"] = {"parameters": s.params + s.tables, "gradients": block_grads, "optimizer": s.optimizer,
                         "activations": block_acts, "temporary": block_temp,
                         "communication": gathered + in_use + block_gathered}
+    if fsdp and not layout.reshard_after_forward and layout.pp == 1:
+        # ZeRO-2's forward gathers every unit and keeps it; each all-gather's output buffer lives until the next one
+        # is waited for: two buffers at a block's start (the blocks before it saved), one after the last block (all
+        # saved). The dry run's peak there for `tiny` at seq 512 (cp 2 and 4, each checkpointing mode).
+        base = acts.saved - acts.logits - acts.loss_inputs
+        moments["forward"] = max(({"parameters": s.params + s.tables, "gradients": s.unsharded_grads,
+                                   "optimizer": s.optimizer, "activations": act, "temporary": 0.0,
+                                   "communication": gathered + buffers * pb * unit}
+                                  for act, buffers in ((base - acts.layer_saved, 2), (base + acts.loss_inputs, 1))),
+                                 key=lambda m: sum(m.values()))
     if fsdp and layout.pp > 1:
         # A backward done, before the deferred reduce-scatter: every unsharded gradient; and torch's schedules keep
         # the parameters gathered after every backward but the last (`set_reshard_after_backward(False)`), so the
