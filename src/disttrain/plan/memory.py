@@ -50,6 +50,7 @@ class ModelStates:
     # Autocast over fp32 weights (DDP, ZeRO-1) caches a copy of every weight it casts until the forward's autocast
     # region ends, checkpointing or not: all of them exist at the loss's forward (the dry run: 125m, 8 ranks).
     forward_copies: float = 0.0
+    block_copies: float = 0.0  # of `buffers`, the copies only a block's recomputation holds (not at the loss)
 
 
 def model_state_bytes(n_params: float, layout: Layout, accounting: str = "runtime",
@@ -196,7 +197,7 @@ def _moments(states: ModelStates, acts: StageActivations, layout: Layout, gather
     moments = {}
     if acts.logits:  # the loss's backward: its gradient and the logits' (loss_parallel keeps one more shard)
         moments["loss"] = {"parameters": s.params + s.tables, "gradients": loss_grads, "optimizer": s.optimizer,
-                           "activations": loss_acts + copies + pipe,
+                           "activations": loss_acts + copies - (0.0 if fsdp else s.block_copies) + pipe,
                            "temporary": (3 if layout.tp > 1 else 2) * acts.logits + loss_pending,
                            "communication": gathered + loss_gathered}
     block_grads = grads if s.unsharded_grads or not fsdp else 0.0
@@ -292,10 +293,17 @@ def estimate_memory(shape: ModelShape, layout: Layout, accounting: str = "runtim
         if held.experts:  # the experts' states on their own data-parallel group
             states = moe_model_states(model_state_bytes, held, layout, accounting, largest, shape)
         states.tables = rotary_table_bytes(shape)
-        if layout.zero_stage <= 1 and states.buffers and not lora_rank:  # autocast: every matrix but the input table
+        if layout.zero_stage <= 1 and states.buffers and not lora_rank and not held.experts and layout.pp == 1:
+            # Autocast casts every matrix but the input embedding's (a lookup); without checkpointing the copies stay
+            # for the backward; with it, the output layer's, and the block being recomputed holds its own.
+            pb = DTYPE_BYTES[layout.param_dtype]
             embedding = shape.vocab_size * shape.dim // layout.tp if held.embedding and not shape.tie_embeddings else 0
-            states.forward_copies = DTYPE_BYTES[layout.param_dtype] * (
-                held.total - embedding - shape.dim * (2 * held.layers + held.output))
+            states.forward_copies = pb * (held.total - embedding - shape.dim * (2 * held.layers + held.output))
+            if layout.activation_checkpointing == "none":
+                states.buffers = states.forward_copies
+            else:
+                states.block_copies = pb * (unit - 2 * shape.dim)
+                states.buffers = pb * (shape.vocab_size * shape.dim // layout.tp if held.output else 0) + states.block_copies
         tied = shape.tie_embeddings and held.output  # the output's sharded gradient is added to it: sharded
         if states.unsharded_grads and layout.tp > 1 and held.embedding and not tied and not lora_rank:
             # DTensor's embedding backward gives the vocabulary-parallel table's gradient whole (Replicate on
