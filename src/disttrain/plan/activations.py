@@ -251,7 +251,9 @@ class StageActivations:
 
     @property
     def peak(self) -> float:
-        return self.saved + self.transient
+        """The fuller of the loss's backward (everything saved, the logits' gradients) and a block's (less what it
+        has freed by its fullest moment, plus what it holds then)."""
+        return max(self.saved + 2 * self.logits, self.saved - self.logits - self.block_freed + self.layer)
 
 
 def stage_activation_bytes(shape: ModelShape, layout: Layout, pp_rank: int, fused_norm: bool = True,
@@ -280,7 +282,7 @@ def stage_activation_bytes(shape: ModelShape, layout: Layout, pp_rank: int, fuse
         from disttrain.plan.moe import stage_layers
         layers_saved, layer = stage_layers(shape, layout, pp_rank, layer, attention, ec, routing_skew, er)
     grad_share, freed = 1.0, 0.0
-    if shape.moe is None:
+    if shape.moe is None and layout.pp == 1:  # pipelines: their schedules' terms (in-flight micro-batches)
         held_more, freed = block_backward_bytes(shape, mb, s, layout)
         layer = replace(layer, transient=layer.transient + held_more)
         grad_share = shape.dim * shape.ffn_hidden_dim / layout.tp / layer_params(shape, layout.tp)
@@ -304,7 +306,7 @@ def stage_activation_bytes(shape: ModelShape, layout: Layout, pp_rank: int, fuse
     if layout.pp > 1 and not held.output:  # the schedule keeps each in-flight micro-batch's stage output
         saved += stage_output_bytes(shape, layout) * in_flight
     loss_inputs = 0.0
-    if held.output:  # the final norm's and the output layer's saved inputs, freed before any block's backward
+    if held.output and layout.pp == 1:  # the final norm's and the output layer's saved inputs, freed before any block's backward
         loss_inputs = _norm_bytes(er, mb * s, shape.dim, r, fused_norm) + ec * mb * s * shape.dim
     return StageActivations(saved, max(layer.transient, 2 * logits), in_flight, logits, layer.transient,
                             layer_saved=layers_saved / held.layers if held.layers else 0.0, grad_share=grad_share,
