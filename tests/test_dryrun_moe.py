@@ -90,10 +90,11 @@ def test_experts_outside_fsdp_on_a_one_rank_expert_mesh(stage, pp):
 
 
 def test_dry_run_of_expert_parallel_under_zero1_matches_the_planner():
-    """ZeRO-1 at ep=2 on 4 simulated ranks: the dense optimizer states split over the 4, the experts' whole on
-    the 2 ranks holding the same experts (parallel/zero1.py). The peak within 2% of the planner (measured
-    -0.24%; counted as sharded over those 2 ranks the planner would be -6.1% off), below DDP's."""
-    overrides = [*EP2[:-1], "train.global_batch_size=8"]
+    """ZeRO-1 at ep=2 on 4 simulated ranks: the dense optimizer states split over the 4, the experts' over
+    the 2 ranks holding the same experts (parallel/zero1.py). The peak within 2% of the planner, below DDP's.
+    The data-parallel ranks as dp_replicate=2 x dp_shard=2: the ranks holding the same experts then span two
+    mesh dims, one group (they once failed to build one)."""
+    overrides = [*EP2[:-1], "train.global_batch_size=8", "parallel.dp_replicate=2", "parallel.dp_shard=2"]
     zero1, ddp = (dry_run(load_config(None, [*overrides, f"parallel.zero_stage={stage}"]), 4)["ranks"][0]
                   for stage in (1, 0))
     assert abs(zero1["error"]["peak_bytes"]) <= 0.02, zero1["error"]

@@ -127,7 +127,7 @@ class Layout:
     @property
     def experts_outside_fsdp(self) -> bool:
         """ZeRO-2/3 with one rank per expert group (efsdp 1) and nothing to cast or offload: FSDP would only
-        copy the experts in and out of its buffers, so they stay DTensors on the ep mesh (parallel/expert.py)."""
+        copy the experts in and out of its buffers, so they stay plain shards (parallel/expert_shards.py)."""
         return (self.zero_stage >= 2 and self.ep > 1 and self.efsdp == 1 and not self.cpu_offload
                 and self.param_dtype in ("fp32", "fp64"))
 

@@ -26,6 +26,7 @@ class Meshes:
     dp_cp: DeviceMesh  # the gradient ranks (dp_replicate x dp_shard x cp flattened); `dp` when cp = 1
     shard_cp: DeviceMesh | None = None  # dp_shard x cp flattened (FSDP's shard dim under cp); None when cp = 1
     experts: DeviceMesh | None = None  # over (pp, dp_replicate, efsdp, ep, tp): dp_shard x cp split for experts
+    same_experts: DeviceMesh | None = None  # the ranks holding the same experts (dp_replicate x efsdp flattened)
 
     @property
     def ep(self) -> DeviceMesh:
@@ -66,16 +67,17 @@ class Meshes:
 
 def build_meshes(layout: Layout, device_type: str) -> Meshes:
     world = init_device_mesh(device_type, layout.mesh_shape, mesh_dim_names=MESH_DIMS)
-    experts = None
+    experts = same_experts = None
+    # `_flatten` gives one group over several dims; torch asks callers to keep the flattened mesh
+    # themselves rather than slice it from the root again.
     if layout.ep > 1:  # expert-parallel ranks innermost within dp_shard x cp (neighbours: cp ranks first)
         pp, dpr, dps, cp, tp = layout.mesh_shape  # dp_shard and cp are adjacent: one dim of dps * cp ranks
         experts = DeviceMesh(device_type, world.mesh.reshape(pp, dpr, dps * cp // layout.ep, layout.ep, tp),
                              mesh_dim_names=("pp", "dp_replicate", "efsdp", "ep", "tp"))
-    # `_flatten` gives one group over several dims; torch asks callers to keep the flattened mesh
-    # themselves rather than slice it from the root again.
+        same_experts = experts["dp_replicate", "efsdp"]._flatten("same_experts")
     dp = world["dp_replicate", "dp_shard"]._flatten("dp")
     if layout.cp == 1:
-        return Meshes(world=world, dp=dp, dp_cp=dp, experts=experts)
+        return Meshes(world=world, dp=dp, dp_cp=dp, experts=experts, same_experts=same_experts)
     shard_cp = world["dp_shard", "cp"]._flatten("dp_shard_cp")
     dp_cp = world["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
-    return Meshes(world=world, dp=dp, dp_cp=dp_cp, shard_cp=shard_cp, experts=experts)
+    return Meshes(world=world, dp=dp, dp_cp=dp_cp, shard_cp=shard_cp, experts=experts, same_experts=same_experts)

@@ -16,17 +16,22 @@ from disttrain.layout import Layout
 def materialize_fake(module, mode) -> None:
     """Meta tensors -> fake tensors on this CPU. `to_empty` gives every registration its own tensor, so
     what the module registers more than once (tied embeddings, a rotary table each pipeline stage holds)
-    is made one tensor again, as in the model it came from (`init_weights` re-ties a real one)."""
+    is made one tensor again, as in the model it came from (`init_weights` re-ties a real one). The new
+    parameters keep what was set on the old ones (an expert shard's place: parallel/expert_shards.py)."""
     holders: dict[int, list[tuple]] = {}
+    marks: dict[int, dict] = {}
     for sub in module.modules():
         for kind in ("_parameters", "_buffers"):
             for name, tensor in getattr(sub, kind).items():
                 if tensor is not None:
                     holders.setdefault(id(tensor), []).append((sub, kind, name))
+                    if vars(tensor):
+                        marks[id(tensor)] = dict(vars(tensor))
     with mode:
         module.to_empty(device=torch.device("cpu"))
-    for shared in holders.values():
+    for key, shared in holders.items():
         first = getattr(shared[0][0], shared[0][1])[shared[0][2]]
+        vars(first).update(marks.get(key, {}))
         for owner, kind, name in shared[1:]:
             getattr(owner, kind)[name] = first
 

@@ -40,12 +40,12 @@ def iter_tensors(tree):
 
 
 def optimizer_states(optimizer: torch.optim.Optimizer) -> dict:
-    """Parameter -> this rank's state (ZeRO-1 with expert parallelism: the dense states it owns and the
-    experts' it steps, parallel/zero1.py)."""
+    """Parameter -> this rank's state (ZeRO-1 with expert parallelism: the dense and the expert states it
+    owns, parallel/zero1.py)."""
     from disttrain.parallel.zero1 import ExpertsBeside
 
     if isinstance(optimizer, ExpertsBeside):
-        return {**optimizer_states(optimizer.dense), **optimizer.experts.state}
+        return {**optimizer_states(optimizer.dense), **optimizer_states(optimizer.experts)}
     return (optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer).state
 
 

@@ -5,8 +5,10 @@ gradient ranks (data parallel x context parallel: every token of the global batc
 loss's gradient scale (models/moe/layer.py). With `parallel.ep` > 1 the experts are split over `ep` of
 those ranks (contiguous ones, inside dp_shard x cp: the layer is token-wise, so a context rank's chunk of
 a sequence is more tokens to dispatch):
-- the fused expert weights become DTensors sharded on the expert dimension over the `ep` mesh, so that
-  checkpoints (DCP) reshard them to any other layout and the global gradient norm counts each once;
+- the fused expert weights become DTensors sharded on the expert dimension over the `ep` mesh; where no
+  FSDP unit takes them they are then held as plain tensors that state dicts and the global gradient norm see
+  whole (parallel/expert_shards.py), so that checkpoints (DCP) reshard them to any other layout and the norm
+  counts each once;
 - the token rows go to the rank owning their expert and back through
   `all_to_all_single_autograd` with uneven splits (one exchange of per-expert counts, one host sync for
   the split sizes, two all-to-alls per layer and micro-batch);
@@ -30,7 +32,9 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from disttrain.layout import Layout
+from disttrain.models.moe.experts import local
 from disttrain.models.moe.layer import reduce_routing_statistics
+from disttrain.parallel.expert_shards import hold_locally, shard_of
 
 
 class AllToAllDispatch:
@@ -96,9 +100,7 @@ def apply_expert_parallel(model: nn.Module, spec, layout: Layout, meshes) -> lis
             experts = layer.experts
             for name, param in list(experts.named_parameters(recurse=False)):
                 sharded = distribute_tensor(param.data, meshes.ep, [Shard(0)])
-                sharded = nn.Parameter(sharded, requires_grad=param.requires_grad)
-                sharded.expert_parallel = True  # each data-parallel rank holds other experts: no replica to compare
-                experts.register_parameter(name, sharded)
+                experts.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
             layer.expert_dispatch = AllToAllDispatch(meshes.ep.get_group(), layout.ep)
             split.append(experts)
     return split
@@ -121,6 +123,8 @@ def shard_experts(experts: list[nn.Module], layout: Layout, meshes, fsdp_kwargs:
     from torch.distributed.fsdp import fully_shard
 
     if not experts_need_fsdp(experts, layout, fsdp_kwargs["mp_policy"].param_dtype):
+        for module in experts:
+            hold_locally(module)
         return {p for module in experts for p in module.parameters()}
     for module in experts:
         fully_shard(module, mesh=meshes.efsdp(layout), **fsdp_kwargs)
@@ -133,13 +137,19 @@ def shard_experts(experts: list[nn.Module], layout: Layout, meshes, fsdp_kwargs:
 
 
 def is_expert_shard(param: torch.Tensor) -> bool:
-    """An expert parameter split by expert parallelism and held by no FSDP unit: a DTensor on the `ep` mesh
-    (FSDP's own parameters are on the efsdp or data-parallel mesh)."""
-    return isinstance(param, DTensor) and "ep" in (param.device_mesh.mesh_dim_names or ())
+    """An expert parameter split by expert parallelism and held by no FSDP unit: a plain tensor with its
+    place in the whole (parallel/expert_shards.py; FSDP's own parameters are DTensors)."""
+    return shard_of(param) is not None
+
+
+def is_expert_parameter(param: torch.Tensor) -> bool:
+    """Any expert parameter split by expert parallelism: a plain shard, or FSDP's DTensor on the experts'
+    (efsdp, ep) mesh."""
+    return is_expert_shard(param) or (isinstance(param, DTensor) and "ep" in (param.device_mesh.mesh_dim_names or ()))
 
 
 def expert_parameter_names(model: nn.Module) -> list[str]:
-    return [name for name, p in model.named_parameters() if isinstance(p, DTensor)]
+    return [name for name, p in model.named_parameters() if is_expert_shard(p)]
 
 
 class ExpertGradients:
@@ -148,14 +158,14 @@ class ExpertGradients:
     Called once per step, before clipping."""
 
     def __init__(self, model: nn.Module, layout: Layout, meshes):
-        self.params = [p for p in model.parameters() if is_expert_shard(p)]
+        self.params = [p for p in model.parameters() if is_expert_parameter(p)]
         reduce = layout.gradient_wrapper == "ddp" and layout.efsdp > 1
-        self.group = meshes.efsdp(layout).get_group() if reduce else None
+        self.group = meshes.same_experts.get_group() if reduce else None
         self.ranks = layout.gradient_ranks
 
     @torch.no_grad()
     def __call__(self) -> None:
-        grads = [p.grad.to_local() for p in self.params if p.grad is not None]
+        grads = [local(p.grad) for p in self.params if p.grad is not None]
         if not grads:
             return
         if self.group is None:  # nothing to sum: divide in place (no flat copy of every expert gradient)

@@ -52,10 +52,15 @@ def parallelize(model: nn.Module, spec, layout: Layout, meshes: Meshes, device: 
         from disttrain.parallel.fsdp import apply_fsdp
 
         return apply_fsdp(model, blocks, meshes.fsdp(layout), layout, experts, meshes)
+    if experts:  # no FSDP unit holds them: plain shards (parallel/expert_shards.py)
+        from disttrain.parallel.expert_shards import hold_locally
+
+        for module in experts:
+            hold_locally(module)
     if wrapper == "ddp":
         from disttrain.parallel.ddp import apply_ddp
 
-        if experts:  # reduced by parallel/expert.py's ExpertGradients: DDP takes no DTensor
+        if experts:  # reduced by parallel/expert.py's ExpertGradients, over the ranks holding the same experts
             from disttrain.parallel.expert import expert_parameter_names
 
             DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, expert_parameter_names(model))

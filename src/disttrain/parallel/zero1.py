@@ -4,12 +4,12 @@ FSDP2 has no mode that shards only the optimizer state (its gradients are always
 reduce-scattered), so stage 1 is torch's ZeroRedundancyOptimizer: each data-parallel rank owns
 the AdamW state of a subset of parameters, steps them, and broadcasts the updated values.
 
-Expert parallelism (`parallel.ep` > 1): the expert shards are DTensors on the `ep` mesh, which
-ZeroRedundancyOptimizer cannot take (its broadcast of updated values, c10d.broadcast_, has no DTensor
-sharding rule in torch 2.13). They are stepped beside it by a plain AdamW on each rank (`ExpertsBeside`),
-so their state is split over the `ep` ranks and replicated over the ranks holding the same experts
-(`efsdp`): exactly ZeRO-1 when ep equals the data-parallel degree (every rank holds other experts), and
-efsdp copies of the experts' share otherwise. Their gradients are reduced as under DDP (ExpertGradients).
+Expert parallelism (`parallel.ep` > 1): the data-parallel ranks hold different experts, so the expert
+shards cannot join the dense parameters' ZeroRedundancyOptimizer (it would broadcast one rank's update of
+a parameter that every rank holds differently). They are stepped beside it (`ExpertsBeside`) by a second
+ZeroRedundancyOptimizer over the ranks holding the same experts (dp_replicate x efsdp; a plain AdamW where
+that is one rank, ep equal to the data-parallel degree): each expert state lives on one rank of its group,
+as ZeRO-1 splits every other state. Their gradients are reduced as under DDP (ExpertGradients).
 
 For checkpoints the owned states are exposed under parameter names in the same nested form
 `get_state_dict` gives for any other layout (expert states as DTensors, which DCP reshards), so a
@@ -23,13 +23,15 @@ from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from disttrain.parallel.expert import is_expert_shard
+from disttrain.parallel.expert_shards import mine_state, whole_state
 from disttrain.parallel.names import clean_fqn
 
 
 class ExpertsBeside(torch.optim.Optimizer):
     """One optimizer to the step, scheduler and scaler: ZeroRedundancyOptimizer over the dense parameters
-    and an AdamW over this rank's expert shards. Its param groups are theirs (the same dicts, dense first),
-    so the schedule's learning rate reaches both. torch has no optimizer that chains two."""
+    and one over this rank's expert shards (an AdamW when no other rank holds them). Its param groups are
+    theirs (the same dicts, dense first), so the schedule's learning rate reaches both. torch has no
+    optimizer that chains two."""
 
     def __init__(self, dense: ZeroRedundancyOptimizer, experts: torch.optim.Optimizer):
         self.dense, self.experts = dense, experts
@@ -42,19 +44,29 @@ class ExpertsBeside(torch.optim.Optimizer):
         return loss
 
 
-def build_zero1_optimizer(model: nn.Module, optim_cfg, group) -> torch.optim.Optimizer:
+def build_zero1_optimizer(model: nn.Module, optim_cfg, group, expert_group=None) -> torch.optim.Optimizer:
+    """`group`: the data-parallel ranks; `expert_group`: the ranks holding the same experts (None: one rank)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    dense = [p for p in params if not is_expert_shard(p)]
-    kwargs = {"lr": optim_cfg.lr, "betas": tuple(optim_cfg.betas), "eps": optim_cfg.eps}
-    opt = ZeroRedundancyOptimizer([p for p in dense if p.ndim >= 2], optimizer_class=torch.optim.AdamW,
-                                  process_group=group, weight_decay=optim_cfg.weight_decay, **kwargs)
-    opt.add_param_group({"params": [p for p in dense if p.ndim < 2], "weight_decay": 0.0})
+    opt = _split_states([p for p in params if not is_expert_shard(p)], optim_cfg, group, two_groups=True)
     experts = [p for p in params if is_expert_shard(p)]
     if not experts:
         return opt
-    groups = [{"params": [p for p in experts if p.ndim >= 2], "weight_decay": optim_cfg.weight_decay},
-              {"params": [p for p in experts if p.ndim < 2], "weight_decay": 0.0}]
-    return ExpertsBeside(opt, torch.optim.AdamW([g for g in groups if g["params"]], **kwargs))
+    return ExpertsBeside(opt, _split_states(experts, optim_cfg, expert_group))
+
+
+def _split_states(params: list, optim_cfg, group, two_groups: bool = False) -> torch.optim.Optimizer:
+    """AdamW over `params` (matrices decay, vectors do not), its states split over `group` (None: kept).
+    `two_groups`: both groups even when one is empty (the dense parameters: checkpoints name two)."""
+    kwargs = {"lr": optim_cfg.lr, "betas": tuple(optim_cfg.betas), "eps": optim_cfg.eps}
+    matrices, vectors = [p for p in params if p.ndim >= 2], [p for p in params if p.ndim < 2]
+    if group is None:
+        groups = [{"params": matrices, "weight_decay": optim_cfg.weight_decay}, {"params": vectors, "weight_decay": 0.0}]
+        return torch.optim.AdamW([g for g in groups if g["params"]], **kwargs)
+    opt = ZeroRedundancyOptimizer(matrices, optimizer_class=torch.optim.AdamW, process_group=group,
+                                  weight_decay=optim_cfg.weight_decay, **kwargs)
+    if vectors or two_groups:
+        opt.add_param_group({"params": vectors, "weight_decay": 0.0})
+    return opt
 
 
 def _parts(opt) -> tuple[ZeroRedundancyOptimizer, torch.optim.Optimizer | None]:
@@ -75,9 +87,14 @@ def _group_meta(model: nn.Module, opt, names: dict[int, str]) -> list[dict]:
             for g, ps in zip(_parts(opt)[0].param_groups, split)]
 
 
+def _local(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer that holds this rank's states (ZeroRedundancyOptimizer's: those it owns)."""
+    return opt.optim if isinstance(opt, ZeroRedundancyOptimizer) else opt
+
+
 def _owned(opt) -> list[tuple[torch.optim.Optimizer, nn.Parameter]]:
     dense, experts = _parts(opt)
-    owners = [dense.optim] + ([experts] if experts is not None else [])
+    owners = [dense.optim] + ([_local(experts)] if experts is not None else [])
     return [(o, p) for o in owners for g in o.param_groups for p in g["params"]]
 
 
@@ -85,16 +102,21 @@ def zero1_state_dict(model: nn.Module, opt) -> dict:
     """This rank's owned states keyed by parameter name (each dense name on exactly one rank; each expert
     shard on the ranks holding it, which DCP writes once)."""
     names = _names(model)
-    state = {names[id(p)]: dict(o.state[p]) for o, p in _owned(opt) if p in o.state}
+    state = {names[id(p)]: _whole(p, dict(o.state[p])) for o, p in _owned(opt) if p in o.state}
     return {"state": state, "param_groups": _group_meta(model, opt, names)}
+
+
+def _whole(param, entry: dict) -> dict:
+    """Expert shards' states as whole DTensors (parallel/expert_shards.py), so DCP reshards them."""
+    return whole_state(param, entry) if is_expert_shard(param) else entry
 
 
 def zero1_load_template(model: nn.Module, opt) -> dict:
     """Tensors to load into: this rank's owned parameters' AdamW state, shaped like the parameters
-    (DTensors for expert shards: DCP reads this rank's experts from any saved layout)."""
+    (whole DTensors for expert shards: DCP reads this rank's experts from any saved layout)."""
     names = _names(model)
-    state = {names[id(p)]: {"step": torch.zeros((), dtype=torch.float32), "exp_avg": torch.zeros_like(p),
-                            "exp_avg_sq": torch.zeros_like(p)} for _, p in _owned(opt)}
+    state = {names[id(p)]: _whole(p, {"step": torch.zeros((), dtype=torch.float32), "exp_avg": torch.zeros_like(p),
+                                      "exp_avg_sq": torch.zeros_like(p)}) for _, p in _owned(opt)}
     return {"state": state, "param_groups": _group_meta(model, opt, names)}
 
 
@@ -103,11 +125,15 @@ def zero1_load_state_dict(model: nn.Module, opt, loaded: dict) -> None:
     by_name = {clean_fqn(name): p for name, p in model.named_parameters()}
     for name, s in loaded["state"].items():
         p = by_name[name]
+        s = mine_state(p, s) if is_expert_shard(p) else s
         owner[id(p)].state[p] = {k: v.clone() for k, v in s.items()}
     dense, experts = _parts(opt)
     for groups in (dense.param_groups, dense.optim.param_groups):
         for group, meta in zip(groups, loaded["param_groups"]):
             group.update({k: v for k, v in meta.items() if k != "params"})
-    for group in experts.param_groups if experts is not None else ():  # decay, or none for vectors only
-        meta = loaded["param_groups"][0 if group["params"][0].ndim >= 2 else 1]
-        group.update({k: v for k, v in meta.items() if k != "params"})
+    expert_groups = [] if experts is None else experts.param_groups + (
+        _local(experts).param_groups if isinstance(experts, ZeroRedundancyOptimizer) else [])
+    for group in expert_groups:  # decay, or none for vectors only (a rank may own no expert of a group)
+        if group["params"]:
+            meta = loaded["param_groups"][0 if group["params"][0].ndim >= 2 else 1]
+            group.update({k: v for k, v in meta.items() if k != "params"})

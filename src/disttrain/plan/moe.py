@@ -26,15 +26,14 @@ def expert_layout(layout: Layout) -> Layout:
     """The layout the experts' states follow (the runtime's expert mesh, distributed/mesh.py: dp_shard x cp
     split into efsdp x ep, ep innermost): the dp_shard x cp / ep ranks holding the same experts shard them
     under ZeRO and dp_replicate replicates them; under DDP the dp x cp / ep ranks holding the same experts
-    replicate them, under ZeRO-1 too (their optimizer states are stepped beside ZeroRedundancyOptimizer on every
-    rank: parallel/zero1.py), so they follow DDP there. The same sequences per rank, so the same
-    micro-batches: the group is smaller, not the work (its cp is folded into efsdp: the experts' group has no
-    context dimension)."""
+    replicate them, and under ZeRO-1 split their optimizer states (a ZeroRedundancyOptimizer of their own:
+    parallel/zero1.py). The same sequences per rank, so the same micro-batches: the group is smaller, not
+    the work (its cp is folded into efsdp: the experts' group has no context dimension)."""
     if layout.ep <= 1:
         return layout
     efsdp = layout.dp_shard * layout.cp // layout.ep
     return replace(layout, dp_shard=efsdp, cp=1, ep=1, global_batch_size=layout.sequences_per_rank * efsdp *
-                   layout.dp_replicate, zero_stage=0 if layout.zero_stage == 1 else layout.zero_stage)
+                   layout.dp_replicate)
 
 
 def held_layers(shape: ModelShape, layout: Layout, pp_rank: int) -> list[int]:

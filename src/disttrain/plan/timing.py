@@ -210,8 +210,8 @@ def step_time(shape: ModelShape, layout: Layout, cluster: Cluster, routing_skew:
             dp_comm = ar
             last_bucket = all_reduce_s(dp, min(DDP_BUCKET_BYTES, rb * groups[0][1]), bw, lat)
             dp_exposed = exposed(ar, bwd, cluster.overlap_efficiency, last_bucket)
-            if layout.zero_stage == 1:  # updated parameters broadcast from their owners after the step (not
-                link = cluster.link(dp * layout.tp, "all_gather")  # the experts: each rank steps its own)
+            if layout.zero_stage == 1:  # updated parameters broadcast from their owners after the step (the
+                link = cluster.link(dp * layout.tp, "all_gather")  # experts' over the ranks holding them)
                 ag = sum(all_gather_s(g.gradient_ranks, 4 * n, *link) for g, n, _ in groups if g.zero_stage == 1)
                 dp_comm += ag
                 dp_exposed += ag
@@ -305,8 +305,8 @@ def _stage_compute(shape: ModelShape, layout: Layout, cluster: Cluster, matmul_r
         sp = layout.sequence_parallel
         root = DTENSOR_OPS_ROOT[sp] if held.embedding or held.output else 0
         seconds += m * (DTENSOR_OPS_PER_LAYER[sp] * held.layers + root) * cluster.dtensor_op_s
-    if layout.zero_stage == 1:  # the dense parameters' share; every rank steps the experts it holds
-        updated = (held.total - held.experts) / layout.gradient_ranks + held.experts
+    if layout.zero_stage == 1:  # this rank's share of the dense parameters and of the experts it holds
+        updated = (held.total - held.experts) / layout.gradient_ranks + held.experts / layout.efsdp
     else:
         updated = held.total / (layout.shard_ranks if layout.zero_stage >= 2 else 1)
     return seconds, updated * cluster.optimizer_s_per_param

@@ -199,7 +199,8 @@ def build_engine(cfg: RunConfig, layout: Layout, meshes: Meshes, spec: ModelSpec
     if layout.sharded_optimizer:
         from disttrain.parallel.zero1 import build_zero1_optimizer
 
-        optimizer = build_zero1_optimizer(wrapped, cfg.optim, dp_group)
+        same_experts = meshes.same_experts.get_group() if layout.ep > 1 and layout.efsdp > 1 else None
+        optimizer = build_zero1_optimizer(wrapped, cfg.optim, dp_group, same_experts)
     else:
         optimizer = build_optimizer(wrapped, cfg.optim)
     # DDP's gradients as views into its buckets are zeroed in place (engine.py); copies are freed as usual

@@ -10,11 +10,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from disttrain.dtypes import at_least_fp32
+from disttrain.parallel.expert_shards import hold_expert_states, shard_of
 
 
 def build_optimizer(model: nn.Module, optim_cfg) -> torch.optim.Optimizer:
     """torch's foreach kernels (AdamW's default on GPUs) refuse a list mixing DTensors and plain tensors, as
-    expert-parallel experts under DDP are beside the replicated parameters: those take the per-tensor loop."""
+    plain expert shards are beside FSDP's or tensor parallel's DTensors: those take the per-tensor loop.
+    Expert shards' states show whole in the optimizer's state dicts (parallel/expert_shards.py)."""
     decay, no_decay = [], []
     for p in model.parameters():
         if p.requires_grad:
@@ -22,8 +24,10 @@ def build_optimizer(model: nn.Module, optim_cfg) -> torch.optim.Optimizer:
     groups = [{"params": decay, "weight_decay": optim_cfg.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
     mixed = len({isinstance(p, DTensor) for p in decay + no_decay}) > 1
-    return torch.optim.AdamW(groups, lr=optim_cfg.lr, betas=tuple(optim_cfg.betas), eps=optim_cfg.eps,
-                             **({"foreach": False} if mixed else {}))
+    optimizer = torch.optim.AdamW(groups, lr=optim_cfg.lr, betas=tuple(optim_cfg.betas), eps=optim_cfg.eps,
+                                  **({"foreach": False} if mixed else {}))
+    hold_expert_states(optimizer)
+    return optimizer
 
 
 class LRSchedule:
@@ -95,14 +99,19 @@ def build_scheduler(optimizer: torch.optim.Optimizer, optim_cfg, total_steps: in
 
 
 def _grad_groups(params) -> dict:
-    """Gradients grouped so that each group is all plain tensors or all DTensors of one mesh (foreach
-    kernels and DTensor ops refuse mixtures; placements may differ: one group's norm is one all-reduce)."""
+    """Gradients grouped so that each group is all plain tensors, all DTensors of one mesh, or all expert
+    shards of one mesh (foreach kernels and DTensor ops refuse mixtures; placements may differ: one group's
+    norm is one all-reduce)."""
     groups: dict = {}
     for p in params:
         g = p.grad
         if g is None:
             continue
-        key = ("dtensor", id(g.device_mesh)) if isinstance(g, DTensor) else ("plain", g.device)
+        shard = shard_of(p)
+        if shard is not None:
+            key = ("experts", shard.mesh)
+        else:
+            key = ("dtensor", id(g.device_mesh)) if isinstance(g, DTensor) else ("plain", g.device)
         groups.setdefault(key, []).append(p)
     return groups
 
@@ -114,11 +123,14 @@ def clip_grad_norm_global(params, max_norm: float, pp_group=None, norm_params=No
     params = list(params)
     groups = _grad_groups(params)
     squares = []
-    for group in _grad_groups(params if norm_params is None else list(norm_params)).values():
+    for (kind, mesh), group in _grad_groups(params if norm_params is None else list(norm_params)).items():
         norm = torch.nn.utils.get_total_norm([p.grad for p in group], foreach=True)
         if isinstance(norm, DTensor):  # a norm over shards: reduce to the full tensors' norm
             norm = norm.full_tensor()
-        squares.append(at_least_fp32(norm) ** 2)  # fp64 runs keep their norm (and so the clip factor) in fp64
+        square = at_least_fp32(norm) ** 2  # fp64 runs keep their norm (and so the clip factor) in fp64
+        if kind == "experts":  # this rank's experts: the whole tensors' squares are the sum over the ep ranks
+            dist.all_reduce(square, group=mesh.get_group())
+        squares.append(square)
     total_sq = torch.stack(squares).sum() if squares else torch.zeros(())
     if pp_group is not None:
         dist.all_reduce(total_sq, group=pp_group)

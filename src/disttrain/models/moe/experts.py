@@ -2,8 +2,8 @@
 
 `w1`/`w3` are (experts, hidden, dim) and `w2` is (experts, dim, hidden): nn.Linear's (out, in) per expert,
 the layout transformers' fused MoE experts use, so conversion is a reshape. Expert parallelism
-(parallel/expert.py) turns them into DTensors sharded on dim 0 over the expert-parallel ranks; the forward
-runs on this rank's slice (`to_local`), whose gradient flows back to the sharded parameter.
+(parallel/expert.py) splits them on dim 0 over the expert-parallel ranks: plain tensors holding this rank's
+experts, or FSDP's DTensors, whose forward runs on this rank's slice (`to_local`).
 """
 
 from __future__ import annotations
