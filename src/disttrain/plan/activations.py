@@ -306,7 +306,7 @@ def stage_activation_bytes(shape: ModelShape, layout: Layout, pp_rank: int, fuse
     if layout.pp > 1 and not held.output:  # the schedule keeps each in-flight micro-batch's stage output
         saved += stage_output_bytes(shape, layout) * in_flight
     loss_inputs = 0.0
-    if held.output and layout.pp == 1:  # the final norm's and the output layer's saved inputs, freed before any block's backward
+    if held.output and layout.pp == 1:  # the final norm's and output layer's saved inputs, gone by any block's backward
         loss_inputs = _norm_bytes(er, mb * s, shape.dim, r, fused_norm) + ec * mb * s * shape.dim
     return StageActivations(saved, max(layer.transient, 2 * logits), in_flight, logits, layer.transient,
                             layer_saved=layers_saved / held.layers if held.layers else 0.0, grad_share=grad_share,

@@ -262,11 +262,11 @@ def _moments(states: ModelStates, acts: StageActivations, layout: Layout, gather
     # DDP's first step: no optimizer states yet, autograd's gradients beside the buckets. With one micro-batch the
     # reducer copies each into its bucket as it is made, and they never all coexist (the dry run, which counts the
     # buckets from the start: 13b ZeRO-1 without checkpointing, 32 ranks, peaks at the loss's backward; the planner
-    # read +4.2% from this moment, with gradients +100%; `tiny` at seq 64, 8 ranks: +14.6% -> -0.2%).
+    # read +4.2% from this moment, with gradients +100%; `tiny` at seq 64, 8 ranks: +14.6% -> -1.4%).
     if s.first_step_grads and layout.microbatches > 1:
         moments["first step"] = {"parameters": s.params + s.tables, "gradients": s.grads + s.first_step_grads,
                                  "optimizer": 0.0, "activations": copies, "temporary": 0.0, "communication": 0.0}
-        if layout.microbatches > 1 and "loss" in moments:  # accumulated outside the buckets, through the next loss
+        if "loss" in moments:  # accumulated outside the buckets, through the next loss
             loss = max((moments[k] for k in ("loss", "loss forward") if k in moments), key=lambda m: sum(m.values()))
             moments["first step"] = {**loss, "optimizer": 0.0, "gradients": loss["gradients"] + s.first_step_grads}
     return moments
@@ -307,7 +307,8 @@ def estimate_memory(shape: ModelShape, layout: Layout, accounting: str = "runtim
                 states.buffers = states.forward_copies
             else:
                 states.block_copies = pb * (unit - 2 * shape.dim)
-                states.buffers = pb * (shape.vocab_size * shape.dim // layout.tp if held.output else 0) + states.block_copies
+                output = shape.vocab_size * shape.dim // layout.tp if held.output else 0
+                states.buffers = pb * output + states.block_copies
         tied = shape.tie_embeddings and held.output  # the output's sharded gradient is added to it: sharded
         if states.unsharded_grads and layout.tp > 1 and held.embedding and not tied and not lora_rank:
             # DTensor's embedding backward gives the vocabulary-parallel table's gradient whole (Replicate on
