@@ -37,9 +37,11 @@ GRID = [("125m", "ddp", "none", 1, "bf16"), ("125m", "zero1", "selective", 1, "f
 # also holds the planner's categories to the dry run's where the cluster-scale grid once missed them (`model:k=v,..`:
 # shape overrides): a ZeRO-3 block's backward under selective checkpointing (13b ZeRO-3 selective fp32); ZeRO-1's
 # first step with checkpointing, at the loss's forward under autocast (1b ZeRO-1 and DDP, full, two micro-batches);
-# a later HSDP block with the earlier one's reduce-scatter (7b HSDP without checkpointing).
+# a later HSDP block with the earlier one's reduce-scatter (7b HSDP without checkpointing); DDP's buckets with one
+# micro-batch, which never hold autograd's fresh gradients beside them (13b ZeRO-1 without checkpointing: a wide
+# model, its states larger than its activations).
 TINY_ROWS = [("tiny", "zero3", "selective", 1, "fp32"), ("tiny:vocab_size=2048,n_layers=2", "zero1", "full", 2, "bf16"),
-             ("tiny", "hsdp", "none", 1, "bf16")]
+             ("tiny", "hsdp", "none", 1, "bf16"), ("tiny:dim=2048", "zero1", "none", 1, "bf16")]
 
 
 def _config(model: str, name: str, checkpointing: str, per_rank: int, dtype: str):
