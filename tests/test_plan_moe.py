@@ -160,14 +160,17 @@ def test_expert_states_per_rank_split_over_ep(ep):
     assert zero3.states.params == pytest.approx(4 * (dense + experts) / 8, rel=1e-12)
     block = zero3.moments["block"]["communication"]
     layer_experts = experts / shape.n_layers
-    # gathered and prefetched (2 x 2 B) and unsharded gradients (2 B) per expert parameter, and the previous
-    # block's reduce-scatter input (4 B per parameter of its unit) where it outweighs that block's freed activations
+    # gathered and prefetched (2 x 2 B) per expert parameter (their unsharded gradients are temporaries), and a
+    # later block's: the earlier block's reduce-scatter input (4 B per parameter of its unit), where it and that
+    # block's sharded gradients outweigh the earlier block's freed activations
     def previous(lay: Layout) -> float:
-        return max(0.0, 4 * layer_params(shape, 1, lay.ep) - stage_activation_bytes(shape, lay, 0).layer_saved)
+        unit = layer_params(shape, 1, lay.ep)
+        later = 4 * unit + 4 * unit / lay.shard_ranks > stage_activation_bytes(shape, lay, 0).layer_saved
+        return 4 * unit if later else 0.0
 
     one = Layout(zero_stage=3, **{**base, "ep": 1})
     assert block - estimate(shape, one).memory.moments["block"]["communication"] == pytest.approx(
-        (2 * 2 + 2) * layer_experts * (1 / ep - 1) + previous(Layout(zero_stage=3, **base)) - previous(one), rel=1e-9)
+        2 * 2 * layer_experts * (1 / ep - 1) + previous(Layout(zero_stage=3, **base)) - previous(one), rel=1e-9)
 
 
 @pytest.mark.parametrize("ep", [1, 2, 8])

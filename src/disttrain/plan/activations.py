@@ -268,10 +268,17 @@ class StageActivations:
     at_loss: HeldAt | None = None
     saved_at_loss: float = 0.0
     layer_saved: float = 0.0  # one layer's saved tensors (one micro-batch), freed once its backward is done
+    block_freed: float = 0.0  # saved tensors gone by the fullest moment of a block's backward (block_backward_bytes)
+    loss_inputs: float = 0.0  # of those, the final norm's and the output layer's saved inputs (last stage)
+    # Of a block's parameters, the share whose gradient exists at the fullest moment of its backward (inside
+    # the MLP's: the output projection's, w2); the rest are made after it (1.0 where not counted: MoE blocks).
+    grad_share: float = 1.0
 
     @property
     def peak(self) -> float:
-        return self.saved + self.transient
+        """The fuller of the loss's backward (everything saved, the logits' gradients) and a block's (less what it
+        has freed by its fullest moment, plus what it holds then)."""
+        return max(self.saved + 2 * self.logits, self.saved - self.logits - self.block_freed + self.layer)
 
 
 def stage_activation_bytes(shape: ModelShape, layout: Layout, pp_rank: int, fused_norm: bool = True,
@@ -299,6 +306,11 @@ def stage_activation_bytes(shape: ModelShape, layout: Layout, pp_rank: int, fuse
     if shape.moe is not None:  # MoE blocks beside any dense ones, routed as `routing_skew` says
         from disttrain.plan.moe import stage_layers
         layers_saved, layer = stage_layers(shape, layout, pp_rank, layer, attention, ec, routing_skew, er)
+    grad_share, freed = 1.0, 0.0
+    if shape.moe is None and layout.pp == 1:  # pipelines: their schedules' terms (in-flight micro-batches)
+        held_more, freed = block_backward_bytes(shape, mb, s, layout)
+        layer = replace(layer, transient=layer.transient + held_more)
+        grad_share = shape.dim * shape.ffn_hidden_dim / layout.tp / layer_params(shape, layout.tp)
     if ring:
         layer = _ring_backward(layer, attention, ring)
     saved = layers_saved * in_flight
@@ -318,8 +330,36 @@ def stage_activation_bytes(shape: ModelShape, layout: Layout, pp_rank: int, fuse
                             accumulated_grads)
     if layout.pp > 1 and not held.output:  # the schedule keeps each in-flight micro-batch's stage output
         saved += stage_output_bytes(shape, layout) * in_flight
+    loss_inputs = 0.0
+    if held.output and layout.pp == 1:  # the final norm's and output layer's saved inputs, gone by any block's backward
+        loss_inputs = _norm_bytes(er, mb * s, shape.dim, r, fused_norm) + ec * mb * s * shape.dim
     return StageActivations(saved, max(layer.transient, 2 * logits), in_flight, logits, layer.transient,
-                            layer_saved=layers_saved / held.layers if held.layers else 0.0)
+                            layer_saved=layers_saved / held.layers if held.layers else 0.0, grad_share=grad_share,
+                            block_freed=freed + loss_inputs, loss_inputs=loss_inputs)
+
+
+def block_backward_bytes(shape: ModelShape, micro_batch: int, seq_len: int, layout: Layout) -> tuple[float, float]:
+    """(held beyond the recomputed tensors, saved ones freed) at the fullest moment of a dense block's backward,
+    inside its MLP's: the gradient arriving at the block (residual dtype), and the gradients of the SwiGLU's
+    product and of both its factors (FFN-sized, compute dtype), with the product itself freed once w2's backward
+    is done. Selective checkpointing also recomputes the rotated q and k, both norms' outputs and the residual
+    between them (what its cache does not keep), and frees the cached outputs of wq, wk and wo once the
+    recomputation has used them. Listed op by op from the dry run's tracker (`tiny` ZeRO-3, each checkpointing
+    mode, fp32 and bf16; `13b` ZeRO-3 selective fp32 at 32 ranks: equal to the MiB in activations and
+    temporaries)."""
+    ec, er = dtype_bytes(layout)
+    t = layout.tp
+    sb = seq_len * micro_batch
+    h, kv = shape.dim, shape.n_kv_heads * shape.head_dim
+    ffn = ec * sb * shape.ffn_hidden_dim / t
+    arriving = er * sb * h / (t if layout.sequence_parallel else 1)
+    mode = layout.activation_checkpointing
+    if mode == "none":  # the product is among the saved tensors
+        return arriving + 3 * ffn, ffn
+    if mode == "selective":
+        rotated = ec * sb * (h + kv) / t
+        return arriving + 2 * ffn + 2 * ec * sb * h + rotated, rotated + ec * sb * h
+    return arriving + 2 * ffn, 0.0
 
 
 def _ring_backward(layer: LayerActivations, attention: LayerActivations, ring: float) -> LayerActivations:

@@ -99,16 +99,19 @@ def context_recomputed_bytes(shape: ModelShape, layout: Layout, element_bytes: i
 
 
 def _gathered_bytes(shape: ModelShape, layout: Layout, element_bytes: int) -> float:
+    """What all-gather or Ulysses attention keeps beyond the layer's own q/k/v/out. SDPA takes the bool mask
+    and keeps it converted to the compute dtype (one per micro-batch without document masking: it has no batch
+    dimension); the CPU flash kernel the dry run runs keeps grouped K/V as they are, not expanded to every
+    query head (saved-tensor hooks on fake tensors; `tiny` at cp=4 was +10.6% with the K/V expanded and a
+    one-byte mask counted)."""
     if layout.cp == 1:
         return 0.0
     s, mb, cp, tp = layout.seq_len, layout.micro_batch, layout.cp, layout.tp
     if layout.cp_method == "allgather":
-        # The attention keeps the gathered K/V in place of its own shard (grouped heads: expanded to every query
-        # head, as SDPA with a mask takes them; measured by the dry run on `tiny`), and the bool (seq/cp x seq) mask.
-        heads = shape.n_heads if shape.n_heads != shape.n_kv_heads else shape.n_kv_heads
-        kv = 2 * element_bytes * mb * shape.head_dim / tp * (s * heads - s // cp * shape.n_kv_heads)
-        return kv + mb * (s // cp) * s
-    return mb * s * s  # ulysses: the bool (seq x seq) mask
+        # The gathered K/V (whole sequence) in place of the rank's own shard, and the (seq/cp x seq) mask.
+        kv = 2 * element_bytes * mb * shape.n_kv_heads * shape.head_dim / tp * (s - s // cp)
+        return kv + element_bytes * (s // cp) * s
+    return element_bytes * s * s  # ulysses: the (seq x seq) mask
 
 
 LONG_SEQUENCE = 16384  # the search tries cp > 1 from here on (shorter sequences fit without it)

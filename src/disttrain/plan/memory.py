@@ -47,6 +47,10 @@ class ModelStates:
     # them in (measured on real tensors and by the dry run); from then on gradients are bucket views.
     first_step_grads: float = 0.0
     tables: float = 0.0  # buffers held whole beside the parameters (the rotary tables)
+    # Autocast over fp32 weights (DDP, ZeRO-1) caches a copy of every weight it casts until the forward's autocast
+    # region ends, checkpointing or not: all of them exist at the loss's forward (the dry run: 125m, 8 ranks).
+    forward_copies: float = 0.0
+    block_copies: float = 0.0  # of `buffers`, the copies only a block's recomputation holds (not at the loss)
 
 
 def model_state_bytes(n_params: float, layout: Layout, accounting: str = "runtime",
@@ -203,38 +207,67 @@ def _moments(states: ModelStates, acts: StageActivations, layout: Layout, gather
     moments = {}
     if acts.logits:  # the loss's backward: its gradient and the logits' (loss_parallel keeps one more shard)
         moments["loss"] = {"parameters": s.params + s.tables, "gradients": loss_grads, "optimizer": s.optimizer,
-                           "activations": loss_acts + copies + pipe,
+                           "activations": loss_acts + copies - (0.0 if fsdp else s.block_copies) + pipe,
                            "temporary": (3 if layout.tp > 1 else 2) * acts.logits + loss_pending,
                            "communication": gathered + loss_gathered}
     # The root's unsharded gradients made before the blocks' backwards, pending until the root's post-backward (13b
     # ZeRO-3, full checkpointing: counting the embedding's too put the planner 5.7% over the dry run; now +2.8%).
+    # Without a pipeline a block's one-micro-batch gradients are counted as temporaries below, as the dry run files them.
     early_root = grad_root if early_root is None else min(early_root, grad_root)
-    block_grads = grads if s.unsharded_grads or not fsdp else pb * early_root
+    block_grads = grads if s.unsharded_grads or not fsdp else (0.0 if layout.pp == 1 else pb * early_root)
     # The block gathered (ZeRO-3: and the next one prefetched) and its unsharded gradients, unless those
     # are already counted among the accumulated ones.
     gathers = 2 * pb * unit if layout.reshard_after_forward else 0.0
     in_use = gathers + (0.0 if s.unsharded_grads else (pb + rb) * grad_unit) if fsdp else 0.0
+    block_acts, block_temp = acts.saved - acts.logits - acts.block_freed + copies + pipe, acts.layer + block_pending
     if fsdp and not s.unsharded_grads:
-        # One micro-batch: the block's unsharded gradients are alive (pb); from the second block on, the
-        # previous block's reduce-scatter input too (rb), while that block's saved activations are freed and,
-        # under ZeRO-2, its gathered parameters (pb, among `gathered`). Torch's tracker on the dry run, `debug`
-        # and `debug-moe` at seq 128, cp=2, ZeRO-2: the block moment counted both at once, 28-29% over the
-        # fullest block measured, and was taken for the peak (+9% and +17%); `tiny` cp=4 ZeRO-3: +12.6%.
+        # One micro-batch: the output layer's unsharded gradients, pending until the end of the backward, and of
+        # the block's only those made by its fullest moment (acts.grad_share), temporaries to the dry run's
+        # tracker; from the second block on, the previous block's reduce-scatter input too (rb) and its sharded
+        # gradients, while that block's saved activations are freed and, under ZeRO-2, its gathered parameters
+        # (pb, among `gathered`): the fuller of the first and a later block. Torch's tracker on the dry run,
+        # `debug` and `debug-moe` at seq 128, cp=2, ZeRO-2: the block moment counted both at once, 28-29% over
+        # the fullest block measured, and was taken for the peak (+9% and +17%); `tiny` cp=4 ZeRO-3: +12.6%.
         previous = (rb - (0 if layout.reshard_after_forward else pb)) * grad_unit
-        in_use = gathers + pb * grad_unit + max(0.0, previous - acts.layer_saved)
+        if layout.pp == 1:
+            sharded = FP32 * grad_unit / layout.shard_ranks  # that block's sharded gradients
+            later = previous + sharded > acts.layer_saved
+            in_use = gathers + (previous if later else 0.0)
+            block_acts -= acts.layer_saved if later else 0.0
+            block_grads = sharded if later else 0.0
+            block_temp += pb * (grad_root + acts.grad_share * grad_unit)
+        else:  # pipelines: their schedules' terms (plan/activations.py schedule_peak)
+            in_use = gathers + pb * grad_unit + max(0.0, previous - acts.layer_saved)
+    elif fsdp and layout.pp == 1 and FP32 * grad_unit / layout.shard_ranks > acts.layer_saved:
+        # Accumulating: in the last micro-batch's backward each finished block's gradients become its reduce-scatter
+        # input and a sharded gradient, fuller than a first block when its saved tensors are fewer (checkpointing).
+        block_grads += FP32 * grad_unit / layout.shard_ranks - rb * grad_unit
+        in_use += rb * grad_unit
+        block_acts -= acts.layer_saved
     block = {"parameters": s.params + s.tables, "gradients": block_grads, "optimizer": s.optimizer,
-             "activations": acts.saved - acts.logits + copies + pipe,
-             "temporary": acts.layer + block_pending + (acts.at_block.fresh if acts.at_block else 0.0),
+             "activations": block_acts, "temporary": block_temp + (acts.at_block.fresh if acts.at_block else 0.0),
              "communication": gathered + in_use + block_gathered}
-    moments["block"] = max(block, _mlp_backward(block, acts, layout, mlp, gathered + gathers + block_gathered,
-                                                s.grads if not fsdp and layout.gradient_ranks > 1 else 0.0),
-                           key=lambda m: sum(m.values()))
+    moments["block"] = block
+    if layout.pp > 1:  # without a pipeline the MLP backward's gradients are in acts.layer (block_backward_bytes)
+        moments["block"] = max(block, _mlp_backward(block, acts, layout, mlp, gathered + gathers + block_gathered,
+                                                    s.grads if not fsdp and layout.gradient_ranks > 1 else 0.0),
+                               key=lambda m: sum(m.values()))
     if first_backward:
         # That backward frees one micro-batch's activations block by block while the gradients accumulate: its
         # last block (a recomputation, under checkpointing) runs beside nearly all of them and the other micro-batches.
         others = acts.saved * (acts.in_flight - 1) / acts.in_flight
         late = {**block, "gradients": s.unsharded_grads, "activations": others + acts.layer_saved + copies + pipe}
         moments["block"] = max(moments["block"], late, key=lambda m: sum(m.values()))
+    if fsdp and not layout.reshard_after_forward and layout.pp == 1:
+        # ZeRO-2's forward gathers every unit and keeps it; each all-gather's output buffer lives until the next one
+        # is waited for: two buffers at a block's start (the blocks before it saved), one after the last block (all
+        # saved). The dry run's peak there for `tiny` at seq 512 (cp 2 and 4, each checkpointing mode).
+        base = acts.saved - acts.logits - acts.loss_inputs
+        moments["forward"] = max(({"parameters": s.params + s.tables, "gradients": s.unsharded_grads,
+                                   "optimizer": s.optimizer, "activations": act, "temporary": 0.0,
+                                   "communication": gathered + buffers * pb * unit}
+                                  for act, buffers in ((base - acts.layer_saved, 2), (base + acts.loss_inputs, 1))),
+                                 key=lambda m: sum(m.values()))
     if fsdp and layout.pp > 1:
         # A backward done, before the deferred reduce-scatter: every unsharded gradient; and torch's schedules keep
         # the parameters gathered after every backward but the last (`set_reshard_after_backward(False)`), so the
@@ -270,12 +303,24 @@ def _moments(states: ModelStates, acts: StageActivations, layout: Layout, gather
     moments["step"] = {"parameters": s.params + s.tables, "gradients": s.grads,
                        "optimizer": s.optimizer + s.step_temporary,
                        "activations": pipe, "temporary": 0.0, "communication": 0.0}  # receive buffers stay
-    if s.first_step_grads:  # DDP's first step: no optimizer states yet, autograd's gradients beside the buckets
+    if s.forward_copies > copies and acts.logits and layout.pp == 1 and layout.tp == 1:
+        # The loss's forward, under autocast with checkpointing: every weight's cached copy, and beside the fp32
+        # log-softmax it keeps, the logits in the compute dtype and their fp32 copy (the dry run's peak at 125m and
+        # 1b, DDP and ZeRO-1 with full checkpointing and two micro-batches: all of it activations to its tracker).
+        ec = DTYPE_BYTES[layout.param_dtype]
+        logits = acts.logits * (1 + (1 + ec / FP32 if ec < FP32 else 1))
+        moments["loss forward"] = {**moments["loss"], "temporary": 0.0, "activations":
+                                   loss_acts - acts.logits + logits + s.forward_copies + pipe}
+    # DDP's first step: no optimizer states yet, autograd's gradients beside the buckets. With one micro-batch the
+    # reducer copies each into its bucket as it is made, and they never all coexist (the dry run, which counts the
+    # buckets from the start: 13b ZeRO-1 without checkpointing, 32 ranks, peaks at the loss's backward; the planner
+    # read +4.2% from this moment, with gradients +100%; `tiny` at seq 64, 8 ranks: +14.6% -> -1.4%).
+    if s.first_step_grads and layout.microbatches > 1:
         moments["first step"] = {"parameters": s.params + s.tables, "gradients": s.grads + s.first_step_grads,
                                  "optimizer": 0.0, "activations": copies, "temporary": 0.0, "communication": 0.0}
-        if layout.microbatches > 1 and "loss" in moments:  # accumulated outside the buckets, through the next loss
-            moments["first step"] = {**moments["loss"], "optimizer": 0.0,
-                                     "temporary": moments["loss"]["temporary"] + s.first_step_grads}
+        if "loss" in moments:  # accumulated outside the buckets, through the next loss
+            loss = max((moments[k] for k in ("loss", "loss forward") if k in moments), key=lambda m: sum(m.values()))
+            moments["first step"] = {**loss, "optimizer": 0.0, "gradients": loss["gradients"] + s.first_step_grads}
     return moments
 
 
@@ -297,6 +342,12 @@ def _mlp_backward(block: dict, acts: StageActivations, layout: Layout, mlp: floa
     return max(first, later, key=lambda m: sum(m.values()))
 
 
+def output_params(shape: ModelShape, layout: Layout, held) -> float:
+    """The root unit's parameters whose gradients a block's backward finds made: the output layer's and the final
+    norm's (the input embedding's come at the very end, unless it is the output layer's, tied)."""
+    return shape.vocab_size * shape.dim / layout.tp + shape.dim if held.output else 0.0
+
+
 def estimate_memory(shape: ModelShape, layout: Layout, accounting: str = "runtime",
                     fused_norm: bool = True, pp_rank: int | None = None, lora_rank: int = 0,
                     routing_skew: float = 1.0) -> MemoryEstimate:
@@ -316,6 +367,18 @@ def estimate_memory(shape: ModelShape, layout: Layout, accounting: str = "runtim
         if held.experts:  # the experts' states on their own data-parallel group
             states = moe_model_states(model_state_bytes, held, layout, accounting, largest, shape)
         states.tables = rotary_table_bytes(shape)
+        if layout.zero_stage <= 1 and states.buffers and not lora_rank and not held.experts and layout.pp == 1:
+            # Autocast casts every matrix but the input embedding's (a lookup); without checkpointing the copies stay
+            # for the backward; with it, the output layer's, and the block being recomputed holds its own.
+            pb = DTYPE_BYTES[layout.param_dtype]
+            embedding = shape.vocab_size * shape.dim // layout.tp if held.embedding and not shape.tie_embeddings else 0
+            states.forward_copies = pb * (held.total - embedding - shape.dim * (2 * held.layers + held.output))
+            if layout.activation_checkpointing == "none":
+                states.buffers = states.forward_copies
+            else:
+                states.block_copies = pb * (unit - 2 * shape.dim)
+                output = shape.vocab_size * shape.dim // layout.tp if held.output else 0
+                states.buffers = pb * output + states.block_copies
         tied = shape.tie_embeddings and held.output  # the output's sharded gradient is added to it: sharded
         table = shape.vocab_size * shape.dim // layout.tp
         if states.unsharded_grads and layout.tp > 1 and held.embedding and not tied and not lora_rank:
@@ -337,7 +400,8 @@ def estimate_memory(shape: ModelShape, layout: Layout, accounting: str = "runtim
         lora_unit = lora_layer_params(shape, lora_rank, layout.tp) if lora_rank else None
         est.moments = _moments(states, acts, layout, gathered, unit if layout.zero_stage >= 2 else 0.0, held.root, pipe,
                                grad_unit=lora_unit if layout.zero_stage >= 2 else None,
-                               grad_root=0.0 if lora_rank else None, all_gathered=pb * all_held,
+                               grad_root=0.0 if lora_rank else output_params(shape, layout, held) if layout.pp == 1 else None,
+                               all_gathered=pb * all_held,
                                mlp=mlp_backward_bytes(shape, layout.micro_batch, layout.seq_len // layout.cp, layout),
                                layers=held.layers, reduced=held.root or unit,
                                early_root=held.root - (table if held.embedding and not tied else 0))

@@ -13,10 +13,10 @@ def _row(label: str, nbytes: float) -> str:
     return f"  {label:<28}{nbytes:>18,.0f} B {nbytes / GIB:>10.2f} GiB"
 
 
-MOMENTS = {"loss": "the loss's backward", "block": "a block's backward", "step": "the optimizer step",
+MOMENTS = {"loss": "the loss's backward", "loss forward": "the loss's forward",
+           "forward": "the forward (ZeRO-2's gathers)", "block": "a block's backward", "step": "the optimizer step",
            "first step": "DDP's first step", "backward end": "the last backward's end",
-           "gathered block": "a block, stage gathered",
-           "reduce": "the deferred reduction"}
+           "gathered block": "a block, stage gathered", "reduce": "the deferred reduction"}
 
 
 def memory_table(est: Estimate) -> list[str]:
