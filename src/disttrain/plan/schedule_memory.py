@@ -1,0 +1,89 @@
+"""A pipeline rank's memory through its schedule: torch's own order of forwards, backwards and weight passes
+for the rank (its stages' in-flight micro-batches), and what each moment of it holds (`HeldAt`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def schedule_order(schedule: str, pp: int, microbatches: int, virtual_stages: int,
+                   pp_rank: int) -> list[tuple[str, int, int]]:
+    """(kind, local stage, micro-batch) in the order torch's multi-stage schedule (`ScheduleInterleaved1F1B`,
+    `ScheduleInterleavedZeroBubble`) runs them on `pp_rank`: its own order table, without the idle slots.
+    Kinds: F forward, B whole backward, I input-gradient pass, W weight-gradient pass. The table is a private
+    method of torch's schedules (no public one builds it without stages); the pipeline rows of
+    tests/test_planner_grid.py fail if a torch upgrade moves it."""
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining.schedules import (ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
+                                                        _ComputationType)
+
+    kinds = {_ComputationType.FORWARD: "F", _ComputationType.BACKWARD_INPUT: "I",
+             _ComputationType.BACKWARD_WEIGHT: "W", _ComputationType.FULL_BACKWARD: "B"}
+    rounds = max(1, microbatches // pp)
+    table = SimpleNamespace(n_local_stages=virtual_stages, pp_group_size=pp, _n_microbatches=microbatches,
+                            number_of_rounds=rounds, microbatches_per_round=microbatches // rounds)
+    cls = ScheduleInterleavedZeroBubble if schedule == "zero_bubble" else ScheduleInterleaved1F1B
+    return [(kinds[a.computation_type], a.stage_index // pp, a.microbatch_index)
+            for a in cls._calculate_single_rank_operations(table, pp_rank) if a is not None]
+
+
+@dataclass
+class HeldAt:
+    """What a multi-stage rank holds at one moment of its order (bytes)."""
+
+    activations: float = 0.0  # saved tensors of the micro-batch stages not yet through their backward
+    weight_pass: float = 0.0  # zero-bubble: gradients kept from input-gradient passes for the weight passes
+    grads: float = 0.0  # accumulated (unsharded) gradients of the stages that have run a backward
+    gathered: float = 0.0  # ZeRO-3: parameters a backward left gathered (torch's schedules reshard only the last)
+    fresh: float = 0.0  # a gradient pass's first block's gradients, in the parameter dtype, before FSDP takes them
+
+    @property
+    def total(self) -> float:
+        return self.activations + self.weight_pass + self.grads + self.gathered + self.fresh
+
+
+def schedule_peak(order: list[tuple[str, int, int]], kept: list[float], pending: list[float],
+                  grads: list[float], loss_stage: int | None = None,
+                  params: list[float] | None = None, fresh: list[float] | None = None) -> tuple[HeldAt, HeldAt]:
+    """The fullest moment of `order` (a whole backward or an input-gradient pass running), and the fullest
+    moment of the loss's backward on `loss_stage` (None: not this rank's). A forward adds its stage's `kept`
+    bytes, a whole backward frees them; zero-bubble's input-gradient pass keeps them (its graph is retained
+    for the weight pass) and adds `pending`, and the weight pass frees both. A stage's `grads` exist from
+    its first backward (weight pass for zero-bubble). `params` (ZeRO-3): a stage's gathered parameters, left
+    gathered by each of its backwards but the last until its next forward reshards them. `fresh`: the gradients
+    a stage's first block makes at the start of each of its gradient passes (B or W), in the parameter dtype, before
+    FSDP's post-backward casts them into the accumulated ones."""
+    forwarded, inputs_done, stepped, gathered = set(), set(), set(), set()
+    block, loss = HeldAt(), HeldAt()
+    last = max((m for _, _, m in order), default=0)
+
+    def held() -> HeldAt:
+        return HeldAt(sum(kept[s] for s, _ in forwarded), sum(pending[s] for s, _ in inputs_done),
+                      sum(grads[s] for s in stepped), sum(params[s] for s in gathered) if params else 0.0)
+
+    for kind, stage, micro in order:
+        if kind in ("B", "I") and stage == loss_stage:  # the loss's backward runs first, before this pass adds
+            loss = max(loss, held(), key=lambda h: h.total)
+        if kind == "F":
+            forwarded.add((stage, micro))
+            gathered.discard(stage)
+            continue
+        if kind == "I":
+            inputs_done.add((stage, micro))
+        now = held()
+        if fresh and kind in ("B", "W"):
+            now.fresh = fresh[stage]
+        block = max(block, now, key=lambda h: h.total)
+        if kind in ("B", "W"):
+            forwarded.discard((stage, micro))
+            inputs_done.discard((stage, micro))
+            # A stage's first gradients grow while the pass frees its micro-batch block by block: counted at the
+            # pass's start without them, at its end with them (7b pp=4 zero-bubble: +6.7% counting both at once).
+            if stage not in stepped:
+                stepped.add(stage)
+                block = max(block, held(), key=lambda h: h.total)
+            if params and micro != last:  # the backward's end: its stage stays gathered
+                gathered.add(stage)
+                block = max(block, held(), key=lambda h: h.total)
+    return block, loss
