@@ -10,6 +10,11 @@ step (no sync on the first micro-batch); expert gradients divided by the data-pa
 global-norm clipping at 1.0 over both kinds. No balancing loss or bias, no routing statistics reduced.
 Global batch 16 x 128, micro-batches of 4 (2 per rank), fp32. `--size tiny` runs a `tiny`-sized MoE instead
 (dim 256, 4 layers, 16 experts of width 256, top-2: SIZES, the same overrides disttrain's side gives).
+
+Its batches are the very ones disttrain's run reads (`SameBatches`: disttrain's data loader over the built-in
+corpus with train.seed 0): routing depends on the tokens, and the rank holding the busier experts sets both
+ranks' pace. With the shared benchmark's random windows instead (workloads/common.py), rank 0 received 134,917
+rows in 12 steps here against 142,967 in disttrain's run: 6% more expert work on the slower rank.
 """
 
 import dataclasses
@@ -19,7 +24,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from common import LR, RandomWindows, loss_fn, parse_args
+from common import LR, SEQ_LEN, loss_fn, parse_args
 from disttrain.models.moe import MoEFeedForward, moe_spec
 from disttrain.models.registry import MODEL_SHAPES
 from disttrain.models.spec import build_model
@@ -30,6 +35,22 @@ GLOBAL_BATCH = 16
 SIZES = {"debug": {},
          "tiny": {"dim": 256, "n_layers": 4, "n_heads": 8, "n_kv_heads": 4, "ffn_hidden_dim": 768,
                   "moe.num_experts": 16, "moe.moe_intermediate_size": 256}}
+
+
+class SameBatches:
+    """This rank's micro-batches of each step as disttrain's run of configs/bench.yaml reads them (its loader,
+    sampler and seed), so that both loops route the same tokens."""
+
+    def __init__(self, rank: int, world: int, micro_batch: int):
+        from disttrain.data.loader import DistributedBatchLoader
+        from disttrain.data.source import load_samples, make_sampler
+
+        _, samples, _ = load_samples("builtin", "byte", SEQ_LEN)
+        self.loader = DistributedBatchLoader(samples, make_sampler(samples, "builtin", GLOBAL_BATCH, seed=0), rank,
+                                             world, micro_batch)
+
+    def step(self) -> list:
+        return next(self.loader)
 
 
 def shape_of(size: str):
@@ -60,12 +81,11 @@ def train(steps: int, micro_batch: int = 4, size: str = "debug") -> None:
     fully_shard(model, mesh=mesh, ignored_params=ignored)
     dense = [p for p in model.parameters() if p not in ignored]
     opts = [torch.optim.AdamW(group, lr=LR, betas=(0.9, 0.95), weight_decay=0.1) for group in (dense, experts)]
-    data = RandomWindows(rank, micro_batch=micro_batch)
+    data = SameBatches(rank, world, micro_batch)
     micro = GLOBAL_BATCH // world // micro_batch
     for _ in range(steps):
-        for i in range(micro):
+        for i, (x, y) in enumerate(data.step()):
             model.set_requires_gradient_sync(i == micro - 1)
-            x, y = data.micro_batch()
             (loss_fn(model(x), y) / micro).backward()
         expert_grads = [p.grad for p in experts]
         torch._foreach_div_(expert_grads, world)  # FSDP averages the others over data parallel
