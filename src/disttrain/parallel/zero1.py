@@ -100,7 +100,8 @@ def _owned(opt) -> list[tuple[torch.optim.Optimizer, nn.Parameter]]:
 
 def zero1_state_dict(model: nn.Module, opt) -> dict:
     """This rank's owned states keyed by parameter name (each dense name on exactly one rank; each expert
-    shard on the ranks holding it, which DCP writes once)."""
+    shard's on one of the ranks holding that shard: the same position in every expert group, so the ep
+    shards of one name are all written)."""
     names = _names(model)
     state = {names[id(p)]: _whole(p, dict(o.state[p])) for o, p in _owned(opt) if p in o.state}
     return {"state": state, "param_groups": _group_meta(model, opt, names)}
