@@ -43,10 +43,10 @@ class ExpertShard:
             if tuple(value.placements) != (Shard(0),):
                 value = value.redistribute(self.mesh, [Shard(0)])
             return value.to_local()
+        if value.shape != self.shape:
+            return value
         rows = self.shape[0] // self.mesh.size()
-        if value.shape == self.shape and rows != self.shape[0]:
-            return value.narrow(0, self.mesh.get_local_rank() * rows, rows)
-        return value
+        return value.narrow(0, self.mesh.get_local_rank() * rows, rows)
 
 
 def shard_of(param: torch.Tensor) -> ExpertShard | None:

@@ -6,9 +6,7 @@ tracker listing it came from."""
 from __future__ import annotations
 
 from disttrain.layout import DTYPE_BYTES, Layout
-from disttrain.plan.activations import StageActivations
-
-FP32 = 4
+from disttrain.plan.activations import FP32, StageActivations
 
 
 def alive_at_moments(states, acts: StageActivations, layout: Layout, gathered: float, unit: float,
@@ -181,7 +179,7 @@ def _mlp_backward(block: dict, acts: StageActivations, layout: Layout, mlp: floa
     # files it as a temporary there (`tiny` pp=2 1F1B, no checkpointing: temporaries -28.6% counting it saved).
     moment = {**block, "temporary": block["temporary"] + mlp + product, "activations": block["activations"] - product,
               "communication": communication}
-    if not mlp or layout.pp == 1 or acts.at_block is not None or layout.microbatches > acts.in_flight:
+    if not mlp or acts.at_block is not None or layout.microbatches > acts.in_flight:
         return moment
     first = {**moment, "gradients": first_grads}
     one = (acts.saved - acts.logits) / acts.in_flight

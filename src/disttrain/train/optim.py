@@ -108,7 +108,7 @@ def _grad_groups(params) -> dict:
         if g is None:
             continue
         shard = shard_of(p)
-        if shard is not None:
+        if shard is not None:  # this rank's rows of expert tensors split over shard.mesh
             key = ("experts", shard.mesh)
         else:
             key = ("dtensor", id(g.device_mesh)) if isinstance(g, DTensor) else ("plain", g.device)
@@ -123,13 +123,13 @@ def clip_grad_norm_global(params, max_norm: float, pp_group=None, norm_params=No
     params = list(params)
     groups = _grad_groups(params)
     squares = []
-    for (kind, mesh), group in _grad_groups(params if norm_params is None else list(norm_params)).items():
+    for (kind, where), group in _grad_groups(params if norm_params is None else list(norm_params)).items():
         norm = torch.nn.utils.get_total_norm([p.grad for p in group], foreach=True)
         if isinstance(norm, DTensor):  # a norm over shards: reduce to the full tensors' norm
             norm = norm.full_tensor()
         square = at_least_fp32(norm) ** 2  # fp64 runs keep their norm (and so the clip factor) in fp64
         if kind == "experts":  # this rank's experts: the whole tensors' squares are the sum over the ep ranks
-            dist.all_reduce(square, group=mesh.get_group())
+            dist.all_reduce(square, group=where.get_group())
         squares.append(square)
     total_sq = torch.stack(squares).sum() if squares else torch.zeros(())
     if pp_group is not None:
