@@ -104,6 +104,11 @@ def model_state_bytes(n_params: float, layout: Layout, accounting: str = "runtim
     if layout.microbatches > 1 or layout.pp > 1:  # on the device even with CPU offload; a pipeline schedule defers
         # the reduce-scatter to after its last micro-batch (`perform_reduce_grad`), even with one
         states.unsharded_grads = rb * t
+        if layout.pp > 1 and layout.pp_schedule == "zero_bubble":
+            # Zero-bubble's weight pass adds each micro-batch's gradients into the parameters' own `.grad`, in their
+            # dtype: FSDP2's post-backward, which casts them into its reduce-dtype accumulator, runs in the input-
+            # gradient pass, before they exist (the dry run: 7b and 13b pp=4, bf16 gradients between weight passes).
+            states.unsharded_grads = DTYPE_BYTES[layout.param_dtype] * t
     if layout.cpu_offload:
         states.cpu = states.params + states.grads + states.optimizer
         states.params = states.grads = states.optimizer = states.step_temporary = 0.0
@@ -212,7 +217,7 @@ def estimate_memory(shape: ModelShape, layout: Layout, accounting: str = "runtim
         if states.unsharded_grads and layout.tp > 1 and held.embedding and not tied and not lora_rank:
             # DTensor's embedding backward gives the vocabulary-parallel table's gradient whole (Replicate on
             # tp), and FSDP2 accumulates it so until the last micro-batch's reduce-scatter redistributes it.
-            states.unsharded_grads += DTYPE_BYTES[layout.reduce_dtype] * shape.vocab_size * shape.dim * (
+            states.unsharded_grads += states.unsharded_grads / held.total * shape.vocab_size * shape.dim * (
                 layout.tp - 1) // layout.tp
         acts = stage_activation_bytes(shape, layout, pp_rank, fused_norm, routing_skew=routing_skew,
                                       accumulated_grads=states.unsharded_grads)
