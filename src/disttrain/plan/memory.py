@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 from disttrain.models.registry import ModelShape
 from disttrain.layout import DTYPE_BYTES, Layout
 from disttrain.plan.activations import (  # noqa: F401 (re-exported: the planner's memory API)
-    StageActivations, korthikanti_in_flight_factor, korthikanti_layer_bytes, layer_activation_bytes,
-    mlp_backward_bytes, mlp_product_bytes, pipeline_batch_bytes, pipeline_recv_bytes, stage_activation_bytes)
+    StageActivations, dtype_bytes, korthikanti_in_flight_factor, korthikanti_layer_bytes, layer_activation_bytes,
+    mlp_backward_bytes, mlp_product_bytes, pipeline_batch_bytes, pipeline_recv_bytes, stage_activation_bytes,
+    stage_output_bytes)
 from disttrain.plan.moe import model_states as moe_model_states
 from disttrain.plan.moments import alive_at_moments
 from disttrain.plan.moe import layer_params as moe_layer_params
@@ -104,11 +105,6 @@ def model_state_bytes(n_params: float, layout: Layout, accounting: str = "runtim
     if layout.microbatches > 1 or layout.pp > 1:  # on the device even with CPU offload; a pipeline schedule defers
         # the reduce-scatter to after its last micro-batch (`perform_reduce_grad`), even with one
         states.unsharded_grads = rb * t
-        if layout.pp > 1 and layout.pp_schedule == "zero_bubble":
-            # Zero-bubble's weight pass adds each micro-batch's gradients into the parameters' own `.grad`, in their
-            # dtype: FSDP2's post-backward, which casts them into its reduce-dtype accumulator, runs in the input-
-            # gradient pass, before they exist (the dry run: 7b and 13b pp=4, bf16 gradients between weight passes).
-            states.unsharded_grads = DTYPE_BYTES[layout.param_dtype] * t
     if layout.cpu_offload:
         states.cpu = states.params + states.grads + states.optimizer
         states.params = states.grads = states.optimizer = states.step_temporary = 0.0
@@ -181,6 +177,14 @@ def output_params(shape: ModelShape, layout: Layout, held) -> float:
     return shape.vocab_size * shape.dim / layout.tp + shape.dim if held.output else 0.0
 
 
+def last_forward_output(shape: ModelShape, layout: Layout, held) -> float:
+    """The output of a pipeline rank's last forward, which torch's schedules keep to the step's end: the logits in
+    the compute dtype on the last stage, else the stage's output (plan/activations.py stage_output_bytes)."""
+    if held.output:
+        return dtype_bytes(layout)[0] * layout.micro_batch * layout.seq_len // layout.cp * shape.vocab_size / layout.tp
+    return stage_output_bytes(shape, layout)
+
+
 def estimate_memory(shape: ModelShape, layout: Layout, accounting: str = "runtime",
                     fused_norm: bool = True, pp_rank: int | None = None, lora_rank: int = 0,
                     routing_skew: float = 1.0) -> MemoryEstimate:
@@ -217,7 +221,7 @@ def estimate_memory(shape: ModelShape, layout: Layout, accounting: str = "runtim
         if states.unsharded_grads and layout.tp > 1 and held.embedding and not tied and not lora_rank:
             # DTensor's embedding backward gives the vocabulary-parallel table's gradient whole (Replicate on
             # tp), and FSDP2 accumulates it so until the last micro-batch's reduce-scatter redistributes it.
-            states.unsharded_grads += states.unsharded_grads / held.total * shape.vocab_size * shape.dim * (
+            states.unsharded_grads += DTYPE_BYTES[layout.reduce_dtype] * shape.vocab_size * shape.dim * (
                 layout.tp - 1) // layout.tp
         acts = stage_activation_bytes(shape, layout, pp_rank, fused_norm, routing_skew=routing_skew,
                                       accumulated_grads=states.unsharded_grads)
@@ -238,7 +242,8 @@ def estimate_memory(shape: ModelShape, layout: Layout, accounting: str = "runtim
                                mlp=mlp_backward_bytes(shape, layout.micro_batch, layout.seq_len // layout.cp, layout),
                                product=mlp_product_bytes(shape, layout.micro_batch, layout.seq_len // layout.cp, layout),
                                layers=held.layers, reduced=held.root or unit,
-                               early_root=held.root - (table if held.embedding and not tied else 0))
+                               early_root=held.root - (table if held.embedding and not tied else 0),
+                               last_output=last_forward_output(shape, layout, held) if layout.pp > 1 else 0.0)
         candidates.append(est)
     worst = max(candidates, key=lambda m: m.total)
     worst.per_stage = [{"pp_rank": m.pp_rank, "total": m.total, "activations": m.activations.peak,

@@ -13,7 +13,7 @@ def alive_at_moments(states, acts: StageActivations, layout: Layout, gathered: f
                      root: float, pipe: float, grad_unit: float | None = None,
                      grad_root: float | None = None, all_gathered: float = 0.0, mlp: float = 0.0,
                      product: float = 0.0, layers: int = 0, reduced: float = 0.0,
-                     early_root: float | None = None) -> dict[str, dict]:
+                     early_root: float | None = None, last_output: float = 0.0) -> dict[str, dict]:
     """What is alive at each moment, by category. `states`: plan/memory.py's ModelStates of the rank. `gathered`:
     FSDP's all-gathered parameters held through the step (ZeRO-2: every unit; ZeRO-3: the root unit); `unit`:
     one block's parameters; `grad_unit`, `grad_root`: those of them that get gradients (LoRA: the block's
@@ -22,7 +22,7 @@ def alive_at_moments(states, acts: StageActivations, layout: Layout, gathered: f
     (activations.mlp_backward_bytes); `product`: the gated product saved without checkpointing; `layers`: the rank's blocks; `reduced`: the parameters of the first FSDP
     unit whose reduce-scatter a pipeline defers to after its last backward; `early_root`: the root's parameters
     whose gradients exist while a block runs its backward (the output layer and final norm: the embedding's come
-    after every block's)."""
+    after every block's); `last_output`: a pipeline stage's output of its last forward (the logits on the last stage)."""
     grad_unit = unit if grad_unit is None else grad_unit
     grad_root = root if grad_root is None else grad_root
     s = states
@@ -145,7 +145,15 @@ def alive_at_moments(states, acts: StageActivations, layout: Layout, gathered: f
         # the stage still gathered and every unsharded gradient alive: the first unit's parameters resharded, its
         # reduce-scatter input and output beside them, activations to the dry run's tracker (made outside any
         # backward). 125m at seq 256, HSDP 2 x 2, pp=2 1F1B, ZeRO-3: the dry run's peak, −7.3% before.
-        moments["reduce"] = {**moments["backward end"], "activations": pipe + rb * reduced * (1 + 1 / layout.shard_ranks),
+        # The root's gradients in the parameter dtype are gone by then (cast at the backward's end; `tiny` with a
+        # 16k vocabulary, pp=2 1F1B, first stage: +12.8% counting them).
+        # Zero-bubble: each stage's last weight pass left its gradients in the parameter dtype beside the accumulated
+        # ones (plan/schedule_memory.py `loose`), for the reduction to add in. The schedule's step still holds the
+        # output of this rank's last forward (a local of torch's `_step_microbatches`, `return_outputs=False` or not):
+        # the last stage's logits (7b pp=4 GPipe, one micro-batch: -2.1% without them).
+        loose = s.unsharded_grads * pb / rb if layout.pp_schedule == "zero_bubble" and pb != rb else 0.0
+        moments["reduce"] = {**moments["backward end"], "gradients": s.unsharded_grads + loose,
+                             "activations": pipe + last_output + rb * reduced * (1 + 1 / layout.shard_ranks),
                              "communication": all_gathered - pb * reduced}
     moments["step"] = {"parameters": s.params + s.tables, "gradients": s.grads,
                        "optimizer": s.optimizer + s.step_temporary,
