@@ -41,10 +41,14 @@ GRID = [("125m", "ddp", "none", 1, "bf16"), ("125m", "zero1", "selective", 1, "f
 # micro-batch, which never hold autograd's fresh gradients beside them (13b ZeRO-1 without checkpointing: a wide
 # model, its states larger than its activations). The pipeline row's fullest rank is the first stage (tiny's
 # vocabulary is small), whose 1F1B warmup holds every micro-batch before any gradient exists: the planner once
-# counted the gradients there too (+14.5%; 7b, 13b and 70b pp=4 1F1B up to +16.6%).
+# counted the gradients there too (+14.5%; 7b, 13b and 70b pp=4 1F1B up to +16.6%). With a 16k vocabulary (held to
+# the planner on every rank), that first stage peaks where its first backward ends: FSDP2's fp32 gradient accumulators
+# beside the embedding's bf16 gradients, which the dry run's tracker filed as temporaries (7b and 13b pp=4 1F1B), then
+# at the deferred reduction, where the planner counted those bf16 gradients once more (+11.8%).
 TINY_ROWS = [("tiny", "zero3", "selective", 1, "fp32"), ("tiny:vocab_size=2048,n_layers=2", "zero1", "full", 2, "bf16"),
              ("tiny", "hsdp", "none", 1, "bf16"), ("tiny:dim=2048", "zero1", "none", 1, "bf16"),
-             ("tiny", "pp2-1f1b", "none", 2, "bf16")]
+             ("tiny", "pp2-1f1b", "none", 2, "bf16"), ("tiny:vocab_size=16384,n_layers=2", "pp2-1f1b", "none", 2, "bf16")]
+EVERY_RANK = {TINY_ROWS[-1]}
 
 
 def _config(model: str, name: str, checkpointing: str, per_rank: int, dtype: str):
@@ -85,15 +89,16 @@ def _planner_within_5_percent(row) -> dict:
 
     cfg = _config(*row)
     result = dry_run(cfg, RANKS)
-    worst = max(result["ranks"], key=lambda r: r["peak_bytes"])
     resolved = resolve_run(cfg, RANKS, "cuda")
-    planned = estimate_memory(resolved.shape, resolved.layout, pp_rank=pp_rank_of(resolved.layout, worst["rank"]))
-    assert abs(planned.total / worst["peak_bytes"] - 1) <= 0.05, (row, planned.moments, worst["bytes"])
-    # The planner's categories mean the dry run's: every one of at least a twentieth of the peak within ±10%.
-    categories = planned.categories()
-    misses = {k: categories[k] / v - 1 for k, v in worst["bytes"].items()
-              if v >= worst["peak_bytes"] / 20 and abs(categories[k] / v - 1) > 0.10}
-    assert not misses, (row, planned.peak_moment, misses, categories, worst["bytes"])
+    runs = result["ranks"] if row in EVERY_RANK else [max(result["ranks"], key=lambda r: r["peak_bytes"])]
+    for run in runs:
+        planned = estimate_memory(resolved.shape, resolved.layout, pp_rank=pp_rank_of(resolved.layout, run["rank"]))
+        assert abs(planned.total / run["peak_bytes"] - 1) <= 0.05, (row, run["rank"], planned.moments, run["bytes"])
+        # The planner's categories mean the dry run's: every one of at least a twentieth of the peak within ±10%.
+        categories = planned.categories()
+        misses = {k: categories[k] / v - 1 for k, v in run["bytes"].items()
+                  if v >= run["peak_bytes"] / 20 and abs(categories[k] / v - 1) > 0.10}
+        assert not misses, (row, run["rank"], planned.peak_moment, misses, categories, run["bytes"])
     return result
 
 

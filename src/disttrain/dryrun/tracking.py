@@ -213,6 +213,30 @@ class StagesTracker(FSDPMemTracker):
         self._fsdp_mod_to_saved_methods = WeakIdKeyDictionary()
         self._fsdp_state = _FSDPState.PRE_FW
         self._ref_class = _FSDPRefType
+        self._accumulating = False
+
+    def _fsdp_param_group_post_backward(self, fsdp_mod, orig_fsdp_param_group_post_backward):
+        """With gradient sync off between micro-batches, FSDP2's post-backward moves each unsharded gradient
+        into an accumulator in the reduce dtype (fp32 under bf16 parameters), allocated there: file it as the
+        unsharded gradient it is from its allocation on, not as a temporary until the backward ends (a 1F1B
+        stage's first backward, with every micro-batch's activations, ends holding all of them)."""
+        group = fsdp_mod._get_fsdp_state()._fsdp_param_group
+
+        def post_backward(*args, **kwargs):
+            self._accumulating = group is not None and not group.reduce_grads
+            try:
+                return orig_fsdp_param_group_post_backward(*args, **kwargs)
+            finally:
+                self._accumulating = False
+
+        return super()._fsdp_param_group_post_backward(fsdp_mod, post_backward)
+
+    def _track(self, reftype, t: torch.Tensor) -> None:
+        from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType
+
+        if self._accumulating and reftype in (_FSDPRefType.TEMP, _FSDPRefType.ACT):  # the only allocation there
+            reftype = _FSDPRefType.UNSHARDED_GRAD
+        super()._track(reftype, t)
 
 
 class KeepBuckets:

@@ -326,7 +326,12 @@ def _multi_stage(shape: ModelShape, layout: Layout, pp_rank: int, layer: LayerAc
         gathered = [DTYPE_BYTES[layout.param_dtype] * n for n in params]
     fresh = [DTYPE_BYTES[layout.param_dtype] * layer_params(shape, layout.tp) * (n > 0) for n in counts] \
         if accumulated_grads else None
-    at_block, at_loss = schedule_peak(order, kept, pending, grads, len(counts) - 1 if logits else None, gathered, fresh)
+    loose = None
+    pb, rb = DTYPE_BYTES[layout.param_dtype], DTYPE_BYTES[layout.reduce_dtype]
+    if layout.pp_schedule == "zero_bubble" and accumulated_grads and pb != rb:
+        loose = [g * pb / rb for g in grads]
+    at_block, at_loss = schedule_peak(order, kept, pending, grads, len(counts) - 1 if logits else None, gathered, fresh,
+                                      loose)
     return StageActivations(at_block.activations + loss_and_ids, max(layer.transient, 2 * logits),
                             at_block.activations / (sum(kept) / len(kept)) / v if sum(kept) else 0.0,
                             logits, layer.transient, at_block, at_loss, at_loss.activations + loss_and_ids)

@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 from disttrain.models.registry import ModelShape
 from disttrain.layout import DTYPE_BYTES, Layout
 from disttrain.plan.activations import (  # noqa: F401 (re-exported: the planner's memory API)
-    StageActivations, korthikanti_in_flight_factor, korthikanti_layer_bytes, layer_activation_bytes,
-    mlp_backward_bytes, mlp_product_bytes, pipeline_batch_bytes, pipeline_recv_bytes, stage_activation_bytes)
+    StageActivations, dtype_bytes, korthikanti_in_flight_factor, korthikanti_layer_bytes, layer_activation_bytes,
+    mlp_backward_bytes, mlp_product_bytes, pipeline_batch_bytes, pipeline_recv_bytes, stage_activation_bytes,
+    stage_output_bytes)
 from disttrain.plan.moe import model_states as moe_model_states
 from disttrain.plan.moments import alive_at_moments
 from disttrain.plan.moe import layer_params as moe_layer_params
@@ -176,6 +177,14 @@ def output_params(shape: ModelShape, layout: Layout, held) -> float:
     return shape.vocab_size * shape.dim / layout.tp + shape.dim if held.output else 0.0
 
 
+def last_forward_output(shape: ModelShape, layout: Layout, held) -> float:
+    """The output of a pipeline rank's last forward, which torch's schedules keep to the step's end: the logits in
+    the compute dtype on the last stage, else the stage's output (plan/activations.py stage_output_bytes)."""
+    if held.output:
+        return dtype_bytes(layout)[0] * layout.micro_batch * layout.seq_len // layout.cp * shape.vocab_size / layout.tp
+    return stage_output_bytes(shape, layout)
+
+
 def estimate_memory(shape: ModelShape, layout: Layout, accounting: str = "runtime",
                     fused_norm: bool = True, pp_rank: int | None = None, lora_rank: int = 0,
                     routing_skew: float = 1.0) -> MemoryEstimate:
@@ -233,7 +242,8 @@ def estimate_memory(shape: ModelShape, layout: Layout, accounting: str = "runtim
                                mlp=mlp_backward_bytes(shape, layout.micro_batch, layout.seq_len // layout.cp, layout),
                                product=mlp_product_bytes(shape, layout.micro_batch, layout.seq_len // layout.cp, layout),
                                layers=held.layers, reduced=held.root or unit,
-                               early_root=held.root - (table if held.embedding and not tied else 0))
+                               early_root=held.root - (table if held.embedding and not tied else 0),
+                               last_output=last_forward_output(shape, layout, held) if layout.pp > 1 else 0.0)
         candidates.append(est)
     worst = max(candidates, key=lambda m: m.total)
     worst.per_stage = [{"pp_rank": m.pp_rank, "total": m.total, "activations": m.activations.peak,

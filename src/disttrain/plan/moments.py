@@ -13,7 +13,7 @@ def alive_at_moments(states, acts: StageActivations, layout: Layout, gathered: f
                      root: float, pipe: float, grad_unit: float | None = None,
                      grad_root: float | None = None, all_gathered: float = 0.0, mlp: float = 0.0,
                      product: float = 0.0, layers: int = 0, reduced: float = 0.0,
-                     early_root: float | None = None) -> dict[str, dict]:
+                     early_root: float | None = None, last_output: float = 0.0) -> dict[str, dict]:
     """What is alive at each moment, by category. `states`: plan/memory.py's ModelStates of the rank. `gathered`:
     FSDP's all-gathered parameters held through the step (ZeRO-2: every unit; ZeRO-3: the root unit); `unit`:
     one block's parameters; `grad_unit`, `grad_root`: those of them that get gradients (LoRA: the block's
@@ -22,7 +22,7 @@ def alive_at_moments(states, acts: StageActivations, layout: Layout, gathered: f
     (activations.mlp_backward_bytes); `product`: the gated product saved without checkpointing; `layers`: the rank's blocks; `reduced`: the parameters of the first FSDP
     unit whose reduce-scatter a pipeline defers to after its last backward; `early_root`: the root's parameters
     whose gradients exist while a block runs its backward (the output layer and final norm: the embedding's come
-    after every block's)."""
+    after every block's); `last_output`: a pipeline stage's output of its last forward (the logits on the last stage)."""
     grad_unit = unit if grad_unit is None else grad_unit
     grad_root = root if grad_root is None else grad_root
     s = states
@@ -92,13 +92,18 @@ def alive_at_moments(states, acts: StageActivations, layout: Layout, gathered: f
     moments["block"] = block
     if layout.pp > 1:  # without a pipeline the MLP backward's gradients are in acts.layer (block_backward_bytes)
         moments["block"] = max(block, _mlp_backward(block, acts, layout, mlp, product, gathered + gathers + block_gathered,
-                                                    s.grads if not fsdp and layout.gradient_ranks > 1 else 0.0),
+                                                    s.grads if not fsdp and layout.gradient_ranks > 1 else 0.0,
+                                                    s.unsharded_grads if first_backward else block["gradients"]),
                                key=lambda m: sum(m.values()))
     if first_backward:
         # That backward frees one micro-batch's activations block by block while the gradients accumulate: its
-        # last block (a recomputation, under checkpointing) runs beside nearly all of them and the other micro-batches.
+        # last block (a recomputation, under checkpointing) runs beside the other micro-batches and the gradients of
+        # every unit but itself and the root, whose post-backwards come after (the root's: "backward end" below).
+        # 70b pp=4 1F1B, first stage: counting all of them there made this the planned peak, with no temporaries,
+        # where the dry run peaks in the next backward's first MLP (temporaries 1.09 GiB; _mlp_backward).
         others = acts.saved * (acts.in_flight - 1) / acts.in_flight
-        late = {**block, "gradients": s.unsharded_grads, "activations": others + acts.layer_saved + copies + pipe}
+        done = s.unsharded_grads - rb * (grad_unit + grad_root - early_root) if layers else s.unsharded_grads
+        late = {**block, "gradients": max(done, 0.0), "activations": others + acts.layer_saved + copies + pipe}
         moments["block"] = max(moments["block"], late, key=lambda m: sum(m.values()))
     if fsdp and not layout.reshard_after_forward and layout.pp == 1:
         # ZeRO-2's forward gathers every unit and keeps it; each all-gather's output buffer lives until the next one
@@ -140,7 +145,15 @@ def alive_at_moments(states, acts: StageActivations, layout: Layout, gathered: f
         # the stage still gathered and every unsharded gradient alive: the first unit's parameters resharded, its
         # reduce-scatter input and output beside them, activations to the dry run's tracker (made outside any
         # backward). 125m at seq 256, HSDP 2 x 2, pp=2 1F1B, ZeRO-3: the dry run's peak, −7.3% before.
-        moments["reduce"] = {**moments["backward end"], "activations": pipe + rb * reduced * (1 + 1 / layout.shard_ranks),
+        # The root's gradients in the parameter dtype are gone by then (cast at the backward's end; `tiny` with a
+        # 16k vocabulary, pp=2 1F1B, first stage: +12.8% counting them).
+        # Zero-bubble: each stage's last weight pass left its gradients in the parameter dtype beside the accumulated
+        # ones (plan/schedule_memory.py `loose`), for the reduction to add in. The schedule's step still holds the
+        # output of this rank's last forward (a local of torch's `_step_microbatches`, `return_outputs=False` or not):
+        # the last stage's logits (7b pp=4 GPipe, one micro-batch: -2.1% without them).
+        loose = s.unsharded_grads * pb / rb if layout.pp_schedule == "zero_bubble" and pb != rb else 0.0
+        moments["reduce"] = {**moments["backward end"], "gradients": s.unsharded_grads + loose,
+                             "activations": pipe + last_output + rb * reduced * (1 + 1 / layout.shard_ranks),
                              "communication": all_gathered - pb * reduced}
     moments["step"] = {"parameters": s.params + s.tables, "gradients": s.grads,
                        "optimizer": s.optimizer + s.step_temporary,
@@ -167,14 +180,15 @@ def alive_at_moments(states, acts: StageActivations, layout: Layout, gathered: f
 
 
 def _mlp_backward(block: dict, acts: StageActivations, layout: Layout, mlp: float, product: float, communication: float,
-                  first_grads: float) -> dict:
+                  first_grads: float, accumulated: float) -> dict:
     """The first block's MLP backward: its gradients beside the recomputed tensors (activations.mlp_backward_bytes),
     before that block's other weight gradients or any reduce-scatter input exist (which the block moment counts at
     a later block's end: counted on top of those, the dry run never holding both, they made `tiny` ZeRO-3 with
     full checkpointing +12% and 13b ZeRO-3 selective fp32 +5.6%). A pipeline rank whose first backward comes with
     every micro-batch of the step in flight (no steady state: m <= in flight) holds none of the step's gradients
     yet there (set to None after each step; DDP's buckets, `first_grads`, stay), and one micro-batch fewer at the
-    next backward (tiny, tp=2+sp x pp=4, 4 micro-batches: the first rank +6.5% counting both at once)."""
+    next backward (tiny, tp=2+sp x pp=4, 4 micro-batches: the first rank +6.5% counting both at once), which holds
+    the gradients the first one `accumulated` (FSDP's: 70b pp=4 1F1B, the first stage's peak by the dry run)."""
     # Without checkpointing the gated product is a saved tensor until w2's backward frees it: the dry run's tracker
     # files it as a temporary there (`tiny` pp=2 1F1B, no checkpointing: temporaries -28.6% counting it saved).
     moment = {**block, "temporary": block["temporary"] + mlp + product, "activations": block["activations"] - product,
@@ -183,5 +197,6 @@ def _mlp_backward(block: dict, acts: StageActivations, layout: Layout, mlp: floa
         return moment
     first = {**moment, "gradients": first_grads}
     one = (acts.saved - acts.logits) / acts.in_flight
-    later = {**moment, "activations": moment["activations"] - one} if layout.microbatches > 1 else first
+    later = {**moment, "activations": moment["activations"] - one, "gradients": accumulated} \
+        if layout.microbatches > 1 else first
     return max(first, later, key=lambda m: sum(m.values()))

@@ -45,7 +45,8 @@ class HeldAt:
 
 def schedule_peak(order: list[tuple[str, int, int]], kept: list[float], pending: list[float],
                   grads: list[float], loss_stage: int | None = None,
-                  params: list[float] | None = None, fresh: list[float] | None = None) -> tuple[HeldAt, HeldAt]:
+                  params: list[float] | None = None, fresh: list[float] | None = None,
+                  loose: list[float] | None = None) -> tuple[HeldAt, HeldAt]:
     """The fullest moment of `order` (a whole backward or an input-gradient pass running), and the fullest
     moment of the loss's backward on `loss_stage` (None: not this rank's). A forward adds its stage's `kept`
     bytes, a whole backward frees them; zero-bubble's input-gradient pass keeps them (its graph is retained
@@ -53,14 +54,25 @@ def schedule_peak(order: list[tuple[str, int, int]], kept: list[float], pending:
     its first backward (weight pass for zero-bubble). `params` (ZeRO-3): a stage's gathered parameters, left
     gathered by each of its backwards but the last until its next forward reshards them. `fresh`: the gradients
     a stage's first block makes at the start of each of its gradient passes (B or W), in the parameter dtype, before
-    FSDP's post-backward casts them into the accumulated ones."""
+    FSDP's post-backward casts them into the accumulated ones. `loose` (zero-bubble, parameters in a lower dtype than
+    the reduction's): a stage's gradients in the parameter dtype, which its weight pass adds into the parameters'
+    own `.grad`; FSDP2's post-backward runs in the input-gradient pass, so the stage's next one casts them into
+    the accumulated `grads` (reduce dtype), and each later weight pass leaves them again beside those (the dry
+    run's tracker on `tiny`, pp=2 zero-bubble, bf16: the parameter-dtype gradients after the first weight pass,
+    the fp32 ones from the next input-gradient pass on)."""
     forwarded, inputs_done, stepped, gathered = set(), set(), set(), set()
+    cast, unreduced = set(), set()  # stages with accumulated gradients; with gradients in `.grad` (loose)
     block, loss = HeldAt(), HeldAt()
     last = max((m for _, _, m in order), default=0)
 
+    def held_grads() -> float:
+        if loose is None:
+            return sum(grads[s] for s in stepped)
+        return sum(grads[s] for s in cast) + sum(loose[s] for s in unreduced)
+
     def held() -> HeldAt:
         return HeldAt(sum(kept[s] for s, _ in forwarded), sum(pending[s] for s, _ in inputs_done),
-                      sum(grads[s] for s in stepped), sum(params[s] for s in gathered) if params else 0.0)
+                      held_grads(), sum(params[s] for s in gathered) if params else 0.0)
 
     for kind, stage, micro in order:
         if kind in ("B", "I") and stage == loss_stage:  # the loss's backward runs first, before this pass adds
@@ -71,6 +83,9 @@ def schedule_peak(order: list[tuple[str, int, int]], kept: list[float], pending:
             continue
         if kind == "I":
             inputs_done.add((stage, micro))
+            if stage in unreduced:  # the post-backward casts the loose gradients (counted after: they are fewer)
+                unreduced.discard(stage)
+                cast.add(stage)
         now = held()
         if fresh and kind in ("B", "W"):
             now.fresh = fresh[stage]
@@ -80,8 +95,11 @@ def schedule_peak(order: list[tuple[str, int, int]], kept: list[float], pending:
             inputs_done.discard((stage, micro))
             # A stage's first gradients grow while the pass frees its micro-batch block by block: counted at the
             # pass's start without them, at its end with them (7b pp=4 zero-bubble: +6.7% counting both at once).
-            if stage not in stepped:
-                stepped.add(stage)
+            first = stage not in stepped
+            stepped.add(stage)
+            if kind == "W" and loose is not None:
+                unreduced.add(stage)
+            if first or loose is not None:
                 block = max(block, held(), key=lambda h: h.total)
             if params and micro != last:  # the backward's end: its stage stays gathered
                 gathered.add(stage)
