@@ -106,14 +106,14 @@ def apply_expert_parallel(model: nn.Module, spec, layout: Layout, meshes) -> lis
     return split
 
 
-def experts_need_fsdp(experts: list[nn.Module], layout: Layout, param_dtype: torch.dtype) -> bool:
+def experts_need_fsdp(experts: list[nn.Module], layout: Layout, param_dtype: torch.dtype | None) -> bool:
     """FSDP on a one-rank expert mesh (ep equal to dp x cp: every rank holds other experts) shards nothing: it
     only copies the experts into and out of its buffers for every forward and backward (CPU: about an eighth of
     a tiny-sized MoE's step at ep=2 on 2 ranks, benchmarks/moe_vs_handwritten.py). The layout says when
     (`Layout.experts_outside_fsdp`, which the planner counts by); experts stored in another dtype than the one
-    FSDP would give them keep it for the cast."""
-    return not layout.experts_outside_fsdp or any(p.dtype != param_dtype for module in experts
-                                                  for p in module.parameters())
+    FSDP would give them keep it for the cast (`param_dtype` None: FSDP casts nothing)."""
+    return not layout.experts_outside_fsdp or (param_dtype is not None and any(
+        p.dtype != param_dtype for module in experts for p in module.parameters()))
 
 
 def shard_experts(experts: list[nn.Module], layout: Layout, meshes, fsdp_kwargs: dict) -> set:

@@ -22,9 +22,19 @@ from disttrain.dtypes import DTYPES
 from disttrain.layout import Layout
 
 
+def mixed_precision(model: nn.Module, layout: Layout) -> MixedPrecisionPolicy:
+    """FSDP's policy, with a dtype the parameters already have left unset: a set parameter dtype makes every
+    unit cast its forward inputs (a walk over them per unit and micro-batch) even when nothing changes."""
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    stored = dtypes.pop() if len(dtypes) == 1 else None
+    param, reduce = DTYPES[layout.param_dtype], DTYPES[layout.reduce_dtype]
+    return MixedPrecisionPolicy(param_dtype=None if param == stored else param,
+                                reduce_dtype=None if reduce == param == stored else reduce)
+
+
 def apply_fsdp(model: nn.Module, blocks: nn.Module, mesh, layout: Layout, experts=(), meshes=None) -> nn.Module:
     """`experts`: expert-parallel experts modules, sharded first on their own mesh (parallel/expert.py)."""
-    mp = MixedPrecisionPolicy(param_dtype=DTYPES[layout.param_dtype], reduce_dtype=DTYPES[layout.reduce_dtype])
+    mp = mixed_precision(model, layout)
     # Pinned host memory needs an accelerator; on CPU-only machines pinning raises.
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if layout.cpu_offload else OffloadPolicy()
     ignored = set()  # expert parameters no FSDP unit holds (parallel/expert.py experts_need_fsdp)

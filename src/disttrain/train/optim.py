@@ -120,10 +120,9 @@ def clip_grad_norm_global(params, max_norm: float, pp_group=None, norm_params=No
     """Clip by the norm of *all* gradients of the model: over sharded (FSDP), tensor-parallel and
     replicated parameters, and, with `pp_group`, over every pipeline stage. Returns that norm.
     `norm_params`: the parameters the norm counts when some of `params` are copies (tied across stages)."""
-    params = list(params)
     groups = _grad_groups(params)
     squares = []
-    for (kind, where), group in _grad_groups(params if norm_params is None else list(norm_params)).items():
+    for (kind, where), group in (groups if norm_params is None else _grad_groups(norm_params)).items():
         norm = torch.nn.utils.get_total_norm([p.grad for p in group], foreach=True)
         if isinstance(norm, DTensor):  # a norm over shards: reduce to the full tensors' norm
             norm = norm.full_tensor()
