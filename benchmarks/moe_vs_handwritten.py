@@ -2,10 +2,11 @@
 (workloads/plain_moe_ep.py): `debug-moe` on 2 processes, global batch 16 x 128 tokens, micro-batches of 4, fp32,
 no balancing loss or bias; `--size tiny` trains a `tiny`-sized MoE (dim 256, 4 layers, 16 experts, top-2) on
 both sides instead. Start-up cancels out (a short and a long run, as in overhead.py); repetitions
-interleave; ratios are disttrain over the hand-written loop within a repetition.
+interleave; ratios are disttrain over the hand-written loop within a repetition. The windows below (200 and
+40 steps, about 17 s each) outlast the shared machine's stalls; shorter ones read a stall as a gap.
 
-    python benchmarks/moe_vs_handwritten.py --reps 4 --short 5 --long 45
-    python benchmarks/moe_vs_handwritten.py --reps 4 --short 2 --long 12 --size tiny
+    python benchmarks/moe_vs_handwritten.py --reps 4 --short 10 --long 210
+    python benchmarks/moe_vs_handwritten.py --reps 4 --short 3 --long 43 --size tiny
 """
 
 from __future__ import annotations
