@@ -154,6 +154,13 @@ def weight_gradient_inputs_bytes(shape: ModelShape, micro_batch: int, seq_len: i
     return ec * micro_batch * seq_len * (5 * shape.dim + kv + 2 * shape.ffn_hidden_dim) / layout.tp
 
 
+def last_stage_output_bytes(shape: ModelShape, layout: Layout) -> float:
+    """One micro-batch's output of a pipeline's last stage: the logits in the compute dtype, which torch's
+    schedules keep for the stage's backward (and the last forward's to the step's end)."""
+    ec, _ = dtype_bytes(layout)
+    return ec * layout.micro_batch * (layout.seq_len // layout.cp) * shape.vocab_size / layout.tp
+
+
 def stage_output_bytes(shape: ModelShape, layout: Layout) -> float:
     """One micro-batch's output of a pipeline stage other than the last (the residual stream, split by
     sequence parallelism), which torch's `PipelineStage` keeps from its forward to its backward
@@ -247,7 +254,7 @@ def stage_activation_bytes(shape: ModelShape, layout: Layout, pp_rank: int, fuse
         logits = FP32 * mb * s * shape.vocab_size / layout.tp  # fp32 log-softmax kept by the loss
         # A pipeline's last stage also holds its output (the logits in the compute dtype) for the schedule's
         # backward; GPipe runs every micro-batch's forward and loss first, so it holds all of them.
-        output = ec * mb * s * shape.vocab_size / layout.tp if layout.pp > 1 else 0.0
+        output = last_stage_output_bytes(shape, layout) if layout.pp > 1 else 0.0
         losses = in_flight if layout.pp > 1 and layout.pp_schedule == "gpipe" else 1.0
         saved += losses * (_norm_bytes(er, mb * s, shape.dim, r, fused_norm) + ec * mb * s * shape.dim + logits + output)
     if layout.pp > 1 and layout.pp_schedule in ("interleaved_1f1b", "zero_bubble"):

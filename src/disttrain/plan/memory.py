@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from disttrain.models.registry import ModelShape
 from disttrain.layout import DTYPE_BYTES, Layout
 from disttrain.plan.activations import (  # noqa: F401 (re-exported: the planner's memory API)
-    StageActivations, dtype_bytes, korthikanti_in_flight_factor, korthikanti_layer_bytes, layer_activation_bytes,
-    mlp_backward_bytes, mlp_product_bytes, pipeline_batch_bytes, pipeline_recv_bytes, stage_activation_bytes,
-    stage_output_bytes)
+    StageActivations, korthikanti_in_flight_factor, korthikanti_layer_bytes, last_stage_output_bytes,
+    layer_activation_bytes, mlp_backward_bytes, mlp_product_bytes, pipeline_batch_bytes, pipeline_recv_bytes,
+    stage_activation_bytes, stage_output_bytes)
 from disttrain.plan.moe import model_states as moe_model_states
 from disttrain.plan.moments import alive_at_moments
 from disttrain.plan.moe import layer_params as moe_layer_params
@@ -179,10 +179,8 @@ def output_params(shape: ModelShape, layout: Layout, held) -> float:
 
 def last_forward_output(shape: ModelShape, layout: Layout, held) -> float:
     """The output of a pipeline rank's last forward, which torch's schedules keep to the step's end: the logits in
-    the compute dtype on the last stage, else the stage's output (plan/activations.py stage_output_bytes)."""
-    if held.output:
-        return dtype_bytes(layout)[0] * layout.micro_batch * layout.seq_len // layout.cp * shape.vocab_size / layout.tp
-    return stage_output_bytes(shape, layout)
+    the compute dtype on the last stage, else the stage's output."""
+    return last_stage_output_bytes(shape, layout) if held.output else stage_output_bytes(shape, layout)
 
 
 def estimate_memory(shape: ModelShape, layout: Layout, accounting: str = "runtime",
