@@ -73,7 +73,7 @@ def microbatches(name: str, per_rank: int) -> int:
 
 
 def config(model: str, name: str, checkpointing: str, per_rank: int, dtype: str, seq_len: int = 4096):
-    from disttrain.config import load_config
+    from disttrain.config.schema import load_config
 
     m = microbatches(name, per_rank)
     overrides = [f"model.name={model}", f"data.seq_len={seq_len}", "train.micro_batch_size=1",
@@ -137,7 +137,7 @@ def planner_side(row: dict) -> dict:
     """The planner's total and categories for the simulated rank that peaked."""
     from disttrain.cli.dryrun import pp_rank_of
     from disttrain.plan.memory import estimate_memory
-    from disttrain.resolve import resolve_run
+    from disttrain.config.resolve import resolve_run
 
     cfg = config(row["model"], row["layout"], row["checkpointing"], row["per_rank"], row["dtype"], row["seq_len"])
     resolved = resolve_run(cfg, RANKS, "cuda")

@@ -109,7 +109,7 @@ def measure_real(jobs: dict) -> tuple[dict, float]:
         job_file, out_file = Path(tmp) / "jobs.json", Path(tmp) / "out.json"
         job_file.write_text(json.dumps(jobs))
         t0 = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "disttrain.distributed.agent", "--standalone", "--nproc-per-node=2",
+        subprocess.run([sys.executable, "-m", "disttrain.launch.agent", "--standalone", "--nproc-per-node=2",
                         str(REPO / "tests" / "workers" / "measure_step.py"), str(job_file), str(out_file)],
                        check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=REPO)
         return json.loads(out_file.read_text()), time.perf_counter() - t0
@@ -131,9 +131,9 @@ def main() -> None:
             Path(args.out).write_text(json.dumps(result, indent=1))
         return
     sys.path.insert(0, str(REPO / "tests"))
-    from disttrain.config import load_config
+    from disttrain.config.schema import load_config
     from disttrain.dryrun.simulate import simulate
-    from disttrain.resolve import resolve_run
+    from disttrain.config.resolve import resolve_run
 
     jobs = {k: v for case in args.cases.split(",") for k, v in CASES[case](args.model).items()}
     real, real_s = measure_real(jobs)

@@ -16,9 +16,9 @@ import argparse
 from overhead import REPO, add_common_args, disttrain_command, interleaved, print_table, summarize, write_results
 
 from disttrain.bench.model_states import launch
-from disttrain.config import load_config
+from disttrain.config.schema import load_config
 from disttrain.plan.estimate import estimate
-from disttrain.resolve import resolve_run
+from disttrain.config.resolve import resolve_run
 
 VARIANTS = {"full": [], "lora r8": ["model.lora.rank=8", "model.lora.alpha=16"],
             "lora r64": ["model.lora.rank=64", "model.lora.alpha=128"]}

@@ -33,12 +33,12 @@ def worker(out: str, overrides: list[str]) -> None:
     import torch.distributed as dist
 
     import disttrain.train.loop as loop
-    from disttrain.config import load_config
+    from disttrain.config.schema import load_config
     from disttrain.distributed.env import detect_env
     from disttrain.distributed.runtime import init_distributed, shutdown
     from disttrain.observe.breakdown import CommProfiler
     from disttrain.observe.metrics import MetricsLogger
-    from disttrain.process import exit_now
+    from disttrain.launch.this_process import exit_now
     from disttrain.train.builder import build_run
 
     spent: dict[str, float] = {}
@@ -108,7 +108,7 @@ def main() -> None:
         out = run_dir / f"rep{rep}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         overrides = [*SINKS_ON, f"train.steps={args.steps}", f"run.dir={run_dir}", f"run.name=rep{rep}"]
-        subprocess.run([sys.executable, "-m", "disttrain.distributed.agent", "--standalone", "--nproc-per-node=2",
+        subprocess.run([sys.executable, "-m", "disttrain.launch.agent", "--standalone", "--nproc-per-node=2",
                         __file__, "--worker", str(out), *overrides], check=True, cwd=REPO,
                        env=dict(os.environ, OMP_NUM_THREADS="1"))
         ranks = json.loads(out.read_text())

@@ -24,10 +24,10 @@ LAYOUTS = {"DDP ep=2": [*COMMON, "parallel.zero_stage=0"], "ZeRO-3 ep=2": [*COMM
 
 
 def real(out: Path) -> dict:
-    from disttrain.config import load_config
+    from disttrain.config.schema import load_config
     from disttrain.dryrun.simulate import simulate
     from disttrain.plan.memory import estimate_memory
-    from disttrain.resolve import resolve_run
+    from disttrain.config.resolve import resolve_run
     from dryrun_vs_real import measure_real  # benchmarks/ is on the path when a script here runs
 
     jobs = {}
@@ -55,7 +55,7 @@ def real(out: Path) -> dict:
 def skew(config: str | None, overrides: list[str], world: int, skews: list[float], microbatches: int | None,
          gpu: str | None, out: Path, ranks: list[int] | None = None) -> dict:
     from disttrain.cli.dryrun import dry_run
-    from disttrain.config import load_config
+    from disttrain.config.schema import load_config
 
     cfg = load_config(config, overrides)
     rows = []

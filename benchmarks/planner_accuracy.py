@@ -16,7 +16,7 @@ import torch
 from disttrain.bench.activations import saved_activation_bytes
 from disttrain.bench.model_states import launch
 from disttrain.models.registry import MODEL_SHAPES
-from disttrain.layout import Layout
+from disttrain.layout.layout import Layout
 from disttrain.plan.memory import model_state_bytes, stage_activation_bytes
 
 REPO = Path(__file__).resolve().parents[1]

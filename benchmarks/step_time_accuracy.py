@@ -47,10 +47,10 @@ def measure(model: str, layout: str, steps: int, run_dir: Path) -> float:
 
 
 def predict(model: str, layout: str, profile: dict):
-    from disttrain.config import load_config
+    from disttrain.config.schema import load_config
     from disttrain.plan.estimate import estimate
     from disttrain.plan.profile import profile_cluster
-    from disttrain.resolve import resolve_run
+    from disttrain.config.resolve import resolve_run
 
     cfg = load_config(REPO / "configs" / "bench.yaml", overrides(model, layout))
     resolved = resolve_run(cfg, 2, "cpu")

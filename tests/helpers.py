@@ -142,7 +142,7 @@ def train_many(jobs: dict[str, tuple], nproc: int, config: Path = DEBUG_CONFIG,
     first.parent.mkdir(parents=True, exist_ok=True)
     job_file = first.parent / f"jobs_{first.name}.json"
     job_file.write_text(json.dumps(spec))
-    proc = run_module("disttrain.distributed.agent", ["--standalone", f"--nproc-per-node={nproc}",
+    proc = run_module("disttrain.launch.agent", ["--standalone", f"--nproc-per-node={nproc}",
                                                       str(REPO / "tests" / "workers" / "train_many.py"), str(job_file)],
                       env={**cli_env(), **(env or {})}, cwd=REPO, timeout=timeout)
     if proc.returncode != 0:

@@ -9,7 +9,7 @@ import torch
 
 from disttrain.data.loader import DistributedBatchLoader, TokenWindows
 from disttrain.data.sampling import GlobalBatchSampler
-from disttrain.splits import balance_shares
+from disttrain.layout.splits import balance_shares
 from helpers import LR, PARITY, assert_losses_close, assert_parity, events, losses, records, train, train_many
 
 MICRO = ("train.micro_batch_size=1",)  # 4 micro-batches of the global batch of 4

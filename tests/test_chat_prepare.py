@@ -135,9 +135,9 @@ def test_packing_is_refused_where_conversations_cannot_be_kept_apart(tmp_path, t
     gets a warning from prepare-data and a one-line refusal of data.packing (text shards get one too)."""
     from transformers import AutoTokenizer
 
-    from disttrain.config import load_config
-    from disttrain.errors import UserError
-    from disttrain.resolve import resolve_run
+    from disttrain.config.schema import load_config
+    from disttrain.core.errors import UserError
+    from disttrain.config.resolve import resolve_run
     from helpers import DEBUG_CONFIG
 
     tok = AutoTokenizer.from_pretrained(tokenizers["markers"])

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from disttrain.config import ConfigError, RunConfig, load_config, parse_overrides
-from disttrain.resolve import resolve_run
+from disttrain.config.schema import ConfigError, RunConfig, load_config, parse_overrides
+from disttrain.config.resolve import resolve_run
 from helpers import DEBUG_CONFIG, REPO, run_cli
 
 

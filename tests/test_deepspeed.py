@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from disttrain.config import load_config
+from disttrain.config.schema import load_config
 from disttrain.train.deepspeed_engine import deepspeed_config
 from helpers import (DEBUG_CONFIG, FP64, LR, PARITY_FP32, REPO, assert_losses_close, assert_params_close, cli_env,
                      load_model_params, losses, run_main, train, train_many)

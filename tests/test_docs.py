@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import re
 
-from disttrain.config import RunConfig
+from disttrain.config.schema import RunConfig
 from helpers import REPO
 
 SRC = REPO / "src" / "disttrain"

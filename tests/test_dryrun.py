@@ -12,10 +12,10 @@ import pytest
 
 from helpers import REPO, cli_env
 
-from disttrain.config import load_config
+from disttrain.config.schema import load_config
 from disttrain.dryrun.simulate import simulate
 from disttrain.models.registry import MODEL_SHAPES
-from disttrain.resolve import resolve_run
+from disttrain.config.resolve import resolve_run
 
 TINY = ["model.name=tiny", "data.seq_len=128", "train.micro_batch_size=2"]
 # DDP and ZeRO-3 with two micro-batches (accumulation: DDP's no_sync gradients, FSDP's unsharded ones).
@@ -43,7 +43,7 @@ def _measure_real(tmp_path) -> dict:
     tmp_path.mkdir(parents=True, exist_ok=True)
     jobs, out = tmp_path / "jobs.json", tmp_path / "out.json"
     jobs.write_text(json.dumps({**REAL_LAYOUTS, **PEAK_ONLY}))
-    cmd = [sys.executable, "-m", "disttrain.distributed.agent", "--standalone", "--nproc-per-node=2",
+    cmd = [sys.executable, "-m", "disttrain.launch.agent", "--standalone", "--nproc-per-node=2",
            str(REPO / "tests" / "workers" / "measure_step.py"), str(jobs), str(out)]
     proc = subprocess.run(cmd, cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]

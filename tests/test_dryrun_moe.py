@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from disttrain.cli.dryrun import dry_run
-from disttrain.config import load_config
+from disttrain.config.schema import load_config
 from disttrain.dryrun.routing import AssumedRouting
 from disttrain.dryrun.simulate import unsupported
-from disttrain.errors import UserError
+from disttrain.core.errors import UserError
 from disttrain.models.registry import MODEL_SHAPES
-from disttrain.resolve import resolve_run
+from disttrain.config.resolve import resolve_run
 
 SEQ, MICRO = 128, 2
 EP2 = ["model.name=debug-moe", f"data.seq_len={SEQ}", f"train.micro_batch_size={MICRO}", "train.global_batch_size=4",

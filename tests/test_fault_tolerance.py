@@ -41,7 +41,7 @@ def test_sigterm_saves_an_emergency_checkpoint_and_resumes(uninterrupted, tmp_pa
     assert losses(run) == losses(uninterrupted)
 
 
-def test_preempted_single_process_exits_75_with_committed_checkpoint(tmp_path):
+def test_preempted_single_this_processs_75_with_committed_checkpoint(tmp_path):
     proc = run_cli("train", str(DEBUG_CONFIG), f"run.dir={tmp_path}", "run.name=r", "train.steps=50",
                    check=False, env={"DISTTRAIN_FAULT": "signal:rank=0:step=3:sig=USR1"})
     assert proc.returncode == 75, proc.stderr[-2000:]

@@ -12,7 +12,7 @@ from disttrain.data.loader import DistributedBatchLoader, MixtureSamples, TokenW
 from disttrain.data.sampling import FeistelPermutation, GlobalBatchSampler, MixtureSampler, SourceSchedule
 from disttrain.data.shards import ShardWriter
 from disttrain.data.source import describe_source, load_samples
-from disttrain.errors import UserError
+from disttrain.core.errors import UserError
 from helpers import DEBUG_CONFIG, events, losses, run_cli, train_many
 
 

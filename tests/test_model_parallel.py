@@ -140,7 +140,7 @@ def test_per_rank_model_states_match_the_planner(override, two_rank_runs):
     (embedding first, norm and output last): parameter, gradient and Adam bytes per rank equal
     the planner's `rank_params` accounting (measured in the engine's own step, on 2 ranks)."""
     from disttrain.models.registry import MODEL_SHAPES
-    from disttrain.layout import Layout
+    from disttrain.layout.layout import Layout
     from disttrain.plan.memory import model_state_bytes, rank_params
 
     rows, layout = model_states.rows(two_rank_runs[f"states {override}"]), MODEL_STATES[override]

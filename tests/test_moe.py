@@ -14,13 +14,13 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from disttrain.config import load_config
-from disttrain.errors import UserError
+from disttrain.config.schema import load_config
+from disttrain.core.errors import UserError
 from disttrain.models.moe import MoEFeedForward, MoERouting
 from disttrain.models.moe.experts import GroupedExperts
 from disttrain.models.registry import model_spec
 from disttrain.models.spec import build_model
-from disttrain.resolve import resolve_run
+from disttrain.config.resolve import resolve_run
 from hf_models import save_tiny
 from helpers import (EXACT, FP64, LR, assert_losses_close, assert_params_close, assert_params_exact, final_params,
                      losses, records, run_main, train_many)

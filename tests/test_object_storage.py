@@ -304,7 +304,7 @@ def test_prepared_data_reads_from_the_bucket_in_ranges(prepared, tmp_path):
 
 def test_a_missing_bucket_credentials_or_endpoint_is_refused_at_start(s3, monkeypatch, capsys, tmp_path):
     """One line naming the key and what to fix, exit 2, before anything is written."""
-    from disttrain.checkpoint import storage
+    from disttrain.core import storage
     from disttrain.cli import main
 
     def refused(url: str, **env) -> str:
@@ -334,7 +334,7 @@ def test_a_missing_bucket_credentials_or_endpoint_is_refused_at_start(s3, monkey
 def test_transient_store_errors_are_retried_with_backoff_and_others_are_not(monkeypatch):
     """A dropped connection or throttling is tried again after 0.5 s, then 1 s; no space or a missing object
     fails at once; the last transient error is raised when the retries run out."""
-    from disttrain.checkpoint import storage
+    from disttrain.core import storage
 
     waits = []
     monkeypatch.setattr(storage, "time", SimpleNamespace(sleep=waits.append))  # this module's clock only

@@ -243,8 +243,8 @@ def test_tracker_without_its_package_is_one_line(tmp_path, monkeypatch):
     """A package hidden from the import system (as if not installed) is refused in one line."""
     import importlib.util
 
-    from disttrain.config import load_config
-    from disttrain.errors import UserError
+    from disttrain.config.schema import load_config
+    from disttrain.core.errors import UserError
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))

@@ -9,14 +9,14 @@ from dataclasses import replace
 import pytest
 import yaml
 
-from disttrain.config import load_config
-from disttrain.resolve import resolve_run
+from disttrain.config.schema import load_config
+from disttrain.config.resolve import resolve_run
 from disttrain.models.registry import MODEL_SHAPES
-from disttrain import flops as F
+from disttrain.models import flops as F
 from disttrain.plan.estimate import estimate, shape_for_params
-from disttrain.hardware import GPUS, GPUSpec, find_gpu, match_device_name
-from disttrain.layout import Layout, layout_problems
-from disttrain.splits import split_layers
+from disttrain.core.gpus import GPUS, GPUSpec, find_gpu, match_device_name
+from disttrain.layout.layout import Layout, layout_problems
+from disttrain.layout.splits import split_layers
 from disttrain.plan.activations import rotary_input_bytes
 from disttrain.plan.memory import (korthikanti_in_flight_factor, korthikanti_layer_bytes, model_state_bytes,
                                    stage_activation_bytes)
@@ -346,7 +346,7 @@ def test_mixed_cluster_shares_follow_peak_flops_and_balance_the_busy_time(tmp_pa
     """8 x A100-80G + 8 x V100-32G in fp16: weights are the ratio of modelled time per micro-batch (not
     far from the peak ratio 312 : 125 TFLOP/s), the split gives each type about the same busy time,
     and the step beats equal shares."""
-    from disttrain.plan.mixed import parse_cluster, plan_mixed
+    from disttrain.plan.mixed_gpus import parse_cluster, plan_mixed
 
     groups = parse_cluster("8xa100-80g,8xv100-32g")
     space = SearchSpace(seq_len=4096, global_batch_size=64, param_dtype="fp16")
@@ -377,7 +377,7 @@ def test_mixed_cluster_shares_follow_peak_flops_and_balance_the_busy_time(tmp_pa
 
 
 def test_one_gpu_type_as_a_cluster_is_the_plain_planner():
-    from disttrain.plan.mixed import parse_cluster, plan_mixed
+    from disttrain.plan.mixed_gpus import parse_cluster, plan_mixed
 
     space = SearchSpace(seq_len=4096, global_batch_size=64)
     mixed = plan_mixed(MODEL_SHAPES["13b"], parse_cluster("16xa100-80g"), space, model="13b")[0]

@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from disttrain.config import load_config
-from disttrain.layout import Layout
+from disttrain.config.schema import load_config
+from disttrain.layout.layout import Layout
 from disttrain.models.registry import MODEL_SHAPES
 
 RANKS = 8
@@ -91,7 +91,7 @@ def _held_to_planner(cfg, label, every_rank: bool) -> dict:
     within ±5%, and each category of at least a twentieth of that peak within ±10%."""
     from disttrain.cli.dryrun import dry_run, pp_rank_of
     from disttrain.plan.memory import estimate_memory
-    from disttrain.resolve import resolve_run
+    from disttrain.config.resolve import resolve_run
 
     result = dry_run(cfg, RANKS)
     resolved = resolve_run(cfg, RANKS, "cuda")
@@ -129,7 +129,7 @@ def test_every_pipeline_rank_of_tensor_sequence_and_pipeline_parallelism():
     inputs and gradients for every micro-batch, was −14% before the planner counted those buffers)."""
     from disttrain.cli.dryrun import dry_run, pp_rank_of
     from disttrain.plan.memory import estimate_memory
-    from disttrain.resolve import resolve_run
+    from disttrain.config.resolve import resolve_run
 
     cfg = load_config(None, ["model.name=tiny", "data.seq_len=512", "train.micro_batch_size=1", "train.global_batch_size=4",
                              "parallel.dp_shard=1", "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.pp=4",
@@ -297,7 +297,7 @@ def test_verify_adds_the_receive_buffers_of_the_micro_batches_it_leaves_out():
     """`plan --verify` simulates fewer micro-batches than a 1F1B pipeline runs, but torch allocates a receive
     buffer per micro-batch: the capped dry run plus the buffers it left out is the full dry run's peak."""
     from disttrain.cli.dryrun import dry_run, verify_plan
-    from disttrain.config import RunConfig
+    from disttrain.config.schema import RunConfig
     from disttrain.plan.estimate import estimate
     from disttrain.plan.render import winner_config
 
@@ -373,7 +373,7 @@ def test_planner_within_5_percent_of_the_dry_run_under_context_parallelism(row):
     checkpointing) is within ±5% of the dry run's."""
     from disttrain.cli.dryrun import dry_run
     from disttrain.plan.memory import estimate_memory
-    from disttrain.resolve import resolve_run
+    from disttrain.config.resolve import resolve_run
 
     cp, method, checkpointing, per_rank, dtype, stage = row
     cfg = load_config(None, ["model.name=tiny", "data.seq_len=512", "train.micro_batch_size=1",

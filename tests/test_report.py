@@ -9,10 +9,10 @@ import json
 
 import pytest
 
-from disttrain.config import load_config
+from disttrain.config.schema import load_config
 from disttrain.observe.console import describe_layout
 from disttrain.observe.run_report import figures, load_records, summary
-from disttrain.resolve import resolve_run
+from disttrain.config.resolve import resolve_run
 from helpers import DEBUG_CONFIG
 
 

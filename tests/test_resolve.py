@@ -7,11 +7,11 @@ import textwrap
 
 import pytest
 
-from disttrain.config import ConfigError, load_config
-from disttrain.layout import Layout, Problem, layout_problems
+from disttrain.config.schema import ConfigError, load_config
+from disttrain.layout.layout import Layout, Problem, layout_problems
 from disttrain.models.registry import MODEL_SHAPES
 from disttrain.plan.search import MICRO_BATCH_KEYS
-from disttrain.resolve import resolve_run
+from disttrain.config.resolve import resolve_run
 from helpers import DEBUG_CONFIG, train
 
 # Loaded through PYTHONPATH into every process of a launch: counts Layout.from_config and
@@ -21,7 +21,7 @@ COUNTING_HOOK = textwrap.dedent("""
     import json, os, sys
     from pathlib import Path
 
-    import disttrain.layout as layout
+    import disttrain.layout.layout as layout
     import disttrain.models.registry as registry
 
     counts = {"layouts": 0, "specs": 0, "pid": os.getpid()}
@@ -84,7 +84,7 @@ def test_resolved_run_holds_what_the_set_up_path_reads():
 
 
 def test_resolve_run_calls_the_model_spec_once(monkeypatch):
-    import disttrain.resolve as resolve
+    import disttrain.config.resolve as resolve
 
     calls = []
     real = resolve.model_spec

@@ -12,9 +12,9 @@ import torch
 from disttrain.checkpoint import lease
 from disttrain.checkpoint.run_identity import check_run_dir, model_problem
 from disttrain.cli import main
-from disttrain.config import load_config
-from disttrain.errors import UserError
-from disttrain.resolve import resolve_run
+from disttrain.config.schema import load_config
+from disttrain.core.errors import UserError
+from disttrain.config.resolve import resolve_run
 from helpers import DEBUG_CONFIG, events, records, train
 
 # configs/debug.yaml (lr 3e-3, 2 warmup steps, cosine) with a floor, saved every 2 steps up to step 6

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from disttrain.distributed.env import detect_env
-from disttrain.launch import LaunchOptions, torchrun_args
+from disttrain.launch.self_launch import LaunchOptions, torchrun_args
 from helpers import DEBUG_CONFIG, REPO, assert_losses_close, cli_env, losses, records, train, train_many
 
 

@@ -83,7 +83,7 @@ def test_model_state_bytes_match_the_planner(nproc, model_state_rows):
     """What each rank allocates for parameters, gradients and Adam states at ZeRO stages 0-3 equals
     the planner's runtime accounting (`disttrain estimate`), within 5% (ZeRO-1 assigns whole
     tensors to ranks, so its optimizer shards are only roughly even)."""
-    from disttrain.layout import Layout
+    from disttrain.layout.layout import Layout
     from disttrain.plan.memory import model_state_bytes
 
     shape = MODEL_SHAPES["tiny"]

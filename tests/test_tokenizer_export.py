@@ -10,9 +10,9 @@ import stat
 
 import pytest
 
-from disttrain.config import load_config
+from disttrain.config.schema import load_config
 from disttrain.data.corpus import builtin_splits
-from disttrain.resolve import resolve_run
+from disttrain.config.resolve import resolve_run
 from helpers import REPO, events
 
 DEMO = REPO / "configs" / "demo.yaml"

@@ -29,7 +29,7 @@ import torch.distributed.fsdp  # noqa: F401
 import torch.distributed.tensor  # noqa: F401
 
 import disttrain.cli  # noqa: F401
-from disttrain.cli import train as train_cli
+from disttrain.launch import this_process
 
 RESET_SIGNALS = ("SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGPIPE")
 
@@ -54,7 +54,7 @@ def _child(request: dict) -> None:
         threads = os.environ.get("OMP_NUM_THREADS", "")
         if threads.isdigit() and int(threads) > 0:
             torch.set_num_threads(int(threads))
-        train_cli.PROCESS_START = time.time()
+        this_process.STARTED = time.time()
         sys.path[0] = request["cwd"]  # as `python -m` puts its working directory first
         sys.argv = [request["module"], *request["args"]]
         runpy.run_module(request["module"], run_name="__main__", alter_sys=True)

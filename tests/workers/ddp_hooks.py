@@ -10,7 +10,7 @@ from disttrain.models.llama import llama_spec
 from disttrain.models.spec import build_model
 from disttrain.models.registry import MODEL_SHAPES
 from disttrain.parallel.ddp import register_comm_hook
-from disttrain.process import exit_now
+from disttrain.launch.this_process import exit_now
 
 
 def grads_with(hook: str, rank_arg: int = 1, start_iter: int = 2, steps: int = 3) -> list[dict]:
@@ -56,4 +56,4 @@ def main():
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     main()
-    exit_now(0)  # skip the interpreter teardown (see disttrain.process)
+    exit_now(0)  # skip the interpreter teardown (see disttrain.launch.this_process)

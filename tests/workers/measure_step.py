@@ -1,7 +1,7 @@
 """Run `disttrain.dryrun.simulate.measure_step` on REAL tensors in a real gloo launch, for each of
 several configs, so a test can compare the dry run's simulated bytes and collectives with a real run.
 
-    python -m disttrain.distributed.agent --standalone --nproc-per-node N tests/workers/measure_step.py JOBS.json OUT.json
+    python -m disttrain.launch.agent --standalone --nproc-per-node N tests/workers/measure_step.py JOBS.json OUT.json
 
 JOBS.json: {name: [override, ...]}, or {name: {"overrides": [...], "routing_skew": 1}} for MoE layers routed as
 the dry run states (dryrun/routing.py; balanced only: every rank's view of the split sizes agrees). OUT.json (written by rank 0): {name: [RankRun as a dict, one per rank]}.
@@ -14,14 +14,14 @@ import sys
 
 import torch.distributed as dist
 
-from disttrain.config import load_config
+from disttrain.config.schema import load_config
 from disttrain.distributed.env import detect_env
 from disttrain.distributed.runtime import init_distributed, shutdown
 from disttrain.dryrun.routing import AssumedRouting
 from disttrain.dryrun.simulate import measure_step
 from disttrain.models.spec import build_model
-from disttrain.process import exit_now
-from disttrain.resolve import resolve_run
+from disttrain.launch.this_process import exit_now
+from disttrain.config.resolve import resolve_run
 
 
 def main() -> None:

@@ -19,12 +19,12 @@ import time
 import torch.distributed as dist
 from torch._dynamo.utils import counters
 
-from disttrain.config import load_config
+from disttrain.config.schema import load_config
 from disttrain.distributed.env import detect_env
 from disttrain.distributed.runtime import init_distributed, shutdown
 from disttrain.train.builder import build_run
 from disttrain.train.loop import Trainer
-from disttrain.process import exit_now
+from disttrain.launch.this_process import exit_now
 
 
 def main() -> None:
@@ -56,4 +56,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    exit_now(0)  # skip the interpreter teardown (see disttrain.process)
+    exit_now(0)  # skip the interpreter teardown (see disttrain.launch.this_process)

@@ -24,15 +24,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from disttrain.checkpoint import storage
+from disttrain.core import storage
 from disttrain.checkpoint.manager import CheckpointManager
-from disttrain.config import load_config
+from disttrain.config.schema import load_config
 from disttrain.distributed.env import detect_env
 from disttrain.distributed.runtime import init_distributed
 from disttrain.observe.model_bytes import iter_tensors, local_bytes, local_shard
 from disttrain.train.builder import build_run
 from disttrain.train.resume import Progress, train_state
-from disttrain.process import exit_now
+from disttrain.launch.this_process import exit_now
 
 
 def _timed(fn) -> float:
@@ -121,4 +121,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    exit_now(0)  # skip the interpreter teardown (see disttrain.process)
+    exit_now(0)  # skip the interpreter teardown (see disttrain.launch.this_process)

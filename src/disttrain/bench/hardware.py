@@ -30,7 +30,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from disttrain.layout import split_problems
+from disttrain.layout.layout import split_problems
 from disttrain.models.shape import ModelShape
 
 ALL_REDUCE_SIZES = tuple(2 ** k for k in range(12, 25, 2))  # 4 KiB .. 16 MiB
@@ -151,7 +151,7 @@ def fsdp_round_trip(shape: ModelShape, reps: int = 3) -> dict | None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from disttrain.flops import block_params
+    from disttrain.models.flops import block_params
 
     rows = block_params(shape) // shape.n_layers // shape.dim  # a Linear(dim, rows) per block: its bytes
     model = nn.Sequential(*(nn.Linear(shape.dim, rows, bias=False) for _ in range(shape.n_layers)))
@@ -233,7 +233,7 @@ def collective_alpha_beta(op: str = "all_reduce", sizes=ALL_REDUCE_SIZES, reps: 
 
 
 def measure(models: dict[str, ModelShape], micro_batch: int, seq_len: int, dtypes=("fp32", "bf16")) -> dict:
-    from disttrain.dtypes import DTYPES
+    from disttrain.core.dtypes import DTYPES
 
     tokens = micro_batch * seq_len
     matmul, attention, fsdp, tp_collectives = {}, {}, {}, {}

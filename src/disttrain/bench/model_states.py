@@ -23,13 +23,13 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from disttrain.config import load_config
+from disttrain.config.schema import load_config
 from disttrain.distributed.env import detect_env
 from disttrain.distributed.runtime import Runtime, init_distributed
 from disttrain.observe.model_bytes import model_state_bytes, unsharded_grad_bytes
 from disttrain.train.builder import build_run
 from disttrain.train.phases import PhaseEvent, Subscriber
-from disttrain.process import exit_now
+from disttrain.launch.this_process import exit_now
 
 MEASURED_STEP = 2  # Adam's states exist only after step 1; every step releases its gradients as it ends
 
@@ -80,7 +80,7 @@ def measure(rt: Runtime, stage: int, model: str, run_dir: str, overrides: tuple[
 def launch(nproc: int, run_dir: str | Path, stages=(0, 1, 2, 3), overrides=(), model: str = "tiny",
            timeout: float = 600) -> list[dict]:
     """Run this module under torchrun with `nproc` local processes; every rank's rows, by rank and stage."""
-    cmd = [sys.executable, "-m", "disttrain.distributed.agent", "--standalone", f"--nproc-per-node={nproc}",
+    cmd = [sys.executable, "-m", "disttrain.launch.agent", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "disttrain.bench.model_states", str(run_dir), "--model", model, "--stages", *map(str, stages)]
     for o in overrides:
         cmd += ["--override", o]
@@ -111,4 +111,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    exit_now(0)  # skip the interpreter teardown (see disttrain.process)
+    exit_now(0)  # skip the interpreter teardown (see disttrain.launch.this_process)

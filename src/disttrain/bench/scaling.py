@@ -17,7 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from disttrain.errors import UserError
+from disttrain.core.errors import UserError
 
 WARMUP_STEPS = 5
 

@@ -14,7 +14,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
 
-from disttrain.checkpoint import storage
+from disttrain.core import storage
 from disttrain.models.lora import has_adapters
 
 

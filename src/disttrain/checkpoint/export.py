@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from disttrain.errors import UserError
+from disttrain.core.errors import UserError
 
 FORMATS = ("torch", "safetensors", "hf", "peft")
 
@@ -23,7 +23,7 @@ FORMATS = ("torch", "safetensors", "hf", "peft")
 def resolve_checkpoint(path: str | Path) -> str:
     """A step directory, a checkpoint directory, or a run directory (its newest committed checkpoint); local
     paths or URLs (a run directory's config.yaml may name remote checkpoints)."""
-    from disttrain.checkpoint import storage
+    from disttrain.core import storage
     from disttrain.checkpoint.manager import COMMIT, CheckpointManager
 
     path = str(path).rstrip("/") if storage.is_url(path) else str(path)
@@ -47,7 +47,7 @@ def resolve_checkpoint(path: str | Path) -> str:
 def checkpoint_spec(step_dir):
     """The ModelSpec of the model a checkpoint holds (from the config saved with it)."""
     from disttrain.checkpoint.manager import CheckpointManager
-    from disttrain.config import ModelConfig
+    from disttrain.config.schema import ModelConfig
     from disttrain.models.registry import model_spec
 
     state = CheckpointManager.read_train_state(step_dir)
@@ -66,7 +66,7 @@ def full_model_state(step_dir) -> dict[str, torch.Tensor]:
         from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
         from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-        from disttrain.checkpoint import storage
+        from disttrain.core import storage
 
         full: dict = {}
         _load_state_dict(full, storage_reader=storage.dcp_reader(step_dir), planner=_EmptyStateDictLoadPlanner(),

@@ -14,7 +14,7 @@ import zlib
 
 import torch.distributed as dist
 
-from disttrain.checkpoint import storage
+from disttrain.core import storage
 
 CHUNK = 8 << 20
 SKIP = ("COMMIT", "COMMIT.tmp")

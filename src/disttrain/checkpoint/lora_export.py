@@ -13,13 +13,13 @@ from pathlib import Path
 
 import torch
 
-from disttrain.errors import UserError
+from disttrain.core.errors import UserError
 
 
 def run_lora(step_dir: Path):
     """(the run's model config, its train state); the model config's `lora` is None without adapters."""
     from disttrain.checkpoint.manager import CheckpointManager
-    from disttrain.config import ModelConfig
+    from disttrain.config.schema import ModelConfig
 
     state = CheckpointManager.read_train_state(step_dir)
     return ModelConfig.model_validate(state["config"]["model"]), state

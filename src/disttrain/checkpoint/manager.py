@@ -33,8 +33,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from disttrain.checkpoint import integrity, storage
-from disttrain.errors import UserError
+from disttrain.checkpoint import integrity
+from disttrain.core import storage
+from disttrain.core.errors import UserError
 
 log = logging.getLogger(__name__)
 

@@ -16,9 +16,10 @@ from __future__ import annotations
 from dataclasses import asdict, fields
 from pathlib import Path
 
-from disttrain.checkpoint import lease, storage, store_lease
-from disttrain.checkpoint.compat import run_changes
-from disttrain.errors import UserError
+from disttrain.checkpoint import lease, store_lease
+from disttrain.core import storage
+from disttrain.checkpoint.run_changes import run_changes
+from disttrain.core.errors import UserError
 from disttrain.models.shape import ModelShape
 
 NEW_NAME = "give this command its own run.name=NAME"

@@ -18,7 +18,8 @@ import logging
 import threading
 import time
 
-from disttrain.checkpoint import lease, storage
+from disttrain.checkpoint import lease
+from disttrain.core import storage
 
 log = logging.getLogger(__name__)
 

@@ -10,9 +10,9 @@ import sys
 from disttrain.cli import dryrun as dryrun_cli
 from disttrain.cli import plan as plan_cli
 from disttrain.cli import tools
-from disttrain.process import exit_now
+from disttrain.launch.this_process import exit_now
 from disttrain.cli import train as train_cli
-from disttrain.errors import EXIT_USAGE, UserError
+from disttrain.core.errors import EXIT_USAGE, UserError
 
 
 class OneLineParser(argparse.ArgumentParser):

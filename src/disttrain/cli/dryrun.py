@@ -11,8 +11,8 @@ import math
 import sys
 import warnings
 
-from disttrain.errors import UserError
-from disttrain.hardware import GPUS, find_gpu
+from disttrain.core.errors import UserError
+from disttrain.core.gpus import GPUS, find_gpu
 
 GIB = 2 ** 30
 
@@ -60,7 +60,7 @@ def pp_rank_of(layout, rank: int) -> int:
 def with_microbatches(cfg, layout, n: int):
     """The config with `n` micro-batches per data-parallel rank (the global batch shrinks to match);
     `layout`: the config's own, resolved."""
-    from disttrain.config import RunConfig
+    from disttrain.config.schema import RunConfig
 
     if n < 1:
         raise UserError(f"--microbatches={n}: must be at least 1")
@@ -86,7 +86,7 @@ def dry_run(cfg, world_size: int, ranks: list[int] | None = None, gpu_name: str 
     from disttrain.plan.moe import routing_skew as checked_skew
     from disttrain.plan.memory import estimate_memory
     from disttrain.plan.search import memory_budget
-    from disttrain.resolve import resolve_run
+    from disttrain.config.resolve import resolve_run
 
     resolved = resolve_run(cfg, world_size, "cuda")
     if microbatches is not None:  # another config: resolved (and checked) on its own
@@ -167,7 +167,7 @@ class _quiet:
 
 
 def cmd_dryrun(args: argparse.Namespace, overrides: list[str]) -> None:
-    from disttrain.config import load_config
+    from disttrain.config.schema import load_config
 
     cfg = load_config(args.config, overrides)
     if not 0 <= args.headroom < 1:
@@ -222,7 +222,7 @@ def verify_plan(estimates: list, gpus: int, gpu_name: str, progress=None) -> lis
     exception (torch's `PipelineStage` allocates one per micro-batch and step, pytorch/pytorch#136380), and so
     are the step's token ids: those of the micro-batches left out are added to each rank's measured peak, and
     said so (`left_out_bytes`)."""
-    from disttrain.config import RunConfig
+    from disttrain.config.schema import RunConfig
     from disttrain.plan.activations import pipeline_batch_bytes, pipeline_recv_bytes
     from disttrain.plan.render import winner_config
     from disttrain.plan.search import describe

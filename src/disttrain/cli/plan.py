@@ -9,9 +9,9 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from disttrain.errors import UserError
-from disttrain.hardware import GPUS, find_gpu
-from disttrain.layout import RECOMPUTE, SCHEDULES, VIRTUAL_STAGES, Layout, layout_problems, world_problems
+from disttrain.core.errors import UserError
+from disttrain.core.gpus import GPUS, find_gpu
+from disttrain.layout.layout import RECOMPUTE, SCHEDULES, VIRTUAL_STAGES, Layout, layout_problems, world_problems
 from disttrain.models.registry import MODEL_SHAPES, ModelShape
 from disttrain.plan import moe, render as report
 from disttrain.plan.estimate import estimate, shape_for_params
@@ -153,8 +153,8 @@ def _positive(flag: str, value) -> None:
 def build_layout(args) -> tuple[str, ModelShape, Layout]:
     cfg = resolved = None
     if args.config:
-        from disttrain.config import load_config
-        from disttrain.resolve import resolve_run
+        from disttrain.config.schema import load_config
+        from disttrain.config.resolve import resolve_run
 
         cfg = load_config(args.config, [])
         resolved = resolve_run(cfg, None, "cpu" if args.hardware else "cuda")
@@ -201,7 +201,7 @@ def _global_batch(args, seq_len: int) -> int:
 def _lora_rank(args) -> int:
     """--lora-rank, else the config's model.lora.rank, else 0 (no adapters)."""
     if args.lora_rank is None:
-        from disttrain.config import load_config
+        from disttrain.config.schema import load_config
 
         lora = load_config(args.config, []).model.lora if args.config else None
         return lora.rank if lora is not None else 0
@@ -343,7 +343,7 @@ def _verify(args, result, gpu_name: str) -> list[dict]:
 
 
 def cmd_plan_mixed(args) -> None:
-    from disttrain.plan.mixed import parse_cluster, plan_mixed, render_plans
+    from disttrain.plan.mixed_gpus import parse_cluster, plan_mixed, render_plans
 
     if args.gpus is not None:
         raise UserError("--cluster and --gpus: give one of them (--cluster names every GPU)")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from disttrain.errors import UserError
+from disttrain.core.errors import UserError
 
 
 def _positive(flag: str, value) -> None:

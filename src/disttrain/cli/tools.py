@@ -7,9 +7,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from disttrain.config import load_config
-from disttrain.errors import UserError
-from disttrain.resolve import resolve_run
+from disttrain.config.schema import load_config
+from disttrain.core.errors import UserError
+from disttrain.config.resolve import resolve_run
 
 
 def cmd_prepare_data(args: argparse.Namespace) -> None:
@@ -76,7 +76,7 @@ def cmd_config(args: argparse.Namespace, overrides: list[str]) -> None:
 
 
 def cmd_convert(args: argparse.Namespace) -> None:
-    from disttrain.checkpoint import storage
+    from disttrain.core import storage
     from disttrain.checkpoint.export import export, resolve_checkpoint
 
     storage.check_reachable(args.checkpoint, "convert")
@@ -102,7 +102,7 @@ def cmd_bench_comm(args: argparse.Namespace) -> None:
 
     from disttrain.bench import comm
     from disttrain.distributed.env import detect_env, under_torchrun
-    from disttrain.launch import LaunchOptions, relaunch
+    from disttrain.launch.self_launch import LaunchOptions, relaunch
 
     try:
         sizes = [_parse_size(x) for x in args.sizes.split(",")] if args.sizes else list(comm.DEFAULT_SIZES)
@@ -133,7 +133,7 @@ def cmd_bench_hardware(args: argparse.Namespace) -> None:
     import json
 
     from disttrain.distributed.env import detect_env, under_torchrun
-    from disttrain.launch import LaunchOptions, relaunch
+    from disttrain.launch.self_launch import LaunchOptions, relaunch
     from disttrain.models.registry import MODEL_SHAPES
 
     names = [m for m in args.models.split(",") if m]

@@ -10,11 +10,10 @@ import sys
 import time
 from pathlib import Path
 
-from disttrain import process
-from disttrain.config import load_config
-from disttrain.errors import EXIT_HEALTH, EXIT_PREEMPTED, EXIT_STORAGE, UserError
+from disttrain.launch import this_process
+from disttrain.config.schema import load_config
+from disttrain.core.errors import EXIT_HEALTH, EXIT_PREEMPTED, EXIT_STORAGE, UserError
 
-PROCESS_START = time.time()  # before torch is imported: recovery benchmarks split start-up time
 LAUNCH_FLAGS = ("nnodes", "node_rank", "max_restarts", "rdzv_endpoint", "rdzv_id", "shutdown_timeout", "rdzv_conf",
                 "exit_barrier_timeout")
 
@@ -60,7 +59,7 @@ def _setup_logging(run_dir: Path, rank: int) -> None:
 
 
 def _self_launch(args: argparse.Namespace, cfg, overrides: list[str]) -> int:
-    from disttrain.launch import LaunchOptions, launch_workers, max_world_size, rdzv_conf
+    from disttrain.launch.self_launch import LaunchOptions, launch_workers, max_world_size, rdzv_conf
 
     opts = LaunchOptions(args.nproc_per_node, args.nnodes or "1", args.node_rank, args.max_restarts or 0,
                          args.rdzv_endpoint, args.rdzv_backend, args.rdzv_id,
@@ -79,7 +78,7 @@ def _self_launch(args: argparse.Namespace, cfg, overrides: list[str]) -> int:
     if str(opts.nnodes) != "1" and not opts.rdzv_endpoint:
         raise UserError(f"--nnodes={opts.nnodes} needs --rdzv-endpoint HOST:PORT")
     from disttrain.checkpoint import lease, run_identity
-    from disttrain.resolve import resolve_run
+    from disttrain.config.resolve import resolve_run
 
     resolved = resolve_run(cfg, max_world_size(opts), _device_type())  # refuse a bad run before any worker starts
     key = lease.launch_key(opts.rdzv_id, opts.rdzv_endpoint)
@@ -150,7 +149,7 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> None:
             sys.exit(_self_launch(args, cfg, overrides))
     _check_backend(cfg)
     from disttrain.checkpoint import lease, run_identity
-    from disttrain.resolve import resolve_run
+    from disttrain.config.resolve import resolve_run
 
     resolved = resolve_run(cfg, env.world_size, _device_type())
     fresh = run_identity.unused(cfg.run_dir)
@@ -178,8 +177,8 @@ def _train_here(cfg, env, resolved, fresh: bool, held=None) -> None:
 
     _setup_logging(cfg.run_dir, env.rank)
     log = logging.getLogger("disttrain.cli")
-    log.info("process started at %.3f (restart %s%s)", PROCESS_START, os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"),
-             ", forked from the launcher" if process.STARTED_BY_FORK else "")
+    log.info("process started at %.3f (restart %s%s)", this_process.STARTED, os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"),
+             ", forked from the launcher" if this_process.STARTED_BY_FORK else "")
     lay = resolved.layout
     log.info("resolved run: world %d (pp %d, dp_replicate %d, dp_shard %d, tp %d), model %s, tokenizer %s, dtypes "
              "param %s, compute %s, reduce %s", lay.world_size, lay.pp, lay.dp_replicate, lay.dp_shard, lay.tp,

@@ -5,10 +5,10 @@ standard-library modules (about 1 MB of text). Documents are ordered determinist
 20th goes to the validation split. The exact text follows the Python version in use.
 
 What a module's namespace holds depends on what else the process imported (lazy attributes,
-submodules that other packages pull in), so the documents are always collected in a fresh
-interpreter in one fixed state (the training modules loaded, nothing else) and cached per Python
-version: every process, whatever it imported before (transformers, a test runner), trains on the
-same corpus.
+submodules that other packages pull in: torch replaces `inspect.getfile`), so the documents are
+always collected in a fresh interpreter in one fixed state (torch imported, nothing else: what every
+training process has loaded when it reads data) and cached per Python version: every process,
+whatever it imported before (transformers, a test runner), trains on the same corpus.
 """
 
 from __future__ import annotations
@@ -65,9 +65,9 @@ def _collect_documents() -> list[str]:
     return list(dict.fromkeys(docs))  # inherited docstrings repeat; keep each text once
 
 
-# The fixed state the documents are collected in: the training modules loaded (what every training
-# process has imported when it reads data, and what the corpus has always been collected under).
-_COLLECT = ("import sys, json, disttrain.train.loop; from disttrain.data.corpus import _collect_documents; "
+# The fixed state the documents are collected in: torch imported and no training code (torch's import
+# changes what some standard-library modules hold; the corpus is the one a training process sees).
+_COLLECT = ("import sys, json, torch; from disttrain.data.corpus import _collect_documents; "
             "sys.stdout.write(json.dumps(_collect_documents()))")
 
 

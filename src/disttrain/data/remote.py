@@ -12,7 +12,7 @@ import threading
 
 import numpy as np
 
-from disttrain.checkpoint import storage
+from disttrain.core import storage
 
 BLOCK = 4 << 20  # bytes per ranged read and per cached block: a few windows of any model, few requests
 

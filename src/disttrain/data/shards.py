@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from disttrain.checkpoint import storage
+from disttrain.core import storage
 
 FORMAT = "disttrain-tokens-v1"
 SPLITS = ("train", "val")

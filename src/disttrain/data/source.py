@@ -9,10 +9,10 @@ from pathlib import Path
 
 import numpy as np
 
-from disttrain.checkpoint import storage
+from disttrain.core import storage
 from disttrain.data import shards
 from disttrain.data.tokenizer import Tokenizer, load_tokenizer
-from disttrain.errors import UserError
+from disttrain.core.errors import UserError
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ def user_datasets(source: str) -> dict:
     Dataset of (input, target) pairs, or a dict with "train" (and optionally "val")."""
     from torch.utils.data import Dataset
 
-    from disttrain.user_code import call_user
+    from disttrain.core.user_code import call_user
 
     value = call_user("data.source", source[len(PY_PREFIX):], (Dataset, dict),
                       "a map-style torch.utils.data.Dataset (or a dict of them with key 'train')", PY_PREFIX)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from disttrain.layout import MESH_DIMS, Layout
+from disttrain.layout.layout import MESH_DIMS, Layout
 
 
 @dataclass(frozen=True)

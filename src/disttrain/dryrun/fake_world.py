@@ -9,8 +9,8 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from disttrain.dtypes import DTYPES, at_least_fp32
-from disttrain.layout import Layout
+from disttrain.core.dtypes import DTYPES, at_least_fp32
+from disttrain.layout.layout import Layout
 
 
 def materialize_fake(module, mode) -> None:

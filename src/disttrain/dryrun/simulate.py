@@ -24,9 +24,9 @@ from disttrain.dryrun.fake_world import (ddp_on_fake, forget_previous_world, gpu
                                         stage_shapes, static_pipeline)
 from disttrain.dryrun.routing import AssumedRouting, assume_routing
 from disttrain.dryrun.tracking import DDPBuckets, KeepBuckets, LeafInputsSafe, StagesTracker, Tracker, TrackerPhases
-from disttrain.errors import UserError
-from disttrain.layout import MESH_DIMS, Layout
-from disttrain.resolve import ResolvedRun
+from disttrain.core.errors import UserError
+from disttrain.layout.layout import MESH_DIMS, Layout
+from disttrain.config.resolve import ResolvedRun
 from disttrain.train.loss import GlobalMeanLoss
 from disttrain.train.phases import Phases
 

@@ -28,7 +28,7 @@ def model_spec(model_cfg):
     """The ModelSpec (torch side) of the configured model."""
     if getattr(model_cfg, "spec", ""):
         from disttrain.models.spec import ModelSpec
-        from disttrain.user_code import call_user
+        from disttrain.core.user_code import call_user
 
         return call_user("model.spec", model_cfg.spec, ModelSpec, "a disttrain.models.spec.ModelSpec")
     if getattr(model_cfg, "hf", ""):

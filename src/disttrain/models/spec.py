@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from disttrain.dtypes import at_least_fp32
+from disttrain.core.dtypes import at_least_fp32
 from disttrain.models.shape import ModelShape
 
 IGNORE_INDEX = -100  # PyTorch's and transformers' ignore index: padding, prompt tokens in fine-tuning
@@ -80,7 +80,7 @@ class ModelSpec:
     def flops_per_token(self, seq_len: int) -> float | None:
         if self.shape is None:
             return None
-        from disttrain.flops import model_flops_per_token
+        from disttrain.models.flops import model_flops_per_token
 
         return model_flops_per_token(self.shape, seq_len)
 

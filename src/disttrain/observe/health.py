@@ -22,7 +22,7 @@ import statistics
 import torch
 import torch.distributed as dist
 from disttrain.observe.model_bytes import local_shard
-from disttrain.parallel.names import clean_fqn
+from disttrain.parallel.param_names import clean_fqn
 
 
 class ReplicaDivergence(RuntimeError):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from disttrain.hardware import match_device_name
+from disttrain.core.gpus import match_device_name
 
 
 def matmul_dtype(layout) -> str:

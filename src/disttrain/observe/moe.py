@@ -16,7 +16,7 @@ import re
 import torch.distributed as dist
 
 from disttrain.models.moe.layer import reduce_routing_statistics
-from disttrain.parallel.names import clean_fqn
+from disttrain.parallel.param_names import clean_fqn
 
 SCALARS = ("load_imbalance", "dropped_tokens", "aux_loss", "router_entropy")
 

@@ -31,7 +31,7 @@ from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from disttrain.layout import Layout
+from disttrain.layout.layout import Layout
 from disttrain.models.moe.experts import local
 from disttrain.models.moe.layer import reduce_routing_statistics
 from disttrain.parallel.expert_shards import hold_locally, shard_of

@@ -18,8 +18,8 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from disttrain.dtypes import DTYPES
-from disttrain.layout import Layout
+from disttrain.core.dtypes import DTYPES
+from disttrain.layout.layout import Layout
 
 
 def mixed_precision(model: nn.Module, layout: Layout) -> MixedPrecisionPolicy:

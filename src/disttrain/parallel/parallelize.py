@@ -16,7 +16,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
 from disttrain.distributed.mesh import Meshes
-from disttrain.layout import Layout
+from disttrain.layout.layout import Layout
 from disttrain.parallel.activation_checkpoint import apply_activation_checkpointing
 from disttrain.parallel.compile import apply_compile
 

@@ -18,8 +18,8 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleG
                                           ScheduleInterleavedZeroBubble)
 
 from disttrain.distributed.mesh import Meshes
-from disttrain.errors import UserError
-from disttrain.layout import Layout
+from disttrain.core.errors import UserError
+from disttrain.layout.layout import Layout
 from disttrain.parallel.parallelize import parallelize
 
 SCHEDULES = {

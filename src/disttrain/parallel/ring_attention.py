@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from disttrain.dtypes import at_least_fp32
+from disttrain.core.dtypes import at_least_fp32
 from disttrain.parallel.context_shards import visible
 
 _KV_TAG, _GRAD_TAG = 71, 72

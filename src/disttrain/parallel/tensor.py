@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from disttrain.errors import UserError
+from disttrain.core.errors import UserError
 
 
 def apply_tensor_parallel(model: nn.Module, spec, tp_mesh, sequence_parallel: bool) -> None:

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from disttrain.parallel.names import clean_fqn
+from disttrain.parallel.param_names import clean_fqn
 
 
 class TiedAcrossStages:

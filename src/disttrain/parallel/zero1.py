@@ -24,7 +24,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from disttrain.parallel.expert import is_expert_shard
 from disttrain.parallel.expert_shards import mine_state, whole_state
-from disttrain.parallel.names import clean_fqn
+from disttrain.parallel.param_names import clean_fqn
 
 
 class ExpertsBeside(torch.optim.Optimizer):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from disttrain.layout import DTYPE_BYTES, Layout
+from disttrain.layout.layout import DTYPE_BYTES, Layout
 from disttrain.models.shape import ModelShape
 from disttrain.plan.params import layer_params, rank_params, stage_layers
 from disttrain.plan.schedule_memory import HeldAt, schedule_order, schedule_peak

@@ -17,7 +17,7 @@ Pure Python.
 
 from __future__ import annotations
 
-from disttrain.layout import DTYPE_BYTES, Layout
+from disttrain.layout.layout import DTYPE_BYTES, Layout
 from disttrain.models.shape import ModelShape
 
 
@@ -135,7 +135,7 @@ def context_comm_s(shape: ModelShape, layout: Layout, cluster, compute_s: float,
     """(seconds of K/V traffic per step, the part not hidden): the ring's exchanges overlap the attention
     of the block in hand (exposed only where a block's transfer outlasts its attention); all-gather's and
     Ulysses' collectives are waited for."""
-    from disttrain.flops import attention_flops_per_token
+    from disttrain.models.flops import attention_flops_per_token
     from disttrain.plan.params import rank_params
 
     traffic = kv_traffic_bytes(shape, layout)

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from disttrain.models.registry import MODEL_SHAPES, ModelShape
-from disttrain import flops as F
-from disttrain.layout import Layout
+from disttrain.models import flops as F
+from disttrain.layout.layout import Layout
 from disttrain.plan.memory import MemoryEstimate, estimate_memory, rank_params
 from disttrain.plan.timing import Cluster, StepTime, step_time
 

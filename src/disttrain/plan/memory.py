@@ -16,13 +16,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from disttrain.models.registry import ModelShape
-from disttrain.layout import DTYPE_BYTES, Layout
+from disttrain.layout.layout import DTYPE_BYTES, Layout
 from disttrain.plan.activations import (  # noqa: F401 (re-exported: the planner's memory API)
     StageActivations, korthikanti_in_flight_factor, korthikanti_layer_bytes, last_stage_output_bytes,
     layer_activation_bytes, mlp_backward_bytes, mlp_product_bytes, pipeline_batch_bytes, pipeline_recv_bytes,
     stage_activation_bytes, stage_output_bytes)
 from disttrain.plan.moe import model_states as moe_model_states
-from disttrain.plan.moments import alive_at_moments
+from disttrain.plan.peak_moments import alive_at_moments
 from disttrain.plan.moe import layer_params as moe_layer_params
 from disttrain.plan.params import (RankParams, layer_params, lora_layer_params, rank_params,  # noqa: F401
                                    rotary_table_bytes, stage_layers)

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from dataclasses import fields, replace
 
-from disttrain.layout import DTYPE_BYTES, Layout
+from disttrain.layout.layout import DTYPE_BYTES, Layout
 from disttrain.models.shape import ModelShape
-from disttrain.splits import split_layers
+from disttrain.layout.splits import split_layers
 
 FP32, INDEX = 4, 8
 ALL_TO_ALLS_PER_LAYER = 4  # dispatch and combine in forward, their gradients in backward
@@ -239,7 +239,7 @@ def add_args(parser, search: bool) -> None:
 
 
 def routing_skew(value: float, shape: ModelShape) -> float:
-    from disttrain.errors import UserError
+    from disttrain.core.errors import UserError
 
     if not value >= 1:
         raise UserError(f"--routing-skew={value}: must be at least 1 (1: balanced routing)")
@@ -250,8 +250,8 @@ def routing_skew(value: float, shape: ModelShape) -> float:
 
 def expert_degrees(text: str | None, shape: ModelShape, gpus: int) -> tuple[int, ...] | None:
     """`plan --ep 1,4,8` -> (1, 4, 8), each checked against the experts and the GPU count (None: search all)."""
-    from disttrain.errors import UserError
-    from disttrain.layout_experts import expert_problems
+    from disttrain.core.errors import UserError
+    from disttrain.layout.expert_rules import expert_problems
 
     if text is None:
         return None
@@ -270,7 +270,7 @@ def expert_degrees(text: str | None, shape: ModelShape, gpus: int) -> tuple[int,
 
 
 def no_lora(lora_rank: int, shape: ModelShape) -> int:
-    from disttrain.errors import UserError
+    from disttrain.core.errors import UserError
 
     if lora_rank and shape.moe is not None:
         raise UserError(f"--lora-rank={lora_rank}: LoRA on a mixture-of-experts model is not planned yet (allowed: "

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from disttrain.layout import Layout
+from disttrain.layout.layout import Layout
 from disttrain.models.shape import ModelShape
-from disttrain.splits import split_layers
+from disttrain.layout.splits import split_layers
 
 
 @dataclass

@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from disttrain.errors import UserError
-from disttrain.hardware import GPUSpec
+from disttrain.core.errors import UserError
+from disttrain.core.gpus import GPUSpec
 from disttrain.models.shape import ModelShape
 from disttrain.plan.timing import Cluster
 

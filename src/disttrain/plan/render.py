@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from disttrain.plan.estimate import Estimate
-from disttrain.layout import Layout
+from disttrain.layout.layout import Layout
 from disttrain.plan.search import describe
 
 GIB = 2 ** 30

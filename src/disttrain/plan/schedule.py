@@ -10,7 +10,7 @@ idle slots / all slots, to compare with the closed forms in `plan.timing.bubble_
 
 from __future__ import annotations
 
-from disttrain.layout import VIRTUAL_STAGES
+from disttrain.layout.layout import VIRTUAL_STAGES
 from disttrain.plan.timing import bubble_fraction
 
 

@@ -13,11 +13,11 @@ import re
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from disttrain.errors import UserError
+from disttrain.core.errors import UserError
 from disttrain.models.registry import ModelShape
 from disttrain.plan.context import cp_degrees
 from disttrain.plan.estimate import Estimate, estimate
-from disttrain.layout import RECOMPUTE, SCHEDULES, VIRTUAL_STAGES, Layout, layout_problems
+from disttrain.layout.layout import RECOMPUTE, SCHEDULES, VIRTUAL_STAGES, Layout, layout_problems
 from disttrain.plan.timing import Cluster
 
 
@@ -164,7 +164,7 @@ def parse_count(flag: str, text: str, binary: bool = False) -> float:
 
 def gpu_memory(gpu: str, hardware: str | None = None) -> tuple[str, float]:
     """The GPU `--gpu` (or a `--hardware` profile) names, and its memory in bytes."""
-    from disttrain.hardware import find_gpu
+    from disttrain.core.gpus import find_gpu
 
     if hardware:
         from disttrain.plan.profile import load_profile

@@ -20,9 +20,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from disttrain.models.registry import ModelShape
-from disttrain import flops as F
-from disttrain.hardware import GPUSpec
-from disttrain.layout import DTYPE_BYTES, Layout
+from disttrain.models import flops as F
+from disttrain.core.gpus import GPUSpec
+from disttrain.layout.layout import DTYPE_BYTES, Layout
 from disttrain.plan.memory import layer_params, rank_params
 from disttrain.plan.moe import dispatch_s, expert_excess_flops, expert_layout, routed_params
 

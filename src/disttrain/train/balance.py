@@ -14,8 +14,8 @@ import logging
 import torch
 import torch.distributed as dist
 
-from disttrain.layout import Layout
-from disttrain.splits import balance_shares
+from disttrain.layout.layout import Layout
+from disttrain.layout.splits import balance_shares
 from disttrain.train.phases import PhaseEvent, Subscriber
 
 log = logging.getLogger(__name__)

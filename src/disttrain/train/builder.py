@@ -15,18 +15,18 @@ import torch.distributed as dist
 from torch import nn
 
 from disttrain.checkpoint.manager import CheckpointManager
-from disttrain.config import RunConfig
+from disttrain.config.schema import RunConfig
 from disttrain.data.loader import DatasetSamples, DistributedBatchLoader, MixtureSamples, TokenWindows
 from disttrain.data.source import load_samples, make_sampler
 from disttrain.data.tokenizer import Tokenizer
 from disttrain.distributed.mesh import Meshes, build_meshes
 from disttrain.distributed.runtime import Runtime
-from disttrain.errors import UserError
-from disttrain.layout import Layout
+from disttrain.core.errors import UserError
+from disttrain.layout.layout import Layout
 from disttrain.models.spec import ModelSpec, build_model, count_params
 from disttrain.observe.breakdown import CommProfiler, StepBreakdown, device_clock
 from disttrain.observe.mfu import peak_flops_per_device
-from disttrain.resolve import ResolvedRun, resolve_run
+from disttrain.config.resolve import ResolvedRun, resolve_run
 from disttrain.train.balance import Balancer
 from disttrain.train.engine import OptimizerStep, StepEngine
 from disttrain.train.faults import FaultInjector

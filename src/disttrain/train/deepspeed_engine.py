@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from disttrain.errors import UserError
+from disttrain.core.errors import UserError
 from disttrain.train.engine import StepResult
 from disttrain.train.loss import GlobalMeanLoss, valid_targets
 from disttrain.train.phases import Phases
@@ -71,7 +71,7 @@ class DeepSpeedEngine:
 
     def __init__(self, model, optimizer, scheduler, cfg, world_size: int, device, mean_loss: GlobalMeanLoss,
                  dp_group, phases: Phases):
-        from disttrain.validation import INSTALL_HINT
+        from disttrain.config.checks import INSTALL_HINT
 
         try:
             import deepspeed

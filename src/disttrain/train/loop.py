@@ -13,7 +13,7 @@ from disttrain.checkpoint.manager import SaveFailed
 from disttrain.data.loader import DistributedBatchLoader, MixtureSamples
 from disttrain.data.sampling import GlobalBatchSampler
 from disttrain.data.source import truncation_warnings, validation_gaps
-from disttrain.errors import EXIT_PREEMPTED
+from disttrain.core.errors import EXIT_PREEMPTED
 from disttrain.models.generate import generate
 from disttrain.observe.console import describe_layout, start_line
 from disttrain.observe.health import check_replicas_in_sync, rank_stats

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from disttrain.dtypes import at_least_fp32
+from disttrain.core.dtypes import at_least_fp32
 from disttrain.parallel.expert_shards import hold_expert_states, shard_of
 
 

@@ -6,7 +6,7 @@ import contextlib
 
 import torch
 
-from disttrain.dtypes import DTYPES
+from disttrain.core.dtypes import DTYPES
 
 
 class Precision:

@@ -26,7 +26,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from disttrain.errors import EXIT_HANG, EXIT_PREEMPTED
+from disttrain.core.errors import EXIT_HANG, EXIT_PREEMPTED
 from disttrain.train.phases import PhaseEvent, Subscriber
 
 log = logging.getLogger(__name__)

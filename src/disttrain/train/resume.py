@@ -7,10 +7,10 @@ import time
 from dataclasses import asdict, dataclass, field
 import torch.distributed as dist
 
-from disttrain.checkpoint.compat import config_changes
+from disttrain.checkpoint.run_changes import config_changes
 from disttrain.checkpoint.run_identity import (NEW_NAME, another_run, family_of, format_problem,
                                                lora_settings_problem, model_problem)
-from disttrain.errors import UserError
+from disttrain.core.errors import UserError
 
 log = logging.getLogger(__name__)
 

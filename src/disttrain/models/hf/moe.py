@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from disttrain.dtypes import at_least_fp32
+from disttrain.core.dtypes import at_least_fp32
 from disttrain.models.moe.experts import AutocastWeights, grouped_gemm_fits, in_autocast_dtype
 from disttrain.models.moe.layer import MoERouting, RoutedExperts
 

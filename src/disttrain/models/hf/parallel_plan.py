@@ -9,7 +9,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
                                                parallelize_module)
 
-from disttrain.errors import UserError
+from disttrain.core.errors import UserError
 
 
 class HFStage(nn.Module):

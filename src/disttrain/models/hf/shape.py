@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from disttrain.errors import UserError
+from disttrain.core.errors import UserError
 from disttrain.models.shape import MLAShape, ModelShape, MoEShape
 
 # Decoder-only families whose config.json maps onto ModelShape (SwiGLU MLP, RMSNorm, rotary, GQA).

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from disttrain.errors import UserError
+from disttrain.core.errors import UserError
 from disttrain.models.hf.norms import keep_float64_norms
 from disttrain.models.hf.shape import hf_shape, read_config
 from disttrain.models.spec import ModelSpec, copy_weights, seeded_normal_, token_cross_entropy_sum

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from disttrain.dtypes import at_least_fp32
+from disttrain.core.dtypes import at_least_fp32
 from disttrain.models.documents import block_causal_mask, document_positions
 from disttrain.models.shape import ModelShape
 

@@ -20,7 +20,7 @@ import re
 
 import torch
 
-from disttrain.errors import UserError
+from disttrain.core.errors import UserError
 from disttrain.models.llama import hf_names as llama_names
 from disttrain.models.shape import ModelShape
 

@@ -49,7 +49,7 @@ MODEL_SHAPES: dict[str, ModelShape] = {
 def resolve_shape(model_cfg: Any) -> ModelShape:
     """The registry shape for `model_cfg.name` with any non-None shape overrides applied (`model.moe.*` over
     its MoEShape; on a dense shape they make one, given the three keys an MoE layer needs)."""
-    from disttrain.errors import UserError
+    from disttrain.core.errors import UserError
 
     base = MODEL_SHAPES[model_cfg.name]
     overrides = {f.name: getattr(model_cfg, f.name) for f in fields(ModelShape)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from disttrain.dtypes import at_least_fp32
+from disttrain.core.dtypes import at_least_fp32
 
 
 class Router(nn.Module):

@@ -14,8 +14,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
-from disttrain.errors import ConfigError, UserError
-from disttrain.overrides import merge_trees as _merge, parse_overrides
+from disttrain.core.errors import ConfigError, UserError
+from disttrain.config.overrides import merge_trees as _merge, parse_overrides
 
 __all__ = ["ConfigError", "UserError", "RunConfig", "load_config", "parse_overrides"]
 
@@ -355,7 +355,7 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] | None = No
     if not cfg.run.name:
         cfg.run.name = Path(path).stem if path is not None else "run"
     _prefer_the_models_tokenizer(cfg, path, "tokenizer" in parse_overrides(overrides or []).get("data", {}))
-    from disttrain.validation import validate_config
+    from disttrain.config.checks import validate_config
 
     validate_config(cfg)
     return cfg

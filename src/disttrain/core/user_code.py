@@ -8,7 +8,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-from disttrain.errors import UserError
+from disttrain.core.errors import UserError
 
 
 def load_function(key: str, ref: str):

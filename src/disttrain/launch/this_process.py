@@ -1,12 +1,15 @@
-"""Leaving a process quickly once its work is done."""
+"""This process: when it started, whether it was forked from its launcher, and leaving it quickly once its
+work is done."""
 
 from __future__ import annotations
 
 import atexit
 import os
 import sys
+import time
 
-# Set by disttrain.distributed.forked_worker in a worker forked from its launcher: there the process
+STARTED = time.time()  # before torch is imported: recovery benchmarks split start-up time (reset in a fork)
+# Set by disttrain.launch.forked_worker in a worker forked from its launcher: there the process
 # must end through torchrun's child (which reports a success back), so exit_now raises instead.
 FORKED_WORKER = False
 STARTED_BY_FORK = False  # this process is a worker forked from its launcher (its start line says so)

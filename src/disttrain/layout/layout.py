@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
-from disttrain.errors import UserError
-from disttrain.layout_experts import expert_batch_problems, expert_problems
-from disttrain.problem import Problem
-from disttrain.splits import balance_shares, split_layers
+from disttrain.core.errors import UserError
+from disttrain.layout.expert_rules import expert_batch_problems, expert_problems
+from disttrain.layout.problem import Problem
+from disttrain.layout.splits import balance_shares, split_layers
 from disttrain.models.shape import ModelShape
 
 __all__ = ["Layout", "Problem", "batch_problems", "cut_problems", "layout_problems", "world_problems"]
@@ -316,13 +316,13 @@ def cut_problems(shape: ModelShape | None, layout: Layout) -> list[Problem]:
                                 f"{why} (allowed with zero_bubble: none; or another pp_schedule)"))
     problems += expert_problems(shape, lay)
     if lay.cp > 1:
-        from disttrain.context_rules import cp_problems
+        from disttrain.layout.context_rules import cp_problems
 
         problems += cp_problems(shape, lay)
     if lay.engine == "deepspeed":
         problems += _deepspeed_problems(lay)
     if lay.balanced:
-        from disttrain.balance_rules import balance_cut_problems
+        from disttrain.layout.balance_rules import balance_cut_problems
 
         problems += balance_cut_problems(lay)
     if lay.cpu_offload and lay.zero_stage < 2:
@@ -354,7 +354,7 @@ def batch_problems(layout: Layout) -> list[Problem]:
                                     f"{what} must be at least parallel.pp={lay.pp} for pp_schedule={lay.pp_schedule}"))
     problems += expert_batch_problems(lay)
     if lay.balanced:
-        from disttrain.balance_rules import balance_batch_problems
+        from disttrain.layout.balance_rules import balance_batch_problems
 
         problems += balance_batch_problems(lay)
     elif lay.global_batch_size % lay.dp:

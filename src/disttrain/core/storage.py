@@ -22,7 +22,7 @@ import time
 import uuid
 from typing import Callable, TypeVar
 
-from disttrain.errors import UserError
+from disttrain.core.errors import UserError
 
 log = logging.getLogger(__name__)
 

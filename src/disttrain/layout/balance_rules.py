@@ -6,7 +6,7 @@ Pure Python (no torch).
 
 from __future__ import annotations
 
-from disttrain.problem import Problem
+from disttrain.layout.problem import Problem
 
 
 def balance_cut_problems(layout: "Layout") -> list[Problem]:

@@ -5,7 +5,7 @@ tracker listing it came from."""
 
 from __future__ import annotations
 
-from disttrain.layout import DTYPE_BYTES, Layout
+from disttrain.layout.layout import DTYPE_BYTES, Layout
 from disttrain.plan.activations import FP32, StageActivations
 
 

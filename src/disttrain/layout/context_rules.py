@@ -3,7 +3,7 @@ the model family (the ones that need the ModelSpec are in resolve.py). Pure Pyth
 
 from __future__ import annotations
 
-from disttrain.problem import Problem
+from disttrain.layout.problem import Problem
 
 CP_METHODS = ("ring", "allgather", "ulysses")
 

@@ -93,7 +93,7 @@ def launch_workers(opts: LaunchOptions, module_args: list[str]) -> tuple[int, st
     a child agent); it handles the signals a scheduler sends to us (SIGTERM before a kill, SIGUSR1 as
     SLURM's warning) by passing them to the workers so they can save. Returns torchrun's exit status and
     its failure report (empty when the workers said why themselves: agent.QUIET_EXITS)."""
-    from disttrain.distributed.agent import launch
+    from disttrain.launch.agent import launch
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun would set it too, with a warning per launch
     os.environ["DISTTRAIN_EXIT_BARRIER_S"] = str(opts.exit_barrier_timeout)

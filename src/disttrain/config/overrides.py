@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import yaml
 
-from disttrain.errors import ConfigError
+from disttrain.core.errors import ConfigError
 
 
 def parse_overrides(items: list[str]) -> dict:

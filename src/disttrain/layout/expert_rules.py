@@ -5,7 +5,7 @@ the others."""
 from __future__ import annotations
 
 from disttrain.models.shape import ModelShape
-from disttrain.problem import Problem
+from disttrain.layout.problem import Problem
 
 
 def expert_problems(shape: ModelShape | None, layout) -> list[Problem]:  # layout: a layout.Layout

@@ -13,11 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from disttrain.errors import UserError
-from disttrain.layout import Layout, Problem, batch_problems, cut_problems, world_problems
+from disttrain.core.errors import UserError
+from disttrain.layout.layout import Layout, Problem, batch_problems, cut_problems, world_problems
 from disttrain.models.registry import model_shape, model_spec
 from disttrain.models.shape import ModelShape
-from disttrain.validation import check_data, check_engine_installed, check_shape
+from disttrain.config.checks import check_data, check_engine_installed, check_shape
 
 if TYPE_CHECKING:  # the spec's module imports torch; the planner resolves without it
     from disttrain.models.spec import ModelSpec

@@ -1,4 +1,4 @@
-"""`torchrun` with a bounded exit barrier: `python -m disttrain.distributed.agent [torchrun arguments]`.
+"""`torchrun` with a bounded exit barrier: `python -m disttrain.launch.agent [torchrun arguments]`.
 
 When its workers finish, torchrun's agent waits for every other node's agent in an exit barrier of
 300 s that no flag changes; a node that vanished after training finished keeps the survivors waiting
@@ -25,8 +25,8 @@ from torch.distributed import run
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.launcher import api
 
-from disttrain.errors import EXIT_HEALTH, EXIT_PREEMPTED, EXIT_STORAGE, EXIT_USAGE
-from disttrain.process import exit_now
+from disttrain.core.errors import EXIT_HEALTH, EXIT_PREEMPTED, EXIT_STORAGE, EXIT_USAGE
+from disttrain.launch.this_process import exit_now
 
 
 class BoundedExitBarrierAgent(LocalElasticAgent):
@@ -54,7 +54,7 @@ class _QuietExits(logging.Filter):
 
 
 # What a forked worker would import first: here once (torch's DTensor and DCP come with the builder).
-PRELOAD = ("disttrain.cli", "disttrain.train.builder", "disttrain.train.loop")
+PRELOAD = ("disttrain.train.builder", "disttrain.train.loop")
 FORKED_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "forked_worker.py")
 
 

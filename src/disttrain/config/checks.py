@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from disttrain.errors import UserError
+from disttrain.core.errors import UserError
 from disttrain.models.registry import MODEL_SHAPES
 
 INSTALL_HINT = ("engine=deepspeed needs DeepSpeed: DS_BUILD_OPS=0 pip install -c constraints.txt "

@@ -16,9 +16,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, replace
 
-from disttrain.hardware import GPUSpec, find_gpu
-from disttrain.layout import Layout, layout_problems
-from disttrain.splits import balance_shares
+from disttrain.core.gpus import GPUSpec, find_gpu
+from disttrain.layout.layout import Layout, layout_problems
+from disttrain.layout.splits import balance_shares
 from disttrain.models.shape import ModelShape
 from disttrain.plan.estimate import Estimate, estimate
 from disttrain.plan.search import SearchSpace, layout_families, micro_batch_sizes

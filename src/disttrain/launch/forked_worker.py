@@ -23,8 +23,7 @@ import signal
 import sys
 import time
 
-from disttrain import process
-from disttrain.cli import train as train_cli
+from disttrain.launch import this_process
 
 RESET_SIGNALS = ("SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
 
@@ -42,10 +41,10 @@ def _fresh_process_state() -> None:
 
 
 def main() -> None:
-    train_cli.PROCESS_START = time.time()  # this worker's start, not the launcher's
-    process.STARTED_BY_FORK = True
+    this_process.STARTED = time.time()  # this worker's start, not the launcher's
+    this_process.STARTED_BY_FORK = True
     _fresh_process_state()
-    process.FORKED_WORKER = True  # exit_now raises SystemExit here instead of leaving the process
+    this_process.FORKED_WORKER = True  # exit_now raises SystemExit here instead of leaving the process
     args = sys.argv[1:]
     try:
         if args[0] == "-m":
@@ -57,9 +56,9 @@ def main() -> None:
         code = 0
     except SystemExit as exc:
         code = exc.code
-    process.FORKED_WORKER = False
+    this_process.FORKED_WORKER = False
     if code not in (0, None):
-        process.exit_now(code)
+        this_process.exit_now(code)
     atexit._run_exitfuncs()  # the worker's own (logging closes its files); torchrun's child then exits
 
 

@@ -1,0 +1,2 @@
+"""Starting and ending processes: self-launch through torch.distributed.run, torchrun's agent with a bounded
+exit barrier, workers forked from the launcher, and a quick process exit."""
