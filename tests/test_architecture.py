@@ -1,42 +1,68 @@
-"""The layering rules of docs/ARCHITECTURE.md, checked on the source: no import cycles, the runtime
-never imports the planner, Llama module names stay in models/llama/, files stay short."""
+"""The layering rules of docs/architecture.md, checked on the source: only `__init__.py` and `__main__.py` at the
+top, every package in one layer order that imports only go down (so no loops between packages), hidden loads
+counted as imports, the diagram's arrows equal to the import graph, the runtime never imports the planner,
+Llama module names stay in models/llama/, files stay short."""
 
 from __future__ import annotations
 
-import ast
 import re
-from pathlib import Path
 
 from helpers import REPO
+from import_graph import SRC, imported_names, module_graph, package_graph
 
-SRC = REPO / "src" / "disttrain"
+# Top to bottom: a package imports only packages below it. core/ is below everything and every package may
+# import it (the diagram leaves those arrows out).
+LAYERS = ("cli", "bench", "launch", "plan", "dryrun", "train", "checkpoint", "config", "observe", "parallel", "data",
+          "models", "distributed", "layout", "core")
 
 
-def _module_name(path: Path) -> str:
-    parts = path.relative_to(SRC.parent).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+def test_only_the_package_entry_points_sit_at_the_top():
+    assert sorted(p.name for p in SRC.glob("*.py")) == ["__init__.py", "__main__.py"]
 
 
-def _imports() -> dict[str, set[str]]:
-    """Module -> the disttrain modules it imports (top-level and inside functions)."""
-    modules = {_module_name(p): p for p in SRC.rglob("*.py")}
+def test_every_package_is_a_layer():
+    packages = sorted(p.parent.name for p in SRC.glob("*/__init__.py"))
+    assert packages == sorted(LAYERS)
+
+
+def test_imports_only_go_down_the_layers():
+    upward = [f"{a} -> {b}: {', '.join(why)}" for (a, b), why in package_graph().items()
+              if LAYERS.index(a) >= LAYERS.index(b)]
+    assert not upward, upward
+
+
+def test_no_loops_between_packages():
     graph: dict[str, set[str]] = {}
-    for name, path in modules.items():
-        found = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("disttrain"):
-                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
-            elif isinstance(node, ast.Import):
-                targets = [a.name for a in node.names if a.name.startswith("disttrain")]
-            else:
-                continue
-            found.update(t for t in targets if t in modules and t != name)
-        graph[name] = found
-    return graph
+    for a, b in package_graph():
+        graph.setdefault(a, set()).add(b)
+
+    def reaches(start: str, goal: str, seen: set[str]) -> bool:
+        return any(nxt == goal or (nxt not in seen and reaches(nxt, goal, seen | {nxt})) for nxt in graph.get(start, ()))
+
+    loops = [p for p in graph if reaches(p, p, {p})]
+    assert not loops, loops
+
+
+def test_hidden_loads_count_as_imports():
+    """A module named in a string (importlib, runpy, `python -m`, a preload list) and the imports of code in a
+    string (`python -c`) are loads; a logger's name and an import under TYPE_CHECKING are not."""
+    source = """
+import importlib, logging, subprocess, sys
+from typing import TYPE_CHECKING
+if TYPE_CHECKING:
+    from disttrain.config.schema import RunConfig
+importlib.import_module("disttrain.train.loop")
+__import__("disttrain.train.builder")
+subprocess.run([sys.executable, "-c", "import json, disttrain.cli; print(1)"])
+subprocess.run([sys.executable, "-m", "disttrain.launch.agent"])
+log = logging.getLogger("disttrain.checkpoint")
+"""
+    assert imported_names(source) == {"disttrain.train.loop", "disttrain.train.builder", "disttrain.cli",
+                                      "disttrain.launch.agent"}
 
 
 def test_no_import_cycles():
-    graph = _imports()
+    graph = module_graph()
     state: dict[str, int] = {}
     stack: list[str] = []
 
@@ -58,7 +84,7 @@ def test_no_import_cycles():
 
 
 def test_runtime_never_imports_the_planner():
-    offenders = [f"{m} imports {t}" for m, targets in _imports().items() for t in targets
+    offenders = [f"{m} imports {t}" for m, targets in module_graph().items() for t in targets
                  if t.startswith("disttrain.plan") and not m.startswith(("disttrain.plan", "disttrain.cli"))]
     assert not offenders, offenders
 
@@ -80,7 +106,7 @@ def test_engines_hold_only_the_training_math():
     breakdown, watchdog, fault injection, balancer or clock in an engine module."""
     observers = ("disttrain.observe", "disttrain.train.faults", "disttrain.train.resilience", "disttrain.train.balance",
                  "disttrain.dryrun")
-    graph = _imports()
+    graph = module_graph()
     for engine in ("torch_engine", "pipeline_engine", "deepspeed_engine"):
         module = f"disttrain.train.{engine}"
         assert not [t for t in graph[module] if t.startswith(observers)], module

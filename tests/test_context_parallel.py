@@ -265,7 +265,7 @@ def test_the_planner_proposes_context_parallel_for_long_sequences():
     assert result.ranked[0].time.tokens_per_s > 1.1 * best_without.time.tokens_per_s
     assert result.ranked[0].time.cp_comm_s > 0
     assert cp_degrees(4096, 32) == [1] and cp_degrees(131072, 16) == [1, 2, 4, 8, 16]
-    ring, gather = (kv_traffic_bytes(shape, winner.with_(cp_method=m))["bytes"] for m in ("ring", "allgather"))
+    ring, gather = (kv_traffic_bytes(shape, winner.replace(cp_method=m))["bytes"] for m in ("ring", "allgather"))
     assert ring > gather > 0  # the ring sends more bytes, hidden behind attention
 
 

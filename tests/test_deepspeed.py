@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+from disttrain.config.resolve import resolve_run
 from disttrain.config.schema import load_config
 from disttrain.train.deepspeed_engine import deepspeed_config
 from helpers import (DEBUG_CONFIG, FP64, LR, PARITY_FP32, REPO, assert_losses_close, assert_params_close, cli_env,
@@ -21,13 +22,14 @@ def test_config_maps_every_setting():
     cfg = load_config(DEBUG_CONFIG, ["engine=torch", "parallel.zero_stage=3", "parallel.cpu_offload=true",
                                      "precision.compute_dtype=bf16", "optim.grad_clip=0.5", "train.global_batch_size=16",
                                      "train.micro_batch_size=2"])
-    ds = deepspeed_config(cfg, world_size=4)
+    ds = deepspeed_config(resolve_run(cfg, 4, "cuda").layout, cfg.optim.grad_clip)
     assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (16, 2, 2)
     assert ds["zero_optimization"]["stage"] == 3 and ds["gradient_clipping"] == 0.5
     assert ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
     assert ds["zero_optimization"]["offload_param"]["pin_memory"] is False  # no pinning without CUDA
     assert ds["bf16"]["enabled"] and not ds["fp16"]["enabled"]
-    fp16 = deepspeed_config(load_config(DEBUG_CONFIG, ["precision.compute_dtype=fp16"]), 1)
+    cfg = load_config(DEBUG_CONFIG, ["precision.compute_dtype=fp16"])
+    fp16 = deepspeed_config(resolve_run(cfg, 1, "cuda").layout, cfg.optim.grad_clip)
     assert fp16["fp16"]["enabled"] and fp16["fp16"]["loss_scale"] == 0  # 0 = dynamic loss scaling
 
 

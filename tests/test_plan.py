@@ -15,7 +15,8 @@ from disttrain.models.registry import MODEL_SHAPES
 from disttrain.models import flops as F
 from disttrain.plan.estimate import estimate, shape_for_params
 from disttrain.core.gpus import GPUS, GPUSpec, find_gpu, match_device_name
-from disttrain.layout.layout import Layout, layout_problems
+from disttrain.layout.layout import Layout
+from disttrain.layout.rules import layout_problems
 from disttrain.layout.splits import split_layers
 from disttrain.plan.activations import rotary_input_bytes
 from disttrain.plan.memory import (korthikanti_in_flight_factor, korthikanti_layer_bytes, model_state_bytes,
@@ -338,6 +339,27 @@ def test_plan_writes_a_config_the_runtime_validates(tmp_path):
     winner = yaml.safe_load(out.read_text())
     assert winner["parallel"]["zero_stage"] == result["winner"]["layout"]["zero_stage"]
 
+
+
+@pytest.mark.parametrize("model,gpus,seq_len", [("13b", 32, 4096), ("7b", 16, 4096), ("70b", 64, 4096),
+                                                ("qwen3-30b-a3b", 32, 4096), ("7b", 32, 131072)])
+def test_the_written_config_is_the_planned_layout(model, gpus, seq_len):
+    """The config `plan --out` writes resolves, on the planned world size, to exactly the winning Layout (its
+    pipeline schedule length spelled out): Layout.to_config is the one inverse of Layout.from_config."""
+    from disttrain.config.schema import RunConfig
+    from disttrain.plan.render import winner_config
+    from disttrain.plan.search import SearchSpace, search
+    from disttrain.plan.timing import Cluster
+    from disttrain.core.gpus import find_gpu
+
+    shape = MODEL_SHAPES[model]
+    space = SearchSpace(seq_len=seq_len, global_batch_size=max(gpus, 2 ** 22 // seq_len))
+    result = search(shape, Cluster(find_gpu("h100"), 8, gpus // 8), space, model=model)
+    assert result.ranked
+    for est in result.ranked[:5]:
+        expected = est.layout.replace(pp_microbatches=est.layout.microbatches) if est.layout.pp > 1 else est.layout
+        cfg = RunConfig.model_validate(winner_config(est))
+        assert Layout.from_config(cfg, gpus, "cuda") == expected
 
 # ---------------------------------------------------------------- mixed GPU types
 

@@ -206,20 +206,20 @@ def test_all_to_all_time_follows_the_alpha_beta_model():
     tokens_bytes = 2 * 4096 * 8 * shape.dim  # bf16 rows of dim, top-8, per micro-batch
     per_step = 2 * shape.n_layers * ALL_TO_ALLS_PER_LAYER  # micro-batches x MoE layers x 4
     assert dispatch_s(shape, lay, cluster) == 0.0  # ep=1: no dispatch
-    intra = dispatch_s(shape, lay.with_(ep=8), cluster)
+    intra = dispatch_s(shape, lay.replace(ep=8), cluster)
     assert intra == pytest.approx(per_step * _a2a(8, tokens_bytes, h100.intra_node_gbs, 5e-6), rel=1e-12)
-    inter = dispatch_s(shape, lay.with_(ep=16), cluster)  # 16 ranks span two nodes: the network
+    inter = dispatch_s(shape, lay.replace(ep=16), cluster)  # 16 ranks span two nodes: the network
     assert inter == pytest.approx(per_step * _a2a(16, tokens_bytes, h100.inter_node_gbs, 15e-6), rel=1e-12)
     assert inter / intra > 8  # NVLink 450 GB/s against 50 GB/s per GPU
     # Linear in the tokens routed; skew loads the busiest rank; full recomputation repeats the forward two.
-    long = dispatch_s(shape, lay.with_(ep=8, seq_len=8192), cluster)
+    long = dispatch_s(shape, lay.replace(ep=8, seq_len=8192), cluster)
     assert long == pytest.approx(per_step * _a2a(8, 2 * tokens_bytes, h100.intra_node_gbs, 5e-6), rel=1e-12)
-    assert dispatch_s(shape, lay.with_(ep=8), cluster, skew=2.0) == pytest.approx(
+    assert dispatch_s(shape, lay.replace(ep=8), cluster, skew=2.0) == pytest.approx(
         per_step * _a2a(8, 2 * tokens_bytes, h100.intra_node_gbs, 5e-6), rel=1e-12)
     for recompute in ("full", "selective"):
-        assert dispatch_s(shape, lay.with_(ep=8, activation_checkpointing=recompute), cluster) == \
+        assert dispatch_s(shape, lay.replace(ep=8, activation_checkpointing=recompute), cluster) == \
             pytest.approx(1.5 * intra)
-    est = estimate(shape, lay.with_(ep=8), cluster)
+    est = estimate(shape, lay.replace(ep=8), cluster)
     assert est.time.ep_comm_s == intra and est.time.step_s > est.time.compute_s + intra
 
 
@@ -234,10 +234,10 @@ def test_dispatch_buffers_grow_with_routing_skew_up_to_ep():
     # and its receive buffer while the all-to-all runs (transient).
     assert skewed.saved - balanced.saved == pytest.approx(48 * e * rows * (dim + 4 * width), rel=1e-12)
     assert skewed.layer - balanced.layer == pytest.approx(e * rows * dim, rel=1e-12)
-    capped = estimate(shape, lay.with_(ep=2), routing_skew=8.0).memory.activations  # at most all ep ranks' rows
-    assert capped.saved == estimate(shape, lay.with_(ep=2), routing_skew=2.0).memory.activations.saved
-    one = estimate(shape, lay.with_(ep=1), routing_skew=4.0).memory.activations  # one rank holds every expert
-    assert one.saved == estimate(shape, lay.with_(ep=1)).memory.activations.saved
+    capped = estimate(shape, lay.replace(ep=2), routing_skew=8.0).memory.activations  # at most all ep ranks' rows
+    assert capped.saved == estimate(shape, lay.replace(ep=2), routing_skew=2.0).memory.activations.saved
+    one = estimate(shape, lay.replace(ep=1), routing_skew=4.0).memory.activations  # one rank holds every expert
+    assert one.saved == estimate(shape, lay.replace(ep=1)).memory.activations.saved
 
 
 def test_context_parallel_ranks_route_their_chunk_and_lend_themselves_to_ep():
@@ -249,9 +249,9 @@ def test_context_parallel_ranks_route_their_chunk_and_lend_themselves_to_ep():
     cluster = Cluster(find_gpu("h100"), gpus_per_node=8, nodes=1)
     lay = Layout(dp_shard=4, cp=2, ep=8, zero_stage=3, seq_len=8192, global_batch_size=8, micro_batch_size=1)
     assert estimate(shape, lay).memory.states.params == pytest.approx(4 * (dense + experts) / 8, rel=1e-12)
-    ddp = estimate(shape, lay.with_(zero_stage=0)).memory.states
+    ddp = estimate(shape, lay.replace(zero_stage=0)).memory.states
     assert ddp.params == 4 * (dense + experts / 8)
-    spread = {ep: estimate(shape, lay.with_(ep=ep)).as_dict()["moe"]["expert_data_parallel"] for ep in (1, 2, 8)}
+    spread = {ep: estimate(shape, lay.replace(ep=ep)).as_dict()["moe"]["expert_data_parallel"] for ep in (1, 2, 8)}
     assert spread == {1: 8, 2: 4, 8: 1}  # the ranks an expert's states are spread over: dp_shard x cp / ep
     rows = 2 * 4096 * 8 * shape.dim  # bf16 rows of dim, top-8, per micro-batch: this rank's half of the sequence
     per_step = 2 * shape.n_layers * ALL_TO_ALLS_PER_LAYER

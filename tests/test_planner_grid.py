@@ -256,7 +256,6 @@ def test_plan_verify_drops_a_layout_its_dry_run_disproves(monkeypatch, capsys):
     """A layout whose dry run needs more than the budget leaves the ranking, the winner and the reasons; the
     ranking is printed before the dry runs, and each dry run says which layout it checks and what it found."""
     from disttrain.cli import dryrun as dryrun_cli, main
-    from disttrain.plan.search import describe
 
     printed_before = []
 
@@ -264,7 +263,7 @@ def test_plan_verify_drops_a_layout_its_dry_run_disproves(monkeypatch, capsys):
         (est,) = estimates
         printed_before.append(capsys.readouterr())
         factor = 3 if len(printed_before) == 1 else 1
-        return [{"layout": describe(est.layout), "planner_peak_bytes": est.memory.total, "rank": 0, "fits": True,
+        return [{"layout": est.layout.describe(micro_batch=True), "planner_peak_bytes": est.memory.total, "rank": 0, "fits": True,
                  "peak_bytes": est.memory.total * factor, "headroom_bytes": 0, "planner_error": 1 / factor - 1,
                  "seconds": 1.0}]
 

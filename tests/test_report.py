@@ -10,7 +10,6 @@ import json
 import pytest
 
 from disttrain.config.schema import load_config
-from disttrain.observe.console import describe_layout
 from disttrain.observe.run_report import figures, load_records, summary
 from disttrain.config.resolve import resolve_run
 from helpers import DEBUG_CONFIG
@@ -28,7 +27,7 @@ from helpers import DEBUG_CONFIG
 ])
 def test_the_start_line_states_the_layout(overrides, world, expected):
     layout = resolve_run(load_config(DEBUG_CONFIG, overrides), world, "cpu").layout
-    assert describe_layout(layout) == expected
+    assert layout.describe() == expected
 
 
 LR = [1e-3 * (k + 1) / 10 for k in range(10)]

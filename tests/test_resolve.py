@@ -8,7 +8,9 @@ import textwrap
 import pytest
 
 from disttrain.config.schema import ConfigError, load_config
-from disttrain.layout.layout import Layout, Problem, layout_problems
+from disttrain.layout.layout import Layout
+from disttrain.layout.problem import Problem
+from disttrain.layout.rules import layout_problems
 from disttrain.models.registry import MODEL_SHAPES
 from disttrain.plan.search import MICRO_BATCH_KEYS
 from disttrain.config.resolve import resolve_run
@@ -178,3 +180,28 @@ def test_training_never_returns_to_validation_or_the_registry(tmp_path):
     assert resolved == [True] and after == []
     assert [r["step"] for r in map(json.loads, (tmp_path / "debug" / "metrics.jsonl").read_text().splitlines())
             if "loss" in r and "event" not in r] == [1, 2]
+
+
+@pytest.mark.parametrize("overrides,world,device", [
+    ([], 2, "cpu"),
+    (["parallel.zero_stage=3", "precision.param_dtype=bf16", "precision.reduce_dtype=fp32"], 4, "cuda"),
+    (["parallel.zero_stage=2"], 2, "cuda"),  # param_dtype auto: bf16 on a GPU
+    (["parallel.dp_replicate=2", "parallel.zero_stage=3", "parallel.cpu_offload=true"], 4, "cpu"),
+    (["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.zero_stage=2"], 4, "cpu"),
+    (["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_microbatches=4", "parallel.pp_layers=[1,1,1,1]",
+      "model.n_layers=4", "train.global_batch_size=8", "parallel.activation_checkpointing=full"], 2, "cpu"),
+    (["model.name=debug-moe", "parallel.ep=2", "parallel.zero_stage=1"], 2, "cpu"),
+    (["parallel.cp=2", "parallel.cp_method=ulysses", "data.seq_len=64"], 2, "cpu"),
+    (["parallel.balance_weights=[1,3]", "train.micro_batch_size=1"], 2, "cpu"),
+    (["precision.compute_dtype=fp64"], 1, "cpu"),
+    (["precision.compute_dtype=bf16"], 2, "cuda"),
+    (["engine=deepspeed", "parallel.zero_stage=3", "precision.compute_dtype=fp16"], 2, "cuda"),
+])
+def test_to_config_gives_the_layout_back(overrides, world, device, monkeypatch):
+    """Layout.to_config is the one inverse of Layout.from_config: its sections alone (every other key at its
+    default) resolve to the same Layout on the same world."""
+    from disttrain.config.schema import RunConfig
+
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: object())  # engine=deepspeed: installed or not
+    layout = resolve_run(load_config(DEBUG_CONFIG, overrides), world, device).layout
+    assert Layout.from_config(RunConfig.model_validate(layout.to_config()), world, device) == layout

@@ -30,7 +30,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from disttrain.layout.layout import split_problems
+from disttrain.layout.rules import split_problems
 from disttrain.models.shape import ModelShape
 
 ALL_REDUCE_SIZES = tuple(2 ** k for k in range(12, 25, 2))  # 4 KiB .. 16 MiB

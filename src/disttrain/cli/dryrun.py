@@ -225,7 +225,6 @@ def verify_plan(estimates: list, gpus: int, gpu_name: str, progress=None) -> lis
     from disttrain.config.schema import RunConfig
     from disttrain.plan.activations import pipeline_batch_bytes, pipeline_recv_bytes
     from disttrain.plan.render import winner_config
-    from disttrain.plan.search import describe
 
     rows = []
     for est in estimates:
@@ -237,7 +236,7 @@ def verify_plan(estimates: list, gpus: int, gpu_name: str, progress=None) -> lis
         try:
             result = dry_run(cfg, gpus, gpu_name=gpu_name, progress=progress, microbatches=cap)
         except UserError as exc:
-            rows.append({"layout": describe(lay), "planner_peak_bytes": est.memory.total, "error": str(exc)})
+            rows.append({"layout": lay.describe(micro_batch=True), "planner_peak_bytes": est.memory.total, "error": str(exc)})
             continue
         left_out = {}
         for r in result["ranks"]:  # the receive buffers of the micro-batches the cap left out
@@ -247,7 +246,7 @@ def verify_plan(estimates: list, gpus: int, gpu_name: str, progress=None) -> lis
         worst = max(result["ranks"], key=lambda r: r["peak_bytes"] + left_out[r["rank"]])
         peak = worst["peak_bytes"] + left_out[worst["rank"]]
         budget = worst["budget_bytes"]
-        rows.append({"layout": describe(lay), "planner_peak_bytes": est.memory.total, "peak_bytes": peak,
+        rows.append({"layout": lay.describe(micro_batch=True), "planner_peak_bytes": est.memory.total, "peak_bytes": peak,
                      "rank": worst["rank"], "fits": peak <= budget, "headroom_bytes": int(budget - peak),
                      "planner_error": _error(est.memory.total, peak), "left_out_bytes": left_out[worst["rank"]],
                      "seconds": sum(r["seconds"] for r in result["ranks"])})

@@ -11,13 +11,15 @@ from pathlib import Path
 
 from disttrain.core.errors import UserError
 from disttrain.core.gpus import GPUS, find_gpu
-from disttrain.layout.layout import RECOMPUTE, SCHEDULES, VIRTUAL_STAGES, Layout, layout_problems, world_problems
+from disttrain.layout.layout import RECOMPUTE, SCHEDULES, VIRTUAL_STAGES, Layout
+from disttrain.layout.rules import layout_problems
+from disttrain.layout.world_rules import world_problems
 from disttrain.models.registry import MODEL_SHAPES, ModelShape
 from disttrain.plan import moe, render as report
 from disttrain.plan.estimate import estimate, shape_for_params
 from disttrain.plan.memory import ACCOUNTINGS
-from disttrain.plan.search import (SearchSpace, describe, drop_disproved, global_batch, gpu_memory, memory_budget,
-                                   parse_count, parse_counts, search, why_winner)
+from disttrain.plan.search import (SearchSpace, drop_disproved, global_batch, gpu_memory, memory_budget,
+                                   parse_count, parse_counts, scaling_table, search, why_winner)
 from disttrain.plan.timing import Cluster, single_gpu_tokens_per_s
 
 
@@ -170,16 +172,16 @@ def build_layout(args) -> tuple[str, ModelShape, Layout]:
         "pp_schedule": args.pp_schedule, "pp_microbatches": args.microbatches, "seq_len": args.seq_len,
         "activation_checkpointing": args.activation_checkpointing, "sequence_parallel": args.sequence_parallel,
         "cpu_offload": args.cpu_offload, "param_dtype": args.dtype, "ep": args.ep}.items() if v is not None}
-    layout = layout.with_(**changes)
+    layout = layout.replace(**changes)
     fixed = layout.dp_replicate * layout.tp * layout.pp * layout.cp
     gpus = args.gpus or (layout.world_size if cfg is not None else fixed)
     if world_problems(layout.dp_replicate, -1, layout.tp, layout.pp, gpus, layout.cp):
         raise UserError(f"--gpus={gpus} is not divisible by dp_replicate x tp x pp = {fixed}")
-    layout = layout.with_(dp_shard=gpus // fixed)
+    layout = layout.replace(dp_shard=gpus // fixed)
     mbs = args.micro_batch_size or (layout.micro_batch_size if cfg is not None else 1)
     gbs = args.global_batch_size or (layout.global_batch_size if cfg is not None else
                                      layout.dp * mbs * max(1, args.microbatches or (layout.pp if layout.pp > 1 else 1)))
-    layout = layout.with_(micro_batch_size=mbs, global_batch_size=gbs)
+    layout = layout.replace(micro_batch_size=mbs, global_batch_size=gbs)
     if layout.seq_len > shape.max_seq_len:
         shape = replace(shape, max_seq_len=layout.seq_len)
     problems = layout_problems(shape, layout)
@@ -283,7 +285,8 @@ def cmd_plan(args) -> None:
     win = result.ranked[0]
     baseline = single_gpu_tokens_per_s(shape, seq_len, cluster, space.param_dtype)
     counts = parse_counts(args.scaling)
-    scaling = scaling_table(shape, args, space, name, counts) if counts else []
+    clusters = {gpus: _cluster(argparse.Namespace(**{**vars(args), "nodes": None}), gpus, name, shape) for gpus in counts}
+    scaling = scaling_table(shape, space, args.headroom, name, clusters) if counts else []
     out = Path(args.out) if args.out else None
     if out is not None:
         import yaml
@@ -309,7 +312,7 @@ def cmd_plan(args) -> None:
             lines += [f"Dropped (a dry run needs more than the {result.budget_bytes / 2**30:.1f} GiB budget): "
                       + "; ".join(dropped), "", "Ranking after the dry runs:",
                       *report.plan_table(result.ranked, args.top)]
-    lines += ["", "Winner: " + describe(win.layout), *("  " + r for r in why_winner(result)), ""]
+    lines += ["", "Winner: " + win.layout.describe(micro_batch=True), *("  " + r for r in why_winner(result)), ""]
     lines += report.memory_table(win) + [""] + report.time_lines(win, tokens, baseline)
     lines.append("  (scaling baseline: one GPU with enough memory, no communication, no recomputation)")
     if scaling:
@@ -327,7 +330,7 @@ def _verify(args, result, gpu_name: str) -> list[dict]:
     rows, chosen = [], result.ranked[:args.verify]
     for i, est in enumerate(chosen, 1):
         def progress(message: str, i=i, est=est) -> None:
-            print(f"[{i}/{len(chosen)}] {describe(est.layout)}: {message}", file=sys.stderr, flush=True)
+            print(f"[{i}/{len(chosen)}] {est.layout.describe(micro_batch=True)}: {message}", file=sys.stderr, flush=True)
 
         (row,) = verify_plan([est], args.gpus, gpu_name, progress)
         if "peak_bytes" in row:
@@ -377,23 +380,3 @@ def cmd_plan_mixed(args) -> None:
     print("\n".join([header, "", *render_plans(plans, args.top), "",
                      f"Wrote {out} (run it with: disttrain train {out})" if out else
                      "Pass --out FILE.yaml to write the winner as a config."]))
-
-
-def scaling_table(shape, args, space: SearchSpace, name: str, counts: list[int]) -> list[dict]:
-    """Best layout per GPU count at the same global batch, with efficiency against one GPU."""
-    rows = []
-    for gpus in counts:
-        cluster = _cluster(argparse.Namespace(**{**vars(args), "nodes": None}), gpus, name, shape)
-        if space.global_batch_size % gpus and space.global_batch_size < gpus:
-            continue
-        result = search(shape, cluster, space, args.headroom, name)
-        base = single_gpu_tokens_per_s(shape, space.seq_len, cluster, space.param_dtype)
-        if result.ranked:
-            best = result.ranked[0]
-            rows.append({"gpus": gpus, "tokens_per_s": best.time.tokens_per_s,
-                         "tokens_per_s_per_gpu": best.time.tokens_per_s_per_gpu,
-                         "efficiency": best.time.tokens_per_s_per_gpu / base, "layout": describe(best.layout)})
-        else:
-            rows.append({"gpus": gpus, "tokens_per_s": None, "tokens_per_s_per_gpu": None, "efficiency": None,
-                         "layout": "does not fit"})
-    return rows

@@ -64,8 +64,8 @@ def cmd_config(args: argparse.Namespace, overrides: list[str]) -> None:
     cfg = load_config(args.config, [*overrides, "engine=torch"])  # exporting needs no DeepSpeed installed
     if args.world_size < 1:
         raise UserError(f"--world-size={args.world_size}: must be a positive integer")
-    resolve_run(cfg, args.world_size, "cuda")
-    text = json.dumps(deepspeed_config(cfg, args.world_size), indent=2) + "\n"
+    layout = resolve_run(cfg, args.world_size, "cuda").layout
+    text = json.dumps(deepspeed_config(layout, cfg.optim.grad_clip), indent=2) + "\n"
     if args.out:
         tmp = Path(args.out + ".tmp")
         tmp.write_text(text)

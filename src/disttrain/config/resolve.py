@@ -14,7 +14,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from disttrain.core.errors import UserError
-from disttrain.layout.layout import Layout, Problem, batch_problems, cut_problems, world_problems
+from disttrain.layout.layout import Layout
+from disttrain.layout.problem import Problem
+from disttrain.layout.rules import batch_problems, cut_problems
+from disttrain.layout.world_rules import world_problems
 from disttrain.models.registry import model_shape, model_spec
 from disttrain.models.shape import ModelShape
 from disttrain.config.checks import check_data, check_engine_installed, check_shape

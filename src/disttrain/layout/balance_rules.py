@@ -1,7 +1,6 @@
 """The Layout's rules for uneven data-parallel shares (`parallel.balance`, `parallel.balance_weights`).
 
-Kept beside layout.py (which calls them from `cut_problems` and `batch_problems`) so that file stays short.
-Pure Python (no torch).
+Asked by rules.py's `cut_problems` and `batch_problems`. Pure Python (no torch).
 """
 
 from __future__ import annotations

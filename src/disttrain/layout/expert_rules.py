@@ -1,11 +1,15 @@
 """Layout rules of expert parallelism (`parallel.ep`): an MoE model, experts that split evenly over
-data-parallel x context-parallel ranks, and what it composes with. Pure Python; layout.py asks them with
+data-parallel x context-parallel ranks, and what it composes with. Pure Python; rules.py asks them with
 the others."""
 
 from __future__ import annotations
 
-from disttrain.models.shape import ModelShape
+from typing import TYPE_CHECKING
+
 from disttrain.layout.problem import Problem
+
+if TYPE_CHECKING:  # the shape is read, never built, here
+    from disttrain.models.shape import ModelShape
 
 
 def expert_problems(shape: ModelShape | None, layout) -> list[Problem]:  # layout: a layout.Layout

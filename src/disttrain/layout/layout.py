@@ -1,9 +1,10 @@
-"""The one resolved Layout: how a run is cut across ranks, and every rule that makes a cut valid.
+"""The one resolved Layout: how a run is cut across ranks.
 
-Built once per process from the config and the world size (`resolve.resolve_run` calls
-`Layout.from_config`); the runtime (meshes, parallelize, engines, checkpoints, metrics), the dry run
-and the planner all read it. Rules return typed `Problem`s, so no other module re-derives a layout
-rule or reads its message text. Pure Python (no torch).
+Built once per process from the config and the world size (`config/resolve.py` calls `Layout.from_config`);
+the runtime (meshes, parallelize, engines, checkpoints, metrics), the dry run and the planner all read it, and
+`to_config` is its one inverse (the planner's proposed configs, the DeepSpeed JSON). The rules that make a cut
+valid are rules.py and the families beside it (expert_rules.py, context_rules.py, balance_rules.py). Pure
+Python (no torch).
 
 Mesh dimension order, outermost first: pp, dp_replicate, dp_shard, cp, tp. Tensor parallel is
 innermost so its ranks share a node (NVLink), context parallel next to it (K/V traffic every layer);
@@ -14,13 +15,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
-from disttrain.core.errors import UserError
-from disttrain.layout.expert_rules import expert_batch_problems, expert_problems
-from disttrain.layout.problem import Problem
 from disttrain.layout.splits import balance_shares, split_layers
-from disttrain.models.shape import ModelShape
-
-__all__ = ["Layout", "Problem", "batch_problems", "cut_problems", "layout_problems", "world_problems"]
+from disttrain.layout.world_rules import resolve_dp_shard
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
@@ -32,6 +28,7 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8}
 
 def stages_per_rank(pp: int, schedule: str, virtual_stages: int = VIRTUAL_STAGES) -> int:
     return virtual_stages if pp > 1 and schedule in MULTI_STAGE_SCHEDULES else 1
+
 
 
 @dataclass(frozen=True)
@@ -196,7 +193,8 @@ class Layout:
         return ()
 
     # ------------------------------------------------------------ construction
-    def with_(self, **changes) -> "Layout":
+    # ------------------------------------------------------------ construction, its inverse, its description
+    def replace(self, **changes) -> "Layout":
         return replace(self, **changes)
 
     def as_dict(self) -> dict:
@@ -231,164 +229,43 @@ class Layout:
                    cpu_offload=p.cpu_offload, engine=cfg.engine, balance=p.balance,
                    balance_weights=tuple(float(w) for w in p.balance_weights))
 
+    def to_config(self) -> dict:
+        """The config sections that give this Layout back through `from_config` (on its world size): the one
+        mapping from a Layout to config keys. `virtual_stages` has no key (it is always VIRTUAL_STAGES)."""
+        parallel = {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp, "pp": self.pp,
+                    "ep": self.ep, "cp": self.cp, "cp_method": self.cp_method, "zero_stage": self.zero_stage,
+                    "pp_schedule": self.pp_schedule, "pp_microbatches": self.pp_microbatches,
+                    "pp_layers": list(self.pp_layers), "sequence_parallel": self.sequence_parallel,
+                    "activation_checkpointing": self.activation_checkpointing, "cpu_offload": self.cpu_offload,
+                    "balance": self.balance, "balance_weights": list(self.balance_weights)}
+        # from_config reads precision.param_dtype only under FSDP's mixed precision (torch engine, ZeRO-2/3) and
+        # outside fp64; elsewhere the weights take the compute dtype, and `auto` says so
+        own_param_dtype = self.zero_stage >= 2 and self.engine == "torch" and self.compute_dtype != "fp64"
+        precision = {"param_dtype": self.param_dtype if own_param_dtype else "auto",
+                     "compute_dtype": self.compute_dtype, "reduce_dtype": self.reduce_dtype}
+        return {"engine": self.engine, "parallel": parallel, "precision": precision,
+                "train": {"global_batch_size": self.global_batch_size, "micro_batch_size": self.micro_batch_size},
+                "data": {"seq_len": self.seq_len}}
 
-def resolve_dp_shard(parallel, world_size: int) -> int:
-    """`dp_shard=-1` takes what is left of the world size; the product must equal it."""
-    problems = world_problems(parallel.dp_replicate, parallel.dp_shard, parallel.tp, parallel.pp, world_size,
-                              parallel.cp)
-    if problems:
-        raise UserError(str(problems[0]))
-    fixed = parallel.dp_replicate * parallel.tp * parallel.pp * parallel.cp
-    return world_size // fixed if parallel.dp_shard == -1 else parallel.dp_shard
-
-
-# ---------------------------------------------------------------- the rules (each a Problem: problem.py)
-def world_problems(dp_replicate: int, dp_shard: int, tp: int, pp: int, world_size: int,
-                   cp: int = 1) -> list[Problem]:
-    """The degrees must multiply to the world size (`dp_shard=-1`: whatever is left of it)."""
-    fixed = dp_replicate * tp * pp * cp
-    cp_text = f" x parallel.cp={cp}" if cp > 1 else ""
-    if dp_shard == -1:
-        if world_size % fixed:
-            return [Problem("parallel.dp_shard", dp_shard, f"degrees whose product divides {world_size}",
-                            f"parallel.dp_replicate={dp_replicate} x parallel.tp={tp} x parallel.pp={pp}{cp_text} = "
-                            f"{fixed} does not divide the world size {world_size}")]
-        dp_shard = world_size // fixed
-    if fixed * dp_shard != world_size:
-        return [Problem("parallel.dp_shard", dp_shard, f"degrees multiplying to {world_size}",
-                        f"parallel.dp_replicate={dp_replicate} x parallel.dp_shard={dp_shard} x parallel.tp={tp} x "
-                        f"parallel.pp={pp}{cp_text} = {fixed * dp_shard} does not equal the world size {world_size}")]
-    return []
-
-
-def split_problems(shape: ModelShape | None, tp: int, pp: int, stages_per_rank: int = 1,
-                   sequence_parallel: bool = False, seq_len: int = 1) -> list[Problem]:
-    """Reasons the model cannot be cut this way, whatever the world size and batch (`shape` None: a
-    model without known dimensions; its ModelSpec decides at build time)."""
-    problems = []
-    if tp > 1 and shape is not None:  # heads, FFN width and vocabulary are split tp ways
-        problems += [Problem("parallel.tp", tp, f"a divisor of {key}={value}",
-                             f"parallel.tp={tp} does not divide {key}={value}")
-                     for key, value in (("model.n_heads", shape.n_heads), ("model.n_kv_heads", shape.n_kv_heads),
-                                        ("model.ffn_hidden_dim", shape.ffn_hidden_dim),
-                                        ("model.vocab_size", shape.vocab_size)) if value % tp]
-    if sequence_parallel and tp == 1:
-        problems.append(Problem("parallel.sequence_parallel", True, "false with parallel.tp=1",
-                                "parallel.sequence_parallel=true needs parallel.tp > 1"))
-    if sequence_parallel and seq_len % tp:
-        problems.append(Problem("parallel.tp", tp, f"a divisor of data.seq_len={seq_len}",
-                                f"parallel.tp={tp} does not divide data.seq_len={seq_len} (sequence parallel)"))
-    stages = pp * stages_per_rank
-    if shape is not None and stages > shape.n_layers:
-        problems.append(Problem("parallel.pp", pp, f"at most model.n_layers={shape.n_layers} stages",
-                                f"parallel.pp={pp} x {stages_per_rank} stage(s) per rank = {stages} stages "
-                                f"exceeds model.n_layers={shape.n_layers}"))
-    return problems
-
-
-def layout_problems(shape: ModelShape | None, layout: Layout) -> list[Problem]:
-    """Every reason this layout cannot run this model (empty list: valid)."""
-    return cut_problems(shape, layout) + batch_problems(layout)
-
-
-def cut_problems(shape: ModelShape | None, layout: Layout) -> list[Problem]:
-    """Rules that hold whatever the world size: how the model is split, and what composes with what."""
-    lay = layout
-    problems = split_problems(shape, lay.tp, lay.pp, lay.stages_per_rank, lay.sequence_parallel, lay.seq_len)
-    if lay.pp_layers and shape is not None:
-        n = lay.n_stages
-        if len(lay.pp_layers) != n or sum(lay.pp_layers) != shape.n_layers or min(lay.pp_layers) < 1:
-            problems.append(Problem("parallel.pp_layers", list(lay.pp_layers), f"{n} positive counts adding up to "
-                                    f"{shape.n_layers}", f"parallel.pp_layers={list(lay.pp_layers)}: needs {n} "
-                                    f"positive counts (pp x stages per rank for pp_schedule={lay.pp_schedule}) "
-                                    f"adding up to model.n_layers={shape.n_layers}"))
-    if lay.pp > 1 and lay.compute_dtype == "fp16":
-        problems.append(Problem("precision.compute_dtype", "fp16", "fp32, bf16", f"precision.compute_dtype=fp16 with "
-                                f"parallel.pp={lay.pp}: dynamic loss scaling does not reach inside the pipeline "
-                                "schedule's backward passes (allowed with pp > 1: fp32, bf16)"))
-    if lay.pp > 1 and lay.pp_schedule == "zero_bubble" and (ac := lay.activation_checkpointing) != "none":
-        # Two backwards per block: selective checkpointing refuses that; full keeps its first recomputation for
-        # the second (dry run, tiny, 2 ranks: 49/52 MB against 42/45 MB without checkpointing).
-        why = ("which selective checkpointing refuses" if ac == "selective" else
-               "and full checkpointing recomputes each block in both, holding more memory than no checkpointing")
-        problems.append(Problem("parallel.activation_checkpointing", ac, "none", f"parallel.activation_checkpointing={ac} "
-                                f"with parallel.pp_schedule=zero_bubble: the schedule runs two backward passes per block, "
-                                f"{why} (allowed with zero_bubble: none; or another pp_schedule)"))
-    problems += expert_problems(shape, lay)
-    if lay.cp > 1:
-        from disttrain.layout.context_rules import cp_problems
-
-        problems += cp_problems(shape, lay)
-    if lay.engine == "deepspeed":
-        problems += _deepspeed_problems(lay)
-    if lay.balanced:
-        from disttrain.layout.balance_rules import balance_cut_problems
-
-        problems += balance_cut_problems(lay)
-    if lay.cpu_offload and lay.zero_stage < 2:
-        problems.append(Problem("parallel.cpu_offload", True, "false with zero_stage 0 or 1", "parallel.cpu_offload="
-                                f"true needs parallel.zero_stage 2 or 3 (FSDP2), not {lay.zero_stage}"))
-    if lay.activation_checkpointing not in RECOMPUTE:
-        problems.append(Problem("parallel.activation_checkpointing", lay.activation_checkpointing, ", ".join(RECOMPUTE),
-                                f"parallel.activation_checkpointing={lay.activation_checkpointing} "
-                                f"(allowed: {', '.join(RECOMPUTE)})"))
-    if lay.pp_schedule not in SCHEDULES:
-        problems.append(Problem("parallel.pp_schedule", lay.pp_schedule, ", ".join(SCHEDULES),
-                                f"parallel.pp_schedule={lay.pp_schedule} (allowed: {', '.join(SCHEDULES)})"))
-    return problems
-
-
-def batch_problems(layout: Layout) -> list[Problem]:
-    """Rules that need the data-parallel size: how the global batch splits into ranks and micro-batches."""
-    lay, problems = layout, []
-    if lay.pp > 1:
-        m = lay.microbatches
-        what = (f"parallel.pp_microbatches={m}" if lay.pp_microbatches else
-                f"{m} pipeline micro-batches (per-rank batch {lay.sequences_per_rank} / train.micro_batch_size="
-                f"{lay.micro_batch_size}; set parallel.pp_microbatches)")
-        if lay.pp_schedule in MULTI_STAGE_SCHEDULES and m % lay.pp:
-            problems.append(Problem("parallel.pp_microbatches", m, f"a multiple of parallel.pp={lay.pp}",
-                                    f"{what} must be a multiple of parallel.pp={lay.pp} for pp_schedule={lay.pp_schedule}"))
-        if lay.pp_schedule != "gpipe" and m < lay.pp:
-            problems.append(Problem("parallel.pp_microbatches", m, f"at least parallel.pp={lay.pp}",
-                                    f"{what} must be at least parallel.pp={lay.pp} for pp_schedule={lay.pp_schedule}"))
-    problems += expert_batch_problems(lay)
-    if lay.balanced:
-        from disttrain.layout.balance_rules import balance_batch_problems
-
-        problems += balance_batch_problems(lay)
-    elif lay.global_batch_size % lay.dp:
-        problems.append(Problem("train.global_batch_size", lay.global_batch_size, f"a multiple of {lay.dp}",
-                                f"train.global_batch_size={lay.global_batch_size} is not divisible by the "
-                                f"data-parallel size {lay.dp} (world size {lay.world_size})"))
-    elif lay.pp > 1 and lay.pp_microbatches:
-        if lay.sequences_per_rank % lay.pp_microbatches:
-            problems.append(Problem("parallel.pp_microbatches", lay.pp_microbatches, f"a divisor of "
-                                    f"{lay.sequences_per_rank}", f"parallel.pp_microbatches={lay.pp_microbatches} "
-                                    f"does not divide the per-rank batch {lay.sequences_per_rank}"))
-    elif lay.sequences_per_rank % lay.micro_batch_size:
-        problems.append(Problem("train.micro_batch_size", lay.micro_batch_size, f"a divisor of "
-                                f"{lay.sequences_per_rank}", f"train.micro_batch_size={lay.micro_batch_size} does "
-                                f"not divide the per-rank batch {lay.sequences_per_rank} (train.global_batch_size="
-                                f"{lay.global_batch_size} over {lay.dp} data-parallel ranks)"))
-    if lay.engine == "torch" and (lay.tp > 1 or lay.pp > 1) and lay.gradient_ranks > 1 and lay.zero_stage < 2:
-        key = f"parallel.tp={lay.tp}" if lay.tp > 1 else f"parallel.pp={lay.pp}"
-        problems.append(Problem("parallel.zero_stage", lay.zero_stage, "2, 3", f"{key} with {lay.gradient_ranks} data-parallel "
-                                f"ranks needs parallel.zero_stage 2 or 3, not {lay.zero_stage} (FSDP2 composes with "
-                                "tensor and pipeline parallelism on the mesh; DDP and ZeRO-1 take neither DTensor "
-                                "parameters nor a schedule's many backward passes)"))
-    return problems
-
-
-def _deepspeed_problems(layout: Layout) -> list[Problem]:
-    problems = []
-    if layout.tp > 1 or layout.pp > 1:
-        key, value = ("parallel.tp", layout.tp) if layout.tp > 1 else ("parallel.pp", layout.pp)
-        problems.append(Problem(key, value, "1 with engine=deepspeed", f"parallel.tp={layout.tp}, parallel.pp="
-                                f"{layout.pp}: tensor and pipeline parallelism need engine=torch (allowed with "
-                                "engine=deepspeed: tp=1, pp=1)"))
-    if layout.dp_replicate != 1:
-        problems.append(Problem("parallel.dp_replicate", layout.dp_replicate, "1 with engine=deepspeed",
-                                f"parallel.dp_replicate={layout.dp_replicate} needs engine=torch (HSDP); DeepSpeed "
-                                "partitions over the whole world (allowed with engine=deepspeed: 1)"))
-    return problems
+    def describe(self, micro_batch: bool = False) -> str:
+        """How the run is cut, in the config's words (the one spelling: the start line, metrics.jsonl's `started`
+        event, the planner's tables): `dp=2 zero=3`, `ep=2`, `cp=2 ring`, `tp=2 sp`, `pp=2 interleaved_1f1b m=8`;
+        `micro_batch`: and the sequences per forward pass (`mbs=4`), which the planner chooses too."""
+        dp = f"dp={self.dp}" + (f" ({self.dp_replicate} replicas x {self.dp_shard} shards)"
+                                if self.dp_replicate > 1 and self.dp_shard > 1 else "")
+        parts = [dp, ("deepspeed " if self.engine == "deepspeed" else "") + f"zero={self.zero_stage}"]
+        if self.ep > 1:
+            parts.append(f"ep={self.ep}")
+        if self.cp > 1:
+            parts.append(f"cp={self.cp} {self.cp_method}")
+        if self.tp > 1:
+            parts.append(f"tp={self.tp}" + (" sp" if self.sequence_parallel else ""))
+        if self.pp > 1:
+            parts.append(f"pp={self.pp} {self.pp_schedule} m={self.microbatches}")
+        if self.activation_checkpointing != "none":
+            parts.append(f"ac={self.activation_checkpointing}")
+        if self.cpu_offload:
+            parts.append("cpu_offload")
+        if micro_batch:
+            parts.append(f"mbs={self.micro_batch}")
+        return " ".join(parts)

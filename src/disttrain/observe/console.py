@@ -15,32 +15,11 @@ def _fmt_duration(seconds: float) -> str:
     return f"{h}:{m:02d}:{s:02d}" if h else f"{m:02d}:{s:02d}"
 
 
-def describe_layout(layout) -> str:
-    """How the run is cut, in the config's words: `dp=2 zero=3`, `ep=2`, `cp=2 ring`, `tp=2 sp`,
-    `pp=2 interleaved_1f1b m=8`."""
-    dp = f"dp={layout.dp}" + (f" ({layout.dp_replicate} replicas x {layout.dp_shard} shards)"
-                              if layout.dp_replicate > 1 and layout.dp_shard > 1 else "")
-    parts = [dp, ("deepspeed " if layout.engine == "deepspeed" else "") + f"zero={layout.zero_stage}"]
-    if layout.ep > 1:
-        parts.append(f"ep={layout.ep}")
-    if layout.cp > 1:
-        parts.append(f"cp={layout.cp} {layout.cp_method}")
-    if layout.tp > 1:
-        parts.append(f"tp={layout.tp}" + (" sp" if layout.sequence_parallel else ""))
-    if layout.pp > 1:
-        parts.append(f"pp={layout.pp} {layout.pp_schedule} m={layout.microbatches}")
-    if layout.activation_checkpointing != "none":
-        parts.append(f"ac={layout.activation_checkpointing}")
-    if layout.cpu_offload:
-        parts.append("cpu_offload")
-    return " ".join(parts)
-
-
 def start_line(model: str, num_params: int, layout, device: str, tokenizer: str | None, per_step: str) -> str:
     """The first line of a run: what trains, how it is cut over the world, on which tokens."""
     tok = f"tokenizer {tokenizer}" if tokenizer else "no tokenizer (the dataset gives ids)"
     return (f"model {model}: {num_params / 1e6:.2f}M parameters | world {layout.world_size}: "
-            f"{describe_layout(layout)} on {device} | {tok} | {per_step} per step")
+            f"{layout.describe()} on {device} | {tok} | {per_step} per step")
 
 
 def _event_line(name: str, fields: dict) -> str | None:

@@ -17,7 +17,8 @@ import re
 from dataclasses import dataclass, replace
 
 from disttrain.core.gpus import GPUSpec, find_gpu
-from disttrain.layout.layout import Layout, layout_problems
+from disttrain.layout.layout import Layout
+from disttrain.layout.rules import layout_problems
 from disttrain.layout.splits import balance_shares
 from disttrain.models.shape import ModelShape
 from disttrain.plan.estimate import Estimate, estimate
@@ -86,16 +87,16 @@ def plan_mixed(shape: ModelShape, groups: list[GPUGroup], space: SearchSpace, gp
         rank_types = [g.gpu.name for g in groups for _ in range(g.count // replica)]
         peaks = {g.gpu.name: g.gpu.peak_flops(_peak_key(dtype)) for g in groups}
         for mbs in micro_batch_sizes(family, space):
-            layout = family.with_(micro_batch_size=mbs)
+            layout = family.replace(micro_batch_size=mbs)
             if family.pp == 1 and family.dp > 1 and len(set(peaks.values())) > 1:
                 slowest = min(peaks.values())
-                layout = layout.with_(balance_weights=tuple(round(peaks[t] / slowest, 2) for t in rank_types))
+                layout = layout.replace(balance_weights=tuple(round(peaks[t] / slowest, 2) for t in rank_types))
             if layout_problems(shape, layout):
                 continue
             plan = _evaluate(shape, layout, groups, rank_types, per_node, headroom, model, compute_efficiency)
             if layout.balanced:  # re-weight by the modelled time of a micro-batch on each type, not its peak
                 slowest = max(plan.per_micro_batch_s.values())
-                timed = layout.with_(balance_weights=tuple(round(slowest / plan.per_micro_batch_s[t], 2)
+                timed = layout.replace(balance_weights=tuple(round(slowest / plan.per_micro_batch_s[t], 2)
                                                            for t in rank_types))
                 plan = min(plan, _evaluate(shape, timed, groups, rank_types, per_node, headroom, model,
                                            compute_efficiency), key=lambda p: p.step_s)
@@ -134,14 +135,13 @@ def _evaluate(shape, layout: Layout, groups, rank_types, per_node, headroom, mod
 
 def render_plans(plans: list[MixedPlan], top: int) -> list[str]:
     """The ranked table, the winner's speed-up over equal shares and its per-type lines."""
-    from disttrain.plan.search import describe
 
     win = plans[0]
     lines = [f"{'#':>2}  {'tokens/s':>10}  {'step s':>7}  {'equal shares':>12}  {'GiB/GPU':>7}  layout"]
     for i, p in enumerate(plans[:top], 1):
         lines.append(f"{i:>2}  {p.tokens_per_s:>10,.0f}  {p.step_s:>7.2f}  {p.equal_step_s:>11.2f}s  "
-                     f"{p.estimate.memory.total / 2**30:>7.1f}  {describe(p.estimate.layout)}")
-    lines += ["", f"Winner: {describe(win.estimate.layout)}; {win.equal_step_s / win.step_s:.2f}x the speed of equal "
+                     f"{p.estimate.memory.total / 2**30:>7.1f}  {p.estimate.layout.describe(micro_batch=True)}")
+    lines += ["", f"Winner: {win.estimate.layout.describe(micro_batch=True)}; {win.equal_step_s / win.step_s:.2f}x the speed of equal "
                   "shares", *describe_types(win)]
     if win.estimate.layout.balanced:
         lines.append(f"  parallel.balance_weights={list(win.estimate.layout.balance_weights)} (modelled speed; "

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from disttrain.plan.estimate import Estimate
 from disttrain.layout.layout import Layout
-from disttrain.plan.search import describe
 
 GIB = 2 ** 30
 
@@ -62,7 +61,7 @@ def plan_table(ranked: list[Estimate], top: int) -> list[str]:
         acts = peak["activations"] + peak["temporary"]
         lines.append(f"{i:>2}  {t.tokens_per_s_per_gpu:>12,.0f}  {t.mfu:>6.1%}  {t.step_s:>8.2f} {t.compute_s:>8.2f} "
                      f"{t.bubble_s:>8.2f} {t.tp_comm_s + t.pp_comm_s + t.dp_exposed_s + t.ep_comm_s:>7.2f}  {m.total / GIB:>9.1f} "
-                     f"{states / GIB:>7.1f} {acts / GIB:>6.1f} {peak['communication'] / GIB:>5.1f}  {describe(e.layout)}")
+                     f"{states / GIB:>7.1f} {acts / GIB:>6.1f} {peak['communication'] / GIB:>5.1f}  {e.layout.describe(micro_batch=True)}")
     return lines
 
 
@@ -117,8 +116,8 @@ def time_lines(est: Estimate, tokens: float | None = None, baseline_tokens_per_s
 
 
 def layout_line(layout: Layout) -> str:
-    return f"Layout: {describe(layout)} on {layout.world_size} GPU(s), global batch {layout.global_batch_size} x " \
-           f"{layout.seq_len} tokens"
+    return (f"Layout: {layout.describe(micro_batch=True)} on {layout.world_size} GPU(s), global batch "
+            f"{layout.global_batch_size} x {layout.seq_len} tokens")
 
 
 def winner_config(est: Estimate, tokens: float | None = None) -> dict:
@@ -141,21 +140,19 @@ def winner_config(est: Estimate, tokens: float | None = None) -> dict:
 
 
 def _config(est: Estimate, model: dict, steps: int) -> dict:
-    lay = est.layout
-    parallel = {"dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard, "tp": lay.tp, "pp": lay.pp,
-                **({"cp": lay.cp, "cp_method": lay.cp_method} if lay.cp > 1 else {}),
-                "zero_stage": lay.zero_stage, "sequence_parallel": lay.sequence_parallel,
-                "activation_checkpointing": lay.activation_checkpointing, "cpu_offload": lay.cpu_offload}
-    if lay.pp > 1:
-        parallel.update(pp_schedule=lay.pp_schedule, pp_microbatches=lay.microbatches)
-    if lay.ep > 1:
-        parallel["ep"] = lay.ep
-    if lay.balanced:  # a mixed cluster: shares by peak FLOP/s to start, then by measured speed
-        parallel.update(balance_weights=list(lay.balance_weights), balance="auto")
-    precision = ({"param_dtype": lay.param_dtype, "compute_dtype": lay.param_dtype, "reduce_dtype": lay.reduce_dtype}
-                 if lay.zero_stage >= 2 else {"param_dtype": "fp32", "compute_dtype": lay.param_dtype})
-    return {"model": model, "data": {"seq_len": lay.seq_len},
-            "train": {"steps": steps, "global_batch_size": lay.global_batch_size,
-                      "micro_batch_size": lay.micro_batch_size if lay.balanced else lay.micro_batch},
-            "parallel": parallel, "precision": precision}
+    """The Layout's own config keys (`Layout.to_config`), less those at the schema's defaults; a pipeline's
+    schedule length spelled out (`parallel.pp_microbatches`)."""
+    from disttrain.config.schema import RunConfig
 
+    lay = est.layout
+    if lay.pp > 1:
+        lay = lay.replace(pp_microbatches=lay.microbatches)
+    if lay.balanced:  # a mixed cluster: shares by peak FLOP/s to start, then by measured speed
+        lay = lay.replace(balance="auto")
+    defaults = RunConfig().model_dump(mode="json", by_alias=True)
+    sections = {name: {k: v for k, v in keys.items() if k in ("dp_shard", "zero_stage") or v != defaults[name][k]}
+                for name, keys in lay.to_config().items() if isinstance(keys, dict)}
+    sections["train"] = {"steps": steps, **sections["train"]}
+    order = ("data", "train", "parallel", "precision")
+    return {"model": model, **({"engine": lay.engine} if lay.engine != "torch" else {}),
+            **{name: sections[name] for name in order if sections[name]}}

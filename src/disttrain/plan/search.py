@@ -17,8 +17,9 @@ from disttrain.core.errors import UserError
 from disttrain.models.registry import ModelShape
 from disttrain.plan.context import cp_degrees
 from disttrain.plan.estimate import Estimate, estimate
-from disttrain.layout.layout import RECOMPUTE, SCHEDULES, VIRTUAL_STAGES, Layout, layout_problems
-from disttrain.plan.timing import Cluster
+from disttrain.layout.layout import RECOMPUTE, SCHEDULES, VIRTUAL_STAGES, Layout
+from disttrain.layout.rules import layout_problems
+from disttrain.plan.timing import Cluster, single_gpu_tokens_per_s
 
 
 MICRO_BATCH_KEYS = ("train.micro_batch_size", "parallel.pp_microbatches")  # rules the micro-batch size can fix
@@ -121,7 +122,7 @@ def search(shape: ModelShape, cluster: Cluster, space: SearchSpace, headroom: fl
     ranked, considered = [], 0
     for family in layout_families(shape, cluster, space):
         for mbs in micro_batch_sizes(family, space):
-            layout = family.with_(micro_batch_size=mbs)
+            layout = family.replace(micro_batch_size=mbs)
             if layout_problems(shape, layout):
                 continue
             considered += 1
@@ -140,7 +141,7 @@ def brute_force(shape: ModelShape, cluster: Cluster, space: SearchSpace, headroo
     out = []
     for family in layout_families(shape, cluster, space):
         for mbs in micro_batch_sizes(family, space):
-            layout = family.with_(micro_batch_size=mbs)
+            layout = family.replace(micro_batch_size=mbs)
             if not layout_problems(shape, layout):
                 est = estimate(shape, layout, cluster, lora_rank=space.lora_rank, routing_skew=space.routing_skew)
                 if fits(est, budget):
@@ -200,27 +201,6 @@ def parse_counts(text: str | None) -> list[int]:
     return counts
 
 
-def describe(layout: Layout) -> str:
-    parts = []
-    if layout.dp_replicate > 1:
-        parts.append(f"dp_replicate={layout.dp_replicate}")
-    parts.append(f"dp_shard={layout.dp_shard}" if layout.zero_stage >= 2 else f"dp={layout.dp}")
-    if layout.cp > 1:
-        parts.append(f"cp={layout.cp} {layout.cp_method}")
-    if layout.tp > 1:
-        parts.append(f"tp={layout.tp}" + ("+sp" if layout.sequence_parallel else ""))
-    if layout.ep > 1:
-        parts.append(f"ep={layout.ep}")
-    if layout.pp > 1:
-        parts.append(f"pp={layout.pp} {layout.pp_schedule} m={layout.microbatches}")
-    parts.append(f"zero={layout.zero_stage}")
-    parts.append(f"mbs={layout.micro_batch}")
-    parts.append(f"ac={layout.activation_checkpointing}")
-    if layout.cpu_offload:
-        parts.append("offload")
-    return " ".join(parts)
-
-
 def why_winner(result: SearchResult) -> list[str]:
     """Plain reasons: what the winner avoids that the runners-up pay for."""
     if not result.ranked:
@@ -230,9 +210,9 @@ def why_winner(result: SearchResult) -> list[str]:
     lines = [f"{result.considered} layouts considered, {result.fitting} fit in "
              f"{result.budget_bytes / 2**30:.1f} GiB per GPU; the winner needs {win.memory.total / 2**30:.1f} GiB."]
     shown = 0
-    seen = {describe(win.layout)}
+    seen = {win.layout.describe(micro_batch=True)}
     for other in result.ranked[1:]:
-        key = describe(other.layout)
+        key = other.layout.describe(micro_batch=True)
         if key in seen:
             continue
         seen.add(key)
@@ -254,3 +234,25 @@ def why_winner(result: SearchResult) -> list[str]:
         if shown == 3:
             break
     return lines
+
+
+def scaling_table(shape: ModelShape, space: SearchSpace, headroom: float, name: str,
+                  clusters: dict[int, Cluster]) -> list[dict]:
+    """Best layout per GPU count (`clusters`: count -> its cluster) at the same global batch, with efficiency
+    against one GPU."""
+    rows = []
+    for gpus, cluster in clusters.items():
+        if space.global_batch_size % gpus and space.global_batch_size < gpus:
+            continue
+        result = search(shape, cluster, space, headroom, name)
+        base = single_gpu_tokens_per_s(shape, space.seq_len, cluster, space.param_dtype)
+        if result.ranked:
+            best = result.ranked[0]
+            rows.append({"gpus": gpus, "tokens_per_s": best.time.tokens_per_s,
+                         "tokens_per_s_per_gpu": best.time.tokens_per_s_per_gpu,
+                         "efficiency": best.time.tokens_per_s_per_gpu / base,
+                         "layout": best.layout.describe(micro_batch=True)})
+        else:
+            rows.append({"gpus": gpus, "tokens_per_s": None, "tokens_per_s_per_gpu": None, "efficiency": None,
+                         "layout": "does not fit"})
+    return rows

@@ -173,7 +173,8 @@ def build_engine(cfg: RunConfig, layout: Layout, meshes: Meshes, spec: ModelSpec
         apply_activation_checkpointing(spec.blocks(model), layout.activation_checkpointing)
         optimizer = build_optimizer(model, cfg.optim)
         scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
-        return DeepSpeedEngine(model, optimizer, scheduler, cfg, rt.world_size, device, mean_loss, dp_group, phases)
+        return DeepSpeedEngine(model, optimizer, scheduler, layout, cfg.optim.grad_clip, device, mean_loss, dp_group,
+                               phases)
     precision = Precision(layout.compute_dtype, device)
     if layout.pp > 1:
         from disttrain.parallel.pipeline import build_pipeline

@@ -29,25 +29,24 @@ from disttrain.train.loss import GlobalMeanLoss, valid_targets
 from disttrain.train.phases import Phases
 
 
-def deepspeed_config(cfg, world_size: int, cuda: bool = False) -> dict:
-    t, p = cfg.train, cfg.parallel
-    dp = world_size  # DeepSpeed data parallel spans the world (tp = pp = 1 in this version)
-    micro = t.micro_batch_size or t.global_batch_size // dp
-    zero: dict = {"stage": p.zero_stage}
-    if p.zero_stage >= 1:
+def deepspeed_config(layout, grad_clip: float, cuda: bool = False) -> dict:
+    """The DeepSpeed JSON a resolved Layout maps to: its data parallel spans the world (tp = pp = 1 here)."""
+    dp, micro = layout.world_size, layout.micro_batch_size
+    zero: dict = {"stage": layout.zero_stage}
+    if layout.zero_stage >= 1:
         zero.update(overlap_comm=False, contiguous_gradients=True, reduce_scatter=True)
-    if p.cpu_offload:
+    if layout.cpu_offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": cuda}
-        if p.zero_stage == 3:
+        if layout.zero_stage == 3:
             zero["offload_param"] = {"device": "cpu", "pin_memory": cuda}
     out = {
-        "train_batch_size": t.global_batch_size,
+        "train_batch_size": layout.global_batch_size,
         "train_micro_batch_size_per_gpu": micro,
-        "gradient_accumulation_steps": t.global_batch_size // (dp * micro),
-        "gradient_clipping": cfg.optim.grad_clip,
+        "gradient_accumulation_steps": layout.global_batch_size // (dp * micro),
+        "gradient_clipping": grad_clip,
         "zero_optimization": zero,
-        "bf16": {"enabled": cfg.precision.compute_dtype == "bf16"},
-        "fp16": {"enabled": cfg.precision.compute_dtype == "fp16", "loss_scale": 0, "initial_scale_power": 16,
+        "bf16": {"enabled": layout.compute_dtype == "bf16"},
+        "fp16": {"enabled": layout.compute_dtype == "fp16", "loss_scale": 0, "initial_scale_power": 16,
                  "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1},
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 1 << 30,
@@ -69,7 +68,7 @@ class DeepSpeedEngine:
 
     checkpoint_format = TAG
 
-    def __init__(self, model, optimizer, scheduler, cfg, world_size: int, device, mean_loss: GlobalMeanLoss,
+    def __init__(self, model, optimizer, scheduler, layout, grad_clip: float, device, mean_loss: GlobalMeanLoss,
                  dp_group, phases: Phases):
         from disttrain.config.checks import INSTALL_HINT
 
@@ -86,7 +85,7 @@ class DeepSpeedEngine:
         os.environ.setdefault("RANK", str(dist.get_rank()))
         os.environ.setdefault("WORLD_SIZE", str(dist.get_world_size()))
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
-                                                    config=deepspeed_config(cfg, world_size, device.type == "cuda"),
+                                                    config=deepspeed_config(layout, grad_clip, device.type == "cuda"),
                                                     dist_init_required=False)
         self.model = self.engine  # DCP-free: saves and loads go through DeepSpeed's own format
         self.scheduler, self.mean_loss, self.device = scheduler, mean_loss, device

@@ -15,7 +15,7 @@ from disttrain.data.sampling import GlobalBatchSampler
 from disttrain.data.source import truncation_warnings, validation_gaps
 from disttrain.core.errors import EXIT_PREEMPTED
 from disttrain.models.generate import generate
-from disttrain.observe.console import describe_layout, start_line
+from disttrain.observe.console import start_line
 from disttrain.observe.health import check_replicas_in_sync, rank_stats
 from disttrain.observe.metrics import MetricsLogger, peak_memory_bytes
 from disttrain.observe.model_bytes import memory_stats
@@ -158,7 +158,7 @@ class Trainer:
     def _announce(self, metrics: MetricsLogger) -> None:
         run, p = self.run, self.progress
         name = self.cfg.model.hf or (run.spec.name if self.cfg.model.spec else self.cfg.model.name)
-        metrics.event("started", step=p.step, world_size=run.rt.world_size, layout=describe_layout(run.layout))
+        metrics.event("started", step=p.step, world_size=run.rt.world_size, layout=run.layout.describe())
         metrics.message(start_line(name, run.num_params, run.layout, f"{run.rt.device.type}/{run.rt.backend}",
                                    run.tokenizer.name if run.tokenizer is not None else None,
                                    f"{run.tokens_per_step:,} {'tokens' if run.tokenizer is not None else 'samples'}"))
