@@ -135,7 +135,7 @@ def test_packing_is_refused_where_conversations_cannot_be_kept_apart(tmp_path, t
     gets a warning from prepare-data and a one-line refusal of data.packing (text shards get one too)."""
     from transformers import AutoTokenizer
 
-    from disttrain.config.schema import load_config
+    from disttrain.config.load import load_config
     from disttrain.core.errors import UserError
     from disttrain.config.resolve import resolve_run
     from helpers import DEBUG_CONFIG

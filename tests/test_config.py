@@ -5,7 +5,10 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from disttrain.config.schema import ConfigError, RunConfig, load_config, parse_overrides
+from disttrain.config.load import load_config
+from disttrain.config.overrides import parse_overrides
+from disttrain.config.schema import RunConfig
+from disttrain.core.errors import ConfigError
 from disttrain.config.resolve import resolve_run
 from helpers import DEBUG_CONFIG, REPO, run_cli
 
@@ -26,13 +29,13 @@ def test_resolved_yaml_shows_the_shape_and_round_trips():
     """config.yaml holds the model's dimensions (the debug shape with one override), not nulls, and loads
     back as the same run."""
     cfg = load_config(DEBUG_CONFIG, ["checkpoint.every_steps=5", "model.n_layers=3"])
-    tree = yaml.safe_load(cfg.to_yaml())
+    tree = yaml.safe_load(cfg.to_yaml(resolve_run(cfg, 2, "cpu")))
     assert {k: v for k, v in tree["model"].items() if k not in ("name", "hf", "spec", "init_from")} == {
         "dim": 64, "n_layers": 3, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 256, "ffn_hidden_dim": 192,
         "max_seq_len": 256, "tie_embeddings": False, "norm_eps": 1e-5, "rope_theta": 10000.0}
     again = RunConfig.model_validate(tree)
     assert again.model_dump(exclude={"model"}) == cfg.model_dump(exclude={"model"})
-    assert again.to_yaml() == cfg.to_yaml()
+    assert again.to_yaml(resolve_run(again, 2, "cpu")) == cfg.to_yaml(resolve_run(cfg, 2, "cpu"))
 
 
 def test_override_parsing_nests_and_types():

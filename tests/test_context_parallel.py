@@ -193,7 +193,8 @@ BAD = [
 
 @pytest.mark.parametrize("overrides, message", BAD, ids=["seq_len", "ulysses heads", "method"])
 def test_bad_context_parallel_input_is_one_line(overrides, message):
-    from disttrain.config.schema import ConfigError, load_config
+    from disttrain.config.load import load_config
+    from disttrain.core.errors import ConfigError
     from disttrain.core.errors import UserError
     from disttrain.config.resolve import resolve_run
 
@@ -216,7 +217,7 @@ def test_models_that_cannot_shard_their_sequence_are_refused_by_name(tmp_path):
     assert f"parallel.cp=2: model gpt2 from model.hf={gpt2} cannot shard its sequence" in err
     assert not (tmp_path / "runs").exists()  # nothing written
 
-    from disttrain.config.schema import load_config
+    from disttrain.config.load import load_config
     from disttrain.core.errors import UserError
     from disttrain.config.resolve import resolve_run
 
@@ -277,7 +278,7 @@ def test_the_planner_counts_rotary_tables_and_the_whole_embedding_gradient_as_th
     on each tp rank, under gradients (unless the output matrix is tied to it: the output's sharded gradient
     is added to it). Category by category the planner's peak is the dry run's, tied and untied. A long
     max_seq_len and a large vocabulary make each term a sizeable share of its category."""
-    from disttrain.config.schema import load_config
+    from disttrain.config.load import load_config
     from disttrain.dryrun.simulate import simulate
     from disttrain.plan.memory import estimate_memory
     from disttrain.config.resolve import resolve_run
@@ -302,7 +303,7 @@ def test_the_planner_peak_is_the_dry_runs_with_one_micro_batch_per_rank():
     backward for the peak here (+9% and +17%): it counted the block's unsharded gradients beside the previous
     block's reduce-scatter input, and the ring's backward temporaries beside the MLP's tensors."""
     from disttrain.cli.dryrun import dry_run
-    from disttrain.config.schema import load_config
+    from disttrain.config.load import load_config
 
     for name in ("debug", "debug-moe"):
         cfg = load_config(None, [f"model.name={name}", "data.seq_len=128", "train.global_batch_size=4",
@@ -316,7 +317,7 @@ def test_the_planner_counts_the_ring_traffic_the_dry_run_sends():
     """Rank 0 of cp=2 under selective checkpointing (`tiny`, 2 layers, simulated in this process) sends per
     step what the planner counts: K/V blocks forward and backward, dK/dV blocks backward, and the forward's
     K/V blocks once more (checkpointing replays the block, the ring's walk included): 10 blocks, not 8."""
-    from disttrain.config.schema import load_config
+    from disttrain.config.load import load_config
     from disttrain.dryrun.simulate import simulate
     from disttrain.plan.context import kv_traffic_bytes
     from disttrain.config.resolve import resolve_run
@@ -357,7 +358,7 @@ def test_dry_run_confirms_the_ring_cache_under_selective_checkpointing(tmp_path)
     from disttrain.models.llama.shapes import MODEL_SHAPES
     from disttrain.plan.context import ring_selective_cache_bytes
     from disttrain.config.resolve import resolve_run
-    from disttrain.config.schema import load_config
+    from disttrain.config.load import load_config
 
     cfg = tmp_path / "cp4.yaml"
     cfg.write_text("model: {name: tiny, max_seq_len: 4096}\ndata: {seq_len: 4096}\ntrain: {global_batch_size: 1}\n"

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from disttrain.config.resolve import resolve_run
-from disttrain.config.schema import load_config
+from disttrain.config.load import load_config
 from disttrain.train.deepspeed_engine import deepspeed_config
 from helpers import (DEBUG_CONFIG, FP64, LR, PARITY_FP32, REPO, assert_losses_close, assert_params_close, cli_env,
                      load_model_params, losses, run_main, train, train_many)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from disttrain.config.schema import load_config
+from disttrain.config.load import load_config
 from disttrain.models.documents import block_causal_mask, document_positions
 from disttrain.models.registry import model_spec
 from disttrain.models.spec import build_model

@@ -12,7 +12,7 @@ import pytest
 
 from helpers import REPO, cli_env
 
-from disttrain.config.schema import load_config
+from disttrain.config.load import load_config
 from disttrain.dryrun.simulate import simulate
 from disttrain.models.registry import MODEL_SHAPES
 from disttrain.config.resolve import resolve_run

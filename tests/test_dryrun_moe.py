@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from disttrain.cli.dryrun import dry_run
-from disttrain.config.schema import load_config
+from disttrain.config.load import load_config
 from disttrain.dryrun.routing import AssumedRouting
 from disttrain.dryrun.simulate import unsupported
 from disttrain.core.errors import UserError

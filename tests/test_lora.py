@@ -60,7 +60,7 @@ def two_rank_runs(base, references, tmp_path_factory):
 def test_only_the_adapters_train(base):
     """Through the builder's own pieces on one process: the base gets no gradient and no optimizer state, and
     stays bitwise what it was; the adapters move."""
-    from disttrain.config.schema import load_config
+    from disttrain.config.load import load_config
     from disttrain.models.lora import apply_lora, is_adapter
     from disttrain.models.registry import model_spec
     from disttrain.models.spec import build_model
@@ -119,7 +119,7 @@ def test_checkpoint_holds_the_adapters_and_a_fingerprint_of_the_base(references)
 
 def test_the_base_fingerprint_tells_bases_apart():
     """What resume and --merge-lora check: the same base built again matches; another seed's does not."""
-    from disttrain.config.schema import load_config
+    from disttrain.config.load import load_config
     from disttrain.models.lora import base_fingerprint
     from disttrain.models.registry import model_spec
     from disttrain.models.spec import build_model
@@ -138,7 +138,8 @@ def test_a_resumed_run_continues_exactly(two_rank_runs, references):
 
 def test_resuming_with_other_lora_settings_is_refused(references, base):
     from disttrain.checkpoint.run_identity import check_run_dir
-    from disttrain.config.schema import UserError, load_config
+    from disttrain.config.load import load_config
+    from disttrain.core.errors import UserError
     from disttrain.config.resolve import resolve_run
 
     run = references["lora"]
@@ -200,7 +201,8 @@ def test_both_exports_load_with_equal_logits(references, base, tmp_path):
 
 def test_bad_lora_input_is_one_line(references, base, tmp_path):
     """Each refusal is one line on stderr, exit 2, nothing written."""
-    from disttrain.config.schema import UserError, load_config
+    from disttrain.config.load import load_config
+    from disttrain.core.errors import UserError
     from disttrain.checkpoint.export import export
     from disttrain.config.resolve import resolve_run
 
@@ -240,7 +242,7 @@ def test_the_planner_counts_the_adapters_and_what_freezing_saves(tmp_path):
     import yaml
     from peft import LoraConfig, inject_adapter_in_model
 
-    from disttrain.config.schema import load_config
+    from disttrain.config.load import load_config
     from disttrain.models.lora import apply_lora
     from disttrain.models.registry import model_spec
     from disttrain.models.spec import build_model

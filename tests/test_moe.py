@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from disttrain.config.schema import load_config
+from disttrain.config.load import load_config
 from disttrain.core.errors import UserError
 from disttrain.models.moe import MoEFeedForward, MoERouting
 from disttrain.models.moe.experts import GroupedExperts

@@ -243,7 +243,7 @@ def test_tracker_without_its_package_is_one_line(tmp_path, monkeypatch):
     """A package hidden from the import system (as if not installed) is refused in one line."""
     import importlib.util
 
-    from disttrain.config.schema import load_config
+    from disttrain.config.load import load_config
     from disttrain.core.errors import UserError
 
     real = importlib.util.find_spec

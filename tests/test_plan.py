@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 import yaml
 
-from disttrain.config.schema import load_config
+from disttrain.config.load import load_config
 from disttrain.config.resolve import resolve_run
 from disttrain.models.registry import MODEL_SHAPES
 from disttrain.models import flops as F

@@ -318,7 +318,7 @@ def test_hf_moe_configs_the_family_cannot_express_are_one_line(extra, message, t
 def test_a_config_parallel_ep_reaches_the_layout():
     """`estimate CONFIG` and the dry run read `parallel.ep` through Layout.from_config (1 where a config has no
     such key)."""
-    from disttrain.config.schema import load_config
+    from disttrain.config.load import load_config
 
     cfg = load_config(str(REPO / "configs" / "demo.yaml"), ["model.name=tiny"])
     assert Layout.from_config(cfg, 8).ep == getattr(cfg.parallel, "ep", 1)

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from disttrain.config.schema import load_config
+from disttrain.config.load import load_config
 from disttrain.layout.layout import Layout
 from disttrain.models.registry import MODEL_SHAPES
 

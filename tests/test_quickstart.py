@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from disttrain.cli import build_parser
-from disttrain.config.schema import load_config
+from disttrain.config.load import load_config
 from helpers import REPO, cli_env, records
 from test_docs import FENCE, logical_lines
 

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from disttrain.config.schema import load_config
+from disttrain.config.load import load_config
 from disttrain.observe.run_report import figures, load_records, summary
 from disttrain.config.resolve import resolve_run
 from helpers import DEBUG_CONFIG

@@ -7,7 +7,8 @@ import textwrap
 
 import pytest
 
-from disttrain.config.schema import ConfigError, load_config
+from disttrain.config.load import load_config
+from disttrain.core.errors import ConfigError
 from disttrain.layout.layout import Layout
 from disttrain.layout.problem import Problem
 from disttrain.layout.rules import layout_problems
@@ -86,11 +87,11 @@ def test_resolved_run_holds_what_the_set_up_path_reads():
 
 
 def test_resolve_run_calls_the_model_spec_once(monkeypatch):
-    import disttrain.config.resolve as resolve
+    import disttrain.models.registry as registry
 
     calls = []
-    real = resolve.model_spec
-    monkeypatch.setattr(resolve, "model_spec", lambda model: calls.append(model) or real(model))
+    real = registry.model_spec
+    monkeypatch.setattr(registry, "model_spec", lambda model: calls.append(model) or real(model))
     cfg = load_config(DEBUG_CONFIG, ["parallel.tp=2", "parallel.zero_stage=2", "parallel.sequence_parallel=true",
                                      "data.document_masking=true", "train.micro_batch_size=1",
                                      "parallel.balance=auto"])

@@ -12,7 +12,7 @@ import torch
 from disttrain.checkpoint import lease
 from disttrain.checkpoint.run_identity import check_run_dir, model_problem
 from disttrain.cli import main
-from disttrain.config.schema import load_config
+from disttrain.config.load import load_config
 from disttrain.core.errors import UserError
 from disttrain.config.resolve import resolve_run
 from helpers import DEBUG_CONFIG, events, records, train

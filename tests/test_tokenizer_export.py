@@ -10,7 +10,7 @@ import stat
 
 import pytest
 
-from disttrain.config.schema import load_config
+from disttrain.config.load import load_config
 from disttrain.data.corpus import builtin_splits
 from disttrain.config.resolve import resolve_run
 from helpers import REPO, events

@@ -14,7 +14,7 @@ import sys
 
 import torch.distributed as dist
 
-from disttrain.config.schema import load_config
+from disttrain.config.load import load_config
 from disttrain.distributed.env import detect_env
 from disttrain.distributed.runtime import init_distributed, shutdown
 from disttrain.dryrun.routing import AssumedRouting

@@ -19,7 +19,7 @@ import time
 import torch.distributed as dist
 from torch._dynamo.utils import counters
 
-from disttrain.config.schema import load_config
+from disttrain.config.load import load_config
 from disttrain.distributed.env import detect_env
 from disttrain.distributed.runtime import init_distributed, shutdown
 from disttrain.train.builder import build_run

@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from disttrain.core import storage
 from disttrain.checkpoint.manager import CheckpointManager
-from disttrain.config.schema import load_config
+from disttrain.config.load import load_config
 from disttrain.distributed.env import detect_env
 from disttrain.distributed.runtime import init_distributed
 from disttrain.observe.model_bytes import iter_tensors, local_bytes, local_shard

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from disttrain.config.schema import load_config
+from disttrain.config.load import load_config
 from disttrain.distributed.env import detect_env
 from disttrain.distributed.runtime import Runtime, init_distributed
 from disttrain.observe.model_bytes import model_state_bytes, unsharded_grad_bytes

@@ -44,14 +44,12 @@ def resolve_checkpoint(path: str | Path) -> str:
     return latest
 
 
-def checkpoint_spec(step_dir):
-    """The ModelSpec of the model a checkpoint holds (from the config saved with it)."""
+def saved_run_of(step_dir):
+    """What the checkpoint's saved config says of its run (config/saved.py)."""
     from disttrain.checkpoint.manager import CheckpointManager
-    from disttrain.config.schema import ModelConfig
-    from disttrain.models.registry import model_spec
+    from disttrain.config.saved import saved_run
 
-    state = CheckpointManager.read_train_state(step_dir)
-    return model_spec(ModelConfig.model_validate(state["config"]["model"]))
+    return saved_run(CheckpointManager.read_train_state(step_dir))
 
 
 def full_model_state(step_dir) -> dict[str, torch.Tensor]:
@@ -85,12 +83,12 @@ def export(checkpoint: str | Path, fmt: str, out: str | Path, merge_lora: bool =
     """`merge_lora`: a LoRA run's adapters folded into its base (lora_export.py); `fmt` peft: the adapters alone."""
     from safetensors.torch import save_file
 
-    from disttrain.checkpoint.lora_export import export_peft, merged_state, run_lora
+    from disttrain.checkpoint.lora_export import export_peft, merged_state
 
     step_dir = resolve_checkpoint(checkpoint)
-    spec = checkpoint_spec(step_dir)
+    saved = saved_run_of(step_dir)
+    spec, lora = saved.spec, saved.model.lora
     out = Path(out)
-    lora = run_lora(step_dir)[0].lora
     if merge_lora and lora is None:
         raise UserError(f"--merge-lora: {step_dir} holds a run without LoRA adapters (model.lora unset); allowed "
                         "for it: convert without --merge-lora")
@@ -100,11 +98,11 @@ def export(checkpoint: str | Path, fmt: str, out: str | Path, merge_lora: bool =
                 "writes the adapters alone, not merged weights (allowed: --to peft, or --to hf --merge-lora)"
                 if lora is not None else f"{step_dir} holds a run without LoRA adapters (model.lora unset); "
                 "allowed for it: --to torch|safetensors|hf"))
-        return _readable(export_peft(step_dir, full_model_state(step_dir), out))
+        return _readable(export_peft(saved, full_model_state(step_dir), out))
     if lora is not None and not merge_lora:
         raise UserError(f"--to {fmt}: {step_dir} holds LoRA adapters only (the base stays frozen at its source); "
                         "allowed: --merge-lora for merged weights, or --to peft for the adapters")
-    state = merged_state(step_dir, full_model_state(step_dir), init_from) if merge_lora else full_model_state(step_dir)
+    state = merged_state(saved, full_model_state(step_dir), init_from) if merge_lora else full_model_state(step_dir)
     shape = asdict(spec.shape) if spec.shape is not None else {}
     meta = {"format": "disttrain", "shape": json.dumps(shape), "source": str(step_dir)}
     if fmt == "torch":
@@ -121,7 +119,7 @@ def export(checkpoint: str | Path, fmt: str, out: str | Path, merge_lora: bool =
         out.mkdir(parents=True, exist_ok=True)
         save_file(hf_state, str(out / "model.safetensors"), metadata={"format": "pt"})
         (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        _save_tokenizer_and_generation(step_dir, out)
+        _save_tokenizer_and_generation(saved, out)
     else:
         raise ValueError(f"unknown format {fmt!r} (allowed: {', '.join(FORMATS)})")
     return _readable(out)
@@ -134,31 +132,15 @@ def _readable(out: Path) -> Path:
     return out
 
 
-def run_tokenizer(config: dict) -> str:
-    """`byte`, a tokenizer.json path, or "" (a user dataset of ids): what the run of a saved config read."""
-    from disttrain.data.source import PY_PREFIX, _tokenizer_spec
-
-    data, hf = config.get("data", {}), config.get("model", {}).get("hf", "")
-    source, tok = data.get("source", "builtin"), data.get("tokenizer", "auto")
-    if isinstance(source, str) and source.startswith(PY_PREFIX):
-        return ""
-    if tok == "auto":
-        tok = str(Path(hf) / "tokenizer.json") if hf and (Path(hf) / "tokenizer.json").is_file() else "byte"
-    return _tokenizer_spec(source, tok)
-
-
-def _save_tokenizer_and_generation(step_dir, out: Path) -> None:
+def _save_tokenizer_and_generation(saved, out: Path) -> None:
     """The run's tokenizer through transformers (a model directory's own files, chat template and special
     tokens included, when it came from model.hf or from chat data) and its generation config: the model directory's, or one
     naming the tokenizer's end-of-document id (transformers' Llama default, id 2, is not ours)."""
     from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerFast
 
-    from disttrain.checkpoint.manager import CheckpointManager
     from disttrain.data.tokenizer import load_tokenizer
 
-    config = CheckpointManager.read_train_state(step_dir)["config"]
-    hf = config.get("model", {}).get("hf", "")
-    spec = run_tokenizer(config)
+    hf, spec = saved.model_dir, saved.tokenizer
     if spec and spec != "byte" and not Path(spec).is_file():
         spec = ""  # the tokenizer file is gone since training: the weights export without it
     own = bool(hf) and spec != "" and spec != "byte" and Path(spec) == Path(hf) / "tokenizer.json"

@@ -16,15 +16,6 @@ import torch
 from disttrain.core.errors import UserError
 
 
-def run_lora(step_dir: Path):
-    """(the run's model config, its train state); the model config's `lora` is None without adapters."""
-    from disttrain.checkpoint.manager import CheckpointManager
-    from disttrain.config.schema import ModelConfig
-
-    state = CheckpointManager.read_train_state(step_dir)
-    return ModelConfig.model_validate(state["config"]["model"]), state
-
-
 def _hf_module_names(spec, modules: list[str]) -> dict[str, str]:
     """The Hugging Face name of each adapted module (the spec's state-dict adapter, asked per weight)."""
     if spec.to_hf is None:
@@ -37,16 +28,14 @@ def _hf_module_names(spec, modules: list[str]) -> dict[str, str]:
     return names
 
 
-def export_peft(step_dir: Path, adapters: dict[str, torch.Tensor], out: Path) -> Path:
+def export_peft(saved, adapters: dict[str, torch.Tensor], out: Path) -> Path:
     """adapter_config.json + adapter_model.safetensors that `PeftModel.from_pretrained(base, out)` loads;
-    `adapters`: the checkpoint's parameters (export.full_model_state)."""
+    `saved`: the run (config/saved.py); `adapters`: the checkpoint's parameters (export.full_model_state)."""
     from safetensors.torch import save_file
 
     from disttrain.models.lora import is_adapter, peft_config
-    from disttrain.models.registry import model_spec
 
-    model_cfg, _ = run_lora(step_dir)
-    spec = model_spec(model_cfg)
+    spec = saved.spec
     state = {k: v for k, v in adapters.items() if is_adapter(k)}
     modules = sorted({k.split(".lora_")[0] for k in state})
     hf = _hf_module_names(spec, modules)
@@ -57,31 +46,27 @@ def export_peft(step_dir: Path, adapters: dict[str, torch.Tensor], out: Path) ->
         tensors[f"base_model.model.{hf[module]}.{part}.weight"] = tensor.clone()
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
-    peft_config(model_cfg.lora, [hf[m] for m in modules], base=model_cfg.hf).save_pretrained(str(out))
+    peft_config(saved.model.lora, [hf[m] for m in modules], base=saved.model_dir).save_pretrained(str(out))
     return out
 
 
 @torch.no_grad()
-def merged_state(step_dir: Path, adapters: dict[str, torch.Tensor], init_from) -> dict[str, torch.Tensor]:
+def merged_state(saved, adapters: dict[str, torch.Tensor], init_from) -> dict[str, torch.Tensor]:
     """The base as training built it, with the checkpoint's `adapters` folded in: fp32, the model's own names.
-    `init_from(model, path, spec)`: how a run loads `model.init_from` (export.init_from)."""
+    `saved`: the run (config/saved.py); `init_from(model, path, spec)`: how a run loads `model.init_from`
+    (export.init_from)."""
     from disttrain.models.lora import apply_lora, merge_lora
-    from disttrain.models.registry import model_spec
     from disttrain.models.spec import build_model
 
-    model_cfg, state = run_lora(step_dir)
-    config = state["config"]
-    spec = model_spec(model_cfg)
-    fp64 = config.get("precision", {}).get("compute_dtype") == "fp64"
-    seed = int(config.get("train", {}).get("seed", 0))
-    model = build_model(spec, torch.device("cpu"), seed, torch.float64 if fp64 else None)
+    spec, model_cfg, trained_on = saved.spec, saved.model, saved.state.get("lora_base")
+    model = build_model(spec, torch.device("cpu"), saved.seed, torch.float64 if saved.fp64 else None)
     if model_cfg.init_from:
         init_from(model, model_cfg.init_from, spec)
-    base = apply_lora(model, spec, model_cfg.lora, seed)
-    if state.get("lora_base") and base != state["lora_base"]:
+    base = apply_lora(model, spec, model_cfg.lora, saved.seed)
+    if trained_on and base != trained_on:
         raise UserError(f"--merge-lora: the base model rebuilt from the run's config differs from the one its "
-                        f"adapters were trained on (fingerprint {base}, trained on {state['lora_base']}): were "
-                        f"the weights of model.hf={model_cfg.hf or '(none)'} or model.init_from replaced?")
+                        f"adapters were trained on (fingerprint {base}, trained on {trained_on}): were "
+                        f"the weights of model.hf={saved.model_dir or '(none)'} or model.init_from replaced?")
     params = dict(model.named_parameters())
     for name, tensor in adapters.items():
         params[name].copy_(tensor.to(params[name].dtype))

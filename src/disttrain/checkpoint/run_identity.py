@@ -13,14 +13,13 @@ launch before their process group starts. Raises UserError (one line).
 
 from __future__ import annotations
 
-from dataclasses import asdict, fields
+from dataclasses import asdict
 from pathlib import Path
 
 from disttrain.checkpoint import lease, store_lease
 from disttrain.core import storage
 from disttrain.checkpoint.run_changes import run_changes
 from disttrain.core.errors import UserError
-from disttrain.models.shape import ModelShape
 
 NEW_NAME = "give this command its own run.name=NAME"
 
@@ -30,32 +29,12 @@ def saved_model(state: dict) -> tuple[str | None, dict | None]:
     before the shape was recorded are resolved again from their config (built-in and Hugging Face models)."""
     if "model" in state:
         return state["model"].get("family"), state["model"].get("shape")
-    model = state.get("config", {}).get("model", {})
-    try:
-        if model.get("hf"):
-            from disttrain.models.hf.shape import hf_shape
+    from disttrain.models.registry import saved_model as from_section
 
-            return None, asdict(hf_shape(model["hf"]))
-        if not model.get("spec"):
-            from types import SimpleNamespace
-
-            from disttrain.models.llama.shapes import resolve_shape
-
-            cfg = SimpleNamespace(**{f.name: model.get(f.name) for f in fields(ModelShape)}, name=model.get("name"))
-            return "built-in llama", asdict(resolve_shape(cfg))
-    except (OSError, KeyError, ValueError):
-        pass
-    return None, None
+    return from_section(state.get("config", {}).get("model", {}))
 
 
-def family_of(model_cfg, spec) -> str:
-    """What kind of model: its parameter names depend on it (a built-in Llama and a Hugging Face Llama differ)."""
-    if model_cfg.hf:
-        return f"Hugging Face {spec.name}"
-    return f"user spec {spec.name}" if model_cfg.spec else "built-in llama"
-
-
-def model_problem(state: dict, family: str, shape: ModelShape | None, fingerprint: str) -> str | None:
+def model_problem(state: dict, family: str, shape, fingerprint: str) -> str | None:
     """What makes the saved model unloadable into this one, with the saved and new values; None if it loads.
     An empty `fingerprint` (a user ModelSpec before it is built) compares only what is known."""
     saved_family, saved_shape = saved_model(state)
@@ -182,7 +161,7 @@ def check_run_dir(cfg, resolved, key: str) -> None:
     if state is None:
         return
     spec = resolved.spec
-    problem = model_problem(state, family_of(cfg.model, spec), resolved.shape, spec.fingerprint) or \
+    problem = model_problem(state, spec.family, resolved.shape, spec.fingerprint) or \
         lora_settings_problem(state, cfg)
     if problem:
         way = "or resume with the saved model settings" if mode == "auto" else "or resume another checkpoint"

@@ -167,7 +167,7 @@ class _quiet:
 
 
 def cmd_dryrun(args: argparse.Namespace, overrides: list[str]) -> None:
-    from disttrain.config.schema import load_config
+    from disttrain.config.load import load_config
 
     cfg = load_config(args.config, overrides)
     if not 0 <= args.headroom < 1:

@@ -155,12 +155,12 @@ def _positive(flag: str, value) -> None:
 def build_layout(args) -> tuple[str, ModelShape, Layout]:
     cfg = resolved = None
     if args.config:
-        from disttrain.config.schema import load_config
+        from disttrain.config.load import load_config
         from disttrain.config.resolve import resolve_run
 
         cfg = load_config(args.config, [])
         resolved = resolve_run(cfg, None, "cpu" if args.hardware else "cuda")
-    name, shape = _shape(args, (cfg.model.hf or cfg.model.name, resolved.shape) if cfg is not None else None)
+    name, shape = _shape(args, (resolved.model_name, resolved.shape) if cfg is not None else None)
     for flag in ("gpus", "dp_replicate", "tp", "pp", "microbatches", "micro_batch_size", "global_batch_size", "seq_len"):
         _positive("--" + flag.replace("_", "-"), getattr(args, flag))
     if resolved is not None:  # the degrees as configured; dp_shard follows from --gpus below
@@ -203,7 +203,7 @@ def _global_batch(args, seq_len: int) -> int:
 def _lora_rank(args) -> int:
     """--lora-rank, else the config's model.lora.rank, else 0 (no adapters)."""
     if args.lora_rank is None:
-        from disttrain.config.schema import load_config
+        from disttrain.config.load import load_config
 
         lora = load_config(args.config, []).model.lora if args.config else None
         return lora.rank if lora is not None else 0

@@ -7,7 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from disttrain.config.schema import load_config
+from disttrain.config.load import load_config
 from disttrain.core.errors import UserError
 from disttrain.config.resolve import resolve_run
 

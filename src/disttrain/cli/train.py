@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from disttrain.launch import this_process
-from disttrain.config.schema import load_config
+from disttrain.config.load import load_config
 from disttrain.core.errors import EXIT_HEALTH, EXIT_PREEMPTED, EXIT_STORAGE, UserError
 
 LAUNCH_FLAGS = ("nnodes", "node_rank", "max_restarts", "rdzv_endpoint", "rdzv_id", "shutdown_timeout", "rdzv_conf",

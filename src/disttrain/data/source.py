@@ -22,7 +22,7 @@ class SourceInfo:
     eos_id: int | None = None
 
 
-def _tokenizer_spec(source, tokenizer: str) -> str:
+def tokenizer_file(source, tokenizer: str) -> str:
     """A shard directory carries its own tokenizer; `data.tokenizer` applies to the built-in corpus."""
     if source == "builtin":
         return tokenizer
@@ -162,7 +162,7 @@ def source_tokenizer(source, tokenizer: str) -> Tokenizer:
         from disttrain.data.tokenizer import ChatTokenizer
 
         return ChatTokenizer(first)
-    return load_tokenizer(_tokenizer_spec(source, tokenizer))
+    return load_tokenizer(tokenizer_file(source, tokenizer))
 
 
 def load_samples(source, tokenizer: str, seq_len: int, packing: bool = False, cache_dir: str = ""):
@@ -205,7 +205,7 @@ def make_sampler(samples, source, global_batch_size: int, seed: int, shuffle: bo
 
 
 def load_splits(source: str, tokenizer: str) -> tuple[Tokenizer, dict[str, np.ndarray]]:
-    tok = load_tokenizer(_tokenizer_spec(source, tokenizer))
+    tok = load_tokenizer(tokenizer_file(source, tokenizer))
     if source != "builtin":
         return tok, {s: shards.open_split(source, s) for s in shards.SPLITS}
     from disttrain.data.corpus import builtin_splits

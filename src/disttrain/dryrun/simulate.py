@@ -85,7 +85,7 @@ def simulate(cfg, resolved: ResolvedRun, rank: int, steps: int = 2, routing: Ass
     if problem:
         raise UserError(problem)
     if spec.shape is None:
-        raise UserError(f"model.spec={cfg.model.spec} cannot be dry-run: its ModelSpec has no shape, so there is "
+        raise UserError(f"{resolved.model_source} cannot be dry-run: its ModelSpec has no shape, so there is "
                         "no token batch to make; allowed: built-in or Hugging Face language models")
     t0 = time.perf_counter()
     forget_previous_world()

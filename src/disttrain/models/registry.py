@@ -1,48 +1,137 @@
-"""Which model family a `model` config section names, and its pure-Python shape.
+"""Which model a `model` config section names: a table of resolvers, one per kind of model (a user's ModelSpec,
+a Hugging Face directory, the built-in registry), each giving the pure-Python shape and the torch-side ModelSpec.
 
-Pure Python until `model_spec` is asked: the planner reads shapes only. The torch side of a family
-(its ModelSpec) is resolved once per process, by `resolve.resolve_run`; everything after reads that.
+The registry is where the config section is read (its `spec`, `hf`, `name` and shape keys); the families below
+it take a request (a shape, a directory, the routing settings). Pure Python until a spec is asked: the planner
+reads shapes only. The ModelSpec is resolved once per process, by config/resolve.py; everything after reads it,
+and its `family` says what kind of model it is (which checkpoints it can load).
 """
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import Callable
+
 from disttrain.models.llama.shapes import MODEL_SHAPES, resolve_shape
-from disttrain.models.shape import ModelShape
+from disttrain.models.shape import ModelShape, MoEShape
 
-__all__ = ["MODEL_SHAPES", "ModelShape", "model_shape", "model_spec"]
+__all__ = ["MODEL_SHAPES", "ModelShape", "RESOLVERS", "model_shape", "model_spec", "model_tokenizer", "resolver_for",
+           "saved_model"]
 
-
-def model_shape(model_cfg) -> ModelShape | None:
-    """The decoder dimensions the config describes: a Hugging Face directory's config.json, a user
-    ModelSpec's own shape (None when it has none), or the built-in registry shape with its overrides."""
-    if getattr(model_cfg, "spec", ""):
-        return model_spec(model_cfg).shape
-    if getattr(model_cfg, "hf", ""):
-        from disttrain.models.hf.shape import hf_shape
-
-        return hf_shape(model_cfg.hf)
-    return resolve_shape(model_cfg)
+BUILT_IN = "built-in llama"  # the family of every registry model, dense or MoE (as checkpoints record it)
+SHAPE_KEYS = tuple(f.name for f in fields(ModelShape) if f.name not in ("moe", "mla"))
+MOE_SHAPE_KEYS = tuple(f.name for f in fields(MoEShape))
 
 
-def model_spec(model_cfg):
-    """The ModelSpec (torch side) of the configured model."""
-    if getattr(model_cfg, "spec", ""):
-        from disttrain.models.spec import ModelSpec
-        from disttrain.core.user_code import call_user
+def _routing(section):
+    """The router's training settings (`model.moe.*`) as the MoE families take them."""
+    from disttrain.models.moe.layer import MoERouting
 
-        return call_user("model.spec", model_cfg.spec, ModelSpec, "a disttrain.models.spec.ModelSpec")
-    if getattr(model_cfg, "hf", ""):
-        from disttrain.models.hf.spec import hf_spec
-        from disttrain.models.moe.layer import MoERouting
+    moe = section.moe
+    return MoERouting(moe.aux_loss_coef, moe.bias_update_rate, moe.capacity_factor)
 
-        moe = model_cfg.moe
-        return hf_spec(model_cfg.hf, MoERouting(moe.aux_loss_coef, moe.bias_update_rate, moe.capacity_factor))
-    from disttrain.models.llama import llama_spec
 
-    shape = model_shape(model_cfg)
+def _registry_shape(section) -> ModelShape:
+    """The registry shape of `model.name` with the section's non-empty shape keys over it."""
+    moe = getattr(section, "moe", None)
+    shape = {k: getattr(section, k) for k in SHAPE_KEYS if getattr(section, k, None) is not None}
+    return resolve_shape(section.name, shape, {k: getattr(moe, k) for k in MOE_SHAPE_KEYS
+                                               if getattr(moe, k, None) is not None})
+
+
+def _user_spec(section):
+    from disttrain.core.user_code import call_user
+    from disttrain.models.spec import ModelSpec
+
+    spec = call_user("model.spec", section.spec, ModelSpec, "a disttrain.models.spec.ModelSpec")
+    return replace(spec, family=f"user spec {spec.name}", label=spec.name)
+
+
+def _hf_shape(section) -> ModelShape:
+    from disttrain.models.hf.shape import hf_shape
+
+    return hf_shape(section.hf)
+
+
+def _hf_spec(section):
+    from disttrain.models.hf.spec import hf_spec
+
+    spec = hf_spec(section.hf, _routing(section))
+    return replace(spec, family=f"Hugging Face {spec.name}", label=section.hf)
+
+
+def _registry_spec(section):
+    shape = _registry_shape(section)
     if shape.moe is not None:
-        from disttrain.models.moe import MoERouting, moe_spec
+        from disttrain.models.moe import moe_spec
 
-        moe = model_cfg.moe
-        return moe_spec(shape, MoERouting(moe.aux_loss_coef, moe.bias_update_rate, moe.capacity_factor))
-    return llama_spec(shape)
+        spec = moe_spec(shape, _routing(section))
+    else:
+        from disttrain.models.llama import llama_spec
+
+        spec = llama_spec(shape)
+    return replace(spec, family=BUILT_IN, label=section.name)
+
+
+@dataclass(frozen=True)
+class Resolver:
+    """One kind of model a config section can name."""
+
+    key: str  # the config key that names it
+    applies: Callable[[object], bool]
+    shape: Callable[[object], ModelShape | None]
+    spec: Callable[[object], object]  # -> ModelSpec (torch side)
+
+
+RESOLVERS = (
+    Resolver("model.spec", lambda s: bool(getattr(s, "spec", "")), lambda s: model_spec(s).shape, _user_spec),
+    Resolver("model.hf", lambda s: bool(getattr(s, "hf", "")), _hf_shape, _hf_spec),
+    Resolver("model.name", lambda s: True, _registry_shape, _registry_spec),
+)
+
+
+def resolver_for(section) -> Resolver:
+    return next(r for r in RESOLVERS if r.applies(section))
+
+
+def model_shape(section) -> ModelShape | None:
+    """The decoder dimensions the section describes: a user ModelSpec's own shape (None when it has none), a
+    Hugging Face directory's config.json, or the built-in registry shape with its overrides."""
+    return resolver_for(section).shape(section)
+
+
+def model_spec(section):
+    """The ModelSpec (torch side) of the configured model, its `family` and `label` set."""
+    return resolver_for(section).spec(section)
+
+
+def model_tokenizer(section) -> str | None:
+    """The tokenizer.json that comes with the model (a Hugging Face directory's), or None."""
+    if resolver_for(section).key != "model.hf":
+        return None
+    own = Path(section.hf) / "tokenizer.json"
+    return str(own) if own.is_file() else None
+
+
+def model_source(section) -> str:
+    """The model as the config names it, `key=value`: `model.name=debug`, `model.hf=DIR`, `model.spec=FILE:fn`."""
+    key = resolver_for(section).key
+    return f"{key}={getattr(section, key.split('.')[1])}"
+
+
+def saved_model(section: dict) -> tuple[str | None, dict | None]:
+    """(family, shape as a dict) of the model a saved config's `model` section describes, for checkpoints written
+    before the train state recorded them (built-in and Hugging Face models; None where unknown)."""
+    from types import SimpleNamespace
+
+    moe = SimpleNamespace(**{k: section.get("moe", {}).get(k) for k in MOE_SHAPE_KEYS})
+    names = SimpleNamespace(**{k: section.get(k) for k in SHAPE_KEYS}, name=section.get("name"), moe=moe,
+                            hf=section.get("hf", ""), spec=section.get("spec", ""))
+    resolver = resolver_for(names)
+    if resolver.key == "model.spec":
+        return None, None
+    try:
+        return (None if resolver.key == "model.hf" else BUILT_IN), asdict(resolver.shape(names))
+    except (OSError, KeyError, ValueError):
+        return None, None

@@ -76,6 +76,11 @@ class ModelSpec:
     """Module name -> MoE layer (routing statistics, expert parallelism); None: a dense family."""
     fingerprint: str = ""
     """Identifies the parameter shapes; a checkpoint resumes only into the same fingerprint."""
+    family: str = ""
+    """What kind of model this is (`built-in llama`, `Hugging Face llama`, `user spec NAME`): parameter names
+    depend on it, so a checkpoint loads only into its own family. Set by models/registry.py."""
+    label: str = ""
+    """How a run's start line names the model: the registry name, the model directory, or the spec's own name."""
 
     def flops_per_token(self, seq_len: int) -> float | None:
         if self.shape is None:

@@ -126,8 +126,8 @@ def winner_config(est: Estimate, tokens: float | None = None) -> dict:
     from disttrain.models.registry import MODEL_SHAPES
 
     steps = max(1, round(tokens / est.tokens_per_step)) if tokens else 1000
-    if est.model not in MODEL_SHAPES and not est.model.endswith("-shaped"):  # a Hugging Face directory
-        return _config(est, {"hf": est.model}, steps)
+    if est.model not in MODEL_SHAPES and not est.model.endswith("-shaped"):  # a user spec, or a Hugging Face directory
+        return _config(est, {"spec" if ":" in est.model else "hf": est.model}, steps)
     # `--params` shapes are a registry shape with another depth, named "<base>-shaped".
     model: dict = {"name": est.model.removesuffix("-shaped")}
     base = MODEL_SHAPES[model["name"]]

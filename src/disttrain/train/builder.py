@@ -43,6 +43,7 @@ class Run:
     """The assembled parts of one training run on this rank."""
 
     cfg: RunConfig
+    resolved: ResolvedRun
     rt: Runtime
     layout: Layout
     meshes: Meshes
@@ -85,7 +86,7 @@ def build_run(cfg: RunConfig, rt: Runtime, resolved: ResolvedRun | None = None) 
     layout = resolved.layout
     if rt.is_main:
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
-        (cfg.run_dir / "config.yaml").write_text(cfg.to_yaml())
+        (cfg.run_dir / "config.yaml").write_text(cfg.to_yaml(resolved))
     dist.barrier()
     meshes = build_meshes(layout, rt.device.type)
     dp_rank, dp_size = meshes.dp.get_local_rank(), meshes.dp.size()
@@ -101,8 +102,7 @@ def build_run(cfg: RunConfig, rt: Runtime, resolved: ResolvedRun | None = None) 
                                     pin_memory=rt.device.type == "cuda")
 
     spec = resolved.spec
-    if cfg.model.hf:
-        log.info("model from %s (%s); model.name=%s is ignored", cfg.model.hf, spec.name, cfg.model.name)
+    log.info("model %s (%s, from %s)", spec.label, spec.family, resolved.model_source)
     model = build_model(spec, rt.device, t.seed, torch.float64 if layout.compute_dtype == "fp64" else None)
     if cfg.data.document_masking:  # validation checked the spec can and the tokenizer has an end token
         spec.mask_documents(model, tokenizer.eos_id)
@@ -149,7 +149,7 @@ def build_run(cfg: RunConfig, rt: Runtime, resolved: ResolvedRun | None = None) 
         from disttrain.observe.moe import RoutingMonitor
 
         routing = RoutingMonitor(spec.moe_layers(model), meshes.pp.get_group() if layout.pp > 1 else None)
-    return Run(cfg=cfg, rt=rt, layout=layout, meshes=meshes, spec=spec, base_model=model, engine=engine,
+    return Run(cfg=cfg, resolved=resolved, rt=rt, layout=layout, meshes=meshes, spec=spec, base_model=model, engine=engine,
                tokenizer=tokenizer, loader=loader, val_samples=val_samples,
                ckpt=CheckpointManager(cfg.checkpoint_dir, rt.rank, cfg.checkpoint.keep_last, cfg.checkpoint.async_save),
                breakdown=breakdown, comm_profiler=CommProfiler(cfg.metrics.comm_profile_every, rt.device),

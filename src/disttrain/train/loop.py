@@ -157,7 +157,7 @@ class Trainer:
     # ---------------------------------------------------------------- loop
     def _announce(self, metrics: MetricsLogger) -> None:
         run, p = self.run, self.progress
-        name = self.cfg.model.hf or (run.spec.name if self.cfg.model.spec else self.cfg.model.name)
+        name = run.spec.label
         metrics.event("started", step=p.step, world_size=run.rt.world_size, layout=run.layout.describe())
         metrics.message(start_line(name, run.num_params, run.layout, f"{run.rt.device.type}/{run.rt.backend}",
                                    run.tokenizer.name if run.tokenizer is not None else None,

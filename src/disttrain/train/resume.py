@@ -8,8 +8,7 @@ from dataclasses import asdict, dataclass, field
 import torch.distributed as dist
 
 from disttrain.checkpoint.run_changes import config_changes
-from disttrain.checkpoint.run_identity import (NEW_NAME, another_run, family_of, format_problem,
-                                               lora_settings_problem, model_problem)
+from disttrain.checkpoint.run_identity import NEW_NAME, another_run, format_problem, lora_settings_problem, model_problem
 from disttrain.core.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -30,7 +29,7 @@ def train_state(run, progress: Progress) -> dict:
     return {"step": progress.step, "tokens_seen": progress.tokens_seen, **run.engine.state_dict(),
             "loader": run.loader.state_dict(), "balance": run.balancer.state_dict(),
             "model_fingerprint": run.spec.fingerprint, "lora_base": run.lora_base,
-            "model": {"family": family_of(run.cfg.model, run.spec),
+            "tokenizer": run.resolved.tokenizer, "model": {"family": run.spec.family,
                       "shape": asdict(run.spec.shape) if run.spec.shape is not None else None},
             "config": run.cfg.model_dump(mode="json", by_alias=True)}
 
@@ -75,7 +74,7 @@ def check_compatible(run, path) -> dict:
     if problem:
         raise UserError(problem)
     saved = run.ckpt.read_train_state(path)
-    problem = model_problem(saved, family_of(run.cfg.model, run.spec), run.spec.shape, run.spec.fingerprint) or \
+    problem = model_problem(saved, run.spec.family, run.spec.shape, run.spec.fingerprint) or \
         lora_settings_problem(saved, run.cfg)
     if not problem and run.lora_base and saved.get("lora_base") != run.lora_base:
         problem = (f"the frozen base differs from the one its LoRA adapters were trained on (fingerprint "

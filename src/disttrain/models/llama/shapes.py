@@ -3,8 +3,7 @@ without torch."""
 
 from __future__ import annotations
 
-from dataclasses import fields, replace
-from typing import Any
+from dataclasses import replace
 
 from disttrain.models.shape import ModelShape, MoEShape
 
@@ -46,22 +45,19 @@ MODEL_SHAPES: dict[str, ModelShape] = {
 }
 
 
-def resolve_shape(model_cfg: Any) -> ModelShape:
-    """The registry shape for `model_cfg.name` with any non-None shape overrides applied (`model.moe.*` over
-    its MoEShape; on a dense shape they make one, given the three keys an MoE layer needs)."""
+def resolve_shape(name: str, overrides: dict, moe: dict) -> ModelShape:
+    """The registry shape `name` with shape `overrides` (ModelShape's keys) and `moe` (MoEShape's keys) over it;
+    on a dense shape the MoE keys make an MoEShape, given the three keys an MoE layer needs."""
     from disttrain.core.errors import UserError
 
-    base = MODEL_SHAPES[model_cfg.name]
-    overrides = {f.name: getattr(model_cfg, f.name) for f in fields(ModelShape)
-                 if f.name != "moe" and getattr(model_cfg, f.name, None) is not None}
-    moe_cfg = getattr(model_cfg, "moe", None)
-    moe = {f.name: getattr(moe_cfg, f.name) for f in fields(MoEShape) if getattr(moe_cfg, f.name, None) is not None}
+    base = MODEL_SHAPES[name]
+    overrides = dict(overrides)
     if moe and base.moe is not None:
         overrides["moe"] = replace(base.moe, **moe)
     elif moe:
         needed = [k for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size") if k not in moe]
         if needed:
-            raise UserError(f"model.moe.{next(iter(moe))}={moe[next(iter(moe))]}: model.name={model_cfg.name} is "
+            raise UserError(f"model.moe.{next(iter(moe))}={moe[next(iter(moe))]}: model.name={name} is "
                             f"dense; an MoE needs model.moe.{', model.moe.'.join(needed)} too (or an MoE shape: "
                             f"{', '.join(n for n, s in MODEL_SHAPES.items() if s.moe)})")
         overrides["moe"] = MoEShape(**moe)

@@ -1,0 +1,179 @@
+"""The config's sections, every key with its type, default, bounds and description. docs/config.md is generated
+from these descriptions (`python -m disttrain.config.reference`); a test fails when a key has none or the page
+is stale. Cross-section rules are checks.py's and the rule list's (resolve.py). No torch here."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+PARALLELISM_DOC = "docs/parallelism.md"
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
+
+
+def dotted(section, key: str):
+    """`dotted(model, "moe.num_experts")`: a key's value under a section."""
+    for part in key.split("."):
+        section = getattr(section, part)
+    return section
+
+
+def show(value) -> str:
+    """A value as a user writes it on the command line (`true`, not `True`)."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+SHAPE_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_hidden_dim", "max_seq_len",
+              "tie_embeddings", "norm_eps", "rope_theta")
+FROM_NAME = "from model.name (a shape override; refused with model.hf or model.spec)"
+
+
+class LoraConfig(Section):
+    """LoRA adapters on a frozen base (models/lora.py); the section's presence switches them on."""
+
+    rank: int = Field(8, gt=0, description="rank r of each adapter pair lora_A (r x in), lora_B (out x r)")
+    alpha: float = Field(16.0, gt=0, description="the adapter's output is scaled by alpha / rank")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter's input")
+    targets: list[str] = Field(default_factory=list, description="module-name patterns: a name (q_proj) or a glob "
+                               "on the full name (model.layers.0.*); empty: every linear layer of the repeated "
+                               "blocks (attention and MLP projections)")
+
+
+class MoEConfig(Section):
+    """Mixture of experts: shape keys (transformers' names) over the registry's, and how the router trains."""
+
+    num_experts: int | None = Field(None, gt=0, description="routed experts per MoE layer (on a dense shape, this "
+                                    "and the next two keys make it an MoE)")
+    num_experts_per_tok: int | None = Field(None, gt=0, description="top-k experts each token runs through "
+                                            "(at most num_experts)")
+    moe_intermediate_size: int | None = Field(None, gt=0, description="each expert's SwiGLU width")
+    n_shared_experts: int | None = Field(None, ge=0, description="experts every token runs through")
+    first_k_dense_replace: int | None = Field(None, ge=0, description="leading blocks that keep a dense MLP")
+    scoring_func: Literal["softmax", "sigmoid"] | None = Field(None, description="router scores: softmax top-k, or "
+                                                               "sigmoid with the top-k weights renormalised "
+                                                               "(DeepSeek-V3)")
+    aux_loss_coef: float = Field(0.0, ge=0, description="switch-style balancing loss over the global batch (0: off)")
+    bias_update_rate: float = Field(0.0, ge=0, description="aux-loss-free balancing: a per-expert bias used only to "
+                                    "choose experts, moved after each optimizer step from the global batch's token "
+                                    "counts (0: off)")
+    capacity_factor: float = Field(0.0, ge=0, description="0: dropless; at least 1: each expert takes at most this "
+                                   "many times its even share of a micro-batch's tokens, the rest are dropped and "
+                                   "counted")
+
+    @model_validator(mode="after")
+    def _capacity(self) -> "MoEConfig":
+        if 0 < self.capacity_factor < 1:
+            raise ValueError(f"model.moe.capacity_factor={self.capacity_factor}: below 1 drops tokens even when "
+                             "the experts are perfectly balanced (allowed: 0 for dropless, or at least 1)")
+        return self
+
+
+MOE_SHAPE_KEYS = tuple(MoEConfig.model_fields)[:6]  # the MoEShape's; the rest say how the router trains
+
+
+class ModelConfig(Section):
+    """What trains: a registry shape, a Hugging Face directory, or your own ModelSpec."""
+
+    name: str = Field("debug", description="registry shape: debug, tiny, 125m, 1b, 7b, 13b, 70b; mixture-of-experts "
+                      "shapes debug-moe, mixtral-8x7b, qwen3-30b-a3b, qwen3-235b-a22b")
+    hf: str = Field("", description="a local Hugging Face model directory (config.json, optional weights and "
+                                    "tokenizer); replaces name and the shape keys; without weights it is "
+                                    "initialised from train.seed; never touches the network")
+    spec: str = Field("", description="FILE.py:function or package.module:function returning a ModelSpec for any "
+                      "nn.Module (docs/guide.md, \"Your own model\")")
+    dim: int | None = Field(None, gt=0, description="hidden size; " + FROM_NAME)
+    n_layers: int | None = Field(None, gt=0, description="repeated blocks; " + FROM_NAME)
+    n_heads: int | None = Field(None, gt=0, description="attention heads; " + FROM_NAME)
+    n_kv_heads: int | None = Field(None, gt=0, description="key/value heads (fewer than n_heads: grouped-query "
+                                   "attention); " + FROM_NAME)
+    vocab_size: int | None = Field(None, gt=0, description="vocabulary (at least the tokenizer's); " + FROM_NAME)
+    ffn_hidden_dim: int | None = Field(None, gt=0, description="SwiGLU width of a dense MLP; " + FROM_NAME)
+    max_seq_len: int | None = Field(None, gt=0, description="longest sequence (at least data.seq_len); " + FROM_NAME)
+    tie_embeddings: bool | None = Field(None, description="the output layer shares the embedding matrix; " + FROM_NAME)
+    norm_eps: float | None = Field(None, gt=0, description="RMSNorm epsilon; " + FROM_NAME)
+    rope_theta: float | None = Field(None, gt=0, description="rotary embedding base; " + FROM_NAME)
+    init_from: str = Field("", description="weights written by `disttrain convert` (torch, safetensors or hf) to "
+                           "start from (empty: random initialisation)")
+    lora: LoraConfig | None = Field(None, description="train LoRA adapters on the frozen model (model.lora.rank=8); "
+                                    "unset: full training. Needs the lora extra (peft)")
+    moe: MoEConfig = Field(default_factory=MoEConfig, description="mixture-of-experts shape and routing "
+                           f"({PARALLELISM_DOC}, expert parallelism)")
+
+    @model_validator(mode="after")
+    def _init_exists(self) -> "ModelConfig":
+        if self.hf and self.spec:
+            raise ValueError(f"model.hf={self.hf} and model.spec={self.spec}: give one of them")
+        source = ("model.hf", self.hf, "the directory's config.json") if self.hf else \
+            ("model.spec", self.spec, "the ModelSpec") if self.spec else None
+        given = [k for k in SHAPE_KEYS if getattr(self, k) is not None]
+        given += [f"moe.{k}" for k in MOE_SHAPE_KEYS if getattr(self.moe, k) is not None]
+        if source and given:
+            raise ValueError(f"model.{given[0]}={show(dotted(self, given[0]))} with {source[0]}={source[1]}: the "
+                             f"shape comes from {source[2]} (allowed with {source[0]}: no shape keys)")
+        if self.init_from and not Path(self.init_from).exists():
+            raise ValueError(f"model.init_from={self.init_from}: no such file or directory (allowed: empty, or "
+                             "a file or folder written by `disttrain convert`)")
+        return self
+
+
+class DataConfig(Section):
+    """What it trains on."""
+
+    source: str | dict[str, float] = Field("builtin", description="builtin (Python's own documentation, made at run "
+                                           "time), a directory written by `disttrain prepare-data` (local or an "
+                                           "object-store URL), py:FILE.py:function returning a map-style Dataset of "
+                                           "(input, target) pairs, or a weighted mixture {DIR: weight, ...}")
+    document_masking: bool = Field(False, description="attention stops at end-of-document tokens and positions "
+                                   "restart per document (built-in and Hugging Face models; parallel.pp=1)")
+    tokenizer: str = Field("auto", description="for builtin: byte (256 ids), a tokenizer.json, or auto (model.hf's "
+                           "tokenizer.json if it has one, else byte); a shard directory carries its own")
+    seq_len: int = Field(128, gt=0, description="tokens per sequence (at most model.max_seq_len)")
+    prefetch: bool | None = Field(None, description="read the next step's batches on a background thread (the "
+                                  "batches are the same either way); empty: on with a GPU, off on CPU")
+    packing: bool = Field(False, description="chat data: several conversations per sequence (first-fit), with "
+                          "document masking; false: one conversation per sequence, padded")
+    cache_dir: str = Field("", description="data.source on an object store: keep the byte ranges read in this local "
+                           "directory (fsspec's block cache); empty: read them from the store each time")
+
+    @model_validator(mode="after")
+    def _packing_masks_documents(self) -> "DataConfig":
+        """Packed conversations must not attend across each other: packing switches document masking on."""
+        if self.packing and not self.document_masking:
+            if "document_masking" in self.model_fields_set:
+                raise ValueError("data.packing=true with data.document_masking=false: packed conversations would "
+                                 "attend to each other (allowed with packing: document_masking=true)")
+            object.__setattr__(self, "document_masking", True)
+        return self
+
+
+class TrainConfig(Section):
+    """How long, on how much, from which seed."""
+
+    steps: int = Field(100, gt=0, description="optimizer steps")
+    global_batch_size: int = Field(8, gt=0, description="sequences per optimizer step, over all data-parallel ranks")
+    micro_batch_size: int = Field(0, ge=0, description="sequences per forward pass per rank; 0: the whole per-rank "
+                                  "batch (gradient accumulation = global / (dp x micro))")
+    seed: int = Field(0, ge=0, description="fixes the initialisation and the data order")
+    eval_every: int = Field(0, ge=0, description="validation every N steps (0: off)")
+    eval_batches: int = Field(4, gt=0, description="global batches per validation")
+    sample_tokens: int = Field(0, ge=0, description="tokens generated from the final model (0: off)")
+    sample_prompt: str = Field("The ", description="the prompt of that sample (chat data: a user turn)")
+
+
+class OptimConfig(Section):
+    """The optimizer and its learning-rate schedule."""
+
+    name: Literal["adamw"] = Field("adamw", description="AdamW; weight decay applies to matrices only")
+    lr: float = Field(3e-4, gt=0, description="peak learning rate")
+    weight_decay: float = Field(0.1, ge=0, description="decoupled weight decay of the matrices")
+    betas: tuple[float, float] = Field((0.9, 0.95), description="Adam's moment decay rates, each in [0, 1)")
+    eps: float = Field(1e-8, gt=0, description="Adam's epsilon")
+    warmup_steps: int = Field(0, ge=0, description="linear warmup steps")
+    schedule: Literal["cosine", "linear", "constant"] = Field("cosine", description="decay after warmup")
+    min_lr: float = Field(0.0, ge=0, description="final learning rate")
+    grad_clip: float = Field(1.0, ge=0, description="max global gradient norm (0: off; the norm is still logged)")

@@ -1,0 +1,49 @@
+"""The data keys against the model and each other, read without any tokens: `data.document_masking` needs an
+end-of-document token, `data.packing` chat shards whose conversations it can keep apart, and the model's
+vocabulary must hold the tokenizer's. `ctx` is the run being resolved (config/resolve.py's RunContext)."""
+
+from __future__ import annotations
+
+from disttrain.layout.problem import Problem
+
+
+def data_problems(ctx) -> list[Problem]:
+    from disttrain.data.source import PY_PREFIX, describe_source
+
+    data, shape = ctx.cfg.data, ctx.shape
+    source = data.source
+    info = describe_source(source, ctx.tokenizer)
+    problems = []
+    if data.document_masking and isinstance(source, str) and source.startswith(PY_PREFIX):
+        problems.append(Problem("data.document_masking", True, "false", "data.document_masking=true needs token "
+                                f"windows with end-of-document tokens; data.source={source} gives (input, target) pairs "
+                                "(allowed with it: false)"))
+    elif data.document_masking and info.eos_id is None:
+        problems.append(Problem("data.document_masking", True, "false", f"data.document_masking=true: the tokenizer of "
+                                f"data.source={source} has no end-of-document token to mask at (allowed with it: false)"))
+    if data.packing:
+        problems += _packing_problems(source)
+    if shape is not None and shape.vocab_size < info.vocab_size:
+        problems.append(Problem("model.vocab_size", shape.vocab_size, f"at least {info.vocab_size}",
+                                f"model.vocab_size={shape.vocab_size} is smaller than the tokenizer's vocabulary "
+                                f"({info.vocab_size} tokens from {info.tokenizer_name}); set model.vocab_size>="
+                                f"{info.vocab_size}"))
+    return problems
+
+
+def _packing_problems(source) -> list[Problem]:
+    """data.packing packs conversations of chat shard directories, kept apart at their end tokens."""
+    from disttrain.data.shards import read_meta
+
+    for directory in (source if isinstance(source, dict) else [source]):
+        meta = read_meta(directory) if directory != "builtin" and not str(directory).startswith("py:") else {}
+        if "chat" not in meta:
+            return [Problem("data.packing", True, "false", f"data.packing=true: data.source={directory} is not chat "
+                            "data (text token windows are packed already; allowed: a prepare-data directory of chat or "
+                            "instruction records, or data.packing=false)")]
+        inside = meta["chat"]["eos_inside"]
+        if inside:
+            return [Problem("data.packing", True, "false", f"data.packing=true: {inside} conversations of {directory} "
+                            "hold the end-of-document token inside (the chat template ends turns with it), so packing "
+                            "cannot keep them apart (allowed for it: data.packing=false)")]
+    return []
