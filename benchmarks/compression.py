@@ -32,7 +32,7 @@ SHORT, EXTRA = 3, 4  # as benchmarks/step_counts.py: steps of the short run; the
 
 
 def _cfg(overrides: list[str], steps: int, name: str, eval_every: int):
-    from disttrain.config.schema import load_config
+    from disttrain.config.load import load_config
 
     return load_config(REPO / "configs" / "demo.yaml", [
         *overrides, f"train.steps={steps}", f"train.eval_every={eval_every}", "train.sample_tokens=0",

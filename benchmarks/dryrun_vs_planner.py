@@ -73,7 +73,7 @@ def microbatches(name: str, per_rank: int) -> int:
 
 
 def config(model: str, name: str, checkpointing: str, per_rank: int, dtype: str, seq_len: int = 4096):
-    from disttrain.config.schema import load_config
+    from disttrain.config.load import load_config
 
     m = microbatches(name, per_rank)
     overrides = [f"model.name={model}", f"data.seq_len={seq_len}", "train.micro_batch_size=1",

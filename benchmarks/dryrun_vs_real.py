@@ -131,7 +131,7 @@ def main() -> None:
             Path(args.out).write_text(json.dumps(result, indent=1))
         return
     sys.path.insert(0, str(REPO / "tests"))
-    from disttrain.config.schema import load_config
+    from disttrain.config.load import load_config
     from disttrain.dryrun.simulate import simulate
     from disttrain.config.resolve import resolve_run
 

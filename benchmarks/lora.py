@@ -16,7 +16,7 @@ import argparse
 from overhead import REPO, add_common_args, disttrain_command, interleaved, print_table, summarize, write_results
 
 from disttrain.bench.model_states import launch
-from disttrain.config.schema import load_config
+from disttrain.config.load import load_config
 from disttrain.plan.estimate import estimate
 from disttrain.config.resolve import resolve_run
 

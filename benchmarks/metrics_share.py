@@ -33,7 +33,7 @@ def worker(out: str, overrides: list[str]) -> None:
     import torch.distributed as dist
 
     import disttrain.train.loop as loop
-    from disttrain.config.schema import load_config
+    from disttrain.config.load import load_config
     from disttrain.distributed.env import detect_env
     from disttrain.distributed.runtime import init_distributed, shutdown
     from disttrain.observe.breakdown import CommProfiler

@@ -24,7 +24,7 @@ LAYOUTS = {"DDP ep=2": [*COMMON, "parallel.zero_stage=0"], "ZeRO-3 ep=2": [*COMM
 
 
 def real(out: Path) -> dict:
-    from disttrain.config.schema import load_config
+    from disttrain.config.load import load_config
     from disttrain.dryrun.simulate import simulate
     from disttrain.plan.memory import estimate_memory
     from disttrain.config.resolve import resolve_run
@@ -55,7 +55,7 @@ def real(out: Path) -> dict:
 def skew(config: str | None, overrides: list[str], world: int, skews: list[float], microbatches: int | None,
          gpu: str | None, out: Path, ranks: list[int] | None = None) -> dict:
     from disttrain.cli.dryrun import dry_run
-    from disttrain.config.schema import load_config
+    from disttrain.config.load import load_config
 
     cfg = load_config(config, overrides)
     rows = []

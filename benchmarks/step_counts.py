@@ -131,7 +131,7 @@ def per_step(run_steps) -> dict:
 
 
 def disttrain_steps(rt, overrides: list[str], micro_batch: int):
-    from disttrain.config.schema import load_config
+    from disttrain.config.load import load_config
     from disttrain.train.builder import build_run
     from disttrain.train.loop import Trainer
 

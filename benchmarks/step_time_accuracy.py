@@ -47,7 +47,7 @@ def measure(model: str, layout: str, steps: int, run_dir: Path) -> float:
 
 
 def predict(model: str, layout: str, profile: dict):
-    from disttrain.config.schema import load_config
+    from disttrain.config.load import load_config
     from disttrain.plan.estimate import estimate
     from disttrain.plan.profile import profile_cluster
     from disttrain.config.resolve import resolve_run

@@ -25,7 +25,7 @@ EXACT = 1e-10
 def cli_env() -> dict:
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = "1"
-    env["DISTTRAIN_WORKER_START"] = "fork"  # half the CPU time per launch (docs/TROUBLESHOOTING.md)
+    env["DISTTRAIN_WORKER_START"] = "fork"  # half the CPU time per launch (docs/troubleshooting.md)
     env.pop("RANK", None)
     env.pop("WORLD_SIZE", None)
     env.pop("TORCHELASTIC_RUN_ID", None)

@@ -1,4 +1,4 @@
-"""The README's config reference and command lines, and docs/ARCHITECTURE.md's diagrams and module
+"""The README's config reference and command lines, and docs/architecture.md's diagrams and module
 paths, stay in step with the code."""
 
 from __future__ import annotations
@@ -173,7 +173,7 @@ def test_the_readme_checker_catches_renamed_flags_and_commands():
     assert "report" in readme_missing_commands(re.sub(r"disttrain report", "disttrain", readme), commands)
 
 
-# ------------------------------------------------------------------ docs/ARCHITECTURE.md
+# ------------------------------------------------------------------ docs/architecture.md
 
 
 def _doc_path_exists(name: str) -> bool:
@@ -187,7 +187,7 @@ def _doc_path_exists(name: str) -> bool:
 
 
 def test_architecture_has_the_three_diagrams():
-    text = (REPO / "docs" / "ARCHITECTURE.md").read_text()
+    text = (REPO / "docs" / "architecture.md").read_text()
     blocks = [body for lang, body in FENCE.findall(text) if lang.strip() == "mermaid"]
     assert len(blocks) >= 3, "expected three ```mermaid blocks"
     kinds = [body.split()[0] for body in blocks]
@@ -201,11 +201,11 @@ def test_architecture_has_the_three_diagrams():
 
 
 def test_architecture_names_only_modules_that_exist():
-    text = (REPO / "docs" / "ARCHITECTURE.md").read_text()
+    text = (REPO / "docs" / "architecture.md").read_text()
     files = set(re.findall(r"(?<![\w./-])((?:\w+/)*\w+\.py)\b", text))
     dirs = set(re.findall(r"`((?:src/)?(?:\w+/)+)`", text))
     modules = {m + ".py" for m, attr in re.findall(r"(?<![\w./-])((?:\w+/)+\w+)\.(\w+)", text)
                if attr not in ("py", "yaml", "md", "json")}  # train/builder.build_run -> train/builder.py
     assert {"train/loop.py", "resolve.py", "distributed/mesh.py"} <= files | modules and "src/disttrain/" in dirs
     missing = sorted(p for p in files | dirs | modules if not _doc_path_exists(p))
-    assert not missing, f"docs/ARCHITECTURE.md names paths that do not exist: {missing}"
+    assert not missing, f"docs/architecture.md names paths that do not exist: {missing}"

@@ -42,7 +42,7 @@ HF_CONFIGS = {
                                              topk_group=1)),
     "gpt_oss": ("GptOssConfig", dict(intermediate_size=32, head_dim=16, num_local_experts=4, num_experts_per_tok=2)),
 }
-# What ModelShape leaves out, by transformers' parameter names (docs/PLANNING.md): Qwen3's and OLMoE's q/k norms,
+# What ModelShape leaves out, by transformers' parameter names (docs/planning.md): Qwen3's and OLMoE's q/k norms,
 # Qwen2-MoE's shared-expert gate (dim per layer), gpt-oss's attention sinks, output and expert biases.
 NOT_COUNTED = ("q_norm.", "k_norm.", "shared_expert_gate.", ".sinks", "o_proj.bias", "router.bias", "_proj_bias")
 

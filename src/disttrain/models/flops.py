@@ -1,7 +1,7 @@
 """FLOP counts: the PaLM per-token formula for this framework's models, and the published
 per-iteration formulas (Megatron-LM 2021, Korthikanti et al. 2022) they are checked against.
 
-Conventions (see docs/PLANNING.md):
+Conventions (see docs/planning.md):
 - Model FLOPs count one forward (2 per multiply-add) and a backward of twice that, so 6 per
   matmul parameter per token, plus attention scores and their weighted sum: 12·L·H·Q·T per token
   (PaLM appendix B), counted over the full T×T matrix even though causal masking makes half of
