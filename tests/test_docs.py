@@ -1,10 +1,13 @@
-"""The README's config reference and command lines, and docs/architecture.md's diagrams and module
-paths, stay in step with the code."""
+"""The config reference (docs/config.md, generated from the schema), the README's command lines, and
+docs/architecture.md's diagrams and module paths stay in step with the code."""
 
 from __future__ import annotations
 
 import argparse
 import re
+import typing
+
+from pydantic import BaseModel
 
 from disttrain.config.schema import RunConfig
 from helpers import REPO
@@ -14,21 +17,79 @@ FENCE = re.compile(r"^```([^\n]*)\n(.*?)^```", re.S | re.M)
 FLAG = re.compile(r"(?<![\w-])--[A-Za-z][\w-]*")
 
 
-def test_readme_documents_every_config_key():
-    readme = (REPO / "README.md").read_text()
-    missing = []
-    for section, field in RunConfig.model_fields.items():
-        assert f"`{section}`" in readme or f"`{section}." in readme, section
-        for name, info in getattr(field.annotation, "model_fields", {}).items():
-            key = info.alias or name
-            if f"`{key}`" not in readme and f"`{section}.{key}`" not in readme:
-                missing.append(f"{section}.{key}")
-    assert not missing, f"README config reference lacks: {missing}"
+def section_of(info) -> type[BaseModel] | None:
+    """The section class a field holds (`LoraConfig | None` too), or None for a plain key."""
+    for candidate in (info.annotation, *typing.get_args(info.annotation)):
+        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+            return candidate
+    return None
+
+
+def schema_keys(section=RunConfig, prefix: str = "") -> dict[str, object]:
+    """Every key of the schema, dotted as a config writes it (aliases: `checkpoint.async`), walked from
+    RunConfig.model_fields down through every nested section (`model.lora.rank`, `model.moe.num_experts`)."""
+    keys = {}
+    for name, info in section.model_fields.items():
+        key = prefix + (info.alias or name)
+        keys[key] = info
+        if section_of(info) is not None:
+            keys.update(schema_keys(section_of(info), key + "."))
+    return keys
+
+
+def test_every_config_key_has_a_description():
+    """A key's description is its row in docs/config.md; a top-level section (`model`, `parallel`, ...) is a
+    heading there, described by its class's docstring; a nested one (`model.lora`) has both."""
+    keys = schema_keys()
+    assert {"engine", "model.lora.rank", "model.moe.capacity_factor", "checkpoint.async", "run.name"} <= set(keys)
+    missing = sorted(key for key, info in keys.items()
+                     if not (info.description or "").strip() and not ("." not in key and section_of(info)))
+    assert not missing, f"config keys without a description (docs/config.md is generated from them): {missing}"
+    undocumented = sorted(key for key, info in keys.items()
+                          if section_of(info) is not None and not (section_of(info).__doc__ or "").strip())
+    assert not undocumented, f"config sections without a docstring: {undocumented}"
+
+
+def test_the_config_page_is_generated_from_the_schema():
+    from disttrain.config import reference
+
+    page = REPO / "docs" / "config.md"
+    assert reference.PAGE == page
+    assert page.is_file() and page.read_text() == reference.render(), (
+        f"docs/config.md is stale: regenerate it with `{reference.COMMAND}`")
+    text = page.read_text()
+    rows = [key for key, info in schema_keys().items() if "." in key or section_of(info) is None]
+    assert [key for key in rows if f"| `{key}` |" not in text] == []
+    assert [f"## `{key}`" for key in RunConfig.model_fields if f"## `{key}`\n" not in text] == ["## `engine`"]
+
+
+def test_the_config_page_check_fails_on_a_stale_page(tmp_path, monkeypatch, capsys):
+    from disttrain.config import reference
+
+    stale = tmp_path / "docs" / "config.md"
+    stale.parent.mkdir()
+    monkeypatch.setattr(reference, "PAGE", stale)
+    assert reference.main(["--write"]) == 0 and reference.main(["--check"]) == 0
+    stale.write_text(stale.read_text().replace("optimizer steps", "steps of the optimizer"))
+    capsys.readouterr()
+    assert reference.main(["--check"]) == 1
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"docs/config.md is stale: regenerate it with `{reference.COMMAND}`"]
 
 
 def test_readme_starts_with_the_two_commands():
     head = (REPO / "README.md").read_text()[:600]
     assert "make demo" in head and "make test" in head
+
+
+def test_readme_is_short_and_points_to_the_reference_pages():
+    readme = (REPO / "README.md").read_text()
+    assert len(readme.encode()) <= 10240, "README.md over 10 KB: move the detail to docs/"
+    for page in ("docs/config.md", "docs/guide.md", "docs/parallelism.md", "docs/planning.md",
+                 "docs/troubleshooting.md", "docs/benchmarks.md", "docs/architecture.md"):
+        assert f"]({page}" in readme and (REPO / page).is_file(), page
+    named = re.findall(r"`(src/disttrain/[\w/]+\.py)`", readme)
+    assert named and [p for p in named if not (REPO / p).is_file()] == []
 
 
 def test_ci_runs_make_test():

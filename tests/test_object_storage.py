@@ -157,7 +157,7 @@ def test_preempted_then_killed_launch_resumes_bitwise_and_a_lost_store_keeps_the
        uninterrupted run bitwise. Its final save (async) loses the store after its data was written and before
        COMMIT: exit 74, one line naming the location, what failed and the newest complete checkpoint (step 8,
        written by this launch), which stays intact; no traceback (aiohttp's orphaned tasks stay quiet)."""
-    from disttrain.checkpoint import store_lease
+    from disttrain.checkpoint import lease
     from disttrain.cli import main
 
     url = s3.url("kill")
@@ -180,7 +180,7 @@ def test_preempted_then_killed_launch_resumes_bitwise_and_a_lost_store_keeps_the
     run = tmp_path / "a"
     emergency = [e for e in events(run, "checkpoint_saved") if e["reason"] == "preemption"]
     assert [(e["step"], e["path"]) for e in emergency] == [(5, s3.url("kill", "step_00000005"))]
-    stale = store_lease.read(url)
+    stale = lease.read(url)
     assert stale is not None and not stale.released and stale.pid == first.pid  # left behind by the SIGKILL
 
     log = tmp_path / "fault.log"
@@ -209,10 +209,10 @@ def test_preempted_then_killed_launch_resumes_bitwise_and_a_lost_store_keeps_the
 
 def test_refused_launch_says_who_holds_the_store(s3, capsys, tmp_path):
     """The one line of a launch refused by a live claim on the store (written as another host's launch)."""
-    from disttrain.checkpoint import store_lease
+    from disttrain.checkpoint import lease
     from disttrain.cli import main
 
-    held, _ = store_lease.acquire(s3.url("held"), "slurm-job-7")
+    held, _ = lease.acquire(s3.url("held"), "slurm-job-7")
     try:
         with pytest.raises(SystemExit) as exc:
             main(["train", str(DEBUG_CONFIG), f"run.dir={tmp_path}", "run.name=x", f"checkpoint.dir={s3.url('held')}"])
@@ -220,14 +220,14 @@ def test_refused_launch_says_who_holds_the_store(s3, capsys, tmp_path):
         assert exc.value.code == 2 and err.count("\n") == 1, err
         assert f"{s3.url('held')} is being written by another launch (host {socket.gethostname()}, pid " in err
         assert not (tmp_path / "x").exists()  # nothing half-written
-        url = store_lease.location(s3.url("held"))  # S3's conditional PUTs, as moto serves them:
-        assert not store_lease._put(url, b"{}", None)  # a second create of the claim loses (If-None-Match)
-        _, etag = store_lease._get(url)
-        assert held.renew() and not store_lease._put(url, b"{}", etag)  # a rewrite from an outdated read loses
-        assert store_lease.read(s3.url("held")).key == "slurm-job-7"
+        url = lease.location(s3.url("held"))  # S3's conditional PUTs, as moto serves them:
+        assert not lease.put(url, b"{}", None)  # a second create of the claim loses (If-None-Match)
+        _, etag = lease.get(url)
+        assert held.renew() and not lease.put(url, b"{}", etag)  # a rewrite from an outdated read loses
+        assert lease.read(s3.url("held")).key == "slurm-job-7"
     finally:
         held.release()
-    assert store_lease.read(s3.url("held")).released
+    assert lease.read(s3.url("held")).released
 
 
 @pytest.fixture

@@ -1,4 +1,5 @@
-"""The README's registry table and `make demo`'s install say what the code does."""
+"""The registry shape tables of docs/config.md (generated, but read back here as a reader sees them), the
+README's claims about `make demo`, and `make demo`'s install say what the code does."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import re
 import subprocess
 from dataclasses import asdict
 
+from disttrain.config.load import load_config
 from disttrain.models.registry import MODEL_SHAPES
 from helpers import REPO
 
@@ -24,8 +26,8 @@ def _count(cell: str) -> float:
     return float(cell[:-1]) * {"M": 1e6, "B": 1e9}[cell[-1]]
 
 
-def test_readme_lists_every_registry_shape_as_it_is():
-    text = (REPO / "README.md").read_text()
+def test_the_config_page_lists_every_registry_shape_as_it_is():
+    text = (REPO / "docs" / "config.md").read_text()
     keys, rows = _table(text, "| `name` | `dim` | `n_layers` | `n_heads` | `n_kv_heads` | `ffn_hidden_dim`")
     moe_keys, moe_rows = _table(text, "| `name` | `dim` | `n_layers` | `n_heads` | `n_kv_heads` | `num_experts`")
     assert list(rows) + list(moe_rows) == list(MODEL_SHAPES)
@@ -35,7 +37,8 @@ def test_readme_lists_every_registry_shape_as_it_is():
         fields.update(fields.pop("moe") or {})
         for key in [k for k in columns[1:] if k not in ("parameters", "active")]:
             value = fields[key]
-            assert row[key] == (str(value).lower() if isinstance(value, bool) else f"{value:g}"), (name, key)
+            same = row[key] == str(value).lower() if isinstance(value, bool) else float(row[key]) == value
+            assert same, (name, key, row[key])
         unit = 1e6 if row["parameters"].endswith("M") else 1e9
         assert abs(_count(row["parameters"]) - shape.num_params()) <= 0.005 * unit, name
         if moe:
@@ -47,6 +50,20 @@ def test_readme_lists_every_registry_shape_as_it_is():
     for name, (total, active) in published.items():
         assert abs(MODEL_SHAPES[name].num_params() / total - 1) < 0.01, name
         assert abs(MODEL_SHAPES[name].num_params(active=True) / active - 1) < 0.02, name
+
+
+def test_readme_says_what_make_demo_trains():
+    """The README's account of `make demo` (model size, steps, checkpoints, validation, sample, processes)
+    is configs/demo.yaml's and the Makefile's."""
+    readme = " ".join((REPO / "README.md").read_text().split())
+    cfg = load_config(REPO / "configs" / "demo.yaml", [])
+    size = re.search(r"trains a ([\d.]+)M-parameter", readme)
+    assert size and float(size.group(1)) == round(MODEL_SHAPES[cfg.model.name].num_params() / 1e6, 1)
+    assert f"for {cfg.train.steps} steps" in readme
+    assert f"checkpoints every {cfg.checkpoint.every_steps} steps" in readme
+    assert cfg.train.eval_every > 0 and "validation loss" in readme
+    assert cfg.train.sample_tokens > 0 and "generated sample" in readme
+    assert "--nproc-per-node $(NPROC)" in (REPO / "Makefile").read_text() and "2 CPU processes" in readme
 
 
 def _make_commands(target: str, tmp_path) -> str:

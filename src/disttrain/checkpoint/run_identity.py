@@ -1,22 +1,22 @@
-"""The front door of a run directory: before any worker starts, is this command allowed to write there?
+"""Whether this command may write to a run directory, read before any worker starts (run_directory.py, the
+directory's owner, asks):
 
 - another live launch holds the run (lease.py): refused, naming the holder;
 - `checkpoint.resume=none` where another run left checkpoints or metrics: refused, not mixed;
 - the checkpoint auto-resume would continue holds a model this one cannot load (family, shape,
   vocabulary) or another engine's format: refused, with the saved and the new values;
-- it holds another run (compat.py: data, optimizer, schedule, batch, seed, precision): refused with the
+- it holds another run (run_changes.py: data, optimizer, schedule, batch, seed, precision): refused with the
   two ways out, a new `run.name` or `run.allow_changes=true`.
 
-Reads only; the launcher runs it before spawning workers, the workers of a plain torchrun or srun
-launch before their process group starts. Raises UserError (one line).
+Reads only: the launcher asks before spawning workers, the workers of a plain torchrun or srun launch before
+their process group starts. Raises UserError (one line).
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict
-from pathlib import Path
 
-from disttrain.checkpoint import lease, store_lease
+from disttrain.checkpoint import lease
 from disttrain.core import storage
 from disttrain.checkpoint.run_changes import run_changes
 from disttrain.core.errors import UserError
@@ -87,55 +87,6 @@ def held_by(cfg, holder: lease.Claim, where=None) -> str:
             f"{lease.TTL_S:.0f} s expires)")
 
 
-class Claims:
-    """The claims one launch holds: its run directory's, and its checkpoint store's when that is remote."""
-
-    def __init__(self, held: list):
-        self.held = held
-
-    def release(self) -> None:
-        for one in reversed(self.held):
-            one.release()
-
-
-def claim(cfg, key: str, existed: bool) -> Claims:
-    """Hold cfg.run_dir (and a remote checkpoint location) for `key`, renewed from threads; UserError (leaving
-    nothing new) if another launch won either."""
-    held, holder = lease.acquire(cfg.run_dir, key)
-    if held is None:
-        remove_if_unused(cfg.run_dir, existed)
-        raise UserError(held_by(cfg, holder) if holder else f"run.name={cfg.run.name}: {cfg.run_dir} could not be "
-                        "claimed (another launch is starting there)")
-    claims = [held.start()]
-    if storage.is_url(cfg.checkpoint_dir):
-        remote, holder = store_lease.acquire(cfg.checkpoint_dir, key)
-        if remote is None:
-            held.release()
-            remove_if_unused(cfg.run_dir, existed)
-            raise UserError(held_by(cfg, holder, cfg.checkpoint_dir) if holder else
-                            f"checkpoint.dir={cfg.checkpoint_dir} could not be claimed (another launch is starting "
-                            "there)")
-        claims.append(remote.start())
-    return Claims(claims)
-
-
-def unused(run_dir: Path) -> bool:
-    """Nothing in the run directory but a claim: nothing of a run was written there."""
-    return not run_dir.exists() or all(p.name == lease.LEASE or p.name.startswith(f".{lease.LEASE}")
-                                       for p in run_dir.iterdir())
-
-
-def remove_if_unused(run_dir: Path, existed: bool) -> None:
-    """A run directory this launch created only to claim it goes again."""
-    if not existed and run_dir.exists() and unused(run_dir):
-        for p in run_dir.iterdir():
-            p.unlink(missing_ok=True)
-        try:
-            run_dir.rmdir()
-        except OSError:  # something arrived meanwhile
-            pass
-
-
 def check_run_dir(cfg, resolved, key: str) -> None:
     """Refuse this command on cfg.run_dir when another live launch holds it, when it would mix runs, or
     when what it would resume cannot load or is another run. `key`: this job's claim key (lease.py)."""
@@ -145,7 +96,7 @@ def check_run_dir(cfg, resolved, key: str) -> None:
     if holder is not None:
         raise UserError(held_by(cfg, holder))
     if storage.is_url(cfg.checkpoint_dir):
-        holder = store_lease.live_other(cfg.checkpoint_dir, key)
+        holder = lease.live_other(cfg.checkpoint_dir, key)
         if holder is not None:
             raise UserError(held_by(cfg, holder, cfg.checkpoint_dir))
     mode = cfg.checkpoint.resume
@@ -198,7 +149,7 @@ def format_problem(cfg, path, saved_format: str, engine_format: str) -> str | No
 
 
 def another_run(cfg, state: dict) -> str | None:
-    """Auto-resume of a checkpoint saved by another run (compat.py) without run.allow_changes: why not."""
+    """Auto-resume of a checkpoint saved by another run (run_changes.py) without run.allow_changes: why not."""
     if cfg.checkpoint.resume != "auto" or cfg.run.allow_changes:
         return None
     changes = run_changes(state.get("config", {}), cfg.model_dump(mode="json", by_alias=True))

@@ -1,9 +1,9 @@
 """One run, resolved once: (config, world size, device type) -> the Layout, the model (its family, shape and
 ModelSpec), the tokenizer and the dtypes, after every rule has passed.
 
-Resolving is one loop over RULES, the validity rules in the order users meet them: the model's dimensions,
-how the run is cut, the engine, the data; then the world size, the batch split, and what the model and the
-device can do. Each rule is `(RunContext) -> problems` and lives in its family's package; the first problem
+Resolving is one loop over RULES, the validity rules in the order users meet them: the machine's backend, the
+model's dimensions, how the run is cut, the engine, the data; then the world size, the batch split, and what the
+model and the device can do. Each rule is `(RunContext) -> problems` and lives in its family's package; the first problem
 stops the run with its one-line message. The launcher, each worker, the builder, the dry run and the planner
 read the `ResolvedRun` instead of re-deriving any part of it, so a layout is built and a ModelSpec is called
 once per process.
@@ -17,6 +17,7 @@ from typing import Callable
 from disttrain.config.checks import engine_installed
 from disttrain.core.errors import UserError
 from disttrain.data.rules import data_problems
+from disttrain.distributed.rules import backend_problems
 from disttrain.layout.layout import Layout
 from disttrain.layout.problem import Problem
 from disttrain.layout.rules import batch_problems, cut_problems
@@ -91,6 +92,7 @@ class Rule:
 
 
 RULES = (
+    Rule(backend_problems, ("world",)),  # distributed/rules.py
     Rule(shape_problems, ("shape",)),  # models/rules.py
     Rule(lambda ctx: cut_problems(ctx.shape, ctx.layout)),  # layout/rules.py, whatever the world size
     Rule(engine_installed, ("world",)),  # config/checks.py

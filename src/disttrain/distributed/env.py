@@ -45,3 +45,10 @@ def detect_env(environ: Mapping[str, str] = os.environ) -> DistEnv:
                        master_addr=environ.get("MASTER_ADDR") or environ.get("SLURM_LAUNCH_NODE_IPADDR", "127.0.0.1"),
                        master_port=int(environ.get("MASTER_PORT") or 20000 + job % 20000))
     return DistEnv(rank=0, world_size=1, local_rank=0, local_world_size=1, launcher="single")
+
+
+def device_type() -> str:
+    """"cuda" where CUDA devices are visible, else "cpu": the kind of rank this machine runs."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"

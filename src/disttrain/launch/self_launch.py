@@ -1,6 +1,7 @@
 """Self-launch: `disttrain train ... --nproc-per-node N` becomes torch.distributed.run's elastic agent
 (in this process) whose workers run `python -m disttrain train ...`, so restarts and rendezvous behave
-exactly as with torchrun.
+exactly as with torchrun. The run is resolved for the launch's world size and its directory claimed before
+any worker starts; the exit status says how the run ended.
 """
 
 from __future__ import annotations
@@ -8,6 +9,10 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass
+
+
+FLAGS = ("nnodes", "node_rank", "max_restarts", "rdzv_endpoint", "rdzv_id", "shutdown_timeout", "rdzv_conf",
+         "exit_barrier_timeout")  # the launch flags that need --nproc-per-node
 
 
 @dataclass
@@ -22,6 +27,45 @@ class LaunchOptions:
     shutdown_timeout: int = 120  # seconds the agent waits for workers to save after SIGTERM/SIGUSR1
     rdzv_conf: str = ""  # key=value,... for the rendezvous, over RDZV_DEFAULTS
     exit_barrier_timeout: int = 30  # seconds a finished agent waits for the other nodes' agents
+
+
+def options(args) -> LaunchOptions:
+    """The launch flags of `disttrain train` as LaunchOptions, checked (UserError, one line)."""
+    from disttrain.core.errors import UserError
+
+    opts = LaunchOptions(args.nproc_per_node, args.nnodes or "1", args.node_rank, args.max_restarts or 0,
+                         args.rdzv_endpoint, args.rdzv_backend, args.rdzv_id,
+                         120 if args.shutdown_timeout is None else args.shutdown_timeout, args.rdzv_conf or "",
+                         30 if args.exit_barrier_timeout is None else args.exit_barrier_timeout)
+    for flag in ("shutdown_timeout", "exit_barrier_timeout"):
+        if getattr(opts, flag) < 0:
+            raise UserError(f"--{flag.replace('_', '-')}={getattr(opts, flag)}: must be at least 0 seconds")
+    try:
+        rdzv_conf(opts.rdzv_conf)
+    except ValueError as exc:
+        raise UserError(f"--rdzv-conf={opts.rdzv_conf}: {exc} (allowed: key=value,... e.g. "
+                        "last_call_timeout=5,join_timeout=600)") from None
+    if opts.nproc_per_node != "auto" and (not opts.nproc_per_node.isdigit() or int(opts.nproc_per_node) < 1):
+        raise UserError(f"--nproc-per-node={opts.nproc_per_node}: must be a positive integer or auto")
+    if str(opts.nnodes) != "1" and not opts.rdzv_endpoint:
+        raise UserError(f"--nnodes={opts.nnodes} needs --rdzv-endpoint HOST:PORT")
+    return opts
+
+
+def launch(cfg, opts: LaunchOptions, module_args: list[str]) -> int:
+    """Resolve the run for the launch's world size (a bad run is refused before any worker starts), hold its
+    directory for the workers, run them; the exit status (the workers' own, or how they said the run ended)."""
+    from disttrain.checkpoint.run_directory import RunDirectory
+    from disttrain.config.resolve import resolve_run
+    from disttrain.distributed.env import device_type
+
+    resolved = resolve_run(cfg, max_world_size(opts), device_type())
+    with RunDirectory.for_launch(cfg, resolved, opts.rdzv_id, opts.rdzv_endpoint) as run_dir:
+        code, report = launch_workers(opts, module_args)
+    status = run_dir.exit_code(code)
+    if status == code and report:  # else the workers said what happened in one line; torchrun's report is noise
+        print(report, file=sys.stderr, end="", flush=True)
+    return status
 
 
 def resolve_nproc(value: str) -> int:

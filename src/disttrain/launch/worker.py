@@ -1,0 +1,83 @@
+"""This rank's share of a run, under any launcher: the run directory's claim, the process group, the assembled run,
+the loop, and the exit status that says how it ended (launch/this_process.py leaves with it)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+
+from disttrain.checkpoint.run_directory import RunDirectory
+from disttrain.config.resolve import resolve_run
+from disttrain.core.errors import EXIT_HEALTH, EXIT_PREEMPTED, EXIT_STORAGE, UserError
+from disttrain.distributed.env import detect_env, device_type
+from disttrain.launch import this_process
+
+
+def train_here(cfg) -> int:
+    """Resolve the run for this world, hold (or check) its directory, and train this rank; the exit status."""
+    env = detect_env()
+    resolved = resolve_run(cfg, env.world_size, device_type())
+    with RunDirectory.for_rank(cfg, resolved, env.rank) as run_dir:
+        return _train(cfg, env, resolved, run_dir)
+
+
+def _train(cfg, env, resolved, run_dir: RunDirectory) -> int:
+    from disttrain.distributed.runtime import init_distributed, shutdown
+    from disttrain.observe.health import NonFiniteError, ReplicaDivergence
+    from disttrain.train.builder import build_run
+    from disttrain.train.loop import CheckpointFailed, Preempted, Trainer
+
+    setup_logging(cfg.run_dir, env.rank)
+    log = logging.getLogger("disttrain.launch")
+    log.info("process started at %.3f (restart %s%s)", this_process.STARTED,
+             os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"),
+             ", forked from the launcher" if this_process.STARTED_BY_FORK else "")
+    log.info("resolved run: world %d (%s), model %s, tokenizer %s, dtypes param %s, compute %s, reduce %s",
+             resolved.layout.world_size, resolved.layout.describe(), resolved.spec.label, resolved.tokenizer,
+             resolved.param_dtype, resolved.compute_dtype, resolved.reduce_dtype)
+    try:
+        runtime = init_distributed(env, cfg.distributed.backend, cfg.distributed.timeout_s)
+        try:
+            run = build_run(cfg, runtime, resolved)
+        except UserError:  # found while assembling (weights that do not fit): leave nothing behind
+            run_dir.forget_if_fresh(env.rank)
+            raise
+        result = Trainer(run).fit()
+    except Preempted:
+        return EXIT_PREEMPTED
+    except CheckpointFailed as exc:  # the storage policy: the last save failed, the run must not look done
+        return _stopped("disttrain.checkpoint", exc, env.rank, EXIT_STORAGE, log_level=logging.INFO)
+    except (NonFiniteError, ReplicaDivergence) as exc:  # a health check stopped the run
+        return _stopped("disttrain.health", exc, env.rank, EXIT_HEALTH)
+    finally:  # also on a UserError found once running (it reaches the CLI's one error path)
+        shutdown()
+    run.faults.at_exit()
+    if env.rank == 0:
+        loss = f"final loss {result.final_loss:.4f}, " if result.final_loss is not None else ""
+        print(f"done: {result.final_step} steps, {loss}run directory {Path(result.run_dir).resolve()}", flush=True)
+    return 0
+
+
+def _stopped(logger: str, exc: Exception, rank: int, code: int, log_level: int = logging.ERROR) -> int:
+    """The reason in the rank's log file, and one line on the console from rank 0."""
+    logging.getLogger(logger).log(log_level, "stopped: %s" if log_level == logging.INFO else "%s", exc)
+    if rank == 0:
+        print(f"disttrain: stopped: {exc}", file=sys.stderr, flush=True)
+    return code
+
+
+def setup_logging(run_dir: Path, rank: int) -> None:
+    """This rank's log file in the run directory (everything from INFO), warnings also on the console."""
+    logs = run_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    fmt = logging.Formatter(f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s")
+    file_handler = logging.FileHandler(logs / f"rank_{rank:05d}.log")
+    file_handler.setFormatter(fmt)
+    console = logging.StreamHandler(sys.stderr)
+    console.setLevel(logging.WARNING)
+    console.setFormatter(fmt)
+    root = logging.getLogger("disttrain")
+    root.setLevel(logging.INFO)
+    root.handlers[:] = [file_handler, console]
