@@ -20,7 +20,8 @@ class ParallelConfig(Section):
     dp_shard: int = Field(-1, ge=-1, description="data-parallel ranks that shard (ZeRO-2/3) or replicate (DDP); "
                           "-1: whatever is left of the world size")
     tp: int = Field(1, gt=0, description="tensor parallel (DTensor): heads, FFN width and vocabulary split over this "
-                    "many ranks; with data parallel it needs zero_stage 2-3" + DOC)
+                    "many ranks (it must divide heads, kv-heads, FFN width and vocabulary); with data parallel it "
+                    "needs zero_stage 2-3" + DOC)
     pp: int = Field(1, gt=0, description="pipeline stages over this many ranks; with data parallel it needs "
                     "zero_stage 2-3" + DOC)
     ep: int = Field(1, gt=0, description="expert parallel: an MoE model's experts split over this many of the "
