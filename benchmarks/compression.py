@@ -41,14 +41,14 @@ def _cfg(overrides: list[str], steps: int, name: str, eval_every: int):
         f"run.name={name}"])
 
 
-def _train(rt, overrides: list[str], steps: int, name: str, eval_every: int = 0) -> list[dict]:
+def _train(runtime, overrides: list[str], steps: int, name: str, eval_every: int = 0) -> list[dict]:
     import json
 
     from disttrain.train.builder import build_run
     from disttrain.train.loop import Trainer
 
     cfg = _cfg(overrides, steps, name, eval_every)
-    Trainer(build_run(cfg, rt)).fit()
+    Trainer(build_run(cfg, runtime)).fit()
     return [json.loads(line) for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -90,11 +90,11 @@ def worker(steps: int, reps: int, out: Path) -> None:
     from disttrain.distributed.env import detect_env
     from disttrain.distributed.runtime import init_distributed, shutdown
 
-    rt = init_distributed(detect_env(), "gloo", 300)
+    runtime = init_distributed(detect_env(), "gloo", 300)
     rows = {hook: {"step_s": []} for hook in HOOKS}
     try:
         for hook, overrides in HOOKS.items():
-            run_steps = lambda n, o=overrides: _train(rt, [*o, "optim.warmup_steps=0"], n, "counts")  # noqa: E731
+            run_steps = lambda n, o=overrides: _train(runtime, [*o, "optim.warmup_steps=0"], n, "counts")  # noqa: E731
             counts = per_step(run_steps)
             rows[hook]["profiler_all_reduce_bytes"] = counts.get("all_reduce bytes", 0.0)
             rows[hook]["profiler_all_reduce_count"] = counts.get("all_reduce count", 0.0)
@@ -103,20 +103,20 @@ def worker(steps: int, reps: int, out: Path) -> None:
             # A hook's communication is all Python-issued; without one DDP's buckets go from C++.
             rows[hook]["all_reduce_bytes"] = wrapped if overrides else counts.get("all_reduce bytes", 0.0)
             rows[hook]["all_reduce_count"] = calls if overrides else counts.get("all_reduce count", 0.0)
-            recs = _train(rt, overrides, steps, hook.replace(" ", "_"), eval_every=steps)
+            recs = _train(runtime, overrides, steps, hook.replace(" ", "_"), eval_every=steps)
             losses = [r for r in recs if "loss" in r and "event" not in r]
             rows[hook]["loss"] = losses[-1]["loss"]
             rows[hook]["val_loss"] = [r["val_loss"] for r in recs if r.get("event") == "eval"][-1]
             dist.barrier()
         for rep in range(reps):
             for hook, overrides in HOOKS.items():
-                recs = _train(rt, overrides, 40, "timing")
+                recs = _train(runtime, overrides, 40, "timing")
                 times = [r["step_time_s"] for r in recs if "step_time_s" in r and r["step"] > WARMUP]
                 rows[hook]["step_s"].append(statistics.median(times))
-            if rt.rank == 0:
+            if runtime.rank == 0:
                 print(f"rep {rep + 1}/{reps}: " + ", ".join(f"{h} {rows[h]['step_s'][-1] * 1e3:.1f} ms" for h in HOOKS),
                       flush=True)
-        if rt.rank == 0:
+        if runtime.rank == 0:
             from disttrain.bench.results import write_results
 
             base = rows["none"]

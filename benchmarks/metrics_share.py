@@ -32,7 +32,9 @@ def worker(out: str, overrides: list[str]) -> None:
     """Runs under the launcher: the training loop with timers around the metrics code."""
     import torch.distributed as dist
 
+    import disttrain.train.jobs as jobs
     import disttrain.train.loop as loop
+    import disttrain.train.step_metrics as step_metrics
     from disttrain.config.load import load_config
     from disttrain.distributed.env import detect_env
     from disttrain.distributed.runtime import init_distributed, shutdown
@@ -62,8 +64,8 @@ def worker(out: str, overrides: list[str]) -> None:
     MetricsLogger.observe_step = timed("observe_step", observe_step)
     for name in ("log_step", "event", "message"):
         setattr(MetricsLogger, name, timed(name, getattr(MetricsLogger, name)))
-    loop.check_replicas_in_sync = timed("sync_check", loop.check_replicas_in_sync)
-    loop.Trainer._step_record = timed("step_record (all-reduces, breakdown, memory)", loop.Trainer._step_record)
+    jobs.check_replicas_in_sync = timed("sync_check", jobs.check_replicas_in_sync)
+    step_metrics.StepMetrics.record = timed("step_record (all-reduces, breakdown, memory)", step_metrics.StepMetrics.record)
     profiled: list[int] = []
     start = CommProfiler.start
 
@@ -75,9 +77,9 @@ def worker(out: str, overrides: list[str]) -> None:
     CommProfiler.start = timed("profiler start/stop", start_profiler)
     CommProfiler.stop = timed("profiler start/stop", CommProfiler.stop)
 
-    rt = init_distributed(detect_env(), "auto", 120)
+    runtime = init_distributed(detect_env(), "auto", 120)
     cfg = load_config(REPO / "configs" / "bench.yaml", overrides)
-    trainer = loop.Trainer(build_run(cfg, rt))
+    trainer = loop.Trainer(build_run(cfg, runtime))
     t0 = time.perf_counter()
     trainer.fit()
     total = time.perf_counter() - t0
@@ -86,11 +88,11 @@ def worker(out: str, overrides: list[str]) -> None:
     # falls inside those steps' observed seconds
     excess = sum(max(0.0, step_seconds[s - 1] - steady) for s in profiled)
     spent["profiled step slowdown"] = max(0.0, excess - spent.get("profiler start/stop", 0.0))
-    result = {"rank": rt.rank, "total_s": total, "steps": len(step_seconds), "spent_s": spent,
+    result = {"rank": runtime.rank, "total_s": total, "steps": len(step_seconds), "spent_s": spent,
               "step_s_median": steady}
-    gathered = [None] * rt.world_size
+    gathered = [None] * runtime.world_size
     dist.all_gather_object(gathered, result)
-    if rt.rank == 0:
+    if runtime.rank == 0:
         Path(out).write_text(json.dumps(gathered))
     shutdown()
     exit_now(0)

@@ -130,7 +130,7 @@ def per_step(run_steps) -> dict:
     return {k: (totals[1][k] - totals[0][k]) / EXTRA for k in keys if totals[1][k] != totals[0][k]}
 
 
-def disttrain_steps(rt, overrides: list[str], micro_batch: int):
+def disttrain_steps(runtime, overrides: list[str], micro_batch: int):
     from disttrain.config.load import load_config
     from disttrain.train.builder import build_run
     from disttrain.train.loop import Trainer
@@ -140,7 +140,7 @@ def disttrain_steps(rt, overrides: list[str], micro_batch: int):
             *overrides, f"train.steps={steps}", f"train.micro_batch_size={micro_batch}", "metrics.log_every=100000",
             "metrics.comm_profile_every=0", f"run.dir={REPO / 'runs' / 'bench-counts'}", "run.name=counts",
             "train.sample_tokens=0", "train.eval_every=0"])
-        Trainer(build_run(cfg, rt)).fit()
+        Trainer(build_run(cfg, runtime)).fit()
 
     return run
 
@@ -151,34 +151,34 @@ def handwritten_steps(layout: str, micro_batch: int):
     return lambda steps: handwritten.train(layout, steps, micro_batch)
 
 
-def hf_pair(rt) -> dict:
+def hf_pair(runtime) -> dict:
     """benchmarks/hf_frameworks.py's model and batch (micro-batch 8 x 256 per rank, no accumulation)."""
     import hf_plain_fsdp
     from hf_common import HF_CONFIG, MICRO_BATCH, SEQ_LEN
     from transformers import LlamaConfig
 
     directory = REPO / "runs" / "bench-counts" / "hf_model"
-    if rt.rank == 0:
+    if runtime.rank == 0:
         LlamaConfig(**HF_CONFIG, use_cache=False).save_pretrained(directory)
     import torch.distributed as dist
 
     dist.barrier()
     overrides = [f"model.hf={directory}", f"data.seq_len={SEQ_LEN}", f"train.global_batch_size={2 * MICRO_BATCH}",
                  "parallel.zero_stage=3"]
-    rows = {"disttrain hf zero3": per_step(disttrain_steps(rt, overrides, MICRO_BATCH))}
+    rows = {"disttrain hf zero3": per_step(disttrain_steps(runtime, overrides, MICRO_BATCH))}
     dist.barrier()
     rows["hand-written hf fsdp2"] = per_step(hf_plain_fsdp.train)
     return rows
 
 
-def moe_pair(rt, micro_batch: int) -> dict:
+def moe_pair(runtime, micro_batch: int) -> dict:
     """debug-moe at ep=2 under ZeRO-3 (no balancing loss or bias) against the hand-written expert-parallel loop."""
     import plain_moe_ep
     import torch.distributed as dist
 
     overrides = ["model.name=debug-moe", "parallel.ep=2", "parallel.zero_stage=3", "model.moe.aux_loss_coef=0",
                  "model.moe.bias_update_rate=0"]
-    rows = {"disttrain moe ep2 zero3": per_step(disttrain_steps(rt, overrides, micro_batch))}
+    rows = {"disttrain moe ep2 zero3": per_step(disttrain_steps(runtime, overrides, micro_batch))}
     dist.barrier()
     rows["hand-written moe ep2 fsdp2"] = per_step(lambda steps: plain_moe_ep.train(steps, micro_batch))
     return rows
@@ -190,22 +190,22 @@ def worker(micro_batch: int, out: Path, hf: bool = False, moe: bool = False) -> 
     from disttrain.distributed.env import detect_env
     from disttrain.distributed.runtime import init_distributed, shutdown
 
-    rt = init_distributed(detect_env(), "gloo", 300)
+    runtime = init_distributed(detect_env(), "gloo", 300)
     rows = {}
     try:
         for layout, overrides in ({} if hf or moe else LAYOUTS).items():
-            rows[f"disttrain {layout}"] = per_step(disttrain_steps(rt, overrides, micro_batch))
+            rows[f"disttrain {layout}"] = per_step(disttrain_steps(runtime, overrides, micro_batch))
             dist.barrier()
             rows[f"hand-written {layout}"] = per_step(handwritten_steps(layout, micro_batch))
             dist.barrier()
-            if rt.rank == 0:
+            if runtime.rank == 0:
                 print(f"{layout}: disttrain {rows[f'disttrain {layout}']}\n      hand-written "
                       f"{rows[f'hand-written {layout}']}", flush=True)
         if hf or moe:
-            rows = hf_pair(rt) if hf else moe_pair(rt, micro_batch)
-            if rt.rank == 0:
+            rows = hf_pair(runtime) if hf else moe_pair(runtime, micro_batch)
+            if runtime.rank == 0:
                 print("\n".join(f"{name}: {row}" for name, row in rows.items()), flush=True)
-        if rt.rank == 0:
+        if runtime.rank == 0:
             from disttrain.bench.results import write_results
 
             write_results(out, micro_batch=micro_batch, steps=[SHORT, SHORT + EXTRA], rank0_per_step=rows)

@@ -42,7 +42,7 @@ def test_shares_stay_close_to_the_ideal_split():
 def test_uneven_slices_cover_the_global_batch_in_order(shares):
     windows = TokenWindows(np.arange(10_000, dtype=np.uint16) % 256, seq_len=16)
     sampler = GlobalBatchSampler(len(windows), 8 if len(shares) == 4 else 4, seed=3)
-    mbs = sampler.g // sum(shares)
+    mbs = sampler.global_batch_size // sum(shares)
     for step in (1, 5):
         whole = windows.batch(sampler.indices(step))[0]
         parts = [x for r in range(len(shares))

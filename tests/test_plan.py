@@ -62,8 +62,8 @@ def test_zero_paper_baseline_is_16_bytes_per_parameter_and_runtime_differs_as_do
     base = model_state_bytes(psi, Layout(param_dtype="fp16"), "zero-paper")
     assert (base.params, base.grads, base.optimizer) == (2 * psi, 2 * psi, 12 * psi)  # 2Ψ + 2Ψ + KΨ
     # This runtime keeps fp32 parameters and gradients (no separate master copy): 4 + 4 + 8.
-    rt = model_state_bytes(psi, Layout(dp_shard=8, zero_stage=2, param_dtype="bf16"), "runtime")
-    assert (rt.params, rt.grads, rt.optimizer) == (4 * psi / 8, 4 * psi / 8, 8 * psi / 8)
+    runtime = model_state_bytes(psi, Layout(dp_shard=8, zero_stage=2, param_dtype="bf16"), "runtime")
+    assert (runtime.params, runtime.grads, runtime.optimizer) == (4 * psi / 8, 4 * psi / 8, 8 * psi / 8)
     offload = model_state_bytes(psi, Layout(dp_shard=8, zero_stage=3, cpu_offload=True), "runtime")
     assert offload.params == offload.grads == offload.optimizer == 0 and offload.cpu == 16 * psi / 8
 

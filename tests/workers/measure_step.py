@@ -26,21 +26,21 @@ from disttrain.config.resolve import resolve_run
 
 def main() -> None:
     jobs = json.loads(open(sys.argv[1]).read())
-    rt = init_distributed(detect_env(), "auto", 120)
+    runtime = init_distributed(detect_env(), "auto", 120)
     out = {}
     try:
         for name, job in jobs.items():
             overrides, routing = ((job, None) if isinstance(job, list)
                                   else (job["overrides"], AssumedRouting(job["routing_skew"])))
             cfg = load_config(None, overrides)
-            resolved = resolve_run(cfg, rt.world_size, "cpu")
-            model = build_model(resolved.spec, rt.device, cfg.train.seed)
+            resolved = resolve_run(cfg, runtime.world_size, "cpu")
+            model = build_model(resolved.spec, runtime.device, cfg.train.seed)
             run = dataclasses.asdict(measure_step(cfg, resolved.layout, resolved.spec, model, routing=routing))
-            out[name] = [None] * rt.world_size
+            out[name] = [None] * runtime.world_size
             dist.all_gather_object(out[name], run)
             gc.collect()
             dist.barrier()
-        if rt.rank == 0:
+        if runtime.rank == 0:
             open(sys.argv[2], "w").write(json.dumps(out))
     finally:
         shutdown()

@@ -18,8 +18,8 @@ def check(out: str, run_dir: str, stages: list, overrides: list, model: str = "t
     from disttrain.distributed.env import detect_env
     from disttrain.distributed.runtime import init_distributed
 
-    rt = init_distributed(detect_env(), "gloo", 60)  # the launch's process group, already up
-    found = [measure(rt, stage, model, run_dir, tuple(overrides)) for stage in stages]
+    runtime = init_distributed(detect_env(), "gloo", 60)  # the launch's process group, already up
+    found = [measure(runtime, stage, model, run_dir, tuple(overrides)) for stage in stages]
     Path(f"{out}.rank{dist.get_rank()}.json").write_text(json.dumps(found))
 
 

@@ -29,7 +29,7 @@ from disttrain.launch.this_process import exit_now
 
 def main() -> None:
     jobs = json.loads(open(sys.argv[1]).read())
-    rt = init_distributed(detect_env(), "auto", 120)
+    runtime = init_distributed(detect_env(), "auto", 120)
     try:
         for job in jobs:
             if "call" in job:
@@ -41,13 +41,13 @@ def main() -> None:
             started = time.perf_counter()
             cfg = load_config(job["config"], job["overrides"])
             counters.clear()
-            Trainer(build_run(cfg, rt)).fit()
-            if rt.rank == 0:  # what torch.compile did in this job: tests check compile really ran
+            Trainer(build_run(cfg, runtime)).fit()
+            if runtime.rank == 0:  # what torch.compile did in this job: tests check compile really ran
                 (cfg.run_dir / "dynamo_stats.json").write_text(json.dumps(dict(counters["stats"])))
             gc.collect()  # DDP reducers and FSDP state of the finished run go before the next one starts
             dist.barrier()
             timing = os.environ.get("DISTTRAIN_TEST_TIMING")  # a file: where a test module's time goes
-            if rt.rank == 0 and timing:
+            if runtime.rank == 0 and timing:
                 with open(timing, "a") as f:
                     f.write(f"{cfg.run_dir.name}: {time.perf_counter() - started:.1f} s\n")
     finally:

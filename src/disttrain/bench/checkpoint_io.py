@@ -74,26 +74,26 @@ def main() -> None:
     args = parser.parse_args()
     if args.writer == "s3torchconnector":
         _use_s3torchconnector()
-    rt = init_distributed(detect_env(), "gloo", 600)
+    runtime = init_distributed(detect_env(), "gloo", 600)
     root = args.dir
     remote = storage.is_url(root)
-    cfg = load_config(None, [f"model.name={args.model}", "data.seq_len=16", f"train.global_batch_size={rt.world_size}",
+    cfg = load_config(None, [f"model.name={args.model}", "data.seq_len=16", f"train.global_batch_size={runtime.world_size}",
                              f"parallel.zero_stage={args.zero_stage}",
                              f"run.dir={'/tmp/disttrain-io' if remote else root}", "run.name=io",
                              "checkpoint.resume=none"])
-    run = build_run(cfg, rt)
+    run = build_run(cfg, runtime)
     engine = run.engine
-    engine.train_step(next(run.loader), 1)  # materialise AdamW state
+    engine.train_step(next(run.data.loader), 1)  # materialise AdamW state
     state = train_state(run, Progress())
     model_sd, optim_sd = get_state_dict(engine.model, engine.optimizer)
     nbytes = sum(local_bytes(v) for sd in (model_sd, optim_sd) for v in iter_tensors(sd))
-    sync = CheckpointManager(storage.join(root, "sync"), rt.rank)
-    asyn = CheckpointManager(storage.join(root, "async"), rt.rank, async_save=True)
-    plain = storage.join(root, f"torch_rank{rt.rank}.pt")
+    sync = CheckpointManager(storage.join(root, "sync"), runtime.rank)
+    asyn = CheckpointManager(storage.join(root, "async"), runtime.rank, async_save=True)
+    plain = storage.join(root, f"torch_rank{runtime.rank}.pt")
     save, load = (storage.torch_save, storage.torch_load) if remote else \
         (torch.save, lambda p: torch.load(p, weights_only=False))
     for rep in range(args.reps):
-        row = {"rank": rt.rank, "world": rt.world_size, "rep": rep, "bytes": nbytes, "model": args.model,
+        row = {"rank": runtime.rank, "world": runtime.world_size, "rep": rep, "bytes": nbytes, "model": args.model,
                "store": root.split("://", 1)[0] if remote else "local", "writer": args.writer if remote else "file"}
         row["dcp_save_s"] = _timed(lambda: sync.save(rep + 1, engine, state))
         t0 = time.perf_counter()
@@ -110,7 +110,7 @@ def main() -> None:
             row[key[:-2] + "_mib_per_s"] = nbytes / 2**20 / max(row[key], 1e-9)
         sys.stdout.write("IO " + json.dumps(row) + "\n")  # one write: ranks share the pipe
         sys.stdout.flush()
-        if rt.rank == 0:
+        if runtime.rank == 0:
             for d in (storage.join(root, "sync"), storage.join(root, "async")):
                 storage.rmtree(d)
         dist.barrier()

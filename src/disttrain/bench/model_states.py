@@ -59,18 +59,18 @@ class ModelStateProbe(Subscriber):
             self.row.setdefault("unsharded_grads", unsharded_grad_bytes(self.model))
 
 
-def measure(rt: Runtime, stage: int, model: str, run_dir: str, overrides: tuple[str, ...] = ()) -> dict:
+def measure(runtime: Runtime, stage: int, model: str, run_dir: str, overrides: tuple[str, ...] = ()) -> dict:
     # Two micro-batches per rank at least (whatever the data-parallel degree), so accumulation is observed.
-    cfg = load_config(None, [f"model.name={model}", f"train.global_batch_size={max(4, 2 * rt.world_size)}",
+    cfg = load_config(None, [f"model.name={model}", f"train.global_batch_size={max(4, 2 * runtime.world_size)}",
                              "data.seq_len=32", "train.micro_batch_size=1", f"parallel.zero_stage={stage}",
                              f"run.dir={run_dir}", f"run.name=stage{stage}", "checkpoint.resume=none", *overrides])
-    run = build_run(cfg, rt)
+    run = build_run(cfg, runtime)
     probe = ModelStateProbe(run.engine.model, run.engine.optimizer)
     run.engine.phases.subscribe(probe)
     for step in range(1, MEASURED_STEP + 1):
-        batch = next(run.loader)
+        batch = next(run.data.loader)
         run.engine.train_step(batch, step)
-    row = {"stage": stage, "rank": rt.rank, "world": rt.world_size, "model": model,
+    row = {"stage": stage, "rank": runtime.rank, "world": runtime.world_size, "model": model,
            "micro_batches": len(batch), **probe.row}
     del run, probe
     gc.collect()
@@ -100,10 +100,10 @@ def main() -> None:
     parser.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3])
     parser.add_argument("--override", action="append", default=[], help="extra config key=value (repeatable)")
     args = parser.parse_args()
-    rt = init_distributed(detect_env(), "gloo", 60)
+    runtime = init_distributed(detect_env(), "gloo", 60)
     for stage in args.stages:
         # One write per line: print() writes text and newline separately, and ranks share the pipe.
-        sys.stdout.write("MEM " + json.dumps(measure(rt, stage, args.model, args.run_dir, tuple(args.override))) + "\n")
+        sys.stdout.write("MEM " + json.dumps(measure(runtime, stage, args.model, args.run_dir, tuple(args.override))) + "\n")
         sys.stdout.flush()
     gc.collect()
     dist.destroy_process_group()

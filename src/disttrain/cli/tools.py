@@ -119,14 +119,14 @@ def cmd_bench_comm(args: argparse.Namespace) -> None:
     from disttrain.distributed.runtime import init_distributed, shutdown
 
     env = detect_env()
-    rt = init_distributed(env, "auto", 300)
+    runtime = init_distributed(env, "auto", 300)
     try:
-        results = comm.run(rt.device, ops, sizes, args.iters, args.warmup)
+        results = comm.run(runtime.device, ops, sizes, args.iters, args.warmup)
     finally:
         shutdown()
     if env.rank == 0:
         print(json.dumps(comm.as_dicts(results)) if args.json else
-              f"{rt.world_size} ranks, {rt.backend} on {rt.device.type}\n{comm.format_table(results)}")
+              f"{runtime.world_size} ranks, {runtime.backend} on {runtime.device.type}\n{comm.format_table(results)}")
 
 
 def cmd_bench_hardware(args: argparse.Namespace) -> None:
@@ -155,7 +155,7 @@ def cmd_bench_hardware(args: argparse.Namespace) -> None:
     from disttrain.distributed.runtime import init_distributed, shutdown
 
     env = detect_env()
-    rt = init_distributed(env, "auto", 300)
+    runtime = init_distributed(env, "auto", 300)
     try:
         profile = hardware.measure({m: MODEL_SHAPES[m] for m in names}, args.micro_batch, args.seq_len)
     finally:

@@ -105,3 +105,16 @@ def engine_installed(ctx) -> list[Problem]:
     except (ImportError, ValueError):
         available = False
     return [] if available else [_problem("engine", "deepspeed", INSTALL_HINT, "torch")]
+
+
+def callback_problems(ctx) -> list[Problem]:
+    """`train.callbacks`: each names something that loads and can be called (it makes a job when training starts)."""
+    from disttrain.core.errors import UserError
+    from disttrain.core.user_code import load_function
+
+    for ref in ctx.cfg.train.callbacks:
+        try:
+            load_function("train.callbacks", ref)
+        except UserError as exc:
+            return [_problem("train.callbacks", ref, str(exc), "FILE.py:Name or package.module:Name")]
+    return []

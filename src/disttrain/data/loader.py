@@ -86,13 +86,13 @@ class DistributedBatchLoader:
                  micro_batch_size: int, shares: list[int] | None = None, prefetch: bool = False,
                  pin_memory: bool = False):
         self.windows, self.sampler, self.dp_rank = windows, sampler, dp_rank
-        self.micro_batch_size = micro_batch_size or sampler.g // dp_size
+        self.micro_batch_size = micro_batch_size or sampler.global_batch_size // dp_size
         # Prefetch: the next step's batches are read (and pinned, for a GPU's non-blocking copy) on a
         # background thread while this step computes; reading order and content are unchanged.
         self.pin_memory = pin_memory
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="disttrain-prefetch") if prefetch else None
         self._ahead: tuple[int, Future] | None = None
-        self.set_shares(shares or [sampler.g // dp_size // self.micro_batch_size] * dp_size)
+        self.set_shares(shares or [sampler.global_batch_size // dp_size // self.micro_batch_size] * dp_size)
         self.next_step = 1
 
     def set_shares(self, shares: list[int]) -> None:
@@ -133,7 +133,7 @@ class DistributedBatchLoader:
 
     def state_dict(self) -> dict:
         """The next step to be consumed (not one prefetched ahead of it)."""
-        return {"next_step": self.next_step, "global_batch_size": self.sampler.g, "seed": self.sampler.seed,
+        return {"next_step": self.next_step, "global_batch_size": self.sampler.global_batch_size, "seed": self.sampler.seed,
                 "sampler": self.sampler.state_dict(self.next_step)}
 
     def load_state_dict(self, state: dict) -> None:

@@ -67,23 +67,25 @@ class GlobalBatchSampler:
     def __init__(self, num_samples: int, global_batch_size: int, seed: int, shuffle: bool = True, stream: int = 0):
         if num_samples == 0:
             raise ValueError("the data split is shorter than one sequence")
-        self.n, self.g, self.seed, self.shuffle, self.stream = num_samples, global_batch_size, seed, shuffle, stream
+        self.num_samples, self.global_batch_size = num_samples, global_batch_size
+        self.seed, self.shuffle, self.stream = seed, shuffle, stream
 
     def ids(self, slots: np.ndarray) -> np.ndarray:
         """Sample ids at global positions `slots` of this source's stream (epoch after epoch)."""
         slots = np.asarray(slots, dtype=np.int64)
         if not self.shuffle:
-            return slots % self.n
+            return slots % self.num_samples
         out = np.empty_like(slots)
-        epochs = slots // self.n
+        epochs = slots // self.num_samples
         for epoch in np.unique(epochs):
             at = epochs == epoch
-            out[at] = FeistelPermutation(self.n, derive_key(self.seed, self.stream, int(epoch)))(slots[at] % self.n)
+            permutation = FeistelPermutation(self.num_samples, derive_key(self.seed, self.stream, int(epoch)))
+            out[at] = permutation(slots[at] % self.num_samples)
         return out
 
     def indices(self, step: int) -> np.ndarray:
         """Sample ids of 1-based optimizer step `step`, in global-batch order."""
-        return self.ids(np.arange((step - 1) * self.g, step * self.g))
+        return self.ids(np.arange((step - 1) * self.global_batch_size, step * self.global_batch_size))
 
     def state_dict(self, next_step: int) -> dict:
         return {"order": "feistel-v1"}
@@ -145,12 +147,12 @@ class MixtureSampler:
                  shuffle: bool = True):
         self.sources = [GlobalBatchSampler(n, global_batch_size, seed, shuffle, stream=i) for i, n in enumerate(sizes)]
         self.schedule = SourceSchedule(weights)
-        self.g, self.seed = global_batch_size, seed
+        self.global_batch_size, self.seed = global_batch_size, seed
         self.base_slot, self.base_consumed = 0, [0] * len(sizes)
 
     def indices(self, step: int) -> np.ndarray:
         """(G, 2) int64 rows of (source, sample id) for 1-based step `step`, in global-batch order."""
-        slots = np.arange((step - 1) * self.g, step * self.g) - self.base_slot
+        slots = np.arange((step - 1) * self.global_batch_size, step * self.global_batch_size) - self.base_slot
         source, rank = self.schedule.assign(slots)
         ids = np.empty_like(rank)
         for i, sampler in enumerate(self.sources):
@@ -160,7 +162,7 @@ class MixtureSampler:
 
     def consumed(self, next_step: int) -> list[int]:
         """Samples each source gave in the steps before `next_step`."""
-        counts = self.schedule.consumed((next_step - 1) * self.g - self.base_slot)
+        counts = self.schedule.consumed((next_step - 1) * self.global_batch_size - self.base_slot)
         return [b + c for b, c in zip(self.base_consumed, counts)]
 
     def state_dict(self, next_step: int) -> dict:
@@ -174,4 +176,4 @@ class MixtureSampler:
         if [float(w) for w in state["weights"]] == self.schedule.weights:
             self.base_slot, self.base_consumed = int(state["base_slot"]), list(state["base_consumed"])
         else:  # new weights from here on; every source continues from its saved position
-            self.base_slot, self.base_consumed = (next_step - 1) * self.g, list(state["consumed"])
+            self.base_slot, self.base_consumed = (next_step - 1) * self.global_batch_size, list(state["consumed"])

@@ -124,14 +124,14 @@ def measure_step(cfg, layout: Layout, spec, model, steps: int = 2, materialize=N
     t0 = time.perf_counter() if t0 is None else t0
     rank, world, device = dist.get_rank(), layout.world_size, torch.device("cpu")
     meshes = build_meshes(layout, "cpu")
-    rt = Runtime(DistEnv(rank, world, rank % 8, min(world, 8), "dryrun"), device, dist.get_backend())
+    runtime = Runtime(DistEnv(rank, world, rank % 8, min(world, 8), "dryrun"), device, dist.get_backend())
     building = ddp_on_fake(tensor_mode) if tensor_mode is not None and layout.gradient_wrapper == "ddp" \
         else contextlib.nullcontext()
     stage_io = stage_shapes(spec, layout) if layout.pp > 1 else None  # real runs too: same code measured
     with building, groups_on_the_fake_backend(tensor_mode is not None):
         mean_loss = GlobalMeanLoss(spec.loss_sum, meshes.dp_cp.get_group(), layout.gradient_ranks, False,
                                    layout.global_batch_size * layout.seq_len, context_shard(layout, meshes))
-        engine = build_engine(cfg, layout, meshes, spec, model, rt, Phases(StepBreakdown(device)), mean_loss,
+        engine = build_engine(cfg, layout, meshes, spec, model, runtime, Phases(StepBreakdown(device)), mean_loss,
                               materialize=materialize, stage_io=stage_io)
     if routing is not None and spec.moe_layers is not None:
         assume_routing(spec.moe_layers(model), layout.ep, routing)
@@ -170,8 +170,10 @@ def _tracked_steps(cfg, layout, spec, engine, steps, counter, buckets, rank, t0)
     from torch.distributed.fsdp import FSDPModule
 
     generator = torch.Generator().manual_seed(cfg.train.seed)
-    tokens = torch.randint(0, spec.shape.vocab_size, (layout.micro_batch, layout.seq_len + 1), generator=generator)
-    batch = [(tokens[:, :-1], tokens[:, 1:])] * layout.microbatches
+    whole = layout.pp > 1  # a pipeline engine takes the rank's batch in one piece; its schedule cuts it
+    rows = layout.micro_batch * (layout.microbatches if whole else 1)
+    tokens = torch.randint(0, spec.shape.vocab_size, (rows, layout.seq_len + 1), generator=generator)
+    batch = [(tokens[:, :-1], tokens[:, 1:])] * (1 if whole else layout.microbatches)
     stages = getattr(getattr(engine, "parts", None), "stages", [])
     if isinstance(engine.model, FSDPModule):
         tracker = FSDPMemTracker(engine.model, engine.optimizer)

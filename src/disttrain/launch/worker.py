@@ -40,11 +40,11 @@ def _train(cfg, env, resolved, run_dir: RunDirectory) -> int:
     try:
         runtime = init_distributed(env, cfg.distributed.backend, cfg.distributed.timeout_s)
         try:
-            run = build_run(cfg, runtime, resolved)
-        except UserError:  # found while assembling (weights that do not fit): leave nothing behind
+            trainer = Trainer(build_run(cfg, runtime, resolved))
+        except UserError:  # found while assembling (weights that do not fit, a job that is not one): leave nothing
             run_dir.forget_if_fresh(env.rank)
             raise
-        result = Trainer(run).fit()
+        result = trainer.fit()
     except Preempted:
         return EXIT_PREEMPTED
     except CheckpointFailed as exc:  # the storage policy: the last save failed, the run must not look done
@@ -53,7 +53,7 @@ def _train(cfg, env, resolved, run_dir: RunDirectory) -> int:
         return _stopped("disttrain.health", exc, env.rank, EXIT_HEALTH)
     finally:  # also on a UserError found once running (it reaches the CLI's one error path)
         shutdown()
-    run.faults.at_exit()
+    trainer.run.instruments.faults.at_exit()
     if env.rank == 0:
         loss = f"final loss {result.final_loss:.4f}, " if result.final_loss is not None else ""
         print(f"done: {result.final_step} steps, {loss}run directory {Path(result.run_dir).resolve()}", flush=True)

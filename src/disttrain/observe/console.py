@@ -22,6 +22,36 @@ def start_line(model: str, num_params: int, layout, device: str, tokenizer: str 
             f"{layout.describe()} on {device} | {tok} | {per_step} per step")
 
 
+def announce(metrics, *, step: int, world_size: int, layout, model: str, num_params: int, device: str,
+             tokenizer: str | None, per_step: str, warnings: list[str], shares: list[int] | None = None,
+             rebalance_every: int = 0, skipped: list[str] = (), checkpoint_dir: str = "",
+             resumed_from: str | None = None, changes: dict | None = None) -> None:
+    """What a run says as it starts, on the console and as events: the start line, warnings, uneven shares,
+    checkpoints that could not be loaded, and where it resumed from with what changed since."""
+    metrics.event("started", step=step, world_size=world_size, layout=layout.describe())
+    metrics.message(start_line(model, num_params, layout, device, tokenizer, per_step))
+    for line in warnings:
+        metrics.event("warning", message=line)
+        metrics.message(f"warning: {line}")
+    if shares is not None:
+        metrics.event("balance", step=step, shares=list(shares), mode=layout.balance,
+                      weights=list(layout.balance_weights))
+        metrics.message(f"uneven shares: micro-batches per data-parallel rank {list(shares)}"
+                        + (f", re-split every {rebalance_every} steps by measured speed" if rebalance_every else ""))
+    for problem in skipped:
+        metrics.event("checkpoint_skipped", reason=problem)
+        metrics.message(f"warning: skipped checkpoint: {problem}")
+    if skipped and not resumed_from:
+        metrics.message(f"warning: no checkpoint in {checkpoint_dir} could be loaded: starting fresh")
+    if resumed_from:
+        metrics.event("resumed", step=step, path=resumed_from, world_size=world_size, config_changes=changes or {})
+        metrics.message(f"resumed from {resumed_from} at step {step}")
+        for line in (changes or {}).get("safe", []):
+            metrics.message(f"  changed since the checkpoint (safe): {line}")
+        for line in (changes or {}).get("trajectory", []):
+            metrics.message(f"  changed since the checkpoint (the run will differ): {line}")
+
+
 def _event_line(name: str, fields: dict) -> str | None:
     """Events people should see as they happen (the rest stay in metrics.jsonl)."""
     if name == "checkpoint_saved":

@@ -1,4 +1,5 @@
-"""Assemble a run from its config: Layout -> meshes -> data -> ModelSpec -> model -> parallelize -> engine.
+"""Assemble a run from its config: Layout -> meshes -> data -> ModelSpec -> model -> parallelize -> engine
+(train/run.py holds what is assembled).
 
 Every decision about the layout was made when the Layout was resolved; this module only follows it.
 """
@@ -8,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -16,9 +17,8 @@ from torch import nn
 
 from disttrain.checkpoint.manager import CheckpointManager
 from disttrain.config.schema import RunConfig
-from disttrain.data.loader import DatasetSamples, DistributedBatchLoader, MixtureSamples, TokenWindows
+from disttrain.data.loader import DistributedBatchLoader
 from disttrain.data.source import load_samples, make_sampler
-from disttrain.data.tokenizer import Tokenizer
 from disttrain.distributed.mesh import Meshes, build_meshes
 from disttrain.distributed.runtime import Runtime
 from disttrain.core.errors import UserError
@@ -34,76 +34,38 @@ from disttrain.train.loss import GlobalMeanLoss
 from disttrain.train.optim import build_optimizer, build_scheduler
 from disttrain.train.phases import HostComputeClock, Phases
 from disttrain.train.precision import Precision
+from disttrain.train.run import Instruments, RunData, TrainedModel, TrainingRun
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class Run:
-    """The assembled parts of one training run on this rank."""
-
-    cfg: RunConfig
-    resolved: ResolvedRun
-    rt: Runtime
-    layout: Layout
-    meshes: Meshes
-    spec: ModelSpec
-    base_model: nn.Module  # the single-device module (pruned to this rank's stages under a pipeline)
-    engine: StepEngine
-    tokenizer: Tokenizer | None  # None for a user's dataset of (input, target) pairs
-    loader: DistributedBatchLoader
-    val_samples: TokenWindows | DatasetSamples | MixtureSamples
-    ckpt: CheckpointManager
-    breakdown: StepBreakdown
-    comm_profiler: CommProfiler
-    faults: FaultInjector
-    compute_clock: HostComputeClock  # host compute seconds of the latest step (straggler statistics)
-    num_params: int
-    peak_flops: float | None
-    replica_group: object
-    balancer: Balancer
-    lora_base: str = ""  # fingerprint of the frozen base under LoRA adapters (models/lora.py); "" without
-    routing: object = None  # observe/moe.py's RoutingMonitor for an MoE model
-
-    @property
-    def dp_rank(self) -> int:
-        return self.meshes.dp.get_local_rank()
-
-    @property
-    def tokens_per_step(self) -> int:
-        """Targets per optimizer step (tokens for a language model, samples for a classifier)."""
-        return self.cfg.train.global_batch_size * self.loader.windows.targets_per_sample
-
-    @property
-    def flops_per_token(self) -> float | None:
-        return self.spec.flops_per_token(self.cfg.data.seq_len)
-
-
-def build_run(cfg: RunConfig, rt: Runtime, resolved: ResolvedRun | None = None) -> Run:
-    """`resolved`: the run as this process already resolved it (the CLI does, before the process group
+def build_run(cfg: RunConfig, runtime: Runtime, resolved: ResolvedRun | None = None) -> TrainingRun:
+    """`resolved`: the run as this process already resolved it (the launcher does, before the process group
     starts); None resolves it here."""
-    resolved = resolved or resolve_run(cfg, rt.world_size, rt.device.type)
+    resolved = resolved or resolve_run(cfg, runtime.world_size, runtime.device.type)
     layout = resolved.layout
-    if rt.is_main:
+    if runtime.is_main:
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
         (cfg.run_dir / "config.yaml").write_text(cfg.to_yaml(resolved))
     dist.barrier()
-    meshes = build_meshes(layout, rt.device.type)
+    meshes = build_meshes(layout, runtime.device.type)
     dp_rank, dp_size = meshes.dp.get_local_rank(), meshes.dp.size()
 
     t = cfg.train
     tokenizer, train_samples, val_samples = load_samples(cfg.data.source, resolved.tokenizer, cfg.data.seq_len,
                                                           cfg.data.packing, cfg.data.cache_dir)
     sampler = make_sampler(train_samples, cfg.data.source, t.global_batch_size, t.seed)
-    balancer = Balancer(layout, dp_rank, cfg.parallel.balance_every, device_clock(rt.device))
-    loader = DistributedBatchLoader(train_samples, sampler, dp_rank, dp_size, t.micro_batch_size,
+    balancer = Balancer(layout, dp_rank, cfg.parallel.balance_every, device_clock(runtime.device))
+    # a pipeline schedule cuts this rank's batch into its micro-batches itself: the loader hands it over whole
+    per_forward = layout.sequences_per_rank if layout.pp > 1 else t.micro_batch_size
+    loader = DistributedBatchLoader(train_samples, sampler, dp_rank, dp_size, per_forward,
                                     balancer.shares if layout.balanced else None,
-                                    prefetch=cfg.data.prefetch if cfg.data.prefetch is not None else rt.device.type == "cuda",
-                                    pin_memory=rt.device.type == "cuda")
+                                    prefetch=cfg.data.prefetch if cfg.data.prefetch is not None else runtime.device.type == "cuda",
+                                    pin_memory=runtime.device.type == "cuda")
 
     spec = resolved.spec
     log.info("model %s (%s, from %s)", spec.label, spec.family, resolved.model_source)
-    model = build_model(spec, rt.device, t.seed, torch.float64 if layout.compute_dtype == "fp64" else None)
+    model = build_model(spec, runtime.device, t.seed, torch.float64 if layout.compute_dtype == "fp64" else None)
     if cfg.data.document_masking:  # validation checked the spec can and the tokenizer has an end token
         spec.mask_documents(model, tokenizer.eos_id)
     if spec.moe_layers is not None and train_samples.masks_targets and tokenizer.eos_id is not None \
@@ -132,9 +94,9 @@ def build_run(cfg: RunConfig, rt: Runtime, resolved: ResolvedRun | None = None) 
         low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(layout.compute_dtype)  # the frozen base's storage
         lora_base = apply_lora(model, spec, cfg.model.lora, t.seed, base_dtype=low)
     num_params = count_params(model)
-    breakdown = StepBreakdown(rt.device)
+    breakdown = StepBreakdown(runtime.device)
     breakdown.watch_input_module(model)
-    faults = FaultInjector(rt.rank)
+    faults = FaultInjector(runtime.rank)
     compute_clock = HostComputeClock()
     # fault injection innermost (last in, first out), so what it simulates (a slow rank) counts as phase time
     phases = Phases(breakdown, compute_clock, *([balancer.timer] if balancer.timer is not None else []), faults)
@@ -142,29 +104,31 @@ def build_run(cfg: RunConfig, rt: Runtime, resolved: ResolvedRun | None = None) 
                                train_samples.masks_targets, t.global_batch_size * train_samples.targets_per_sample,
                                context_shard(layout, meshes))
     eos = tokenizer.eos_id if cfg.data.document_masking else None
-    engine = build_engine(cfg, layout, meshes, spec, model, rt, phases, mean_loss, document_eos=eos)
-    peak_flops, _ = peak_flops_per_device(cfg, layout, rt.device)
+    engine = build_engine(cfg, layout, meshes, spec, model, runtime, phases, mean_loss, document_eos=eos)
+    peak_flops, _ = peak_flops_per_device(cfg, layout, runtime.device)
     routing = None
     if spec.moe_layers is not None:
         from disttrain.observe.moe import RoutingMonitor
 
         routing = RoutingMonitor(spec.moe_layers(model), meshes.pp.get_group() if layout.pp > 1 else None)
-    return Run(cfg=cfg, resolved=resolved, rt=rt, layout=layout, meshes=meshes, spec=spec, base_model=model, engine=engine,
-               tokenizer=tokenizer, loader=loader, val_samples=val_samples,
-               ckpt=CheckpointManager(cfg.checkpoint_dir, rt.rank, cfg.checkpoint.keep_last, cfg.checkpoint.async_save),
-               breakdown=breakdown, comm_profiler=CommProfiler(cfg.metrics.comm_profile_every, rt.device),
-               faults=faults, compute_clock=compute_clock, num_params=num_params, peak_flops=peak_flops,
-               replica_group=meshes.replica_group(layout), balancer=balancer, lora_base=lora_base, routing=routing)
+    tokens_per_step = t.global_batch_size * loader.windows.targets_per_sample
+    return TrainingRun(
+        cfg=cfg, resolved=replace(resolved, spec=spec), runtime=runtime, meshes=meshes, engine=engine, balancer=balancer,
+        model=TrainedModel(model, spec, num_params, lora_base, routing),
+        data=RunData(tokenizer, loader, val_samples, tokens_per_step),
+        checkpoints=CheckpointManager(cfg.checkpoint_dir, runtime.rank, cfg.checkpoint.keep_last, cfg.checkpoint.async_save),
+        instruments=Instruments(breakdown, CommProfiler(cfg.metrics.comm_profile_every, runtime.device), compute_clock,
+                                faults, peak_flops, spec.flops_per_token(cfg.data.seq_len)))
 
 
-def build_engine(cfg: RunConfig, layout: Layout, meshes: Meshes, spec: ModelSpec, model: nn.Module, rt: Runtime,
+def build_engine(cfg: RunConfig, layout: Layout, meshes: Meshes, spec: ModelSpec, model: nn.Module, runtime: Runtime,
                  phases: Phases, mean_loss: GlobalMeanLoss, materialize=None, stage_io=None,
                  document_eos: int | None = None) -> StepEngine:
     """The one place that picks an engine: DeepSpeed, a pipeline schedule, or plain torch.
     `materialize(module)`: for a model built on the meta device (the dry run), called once the
     layout is applied and before the optimizer sees the parameters; `stage_io`: pipeline stage shapes
     given up front (parallel/pipeline.py)."""
-    device, dp_group = rt.device, meshes.dp_cp.get_group()  # gradients and loss sums: dp x cp
+    device, dp_group = runtime.device, meshes.dp_cp.get_group()  # gradients and loss sums: dp x cp
     tensor_parallel = layout.tp > 1
     if layout.engine == "deepspeed":
         from disttrain.parallel.activation_checkpoint import apply_activation_checkpointing

@@ -130,8 +130,8 @@ class OptimizerStep:
                 "fp16_overflows_total": int(float(self.fp16_overflows))}
 
 
-class OwnOptimizerStep:
-    """What an engine that steps through an `OptimizerStep` (torch, pipeline) delegates to it."""
+class SteppedByOptimizerStep:
+    """A base for the engines whose update is an `OptimizerStep` (torch, pipeline): what they delegate to it."""
 
     optimizer_step: OptimizerStep
 

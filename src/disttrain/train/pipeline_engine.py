@@ -14,12 +14,12 @@ import torch
 
 from disttrain.checkpoint import dcp_io
 from disttrain.parallel.pipeline import PipelineParts
-from disttrain.train.engine import OptimizerStep, OwnOptimizerStep, StepResult
+from disttrain.train.engine import OptimizerStep, SteppedByOptimizerStep, StepResult
 from disttrain.train.loss import GlobalMeanLoss, loss_context
 from disttrain.train.phases import PhaseEvent, Phases, Subscriber
 
 
-class PipelineEngine(OwnOptimizerStep):
+class PipelineEngine(SteppedByOptimizerStep):
     checkpoint_format = "dcp"
 
     def __init__(self, parts: PipelineParts, mean_loss: GlobalMeanLoss, optimizer, step: OptimizerStep, precision,
@@ -45,10 +45,11 @@ class PipelineEngine(OwnOptimizerStep):
                 return chunk(*args, **kwargs)
         return run
 
-    def _batch(self, micro_batches: list) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's whole batch (the schedule splits it into its micro-batches), on the device."""
-        return (self.precision.inputs(torch.cat([x for x, _ in micro_batches]), self.device),
-                torch.cat([y for _, y in micro_batches]).to(self.device))
+    def _batch(self, batches: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's whole batch, on the device: the loader hands it over in one piece (train/builder.py) and
+        the schedule cuts it into its micro-batches, once."""
+        (inputs, targets), = batches
+        return self.precision.inputs(inputs, self.device), targets.to(self.device)
 
     def _run(self, inputs: torch.Tensor, targets: torch.Tensor, step: int | None) -> torch.Tensor:
         """The loss sum of this rank's micro-batches (non-zero on the last stage only)."""

@@ -39,10 +39,11 @@ class Decision(NamedTuple):
     save_due: bool  # the time-based checkpoint interval elapsed (rank 0's clock)
     preempted: bool  # some rank received SIGTERM/SIGUSR1
     write_pending: bool  # some rank's async checkpoint write is still running
+    stop: bool = False  # some rank's job asked the run to stop (Trainer.request_stop)
 
 
 class StepControl:
-    """Per-step agreement on 'save now' (time trigger) and 'stop now' (preemption)."""
+    """Per-step agreement on 'save now' (time trigger) and 'stop now' (preemption, or a job's request)."""
 
     def __init__(self, every_minutes: float, rank: int):
         self.every_s = 60 * every_minutes
@@ -60,13 +61,13 @@ class StepControl:
     def _on_signal(self, signum, frame) -> None:
         self.preempt_signal = signum
 
-    def decide(self, write_pending: bool = False) -> Decision:
-        """Collective: one small all-reduce (MAX) of this rank's three flags."""
+    def decide(self, write_pending: bool = False, stop: bool = False) -> Decision:
+        """Collective: one small all-reduce (MAX) of this rank's four flags."""
         due = self.rank == 0 and self.every_s > 0 and time.monotonic() - self.last_save >= self.every_s
         if self.agent_pid is not None and self.preempt_signal is None and os.getppid() != self.agent_pid:
             log.warning("the launcher (pid %d) is gone: saving an emergency checkpoint and stopping", self.agent_pid)
             self.preempt_signal = signal.SIGHUP
-        flags = torch.tensor([float(due), float(self.preempt_signal is not None), float(write_pending)])
+        flags = torch.tensor([float(due), float(self.preempt_signal is not None), float(write_pending), float(stop)])
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
         return Decision(*(bool(f) for f in flags.tolist()))  # a CPU tensor: one read, no device sync
 

@@ -26,17 +26,19 @@ class Progress:
 
 
 def train_state(run, progress: Progress) -> dict:
+    """What a checkpoint holds besides the engine's tensors (`run`: train/run.py's TrainingRun)."""
+    spec = run.model.spec
     return {"step": progress.step, "tokens_seen": progress.tokens_seen, **run.engine.state_dict(),
-            "loader": run.loader.state_dict(), "balance": run.balancer.state_dict(),
-            "model_fingerprint": run.spec.fingerprint, "lora_base": run.lora_base,
-            "tokenizer": run.resolved.tokenizer, "model": {"family": run.spec.family,
-                      "shape": asdict(run.spec.shape) if run.spec.shape is not None else None},
+            "loader": run.data.loader.state_dict(), "balance": run.balancer.state_dict(),
+            "model_fingerprint": spec.fingerprint, "lora_base": run.model.lora_base,
+            "tokenizer": run.resolved.tokenizer, "model": {"family": spec.family,
+                      "shape": asdict(spec.shape) if spec.shape is not None else None},
             "config": run.cfg.model_dump(mode="json", by_alias=True)}
 
 
 def maybe_resume(run, progress: Progress) -> None:
     """Collective: choose a checkpoint (`checkpoint.resume`), check it fits, and load it."""
-    mode, ckpt = run.cfg.checkpoint.resume, run.ckpt
+    mode, ckpt = run.cfg.checkpoint.resume, run.checkpoints
     if mode == "none":
         return
     ckpt.remove_uncommitted()
@@ -57,12 +59,12 @@ def maybe_resume(run, progress: Progress) -> None:
     progress.step, progress.tokens_seen = int(state["step"]), int(state["tokens_seen"])
     run.engine.load_state_dict(state)
     try:
-        run.loader.load_state_dict(state["loader"])
+        run.data.loader.load_state_dict(state["loader"])
     except ValueError as exc:
         raise UserError(f"checkpoint.resume: {path}: {exc}") from None
     if run.layout.balanced:
         run.balancer.load_state_dict(state.get("balance"))
-        run.loader.set_shares(run.balancer.shares)
+        run.data.loader.set_shares(run.balancer.shares)
     progress.resumed_from = str(path)
     log.info("resumed from %s at %.3f", path, time.time())
 
@@ -70,15 +72,15 @@ def maybe_resume(run, progress: Progress) -> None:
 def check_compatible(run, path) -> dict:
     """Refuse another model shape or another engine's format before touching any tensor; report every
     other change."""
-    problem = format_problem(run.cfg, path, run.ckpt.format_of(path), run.engine.checkpoint_format)
+    problem = format_problem(run.cfg, path, run.checkpoints.format_of(path), run.engine.checkpoint_format)
     if problem:
         raise UserError(problem)
-    saved = run.ckpt.read_train_state(path)
-    problem = model_problem(saved, run.spec.family, run.spec.shape, run.spec.fingerprint) or \
+    saved, spec, lora_base = run.checkpoints.read_train_state(path), run.model.spec, run.model.lora_base
+    problem = model_problem(saved, spec.family, spec.shape, spec.fingerprint) or \
         lora_settings_problem(saved, run.cfg)
-    if not problem and run.lora_base and saved.get("lora_base") != run.lora_base:
+    if not problem and lora_base and saved.get("lora_base") != lora_base:
         problem = (f"the frozen base differs from the one its LoRA adapters were trained on (fingerprint "
-                   f"{saved.get('lora_base')} when saved, {run.lora_base} now: other weights or train.seed)")
+                   f"{saved.get('lora_base')} when saved, {lora_base} now: other weights or train.seed)")
     if problem:
         raise UserError(f"checkpoint.resume={run.cfg.checkpoint.resume}: {path} holds a model that cannot load into "
                         f"this one ({problem}); {NEW_NAME}, or resume with the saved model settings")

@@ -11,12 +11,12 @@ from torch import nn
 
 from disttrain.checkpoint import dcp_io
 from disttrain.parallel.parallelize import gather, gradient_sync_disabled, reshard
-from disttrain.train.engine import OptimizerStep, OwnOptimizerStep, StepResult
+from disttrain.train.engine import OptimizerStep, SteppedByOptimizerStep, StepResult
 from disttrain.train.loss import GlobalMeanLoss, loss_context, replicated_value
 from disttrain.train.phases import Phases
 
 
-class TorchEngine(OwnOptimizerStep):
+class TorchEngine(SteppedByOptimizerStep):
     checkpoint_format = "dcp"
 
     def __init__(self, model: nn.Module, optimizer, step: OptimizerStep, mean_loss: GlobalMeanLoss, precision,
