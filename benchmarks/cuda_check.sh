@@ -1,5 +1,5 @@
 #!/bin/bash
-# What needs a GPU, on one GPU (docs/benchmarks.md, "On one GPU"). Writes under $OUT; training runs under $RUNS.
+# What needs a GPU, on one GPU (docs/benchmarks/gpu.md). Writes under $OUT; training runs under $RUNS.
 #     OUT=/tmp/cuda bash benchmarks/cuda_check.sh dense   # `1b` in bf16 (MFU, CUDA peak memory for the dry run and
 #                                                         # the planner to be held to on the CPU afterwards), a
 #                                                         # tiny-sized MoE through grouped GEMM, grouped GEMM against

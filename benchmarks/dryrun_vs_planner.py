@@ -52,7 +52,7 @@ LAYOUTS = {  # name -> overrides at 32 ranks
     "PP=4 zero_bubble": _pp("zero_bubble"),
 }
 LARGEST = ("ZeRO-3", "HSDP 4x8", "TP=8", "TP=8+SP", "PP=4 1f1b")  # 70b: the layouts that shard its states
-# Seconds of one dry run here at two micro-batches per rank (measured: docs/benchmarks.md), for the sampler.
+# Seconds of one dry run here at two micro-batches per rank (measured: docs/benchmarks/dryrun.md), for the sampler.
 _BASE_S = {"1b": 12, "7b": 35, "13b": 60, "70b": 130}
 
 

@@ -1,6 +1,6 @@
 """The dry run of MoE layouts under its stated routing (dryrun/routing.py): balanced, or a skew with the
 planner's meaning. In-process (fake process group, fake tensors): seconds. That the dry run reads what a
-real run reads under the same routing is measured by benchmarks/moe_dryrun.py (docs/benchmarks.md)."""
+real run reads under the same routing is measured by benchmarks/moe_dryrun.py (docs/benchmarks/moe-plans.md)."""
 
 from __future__ import annotations
 

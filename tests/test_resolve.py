@@ -152,6 +152,12 @@ def test_layout_problems_are_typed_and_the_planner_reads_keys():
     assert [p.key for p in unsplit] == ["train.global_batch_size"] and unsplit[0].value == 3
 
 
+# Every module that holds a validity rule or resolves the model (config/resolve.py's RULES and the registry).
+RULE_MODULES = ("config/checks.py", "models/registry.py", "models/rules.py", "data/rules.py", "parallel/rules.py",
+                "distributed/rules.py", "layout/rules.py", "layout/world_rules.py", "layout/expert_rules.py",
+                "layout/context_rules.py", "layout/balance_rules.py")
+
+
 def test_training_never_returns_to_validation_or_the_registry(tmp_path):
     """From the resolved run to the last optimizer step, nothing re-derives a rule or re-resolves the model."""
     import logging
@@ -165,8 +171,7 @@ def test_training_never_returns_to_validation_or_the_registry(tmp_path):
         code = frame.f_code
         if event == "return" and code.co_name == "resolve_run" and code.co_filename.endswith("resolve.py"):
             resolved.append(True)
-        elif event == "call" and resolved and code.co_filename.endswith(("disttrain/validation.py",
-                                                                         "models/registry.py")):
+        elif event == "call" and resolved and code.co_filename.endswith(RULE_MODULES):
             after.append(f"{code.co_filename.rsplit('/', 2)[-1]}:{code.co_name}")
 
     handlers = logging.getLogger("disttrain").handlers[:]

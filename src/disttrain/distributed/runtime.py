@@ -54,7 +54,7 @@ def _job_store(env: DistEnv, timeout: timedelta) -> dist.Store:
     per-attempt prefix, a restarted worker can read the previous attempt's gloo addresses and fail with
     "connectFullMesh ... Connection refused" (seen with torch 2.13 when the lowest rank died first). The
     restart count is per agent, so this needs every agent to have restarted alike (one node). Multi-node
-    launches by disttrain turn the shared store off (launch.py): each rendezvous round then publishes a fresh
+    launches by disttrain turn the shared store off (launch/self_launch.py): each rendezvous round then publishes a fresh
     store that rank 0 hosts, and nodes that restarted a different number of times (a replacement, a node
     rejoining) still agree on the keys.
     """

@@ -8,8 +8,8 @@ enough for nodes that finish together (the end of a run is a collective), short 
 
 With DISTTRAIN_WORKER_START=fork on a machine without an accelerator, workers that are Python (`-m MODULE`
 or a script) are forked from this process rather than started as fresh interpreters: a launch or restart
-costs half the CPU time (distributed/forked_worker.py says how). Fresh interpreters stay the default: forked
-DDP workers spent 2-3% more CPU per token in the steady state here (docs/benchmarks.md).
+costs half the CPU time (launch/forked_worker.py says how). Fresh interpreters stay the default: forked
+DDP workers spent 2.5% more CPU per token in the steady state here (docs/benchmarks/overhead.md).
 """
 
 from __future__ import annotations

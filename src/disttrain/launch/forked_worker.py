@@ -4,7 +4,7 @@ torchrun starts each worker as a fresh interpreter, which imports torch, DTensor
 2.5 CPU-seconds per process before any work, paid again at every restart. On a machine without an
 accelerator, with DISTTRAIN_WORKER_START=fork (the test suite's setting), the launcher (torchrun's agent,
 in this process) forks its workers instead, with those modules already imported, through torchrun's own
-`--run-path --start-method fork` (distributed/agent.py decides). torchrun runs this file with sys.argv set to
+`--run-path --start-method fork` (launch/agent.py decides). torchrun runs this file with sys.argv set to
 `[this file, "-m", MODULE, args...]` or `[this file, SCRIPT, args...]`.
 
 A forked child inherits what a fresh interpreter would not have, and this undoes it first: the

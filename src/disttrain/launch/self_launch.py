@@ -84,9 +84,9 @@ def max_world_size(opts: LaunchOptions) -> int:
 
 # Multi-node rendezvous settings (torch's defaults: 30 s last call, 5 s x 3 heartbeats). A lost node is
 # declared dead after keep_alive_interval x keep_alive_max_attempt seconds, and a rendezvous that has its
-# minimum of nodes waits last_call_timeout for more: with torch's values a node loss took 47 s to recover
-# here, with these 13 s (docs/benchmarks.md). A node that arrives after the last call is admitted
-# by a restart at the next rendezvous, so a short last call costs nothing but that restart.
+# minimum of nodes waits last_call_timeout for more: with torch's values a node loss took 46 s to recover
+# here, with these 13 s (docs/benchmarks/fault-tolerance.md). A node that arrives after the last call is
+# admitted by a restart at the next rendezvous, so a short last call costs nothing but that restart.
 RDZV_DEFAULTS = {"last_call_timeout": "5", "keep_alive_interval": "2", "keep_alive_max_attempt": "3"}
 
 

@@ -1,5 +1,5 @@
 """The Layout's rules for context parallelism (`parallel.cp`, `parallel.cp_method`): what holds whatever
-the model family (the ones that need the ModelSpec are in resolve.py). Pure Python (no torch)."""
+the model family (the ones that need the ModelSpec are in models/rules.py). Pure Python (no torch)."""
 
 from __future__ import annotations
 

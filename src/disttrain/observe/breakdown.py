@@ -12,7 +12,7 @@ all-reduces) are part of those phases; `CommProfiler` reports their time per col
 `CommProfiler` profiles one step every `metrics.comm_profile_every` steps with `torch.profiler`
 and sums the collectives' own records (`gloo:all_reduce`, `nccl:all_gather`, ... from launch to
 completion; NCCL kernels' device time on GPU) by kind. Cost: the profiled step runs slower
-(measured in docs/benchmarks.md); the other steps pay nothing.
+(measured in docs/benchmarks/metrics.md); the other steps pay nothing.
 """
 
 from __future__ import annotations

@@ -171,7 +171,7 @@ def step_time(shape: ModelShape, layout: Layout, cluster: Cluster, routing_skew:
     # Tensor parallel (all-reduces, or all-gather + reduce-scatter with SP: the same bytes), per layer
     # and micro-batch: two in forward (after wo and w2); five in backward, one per column-parallel linear
     # (wq, wk, wv, w1, w3 each reduce their own input gradient: the plan's linears are separate modules,
-    # counted with the profiler in docs/benchmarks.md); two more per recomputed forward. The vocabulary-
+    # counted with the profiler in docs/benchmarks/collectives.md); two more per recomputed forward. The vocabulary-
     # parallel embedding reduces its output and the output layer its input gradient.
     held = rank_params(shape, layout, 0)
     tp_comm = 0.0
@@ -260,7 +260,7 @@ def step_time(shape: ModelShape, layout: Layout, cluster: Cluster, routing_skew:
 
 # Elements each token reads or writes per layer outside matmuls and attention, forward + backward,
 # for models/llama (norms, rotary, SiLU gate, residual adds, casts): fitted by counting every
-# non-matmul op's operands under a dispatch mode for six shapes (residual < 0.2%; docs/benchmarks.md).
+# non-matmul op's operands under a dispatch mode for six shapes (residual < 0.2%; docs/planning.md).
 EW_PER_LAYER = {"dim": 107.0, "kv": 24.0, "ffn": 14.0, "heads": 4.3}
 EW_ROOT_DIM, EW_VOCAB = 31.0, 5.0  # the final norm and embedding per token; log-softmax and loss per logit
 OPS_PER_LAYER = 100  # eager ops per layer, forward + backward (76 element-wise, 21 matmuls, attention)
