@@ -103,7 +103,7 @@ class _RingAttention(torch.autograd.Function):
         grad_out = grad_out.contiguous()
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         dkv = torch.zeros((2, *k.shape), dtype=acc, device=q.device)  # the travelling accumulator of K/V's owner
-        # the stacked K/V is passed, not kept: only the block in flight stays alive, as before the walk was shared
+        # the stacked K/V is passed on, not kept: only the block in flight stays alive
         for rows, cols, causal, mask, kb, vb in _ring(torch.stack([k, v]), cp, q, documents, groups):
             dq_part, dk_part, dv_part = _FLASH_BACKWARD(
                 grad_out[:, :, rows], q[:, :, rows], kb, vb, out[:, :, rows], lse[:, :, rows].contiguous(), 0.0,

@@ -53,7 +53,7 @@ def alive_at_moments(states, acts: StageActivations, layout: Layout, gathered: f
                            "temporary": (3 if layout.tp > 1 else 2) * acts.logits + loss_pending,
                            "communication": gathered + loss_gathered}
     # The root's unsharded gradients made before the blocks' backwards, pending until the root's post-backward (13b
-    # ZeRO-3, full checkpointing: counting the embedding's too put the planner 5.7% over the dry run; now +2.8%).
+    # ZeRO-3, full checkpointing: +2.8% against the dry run; counting the embedding's too, +5.7%).
     # Without a pipeline a block's one-micro-batch gradients are counted as temporaries below, as the dry run files them.
     early_root = grad_root if early_root is None else min(early_root, grad_root)
     block_grads = grads if s.unsharded_grads or not fsdp else (0.0 if layout.pp == 1 else pb * early_root)
@@ -144,7 +144,7 @@ def alive_at_moments(states, acts: StageActivations, layout: Layout, gathered: f
         # After the last backward, torch's `perform_reduce_grad` reduces unit by unit (the root first) with the rest of
         # the stage still gathered and every unsharded gradient alive: the first unit's parameters resharded, its
         # reduce-scatter input and output beside them, activations to the dry run's tracker (made outside any
-        # backward). 125m at seq 256, HSDP 2 x 2, pp=2 1F1B, ZeRO-3: the dry run's peak, −7.3% before.
+        # backward). 125m at seq 256, HSDP 2 x 2, pp=2 1F1B, ZeRO-3: where the dry run peaks (−7.3% without it).
         # The root's gradients in the parameter dtype are gone by then (cast at the backward's end; `tiny` with a
         # 16k vocabulary, pp=2 1F1B, first stage: +12.8% counting them).
         # Zero-bubble: each stage's last weight pass left its gradients in the parameter dtype beside the accumulated
@@ -168,8 +168,8 @@ def alive_at_moments(states, acts: StageActivations, layout: Layout, gathered: f
                                    loss_acts - acts.logits + logits + s.forward_copies + pipe}
     # DDP's first step: no optimizer states yet, autograd's gradients beside the buckets. With one micro-batch the
     # reducer copies each into its bucket as it is made, and they never all coexist (the dry run, which counts the
-    # buckets from the start: 13b ZeRO-1 without checkpointing, 32 ranks, peaks at the loss's backward; the planner
-    # read +4.2% from this moment, with gradients +100%; `tiny` at seq 64, 8 ranks: +14.6% -> -1.4%).
+    # buckets from the start: 13b ZeRO-1 without checkpointing, 32 ranks, peaks at the loss's backward; counting both
+    # there reads +4.2%, gradients +100%; `tiny` at seq 64, 8 ranks: +14.6% counting both, −1.4% as here).
     if s.first_step_grads and layout.microbatches > 1:
         moments["first step"] = {"parameters": s.params + s.tables, "gradients": s.grads + s.first_step_grads,
                                  "optimizer": 0.0, "activations": copies, "temporary": 0.0, "communication": 0.0}
