@@ -39,9 +39,10 @@ def command(framework: str, steps: int, run_dir: Path) -> list[str]:
     return [python, *torchrun, str(WORKLOADS / f"{framework}_ddp.py"), "--steps", str(steps)]
 
 
-def measure_command(cmd: list[str]) -> tuple[float, float]:
-    """Wall seconds and CPU seconds (user+system of the whole process tree) of one command."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(WORKLOADS), str(REPO / "src")]))
+def measure_command(cmd: list[str], src: Path | None = None) -> tuple[float, float]:
+    """Wall seconds and CPU seconds (user+system of the whole process tree) of one command; `src`: the disttrain
+    source tree it imports (default this checkout's)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(WORKLOADS), str(src or REPO / "src")]))
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True)
@@ -52,21 +53,24 @@ def measure_command(cmd: list[str]) -> tuple[float, float]:
     return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
-def steady_state(command_for_steps, short: int, long: int, tokens_per_step: int = TOKENS_PER_STEP) -> dict:
+def steady_state(command_for_steps, short: int, long: int, tokens_per_step: int = TOKENS_PER_STEP,
+                 src: Path | None = None) -> dict:
     """Throughput and CPU per token of the steps between `short` and `long` (start-up cancels out)."""
-    w1, c1 = measure_command(command_for_steps(short))
-    w2, c2 = measure_command(command_for_steps(long))
+    w1, c1 = measure_command(command_for_steps(short), src)
+    w2, c2 = measure_command(command_for_steps(long), src)
     tokens = tokens_per_step * (long - short)
     return {"tokens_per_s": tokens / (w2 - w1), "cpu_s_per_token": (c2 - c1) / tokens}
 
 
 def interleaved(names: list[str], command_for, reps: int, short: int, long: int,
-                tokens_per_step: int = TOKENS_PER_STEP) -> dict[str, list[dict]]:
-    """Every variant once per repetition, starting one later each time; `command_for(name, steps)`."""
+                tokens_per_step: int = TOKENS_PER_STEP, src_for=None) -> dict[str, list[dict]]:
+    """Every variant once per repetition, starting one later each time; `command_for(name, steps)`;
+    `src_for(name)`: the source tree a variant imports (default this checkout's)."""
     results: dict[str, list[dict]] = {n: [] for n in names}
     for rep in range(reps):
         for name in names[rep % len(names):] + names[:rep % len(names)]:
-            row = steady_state(lambda steps: command_for(name, steps), short, long, tokens_per_step)
+            src = src_for(name) if src_for is not None else None
+            row = steady_state(lambda steps: command_for(name, steps), short, long, tokens_per_step, src)
             results[name].append(row)
             print(f"rep {rep + 1}/{reps} {name:>16}: {row['tokens_per_s']:8.0f} tok/s, "
                   f"{1e6 * row['cpu_s_per_token']:7.1f} CPU-us/token", flush=True)

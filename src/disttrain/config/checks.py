@@ -28,16 +28,18 @@ def config_problems(cfg) -> list[Problem]:
         if getattr(cfg.metrics, key) and importlib.util.find_spec(key) is None:
             problems.append(_problem(f"metrics.{key}", True, f"metrics.{key}=true needs the {key} package, which is not "
                                      f"installed (pip install {key}; allowed without it: false)", "false"))
-    t, p = cfg.train, cfg.parallel
+    t, parallel = cfg.train, cfg.parallel
     if t.micro_batch_size and t.global_batch_size % t.micro_batch_size:
         problems.append(_problem("train.micro_batch_size", t.micro_batch_size, f"train.global_batch_size="
-                                 f"{t.global_batch_size} is not a multiple of train.micro_batch_size={t.micro_batch_size}"))
-    uneven = p.balance == "auto" or p.balance_weights
-    key = "parallel.balance=auto" if p.balance == "auto" else f"parallel.balance_weights={p.balance_weights}"
+                                 f"{t.global_batch_size} is not a multiple of train.micro_batch_size="
+                                 f"{t.micro_batch_size}"))
+    auto, weights = parallel.balance == "auto", parallel.balance_weights
+    uneven = auto or weights
+    key = "parallel.balance=auto" if auto else f"parallel.balance_weights={weights}"
     if uneven and not t.micro_batch_size:
         problems.append(_problem("train.micro_batch_size", 0, f"{key} needs train.micro_batch_size > 0: uneven shares "
                                  "are counted in micro-batches"))
-    if uneven and p.ddp_broadcast_buffers:
+    if uneven and parallel.ddp_broadcast_buffers:
         problems.append(_problem("parallel.ddp_broadcast_buffers", True, "parallel.ddp_broadcast_buffers=true "
                                  "broadcasts buffers in every forward pass, which needs the same number of micro-batches "
                                  "on every rank (with uneven shares allowed: false)", "false"))
@@ -55,7 +57,7 @@ def config_problems(cfg) -> list[Problem]:
 
 def engine_key_problems(cfg) -> list[Problem]:
     """Keys that only one engine or one gradient wrapper reads."""
-    p, prec = cfg.parallel, cfg.precision
+    prec, hook, stage = cfg.precision, cfg.parallel.ddp_comm_hook, cfg.parallel.zero_stage
     if prec.compute_dtype == "fp64":
         if cfg.engine == "deepspeed":
             return [_problem("precision.compute_dtype", "fp64", "precision.compute_dtype=fp64 needs engine=torch "
@@ -66,9 +68,9 @@ def engine_key_problems(cfg) -> list[Problem]:
                                  "precision.compute_dtype=fp64: everything is double precision then (allowed: auto, "
                                  "fp64)", "auto, fp64")]
     if cfg.engine == "deepspeed":
-        if p.ddp_comm_hook != "none":
-            return [_problem("parallel.ddp_comm_hook", p.ddp_comm_hook, f"parallel.ddp_comm_hook={p.ddp_comm_hook} "
-                             "needs engine=torch (allowed with engine=deepspeed: none)", "none")]
+        if hook != "none":
+            return [_problem("parallel.ddp_comm_hook", hook, f"parallel.ddp_comm_hook={hook} needs engine=torch "
+                             "(allowed with engine=deepspeed: none)", "none")]
         for key in ("param_dtype", "reduce_dtype"):
             if getattr(prec, key) not in ("fp32", "auto"):
                 return [_problem(f"precision.{key}", getattr(prec, key), f"precision.{key}={getattr(prec, key)} needs "
@@ -82,17 +84,17 @@ def engine_key_problems(cfg) -> list[Problem]:
                              "engine=torch (DeepSpeed writes to local paths only; allowed with engine=deepspeed: a local "
                              "or mounted directory)")]
         return []
-    if p.zero_stage < 2:
+    if stage < 2:
         for key in ("param_dtype", "reduce_dtype"):
             value = getattr(prec, key)
             if value not in ("fp32", "auto") and prec.compute_dtype != "fp64":
                 return [_problem(f"precision.{key}", value, f"precision.{key}={value} needs parallel.zero_stage 2 or 3 "
-                                 f"(FSDP2's mixed-precision policy); with zero_stage={p.zero_stage} allowed: fp32 (use "
+                                 f"(FSDP2's mixed-precision policy); with zero_stage={stage} allowed: fp32 (use "
                                  "precision.compute_dtype for autocast, parallel.ddp_comm_hook to compress gradients)",
                                  "fp32")]
-    elif p.ddp_comm_hook != "none":
-        return [_problem("parallel.ddp_comm_hook", p.ddp_comm_hook, f"parallel.ddp_comm_hook={p.ddp_comm_hook} applies "
-                         f"to DDP (zero_stage 0 or 1), not zero_stage={p.zero_stage} (use precision.reduce_dtype)", "none")]
+    elif hook != "none":
+        return [_problem("parallel.ddp_comm_hook", hook, f"parallel.ddp_comm_hook={hook} applies to DDP (zero_stage 0 "
+                         f"or 1), not zero_stage={stage} (use precision.reduce_dtype)", "none")]
     return []
 
 

@@ -128,8 +128,9 @@ def _context(cfg, world_size: int | None, device_type: str) -> RunContext:
     resolver = registry.resolver_for(cfg.model)
     spec = registry.model_spec(cfg.model) if resolver.key == "model.spec" else None  # where its shape comes from
     shape = spec.shape if spec is not None else registry.model_shape(cfg.model)
-    p = cfg.parallel
-    world = [] if world_size is None else world_problems(p.dp_replicate, p.dp_shard, p.tp, p.pp, world_size, p.cp)
+    parallel = cfg.parallel
+    world = [] if world_size is None else world_problems(parallel.dp_replicate, parallel.dp_shard, parallel.tp,
+                                                         parallel.pp, world_size, parallel.cp)
     layout = Layout.from_config(cfg, None if world else world_size, device_type)  # cut rules first, then the world's
     return RunContext(cfg, world_size, device_type, shape, layout, tokenizer_for(cfg), resolver.key,
                       registry.model_source(cfg.model), world, spec)

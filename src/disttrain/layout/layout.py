@@ -206,28 +206,29 @@ class Layout:
         do not multiply to the world size. `device_type` resolves `precision.param_dtype=auto`
         (bf16 weights for GPU matmuls, fp32 on CPU). Without a world size (validation before launch)
         `dp_shard=-1` stands as 1: only `cut_problems` may be asked of such a layout."""
-        p, prec = cfg.parallel, cfg.precision
-        dp_shard = resolve_dp_shard(p, world_size) if world_size is not None else max(1, p.dp_shard)
-        dp = p.dp_replicate * dp_shard
+        parallel, prec = cfg.parallel, cfg.precision
+        dp_shard = resolve_dp_shard(parallel, world_size) if world_size is not None else max(1, parallel.dp_shard)
+        dp = parallel.dp_replicate * dp_shard
         per_rank = max(1, cfg.train.global_batch_size // dp)
         if prec.compute_dtype == "fp64":  # double precision throughout (debugging numerics)
             param_dtype = "fp64"
-        elif p.zero_stage >= 2 and cfg.engine == "torch":
+        elif parallel.zero_stage >= 2 and cfg.engine == "torch":
             auto = "bf16" if device_type == "cuda" else "fp32"
             param_dtype = prec.param_dtype if prec.param_dtype != "auto" else auto
         else:
             param_dtype = prec.compute_dtype
         reduce_dtype = prec.reduce_dtype if prec.reduce_dtype != "auto" else (
             "fp64" if prec.compute_dtype == "fp64" else "fp32")
-        return cls(dp_replicate=p.dp_replicate, dp_shard=dp_shard, tp=p.tp, pp=p.pp, ep=p.ep, cp=p.cp,
-                   cp_method=p.cp_method, zero_stage=p.zero_stage,
+        return cls(dp_replicate=parallel.dp_replicate, dp_shard=dp_shard, tp=parallel.tp, pp=parallel.pp,
+                   ep=parallel.ep, cp=parallel.cp, cp_method=parallel.cp_method, zero_stage=parallel.zero_stage,
                    micro_batch_size=cfg.train.micro_batch_size or per_rank, seq_len=cfg.data.seq_len,
-                   global_batch_size=cfg.train.global_batch_size, pp_schedule=p.pp_schedule,
-                   pp_microbatches=p.pp_microbatches, pp_layers=tuple(p.pp_layers),
-                   sequence_parallel=p.sequence_parallel, activation_checkpointing=p.activation_checkpointing,
+                   global_batch_size=cfg.train.global_batch_size, pp_schedule=parallel.pp_schedule,
+                   pp_microbatches=parallel.pp_microbatches, pp_layers=tuple(parallel.pp_layers),
+                   sequence_parallel=parallel.sequence_parallel,
+                   activation_checkpointing=parallel.activation_checkpointing,
                    param_dtype=param_dtype, compute_dtype=prec.compute_dtype, reduce_dtype=reduce_dtype,
-                   cpu_offload=p.cpu_offload, engine=cfg.engine, balance=p.balance,
-                   balance_weights=tuple(float(w) for w in p.balance_weights))
+                   cpu_offload=parallel.cpu_offload, engine=cfg.engine, balance=parallel.balance,
+                   balance_weights=tuple(float(w) for w in parallel.balance_weights))
 
     def to_config(self) -> dict:
         """The config sections that give this Layout back through `from_config` (on its world size): the one
