@@ -15,8 +15,10 @@ import pytest
 from disttrain.bench.processes import kill_tree
 from helpers import DEBUG_CONFIG, REPO, assert_losses_close, cli_env, events, losses, train
 
-# 0.3 s per step (a sleep on rank 0, after restarts too) leaves time to kill and rejoin mid-run.
-PACE = "slow:rank=0:step=0:seconds=0.3:attempts=all"
+# 0.6 s per step (a sleep on rank 0, after restarts too) leaves time to kill and rejoin mid-run: the node started
+# again at step 25 has 35 steps (21 s) to start its interpreter and join, also on a loaded machine (at 0.3 s per
+# step, under a loaded test run, the survivor sometimes finished alone first).
+PACE = "slow:rank=0:step=0:seconds=0.6:attempts=all"
 RUN = ("train.steps=60", "train.global_batch_size=4", "checkpoint.every_steps=5")
 
 
