@@ -34,9 +34,12 @@ TEST_WORKERS ?= 3
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadfile tests
 
-# pytest exits 5 when no test is marked slow yet: that is not a failure.
+# The slow tests (`.ci/run` runs them after `make test`): elastic node loss and rejoin, the exit barrier, DeepSpeed
+# under srun, 4-rank context parallelism, the planner grid's long rows. Two workers: the node tests time real
+# restarts, which a third worker's load would stretch.
+SLOW_WORKERS ?= 2
 test-slow: $(STAMP)
-	$(BIN)/python -m pytest -q -m slow tests || [ $$? -eq 5 ]
+	$(BIN)/python -m pytest -q -m slow -n $(SLOW_WORKERS) --dist loadfile tests
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/overhead.py --reps 3
