@@ -48,4 +48,6 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> None:
                             "torch.distributed.run only then); or run it under torchrun with these flags")
         if args.nproc_per_node is not None:
             sys.exit(self_launch.launch(cfg, self_launch.options(args), ["train", args.config, *overrides]))
-    sys.exit(worker.train_here(cfg))
+    code = worker.train_here(cfg)
+    if code:
+        sys.exit(code)

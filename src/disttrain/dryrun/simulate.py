@@ -166,14 +166,20 @@ def track_unwrapped_experts(tracker, model: nn.Module) -> None:
         param.register_post_accumulate_grad_hook(track_grad)
 
 
+def _batch(layout, micro_batch: tuple) -> list:
+    """A step's input: the micro-batches, or a pipeline's whole batch (its schedule cuts it), made inside the
+    tracked step as a GPU's copy of the batch would be."""
+    if layout.pp > 1:
+        return [tuple(torch.cat([t] * layout.microbatches) for t in micro_batch)]
+    return [micro_batch] * layout.microbatches
+
+
 def _tracked_steps(cfg, layout, spec, engine, steps, counter, buckets, rank, t0) -> RankRun:
     from torch.distributed.fsdp import FSDPModule
 
     generator = torch.Generator().manual_seed(cfg.train.seed)
-    whole = layout.pp > 1  # a pipeline engine takes the rank's batch in one piece; its schedule cuts it
-    rows = layout.micro_batch * (layout.microbatches if whole else 1)
-    tokens = torch.randint(0, spec.shape.vocab_size, (rows, layout.seq_len + 1), generator=generator)
-    batch = [(tokens[:, :-1], tokens[:, 1:])] * (1 if whole else layout.microbatches)
+    tokens = torch.randint(0, spec.shape.vocab_size, (layout.micro_batch, layout.seq_len + 1), generator=generator)
+    micro_batch = (tokens[:, :-1], tokens[:, 1:])
     stages = getattr(getattr(engine, "parts", None), "stages", [])
     if isinstance(engine.model, FSDPModule):
         tracker = FSDPMemTracker(engine.model, engine.optimizer)
@@ -194,7 +200,7 @@ def _tracked_steps(cfg, layout, spec, engine, steps, counter, buckets, rank, t0)
             buckets.stand_in(engine.model.reducer)
         for step in range(1, steps + 1):
             counter.reset()
-            engine.train_step(batch, step)
+            engine.train_step(_batch(layout, micro_batch), step)
     snapshot = tracker.get_tracker_snapshot("peak")
     by_kind = next(iter(snapshot.values())) if snapshot else {}
     categories = dict.fromkeys(CATEGORIES, 0)
