@@ -155,17 +155,22 @@ def records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def step_records(run_dir: Path) -> dict[int, dict]:
+    """Step -> its step record in metrics.jsonl; a step logged twice (redone after a restart) keeps its last."""
+    return {r["step"]: r for r in records(run_dir) if "loss" in r and "event" not in r}
+
+
 def losses(run_dir: Path) -> dict[int, float]:
     """Step -> loss; a step logged twice (redone after a restart) keeps its last value."""
-    return {r["step"]: r["loss"] for r in records(run_dir) if "loss" in r and "event" not in r}
+    return {step: r["loss"] for step, r in step_records(run_dir).items()}
 
 
 def events(run_dir: Path, name: str) -> list[dict]:
     return [r for r in records(run_dir) if r.get("event") == name]
 
 
-def load_model_params(checkpoint: Path) -> dict:
-    """The full (unsharded) model parameters of a DCP checkpoint, read without a process group."""
+def load_checkpoint_state(checkpoint: Path) -> dict:
+    """Everything a DCP checkpoint holds, unsharded ({"model": ..., "optim": ...}), read without a process group."""
     import tempfile
 
     import torch
@@ -174,25 +179,39 @@ def load_model_params(checkpoint: Path) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "full.pt"
         dcp_to_torch_save(checkpoint, out)
-        state = torch.load(out, weights_only=True)
-    return state["model"]
+        return torch.load(out, weights_only=True)
+
+
+def load_model_params(checkpoint: Path) -> dict:
+    """The full (unsharded) model parameters of a DCP checkpoint, read without a process group."""
+    return load_checkpoint_state(checkpoint)["model"]
 
 
 def final_params(run_dir: Path, step: int = 20) -> dict:
     return load_model_params(run_dir / "checkpoints" / f"step_{step:08d}")
 
 
-def assert_parity(run: Path, reference: Path, rel: float = EXACT, step: int = 20) -> None:
-    """Same losses and same final parameters as the reference run: fp64 runs to `rel` (EXACT) on losses and
-    on every element of every parameter; fp32 runs within assert_params_close's bounds."""
+def assert_parity(run: Path, reference: Path, rel: float = EXACT, step: int = 20, after: int = 0) -> None:
+    """Same per-step losses, gradient norms and learning rates (metrics.jsonl's step records) and same final
+    parameters (the checkpoint of `step`) as the reference run: fp64 runs to `rel` (EXACT) on losses, on gradient
+    norms (the global norm before clipping, which every layout reduces over its shards, stages and replicas: the
+    clip factor) and on every element of every parameter; fp32 runs within assert_params_close's bounds; learning
+    rates exactly equal (the schedule is the same arithmetic on the same step count everywhere).
+    `after`: a run resumed from the reference's checkpoint of step `after`, which logs only the steps after it."""
     import torch
 
-    assert_losses_close(losses(run), losses(reference), rel=rel)
-    ours, theirs = final_params(run, step), final_params(reference, step)
-    if next(iter(theirs.values())).dtype == torch.float64:
-        assert_params_exact(ours, theirs, rel=rel)
+    ours = step_records(run)
+    theirs = {s: r for s, r in step_records(reference).items() if s > after}
+    assert_losses_close({s: r["loss"] for s, r in ours.items()}, {s: r["loss"] for s, r in theirs.items()}, rel=rel)
+    assert_losses_close({s: r["grad_norm"] for s, r in ours.items()},
+                        {s: r["grad_norm"] for s, r in theirs.items()}, rel=rel, what="gradient norm")
+    lrs, expected_lrs = {s: r["lr"] for s, r in ours.items()}, {s: r["lr"] for s, r in theirs.items()}
+    assert lrs == expected_lrs, f"learning rates differ: {lrs} vs {expected_lrs}"
+    mine, reference_params = final_params(run, step), final_params(reference, step)
+    if next(iter(reference_params.values())).dtype == torch.float64:
+        assert_params_exact(mine, reference_params, rel=rel)
     else:
-        assert_params_close(ours, theirs, rel=rel, lr=LR)
+        assert_params_close(mine, reference_params, rel=rel, lr=LR)
 
 
 def assert_params_exact(actual: dict, expected: dict, rel: float = EXACT) -> None:
@@ -211,10 +230,11 @@ def assert_params_exact(actual: dict, expected: dict, rel: float = EXACT) -> Non
                                                  f"{worst:.2e}) > {rel:.0e}"
 
 
-def assert_losses_close(actual: dict[int, float], expected: dict[int, float], rel: float) -> None:
+def assert_losses_close(actual: dict[int, float], expected: dict[int, float], rel: float, what: str = "loss") -> None:
+    """Step -> value (a loss, or another per-step number: `what`), the same steps, each within `rel` (relative)."""
     assert sorted(actual) == sorted(expected), f"logged steps differ: {sorted(actual)} vs {sorted(expected)}"
     worst = max(abs(actual[s] - expected[s]) / abs(expected[s]) for s in expected)
-    assert worst <= rel, f"largest relative loss difference {worst:.3e} > {rel:.0e}"
+    assert worst <= rel, f"largest relative {what} difference {worst:.3e} > {rel:.0e}"
 
 
 def assert_params_close(actual: dict, expected: dict, rel: float | dict, lr: float,

@@ -8,16 +8,18 @@ import pytest
 import torch
 
 from disttrain.models.registry import MODEL_SHAPES
-from helpers import PARITY, assert_losses_close, assert_parity, final_params, losses, train, train_many
-from workers import model_states
+from helpers import PARITY, REPO, assert_parity, final_params, losses, train, train_many
+from workers import model_states, probes
 
 SHARDED = ("train.micro_batch_size=1", "checkpoint.every_steps=10")  # 2 micro-batches per rank on 2 ranks
+# A job of the loop that writes, after the last step, how the run's FSDP units were built (tests/workers/probes.py)
+WRAPPER_PROBE = f"train.callbacks=[{REPO / 'tests' / 'workers' / 'probes.py'}:WrapperProbe]"
 LAYOUTS = {
-    "zero3": ("parallel.zero_stage=3",),
+    "zero3": ("parallel.zero_stage=3", WRAPPER_PROBE),
     "zero1": ("parallel.zero_stage=1",),
     "zero2 + selective recompute": ("parallel.zero_stage=2", "parallel.activation_checkpointing=selective"),
     "zero3 + full recompute": ("parallel.zero_stage=3", "parallel.activation_checkpointing=full"),
-    "zero3 + cpu offload": ("parallel.zero_stage=3", "parallel.cpu_offload=true"),
+    "zero3 + cpu offload": ("parallel.zero_stage=3", "parallel.cpu_offload=true", WRAPPER_PROBE),
     "hsdp 2x1": ("parallel.zero_stage=3", "parallel.dp_replicate=2", "parallel.dp_shard=1"),
     "zero2 bf16 params": ("parallel.zero_stage=2", "precision.compute_dtype=fp32", "precision.param_dtype=bf16",
                           "precision.reduce_dtype=fp32"),  # against the fp32 reference: what users run
@@ -69,13 +71,29 @@ def test_four_rank_layouts_match_single_process(layout, four_rank_runs, debug_re
     assert_parity(four_rank_runs[layout], debug_reference)
 
 
+def test_cpu_offload_reaches_every_fsdp_unit(two_rank_runs):
+    """parallel.cpu_offload=true (its parity is above) reached FSDP2, read inside the run by a job of its loop:
+    every unit (each block and the root) holds a CPUOffloadPolicy and every one of its parameters is marked to
+    offload, unpinned (pinning needs an accelerator); the same ZeRO-3 run without it has the default policy. On
+    this CPU-only machine the shards live on the CPU either way: the policy is what tells the two apart."""
+    units = MODEL_SHAPES["debug"].n_layers + 1
+    for rank in (0, 1):
+        offloaded = probes.read(two_rank_runs["zero3 + cpu offload"], "wrapper", rank)
+        assert offloaded == {"wrapper": "FSDPTransformer", "fsdp": {
+            "units": units, "offload_policies": ["CPUOffloadPolicy"], "cpu_offload": [True],
+            "params_offload_to_cpu": [True], "pin_memory": [False], "shard_devices": ["cpu"]}}, offloaded
+        kept = probes.read(two_rank_runs["zero3"], "wrapper", rank)["fsdp"]
+        assert (kept["units"], kept["offload_policies"], kept["params_offload_to_cpu"]) == \
+            (units, ["OffloadPolicy"], [False]), kept
+
+
 def test_stage3_checkpoint_resumes_on_other_layouts(two_rank_runs, four_rank_runs, tmp_path):
-    """Saved by ZeRO-3 on 2 ranks; resumed by a single process and by ZeRO-3 on 4 ranks."""
+    """Saved by ZeRO-3 on 2 ranks; resumed by a single process and by ZeRO-3 on 4 ranks: steps 11-20 give the
+    uninterrupted run's losses, gradient norms and learning rates, and its final parameters, to EXACT (fp64)."""
     run = two_rank_runs["zero3"]
-    expected = {s: v for s, v in losses(run).items() if s > 10}
     single = train(tmp_path / "single", *PARITY, f"checkpoint.resume={run / 'checkpoints' / 'step_00000010'}")
-    assert_losses_close(losses(single), expected, rel=1e-5)
-    assert_losses_close(losses(four_rank_runs["resumed"]), expected, rel=1e-5)
+    assert_parity(single, run, after=10)
+    assert_parity(four_rank_runs["resumed"], run, after=10)
 
 
 @pytest.mark.parametrize("nproc", [1, 2, 4])

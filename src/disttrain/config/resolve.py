@@ -25,7 +25,7 @@ from disttrain.layout.world_rules import world_problems
 from disttrain.models import registry
 from disttrain.models.rules import lora_problems, shape_problems, spec_problems
 from disttrain.models.shape import ModelShape
-from disttrain.parallel.rules import compile_problems
+from disttrain.parallel.rules import compile_problems, ddp_static_graph_problems
 
 
 @dataclass(frozen=True)
@@ -103,6 +103,7 @@ RULES = (
     Rule(spec_problems, ("world",)),  # models/rules.py
     Rule(lora_problems, ("world",)),  # models/rules.py -> models/lora.py
     Rule(compile_problems, ("world",)),  # parallel/rules.py
+    Rule(ddp_static_graph_problems, ("world",)),  # parallel/rules.py
 )
 
 

@@ -34,9 +34,10 @@ def _train(cfg, env, resolved, run_dir: RunDirectory) -> int:
     log.info("process started at %.3f (restart %s%s)", this_process.STARTED,
              os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"),
              ", forked from the launcher" if this_process.STARTED_BY_FORK else "")
-    log.info("resolved run: world %d (%s), model %s, tokenizer %s, dtypes param %s, compute %s, reduce %s",
-             resolved.layout.world_size, resolved.layout.describe(), resolved.spec.label, resolved.tokenizer,
-             resolved.param_dtype, resolved.compute_dtype, resolved.reduce_dtype)
+    lay = resolved.layout
+    log.info("resolved run: world %d (pp %d, dp_replicate %d, dp_shard %d, tp %d), model %s, tokenizer %s, dtypes "
+             "param %s, compute %s, reduce %s", lay.world_size, lay.pp, lay.dp_replicate, lay.dp_shard, lay.tp,
+             resolved.spec.name, resolved.tokenizer, resolved.param_dtype, resolved.compute_dtype, resolved.reduce_dtype)
     try:
         runtime = init_distributed(env, cfg.distributed.backend, cfg.distributed.timeout_s)
         try:

@@ -15,3 +15,16 @@ def compile_problems(ctx) -> list[Problem]:
                         f"parallel.tp={lay.tp} does not run on CPU with this torch (compiled DTensor backward fails); "
                         "allowed on CPU: parallel.compile=false with tp > 1, or compile with tp=1")]
     return []
+
+
+def ddp_static_graph_problems(ctx) -> list[Problem]:
+    """torch 2.13: DDP with static_graph fails an internal assert in the first backward when a step accumulates
+    gradients (the micro-batches before the last run under no_sync; pytorch/pytorch#143580)."""
+    lay = ctx.layout
+    accumulates = lay.microbatches > 1 or (lay.balanced and lay.total_microbatches > lay.dp)
+    if ctx.cfg.parallel.ddp_static_graph and lay.gradient_wrapper == "ddp" and lay.pp == 1 and accumulates:
+        return [Problem("parallel.ddp_static_graph", True, "false with several micro-batches per data-parallel rank",
+                        "parallel.ddp_static_graph=true with gradient accumulation (several micro-batches per "
+                        "data-parallel rank) fails in this torch's DDP (an internal assert in the first backward); "
+                        "allowed: parallel.ddp_static_graph=false, or one micro-batch per rank")]
+    return []
