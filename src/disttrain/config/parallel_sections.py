@@ -54,7 +54,8 @@ class ParallelConfig(Section):
     ddp_bucket_cap_mb: float = Field(25.0, gt=0, description="DistributedDataParallel's bucket_cap_mb")
     ddp_broadcast_buffers: bool = Field(False, description="DistributedDataParallel's broadcast_buffers")
     ddp_find_unused_parameters: bool = Field(False, description="DistributedDataParallel's find_unused_parameters")
-    ddp_static_graph: bool = Field(False, description="DistributedDataParallel's static_graph")
+    ddp_static_graph: bool = Field(False, description="DistributedDataParallel's static_graph (one micro-batch per "
+                                   "rank: with gradient accumulation this torch's DDP fails an internal assert)")
     ddp_gradient_as_bucket_view: bool = Field(True, description="DistributedDataParallel's gradient_as_bucket_view")
     balance_weights: list[float] = Field(default_factory=list, description="one weight per data-parallel rank: "
                                          "uneven shares of the global batch in whole micro-batches (mixed GPU types, "
