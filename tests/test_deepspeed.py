@@ -18,7 +18,22 @@ from helpers import (DEBUG_CONFIG, FP64, LR, PARITY_FP32, REPO, assert_losses_cl
 COMMON = PARITY_FP32  # DeepSpeed trains in fp32, bf16 or fp16: compared with the session's fp32 reference
 
 
-def test_config_maps_every_setting():
+def deepspeed_reads(config, world_size: int, monkeypatch):
+    """DeepSpeed's own reading of a config (a dict, or a JSON file's path) on `world_size` data-parallel ranks, as
+    deepspeed.initialize reads it on rank 0: its DeepSpeedConfig, told the data-parallel world by an `mpu` (its
+    interface for a process group it did not set up); no process group here, so deepspeed.comm's rank lookup
+    answers rank 0's. DeepSpeedConfig itself checks train_batch_size = micro-batch x accumulation x world size."""
+    import deepspeed.runtime.config as ds_config
+
+    class DataParallel:  # the one question DeepSpeedConfig asks of an mpu
+        def get_data_parallel_world_size(self) -> int:
+            return world_size
+
+    monkeypatch.setattr(ds_config.dist, "get_rank", lambda: 0)
+    return ds_config.DeepSpeedConfig(config, mpu=DataParallel())
+
+
+def test_config_maps_every_setting(monkeypatch):
     cfg = load_config(DEBUG_CONFIG, ["engine=torch", "parallel.zero_stage=3", "parallel.cpu_offload=true",
                                      "precision.compute_dtype=bf16", "optim.grad_clip=0.5", "train.global_batch_size=16",
                                      "train.micro_batch_size=2"])
@@ -28,16 +43,46 @@ def test_config_maps_every_setting():
     assert ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
     assert ds["zero_optimization"]["offload_param"]["pin_memory"] is False  # no pinning without CUDA
     assert ds["bf16"]["enabled"] and not ds["fp16"]["enabled"]
+    # What DeepSpeed itself reads from it on the 4 ranks: the config's batch (16 = 2 x 2 x 4), stage, offload and
+    # precision, not only keys of our spelling
+    read = deepspeed_reads(ds, 4, monkeypatch)
+    assert (read.train_batch_size, read.train_micro_batch_size_per_gpu, read.gradient_accumulation_steps) == \
+        (cfg.train.global_batch_size, cfg.train.micro_batch_size, 2)
+    assert read.zero_enabled and read.zero_optimization_stage == 3 and read.gradient_clipping == 0.5
+    zero = read.zero_config
+    assert zero.offload_optimizer.device == "cpu" and zero.offload_param.device == "cpu"
+    assert zero.offload_optimizer.pin_memory is False and zero.offload_param.pin_memory is False
+    assert read.bfloat16_config.enabled and not read.float16_config.enabled
     cfg = load_config(DEBUG_CONFIG, ["precision.compute_dtype=fp16"])
     fp16 = deepspeed_config(resolve_run(cfg, 1, "cuda").layout, cfg.optim.grad_clip)
     assert fp16["fp16"]["enabled"] and fp16["fp16"]["loss_scale"] == 0  # 0 = dynamic loss scaling
+    read = deepspeed_reads(fp16, 1, monkeypatch)
+    assert read.float16_config.enabled and not read.bfloat16_config.enabled
+    assert read.float16_config.loss_scale == 0 and read.float16_config.initial_dynamic_scale() == 2 ** 16  # dynamic
+    assert (read.train_batch_size, read.train_micro_batch_size_per_gpu, read.gradient_accumulation_steps) == (4, 4, 1)
+    assert read.zero_optimization_stage == cfg.parallel.zero_stage and read.zero_config.offload_optimizer is None
 
 
-def test_shipped_json_is_the_export_of_its_yaml():
-    """The command in this process: it starts none."""
+def test_shipped_json_is_the_export_of_its_yaml(monkeypatch):
+    """The command in this process: it starts none. DeepSpeed's own config class reads the shipped JSON as the
+    YAML's run on 2 processes (and refuses it on 4: the batch it fixes is that world's)."""
+    shipped = REPO / "configs" / "deepspeed.json"
     code, out, err = run_main("config", "export-deepspeed", str(REPO / "configs" / "deepspeed.yaml"), "--world-size", "2")
     assert code == 0, err
-    assert json.loads(out) == json.loads((REPO / "configs" / "deepspeed.json").read_text())
+    assert json.loads(out) == json.loads(shipped.read_text())
+    cfg = load_config(REPO / "configs" / "deepspeed.yaml", [])
+    read = deepspeed_reads(str(shipped), 2, monkeypatch)
+    assert read.world_size == 2
+    assert (read.train_batch_size, read.train_micro_batch_size_per_gpu, read.gradient_accumulation_steps) == \
+        (cfg.train.global_batch_size, cfg.train.micro_batch_size,
+         cfg.train.global_batch_size // (2 * cfg.train.micro_batch_size)) == (16, 4, 2)
+    assert read.zero_enabled and read.zero_optimization_stage == cfg.parallel.zero_stage == 2
+    assert read.zero_config.offload_optimizer is None and read.zero_config.offload_param is None  # no cpu_offload
+    assert cfg.precision.compute_dtype == "fp32"
+    assert not read.bfloat16_config.enabled and not read.float16_config.enabled
+    assert read.gradient_clipping == cfg.optim.grad_clip
+    with pytest.raises(AssertionError, match="16 != 4 \\* 2 \\* 4"):
+        deepspeed_reads(str(shipped), 4, monkeypatch)
 
 
 def test_missing_deepspeed_is_one_line_with_install_hint(tmp_path):
@@ -83,7 +128,8 @@ def _deepspeed_params(checkpoint) -> dict:
 @pytest.fixture(scope="module")
 def deepspeed_runs(tmp_path_factory):
     """ZeRO-2 and ZeRO-3 under DeepSpeed, each saved at step 15 and resumed from there: one launch."""
-    pytest.importorskip("deepspeed")
+    import deepspeed  # noqa: F401  (installed by `make test`: missing, this fails here rather than skipping)
+
     root = tmp_path_factory.mktemp("ds")
     jobs = {}
     for stage in (2, 3):
@@ -109,7 +155,8 @@ def test_resuming_under_the_other_engine_is_one_line(reference, tmp_path, capsys
     """A torch (DCP) checkpoint under engine=deepspeed and a DeepSpeed checkpoint under engine=torch:
     refused in one line naming the engine that can resume it (the command in-process: the refusal comes before
     any worker); DeepSpeed also runs in one process."""
-    pytest.importorskip("deepspeed")
+    import deepspeed  # noqa: F401  (installed by `make test`: missing, this fails here rather than skipping)
+
     from disttrain.cli import main
 
     ds_run = train(tmp_path / "deepspeed", "train.steps=2", "checkpoint.every_steps=2", "engine=deepspeed")

@@ -11,7 +11,7 @@ from disttrain.checkpoint.export import init_from
 from disttrain.models.llama import llama_spec
 from disttrain.models.spec import build_model
 from disttrain.models.registry import MODEL_SHAPES
-from helpers import load_model_params, losses, run_cli, run_main, train
+from helpers import DEBUG_CONFIG, EXACT, FP64, load_model_params, losses, run_cli, run_main, train
 from dataclasses import replace
 
 SHAPE = replace(MODEL_SHAPES["debug"], tie_embeddings=True)
@@ -43,7 +43,8 @@ def test_exported_weights_reproduce_the_checkpoint_logits(sharded_run, fmt, name
 
 
 def test_hf_export_loads_in_transformers_with_the_same_logits(sharded_run, tmp_path):
-    transformers = pytest.importorskip("transformers")
+    import transformers
+
     out = tmp_path / "hf"
     assert run_main("convert", str(sharded_run), "--to", "hf", "--out", str(out))[0] == 0
     assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is True
@@ -55,12 +56,45 @@ def test_hf_export_loads_in_transformers_with_the_same_logits(sharded_run, tmp_p
     torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)  # two implementations, fp32
 
 
+def _step_one_loss(state: dict, seed: int) -> float:
+    """The fp64 loss of `state` (by parameter name) on step 1's global batch of configs/debug.yaml (4 windows of
+    64 byte tokens of the built-in corpus), computed here: the weights put into a single-device model by
+    load_state_dict, the mean cross-entropy over the batch's 4 x 64 targets by torch."""
+    import torch.nn.functional as F
+
+    from disttrain.config.load import load_config
+    from disttrain.config.resolve import resolve_run
+    from disttrain.data.source import load_samples, make_sampler
+
+    cfg = load_config(DEBUG_CONFIG, ["model.tie_embeddings=true"])
+    _, samples, _ = load_samples(cfg.data.source, resolve_run(cfg, 1, "cpu").tokenizer, cfg.data.seq_len)
+    x, y = samples.batch(make_sampler(samples, cfg.data.source, cfg.train.global_batch_size, cfg.train.seed).indices(1))
+    model = build_model(llama_spec(SHAPE), torch.device("cpu"), seed=seed).double()
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) <= {"output.weight", "rope_cos", "rope_sin"}  # tied head; rotary tables
+    with torch.no_grad():
+        logits = model(x)
+    assert logits.dtype == torch.float64 and x.shape == y.shape == (4, 64)
+    return float(F.cross_entropy(logits.flatten(0, 1), y.flatten()))
+
+
 def test_init_from_starts_a_run_from_exported_weights(sharded_run, tmp_path):
-    assert run_main("convert", str(sharded_run), "--to", "safetensors", "--out", str(tmp_path / "w.safetensors"))[0] == 0
-    fresh = losses(train(tmp_path / "fresh", "train.steps=2", "model.tie_embeddings=true"))
-    warm = losses(train(tmp_path / "warm", "train.steps=2", "model.tie_embeddings=true",
-                        f"model.init_from={tmp_path / 'w.safetensors'}"))
-    assert warm[1] < fresh[1] - 0.5  # starts from the trained weights, not from scratch
+    """A run started from exported weights (in fp64) logs as its step-1 loss exactly the loss of those weights,
+    computed here on the same batch; a freshly initialised model's is far higher (the weights were used, not
+    an initialisation)."""
+    from safetensors.torch import load_file
+
+    weights = tmp_path / "w.safetensors"
+    assert run_main("convert", str(sharded_run), "--to", "safetensors", "--out", str(weights))[0] == 0
+    warm = losses(train(tmp_path / "warm", "train.steps=2", "model.tie_embeddings=true", FP64,
+                        f"model.init_from={weights}"))
+    exported = load_file(str(weights))
+    assert exported.keys() == _reference_model(sharded_run).state_dict().keys() - {"output.weight", "rope_cos",
+                                                                                     "rope_sin"}
+    expected = _step_one_loss(exported, seed=999)  # another init than the run's: every weight must come from the file
+    assert abs(warm[1] - expected) <= EXACT * expected, (warm[1], expected)
+    fresh = build_model(llama_spec(SHAPE), torch.device("cpu"), seed=0).state_dict()  # the run's seed (debug.yaml)
+    assert expected < _step_one_loss(fresh, seed=0) - 0.5  # starts from the trained weights, not from scratch
     bad = run_cli("train", "configs/debug.yaml", f"run.dir={tmp_path}", f"model.init_from={tmp_path / 'w.safetensors'}",
                   "model.dim=32", "model.n_heads=2", "model.n_kv_heads=1", "model.tie_embeddings=true", check=False)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr

@@ -121,7 +121,10 @@ def test_async_save_commits_and_a_kill_mid_save_keeps_the_previous(uninterrupted
     assert losses(run) == losses(uninterrupted)
 
 
-def _signal_after_steps(cmd: list[str], run: Path, sig: int, steps: int = 4) -> subprocess.CompletedProcess:
+def _signal_after_steps(cmd: list[str], run: Path, sig: int, steps: int = 4,
+                        own: tuple[str, ...] = ()) -> tuple[subprocess.CompletedProcess, int, list[int]]:
+    """(the launch, signalled after `steps` logged steps; its launcher's pid; the processes holding the `own`
+    arguments just before the signal)."""
     proc = subprocess.Popen(cmd, cwd=REPO, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 600  # waits for a state only: generous for a loaded machine
     while time.monotonic() < deadline and proc.poll() is None:
@@ -129,9 +132,28 @@ def _signal_after_steps(cmd: list[str], run: Path, sig: int, steps: int = 4) -> 
         if metrics.is_file() and sum('"loss"' in line for line in metrics.read_text().splitlines()) >= steps:
             break
         time.sleep(0.05)
+    running = _processes_with(*own) if own else []
     proc.send_signal(sig)
     out, err = proc.communicate(timeout=180)
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err), proc.pid, running
+
+
+def _processes_with(*args: str) -> list[int]:
+    """The live processes whose command line holds each of `args` as a whole argument: this test's own launch
+    (`run.dir=` its tmp_path, which no other test shares), found after its launcher is gone (orphaned workers
+    leave the launcher's process tree, and forked workers keep the launcher's command line). Not `pgrep -f
+    run.name=...`, which also matches another test's run of that name under pytest-xdist."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:  # ended meanwhile
+            continue
+        if all(arg.encode() in argv for arg in args):
+            found.append(int(entry.name))
+    return found
 
 
 def test_sigusr1_to_the_launchers_ends_in_a_committed_checkpoint(tmp_path):
@@ -148,14 +170,17 @@ def test_sigusr1_to_the_launchers_ends_in_a_committed_checkpoint(tmp_path):
     }
     for name, cmd in launchers.items():
         run = tmp_path / name
-        proc = _signal_after_steps(cmd, run, signal.SIGUSR1)
+        own = (f"run.dir={tmp_path}", f"run.name={name}")
+        proc, launcher, running = _signal_after_steps(cmd, run, signal.SIGUSR1, own=own)
+        # the lookup below sees this launch while it trains: its launcher and (at least) both workers
+        assert launcher in running and len(running) >= 3, (name, launcher, running)
         assert proc.returncode == (75 if name == "disttrain" else -signal.SIGUSR1), (name, proc.stderr[-3000:])
         if name == "disttrain":  # the workers' `preempted: saved step N` is the last word, no torchrun report
             assert "Traceback" not in proc.stderr and proc.stdout.strip().splitlines()[-1].startswith("preempted:")
         step = events(run, "preempted")[0]["step"]
         assert (run / "checkpoints" / f"step_{step:08d}" / "COMMIT").is_file()
         deadline = time.monotonic() + 30  # the workers exit on their own, nothing trains on unsupervised
-        while subprocess.run(["pgrep", "-f", f"run.name={name}"], capture_output=True).returncode == 0:
+        while _processes_with(*own):
             assert time.monotonic() < deadline, f"{name}: workers still running after the launcher exited"
             time.sleep(0.2)
         assert losses(run)[step] and max(losses(run)) == step
@@ -209,7 +234,8 @@ def test_srun_tasks_preempted_then_requeued_resume_the_same_run(uninterrupted, t
 
 @pytest.mark.slow
 def test_deepspeed_under_srun_and_in_one_process(tmp_path):
-    pytest.importorskip("deepspeed")
+    import deepspeed  # noqa: F401  (installed by `make test`: missing, this fails here rather than skipping)
+
     runs = _srun_step(tmp_path, "ds", "engine=deepspeed", "parallel.zero_stage=2", "train.steps=3")
     assert [p.returncode for p in runs] == [0, 0], [p.stderr[-2000:] for p in runs]
     one = train(tmp_path / "one", "engine=deepspeed", "train.steps=3")

@@ -21,10 +21,38 @@ def test_param_count_matches_registry_formula(name):
 
 
 def test_public_shapes_have_their_published_sizes():
-    # Llama 2 paper / Llama 3.2 model card sizes; meta device so nothing is allocated.
+    # Llama 2 paper / Llama 3.2 model card sizes (rounded there; the exact count is checked below)
     expected = {"7b": 6.74e9, "13b": 13.0e9, "70b": 69.0e9, "1b": 1.24e9}
     for name, params in expected.items():
         assert MODEL_SHAPES[name].num_params() == pytest.approx(params, rel=0.01), name
+
+
+DENSE = [name for name, shape in MODEL_SHAPES.items() if shape.moe is None]
+
+
+@pytest.mark.parametrize("name,tied", [*((name, None) for name in DENSE), ("debug", True)])
+def test_dense_shapes_count_exactly_as_transformers_builds_them(name, tied):
+    """Every dense registry shape (and debug with a tied embedding) against transformers' own LlamaForCausalLM of
+    the same dimensions, built on the meta device: the registry formula and the built model hold exactly the
+    parameters Hugging Face's model has (its tied embedding and head counted once)."""
+    from dataclasses import replace
+
+    import transformers
+
+    shape = MODEL_SHAPES[name] if tied is None else replace(MODEL_SHAPES[name], tie_embeddings=tied)
+    config = transformers.LlamaConfig(vocab_size=shape.vocab_size, hidden_size=shape.dim,
+                                      intermediate_size=shape.ffn_hidden_dim, num_hidden_layers=shape.n_layers,
+                                      num_attention_heads=shape.n_heads, num_key_value_heads=shape.n_kv_heads,
+                                      head_dim=shape.head_dim, tie_word_embeddings=shape.tie_embeddings,
+                                      max_position_embeddings=shape.max_seq_len, rms_norm_eps=shape.norm_eps,
+                                      rope_theta=shape.rope_theta, attention_bias=False, mlp_bias=False)
+    with torch.device("meta"):
+        theirs = transformers.LlamaForCausalLM(config)
+        ours = llama_spec(shape).build()
+    assert (theirs.lm_head.weight is theirs.model.embed_tokens.weight) == shape.tie_embeddings
+    expected = sum(p.numel() for p in theirs.parameters())  # shared tensors once
+    assert shape.num_params() == expected, (name, shape.num_params() - expected)
+    assert count_params(ours) == expected
 
 
 def test_tied_embeddings_share_one_tensor():

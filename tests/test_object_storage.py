@@ -237,24 +237,25 @@ def tmpfs(tmp_path):
     mount.mkdir()
     done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mount)], capture_output=True,
                           text=True)
-    if done.returncode != 0:
+    if done.returncode != 0:  # test_..._onto_a_disk_that_fills runs the same everywhere, its disk emulated
         pytest.skip(f"mounting a tmpfs is not allowed here ({done.stderr.strip()}): needs root")
     yield mount
     subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
-def test_one_process_resumes_the_two_rank_s3_checkpoint_onto_a_full_disk(s3, reference, run_args, tmpfs, tmp_path):
+def _resume_onto_a_full_disk(s3, reference, run_args, run_dir: Path, disk: Path, free_space, env: dict) -> None:
     """A resume on 1 process from the 2-rank checkpoint on the store matches within 1e-5, saving every step to
-    a full disk: step 9 fits; 10 and 11 fail with no space, each says so in one line, its partial directory
-    goes, step 9 stays, and training continues; the final save fails the run. With space freed the relaunch
-    resumes from step 9 and ends with the losses of the run that never stopped."""
-    ckpt = tmpfs / "ckpt"
+    `disk` (3 MB): step 9 fits; 10 and 11 fail with no space, each says so in one line, its partial directory
+    goes, step 9 stays, and training continues; the final save fails the run. With space freed (`free_space()`;
+    `env`: the first launch's) the relaunch resumes from step 9 and ends with the losses of the run that never
+    stopped."""
+    ckpt = disk / "ckpt"
     common = (*run_args, f"checkpoint.dir={ckpt}", "checkpoint.every_steps=1")
-    proc = run_cli("train", str(DEBUG_CONFIG), f"run.dir={tmp_path}", "run.name=r", "distributed.timeout_s=60",
-                   *common, f"checkpoint.resume={s3.url('ref', 'step_00000008')}", check=False, env=s3.env)
+    proc = run_cli("train", str(DEBUG_CONFIG), f"run.dir={run_dir.parent}", f"run.name={run_dir.name}",
+                   "distributed.timeout_s=60", *common, f"checkpoint.resume={s3.url('ref', 'step_00000008')}",
+                   check=False, env={**s3.env, **env})
     assert proc.returncode == 74, proc.stderr[-3000:]
-    run = tmp_path / "r"
-    uninterrupted = losses(run)
+    uninterrupted = losses(run_dir)
     assert_losses_close(uninterrupted, {s: v for s, v in losses(reference).items() if s > 8}, rel=1e-5)
     line = (f"checkpoint save of step {{0}} in {ckpt} failed: writing {ckpt}/step_{{0:08d}} (no space left on the "
             f"device); removed the partial checkpoint; newest complete checkpoint: {ckpt}/step_00000009")
@@ -262,10 +263,30 @@ def test_one_process_resumes_the_two_rank_s3_checkpoint_onto_a_full_disk(s3, ref
         assert f"warning: {line.format(step)}; training continues, the next checkpoint retries" in proc.stdout
     assert proc.stderr.strip().splitlines()[-1] == f"disttrain: stopped: {line.format(12)}"
     assert sorted(p.name for p in ckpt.iterdir()) == ["step_00000009"] and (ckpt / "step_00000009" / "COMMIT").is_file()
-    subprocess.run(["mount", "-o", "remount,size=32m", str(tmpfs)], check=True)
-    s3_train(s3, run, *common)
-    assert events(run, "resumed")[-1]["step"] == 9
-    assert losses(run) == uninterrupted
+    free_space()
+    s3_train(s3, run_dir, *common)
+    assert events(run_dir, "resumed")[-1]["step"] == 9
+    assert losses(run_dir) == uninterrupted
+
+
+def test_one_process_resumes_the_two_rank_s3_checkpoint_onto_a_full_disk(s3, reference, run_args, tmpfs, tmp_path):
+    """_resume_onto_a_full_disk on a real 3 MB file system (a tmpfs, remounted at 32 MB to free space)."""
+    _resume_onto_a_full_disk(s3, reference, run_args, tmp_path / "r", tmpfs, env={}, free_space=lambda: subprocess.run(
+        ["mount", "-o", "remount,size=32m", str(tmpfs)], check=True))
+
+
+FULL_DISK_HOOK = REPO / "tests" / "workers" / "full_disk"  # its sitecustomize.py
+
+
+def test_one_process_resumes_the_two_rank_s3_checkpoint_onto_a_disk_that_fills(s3, reference, run_args, tmp_path):
+    """_resume_onto_a_full_disk where no file system can be mounted too: the 3 MB disk is a directory whose writes
+    (DCP's streams, the checkpoint's other files) fail with ENOSPC once its files hold 3 MB, written partly as a
+    full disk leaves them (tests/workers/full_disk); the disk is not really full, so the failure is named from the
+    error itself. The relaunch runs without the limit (space freed)."""
+    disk = tmp_path / "disk"
+    hook = os.pathsep.join(filter(None, [str(FULL_DISK_HOOK), os.environ.get("PYTHONPATH")]))
+    _resume_onto_a_full_disk(s3, reference, run_args, tmp_path / "r", disk, free_space=lambda: None,
+                             env={"PYTHONPATH": hook, "DISTTRAIN_TEST_FULL_DISK": f"{3 * 2 ** 20}:{disk}"})
 
 
 def test_convert_reads_a_run_whose_checkpoints_are_remote(s3, reference, tmp_path):

@@ -8,6 +8,7 @@ import json
 from dataclasses import replace
 
 import pytest
+import transformers
 
 from disttrain.models import flops as F
 from disttrain.cli import main
@@ -23,8 +24,6 @@ from disttrain.plan.moe import ALL_TO_ALLS_PER_LAYER, dispatch_s
 from disttrain.plan.search import SearchSpace, brute_force, layout_families, search
 from disttrain.plan.timing import Cluster
 from helpers import REPO
-
-transformers = pytest.importorskip("transformers")
 
 SMALL = dict(vocab_size=256, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2)
 # Tiny configs of every MoE family transformers ships, each with its own names for the same things.
@@ -80,12 +79,17 @@ def test_hf_moe_configs_count_as_transformers_builds_them(family, tmp_path):
                                              num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
                                              head_dim=128, moe_intermediate_size=768, num_experts=128,
                                              num_experts_per_tok=8)),
+    ("qwen3-235b-a22b", "Qwen3MoeConfig", dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                                               num_hidden_layers=94, num_attention_heads=64, num_key_value_heads=4,
+                                               head_dim=128, moe_intermediate_size=1536, num_experts=128,
+                                               num_experts_per_tok=8)),
     ("mixtral-8x7b", "MixtralConfig", {}),  # transformers' defaults are Mixtral 8x7B's
 ])
 def test_registry_moe_shapes_count_as_transformers_builds_them(name, cls, config):
     total, counted = _transformers_count(getattr(transformers, cls)(**config))
-    assert MODEL_SHAPES[name].num_params() == counted  # Qwen3: less its 48 x 2 x 128 q/k-norm weights
-    assert total - counted == (48 * 2 * 128 if name.startswith("qwen3") else 0)
+    shape = MODEL_SHAPES[name]
+    assert shape.num_params() == counted  # Qwen3: less its q/k-norm weights (layers x 2 x head_dim)
+    assert total - counted == (shape.n_layers * 2 * shape.head_dim if name.startswith("qwen3") else 0)
 
 
 def test_deepseek_v3_config_counts_its_published_size(tmp_path):
@@ -315,15 +319,42 @@ def test_hf_moe_configs_the_family_cannot_express_are_one_line(extra, message, t
     assert exc.value.code == 2 and err.count("\n") == 1 and message in err, err
 
 
-def test_a_config_parallel_ep_reaches_the_layout():
-    """`estimate CONFIG` and the dry run read `parallel.ep` through Layout.from_config (1 where a config has no
-    such key)."""
-    from disttrain.config.load import load_config
+def test_a_config_parallel_ep_goes_through_the_layout_rules_and_splits_the_experts():
+    """`parallel.ep` from a config, through resolve_run and its layout rules (as training, the dry run and
+    `estimate CONFIG` read it): refused in the rule's words where the experts cannot be split, and where accepted,
+    the dry run on 8 simulated ranks (the real parallelize code on a fake process group) has each rank hold the
+    dense parameters and a quarter of the experts (counted here from the shape's fields), all-reduce the experts'
+    gradients over the 8 / 4 ranks that hold the same experts and dispatch tokens over 4."""
+    import torch
 
-    cfg = load_config(str(REPO / "configs" / "demo.yaml"), ["model.name=tiny"])
-    assert Layout.from_config(cfg, 8).ep == getattr(cfg.parallel, "ep", 1)
-    object.__setattr__(cfg.parallel, "ep", 4)  # as a config with the key gives it
-    assert Layout.from_config(cfg, 8).ep == 4
+    from disttrain.config.load import load_config
+    from disttrain.config.resolve import resolve_run
+    from disttrain.core.errors import UserError
+    from disttrain.dryrun.simulate import simulate
+
+    demo = str(REPO / "configs" / "demo.yaml")
+    small = ["data.seq_len=64", "train.global_batch_size=8", "train.micro_batch_size=1", "parallel.zero_stage=0"]
+    for overrides, message in ((["model.name=debug-moe", "parallel.ep=3"],
+                                "parallel.ep=3 does not divide model.moe.num_experts=8"),
+                               (["model.name=debug-moe", "parallel.ep=8", "parallel.dp_shard=4", "parallel.tp=2"],
+                                "parallel.ep=8 does not divide the data-parallel degree parallel.dp_shard=4"),
+                               (["parallel.ep=4"], "parallel.ep=4 on a dense model")):  # demo.yaml: tiny, dense
+        with pytest.raises(UserError, match=message):
+            resolve_run(load_config(demo, [*small, *overrides]), 8, "cpu")
+    assert resolve_run(load_config(demo, [*small, "model.name=debug-moe"]), 8, "cpu").layout.ep == 1  # no key: 1
+
+    cfg = load_config(demo, [*small, "model.name=debug-moe", "parallel.ep=4"])
+    resolved = resolve_run(cfg, 8, "cpu")
+    assert resolved.layout.describe() == "dp=8 zero=0 ep=4"
+    dense, experts = _expert_split(resolved.shape)
+    assert experts == 2 * 8 * 3 * 64 * 64  # debug-moe: 2 MoE layers of 8 routed SwiGLU experts, 64 x 64
+    run = simulate(cfg, resolved, 0)
+    with torch.device("meta"):
+        buffers = sum(b.numel() * b.element_size() for b in resolved.spec.build().buffers())  # rotary tables
+    assert run.bytes["parameters"] - buffers == 4 * (dense + experts // 4)  # fp32: 2 of the 8 experts per layer
+    reduced = {c["dim"]: c["bytes"] for c in run.collectives if c["kind"] == "all_reduce"}
+    assert reduced["dp_shard"] == 4 * dense and reduced["2 ranks"] == 4 * experts // 4
+    assert {c["dim"] for c in run.collectives if c["kind"] == "all_to_all"} == {"4 ranks"}
 
 
 def test_plan_writes_the_chosen_expert_parallel_degree(tmp_path, capsys):
@@ -355,8 +386,8 @@ def test_moe_activations_match_saved_tensors(name, recompute, monkeypatch):
     tests/test_plan.py."""
     import torch
 
-    moe_family = pytest.importorskip("disttrain.models.moe")
     import disttrain.bench.activations as bench
+    import disttrain.models.moe as moe_family
 
     def build(shape):
         model = moe_family.moe_spec(shape).build()

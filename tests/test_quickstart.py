@@ -4,6 +4,7 @@ than train are checked against the parser by test_docs.py."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import re
@@ -15,11 +16,20 @@ from pathlib import Path
 
 from disttrain.cli import build_parser
 from disttrain.config.load import load_config
+from disttrain.config.resolve import resolve_run
 from helpers import REPO, cli_env, records
 from test_docs import FENCE, logical_lines
 
 SHORT = ("train.steps=2", "optim.warmup_steps=1", "train.eval_every=0", "train.sample_tokens=0",
          "checkpoint.every_steps=0", "metrics.comm_profile_every=0", "metrics.log_every=1", "distributed.timeout_s=60")
+
+
+# Run name -> the layout the README's words give its line, spelled as Layout.describe() spells it (the run's
+# `started` event): data parallel on 2 processes (zero=0: DDP), ZeRO-3 through FSDP2, tensor + sequence parallel,
+# the interleaved pipeline (2 micro-batches: the per-rank batch of 16 / micro-batch 8), ring context parallel.
+CLAIMED = {"demo": "dp=2 zero=0", "debug": "dp=1 zero=0", "demo-lr1e-3": "dp=2 zero=0", "demo-torchrun": "dp=2 zero=0",
+           "fsdp": "dp=2 zero=3", "demo-tp": "dp=1 zero=0 tp=2 sp", "demo-pp": "dp=1 zero=0 pp=2 interleaved_1f1b m=2",
+           "demo-cp": "dp=1 zero=0 cp=2 ring", "mycorpus": "dp=1 zero=0", "sft": "dp=2 zero=0"}
 
 
 def quickstart_lines() -> list[str]:
@@ -85,6 +95,7 @@ def test_quickstart_after_make_demo_trains_what_each_line_says(tmp_path):
     env = {**cli_env(), "PATH": f"{Path(sys.executable).parent}:{cli_env()['PATH']}"}
     lines = [make_demo_line(), *quickstart_lines()]
     seen: dict[Path, str] = {}
+    trained: dict[str, str] = {}  # run name -> the layout its `started` event names
     for line in lines:
         if line.startswith(("make ", "disttrain estimate", "disttrain plan", "disttrain dryrun")):
             continue
@@ -107,7 +118,15 @@ def test_quickstart_after_make_demo_trains_what_each_line_says(tmp_path):
         if train is not None:
             steps = [r["step"] for r in records(run_dir) if "loss" in r]
             assert steps == [1, 2] and not any(r.get("event") == "resumed" for r in records(run_dir)), line
+            # the layout it trained, from its run's `started` event, is the one its config and overrides give on
+            # the processes it asks for
+            (started,) = [r for r in records(run_dir) if r.get("event") == "started"]
+            with contextlib.chdir(tmp_path):  # the line's relative paths (data.source, model.hf)
+                claimed = resolve_run(load_config(tmp_path / train[0], train[1]), nproc(line), "cpu").layout
+            assert (started["world_size"], started["layout"]) == (nproc(line), claimed.describe()), line
+            trained[cfg.run.name] = started["layout"]
     assert len(seen) == 11  # make demo, the ten training lines (fine-tuning and context parallel among them)
+    assert trained == CLAIMED  # what the README says each line trains (the 3D line runs elsewhere)
 
 
 def test_torchruns_spelling_of_the_launch_flags_is_accepted():
