@@ -63,15 +63,15 @@ def target_names(model: nn.Module, spec, targets: list[str]) -> list[str]:
     return chosen
 
 
-def lora_problem(spec, cfg, layout) -> str | None:
-    """Why this run cannot train LoRA adapters, in one line; None if it can. Builds the model on the
-    meta device (no memory) to check the targets before anything is written."""
-    lora = cfg.model.lora
+def lora_problem(spec, lora, layout) -> str | None:
+    """Why this run cannot train the LoRA adapters `lora` (model.lora: rank, alpha, dropout, targets) under
+    `layout`, in one line; None if it can. Builds the model on the meta device (no memory) to check the targets
+    before anything is written."""
     if lora is None:
         return None
     if importlib.util.find_spec("peft") is None:
         return INSTALL_HINT
-    if cfg.engine == "deepspeed":
+    if layout.engine == "deepspeed":
         return "model.lora with engine=deepspeed: adapters train with the torch engine (allowed: engine=torch)"
     if layout.tp > 1 and lora.dropout > 0:
         return (f"model.lora.dropout={lora.dropout} with parallel.tp={layout.tp}: each tensor-parallel rank would "

@@ -124,5 +124,5 @@ def lora_problems(ctx) -> list[Problem]:
         return []
     from disttrain.models.lora import lora_problem
 
-    problem = lora_problem(ctx.spec, ctx.cfg, ctx.layout)
+    problem = lora_problem(ctx.spec, ctx.cfg.model.lora, ctx.layout)
     return [Problem("model.lora", ctx.cfg.model.lora, "see the message", problem)] if problem else []
