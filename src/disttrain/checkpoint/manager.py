@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from disttrain.checkpoint import integrity
-from disttrain.core import storage
+from disttrain.core import interrupts, storage
 from disttrain.core.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -56,6 +56,13 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def newest_committed(directory) -> str | None:
+    """The newest committed checkpoint under `directory`, without a manager (no process group needed)."""
+    manager = CheckpointManager.__new__(CheckpointManager)
+    manager.dir = str(directory)
+    return manager.latest()
 
 
 class SaveFailed(Exception):
@@ -172,9 +179,19 @@ class CheckpointManager:
     # ---------------------------------------------------------------- saving
     def save(self, step: int, engine, train_state: dict) -> str:
         """Collective: every rank calls it. Returns the step directory (committed unless async).
-        Raises SaveFailed (on every rank) when this save or a pending async one failed."""
+        Raises SaveFailed (on every rank) when this save or a pending async one failed; KeyboardInterrupt,
+        the partial directory removed, when Ctrl-C arrived during it (DCP reports that as a failed write)."""
         self.commit_pending()
         path = self.step_dir(step)
+        try:
+            return self._save(step, path, engine, train_state)
+        except BaseException:
+            if not interrupts.interrupted():
+                raise
+            self._abandon(path)
+            raise KeyboardInterrupt from None
+
+    def _save(self, step: int, path: str, engine, train_state: dict) -> str:
         if self.rank == 0 and storage.exists(path):
             storage.rmtree(path)  # a stale save of the same step (e.g. after a crash and resume)
         dist.barrier()
@@ -188,6 +205,8 @@ class CheckpointManager:
                 storage.torch_save(train_state, storage.join(path, "train_state.pt"))
         except SAVE_ERRORS as exc:
             failure = f"writing {path} ({storage.describe(exc, path)})"
+        if interrupts.interrupted():  # Ctrl-C that torch.save's writer swallowed (it runs Python writes from C++)
+            raise KeyboardInterrupt
         self._settle(step, path, failure)  # every rank's files are written (or the save is abandoned)
         if future is not None:
             self._pending = (step, path, future, time.perf_counter())
@@ -238,6 +257,32 @@ class CheckpointManager:
             return None
         step, path, future, t0 = self._pending
         self._pending = None
+        try:
+            return self._commit_async(step, path, future, t0)
+        except BaseException:
+            if not interrupts.interrupted():
+                raise
+            self._abandon(path)
+            raise KeyboardInterrupt from None
+
+    def abandon_pending(self) -> None:
+        """After Ctrl-C: an async save still being written is not committed; its directory goes."""
+        if self._pending is not None:
+            path, self._pending = self._pending[1], None
+            self._abandon(path)
+
+    def _abandon(self, path: str) -> None:
+        """This rank's part of dropping an interrupted save: no collective (the other ranks may be gone), the
+        directory removed unless its COMMIT was already written (then it is the newest checkpoint)."""
+        try:
+            if storage.isfile(storage.join(path, COMMIT)):
+                self.newest = path
+            elif self.rank == 0:
+                storage.rmtree(path)
+        except Exception as exc:  # the next start removes what is left (remove_uncommitted)
+            log.warning("could not remove the interrupted checkpoint %s: %s", path, exc)
+
+    def _commit_async(self, step: int, path: str, future, t0: float) -> tuple[int, float]:
         failure = None
         try:
             future.result()  # re-raises a failed write

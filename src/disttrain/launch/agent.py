@@ -18,6 +18,7 @@ import gc
 import importlib
 import logging
 import os
+import signal
 import sys
 import traceback
 
@@ -26,6 +27,7 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.launcher import api
 
 from disttrain.core.errors import EXIT_HEALTH, EXIT_PREEMPTED, EXIT_STORAGE, EXIT_USAGE
+from disttrain.core.interrupts import EXIT_INTERRUPTED
 from disttrain.launch.this_process import exit_now
 
 
@@ -36,22 +38,27 @@ class BoundedExitBarrierAgent(LocalElasticAgent):
 
 
 # Worker exit statuses that mean "disttrain already said why in one line": a user mistake found in the
-# workers, a health check that stopped the run, a clean preemption (emergency checkpoint saved), and a
-# final save that storage refused. torchrun's report would only repeat them.
-QUIET_EXITS = (EXIT_USAGE, EXIT_HEALTH, EXIT_PREEMPTED, EXIT_STORAGE)
+# workers, a health check that stopped the run, a clean preemption (emergency checkpoint saved), a
+# final save that storage refused, and Ctrl-C. torchrun's report would only repeat them.
+QUIET_EXITS = (EXIT_USAGE, EXIT_HEALTH, EXIT_PREEMPTED, EXIT_STORAGE, EXIT_INTERRUPTED)
 
 
 class _QuietExits(logging.Filter):
-    """Drops the elastic agent's `failed (exitcode: N)` line for a quiet exit status, and its `Sending process
+    """Drops the elastic agent's `failed (exitcode: N)` line for a quiet exit status, its `Sending process
     P closing signal SIGTERM` lines (stopping the other workers after the first one exits: no news, and the
-    failure report names every worker's end)."""
+    failure report names every worker's end), and its lines about passing a Ctrl-C on."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         msg = str(record.msg)
+        if msg.startswith(("Received %s death signal", "Closing process ")) and "SIGINT" in str(record.args):
+            return False  # Ctrl-C passed on to the workers: they say where the run stopped
         if msg.startswith(("Sending process ", "Terminating process ")):  # the latter: forked workers' spawn
             return False
         return not (msg.startswith("failed (exitcode: ") and record.args and record.args[0] in QUIET_EXITS)
 
+
+QUIET_LOGGERS = ("torch.distributed.elastic.multiprocessing.api", "torch.multiprocessing.spawn",
+                 "torch.distributed.elastic.agent.server.api")
 
 # What a forked worker would import first: here once (torch's DTensor and DCP come with the builder).
 PRELOAD = ("disttrain.train.builder", "disttrain.train.loop")
@@ -96,12 +103,13 @@ def _run_torchrun(argv: list[str]) -> None:
 def launch(argv: list[str]) -> tuple[int, str]:
     """torchrun's own `main` on `argv` in this process: (exit status, torchrun's failure report or "").
     A quiet first failure gives its status and no report."""
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     api.LocalElasticAgent = BoundedExitBarrierAgent  # what torchrun's launch_agent constructs
     quiet = _QuietExits()
-    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(quiet)
-    logging.getLogger("torch.multiprocessing.spawn").addFilter(quiet)
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).addFilter(quiet)
     try:
         _run_torchrun(argv)
     except SystemExit as exc:  # torchrun's argument errors
@@ -111,11 +119,15 @@ def launch(argv: list[str]) -> tuple[int, str]:
         if first.exitcode in QUIET_EXITS:
             return first.exitcode, ""
         return 1, traceback.format_exc()
-    except Exception:  # a handled signal: torchrun's report, as when it dies of it
+    except SignalException as exc:
+        if exc.sigval == signal.SIGINT:  # Ctrl-C: the agent passed it on; rank 0 said where the run stopped
+            return EXIT_INTERRUPTED, ""
+        return 1, traceback.format_exc()  # another handled signal: torchrun's report, as when it dies of it
+    except Exception:
         return 1, traceback.format_exc()
     finally:
-        logging.getLogger("torch.distributed.elastic.multiprocessing.api").removeFilter(quiet)
-        logging.getLogger("torch.multiprocessing.spawn").removeFilter(quiet)
+        for name in QUIET_LOGGERS:
+            logging.getLogger(name).removeFilter(quiet)
     return 0, ""
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from disttrain.checkpoint.run_directory import RunDirectory
 from disttrain.config.resolve import resolve_run
+from disttrain.core import interrupts
 from disttrain.core.errors import EXIT_HEALTH, EXIT_PREEMPTED, EXIT_STORAGE, UserError
 from disttrain.distributed.env import detect_env, device_type
 from disttrain.launch import this_process
@@ -18,6 +19,7 @@ from disttrain.launch import this_process
 def train_here(cfg) -> int:
     """Resolve the run for this world, hold (or check) its directory, and train this rank; the exit status."""
     env = detect_env()
+    interrupts.install()
     resolved = resolve_run(cfg, env.world_size, device_type())
     with RunDirectory.for_rank(cfg, resolved, env.rank) as run_dir:
         return _train(cfg, env, resolved, run_dir)
@@ -38,6 +40,7 @@ def _train(cfg, env, resolved, run_dir: RunDirectory) -> int:
     log.info("resolved run: world %d (pp %d, dp_replicate %d, dp_shard %d, tp %d), model %s, tokenizer %s, dtypes "
              "param %s, compute %s, reduce %s", lay.world_size, lay.pp, lay.dp_replicate, lay.dp_shard, lay.tp,
              resolved.spec.name, resolved.tokenizer, resolved.param_dtype, resolved.compute_dtype, resolved.reduce_dtype)
+    trainer = None
     try:
         runtime = init_distributed(env, cfg.distributed.backend, cfg.distributed.timeout_s)
         try:
@@ -52,6 +55,10 @@ def _train(cfg, env, resolved, run_dir: RunDirectory) -> int:
         return _stopped("disttrain.checkpoint", exc, env.rank, EXIT_STORAGE, log_level=logging.INFO)
     except (NonFiniteError, ReplicaDivergence) as exc:  # a health check stopped the run
         return _stopped("disttrain.health", exc, env.rank, EXIT_HEALTH)
+    except BaseException as exc:  # Ctrl-C, or what it caused here (a peer that left mid-collective)
+        if not interrupts.interrupted():
+            raise
+        return _interrupted(trainer, cfg, env.rank, log, exc)
     finally:  # also on a UserError found once running (it reaches the CLI's one error path)
         shutdown()
     trainer.run.instruments.faults.at_exit()
@@ -59,6 +66,27 @@ def _train(cfg, env, resolved, run_dir: RunDirectory) -> int:
         loss = f"final loss {result.final_loss:.4f}, " if result.final_loss is not None else ""
         print(f"done: {result.final_step} steps, {loss}run directory {Path(result.run_dir).resolve()}", flush=True)
     return 0
+
+
+def _interrupted(trainer, cfg, rank: int, log, exc: BaseException) -> int:
+    """One line from rank 0: where the run stopped and what a restart resumes from."""
+    if trainer is None:
+        where, newest = "start-up", _newest_on_disk(cfg)
+    else:
+        where, newest = f"step {trainer.step}", trainer.run.checkpoints.newest or "none"
+    log.info("interrupted (Ctrl-C) at %s (%s); newest checkpoint: %s", where, type(exc).__name__, newest)
+    if rank == 0:
+        print(f"disttrain: interrupted at {where}; newest checkpoint: {newest}", file=sys.stderr, flush=True)
+    return interrupts.EXIT_INTERRUPTED
+
+
+def _newest_on_disk(cfg) -> str:
+    from disttrain.checkpoint.manager import newest_committed
+
+    try:
+        return newest_committed(cfg.checkpoint_dir) or "none"
+    except Exception:  # no directory yet, or a store that cannot be reached: nothing to point at
+        return "none"
 
 
 def _stopped(logger: str, exc: Exception, rank: int, code: int, log_level: int = logging.ERROR) -> int:

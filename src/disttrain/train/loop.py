@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from disttrain.core import interrupts
 from disttrain.data.source import truncation_warnings, validation_gaps
 from disttrain.observe.console import announce
 from disttrain.observe.metrics import MetricsLogger
@@ -57,10 +58,18 @@ class Trainer:
         self._begin()
         try:
             while self.step < self.run.cfg.train.steps and not self.stopping:
+                if interrupts.interrupted():  # a Ctrl-C that native code swallowed (a save's writer)
+                    raise KeyboardInterrupt
                 self.outcome = self._train_step()
                 self._notify()
             self._each("finish", self)
             self.metrics.event("finished", step=self.step, run_dir=str(self.run.cfg.run_dir))
+        except BaseException:
+            if interrupts.interrupted():  # Ctrl-C: nothing more is written; an unfinished async save goes
+                self.run.checkpoints.abandon_pending()
+                if self.metrics is not None:
+                    self.metrics.event("interrupted", step=self.step, newest_checkpoint=self.run.checkpoints.newest)
+            raise
         finally:
             self._close()
         return TrainResult(self.step, self.final_loss, str(self.run.cfg.run_dir), self.sample)

@@ -76,7 +76,8 @@ class StepControl:
 
     def close(self) -> None:
         for sig in PREEMPT_SIGNALS:
-            signal.signal(sig, signal.SIG_DFL)
+            if signal.getsignal(sig) == self._on_signal:  # not one a Ctrl-C set meanwhile (core/interrupts.py)
+                signal.signal(sig, signal.SIG_DFL)
 
 
 class Watchdog:
