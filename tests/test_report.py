@@ -10,7 +10,7 @@ import json
 import pytest
 
 from disttrain.config.load import load_config
-from disttrain.observe.run_report import figures, load_records, summary
+from disttrain.observe.run_report import figures, load_records, run_starts, summary
 from disttrain.config.resolve import resolve_run
 from helpers import DEBUG_CONFIG
 
@@ -82,6 +82,14 @@ def test_every_time_axis_marks_the_resume_and_the_layout_change(figs):
     for name in ("loss.png", "lr.png", "grad_norm.png", "throughput.png", "memory.png"):
         assert list(_line(figs[name], "resumed").get_xdata()) == [4, 4], name
         assert list(_line(figs[name], "layout: dp=2 zero=0 pp=2 1f1b m=2").get_xdata()) == [7, 7], name
+
+
+def test_a_start_from_step_0_is_a_restart_and_one_from_a_checkpoint_a_resume():
+    """A launcher restarting workers before the first checkpoint begins again at step 0: "restarted" (it used to be
+    drawn as "resumed", which suggests state was loaded)."""
+    start = {"event": "started", "world_size": 2, "layout": "dp=2 zero=0"}
+    events = [{**start, "step": 0}, {**start, "step": 0}, {**start, "step": 6}, {**start, "step": 8, "layout": "dp=1"}]
+    assert run_starts(events) == [(0, "restarted"), (6, "resumed"), (8, "layout: dp=1")]
 
 
 def test_memory_starts_at_zero(figs):

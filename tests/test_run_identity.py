@@ -15,7 +15,7 @@ from disttrain.cli import main
 from disttrain.config.load import load_config
 from disttrain.core.errors import UserError
 from disttrain.config.resolve import resolve_run
-from helpers import DEBUG_CONFIG, events, records, train
+from helpers import DEBUG_CONFIG, events, records, run_cli, train
 
 # configs/debug.yaml (lr 3e-3, 2 warmup steps, cosine) with a floor, saved every 2 steps up to step 6
 RUN = ("train.steps=6", "checkpoint.every_steps=2", "optim.min_lr=3e-4")
@@ -146,3 +146,34 @@ def test_extending_a_finished_cosine_run_keeps_its_final_rate():
         longer_opt.step()
         longer.step()
     assert rates == pytest.approx([3e-4] * 40, rel=1e-12)
+
+
+def test_a_finished_run_says_so_and_starts_no_worker(saved, capsys):
+    """Running a finished run's command again: one line, exit 0, nothing started or written (before, the workers
+    started, loaded the last checkpoint and wrote a second `finished`)."""
+    before = _listing(saved)
+    with pytest.raises(SystemExit) as exc:
+        main(["train", str(DEBUG_CONFIG), f"run.dir={saved.parent}", f"run.name={saved.name}", *RUN,
+              "--nproc-per-node", "2"])
+    out = capsys.readouterr().out
+    assert exc.value.code == 0
+    assert out.splitlines() == [f"{saved} already finished at step 6: nothing to train (to train it again, give it "
+                                f"another run.name or remove {saved})"]
+    assert _listing(saved) == before
+
+
+def test_a_run_without_checkpoints_starts_over_and_its_earlier_files_move_aside(tmp_path):
+    """configs/debug.yaml saves no checkpoint: a second command under its name cannot resume. It starts over in a
+    metrics.jsonl of its own (before, each start appended steps 1-N again to the same file), the earlier run's
+    files kept under previous/<time>/; the same command again is then a finished run."""
+    run = train(tmp_path / "run", "train.steps=3")
+    proc = run_cli("train", str(DEBUG_CONFIG), f"run.dir={tmp_path}", "run.name=run", "train.steps=4")
+    assert f"{run} holds an earlier run with no checkpoint to resume: starting over" in proc.stdout
+    assert [r["step"] for r in records(run) if "loss" in r] == [1, 2, 3, 4]
+    assert len(events(run, "started")) == 1
+    (earlier,) = (run / "previous").iterdir()
+    assert [r["step"] for r in records(earlier) if "loss" in r] == [1, 2, 3]
+    assert (earlier / "logs" / "rank_00000.log").is_file() and (earlier / "config.yaml").is_file()
+    again = run_cli("train", str(DEBUG_CONFIG), f"run.dir={tmp_path}", "run.name=run", "train.steps=4")
+    assert again.stdout.splitlines()[-1].startswith(f"{run} already finished at step 4")
+    assert len(events(run, "started")) == 1

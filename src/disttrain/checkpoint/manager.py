@@ -60,9 +60,7 @@ def set_rng_state(state: dict) -> None:
 
 def newest_committed(directory) -> str | None:
     """The newest committed checkpoint under `directory`, without a manager (no process group needed)."""
-    manager = CheckpointManager.__new__(CheckpointManager)
-    manager.dir = str(directory)
-    return manager.latest()
+    return CheckpointManager(directory, rank=-1).latest()
 
 
 class SaveFailed(Exception):

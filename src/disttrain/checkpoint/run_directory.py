@@ -29,6 +29,11 @@ from disttrain.core import storage
 from disttrain.core.errors import EXIT_PREEMPTED, EXIT_STORAGE, UserError
 
 DONE, PREEMPTED, STORAGE_FAILED = "done", "preempted", "storage failed"
+EARLIER = "previous"  # where the files of an earlier run that cannot be resumed are moved (<run dir>/previous/<time>)
+
+
+class AlreadyFinished(Exception):
+    """The run under this name finished at the step this command would train to; str() is the one line."""
 
 
 def unused(run_dir: Path) -> bool:
@@ -61,12 +66,48 @@ class RunDirectory:
 
     # ------------------------------------------------------------------ claim and release
     def __enter__(self) -> "RunDirectory":
+        earlier = None
         if self.claims or not os.environ.get(lease.KEY_ENV):
             check_run_dir(self.cfg, self.resolved, self.key)  # reads only
+            earlier = self._earlier_run()
         if self.claims:
             self._claim()
             os.environ[lease.KEY_ENV] = self.key  # the workers (and their restarts) write under this claim
+            if earlier == "unresumable":
+                self._move_aside()
         return self
+
+    def _earlier_run(self) -> str | None:
+        """What this directory holds from an earlier launch (not this one's restarts): raises AlreadyFinished when
+        that run ended at the step this command trains to; "unresumable" when it has metrics but no checkpoint
+        that `checkpoint.resume=auto` would continue (it starts over, _move_aside)."""
+        from disttrain.checkpoint.run_identity import newest_state
+        from disttrain.observe.run_report import load_records
+
+        last = lease.read(self.path)
+        if (last is not None and last.key == self.key) or not (self.path / "metrics.jsonl").is_file():
+            return None
+        _, events = load_records(self.path)
+        ends = [e for e in events if e.get("event") in ("started", "finished")]
+        steps = self.cfg.train.steps
+        if ends and ends[-1]["event"] == "finished" and ends[-1].get("step") == steps:
+            raise AlreadyFinished(f"{self.path} already finished at step {steps}: nothing to train (to train it "
+                                  f"again, give it another run.name or remove {self.path})")
+        auto = self.cfg.checkpoint.resume == "auto"
+        return "unresumable" if auto and newest_state(self.cfg.checkpoint_dir)[0] is None else None
+
+    def _move_aside(self) -> None:
+        """An earlier run here left metrics but no checkpoint: this one starts over, and the earlier one's files
+        (metrics, logs, its config and sample) go to previous/<time>/ so that the two never mix in one
+        metrics.jsonl. Chosen over refusing: a run without checkpoints (a debug run) is one people repeat."""
+        keep = {lease.LEASE, EARLIER, "checkpoints"}
+        aside = self.path / EARLIER / time.strftime("%Y%m%d-%H%M%S")
+        aside.mkdir(parents=True, exist_ok=True)
+        for p in self.path.iterdir():
+            if p.name not in keep and not p.name.startswith(f".{lease.LEASE}"):
+                p.rename(aside / p.name)
+        print(f"{self.path} holds an earlier run with no checkpoint to resume: starting over (its files are now in "
+              f"{aside})", flush=True)
 
     def _claim(self) -> None:
         """Hold the run directory (and a remote checkpoint location) for this key, renewed from a thread; UserError,

@@ -55,13 +55,17 @@ def options(args) -> LaunchOptions:
 def launch(cfg, opts: LaunchOptions, module_args: list[str]) -> int:
     """Resolve the run for the launch's world size (a bad run is refused before any worker starts), hold its
     directory for the workers, run them; the exit status (the workers' own, or how they said the run ended)."""
-    from disttrain.checkpoint.run_directory import RunDirectory
+    from disttrain.checkpoint.run_directory import AlreadyFinished, RunDirectory
     from disttrain.config.resolve import resolve_run
     from disttrain.distributed.env import device_type
 
     resolved = resolve_run(cfg, max_world_size(opts), device_type())
-    with RunDirectory.for_launch(cfg, resolved, opts.rdzv_id, opts.rdzv_endpoint) as run_dir:
-        code, report = launch_workers(opts, module_args)
+    try:
+        with RunDirectory.for_launch(cfg, resolved, opts.rdzv_id, opts.rdzv_endpoint) as run_dir:
+            code, report = launch_workers(opts, module_args)
+    except AlreadyFinished as exc:  # no worker started
+        print(exc, flush=True)
+        return 0
     status = run_dir.exit_code(code)
     if status == code and report:  # else the workers said what happened in one line; torchrun's report is noise
         print(report, file=sys.stderr, end="", flush=True)

@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from disttrain.checkpoint.run_directory import RunDirectory
+from disttrain.checkpoint.run_directory import AlreadyFinished, RunDirectory
 from disttrain.config.resolve import resolve_run
 from disttrain.core import interrupts
 from disttrain.core.errors import EXIT_HEALTH, EXIT_PREEMPTED, EXIT_STORAGE, UserError
@@ -21,8 +21,13 @@ def train_here(cfg) -> int:
     env = detect_env()
     interrupts.install()
     resolved = resolve_run(cfg, env.world_size, device_type())
-    with RunDirectory.for_rank(cfg, resolved, env.rank) as run_dir:
-        return _train(cfg, env, resolved, run_dir)
+    try:
+        with RunDirectory.for_rank(cfg, resolved, env.rank) as run_dir:
+            return _train(cfg, env, resolved, run_dir)
+    except AlreadyFinished as exc:  # every rank found it before starting anything
+        if env.rank == 0:
+            print(exc, flush=True)
+        return 0
 
 
 def _train(cfg, env, resolved, run_dir: RunDirectory) -> int:

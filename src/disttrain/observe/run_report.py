@@ -89,13 +89,14 @@ def summary(records: list[dict], events: list[dict]) -> list[tuple[str, str]]:
 
 
 def run_starts(events: list[dict]) -> list[tuple[int, str]]:
-    """(step, label) where the run started again after its first start: "resumed", or "layout: ..." when
-    the resumed run was cut differently (each start records its layout; older runs only their resumes)."""
+    """(step, label) where the run started again after its first start: "restarted" when it began again from
+    step 0 (a restart before any checkpoint), "resumed" from a checkpoint, or "layout: ..." when the resumed run
+    was cut differently (each start records its layout; older runs only their resumes)."""
     starts = [e for e in events if e.get("event") == "started"]
     if not starts:
         return [(e["step"], "resumed") for e in events if e.get("event") == "resumed"]
-    return [(e["step"], "resumed" if e["layout"] == before["layout"] else f"layout: {e['layout']}")
-            for before, e in zip(starts, starts[1:])]
+    return [(e["step"], "restarted" if e["step"] == 0 else "resumed" if e["layout"] == before["layout"]
+             else f"layout: {e['layout']}") for before, e in zip(starts, starts[1:])]
 
 
 def _mark_starts(ax, marks: list[tuple[int, str]]) -> None:
