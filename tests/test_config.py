@@ -134,6 +134,7 @@ def assert_one_line_exit_2(code: int, out: str, err: str, expected: str) -> None
     lines = err.strip().splitlines()
     assert len(lines) == 1, err
     assert lines[0].startswith("disttrain: error: ") and expected in lines[0], lines[0]
+    assert lines[0].count("disttrain:") == 1, lines[0]  # one prefix (it used to read "disttrain: error: disttrain:")
     assert "Traceback" not in err and out == ""
 
 
@@ -146,8 +147,8 @@ def test_user_mistake_is_one_line_exit_2(name, tmp_path, capsys):
 
 
 ARGUMENT_MISTAKES = {
-    "no config": (["train"], "disttrain train: the following arguments are required: config"),
-    "unknown command": (["fly"], "disttrain: argument command: invalid choice: 'fly'"),
+    "no config": (["train"], "disttrain: error: train: the following arguments are required: config"),
+    "unknown command": (["fly"], "disttrain: error: argument command: invalid choice: 'fly'"),
     "unknown flag": (["train", str(DEBUG_CONFIG), "--bogus"], "unrecognized arguments: --bogus"),
     "bad flag value": (["plan", "--gpus", "many"], "argument --gpus: invalid int value: 'many'"),
     "launch flag without --nproc-per-node": (["train", str(DEBUG_CONFIG), "--nnodes", "2", "--max-restarts", "3"],

@@ -1,6 +1,6 @@
-"""Command line: `disttrain train | estimate | plan | dryrun | report | convert | config export-deepspeed |
-bench comm|scaling|hardware | prepare-data`. One error path: a UserError from any layer, or an argument
-mistake, prints one line and exits 2."""
+"""disttrain: train a model on one or many GPUs (or CPU processes) from one YAML config, and plan the run
+before you reserve a cluster. Start with `disttrain train configs/debug.yaml`; `disttrain COMMAND --help`
+lists a command's options. A mistake in a config or a flag prints one line naming it and exits with 2."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ class OneLineParser(argparse.ArgumentParser):
     """argparse, but a mistake is one line (no usage block) and exit 2."""
 
     def error(self, message: str):
-        raise UserError(f"{self.prog}: {message} (see {self.prog} --help)")
+        command = self.prog.removeprefix("disttrain").strip()  # _fail says "disttrain: error:" once
+        raise UserError(f"{command + ': ' if command else ''}{message} (see {self.prog} --help)")
 
 
 def _fail(message: str, quiet: bool = False) -> None:
@@ -29,19 +30,20 @@ def _fail(message: str, quiet: bool = False) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = OneLineParser(prog="disttrain", description=__doc__)
+    parser = OneLineParser(prog="disttrain", description=__doc__,
+                           epilog="Docs: README.md, docs/guide.md (every feature), docs/config.md (every key).")
     sub = parser.add_subparsers(dest="command", required=True)
 
     train_cli.add_parser(sub)
 
-    config = sub.add_parser("config", help="config utilities")
+    config = sub.add_parser("config", help="write a config as DeepSpeed JSON (config export-deepspeed)")
     config_sub = config.add_subparsers(dest="config_command", required=True)
     export = config_sub.add_parser("export-deepspeed", help="write the DeepSpeed JSON config a RunConfig maps to")
     export.add_argument("config", help="YAML config file")
     export.add_argument("--world-size", type=int, default=1, help="processes the JSON is for (sets accumulation)")
     export.add_argument("--out", default=None, help="output file (default: stdout)")
 
-    bench = sub.add_parser("bench", help="benchmarks")
+    bench = sub.add_parser("bench", help="measure this machine: collectives (comm), scaling, GPU speed (hardware)")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     bcomm = bench_sub.add_parser("comm", help="collective bandwidth (algbw/busbw as NCCL's tests define them)")
     bcomm.add_argument("--sizes", default=None, help="comma-separated buffer sizes, e.g. 1K,1M,64M (default 1K..64M)")
@@ -109,10 +111,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _dispatch(parser: argparse.ArgumentParser, argv: list[str] | None) -> None:
     args, extra = parser.parse_known_args(argv)
-    takes_overrides = args.command in ("train", "config", "dryrun") or (args.command == "bench" and args.bench_command == "scaling")
+    takes_overrides = args.command in ("train", "config", "dryrun") or (args.command == "bench" and args.bench_command == "scaling") \
+        or (args.command == "estimate" and args.config is not None)
     bad = [e for e in extra if "=" not in e or e.startswith("-")] if takes_overrides else extra
     if bad:
-        parser.error(f"unrecognized arguments: {' '.join(bad)}")
+        parser.error(f"unrecognized arguments: {' '.join(bad)}{_missing_equals(extra) if takes_overrides else ''}")
+    args.overrides = extra
     if args.command == "train":
         train_cli.cmd_train(args, extra)
     elif args.command == "config":
@@ -126,6 +130,14 @@ def _dispatch(parser: argparse.ArgumentParser, argv: list[str] | None) -> None:
         (plan_cli.cmd_estimate if args.command == "estimate" else plan_cli.cmd_plan)(args)
     else:
         {"convert": tools.cmd_convert, "prepare-data": tools.cmd_prepare_data, "report": tools.cmd_report}[args.command](args)
+
+
+def _missing_equals(extra: list[str]) -> str:
+    """A config key followed by its value without `=` (`train.steps 50`): the fix, as a hint."""
+    for key, value in zip(extra, extra[1:]):
+        if "." in key and "=" not in key and not key.startswith("-") and "=" not in value:
+            return f" (did you mean {key}={value}? overrides are key=value)"
+    return ""
 
 
 def main(argv: list[str] | None = None) -> None:

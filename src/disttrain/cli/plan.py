@@ -47,7 +47,8 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
 
 def add_parsers(sub) -> None:
     est = sub.add_parser("estimate", help="memory per GPU, FLOPs and (with --time) step time for one layout")
-    est.add_argument("config", nargs="?", default=None, help="a RunConfig YAML (flags override it)")
+    est.add_argument("config", nargs="?", default=None,
+                     help="a RunConfig YAML (key=value overrides after it; flags override both)")
     add_model_args(est)
     est.add_argument("--gpus", type=int, default=None, help="world size (default: the layout's product)")
     est.add_argument("--dp-replicate", type=int, default=None)
@@ -158,7 +159,7 @@ def build_layout(args) -> tuple[str, ModelShape, Layout]:
         from disttrain.config.load import load_config
         from disttrain.config.resolve import resolve_run
 
-        cfg = load_config(args.config, [])
+        cfg = load_config(args.config, getattr(args, "overrides", []))
         resolved = resolve_run(cfg, None, "cpu" if args.hardware else "cuda")
     name, shape = _shape(args, (resolved.model_name, resolved.shape) if cfg is not None else None)
     for flag in ("gpus", "dp_replicate", "tp", "pp", "microbatches", "micro_batch_size", "global_batch_size", "seq_len"):

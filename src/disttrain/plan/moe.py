@@ -278,14 +278,19 @@ def no_lora(lora_rank: int, shape: ModelShape) -> int:
     return lora_rank
 
 
+def _count(n: int) -> str:
+    """Billions ('6.74 B'), or millions below one billion ('3.28 M': a small model is not '0.00 B')."""
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M"
+
+
 def size_text(shape: ModelShape, short: bool = False) -> str:
     """'30.53 B parameters, 3.35 B active (128 experts, top-8)'; `short`: '30.53 B; 3.35 B active: 128 experts,
     top-8' (a dense model: '6.74 B')."""
-    text = f"{shape.num_params() / 1e9:.2f} B" + ("" if short else " parameters")
+    text = _count(shape.num_params()) + ("" if short else " parameters")
     moe = shape.moe
     if moe is None:
         return text
     experts = f"{moe.num_experts} experts, top-{moe.num_experts_per_tok}" + \
         (f", {moe.n_shared_experts} shared" if moe.n_shared_experts else "")
-    active = f"{shape.num_params(active=True) / 1e9:.2f} B active"
+    active = f"{_count(shape.num_params(active=True))} active"
     return f"{text}; {active}: {experts}" if short else f"{text}, {active} ({experts})"
