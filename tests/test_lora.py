@@ -90,6 +90,22 @@ def test_only_the_adapters_train(base):
     assert {id(p) for p in optimizer.state} <= {id(p) for n, p in model.named_parameters() if n in adapters}
 
 
+def test_the_start_says_how_many_parameters_train(references, base):
+    """The start records (and the start line shows) the adapters' size beside the total, equal to peft's own count
+    of the same adapters on the same base."""
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    from helpers import events
+
+    theirs = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(base), peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+    trainable, total = theirs.get_nb_trainable_parameters()
+    started = events(references["lora"], "started")[0]
+    assert (started["trainable_params"], started["num_params"]) == (trainable, total)
+    assert "trainable_params" not in events(references["plain"], "started")[0]
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_every_layout_gives_one_process_losses_and_adapters(layout, two_rank_runs, references):
     assert_parity(two_rank_runs[layout], references["lora"], step=4)

@@ -163,6 +163,9 @@ class TrainConfig(Section):
     eval_batches: int = Field(4, gt=0, description="global batches per validation")
     sample_tokens: int = Field(0, ge=0, description="tokens generated from the final model (0: off)")
     sample_prompt: str = Field("The ", description="the prompt of that sample (chat data: a user turn)")
+    sample_temperature: float = Field(0.8, ge=0, description="sampling temperature of that sample (0: greedy, the "
+                                      "most likely token each time)")
+    sample_top_k: int = Field(40, ge=0, description="that sample draws from the k most likely tokens (0: from all)")
     callbacks: list[str] = Field(default_factory=list, description="your own jobs of the loop: FILE.py:Name or "
                                  "package.module:Name, each called with no arguments to make an object with "
                                  "due(step) and run(trainer) (docs/guide.md, \"Your own jobs\")")

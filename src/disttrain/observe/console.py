@@ -15,21 +15,26 @@ def _fmt_duration(seconds: float) -> str:
     return f"{h}:{m:02d}:{s:02d}" if h else f"{m:02d}:{s:02d}"
 
 
-def start_line(model: str, num_params: int, layout, device: str, tokenizer: str | None, per_step: str) -> str:
-    """The first line of a run: what trains, how it is cut over the world, on which tokens."""
+def start_line(model: str, num_params: int, layout, device: str, tokenizer: str | None, per_step: str,
+               trainable: int | None = None) -> str:
+    """The first line of a run: what trains (under LoRA: how much of it), how it is cut over the world, on which
+    tokens."""
     tok = f"tokenizer {tokenizer}" if tokenizer else "no tokenizer (the dataset gives ids)"
-    return (f"model {model}: {num_params / 1e6:.2f}M parameters | world {layout.world_size}: "
+    share = "" if trainable is None else \
+        f" ({trainable / 1e6:.2f}M trainable, {100 * trainable / num_params:.2f}%: the LoRA adapters)"
+    return (f"model {model}: {num_params / 1e6:.2f}M parameters{share} | world {layout.world_size}: "
             f"{layout.describe()} on {device} | {tok} | {per_step} per step")
 
 
-def announce(metrics, *, step: int, world_size: int, layout, model: str, num_params: int, device: str,
+def announce(metrics, *, step: int, world_size: int, layout, model: str, num_params: int, trainable: int | None, device: str,
              tokenizer: str | None, per_step: str, warnings: list[str], shares: list[int] | None = None,
              rebalance_every: int = 0, skipped: list[str] = (), checkpoint_dir: str = "",
              resumed_from: str | None = None, changes: dict | None = None) -> None:
     """What a run says as it starts, on the console and as events: the start line, warnings, uneven shares,
     checkpoints that could not be loaded, and where it resumed from with what changed since."""
-    metrics.event("started", step=step, world_size=world_size, layout=layout.describe())
-    metrics.message(start_line(model, num_params, layout, device, tokenizer, per_step))
+    metrics.event("started", step=step, world_size=world_size, layout=layout.describe(), num_params=num_params,
+                  **({} if trainable is None else {"trainable_params": trainable}))
+    metrics.message(start_line(model, num_params, layout, device, tokenizer, per_step, trainable))
     for line in warnings:
         metrics.event("warning", message=line)
         metrics.message(f"warning: {line}")

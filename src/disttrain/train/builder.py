@@ -114,7 +114,8 @@ def build_run(cfg: RunConfig, runtime: Runtime, resolved: ResolvedRun | None = N
     tokens_per_step = t.global_batch_size * loader.windows.targets_per_sample
     return TrainingRun(
         cfg=cfg, resolved=replace(resolved, spec=spec), runtime=runtime, meshes=meshes, engine=engine, balancer=balancer,
-        model=TrainedModel(model, spec, num_params, lora_base, routing),
+        model=TrainedModel(model, spec, num_params, lora_base, routing, trainable_params=sum(
+            p.numel() for p in model.parameters() if p.requires_grad) if lora_base else None),
         data=RunData(tokenizer, loader, val_samples, tokens_per_step),
         checkpoints=CheckpointManager(cfg.checkpoint_dir, runtime.rank, cfg.checkpoint.keep_last, cfg.checkpoint.async_save),
         instruments=Instruments(breakdown, CommProfiler(cfg.metrics.comm_profile_every, runtime.device), compute_clock,

@@ -90,7 +90,8 @@ class Sampling(Job):
         trainer.watchdog.enter(f"step {trainer.step}: {self.label}", collective=True)
         trainer.sample = self.sample()
         if trainer.sample is not None:
-            trainer.metrics.message(f"sample: {t.sample_prompt}{trainer.sample}")
+            trainer.metrics.message(f"sample (temperature {t.sample_temperature:g}, top-k {t.sample_top_k or 'all'}): "
+                                    f"{t.sample_prompt}{trainer.sample}")
             trainer.metrics.event("sample", step=trainer.step, prompt=t.sample_prompt, text=trainer.sample)
 
     def sample(self) -> str | None:
@@ -100,6 +101,7 @@ class Sampling(Job):
         prompt = chat_prompt(t.sample_prompt) if chat_prompt else tokenizer.encode_batch([t.sample_prompt])[0]
         pad = run.layout.tp if run.layout.sequence_parallel else 1
         ids = generate(run.model.module, prompt, t.sample_tokens, spec.max_seq_len, seed=t.seed,
+                       temperature=t.sample_temperature, top_k=t.sample_top_k,
                        stop_id=getattr(tokenizer, "stop_id", tokenizer.eos_id), pad_multiple=pad,
                        logits_of=spec.logits)
         return tokenizer.decode(ids) if run.runtime.is_main else None

@@ -108,7 +108,7 @@ class Trainer:
         cut = truncation_warnings(data.source, run.data.loader.windows, data.seq_len)
         what = "tokens" if tokenizer is not None else "samples"
         announce(self.metrics, step=p.step, world_size=run.runtime.world_size, layout=run.layout,
-                 model=run.model.spec.label, num_params=run.model.num_params,
+                 model=run.model.spec.label, num_params=run.model.num_params, trainable=run.model.trainable_params,
                  device=f"{run.runtime.device.type}/{run.runtime.backend}",
                  tokenizer=tokenizer.name if tokenizer is not None else None,
                  per_step=f"{run.data.tokens_per_step:,} {what}", warnings=[*cfg.warnings, *gaps, *cut],

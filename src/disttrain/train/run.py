@@ -17,6 +17,7 @@ class TrainedModel:
     num_params: int
     lora_base: str = ""  # fingerprint of the frozen base under LoRA adapters (models/lora.py); "" without
     routing: object = None  # observe/moe.py's RoutingMonitor for an MoE model
+    trainable_params: int | None = None  # under LoRA, the adapters' parameters; None: every parameter trains
 
 
 @dataclass
