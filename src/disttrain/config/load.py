@@ -20,7 +20,7 @@ from disttrain.config.overrides import merge_trees, parse_overrides
 from disttrain.config.schema import RunConfig
 from disttrain.config.sections import show
 from disttrain.core.errors import UserError
-from disttrain.models.registry import model_tokenizer
+from disttrain.models.registry import default_balancing, model_tokenizer
 
 SECTIONS = ("model.", "data.", "train.", "optim.", "parallel.", "precision.", "checkpoint.", "metrics.",
             "distributed.", "run.")
@@ -68,10 +68,31 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] | None = No
     if not cfg.run.name:
         cfg.run.name = Path(path).stem if path is not None else "run"
     _prefer_the_models_tokenizer(cfg, path, "tokenizer" in parse_overrides(overrides or []).get("data", {}))
+    _balance_the_experts(cfg)
     problems = config_problems(cfg)
     if problems:
         raise UserError(str(problems[0]))
     return cfg
+
+
+def _balance_the_experts(cfg: RunConfig) -> None:
+    """An MoE model balances its experts unless told otherwise: the unset balancing keys take the model's defaults
+    (models/registry.py's default_balancing), so the run's config.yaml states the balancing in force. Given one key
+    (non-zero), that is the balancing chosen and the other stays off."""
+    moe = cfg.model.moe
+    if moe.aux_loss_coef is not None and moe.bias_update_rate is not None:
+        return
+    try:
+        aux, bias = default_balancing(cfg.model, cfg.engine, cfg.precision.compute_dtype)
+    except UserError:  # a model that cannot be read: resolving the run says why, in its own words
+        return
+    if aux is None:  # a dense model: nothing to balance
+        return
+    chosen = bool(moe.aux_loss_coef or moe.bias_update_rate)
+    if moe.aux_loss_coef is None:
+        moe.aux_loss_coef = 0.0 if chosen else aux
+    if moe.bias_update_rate is None:
+        moe.bias_update_rate = 0.0 if chosen else bias
 
 
 def _prefer_the_models_tokenizer(cfg: RunConfig, path, on_command_line: bool) -> None:

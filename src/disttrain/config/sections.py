@@ -57,10 +57,14 @@ class MoEConfig(Section):
     scoring_func: Literal["softmax", "sigmoid"] | None = Field(None, description="router scores: softmax top-k, or "
                                                                "sigmoid with the top-k weights renormalised "
                                                                "(DeepSeek-V3)")
-    aux_loss_coef: float = Field(0.0, ge=0, description="switch-style balancing loss over the global batch (0: off)")
-    bias_update_rate: float = Field(0.0, ge=0, description="aux-loss-free balancing: a per-expert bias used only to "
-                                    "choose experts, moved after each optimizer step from the global batch's token "
-                                    "counts (0: off)")
+    aux_loss_coef: float | None = Field(None, ge=0, description="switch-style balancing loss over the global batch "
+                                        "(0: off; unset: a Hugging Face MoE model's own router_aux_loss_coef, "
+                                        "0.001 for a built-in one, 0 under fp16 compute or when the bias below "
+                                        "is given)")
+    bias_update_rate: float | None = Field(None, ge=0, description="aux-loss-free balancing (DeepSeek-V3's; 0.001 "
+                                           "is its rate): a per-expert bias used only to choose experts, moved after "
+                                           "each optimizer step from the global batch's token counts (0 or unset: "
+                                           "off)")
     capacity_factor: float = Field(0.0, ge=0, description="0: dropless; at least 1: each expert takes at most this "
                                    "many times its even share of a micro-batch's tokens, the rest are dropped and "
                                    "counted")

@@ -17,7 +17,7 @@ from disttrain.models.llama.shapes import MODEL_SHAPES, resolve_shape
 from disttrain.models.shape import ModelShape, MoEShape
 
 __all__ = ["MODEL_SHAPES", "ModelShape", "RESOLVERS", "model_shape", "model_spec", "model_tokenizer", "resolver_for",
-           "saved_model"]
+           "saved_model", "default_balancing"]
 
 BUILT_IN = "built-in llama"  # the family of every registry model, dense or MoE (as checkpoints record it)
 SHAPE_KEYS = tuple(f.name for f in fields(ModelShape) if f.name not in ("moe", "mla"))
@@ -29,7 +29,31 @@ def _routing(section):
     from disttrain.models.moe.layer import MoERouting
 
     moe = section.moe
-    return MoERouting(moe.aux_loss_coef, moe.bias_update_rate, moe.capacity_factor)
+    return MoERouting(moe.aux_loss_coef or 0.0, moe.bias_update_rate or 0.0, moe.capacity_factor)
+
+
+AUX_LOSS_COEF = 0.001  # Qwen3-MoE's and Mixtral's router_aux_loss_coef, for a model whose config names none
+
+
+def default_balancing(section, engine: str, compute_dtype: str) -> tuple[float | None, float | None]:
+    """(aux_loss_coef, bias_update_rate) an MoE model trains with when the config leaves them unset; (None, None)
+    for a dense model or a user's ModelSpec (its own business). Every MoE balances with the switch-style loss: a
+    Hugging Face model at the coefficient its config.json carries, a built-in one at AUX_LOSS_COEF. Not the bias
+    (aux-loss-free, DeepSeek-V3's): it needs the torch engine, transformers' routers have none, and a moved bias
+    cannot be exported as Qwen2-MoE (`convert --to hf`); it stays one key away. fp16 compute takes no balancing loss
+    (models/rules.py): nothing then, and the collapse warning (observe/moe.py) speaks if routing collapses."""
+    if resolver_for(section).key == "model.spec":
+        return None, None
+    shape = model_shape(section)
+    if shape is None or shape.moe is None:
+        return None, None
+    coef = AUX_LOSS_COEF
+    if resolver_for(section).key == "model.hf":
+        from disttrain.models.hf.shape import read_config
+
+        own = read_config(section.hf).get("router_aux_loss_coef")
+        coef = float(own) if own is not None else AUX_LOSS_COEF
+    return (coef if compute_dtype != "fp16" else 0.0), 0.0
 
 
 def _registry_shape(section) -> ModelShape:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import html
 import json
+import re
 import statistics
 from pathlib import Path
 
@@ -37,6 +38,19 @@ def load_records(run_dir: Path) -> tuple[list[dict], list[dict]]:
 def _series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
     pts = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
     return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def _routing_state(record: dict) -> str:
+    """Each MoE layer's load imbalance (max / mean tokens per expert: 1 is even) and its idle experts."""
+    parts = []
+    for name, counts in record["moe_tokens_per_expert"].items():
+        index = re.search(r"layers\.(\d+)\.", name)
+        layer = index.group(1) if index else name
+        idle = sum(1 for c in counts if c == 0)
+        imbalance = record.get(f"moe_{layer}_load_imbalance")
+        parts.append(f"layer {layer}: imbalance {imbalance:.2f}" if imbalance is not None else f"layer {layer}:")
+        parts[-1] += f", {idle} of {len(counts)} experts idle" if idle else ""
+    return "; ".join(parts)
 
 
 def summary(records: list[dict], events: list[dict]) -> list[tuple[str, str]]:
@@ -80,6 +94,9 @@ def summary(records: list[dict], events: list[dict]) -> list[tuple[str, str]]:
         rows.append(("micro-batches per data-parallel rank", f"{shares[0]} -> {shares[-1]}" + (
             f" ({len(splits)} re-split(s): " + "; ".join(f"step {e['step']}: {e['shares']}" for e in splits[:6])
             + (" ..." if len(splits) > 6 else "") + ")" if splits else " (fixed)")))
+    routed = [r for r in records if "moe_tokens_per_expert" in r]
+    if routed:
+        rows.append(("MoE routing (last logged step)", _routing_state(routed[-1])))
     counts: dict[str, int] = {}
     for e in events:
         counts[e["event"]] = counts.get(e["event"], 0) + 1

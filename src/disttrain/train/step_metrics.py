@@ -33,6 +33,10 @@ class StepMetrics(Job):
         record = self.record(trainer, trainer.step - self.window_first_step, elapsed)
         trainer.final_loss = record["loss"]
         trainer.metrics.log_step(record)
+        routing = self.training_run.model.routing
+        for line in routing.warnings if routing is not None else ():
+            trainer.metrics.event("warning", step=trainer.step, message=line)
+            trainer.metrics.message(f"warning: {line}")
         self.window_start, self.window_first_step = time.perf_counter(), trainer.step
         profiler.take_overhead()
 

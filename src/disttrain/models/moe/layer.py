@@ -171,6 +171,7 @@ class RoutedExperts:
         counts, (dropped, aux, entropy, tokens, rounds) = values[:e], values[e:]
         mean = sum(counts) / e
         return {"tokens_per_expert": [int(c) for c in counts], "load_imbalance": max(counts) / mean if mean else 0.0,
+                "max_imbalance": e / self.top_k,  # every token on the same top_k experts
                 "dropped_tokens": int(dropped), "aux_loss": aux / rounds, "router_entropy": entropy / tokens}
 
 
