@@ -64,6 +64,10 @@ def test_corrupted_or_truncated_checkpoints_fall_back_to_the_previous(tmp_path):
 
     run = train(tmp_path / "run", "train.steps=18", "checkpoint.every_steps=6", nproc=2)
     first = losses(run)
+    # as if killed right after step 18's save, before recording its end (a finished run is not trained again)
+    metrics = run / "metrics.jsonl"
+    metrics.write_text("".join(line for line in metrics.read_text().splitlines(keepends=True)
+                               if '"event": "finished"' not in line))
     newest = run / "checkpoints" / "step_00000018"
     files = json.loads((newest / "COMMIT").read_text())["files"]
     assert sorted(files) == sorted(p.name for p in newest.iterdir() if p.name != "COMMIT")
@@ -79,6 +83,9 @@ def test_corrupted_or_truncated_checkpoints_fall_back_to_the_previous(tmp_path):
     proc = run_cli("train", str(DEBUG_CONFIG), f"run.dir={tmp_path}", "run.name=run", "train.steps=18",
                    "checkpoint.every_steps=6", nproc=2)
     assert f"{flipped} does not match its checksum" in proc.stdout and f"{shard} is truncated" in proc.stdout
+    said = [line for line in (proc.stdout + proc.stderr).splitlines() if f"{flipped} does not match" in line]
+    assert len(said) == 1 and said[0].startswith("warning: skipped checkpoint: "), said
+    assert "WARNING" not in proc.stderr  # once, in the run's words: no timestamped record per rank beside it
     reasons = [e["reason"] for e in events(run, "checkpoint_skipped")]
     assert reasons[0].startswith(f"{flipped} does not match its checksum") and reasons[1].startswith(f"{shard} is truncated")
     assert events(run, "resumed")[-1]["step"] == 6

@@ -338,6 +338,12 @@ def test_plan_writes_a_config_the_runtime_validates(tmp_path):
     assert cfg.train.global_batch_size * cfg.data.seq_len == 2 ** 20
     winner = yaml.safe_load(out.read_text())
     assert winner["parallel"]["zero_stage"] == result["winner"]["layout"]["zero_stage"]
+    # a complete run: an optimizer for a 7B model (GPT-3's 6.7B rate, 1.2e-4), warmup over 1% of the 95,367
+    # steps, decay to a tenth, and the file says these are a starting point
+    steps = round(100e9 / 2 ** 20)
+    assert cfg.train.steps == steps
+    assert (cfg.optim.lr, cfg.optim.warmup_steps, cfg.optim.min_lr) == (1.2e-4, round(steps / 100), 1.2e-5)
+    assert "not a tuned one" in out.read_text().splitlines()[2]
 
 
 

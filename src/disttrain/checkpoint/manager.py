@@ -162,7 +162,7 @@ class CheckpointManager:
             if reason is None:
                 return path, skipped
             if self.rank == 0:
-                log.warning("checkpoint %s cannot be loaded: %s; trying an older one", storage.name_of(path), reason)
+                log.info("checkpoint %s cannot be loaded: %s; trying an older one", storage.name_of(path), reason)
             skipped.append(reason)
         return None, skipped
 

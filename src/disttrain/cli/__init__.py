@@ -11,6 +11,7 @@ from disttrain.cli import dryrun as dryrun_cli
 from disttrain.cli import plan as plan_cli
 from disttrain.cli import tools
 from disttrain.launch.this_process import exit_now
+from disttrain.observe.quiet import quiet_third_party
 from disttrain.cli import train as train_cli
 from disttrain.core.errors import EXIT_USAGE, UserError
 
@@ -89,12 +90,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     prep = sub.add_parser("prepare-data", help="tokenize text, JSONL, Parquet or saved datasets into token shards")
     prep.add_argument("inputs", nargs="+", help=".txt (documents split on blank lines), .jsonl(.gz/.zst), .parquet, "
-                                                "a datasets.save_to_disk directory, or a folder of such files; "
+                                                "a datasets.save_to_disk directory, a folder of such files, or a "
+                                                "Hugging Face Hub dataset id (its train split); "
                                                 "records with 'messages' or 'prompt'/'completion' are chat and "
                                                 "instruction data (loss on the answers only)")
     prep.add_argument("--out", required=True, help="output directory (use it as data.source)")
     prep.add_argument("--tokenizer", default="byte", help="byte, bpe (train one), a tokenizer.json path, or a "
-                                                          "Hugging Face model directory (its tokenizer.json; chat "
+                                                          "Hugging Face model directory or Hub id (its tokenizer.json; chat "
                                                           "and instruction data: its chat template too)")
     prep.add_argument("--workers", type=int, default=None, help="tokenizing processes (default: every core)")
     prep.add_argument("--vocab-size", type=int, default=8192, help="BPE vocabulary size")
@@ -143,6 +145,7 @@ def _missing_equals(extra: list[str]) -> str:
 def main(argv: list[str] | None = None) -> None:
     from disttrain.distributed.env import detect_env
 
+    quiet_third_party()
     try:
         _dispatch(build_parser(), argv)
     except UserError as exc:  # under torchrun every rank validates; one of them speaks

@@ -290,10 +290,8 @@ def cmd_plan(args) -> None:
     scaling = scaling_table(shape, space, args.headroom, name, clusters) if counts else []
     out = Path(args.out) if args.out else None
     if out is not None:
-        import yaml
-
         tmp = out.with_name(out.name + ".tmp")
-        tmp.write_text(yaml.safe_dump(report.winner_config(win, tokens), sort_keys=False))
+        tmp.write_text(report.winner_yaml(win, tokens))
         tmp.replace(out)
     if args.json:
         print(json.dumps({"winner": win.as_dict(), "top": [e.as_dict() for e in result.ranked[:args.top]],
@@ -367,10 +365,8 @@ def cmd_plan_mixed(args) -> None:
         raise UserError(f"no layout of {name} fits {args.cluster} (try more GPUs, --allow-offload or a smaller --headroom)")
     out = Path(args.out) if args.out else None
     if out is not None:
-        import yaml
-
         tmp = out.with_name(out.name + ".tmp")
-        tmp.write_text(yaml.safe_dump(report.winner_config(plans[0].estimate), sort_keys=False))
+        tmp.write_text(report.winner_yaml(plans[0].estimate))
         tmp.replace(out)
     if args.json:
         print(json.dumps({"winner": plans[0].as_dict(), "top": [p.as_dict() for p in plans[:args.top]],

@@ -13,10 +13,38 @@ from disttrain.config.resolve import resolve_run
 
 
 def cmd_prepare_data(args: argparse.Namespace) -> None:
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="disttrain-hub-") as scratch:
+        _prepare_data(args, Path(scratch))
+
+
+def _hub_dataset(name: str, scratch: Path) -> Path:
+    """A Hub dataset id as an input: its repository's files from huggingface_hub's cache (fetched if online), read
+    by `datasets` (which finds the splits in the file names), the train split saved to disk for the readers."""
+    import datasets
+
+    from disttrain.core.hub import local_directory
+
+    snapshot = local_directory(name, key="input", repo_type="dataset")
+    try:
+        train = datasets.load_dataset(snapshot, split="train")
+    except (ValueError, FileNotFoundError) as exc:
+        raise UserError(f"input {name}: datasets cannot read a train split from it ({str(exc).splitlines()[0]})") \
+            from None
+    where = scratch / name.replace("/", "--").replace("@", "--")
+    train.save_to_disk(str(where))
+    return where
+
+
+def _prepare_data(args: argparse.Namespace, scratch: Path) -> None:
+    from disttrain.core.hub import is_hub_id, local_directory
     from disttrain.data.prepare import prepare, resolve_tokenizer, split_warning
     from disttrain.data.readers import SUFFIXES, kind_of
 
-    paths = [Path(p) for p in args.inputs]
+    paths = [_hub_dataset(p, scratch) if not Path(p).exists() and is_hub_id(p) else Path(p) for p in args.inputs]
+    if args.tokenizer not in ("byte", "bpe") and not Path(args.tokenizer).exists() and is_hub_id(args.tokenizer):
+        args.tokenizer = local_directory(args.tokenizer, key="--tokenizer")  # a Hub model id: its tokenizer
     for p in paths:
         if not p.exists():
             raise UserError(f"input {p}: no such file or directory")
@@ -26,7 +54,7 @@ def cmd_prepare_data(args: argparse.Namespace) -> None:
     tok = args.tokenizer
     if tok not in ("byte", "bpe") and not Path(resolve_tokenizer(tok)).is_file():
         raise UserError(f"--tokenizer={tok}: no such file (allowed: byte, bpe, a tokenizer.json path, or a Hugging "
-                        "Face model directory holding tokenizer.json)")
+                        "Face model directory or Hub id holding tokenizer.json)")
     if not 0 <= args.val_fraction < 1:
         raise UserError(f"--val-fraction={args.val_fraction}: must be in [0, 1)")
     if args.tokenizer == "bpe" and args.vocab_size < 257:

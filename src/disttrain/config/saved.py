@@ -26,7 +26,11 @@ class SavedRun:
     @property
     def model_dir(self) -> str:
         """The Hugging Face directory the model came from (its tokenizer, generation config), or ""."""
-        return self.model.hf if registry.resolver_for(self.model).key == "model.hf" else ""
+        if registry.resolver_for(self.model).key != "model.hf":
+            return ""
+        from disttrain.core.hub import local_directory
+
+        return local_directory(self.model.hf)  # a Hub id: its cached snapshot
 
     @property
     def tokenizer(self) -> str:

@@ -85,9 +85,11 @@ class ModelConfig(Section):
 
     name: str = Field("debug", description="registry shape: debug, tiny, 125m, 1b, 7b, 13b, 70b; mixture-of-experts "
                       "shapes debug-moe, mixtral-8x7b, qwen3-30b-a3b, qwen3-235b-a22b")
-    hf: str = Field("", description="a local Hugging Face model directory (config.json, optional weights and "
-                                    "tokenizer); replaces name and the shape keys; without weights it is "
-                                    "initialised from train.seed; never touches the network")
+    hf: str = Field("", description="a Hugging Face model: a local directory (config.json, optional weights and "
+                                    "tokenizer) or a Hub id (org/name, org/name@revision) read from huggingface_hub's "
+                                    "cache and downloaded into it when online (HF_HUB_OFFLINE=1: the cache only); "
+                                    "replaces name and the shape keys; without weights it is initialised from "
+                                    "train.seed")
     spec: str = Field("", description="FILE.py:function or package.module:function returning a ModelSpec for any "
                       "nn.Module (docs/guide.md, \"Your own model\")")
     dim: int | None = Field(None, gt=0, description="hidden size; " + FROM_NAME)

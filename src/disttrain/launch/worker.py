@@ -14,6 +14,7 @@ from disttrain.core import interrupts
 from disttrain.core.errors import EXIT_HEALTH, EXIT_PREEMPTED, EXIT_STORAGE, UserError
 from disttrain.distributed.env import detect_env, device_type
 from disttrain.launch import this_process
+from disttrain.observe.quiet import quiet_third_party
 
 
 def train_here(cfg) -> int:
@@ -109,9 +110,23 @@ def setup_logging(run_dir: Path, rank: int) -> None:
     fmt = logging.Formatter(f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s")
     file_handler = logging.FileHandler(logs / f"rank_{rank:05d}.log")
     file_handler.setFormatter(fmt)
+    # The console gets each warning once, as the run's own lines read (`warning: ...`): rank 0's warnings, and
+    # errors from every rank (a hang is one rank's story); the timestamped records stay in the log files.
     console = logging.StreamHandler(sys.stderr)
-    console.setLevel(logging.WARNING)
-    console.setFormatter(fmt)
+    console.setLevel(logging.WARNING if rank == 0 else logging.ERROR)
+    console.setFormatter(_ConsoleFormat("" if rank == 0 else f"rank {rank}: "))
     root = logging.getLogger("disttrain")
     root.setLevel(logging.INFO)
     root.handlers[:] = [file_handler, console]
+    quiet_third_party()
+
+
+class _ConsoleFormat(logging.Formatter):
+    """`warning: ...` / `error: rank 1: ...`: the run's own spelling of its console lines."""
+
+    def __init__(self, prefix: str):
+        super().__init__()
+        self.prefix = prefix
+
+    def format(self, record: logging.LogRecord) -> str:
+        return f"{record.levelname.lower()}: {self.prefix}{record.getMessage()}"

@@ -134,7 +134,9 @@ def model_tokenizer(section) -> str | None:
     """The tokenizer.json that comes with the model (a Hugging Face directory's), or None."""
     if resolver_for(section).key != "model.hf":
         return None
-    own = Path(section.hf) / "tokenizer.json"
+    from disttrain.core.hub import local_directory
+
+    own = Path(local_directory(section.hf)) / "tokenizer.json"
     return str(own) if own.is_file() else None
 
 

@@ -120,6 +120,16 @@ def layout_line(layout: Layout) -> str:
             f"{layout.global_batch_size} x {layout.seq_len} tokens")
 
 
+def winner_yaml(est: Estimate, tokens: float | None = None) -> str:
+    """winner_config as the YAML `plan --out` writes, with a note on where its optimizer settings come from."""
+    import yaml
+
+    return (f"# written by `disttrain plan`: the fastest layout that fits. The optim section is a starting point for\n"
+            f"# a model of {est.shape.num_params() / 1e9:.2f} B parameters (learning rate by size, from GPT-3's table; "
+            "warmup 1% of\n# the steps, 100 to 2000; cosine to a tenth), not a tuned one.\n"
+            + yaml.safe_dump(winner_config(est, tokens), sort_keys=False))
+
+
 def winner_config(est: Estimate, tokens: float | None = None) -> dict:
     """The chosen layout as a RunConfig dictionary (loads with `disttrain train`)."""
     lay, shape = est.layout, est.shape
@@ -153,6 +163,35 @@ def _config(est: Estimate, model: dict, steps: int) -> dict:
     sections = {name: {k: v for k, v in keys.items() if k in ("dp_shard", "zero_stage") or v != defaults[name][k]}
                 for name, keys in lay.to_config().items() if isinstance(keys, dict)}
     sections["train"] = {"steps": steps, **sections["train"]}
-    order = ("data", "train", "parallel", "precision")
+    sections["optim"] = optimizer_section(est.shape.num_params(), steps)
+    order = ("data", "train", "optim", "parallel", "precision")
     return {"model": model, **({"engine": lay.engine} if lay.engine != "torch" else {}),
             **{name: sections[name] for name in order if sections[name]}}
+
+
+# Peak AdamW learning rates by model size, from GPT-3's table of model sizes (Brown et al. 2020, table 2.1):
+# (parameters, lr). Between two rows the rate is interpolated in log-log; beyond the ends it is the end's.
+LR_BY_SIZE = ((125e6, 6.0e-4), (350e6, 3.0e-4), (760e6, 2.5e-4), (1.3e9, 2.0e-4), (2.7e9, 1.6e-4),
+              (6.7e9, 1.2e-4), (13e9, 1.0e-4), (175e9, 0.6e-4))
+
+
+def learning_rate_for(num_params: float) -> float:
+    import math
+
+    if num_params <= LR_BY_SIZE[0][0]:
+        return LR_BY_SIZE[0][1]
+    for (n0, lr0), (n1, lr1) in zip(LR_BY_SIZE, LR_BY_SIZE[1:]):
+        if num_params <= n1:
+            t = math.log(num_params / n0) / math.log(n1 / n0)
+            return float(f"{math.exp(math.log(lr0) + t * math.log(lr1 / lr0)):.2g}")
+    return LR_BY_SIZE[-1][1]
+
+
+def optimizer_section(num_params: float, steps: int) -> dict:
+    """A starting point for a run of this size, not a tuned one (the written config says so): AdamW at the size's
+    rate (LR_BY_SIZE), linear warmup over 1% of the steps (at least 100, at most 2000: GPT-3 and Llama 2 warmed up
+    for a few hundred to 2000 steps), cosine decay to a tenth of the peak, weight decay 0.1, gradients clipped at 1."""
+    lr = learning_rate_for(num_params)
+    warmup = min(2000, max(100, round(0.01 * steps)), max(steps - 1, 0))
+    return {"lr": lr, "warmup_steps": warmup, "schedule": "cosine", "min_lr": float(f"{lr / 10:.2g}"),
+            "weight_decay": 0.1, "grad_clip": 1.0}

@@ -47,7 +47,7 @@ def maybe_resume(run, progress: Progress) -> None:
         path, progress.skipped_checkpoints = ckpt.choose_resume()
         if path is None:
             if progress.skipped_checkpoints:
-                log.warning("no committed checkpoint in %s could be loaded: starting fresh", ckpt.dir)
+                log.info("no committed checkpoint in %s could be loaded: starting fresh", ckpt.dir)
             return
     else:
         path = mode
@@ -89,5 +89,5 @@ def check_compatible(run, path) -> dict:
         raise UserError(problem)
     free, changing = config_changes(saved.get("config", {}), run.cfg.model_dump(mode="json", by_alias=True))
     for line in changing:
-        log.warning("resuming with a changed setting, the run will differ from the interrupted one: %s", line)
+        log.info("resuming with a changed setting, the run will differ from the interrupted one: %s", line)
     return {"safe": free, "trajectory": changing}

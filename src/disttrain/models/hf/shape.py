@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from disttrain.core.errors import UserError
+from disttrain.core.hub import local_directory
 from disttrain.models.shape import MLAShape, ModelShape, MoEShape
 
 # Decoder-only families whose config.json maps onto ModelShape (SwiGLU MLP, RMSNorm, rotary, GQA).
@@ -18,10 +19,8 @@ MOE_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "gpt_o
 
 
 def read_config(directory: str) -> dict:
-    path = Path(directory)
-    if not path.is_dir():
-        raise UserError(f"model.hf={directory}: no such directory (allowed: a local folder written by "
-                        "transformers' save_pretrained)")
+    """`model.hf`'s config.json: a local directory's, or a Hub id's from its cached snapshot (core/hub.py)."""
+    path = Path(local_directory(directory))
     file = path / "config.json"
     if not file.is_file():
         raise UserError(f"model.hf={directory}: no config.json inside (allowed: a local folder written by "

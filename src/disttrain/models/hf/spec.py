@@ -18,6 +18,7 @@ from torch import nn
 
 from disttrain.core.errors import UserError
 from disttrain.models.hf.norms import keep_float64_norms
+from disttrain.core.hub import local_directory
 from disttrain.models.hf.shape import hf_shape, read_config
 from disttrain.models.spec import ModelSpec, copy_weights, seeded_normal_, token_cross_entropy_sum
 
@@ -100,7 +101,9 @@ def _converted_by_transformers(directory: str) -> dict:
 
 
 def hf_spec(directory: str, routing=None) -> ModelSpec:
-    """`routing`: model.moe's training keys (a models.moe.MoERouting) for a sparse-MoE family (models/hf/moe.py)."""
+    """`routing`: model.moe's training keys (a models.moe.MoERouting) for a sparse-MoE family (models/hf/moe.py).
+    `directory`: a local directory or a Hub id (read from its cached snapshot, core/hub.py)."""
+    directory = local_directory(directory)
     from functools import partial
 
     from disttrain.models.hf import parallel_plan
