@@ -54,6 +54,14 @@ def test_hf_export_loads_in_transformers_with_the_same_logits(sharded_run, tmp_p
         ours = _reference_model(sharded_run)(x)
         theirs = hf(input_ids=x).logits
     torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)  # two implementations, fp32
+    # the byte-level run's tokenizer comes along: AutoTokenizer encodes as the run did (id = UTF-8 byte), decodes
+    # back, and ends documents with the run's end id (before, the export had no tokenizer at all)
+    from disttrain.data.tokenizer import ByteTokenizer
+
+    tok = transformers.AutoTokenizer.from_pretrained(str(out))
+    text = "Ünïcode text,\twith tabs\nand lines 😀"
+    assert tok.encode(text) == ByteTokenizer().encode_batch([text])[0] and tok.decode(tok.encode(text)) == text
+    assert tok.eos_token_id == ByteTokenizer.eos_id
 
 
 def _step_one_loss(state: dict, seed: int) -> float:

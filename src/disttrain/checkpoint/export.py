@@ -154,6 +154,11 @@ def _save_tokenizer_and_generation(saved, out: Path) -> None:
         if eos is not None:
             tok.eos_token = tok.convert_ids_to_tokens(eos)
         tok.save_pretrained(out)
+    elif spec == "byte":  # raw bytes: a byte-level tokenizer.json (id b = byte b), for AutoTokenizer
+        from disttrain.data.tokenizer import byte_level_tokenizer
+
+        tok, eos_token = byte_level_tokenizer()
+        PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos_token).save_pretrained(out)
     if hf and (Path(hf) / "generation_config.json").is_file():
         GenerationConfig.from_pretrained(hf).save_pretrained(out)
     elif eos is not None and not hf:

@@ -32,6 +32,24 @@ class ByteTokenizer:
         return bytes(i for i in ids if 0 < i < 256).decode("utf-8", errors="replace")
 
 
+def byte_level_tokenizer():
+    """ByteTokenizer as a `tokenizers` Tokenizer, so that exports of byte-level runs load with AutoTokenizer: token id
+    b is byte b. A BPE with no merges over the 256 characters of the ByteLevel pre-tokenizer's alphabet (GPT-2's
+    byte-to-character table, spelled out below because `tokenizers` exposes the alphabet only as an unordered set)."""
+    from tokenizers import Tokenizer as _Tok
+    from tokenizers import decoders, models, pre_tokenizers
+
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)}
+    chars, shifted = {}, 0
+    for b in range(256):
+        chars[b] = chr(b) if b in printable else chr(256 + shifted)
+        shifted += b not in printable
+    tok = _Tok(models.BPE({c: b for b, c in chars.items()}, []))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return tok, chars[ByteTokenizer.eos_id]
+
+
 class HFTokenizer:
     """A `tokenizers` tokenizer.json (BPE, WordPiece, ...), e.g. one written by `prepare-data`."""
 
