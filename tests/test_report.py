@@ -108,3 +108,31 @@ def test_pipeline_transfers_are_labelled_asynchronous(run_dir):
     assert rows["communication (median per step)"] == "send_recv (async, see note) 841.0 ms"
     assert "asynchronously beside compute, so their sum can exceed the step time" in rows["note"]
     assert rows["step time (median)"] == "0.514 s"
+
+
+def test_several_runs_are_overlaid_one_line_each(run_dir, tmp_path):
+    """`disttrain report A B`: each plot holds one line per run, named by its directory; the summary has each run's
+    rows (the Quickstart suggests an lr variant to compare; report took one run only)."""
+    from helpers import run_main
+
+    other = tmp_path / "demo-lr1e-3"
+    other.mkdir()
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for line in lines:
+        if "loss" in line:
+            line["loss"] -= 1.0
+    (other / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    code, out, err = run_main("report", str(run_dir), str(other), "--out", str(tmp_path / "cmp"))
+    assert code == 0, err
+    assert f"{run_dir.name}: loss  " in out and "demo-lr1e-3: loss  " in out
+    import matplotlib.pyplot as plt
+
+    from disttrain.observe.run_compare import overlay
+
+    figs, rows = overlay([run_dir, other])
+    for name in ("loss.png", "val_loss.png", "lr.png", "grad_norm.png", "throughput.png"):
+        assert [line.get_label() for line in figs[name].axes[0].get_lines()] == [run_dir.name, "demo-lr1e-3"], name
+    mine, theirs = (list(line.get_ydata()) for line in figs["loss.png"].axes[0].get_lines())
+    assert mine == [4.0 - 0.1 * k for k in range(10)] and theirs == [4.0 - 0.1 * k - 1.0 for k in range(10)]
+    assert (tmp_path / "cmp" / "loss.png").is_file() and "demo-lr1e-3" in (tmp_path / "cmp" / "index.html").read_text()
+    plt.close("all")

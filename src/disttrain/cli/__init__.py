@@ -73,9 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
     bscale.add_argument("--out", default=None, help="output folder (default: runs/scaling-<config name>)")
     bscale.add_argument("--json", action="store_true")
 
-    rep = sub.add_parser("report", help="plots (PNG + one HTML page) and a summary of a run directory")
-    rep.add_argument("run_dir")
-    rep.add_argument("--out", default=None, help="output folder (default: RUN_DIR/report)")
+    rep = sub.add_parser("report", help="plots (PNG + one HTML page) and a summary of a run directory, or of "
+                                        "several runs overlaid")
+    rep.add_argument("run_dir", nargs="+", help="a run directory; several: their curves on shared axes")
+    rep.add_argument("--out", default=None, help="output folder (default: RUN_DIR/report; several runs: "
+                                                 "compare/ beside the first)")
 
     conv = sub.add_parser("convert", help="export a checkpoint as one torch/safetensors file or a HF Llama folder")
     conv.add_argument("checkpoint", help="a run directory (its newest committed checkpoint) or a step directory")

@@ -196,11 +196,15 @@ def cmd_bench_hardware(args: argparse.Namespace) -> None:
 
 
 def cmd_report(args: argparse.Namespace) -> None:
+    from disttrain.observe.run_compare import compare
     from disttrain.observe.run_report import make_report
 
-    run_dir = Path(args.run_dir)
+    runs = [Path(r) for r in args.run_dir]
     try:
-        index, pngs, rows = make_report(run_dir, Path(args.out) if args.out else None)
+        if len(runs) == 1:
+            index, pngs, rows = make_report(runs[0], Path(args.out) if args.out else None)
+        else:
+            index, pngs, rows = compare(runs, Path(args.out) if args.out else runs[0].parent / "compare")
     except (FileNotFoundError, ValueError) as exc:
         raise UserError(str(exc)) from None
     width = max(len(k) for k, _ in rows)
