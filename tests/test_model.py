@@ -125,3 +125,21 @@ def test_rotary_preserves_norm_and_relative_position():
 
     torch.testing.assert_close(apply_rotary(q, cos[5:6], sin[5:6]).norm(), q.norm())
     assert dot(3, 1) == pytest.approx(dot(12, 10), rel=1e-4)  # depends on i - j only
+
+
+def test_the_sample_is_greedy_at_temperature_0_and_reads_its_settings_from_the_config():
+    """train.sample_temperature / train.sample_top_k (the end-of-training sample's settings, once hidden constants):
+    temperature 0 takes the most likely token each time, whatever the seed; top-k 1 is the same at any temperature."""
+    from disttrain.config.load import load_config
+    from disttrain.models.generate import generate
+
+    cfg = load_config(None, ["train.sample_temperature=0", "train.sample_top_k=0"])
+    assert (cfg.train.sample_temperature, cfg.train.sample_top_k) == (0.0, 0)
+    model = build_model(llama_spec(DEBUG), torch.device("cpu"), 0).eval()
+    prompt, expected = [72, 105, 32], [72, 105, 32]
+    with torch.no_grad():
+        for _ in range(6):
+            expected.append(int(model(torch.tensor([expected]))[0, -1].argmax()))
+    for seed in (0, 1):
+        assert generate(model, prompt, 6, DEBUG.max_seq_len, temperature=0, top_k=0, seed=seed) == expected[3:]
+        assert generate(model, prompt, 6, DEBUG.max_seq_len, temperature=5.0, top_k=1, seed=seed) == expected[3:]
