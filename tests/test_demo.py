@@ -19,7 +19,7 @@ def test_demo_config_trains_to_a_clearly_lower_loss(tmp_path):
     assert len(evals) == 2 and evals[1] < evals[0]
     assert (run / "checkpoints" / "step_00000040" / "COMMIT").is_file()
     assert (run / "config.yaml").is_file() and (run / "logs" / "rank_00001.log").is_file()
-    assert "sample: The " in proc.stdout and f"run directory {run.resolve()}" in proc.stdout
+    assert "sample (temperature 0.8, top-k 40): The " in proc.stdout and f"run directory {run.resolve()}" in proc.stdout
     start = next(line for line in proc.stdout.splitlines() if line.startswith("model "))  # layout and tokenizer
     assert start.startswith("model tiny: ") and "| world 2: dp=2 zero=0 on cpu/gloo | tokenizer byte |" in start
     assert [line.split(" saved to ")[0] for line in proc.stdout.splitlines() if line.startswith("checkpoint: ")] \

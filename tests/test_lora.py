@@ -181,6 +181,10 @@ def test_a_changed_base_is_refused_on_resume_and_on_merge(references, tmp_path):
     def written():  # what the run holds; a launch's own log and claim (logs/, lease.json) aside
         return sorted(p.relative_to(run) for p in run.rglob("*") if p.name != "lease.json" and "logs" not in p.parts)
 
+    # as if stopped after its last save, before recording its end: the same command resumes (a finished run would
+    # not be trained again at all)
+    lines = (run / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (run / "metrics.jsonl").write_text("".join(line for line in lines if '"event": "finished"' not in line))
     before = written()
     metrics = (run / "metrics.jsonl").read_bytes()
     code, _, err = run_main("convert", str(run), "--to", "hf", "--merge-lora", "--out", str(tmp_path / "merged"))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
+import os
 import re
 import shlex
 import shutil
@@ -74,25 +75,43 @@ def _inputs(cwd: Path) -> None:
     pq.write_table(pa.table({"text": paragraphs[half:]}), cwd / "shards" / "part-0.parquet")
 
 
-def _chat_inputs(cwd: Path) -> None:
-    """What the fine-tuning lines read: a chat file and a Hugging Face model directory with its tokenizer and
-    chat template (examples/sft's tiny Llama and BPE, made here)."""
+HUB_COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+def _chat_inputs(cwd: Path) -> dict:
+    """What the fine-tuning lines read, offline: a Hugging Face cache holding, under the README's Hub ids, a chat
+    dataset and a model with its tokenizer and chat template (examples/sft's tiny Llama and BPE, made here, its
+    positions raised to the line's 1024). Returns the environment that points huggingface_hub at it."""
     spec = importlib.util.spec_from_file_location("make_assets", REPO / "examples" / "sft" / "make_assets.py")
     make_assets = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(make_assets)
     make_assets.main(cwd / "sft-assets")
-    model = cwd / "models" / "llama-3.2-1b"
-    shutil.copytree(cwd / "sft-assets" / "base", model)
-    shutil.copytree(cwd / "sft-assets" / "tokenizer", model, dirs_exist_ok=True)
-    shutil.copy(cwd / "sft-assets" / "chats.jsonl", cwd / "chats.jsonl")
+    readme = (REPO / "README.md").read_text()
+    line = readme.split("disttrain prepare-data ", 2)[2].splitlines()[0]  # the fine-tuning one, the second
+    data_id, model_id = line.split()[0], line.split("--tokenizer ", 1)[1].split()[0]
+    hub = cwd / "hf-cache"
+    for kind, repo in (("models", model_id), ("datasets", data_id)):
+        root = hub / f"{kind}--{repo.replace('/', '--')}"
+        (root / "refs").mkdir(parents=True)
+        (root / "refs" / "main").write_text(HUB_COMMIT)
+        snapshot = root / "snapshots" / HUB_COMMIT
+        if kind == "models":
+            shutil.copytree(cwd / "sft-assets" / "base", snapshot)
+            shutil.copytree(cwd / "sft-assets" / "tokenizer", snapshot, dirs_exist_ok=True)
+            config = json.loads((snapshot / "config.json").read_text())
+            (snapshot / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 1024}))
+        else:
+            (snapshot / "data").mkdir(parents=True)
+            shutil.copy(cwd / "sft-assets" / "chats.jsonl", snapshot / "data" / "train.jsonl")
+    return {"HF_HUB_CACHE": str(hub), "HF_HUB_OFFLINE": "1"}
 
 
 def test_quickstart_after_make_demo_trains_what_each_line_says(tmp_path):
     (tmp_path / "configs").symlink_to(REPO / "configs")
     (tmp_path / "examples").symlink_to(REPO / "examples")
     _inputs(tmp_path)
-    _chat_inputs(tmp_path)
-    env = {**cli_env(), "PATH": f"{Path(sys.executable).parent}:{cli_env()['PATH']}"}
+    hub = _chat_inputs(tmp_path)
+    env = {**cli_env(), "PATH": f"{Path(sys.executable).parent}:{cli_env()['PATH']}", **hub}
     lines = [make_demo_line(), *quickstart_lines()]
     seen: dict[Path, str] = {}
     trained: dict[str, str] = {}  # run name -> the layout its `started` event names
@@ -101,7 +120,8 @@ def test_quickstart_after_make_demo_trains_what_each_line_says(tmp_path):
             continue
         train = training(line)
         if train is not None:
-            cfg = load_config(tmp_path / train[0], train[1])
+            with _environ(hub):
+                cfg = load_config(tmp_path / train[0], train[1])
             run_dir = tmp_path / cfg.run_dir
             assert run_dir not in seen, f"`{line}` trains into {cfg.run_dir}, as `{seen.get(run_dir)}` does"
             seen[run_dir] = line
@@ -121,12 +141,32 @@ def test_quickstart_after_make_demo_trains_what_each_line_says(tmp_path):
             # the layout it trained, from its run's `started` event, is the one its config and overrides give on
             # the processes it asks for
             (started,) = [r for r in records(run_dir) if r.get("event") == "started"]
-            with contextlib.chdir(tmp_path):  # the line's relative paths (data.source, model.hf)
+            with contextlib.chdir(tmp_path), _environ(hub):  # the line's relative paths (data.source), its Hub ids
                 claimed = resolve_run(load_config(tmp_path / train[0], train[1]), nproc(line), "cpu").layout
             assert (started["world_size"], started["layout"]) == (nproc(line), claimed.describe()), line
             trained[cfg.run.name] = started["layout"]
     assert len(seen) == 11  # make demo, the ten training lines (fine-tuning and context parallel among them)
     assert trained == CLAIMED  # what the README says each line trains (the 3D line runs elsewhere)
+
+
+@contextlib.contextmanager
+def _environ(values: dict):
+    """huggingface_hub reads its cache and offline settings once, at import: set them on its constants too."""
+    from huggingface_hub import constants
+
+    saved = {k: os.environ.get(k) for k in values}
+    kept = (constants.HF_HUB_CACHE, constants.HF_HUB_OFFLINE)
+    os.environ.update(values)
+    constants.HF_HUB_CACHE, constants.HF_HUB_OFFLINE = values["HF_HUB_CACHE"], True
+    try:
+        yield
+    finally:
+        constants.HF_HUB_CACHE, constants.HF_HUB_OFFLINE = kept
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def test_torchruns_spelling_of_the_launch_flags_is_accepted():
