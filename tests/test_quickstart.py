@@ -48,6 +48,8 @@ def make_demo_line() -> str:
 def training(line: str) -> tuple[str, list[str]] | None:
     """(config, overrides) of a line that trains, else None."""
     tokens = shlex.split(line)
+    while tokens and re.fullmatch(r"[A-Z_]+=\S*", tokens[0]):  # an environment setting before the command
+        tokens = tokens[1:]
     if "train" not in tokens or not any(t in ("disttrain", "torchrun") for t in tokens[:1]):
         return None
     rest = tokens[tokens.index("train") + 1:]

@@ -8,11 +8,17 @@ text; the base model's own answer is printed beside them.
 from __future__ import annotations
 
 import sys
+import warnings
 from pathlib import Path
 
 import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.utils import logging as transformers_logging
+
+transformers_logging.disable_progress_bar()  # three tiny models load in milliseconds
+# peft reads transformers' deprecated `is_gradient_checkpointing` when wrapping a model: nothing to act on here
+warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
 
 
 def answer(model, tok, question: str, tokens: int = 16) -> str:

@@ -72,6 +72,9 @@ def save_base(directory: Path, vocab_size: int, seed: int = 0) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()  # one tiny shard: a bar says nothing
     torch.manual_seed(seed)
     config = LlamaConfig(hidden_size=64, intermediate_size=192, num_hidden_layers=4, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=vocab_size, max_position_embeddings=256,
