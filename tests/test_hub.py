@@ -72,6 +72,15 @@ def test_a_hub_model_and_dataset_train_as_their_directories_do(hub, tmp_path):
     assert runs["id"] == runs["dir"]  # the same weights, tokenizer and data
 
 
+def test_a_revision_is_honoured(hub, tmp_path):
+    """`org/name@revision`: the snapshot of that commit (here the only one); a revision the cache lacks is refused."""
+    proc = _disttrain(hub, "estimate", str(DEBUG_CONFIG), f"model.hf=org/tiny-chat@{COMMIT}")
+    assert proc.returncode == 0 and proc.stdout.startswith(f"Model: org/tiny-chat@{COMMIT}, "), proc.stderr
+    proc = _disttrain(hub, "estimate", str(DEBUG_CONFIG), "model.hf=org/tiny-chat@v2")
+    assert proc.returncode == 2 and "model.hf=org/tiny-chat@v2: no such directory, and not in the Hugging Face cache" \
+        in proc.stderr, proc.stderr
+
+
 def test_an_id_neither_cached_nor_reachable_is_one_line(hub, tmp_path):
     proc = _disttrain(hub, "train", str(DEBUG_CONFIG), "model.hf=org/not-cached", f"run.dir={tmp_path}")
     assert proc.returncode == 2
