@@ -88,3 +88,32 @@ def _records(run: Path) -> list[dict]:
     path = run / "metrics.jsonl"
     lines = path.read_text().split("\n")[:-1] if path.exists() else []
     return [json.loads(line) for line in lines]
+
+
+@pytest.mark.parametrize("leaving", [SystemExit(3), KeyboardInterrupt()], ids=["SystemExit", "KeyboardInterrupt"])
+def test_an_exit_inside_a_save_is_not_a_storage_fault(leaving, tmp_path):
+    """DCP gathers whatever a rank raised during a save, an exit or an interrupt included, into one
+    CheckpointException: the manager re-raises the exit (no `SaveFailed`, no "training continues") and the partial
+    step directory goes."""
+    import traceback
+
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from disttrain.checkpoint.manager import CheckpointManager
+
+    class Engine:
+        checkpoint_format = "dcp"
+
+        def save(self, path, group):
+            (Path(path) / "__0_0.distcp").write_bytes(b"half")
+            raise CheckpointException("save failed", {0: (leaving, traceback.StackSummary())})
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        manager = CheckpointManager(tmp_path, rank=0)
+        with pytest.raises(type(leaving)):
+            manager.save(2, Engine(), {"step": 2})
+        assert not (tmp_path / "step_00000002").exists()
+    finally:
+        dist.destroy_process_group()

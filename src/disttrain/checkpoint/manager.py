@@ -58,6 +58,16 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def leaving(exc: BaseException) -> BaseException | None:
+    """The SystemExit or KeyboardInterrupt that DCP wrapped, with the other ranks' failures, into a
+    CheckpointException (every rank gets the same one), or None: the process is leaving, the storage did not fail."""
+    if isinstance(exc, CheckpointException):
+        for wrapped, _ in exc.failures.values():
+            if isinstance(wrapped, (SystemExit, KeyboardInterrupt)):
+                return wrapped
+    return None
+
+
 def newest_committed(directory) -> str | None:
     """The newest committed checkpoint under `directory`, without a manager (no process group needed)."""
     return CheckpointManager(directory, rank=-1).latest()
@@ -183,11 +193,14 @@ class CheckpointManager:
         path = self.step_dir(step)
         try:
             return self._save(step, path, engine, train_state)
-        except BaseException:
-            if not interrupts.interrupted():
+        except BaseException as exc:
+            stopping = interrupts.interrupted() or isinstance(exc, (SystemExit, KeyboardInterrupt))
+            if not stopping:
                 raise
             self._abandon(path)
-            raise KeyboardInterrupt from None
+            if interrupts.interrupted():
+                raise KeyboardInterrupt from None
+            raise
 
     def _save(self, step: int, path: str, engine, train_state: dict) -> str:
         if self.rank == 0 and storage.exists(path):
@@ -202,6 +215,9 @@ class CheckpointManager:
             if self.rank == 0:
                 storage.torch_save(train_state, storage.join(path, "train_state.pt"))
         except SAVE_ERRORS as exc:
+            stop = leaving(exc)
+            if stop is not None:  # DCP gathered an exit or an interrupt with the failures: not a storage fault
+                raise stop from None
             failure = f"writing {path} ({storage.describe(exc, path)})"
         if interrupts.interrupted():  # Ctrl-C that torch.save's writer swallowed (it runs Python writes from C++)
             raise KeyboardInterrupt
