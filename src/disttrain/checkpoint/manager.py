@@ -68,11 +68,6 @@ def leaving(exc: BaseException) -> BaseException | None:
     return None
 
 
-def newest_committed(directory) -> str | None:
-    """The newest committed checkpoint under `directory`, without a manager (no process group needed)."""
-    return CheckpointManager(directory, rank=-1).latest()
-
-
 class SaveFailed(Exception):
     """A checkpoint save that failed on some rank, agreed by all; str() is the one line for people."""
 

@@ -87,10 +87,10 @@ def _interrupted(trainer, cfg, rank: int, log, exc: BaseException) -> int:
 
 
 def _newest_on_disk(cfg) -> str:
-    from disttrain.checkpoint.manager import newest_committed
+    from disttrain.checkpoint.manager import CheckpointManager
 
     try:
-        return newest_committed(cfg.checkpoint_dir) or "none"
+        return CheckpointManager(cfg.checkpoint_dir, rank=-1).latest() or "none"
     except Exception:  # no directory yet, or a store that cannot be reached: nothing to point at
         return "none"
 

@@ -8,12 +8,15 @@ tests/test_object_storage.py.
 
 import errno
 import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/workers: dcp_streams
 
 _SETTING = os.environ.get("DISTTRAIN_TEST_FULL_DISK")
 
 
 def _install(capacity: int, root: str) -> None:
-    from torch.distributed.checkpoint.filesystem import FileSystem
+    from dcp_streams import wrap_dcp_streams
 
     from disttrain.core import storage
 
@@ -45,30 +48,15 @@ def _install(capacity: int, root: str) -> None:
         def __getattr__(self, name):
             return getattr(self._stream, name)
 
-    class Disk(FileSystem):
-        def create_stream(self, path, mode):
-            import contextlib
-
-            @contextlib.contextmanager
-            def stream():
-                with FileSystem.create_stream(self, path, mode) as opened:
-                    yield Filling(opened, path) if on_disk(path) and "w" in mode else opened
-            return stream()
-
-    dcp_writer, write_bytes = storage.dcp_writer, storage.write_bytes
-
-    def writer_on_disk(path):
-        writer = dcp_writer(path)
-        if not storage.is_url(path):
-            writer.fs = Disk()
-        return writer
+    wrap_dcp_streams(lambda opened, path: Filling(opened, path) if on_disk(path) else opened)
+    write_bytes = storage.write_bytes
 
     def bytes_on_disk(path, data: bytes) -> None:
         if on_disk(path) and len(data) > capacity - used():
             raise no_space(path)  # write_bytes writes aside and renames: a failed write leaves nothing
         write_bytes(path, data)
 
-    storage.dcp_writer, storage.write_bytes = writer_on_disk, bytes_on_disk
+    storage.write_bytes = bytes_on_disk
 
     import shutil
 
