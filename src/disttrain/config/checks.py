@@ -52,7 +52,28 @@ def config_problems(cfg) -> list[Problem]:
     if not all(0 <= b < 1 for b in o.betas):
         problems.append(_problem("optim.betas", list(o.betas), f"optim.betas={list(o.betas)}: each beta must be in "
                                  "[0, 1)"))
+    if o.schedule == "wsd" and o.decay_steps is not None and o.decay_steps > t.steps - o.warmup_steps:
+        problems.append(_problem("optim.decay_steps", o.decay_steps, f"optim.decay_steps={o.decay_steps} exceeds "
+                                 f"train.steps - optim.warmup_steps = {t.steps - o.warmup_steps}"))
+    if o.name == "muon":
+        problems += _muon_problems(cfg)
     return problems
+
+
+def _muon_problems(cfg) -> list[Problem]:
+    """What Muon does not compose with (yet): LoRA's adapters, DeepSpeed's own optimizer step, ZeRO-1's
+    partitioned AdamW."""
+    if cfg.model.lora is not None:
+        return [_problem("optim.name", "muon", "optim.name=muon with model.lora: LoRA trains low-rank adapters, "
+                         "whose factors Muon's orthogonalisation does not suit (allowed with model.lora: adamw)",
+                         "adamw")]
+    if cfg.engine == "deepspeed":
+        return [_problem("optim.name", "muon", "optim.name=muon needs engine=torch (DeepSpeed steps its own "
+                         "optimizer; allowed with engine=deepspeed: adamw)", "adamw")]
+    if cfg.parallel.zero_stage == 1:
+        return [_problem("parallel.zero_stage", 1, "parallel.zero_stage=1 with optim.name=muon: ZeRO-1 partitions "
+                         "AdamW's states, not Muon's (allowed with muon: 0, 2, 3)", "0, 2, 3")]
+    return []
 
 
 def engine_key_problems(cfg) -> list[Problem]:

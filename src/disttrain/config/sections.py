@@ -177,15 +177,42 @@ class TrainConfig(Section):
                                  "due(step) and run(trainer) (docs/guide.md, \"Your own jobs\")")
 
 
+class MuonConfig(Section):
+    """Muon's settings (optim.name=muon), with torch.optim.Muon's meaning."""
+
+    lr: float | None = Field(None, gt=0, description="Muon's peak learning rate (default: optim.lr)")
+    momentum: float = Field(0.95, ge=0, lt=1, description="momentum of the gradient average Muon orthogonalises")
+    nesterov: bool = Field(True, description="Nesterov momentum")
+    ns_steps: int = Field(5, ge=1, lt=100, description="Newton-Schulz iterations per step")
+    weight_decay: float | None = Field(None, ge=0, description="decoupled weight decay of Muon's matrices "
+                                       "(default: optim.weight_decay)")
+    adjust_lr: Literal["match_rms_adamw", "original"] = Field(
+        "match_rms_adamw", description="how each matrix's rate is scaled by its shape: match_rms_adamw (0.2 x "
+        "sqrt(max(rows, cols)), so that one rate serves Muon and AdamW) or original (sqrt(max(1, rows / cols)))")
+
+
 class OptimConfig(Section):
     """The optimizer and its learning-rate schedule."""
 
-    name: Literal["adamw"] = Field("adamw", description="AdamW; weight decay applies to matrices only")
+    name: Literal["adamw", "muon"] = Field("adamw", description="adamw: AdamW everywhere, weight decay on matrices "
+                                           "only; muon: Muon for the matrices of the repeated blocks (attention, "
+                                           "MLP and expert projections), AdamW with the keys below for the rest "
+                                           "(embeddings, output head, norms, biases, routers)")
     lr: float = Field(3e-4, gt=0, description="peak learning rate")
     weight_decay: float = Field(0.1, ge=0, description="decoupled weight decay of the matrices")
     betas: tuple[float, float] = Field((0.9, 0.95), description="Adam's moment decay rates, each in [0, 1)")
     eps: float = Field(1e-8, gt=0, description="Adam's epsilon")
     warmup_steps: int = Field(0, ge=0, description="linear warmup steps")
-    schedule: Literal["cosine", "linear", "constant"] = Field("cosine", description="decay after warmup")
+    schedule: Literal["cosine", "linear", "constant", "wsd"] = Field(
+        "cosine", description="after warmup: cosine or linear decay to min_lr over the rest of the run, constant, or "
+        "wsd (warmup-stable-decay: constant, then decay_shape down to min_lr over the last decay_steps)")
+    decay_steps: int | None = Field(None, gt=0, description="wsd: steps of the final decay (default: decay_fraction "
+                                    "of train.steps)")
+    decay_fraction: float = Field(0.2, gt=0, le=1, description="wsd: the final decay's share of train.steps when "
+                                  "decay_steps is unset")
+    decay_shape: Literal["linear", "cosine", "sqrt"] = Field("linear", description="wsd: the final decay's shape "
+                                                             "(sqrt: 1 - sqrt(progress))")
     min_lr: float = Field(0.0, ge=0, description="final learning rate")
-    grad_clip: float = Field(1.0, ge=0, description="max global gradient norm (0: off; the norm is still logged)")
+    grad_clip: float = Field(1.0, ge=0, description="max global gradient norm over every parameter (0: off; the "
+                             "norm is still logged)")
+    muon: MuonConfig = Field(default_factory=MuonConfig, description="Muon's settings (optim.name=muon)")

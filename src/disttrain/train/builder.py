@@ -149,7 +149,7 @@ def build_engine(cfg: RunConfig, layout: Layout, meshes: Meshes, spec: ModelSpec
         parts = build_pipeline(model, spec, layout, meshes, device, cfg.parallel, mean_loss, layout.microbatches,
                                materialize, stage_io)
         tied = TiedAcrossStages(parts.model, spec.tied_parameters, layout, meshes)
-        optimizer = build_optimizer(parts.model, cfg.optim)
+        optimizer = build_optimizer(parts.model, cfg.optim, dp_group if layout.gradient_wrapper == "ddp" else None)
         step = _optimizer_step(cfg, optimizer, precision, parts.group)
         _route_moe(step, spec, model, layout, meshes)
         return PipelineEngine(parts, mean_loss, optimizer, step, precision, device, tensor_parallel, dp_group, phases,
@@ -168,7 +168,7 @@ def build_engine(cfg: RunConfig, layout: Layout, meshes: Meshes, spec: ModelSpec
         same_experts = meshes.same_experts.get_group() if layout.ep > 1 and layout.efsdp > 1 else None
         optimizer = build_zero1_optimizer(wrapped, cfg.optim, dp_group, same_experts)
     else:
-        optimizer = build_optimizer(wrapped, cfg.optim)
+        optimizer = build_optimizer(wrapped, cfg.optim, dp_group if layout.gradient_wrapper == "ddp" else None)
     # DDP's gradients as views into its buckets are zeroed in place (engine.py); copies are freed as usual
     bucket_views = layout.gradient_wrapper == "ddp" and cfg.parallel.ddp_gradient_as_bucket_view
     step = _optimizer_step(cfg, optimizer, precision, None, keep_gradients=bucket_views)

@@ -13,10 +13,19 @@ from disttrain.core.dtypes import at_least_fp32
 from disttrain.parallel.expert_shards import hold_expert_states, shard_of
 
 
-def build_optimizer(model: nn.Module, optim_cfg) -> torch.optim.Optimizer:
-    """torch's foreach kernels (AdamW's default on GPUs) refuse a list mixing DTensors and plain tensors, as
+def build_optimizer(model: nn.Module, optim_cfg, replicas=None) -> torch.optim.Optimizer:
+    """optim.name's optimizer over `model`'s trainable parameters. `replicas`: the process group the plain
+    parameters are replicated over (DDP's), whose ranks share Muon's work.
+
+    torch's foreach kernels (AdamW's default on GPUs) refuse a list mixing DTensors and plain tensors, as
     plain expert shards are beside FSDP's or tensor parallel's DTensors: those take the per-tensor loop.
     Expert shards' states show whole in the optimizer's state dicts (parallel/expert_shards.py)."""
+    if optim_cfg.name == "muon":
+        from disttrain.train.muon import build_muon
+
+        optimizer = build_muon(model, optim_cfg, replicas)
+        hold_expert_states(optimizer)
+        return optimizer
     decay, no_decay = [], []
     for p in model.parameters():
         if p.requires_grad:
@@ -31,13 +40,17 @@ def build_optimizer(model: nn.Module, optim_cfg) -> torch.optim.Optimizer:
 
 
 class LRSchedule:
-    """Warmup, then `schedule` down to `min_ratio` at `total`. After a resume that moved `total` (train.steps
-    extended or shortened) the decay restarts from the factor reached (`from_factor` at `from_step`) and
-    ends at `min_ratio` at the new total, in the same shape: the rate never jumps. Its attributes are the
-    state LambdaLR saves with a checkpoint."""
+    """Warmup, then `schedule` down to `min_ratio` at `total`; `wsd` holds the peak and decays over the last
+    `decay_steps` (or `decay_fraction` of `total`) in `decay_shape`. After a resume that moved `total`
+    (train.steps extended or shortened) the decay restarts from the factor reached (`from_factor` at
+    `from_step`) and ends at `min_ratio` at the new total, in the same shape: the rate never jumps, and a wsd
+    run still in its stable phase decays at the new end. Its attributes are the state LambdaLR saves with a
+    checkpoint."""
 
-    def __init__(self, warmup: int, total: int, schedule: str, min_ratio: float):
+    def __init__(self, warmup: int, total: int, schedule: str, min_ratio: float, decay_steps: int | None = None,
+                 decay_fraction: float = 0.2, decay_shape: str = "linear"):
         self.warmup, self.total, self.schedule, self.min_ratio = warmup, total, schedule, min_ratio
+        self.decay_steps, self.decay_fraction, self.decay_shape = decay_steps, decay_fraction, decay_shape
         self.from_step, self.from_factor = warmup, 1.0
 
     def __call__(self, step: int) -> float:
@@ -47,12 +60,27 @@ class LRSchedule:
             return 1.0
         if self.total <= self.from_step:
             return self.from_factor
-        progress = min(1.0, (step - self.from_step) / max(1, self.total - self.from_step))
-        shape = 0.5 * (1 + math.cos(math.pi * progress)) if self.schedule == "cosine" else 1.0 - progress
-        return self.min_ratio + (self.from_factor - self.min_ratio) * shape
+        start, shape = self.from_step, self.schedule
+        if shape == "wsd":
+            decay = self.decay_steps or round(self.decay_fraction * self.total)
+            start, shape = max(start, self.total - decay), self.decay_shape
+            if step < start:
+                return self.from_factor
+        progress = min(1.0, (step - start) / max(1, self.total - start))
+        if shape == "cosine":
+            left = 0.5 * (1 + math.cos(math.pi * progress))
+        else:
+            left = 1.0 - (math.sqrt(progress) if shape == "sqrt" else progress)
+        return self.min_ratio + (self.from_factor - self.min_ratio) * left
 
     def settings(self) -> tuple:
-        return self.warmup, self.schedule, self.min_ratio
+        wsd = (self.decay_steps, self.decay_fraction, self.decay_shape) if self.schedule == "wsd" else ()
+        return self.warmup, self.schedule, self.min_ratio, *wsd
+
+    def like(self, total: int) -> "LRSchedule":
+        """A fresh schedule with these settings ending at `total`."""
+        return LRSchedule(self.warmup, total, self.schedule, self.min_ratio, self.decay_steps, self.decay_fraction,
+                          self.decay_shape)
 
 
 class RunSchedule(torch.optim.lr_scheduler.LambdaLR):
@@ -77,10 +105,10 @@ class RunSchedule(torch.optim.lr_scheduler.LambdaLR):
         saved = (state.pop("lr_lambdas", None) or [None])[0] or {}
         super().load_state_dict({**state, "lr_lambdas": [None] * len(self.lr_lambdas)})
         step, new = self.last_epoch, self.configured
-        old = LRSchedule(new.warmup, new.total, new.schedule, new.min_ratio)
+        old = new.like(new.total)
         old.__dict__.update(saved)  # the schedule that saved it (checkpoints before this class: the config's)
         same = old.settings() == new.settings() and list(state.get("base_lrs", self.peak_lrs)) == self.peak_lrs
-        fresh = LRSchedule(new.warmup, new.total, new.schedule, new.min_ratio)
+        fresh = new.like(new.total)
         if same:
             fresh.__dict__.update(old.__dict__)
             if old.total != new.total and step > new.warmup:
@@ -95,7 +123,8 @@ class RunSchedule(torch.optim.lr_scheduler.LambdaLR):
 
 def build_scheduler(optimizer: torch.optim.Optimizer, optim_cfg, total_steps: int) -> RunSchedule:
     return RunSchedule(optimizer, LRSchedule(optim_cfg.warmup_steps, total_steps, optim_cfg.schedule,
-                                             optim_cfg.min_lr / optim_cfg.lr))
+                                             optim_cfg.min_lr / optim_cfg.lr, optim_cfg.decay_steps,
+                                             optim_cfg.decay_fraction, optim_cfg.decay_shape))
 
 
 def _grad_groups(params) -> dict:

@@ -1,0 +1,218 @@
+"""Muon for the matrices of the repeated blocks and AdamW for the rest, as one optimizer, on every layout.
+
+Each matrix's update is torch.optim.Muon's, computed by torch's own Newton-Schulz iteration on the whole matrix
+(so one process equals `torch.optim.Muon` exactly). torch's Muon has no distributed logic, so the split is done
+here: the momentum is kept and updated where the gradient lives (a shard under FSDP or tensor parallelism), the
+iteration of each matrix runs on one rank of the ranks that share it (its owner, chosen to balance the
+iteration's FLOPs), and the owner's update reaches the others, which take their shard of it.
+
+A fused projection (Hugging Face experts' `gate_up_proj`) is orthogonalised per logical matrix: its rows are
+the gate's and the up projection's, halves of one tensor. 3-D expert tensors are a stack of matrices, one per
+expert, each orthogonalised on its own.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, EPS, _adjust_lr, _zeropower_via_newtonschulz
+
+from disttrain.parallel.expert import is_expert_shard
+from disttrain.parallel.param_names import clean_fqn
+
+BLOCK = re.compile(r"(^|\.)layers\.\d+\.")  # a parameter of a repeated block (built-in and transformers names)
+ROUTER = re.compile(r"(^|\.)(router|gate|shared_expert_gate)(\.|$)")  # routers stay with AdamW
+FUSED_HALVES = ("gate_up_proj",)  # a fused gate/up projection: two matrices stacked along the output rows
+
+
+def takes_muon(name: str, param: torch.Tensor) -> bool:
+    """The matrices of the repeated blocks (attention, MLP, experts, shared experts), not routers."""
+    name = clean_fqn(name)
+    return param.ndim in (2, 3) and BLOCK.search(name) is not None and ROUTER.search(name) is None
+
+
+def ns_flops(rows: int, cols: int, steps: int) -> int:
+    """Multiply-adds x 2 of `steps` Newton-Schulz iterations on one rows x cols matrix (the short side squared
+    in the Gram matrix)."""
+    short, long = min(rows, cols), max(rows, cols)
+    return steps * (4 * short * short * long + 2 * short ** 3)
+
+
+def logical_matrices(name: str, shape: tuple[int, ...]) -> list[tuple[int, int]]:
+    """The (rows, cols) of each matrix Muon orthogonalises within a parameter of `shape`."""
+    experts = shape[0] if len(shape) == 3 else 1
+    rows, cols = shape[-2:]
+    halves = 2 if clean_fqn(name).endswith(FUSED_HALVES) and rows % 2 == 0 else 1
+    return [(rows // halves, cols)] * (experts * halves)
+
+
+@dataclass
+class Placement:
+    """Where a Muon matrix is orthogonalised: `owner` (a global rank) among `ranks` (those that share it), whose
+    process group is `group` (None: this rank alone)."""
+
+    owner: int
+    ranks: tuple[int, ...]
+    group: object = None
+
+
+def sharing(param: torch.Tensor, replicas) -> tuple[tuple[int, ...], object]:
+    """The ranks holding a share or a copy of `param`'s update and their group, if one exists already: its
+    DTensor mesh, or `replicas` (the group plain parameters are replicated over, as under DDP; not expert
+    shards, which differ by rank), or this rank alone."""
+    if isinstance(param, DTensor):
+        mesh = param.device_mesh
+        ranks = tuple(int(r) for r in mesh.mesh.flatten().tolist())
+        return ranks, mesh.get_group() if mesh.ndim == 1 else None
+    if replicas is not None and dist.is_initialized() and not is_expert_shard(param):
+        return tuple(dist.get_process_group_ranks(replicas)), replicas
+    return (dist.get_rank() if dist.is_initialized() else 0,), None
+
+
+def assign_owners(costs: list[tuple[float, tuple[int, ...]]]) -> list[int]:
+    """One owner per matrix, balancing the summed cost per rank: the costliest first, each to the least loaded
+    of its ranks (ties to the lowest rank). Every rank computes the same answer from the same list."""
+    load: dict[int, float] = {}
+    owners = [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i][0], i)):
+        cost, ranks = costs[i]
+        owner = min(ranks, key=lambda r: (load.get(r, 0.0), r))
+        load[owner] = load.get(owner, 0.0) + cost
+        owners[i] = owner
+    return owners
+
+
+class MuonWithAdamW(torch.optim.Optimizer):
+    """One optimizer over Muon groups and AdamW groups (each group's `algorithm`), so that the schedule, the
+    clip, the scaler and checkpoints see one thing. The AdamW groups are stepped by a torch.optim.AdamW that
+    shares their dicts and this optimizer's state; torch has no optimizer that chains two."""
+
+    def __init__(self, muon_groups: list[dict], adamw_groups: list[dict], adamw_kwargs: dict, names: dict,
+                 replicas=None):
+        self.adamw = torch.optim.AdamW([g for g in adamw_groups if g["params"]], **adamw_kwargs)
+        for group in adamw_groups:
+            group["algorithm"] = "adamw"
+        for group in muon_groups:
+            group.update(algorithm="muon", ns_coefficients=(DEFAULT_A, DEFAULT_B, DEFAULT_C), eps=EPS)
+        super().__init__([g for g in self.adamw.param_groups] + [g for g in muon_groups if g["params"]],
+                         {"lr": adamw_kwargs["lr"]})
+        self.adamw.state = self.state
+        self.names = names
+        muon_params = [p for g in self.param_groups if g["algorithm"] == "muon" for p in g["params"]]
+        costs, groups = [], []
+        for p in muon_params:
+            cost = sum(ns_flops(r, c, muon_groups[0]["ns_steps"]) for r, c in logical_matrices(names[p], p.shape))
+            ranks, group = sharing(p, replicas)
+            costs.append((cost, ranks))
+            groups.append(group)
+        made = _groups_for([ranks for (_, ranks), group in zip(costs, groups) if group is None and len(ranks) > 1])
+        self.placements = {p: Placement(owner, ranks, group if group is not None else made.get(ranks))
+                           for p, owner, (_, ranks), group in zip(muon_params, assign_owners(costs), costs, groups)}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        self.adamw.param_groups = [g for g in self.param_groups if g["algorithm"] == "adamw"]
+        self.adamw.state = self.state
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.adamw.step()
+        for group in self.param_groups:
+            if group["algorithm"] == "muon":
+                self._muon_group(group)
+        return loss
+
+    def _muon_group(self, group: dict) -> None:
+        lr, momentum, rank = group["lr"], group["momentum"], dist.get_rank() if dist.is_initialized() else 0
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            grad = p.grad
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
+            buf = state["momentum_buffer"]
+            buf.lerp_(grad, 1 - momentum)
+            update = grad.lerp(buf, momentum) if group["nesterov"] else buf
+            placement = self.placements[p]
+            full = update.full_tensor() if isinstance(update, DTensor) else update
+            ortho = self._orthogonalise(p, full, group) if rank == placement.owner else None
+            ortho = self._from_owner(ortho, full, placement)
+            if isinstance(p, DTensor):
+                ortho = distribute_tensor(ortho, p.device_mesh, p.placements, src_data_rank=None)
+            matrix = tuple(full.shape[-2:]) if p.ndim == 2 else self._expert_matrix(p, full)
+            adjusted_lr = _adjust_lr(lr, group["adjust_lr_fn"], torch.Size(matrix))
+            p.mul_(1 - lr * group["weight_decay"])
+            p.add_(ortho, alpha=-adjusted_lr)
+
+    def _expert_matrix(self, p, full) -> tuple[int, int]:
+        return logical_matrices(self.names[p], tuple(full.shape))[0]
+
+    def _orthogonalise(self, p, full: torch.Tensor, group: dict) -> torch.Tensor:
+        """torch's Newton-Schulz on each logical matrix of the whole `full` (see the module's docstring)."""
+        rows, cols = logical_matrices(self.names[p], tuple(full.shape))[0]
+        pieces = full.reshape(-1, rows, cols)
+        out = torch.stack([_zeropower_via_newtonschulz(m, group["ns_coefficients"], group["ns_steps"], group["eps"])
+                           for m in pieces.unbind(0)])
+        return out.reshape(full.shape)
+
+    def _from_owner(self, ortho, full: torch.Tensor, placement: Placement) -> torch.Tensor:
+        """The owner's update on every rank that shares the matrix (one broadcast over those ranks)."""
+        if len(placement.ranks) == 1:
+            return ortho
+        if ortho is None:
+            ortho = torch.empty(full.shape, dtype=torch.bfloat16, device=full.device)
+        dist.broadcast(ortho, src=placement.owner, group=placement.group)
+        return ortho
+
+
+def _groups_for(needed: list[tuple[int, ...]]) -> dict[tuple[int, ...], object]:
+    """Process groups over rank sets no existing group covers (a multi-dimensional mesh smaller than the
+    world). dist.new_group is entered by every rank, in one order, for every group any rank needs; the whole
+    world is WORLD."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return {}
+    world = tuple(range(dist.get_world_size()))
+    everyone: list = [None] * len(world)
+    dist.all_gather_object(everyone, sorted({r for r in needed if r != world}))
+    made = {ranks: dist.new_group(list(ranks)) for ranks in sorted({tuple(r) for rs in everyone for r in rs})}
+    return {**made, world: dist.group.WORLD}
+
+
+def split_parameters(model: nn.Module) -> tuple[list, list, list, dict]:
+    """(Muon matrices, AdamW matrices, AdamW vectors, parameter -> name) of the trainable parameters."""
+    muon, matrices, vectors, names = [], [], [], {}
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        names[p] = name
+        if takes_muon(name, p):
+            muon.append(p)
+        else:
+            (matrices if p.ndim >= 2 else vectors).append(p)
+    return muon, matrices, vectors, names
+
+
+def build_muon(model: nn.Module, optim_cfg, replicas=None) -> MuonWithAdamW:
+    """Muon over the block matrices (optim.muon.*), AdamW over the rest (optim.*); `replicas`: the group plain
+    parameters are replicated over (DDP's), whose ranks share each matrix's iteration."""
+    muon, matrices, vectors, names = split_parameters(model)
+    m = optim_cfg.muon
+    muon_group = {"params": muon, "lr": m.lr or optim_cfg.lr, "momentum": m.momentum, "nesterov": m.nesterov,
+                  "ns_steps": m.ns_steps, "adjust_lr_fn": m.adjust_lr,
+                  "weight_decay": optim_cfg.weight_decay if m.weight_decay is None else m.weight_decay}
+    adamw_groups = [{"params": matrices, "weight_decay": optim_cfg.weight_decay},
+                    {"params": vectors, "weight_decay": 0.0}]
+    mixed = len({isinstance(p, DTensor) for p in matrices + vectors}) > 1  # see build_optimizer
+    kwargs = {"lr": optim_cfg.lr, "betas": tuple(optim_cfg.betas), "eps": optim_cfg.eps,
+              **({"foreach": False} if mixed else {})}
+    return MuonWithAdamW([muon_group], adamw_groups, kwargs, names, replicas)
