@@ -74,3 +74,37 @@ def test_wsd_holds_the_peak_then_decays_to_min_lr(against_plain_loops):
     lrs = [step_records(run)[s]["lr"] for s in range(1, STEPS + 1)]
     assert lrs[:2] == [1.5e-3, 3e-3] and lrs[2:6] == [3e-3] * 4  # warmup 2, then the peak until the decay
     assert 3e-3 > lrs[6] > lrs[7] > 3e-4  # the last 3 steps decay towards min_lr (reached after the last step)
+
+
+PARITY_STEPS = 10
+MUON_PARITY = (FP64, f"train.steps={PARITY_STEPS}", "train.global_batch_size=4", "model.n_layers=4", "optim.lr=3e-3",
+               "optim.name=muon", "checkpoint.save_final=true", "metrics.sync_check_every=5")
+MUON_LAYOUTS = {  # 2 ranks; micro-batches of 1 (accumulating) unless a layout needs more per rank
+    "ddp": ("train.micro_batch_size=1",),
+    "zero3": ("parallel.zero_stage=3", "train.micro_batch_size=1"),
+    "zero3 + cpu offload": ("parallel.zero_stage=3", "parallel.cpu_offload=true", "train.micro_batch_size=1"),
+    "tp2": ("parallel.tp=2", "train.micro_batch_size=2"),
+    "pp2 1f1b": ("parallel.pp=2", "parallel.pp_schedule=1f1b", "train.micro_batch_size=1"),
+    "cp2": ("parallel.cp=2", "train.micro_batch_size=2"),
+    # MoE: the balancing loss is over each forward's tokens, so no accumulation (as in test_moe)
+    "ep2 + zero3 (moe)": ("model.name=debug-moe", "parallel.ep=2", "parallel.zero_stage=3"),
+}
+
+
+@pytest.fixture(scope="module")
+def muon_layouts(tmp_path_factory):
+    """One process (dense and MoE) in one launch, then every 2-rank layout in another."""
+    root = tmp_path_factory.mktemp("muon")
+    refs = train_many({"dense": (root / "one_dense", (*MUON_PARITY, "train.micro_batch_size=4")),
+                       "moe": (root / "one_moe", (*MUON_PARITY, "train.micro_batch_size=4", "model.name=debug-moe"))},
+                      nproc=1)
+    runs = train_many({name: (root / name.replace(" ", "_").replace("(", "").replace(")", "").replace("+", "and"),
+                              (*MUON_PARITY, *extra)) for name, extra in MUON_LAYOUTS.items()}, nproc=2)
+    return refs, runs
+
+
+@pytest.mark.parametrize("layout", list(MUON_LAYOUTS))
+def test_muon_layouts_match_one_process(layout, muon_layouts):
+    """fp64, 1e-10: losses, gradient norms and learning rates per step, and every parameter at the end."""
+    refs, runs = muon_layouts
+    assert_parity(runs[layout], refs["moe" if "moe" in layout else "dense"], step=PARITY_STEPS)

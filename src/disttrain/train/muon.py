@@ -104,15 +104,15 @@ class MuonWithAdamW(torch.optim.Optimizer):
         self.adamw.state = self.state
         self.names = names
         muon_params = [p for g in self.param_groups if g["algorithm"] == "muon" for p in g["params"]]
-        costs, groups = [], []
+        mine, groups = [], {}
         for p in muon_params:
             cost = sum(ns_flops(r, c, muon_groups[0]["ns_steps"]) for r, c in logical_matrices(names[p], p.shape))
             ranks, group = sharing(p, replicas)
-            costs.append((cost, ranks))
-            groups.append(group)
-        made = _groups_for([ranks for (_, ranks), group in zip(costs, groups) if group is None and len(ranks) > 1])
-        self.placements = {p: Placement(owner, ranks, group if group is not None else made.get(ranks))
-                           for p, owner, (_, ranks), group in zip(muon_params, assign_owners(costs), costs, groups)}
+            mine.append((clean_fqn(names[p]), ranks, cost))
+            groups.setdefault(ranks, group)
+        owners, made = _agree(mine, [r for r, g in groups.items() if g is None and len(r) > 1])
+        self.placements = {p: Placement(owners[(name, ranks)], ranks, groups[ranks] or made.get(ranks))
+                           for p, (name, ranks, _) in zip(muon_params, mine)}
 
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)
@@ -175,17 +175,21 @@ class MuonWithAdamW(torch.optim.Optimizer):
         return ortho
 
 
-def _groups_for(needed: list[tuple[int, ...]]) -> dict[tuple[int, ...], object]:
-    """Process groups over rank sets no existing group covers (a multi-dimensional mesh smaller than the
-    world). dist.new_group is entered by every rank, in one order, for every group any rank needs; the whole
-    world is WORLD."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return {}
-    world = tuple(range(dist.get_world_size()))
-    everyone: list = [None] * len(world)
-    dist.all_gather_object(everyone, sorted({r for r in needed if r != world}))
-    made = {ranks: dist.new_group(list(ranks)) for ranks in sorted({tuple(r) for rs in everyone for r in rs})}
-    return {**made, world: dist.group.WORLD}
+def _agree(mine: list[tuple[str, tuple[int, ...], float]], needed: list[tuple[int, ...]]) -> tuple[dict, dict]:
+    """Every rank's Muon matrices (name, sharing ranks, cost) pooled, so that each matrix gets one owner that
+    all its ranks agree on, balanced over everything each rank orthogonalises (its own experts too); and the
+    process groups over rank sets no existing group covers (a multi-dimensional mesh smaller than the world),
+    which dist.new_group makes on every rank in one order."""
+    everyone, needs = [mine], [needed]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, (mine, sorted(needed)))
+        everyone, needs = [m for m, _ in gathered], [n for _, n in gathered]
+    pooled = sorted({(name, ranks): cost for matrices in everyone for name, ranks, cost in matrices}.items())
+    owners = assign_owners([(cost, ranks) for (_, ranks), cost in pooled])
+    world = tuple(range(dist.get_world_size())) if dist.is_initialized() else (0,)
+    made = {ranks: dist.new_group(list(ranks)) for ranks in sorted({tuple(r) for n in needs for r in n} - {world})}
+    return {key: owner for (key, _), owner in zip(pooled, owners)}, {**made, world: dist.group.WORLD}
 
 
 def split_parameters(model: nn.Module) -> tuple[list, list, list, dict]:
