@@ -89,6 +89,8 @@ MUON_LAYOUTS = {  # 2 ranks; micro-batches of 1 (accumulating) unless a layout n
     # MoE: the balancing loss is over each forward's tokens, so no accumulation (as in test_moe)
     "ep2 + zero3 (moe)": ("model.name=debug-moe", "parallel.ep=2", "parallel.zero_stage=3"),
 }
+FP32_SAVE = (f"train.steps={PARITY_STEPS}", "train.global_batch_size=4", "model.n_layers=4", "optim.name=muon",
+             "checkpoint.every_steps=5", "checkpoint.save_final=true")  # fp32: what users run
 
 
 @pytest.fixture(scope="module")
@@ -98,8 +100,13 @@ def muon_layouts(tmp_path_factory):
     refs = train_many({"dense": (root / "one_dense", (*MUON_PARITY, "train.micro_batch_size=4")),
                        "moe": (root / "one_moe", (*MUON_PARITY, "train.micro_batch_size=4", "model.name=debug-moe"))},
                       nproc=1)
-    runs = train_many({name: (root / name.replace(" ", "_").replace("(", "").replace(")", "").replace("+", "and"),
-                              (*MUON_PARITY, *extra)) for name, extra in MUON_LAYOUTS.items()}, nproc=2)
+    jobs = {name: (root / name.replace(" ", "_").replace("(", "").replace(")", "").replace("+", "and"),
+                   (*MUON_PARITY, *extra)) for name, extra in MUON_LAYOUTS.items()}
+    saved = root / "zero3_fp32" / "checkpoints" / "step_00000005"  # Muon's momentum and AdamW's moments, sharded
+    jobs["zero3 fp32"] = (root / "zero3_fp32", (*FP32_SAVE, "parallel.zero_stage=3", "train.micro_batch_size=1"))
+    jobs["tp2 resumed"] = (root / "tp2_resumed", (*FP32_SAVE, "parallel.tp=2", f"checkpoint.resume={saved}"))
+    runs = train_many(jobs, nproc=2)
+    runs |= train_many({"one resumed": (root / "one_resumed", (*FP32_SAVE, f"checkpoint.resume={saved}"))}, nproc=1)
     return refs, runs
 
 
@@ -108,3 +115,46 @@ def test_muon_layouts_match_one_process(layout, muon_layouts):
     """fp64, 1e-10: losses, gradient norms and learning rates per step, and every parameter at the end."""
     refs, runs = muon_layouts
     assert_parity(runs[layout], refs["moe" if "moe" in layout else "dense"], step=PARITY_STEPS)
+
+
+@pytest.mark.parametrize("resumed", ["one resumed", "tp2 resumed"])
+def test_muon_states_reshard_on_resume(resumed, muon_layouts):
+    """A Muon run saved under ZeRO-3 on 2 ranks continues on one process and at tp=2 with the uninterrupted
+    run's losses (fp32, 1e-5)."""
+    _, runs = muon_layouts
+    whole, ours = step_records(runs["zero3 fp32"]), step_records(runs[resumed])
+    assert sorted(ours) == list(range(6, PARITY_STEPS + 1))
+    _close([ours[s]["loss"] for s in sorted(ours)], [whole[s]["loss"] for s in sorted(ours)], 1e-5, "loss")
+
+
+def test_resume_with_another_optimizer_is_refused(muon_layouts, tmp_path):
+    _, runs = muon_layouts
+    saved = runs["zero3 fp32"] / "checkpoints" / "step_00000005"
+    proc = run_cli("train", str(DEBUG_CONFIG), f"run.dir={tmp_path}", "run.name=other", *FP32_SAVE[:3],
+                   "optim.name=adamw", f"checkpoint.resume={saved}", check=False)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert "was trained with optim.name=muon, this run has optim.name=adamw" in lines[0]
+
+
+REFUSED = {
+    "unknown optimizer": (["optim.name=lion"], "optim.name=lion"),
+    "no Newton-Schulz step": (["optim.name=muon", "optim.muon.ns_steps=0"], "optim.muon.ns_steps=0"),
+    "decay longer than the run": (["optim.schedule=wsd", "optim.decay_fraction=1.5"], "optim.decay_fraction=1.5"),
+    "decay steps past the warmup": (["optim.schedule=wsd", "optim.decay_steps=19"], "optim.decay_steps=19 exceeds"),
+    "muon with lora": (["optim.name=muon", "model.lora.rank=4"], "optim.name=muon with model.lora"),
+    "muon with deepspeed": (["optim.name=muon", "engine=deepspeed"], "optim.name=muon needs engine=torch"),
+    "muon with zero-1": (["optim.name=muon", "parallel.zero_stage=1"], "parallel.zero_stage=1 with optim.name=muon"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_bad_optimizer_settings_are_one_line_exit_2(case, tmp_path, monkeypatch):
+    from helpers import run_main
+
+    monkeypatch.chdir(tmp_path)
+    overrides, expected = REFUSED[case]
+    code, out, err = run_main("train", str(DEBUG_CONFIG), f"run.dir={tmp_path}", *overrides)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and expected in lines[0] and "Traceback" not in err, err
+    assert not (tmp_path / "debug").exists()  # nothing half-written

@@ -87,6 +87,11 @@ def check_compatible(run, path) -> dict:
     problem = another_run(run.cfg, saved)
     if problem:  # the launcher refuses it first; here for runs assembled without the CLI
         raise UserError(problem)
+    before = saved.get("config", {}).get("optim", {}).get("name", "adamw")
+    if before != run.cfg.optim.name:  # the states of one optimizer mean nothing to the other
+        raise UserError(f"checkpoint.resume={run.cfg.checkpoint.resume}: {path} was trained with optim.name={before}, "
+                        f"this run has optim.name={run.cfg.optim.name}: its optimizer states cannot carry over; resume "
+                        f"with optim.name={before}, or start from its weights (disttrain convert, then model.init_from)")
     free, changing = config_changes(saved.get("config", {}), run.cfg.model_dump(mode="json", by_alias=True))
     for line in changing:
         log.info("resuming with a changed setting, the run will differ from the interrupted one: %s", line)
