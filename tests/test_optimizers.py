@@ -105,6 +105,11 @@ def muon_layouts(tmp_path_factory):
     saved = root / "zero3_fp32" / "checkpoints" / "step_00000005"  # Muon's momentum and AdamW's moments, sharded
     jobs["zero3 fp32"] = (root / "zero3_fp32", (*FP32_SAVE, "parallel.zero_stage=3", "train.micro_batch_size=1"))
     jobs["tp2 resumed"] = (root / "tp2_resumed", (*FP32_SAVE, "parallel.tp=2", f"checkpoint.resume={saved}"))
+    for layout in ("parallel.zero_stage=0", "parallel.zero_stage=3"):  # who orthogonalises what, counted
+        overrides = [f"run.dir={root}", f"run.name=count_{layout[-1]}", "train.steps=3", "optim.name=muon",
+                     "model.n_layers=4", layout]
+        jobs[f"count {layout}"] = {"call": "muon_split:count",
+                                   "args": [str(DEBUG_CONFIG), overrides, str(root / f"calls_{layout[-1]}")]}
     runs = train_many(jobs, nproc=2)
     runs |= train_many({"one resumed": (root / "one_resumed", (*FP32_SAVE, f"checkpoint.resume={saved}"))}, nproc=1)
     return refs, runs
@@ -158,3 +163,54 @@ def test_bad_optimizer_settings_are_one_line_exit_2(case, tmp_path, monkeypatch)
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and expected in lines[0] and "Traceback" not in err, err
     assert not (tmp_path / "debug").exists()  # nothing half-written
+
+
+def test_the_split_is_announced_and_recorded(muon_layouts):
+    """The start says which algorithm trains what, and metrics.jsonl lists every parameter by name."""
+    from helpers import records
+
+    refs, runs = muon_layouts
+    for run, experts in ((refs["dense"], 0), (runs["ep2 + zero3 (moe)"], 3)):
+        split = next(r for r in records(run) if r.get("event") == "optimizer_split")
+        blocks = 4 * (7 if not experts else 4 + 3 + experts)  # attention 4, MLP 3 (shared experts 3 + routed 3)
+        assert len(split["muon"]["names"]) == blocks and all(".layers." in "." + n for n in split["muon"]["names"])
+        assert not any("router" in n for n in split["muon"]["names"])
+        assert "tok_embeddings.weight" in split["adamw"]["names"] and "output.weight" in split["adamw"]["names"]
+        assert split["muon"]["params"] + split["adamw"]["params"] == \
+            next(r for r in records(run) if r.get("event") == "started")["num_params"]
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_each_matrix_is_orthogonalised_on_one_rank(stage, muon_layouts):
+    """DDP (stage 0) and ZeRO-3 on 2 ranks: every Muon matrix's Newton-Schulz ran on exactly one rank, once per
+    step, and each rank ran about half of the iteration's FLOPs."""
+    import json
+
+    from disttrain.train.muon import ns_flops
+
+    refs, _ = muon_layouts
+    root = refs["dense"].parent
+    calls = [json.loads((root / f"calls_{stage}" / f"rank_{r}.json").read_text()) for r in (0, 1)]
+    split = next(r for r in __import__("helpers").records(refs["dense"]) if r.get("event") == "optimizer_split")
+    assert sorted(calls[0].keys() | calls[1].keys()) == sorted(split["muon"]["names"])
+    assert not calls[0].keys() & calls[1].keys() and all(n == 3 for c in calls for n in c.values())
+    shapes = {n: tuple(p.shape) for n, p in final_params(refs["dense"], PARITY_STEPS).items()}
+    flops = [sum(ns_flops(*shapes[n], 5) for n in c) for c in calls]
+    assert abs(flops[0] - flops[1]) <= 0.1 * max(flops), flops
+
+
+@pytest.mark.parametrize("ranks", [2, 4, 8])
+def test_owners_balance_the_iteration_on_125m(ranks):
+    """The owners chosen for `125m`'s matrices (all shared by every rank, as under FSDP or DDP) give each rank
+    the same Newton-Schulz FLOPs within 10%."""
+    from disttrain.config.load import load_config
+    from disttrain.models.registry import model_spec
+    from disttrain.train.muon import assign_owners, logical_matrices, ns_flops, split_parameters
+
+    with torch.device("meta"):  # shapes only
+        model = model_spec(load_config(DEBUG_CONFIG, ["model.name=125m"]).model).build()
+    muon, _, _, names = split_parameters(model)
+    costs = [sum(ns_flops(r, c, 5) for r, c in logical_matrices(names[p], p.shape)) for p in muon]
+    owners = assign_owners([(cost, tuple(range(ranks))) for cost in costs])
+    load = [sum(c for c, o in zip(costs, owners) if o == r) for r in range(ranks)]
+    assert len(muon) == 12 * 7 and max(load) <= 1.1 * min(load), load

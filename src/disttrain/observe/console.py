@@ -26,15 +26,25 @@ def start_line(model: str, num_params: int, layout, device: str, tokenizer: str 
             f"{layout.describe()} on {device} | {tok} | {per_step} per step")
 
 
+def optimizer_line(split: dict) -> str:
+    """Which algorithm trains how much of the model (optim.name=muon)."""
+    parts = [f"{name if name == 'adamw' else name.capitalize()} on {len(e['names'])} tensors "
+             f"({e['params'] / 1e6:.2f}M parameters, {e['bytes'] / 2 ** 20:.1f} MiB)" for name, e in split.items()]
+    return "optimizer: " + ", ".join(parts).replace("adamw", "AdamW")
+
+
 def announce(metrics, *, step: int, world_size: int, layout, model: str, num_params: int, trainable: int | None, device: str,
              tokenizer: str | None, per_step: str, warnings: list[str], shares: list[int] | None = None,
              rebalance_every: int = 0, skipped: list[str] = (), checkpoint_dir: str = "",
-             resumed_from: str | None = None, changes: dict | None = None) -> None:
+             resumed_from: str | None = None, changes: dict | None = None, optimizer_split: dict | None = None) -> None:
     """What a run says as it starts, on the console and as events: the start line, warnings, uneven shares,
     checkpoints that could not be loaded, and where it resumed from with what changed since."""
     metrics.event("started", step=step, world_size=world_size, layout=layout.describe(), num_params=num_params,
                   **({} if trainable is None else {"trainable_params": trainable}))
     metrics.message(start_line(model, num_params, layout, device, tokenizer, per_step, trainable))
+    if optimizer_split:
+        metrics.event("optimizer_split", stage_only=layout.pp > 1, **optimizer_split)
+        metrics.message(optimizer_line(optimizer_split) + (" (pipeline stage 0)" if layout.pp > 1 else ""))
     for line in warnings:
         metrics.event("warning", message=line)
         metrics.message(f"warning: {line}")

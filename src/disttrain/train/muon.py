@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, EPS, _adjust_lr, _zeropower_via_newtonschulz
 
 from disttrain.parallel.expert import is_expert_shard
+from disttrain.parallel.expert_shards import shard_of
 from disttrain.parallel.param_names import clean_fqn
 
 BLOCK = re.compile(r"(^|\.)layers\.\d+\.")  # a parameter of a repeated block (built-in and transformers names)
@@ -113,6 +114,19 @@ class MuonWithAdamW(torch.optim.Optimizer):
         owners, made = _agree(mine, [r for r, g in groups.items() if g is None and len(r) > 1])
         self.placements = {p: Placement(owners[(name, ranks)], ranks, groups[ranks] or made.get(ranks))
                            for p, (name, ranks, _) in zip(muon_params, mine)}
+
+    def split(self) -> dict:
+        """Which parameters each algorithm steps on this rank: names (as checkpoints spell them), parameters and
+        bytes (whole tensors, however they are sharded)."""
+        out = {}
+        for group in self.param_groups:
+            entry = out.setdefault(group["algorithm"], {"names": [], "params": 0, "bytes": 0})
+            for p in group["params"]:
+                numel = shard_of(p).shape.numel() if shard_of(p) is not None else p.numel()  # experts: all ranks'
+                entry["names"].append(clean_fqn(self.names[p]))
+                entry["params"] += numel
+                entry["bytes"] += numel * p.element_size()
+        return out
 
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)
