@@ -25,7 +25,7 @@ def debug_reference_fp32(tmp_path_factory):
 # modules instead of one worker running a long one while the others idle.
 LONGEST_FIRST = ("test_object_storage", "test_hf", "test_quickstart", "test_model_parallel", "test_context_parallel",
                  "test_moe", "test_fault_tolerance", "test_planner_grid", "test_lora", "test_deepspeed",
-                 "test_observability", "test_sharding", "test_dryrun", "test_loss",
+                 "test_observability", "test_sharding", "test_dryrun", "test_optimizers", "test_loss",
                  "test_chat_data", "test_balance", "test_runtime", "test_user_models", "test_export", "test_demo",
                  "test_parity", "test_plan", "test_resume")
 

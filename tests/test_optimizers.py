@@ -82,6 +82,8 @@ MUON_PARITY = (FP64, f"train.steps={PARITY_STEPS}", "train.global_batch_size=4",
 MUON_LAYOUTS = {  # 2 ranks; micro-batches of 1 (accumulating) unless a layout needs more per rank
     "ddp": ("train.micro_batch_size=1",),
     "zero3": ("parallel.zero_stage=3", "train.micro_batch_size=1"),
+    "zero2 + selective recompute": ("parallel.zero_stage=2", "parallel.activation_checkpointing=selective",
+                                    "train.micro_batch_size=1"),
     "zero3 + cpu offload": ("parallel.zero_stage=3", "parallel.cpu_offload=true", "train.micro_batch_size=1"),
     "tp2": ("parallel.tp=2", "train.micro_batch_size=2"),
     "pp2 1f1b": ("parallel.pp=2", "parallel.pp_schedule=1f1b", "train.micro_batch_size=1"),
