@@ -107,7 +107,8 @@ def dry_run(cfg, world_size: int, ranks: list[int] | None = None, gpu_name: str 
             raise UserError(f"--rank={r}: not a rank of --world-size={world_size} (allowed: 0..{world_size - 1})")
     out = []
     for rank in ranks:
-        planned = estimate_memory(resolved.shape, layout, pp_rank=pp_rank_of(layout, rank), routing_skew=routing.skew)
+        planned = estimate_memory(resolved.shape, layout, pp_rank=pp_rank_of(layout, rank), routing_skew=routing.skew,
+                                  muon=cfg.optim.name == "muon")
         planner = {**planned.categories(), "peak_bytes": planned.total}
         if progress:
             progress(f"dry run: rank {rank} of {world_size} ...")

@@ -69,6 +69,8 @@ def add_parsers(sub) -> None:
     est.add_argument("--headroom", type=float, default=0.1, help="fraction of GPU memory kept free (as plan)")
     est.add_argument("--lora-rank", type=int, default=None, help="LoRA adapters of this rank on a frozen base "
                      "(default: the config's model.lora.rank, else none)")
+    est.add_argument("--optimizer", choices=("adamw", "muon"), default=None, help="optim.name whose states to count "
+                     "(default: the config's, else adamw)")
     est.add_argument("--json", action="store_true")
     add_cluster_args(est)
 
@@ -95,6 +97,8 @@ def add_parsers(sub) -> None:
     plan.add_argument("--allow-offload", action="store_true", help="consider CPU offload (slow; off by default)")
     plan.add_argument("--top", type=int, default=5)
     plan.add_argument("--lora-rank", type=int, default=0, help="LoRA adapters of this rank on a frozen base")
+    plan.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw", help="optim.name to plan for "
+                      "(muon: one moment for the block matrices; ZeRO-1 not considered)")
     plan.add_argument("--scaling", default=None, help="also plan these GPU counts, e.g. 2,4,8,16,32, and print "
                                                       "the scaling efficiency of each")
     plan.add_argument("--out", default=None, help="write the winner as a config to this path (default: none)")
@@ -213,12 +217,22 @@ def _lora_rank(args) -> int:
     return args.lora_rank
 
 
+def _optimizer(args) -> str:
+    """--optimizer, else the config's optim.name, else adamw."""
+    if args.optimizer is None and args.config:
+        from disttrain.config.load import load_config
+
+        return load_config(args.config, getattr(args, "overrides", [])).optim.name
+    return args.optimizer or "adamw"
+
+
 def cmd_estimate(args) -> None:
     name, shape, layout = build_layout(args)
     headroom = _headroom(args)
     cluster = _cluster(args, layout.world_size, name, shape) if args.time else None
     est = estimate(shape, layout, cluster, model=name, accounting=args.accounting, lora_rank=moe.no_lora(
-        _lora_rank(args), shape), routing_skew=moe.routing_skew(args.routing_skew, shape))
+        _lora_rank(args), shape), routing_skew=moe.routing_skew(args.routing_skew, shape),
+        muon=_optimizer(args) == "muon")
     gpu_name, memory = gpu_memory(args.gpu, getattr(args, "hardware", None))
     tokens = parse_count("--tokens", args.tokens) if args.tokens else None
     if args.json:
@@ -266,7 +280,7 @@ def cmd_plan(args) -> None:
     space = SearchSpace(seq_len=seq_len, global_batch_size=gbs, zero_stages=stages,
                         allow_offload=args.allow_offload, param_dtype=args.dtype or "bf16",
                         lora_rank=moe.no_lora(args.lora_rank, shape), ep=moe.expert_degrees(args.ep, shape, args.gpus),
-                        routing_skew=moe.routing_skew(args.routing_skew, shape))
+                        routing_skew=moe.routing_skew(args.routing_skew, shape), optimizer=args.optimizer)
     result = search(shape, cluster, space, args.headroom, model=name)
     tokens = parse_count("--tokens", args.tokens) if args.tokens else None
     if not result.ranked:

@@ -20,6 +20,7 @@ class Estimate:
     time: StepTime | None = None
     accounting: str = "runtime"
     routing_skew: float = 1.0  # MoE: the busiest expert-parallel rank's share over a balanced one (plan/moe.py)
+    optimizer: str = "adamw"  # optim.name the memory was counted for
 
     @property
     def tokens_per_step(self) -> int:
@@ -59,12 +60,14 @@ class Estimate:
 
 def estimate(shape: ModelShape, layout: Layout, cluster: Cluster | None = None, *, model: str = "custom",
              accounting: str = "runtime", fused_norm: bool = True, lora_rank: int = 0,
-             routing_skew: float = 1.0) -> Estimate:
+             routing_skew: float = 1.0, muon: bool = False) -> Estimate:
     """`lora_rank` > 0: LoRA adapters train on a frozen base (memory only; the step time is the full one's).
-    `routing_skew`: an MoE router's load on the busiest expert-parallel rank, 1 = balanced (plan/moe.py)."""
-    memory = estimate_memory(shape, layout, accounting, fused_norm, lora_rank=lora_rank, routing_skew=routing_skew)
+    `routing_skew`: an MoE router's load on the busiest expert-parallel rank, 1 = balanced (plan/moe.py).
+    `muon`: optim.name=muon (memory only so far: the step time counts AdamW's step)."""
+    memory = estimate_memory(shape, layout, accounting, fused_norm, lora_rank=lora_rank, routing_skew=routing_skew,
+                             muon=muon)
     timing = step_time(shape, layout, cluster, routing_skew) if cluster is not None else None
-    return Estimate(model, shape, layout, memory, timing, accounting, routing_skew)
+    return Estimate(model, shape, layout, memory, timing, accounting, routing_skew, "muon" if muon else "adamw")
 
 
 def shape_for_params(n_params: float) -> tuple[str, ModelShape]:

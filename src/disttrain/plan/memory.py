@@ -30,6 +30,7 @@ from disttrain.plan.params import (RankParams, layer_params, lora_layer_params, 
 ACCOUNTINGS = ("runtime", "zero-paper")
 FP32 = 4
 ADAM_MOMENT_BYTES = 8  # exp_avg + exp_avg_sq, fp32
+MUON_MOMENT_BYTES = 4  # momentum_buffer, fp32
 
 
 @dataclass
@@ -57,19 +58,22 @@ class ModelStates:
 
 def model_state_bytes(n_params: float, layout: Layout, accounting: str = "runtime",
                       largest_unit: float = 0.0, root_params: float = 0.0, largest_tensor: float = 0.0,
-                      trainable: float | None = None) -> ModelStates:
+                      trainable: float | None = None, muon: float = 0.0, muon_matrix: float = 0.0) -> ModelStates:
     """Bytes of parameters, gradients and optimizer states one rank holds for `n_params` parameters
     (already split by tp/pp). `largest_unit`/`root_params` size FSDP's gather buffers; `largest_tensor`
     (parameters of the biggest one) bounds ZeRO-1's share from below: torch's ZeroRedundancyOptimizer
     gives whole tensors to ranks, so one rank holds the embedding's states (measured by the dry run).
     `trainable`: the parameters that train (LoRA adapters; None: all); frozen ones have no gradient,
-    no optimizer state and no master copy, and the runtime stores them in a bf16/fp16 compute dtype."""
+    no optimizer state and no master copy, and the runtime stores them in a bf16/fp16 compute dtype.
+    `muon`: of the trainable parameters, those Muon steps (optim.name=muon: one fp32 momentum where AdamW keeps
+    two moments; train/muon.py), whose largest matrix has `muon_matrix` elements (whole, however sharded)."""
     pb = DTYPE_BYTES[layout.param_dtype]
     stage = layout.zero_stage
     t = n_params if trainable is None else trainable
+    moments = ADAM_MOMENT_BYTES * (t - muon) + MUON_MOMENT_BYTES * muon
     if accounting == "zero-paper":
         master = 0 if pb == FP32 else FP32
-        p, g, o = pb * n_params, pb * t, (master + ADAM_MOMENT_BYTES) * t
+        p, g, o = pb * n_params, pb * t, master * t + moments
         d_opt = layout.gradient_ranks if stage == 1 else layout.shard_ranks
         return ModelStates(params=p / (layout.shard_ranks if stage >= 3 else 1),
                            grads=g / (layout.shard_ranks if stage >= 2 else 1),
@@ -79,7 +83,8 @@ def model_state_bytes(n_params: float, layout: Layout, accounting: str = "runtim
         raise ValueError(f"accounting={accounting} (allowed: {', '.join(ACCOUNTINGS)})")
     low = layout.compute_dtype in ("bf16", "fp16")
     frozen_bytes = DTYPE_BYTES[layout.compute_dtype] if low else FP32
-    p, g, o = FP32 * t + frozen_bytes * (n_params - t), FP32 * t, ADAM_MOMENT_BYTES * t
+    p, g, o = FP32 * t + frozen_bytes * (n_params - t), FP32 * t, moments
+    adamw = t - muon  # AdamW's foreach temporaries cover its own parameters; Muon's are one matrix at a time
     if stage <= 1:
         # DDP: gradients are views into its buckets (gradient_as_bucket_view); autocast keeps a
         # low-precision copy of each weight for the backward - of every weight without checkpointing; with
@@ -93,6 +98,9 @@ def model_state_bytes(n_params: float, layout: Layout, accounting: str = "runtim
             held_copies = t
         buffers = pb * held_copies if pb != FP32 else 0.0
         owned = max(t / layout.gradient_ranks, largest_tensor) if stage == 1 else t
+        if muon:
+            return ModelStates(p, g, o, buffers, step_temporary=FP32 * adamw + muon_temporaries(muon_matrix),
+                               first_step_grads=g if layout.gradient_ranks > 1 else 0.0)
         return ModelStates(p, g, ADAM_MOMENT_BYTES * owned, buffers, step_temporary=FP32 * owned,
                            first_step_grads=g if layout.gradient_ranks > 1 else 0.0)
     d = layout.shard_ranks
@@ -101,7 +109,7 @@ def model_state_bytes(n_params: float, layout: Layout, accounting: str = "runtim
         buffers = pb * n_params + (pb + rb) * largest_unit
     else:  # current + prefetched block gathered, the root unit kept gathered for backward
         buffers = pb * (2 * largest_unit + root_params) + (pb + rb) * largest_unit
-    states = ModelStates(p / d, g / d, o / d, buffers, step_temporary=FP32 * t / d)
+    states = ModelStates(p / d, g / d, o / d, buffers, step_temporary=FP32 * adamw / d + muon_temporaries(muon_matrix))
     if layout.microbatches > 1 or layout.pp > 1:  # on the device even with CPU offload; a pipeline schedule defers
         # the reduce-scatter to after its last micro-batch (`perform_reduce_grad`), even with one
         states.unsharded_grads = rb * t
@@ -109,6 +117,19 @@ def model_state_bytes(n_params: float, layout: Layout, accounting: str = "runtim
         states.cpu = states.params + states.grads + states.optimizer
         states.params = states.grads = states.optimizer = states.step_temporary = 0.0
     return states
+
+
+def muon_params(shape: ModelShape, held) -> float:
+    """Of the parameters a rank holds (RankParams), those Muon steps: the repeated blocks' but their two norm
+    weights (and an MoE router, which plan/moe.py leaves out)."""
+    return held.block - held.layers * 2 * shape.dim
+
+
+def muon_temporaries(matrix: float) -> float:
+    """What Muon's step holds at once for its largest matrix (train/muon.py): the whole update gathered in fp32,
+    and the bf16 copies torch's Newton-Schulz iteration works on (its input, its output and the broadcast
+    result, each the matrix's size; the Gram matrices are of the short side, no larger)."""
+    return FP32 * matrix + 3 * 2 * matrix
 
 
 # ---------------------------------------------------------------- one rank, all of it
@@ -185,10 +206,11 @@ def last_forward_output(shape: ModelShape, layout: Layout, held) -> float:
 
 def estimate_memory(shape: ModelShape, layout: Layout, accounting: str = "runtime",
                     fused_norm: bool = True, pp_rank: int | None = None, lora_rank: int = 0,
-                    routing_skew: float = 1.0) -> MemoryEstimate:
+                    routing_skew: float = 1.0, muon: bool = False) -> MemoryEstimate:
     """The rank that needs the most memory (over pipeline stages), with every stage's total kept;
     with `pp_rank`, that pipeline rank's. `lora_rank` > 0: LoRA adapters on every projection train and
-    the base (held as the runtime holds it, in fp32) is frozen. `routing_skew`: MoE routing (plan/moe.py)."""
+    the base (held as the runtime holds it, in fp32) is frozen. `routing_skew`: MoE routing (plan/moe.py).
+    `muon`: optim.name=muon (the block matrices keep one moment instead of two)."""
     candidates = []
     ranks = {0, layout.pp - 1} | ({1} if layout.pp > 2 else set()) if pp_rank is None else {pp_rank}
     for pp_rank in sorted(ranks):
@@ -197,10 +219,12 @@ def estimate_memory(shape: ModelShape, layout: Layout, accounting: str = "runtim
         largest = max(shape.dim * shape.ffn_hidden_dim // layout.tp,  # an MLP matrix, or the vocabulary's
                       shape.vocab_size * shape.dim // layout.tp if held.embedding or held.output else 0)
         adapters = held.layers * lora_layer_params(shape, lora_rank, layout.tp) if lora_rank else None
+        matrices = muon_params(shape, held) if muon else 0.0
         states = model_state_bytes(held.total + (adapters or 0), layout, accounting, largest_unit=unit,
-                                   root_params=held.root, largest_tensor=largest, trainable=adapters)
+                                   root_params=held.root, largest_tensor=largest, trainable=adapters,
+                                   muon=matrices, muon_matrix=shape.dim * max(shape.dim, shape.ffn_hidden_dim))
         if held.experts:  # the experts' states on their own data-parallel group
-            states = moe_model_states(model_state_bytes, held, layout, accounting, largest, shape)
+            states = moe_model_states(model_state_bytes, held, layout, accounting, largest, shape, muon)
         states.tables = rotary_table_bytes(shape)
         if layout.zero_stage <= 1 and states.buffers and not lora_rank and not held.experts and layout.pp == 1:
             # Autocast casts every matrix but the input embedding's (a lookup); without checkpointing the copies stay

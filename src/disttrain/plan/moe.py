@@ -83,17 +83,23 @@ def expert_tensor(shape: ModelShape, ep: int = 1) -> int:
 
 
 def model_states(model_state_bytes, held, layout: Layout, accounting: str, largest_tensor: float,
-                 shape: ModelShape):
+                 shape: ModelShape, muon: bool = False):
     """Dense parameters' states over the data-parallel group, the experts' over theirs (`expert_layout`),
-    added field by field. `model_state_bytes` is memory's (passed in: memory imports this module)."""
+    added field by field. `model_state_bytes` is memory's (passed in: memory imports this module). `muon`: the
+    block matrices (all but norms and routers; every expert matrix) keep Muon's one moment."""
     kinds = [layer_params(shape, layer, layout.tp, layout.ep) for layer in (0, shape.n_layers - 1)]
     dense_unit, expert_unit = max(total - experts for total, experts in kinds), max(e for _, e in kinds)
+    routers = held.layers * shape.moe.num_experts * shape.dim if shape.moe else 0
+    dense_muon = held.block - held.experts - held.layers * 2 * shape.dim - routers if muon else 0.0
     dense = model_state_bytes(held.total - held.experts, layout, accounting, largest_unit=dense_unit,
-                              root_params=held.root, largest_tensor=largest_tensor)
+                              root_params=held.root, largest_tensor=largest_tensor, muon=max(0.0, dense_muon),
+                              muon_matrix=shape.dim * max(shape.dim, shape.ffn_hidden_dim) if muon else 0.0)
     if not held.experts:
         return dense
     routed = model_state_bytes(held.experts, expert_layout(layout), accounting, largest_unit=expert_unit,
-                               root_params=0, largest_tensor=expert_tensor(shape, layout.ep))
+                               root_params=0, largest_tensor=expert_tensor(shape, layout.ep),
+                               muon=held.experts if muon else 0.0,
+                               muon_matrix=expert_tensor(shape, layout.ep) if muon else 0.0)
     for f in fields(dense):
         setattr(dense, f.name, getattr(dense, f.name) + getattr(routed, f.name))
     return dense

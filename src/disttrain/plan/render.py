@@ -164,6 +164,8 @@ def _config(est: Estimate, model: dict, steps: int) -> dict:
                 for name, keys in lay.to_config().items() if isinstance(keys, dict)}
     sections["train"] = {"steps": steps, **sections["train"]}
     sections["optim"] = optimizer_section(est.shape.num_params(), steps)
+    if est.optimizer != "adamw":
+        sections["optim"] = {"name": est.optimizer, **sections["optim"]}
     order = ("data", "train", "optim", "parallel", "precision")
     return {"model": model, **({"engine": lay.engine} if lay.engine != "torch" else {}),
             **{name: sections[name] for name in order if sections[name]}}

@@ -43,6 +43,7 @@ class SearchSpace:
     lora_rank: int = 0  # > 0: LoRA adapters on a frozen base
     ep: tuple[int, ...] | None = None  # expert-parallel degrees to try (None: every one that divides; plan/moe.py)
     routing_skew: float = 1.0  # MoE: the busiest expert-parallel rank's load over a balanced one
+    optimizer: str = "adamw"  # or muon: one moment for the block matrices, and no ZeRO-1 (train/muon.py)
 
 
 def expert_degrees(shape: ModelShape, dp_shard: int, space: SearchSpace) -> list[int]:
@@ -62,7 +63,7 @@ def layout_families(shape: ModelShape, cluster: Cluster, space: SearchSpace) -> 
         for pp in divisors(gpus // (tp * cp)):
             dp = gpus // (tp * pp * cp)
             schedules = space.schedules if pp > 1 else ("1f1b",)
-            for stage in space.zero_stages:
+            for stage in (s for s in space.zero_stages if not (space.optimizer == "muon" and s == 1)):
                 replicas = divisors(dp) if stage >= 2 else [1]
                 offloads = (False, True) if space.allow_offload and stage >= 2 else (False,)
                 if stage and dp * cp == 1:  # sharding over one rank changes nothing, unless it offloads
@@ -127,7 +128,7 @@ def search(shape: ModelShape, cluster: Cluster, space: SearchSpace, headroom: fl
                 continue
             considered += 1
             est = estimate(shape, layout, cluster, model=model, lora_rank=space.lora_rank,
-                           routing_skew=space.routing_skew)
+                           routing_skew=space.routing_skew, muon=space.optimizer == "muon")
             if not fits(est, budget):
                 break  # larger micro-batches need more memory still
             ranked.append(est)
@@ -143,7 +144,8 @@ def brute_force(shape: ModelShape, cluster: Cluster, space: SearchSpace, headroo
         for mbs in micro_batch_sizes(family, space):
             layout = family.replace(micro_batch_size=mbs)
             if not layout_problems(shape, layout):
-                est = estimate(shape, layout, cluster, lora_rank=space.lora_rank, routing_skew=space.routing_skew)
+                est = estimate(shape, layout, cluster, lora_rank=space.lora_rank, routing_skew=space.routing_skew,
+                               muon=space.optimizer == "muon")
                 if fits(est, budget):
                     out.append(est)
     out.sort(key=lambda e: (-e.time.tokens_per_s, e.memory.total))
