@@ -247,3 +247,24 @@ def test_dry_run_and_planner_agree_on_muons_states(layout):
     cfg = load_config(DEBUG_CONFIG, ["optim.name=muon", "train.global_batch_size=8", *layout])
     rank = dry_run(cfg, 4, ranks=[0])["ranks"][0]  # the second step holds the states
     assert abs(rank["error"]["optimizer"]) < 0.01, rank["error"]
+
+
+def test_the_planner_times_every_newton_schulz_iteration():
+    """On one GPU, Muon's step adds its iterations' FLOPs at the matmul rate: 5 iterations on each block matrix of
+    `125m`, counted here from the model's own parameters."""
+    from disttrain.config.load import load_config
+    from disttrain.config.resolve import resolve_run
+    from disttrain.models.registry import model_spec
+    from disttrain.plan.optimizer import muon_step_s
+    from disttrain.train.muon import split_parameters
+
+    cfg = load_config(DEBUG_CONFIG, ["model.name=125m"])
+    with torch.device("meta"):
+        muon, _, _, _ = split_parameters(model_spec(cfg.model).build())
+    flops = 0
+    for p in muon:
+        short, long = sorted(p.shape)
+        flops += 5 * (4 * short * short * long + 2 * short ** 3)
+    resolved = resolve_run(cfg, 1, "cuda")
+    seconds = muon_step_s(resolved.shape, resolved.layout, resolved.shape.n_layers, 1e12, None)
+    assert seconds == pytest.approx(flops / 1e12, rel=1e-12)

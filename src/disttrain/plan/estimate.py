@@ -63,10 +63,10 @@ def estimate(shape: ModelShape, layout: Layout, cluster: Cluster | None = None, 
              routing_skew: float = 1.0, muon: bool = False) -> Estimate:
     """`lora_rank` > 0: LoRA adapters train on a frozen base (memory only; the step time is the full one's).
     `routing_skew`: an MoE router's load on the busiest expert-parallel rank, 1 = balanced (plan/moe.py).
-    `muon`: optim.name=muon (memory only so far: the step time counts AdamW's step)."""
+    `muon`: optim.name=muon (plan/optimizer.py: its states, temporaries, iterations and traffic)."""
     memory = estimate_memory(shape, layout, accounting, fused_norm, lora_rank=lora_rank, routing_skew=routing_skew,
                              muon=muon)
-    timing = step_time(shape, layout, cluster, routing_skew) if cluster is not None else None
+    timing = step_time(shape, layout, cluster, routing_skew, muon) if cluster is not None else None
     return Estimate(model, shape, layout, memory, timing, accounting, routing_skew, "muon" if muon else "adamw")
 
 

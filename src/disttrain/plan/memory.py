@@ -22,6 +22,7 @@ from disttrain.plan.activations import (  # noqa: F401 (re-exported: the planner
     layer_activation_bytes, mlp_backward_bytes, mlp_product_bytes, pipeline_batch_bytes, pipeline_recv_bytes,
     stage_activation_bytes, stage_output_bytes)
 from disttrain.plan.moe import model_states as moe_model_states
+from disttrain.plan.optimizer import muon_params, muon_temporaries
 from disttrain.plan.peak_moments import alive_at_moments
 from disttrain.plan.moe import layer_params as moe_layer_params
 from disttrain.plan.params import (RankParams, layer_params, lora_layer_params, rank_params,  # noqa: F401
@@ -117,19 +118,6 @@ def model_state_bytes(n_params: float, layout: Layout, accounting: str = "runtim
         states.cpu = states.params + states.grads + states.optimizer
         states.params = states.grads = states.optimizer = states.step_temporary = 0.0
     return states
-
-
-def muon_params(shape: ModelShape, held) -> float:
-    """Of the parameters a rank holds (RankParams), those Muon steps: the repeated blocks' but their two norm
-    weights (and an MoE router, which plan/moe.py leaves out)."""
-    return held.block - held.layers * 2 * shape.dim
-
-
-def muon_temporaries(matrix: float) -> float:
-    """What Muon's step holds at once for its largest matrix (train/muon.py): the whole update gathered in fp32,
-    and the bf16 copies torch's Newton-Schulz iteration works on (its input, its output and the broadcast
-    result, each the matrix's size; the Gram matrices are of the short side, no larger)."""
-    return FP32 * matrix + 3 * 2 * matrix
 
 
 # ---------------------------------------------------------------- one rank, all of it

@@ -140,7 +140,8 @@ class StepTime:
         return dict(self.__dict__)
 
 
-def step_time(shape: ModelShape, layout: Layout, cluster: Cluster, routing_skew: float = 1.0) -> StepTime:
+def step_time(shape: ModelShape, layout: Layout, cluster: Cluster, routing_skew: float = 1.0,
+              muon: bool = False) -> StepTime:
     gpu = cluster.gpu
     dtype = layout.param_dtype if layout.param_dtype != "fp32" else "tf32"
     peak = gpu.peak_flops(dtype)
@@ -250,6 +251,12 @@ def step_time(shape: ModelShape, layout: Layout, cluster: Cluster, routing_skew:
 
         cp_comm, cp_exposed = context_comm_s(shape, layout, cluster, compute, hw_per_token)
 
+    if muon:  # optim.name=muon: Newton-Schulz on this rank's share of the matrices, and their traffic
+        from disttrain.plan.optimizer import muon_step_s
+
+        rate = cluster.matmul_rate(layout.tp, "bf16", gpu.peak_flops("bf16")) \
+            if cluster.elementwise_bytes_per_s is not None else gpu.peak_flops("bf16") * cluster.compute_efficiency
+        optimizer += muon_step_s(shape, layout, held.layers, rate, cluster.link)
     step = compute + bubble + tp_comm + pp_comm + dp_exposed + optimizer + ep_comm + cp_exposed
     tps = tokens / step
     per_gpu = tps / world
