@@ -84,6 +84,8 @@ MUON_LAYOUTS = {  # 2 ranks; micro-batches of 1 (accumulating) unless a layout n
     "zero3": ("parallel.zero_stage=3", "train.micro_batch_size=1"),
     "zero2 + selective recompute": ("parallel.zero_stage=2", "parallel.activation_checkpointing=selective",
                                     "train.micro_batch_size=1"),
+    "hsdp 2x1": ("parallel.zero_stage=3", "parallel.dp_replicate=2", "parallel.dp_shard=1",
+                 "train.micro_batch_size=1"),  # a 2-D mesh
     "zero3 + cpu offload": ("parallel.zero_stage=3", "parallel.cpu_offload=true", "train.micro_batch_size=1"),
     "tp2": ("parallel.tp=2", "train.micro_batch_size=2"),
     "pp2 1f1b": ("parallel.pp=2", "parallel.pp_schedule=1f1b", "train.micro_batch_size=1"),
@@ -98,13 +100,17 @@ FP32_SAVE = (f"train.steps={PARITY_STEPS}", "train.global_batch_size=4", "model.
 @pytest.fixture(scope="module")
 def muon_layouts(tmp_path_factory):
     """One process (dense and MoE) in one launch, then every 2-rank layout in another."""
+    from hf_models import save_tiny
+
     root = tmp_path_factory.mktemp("muon")
+    hf = (f"model.hf={save_tiny('qwen3_moe', root / 'qwen3_moe')}", *(o for o in MUON_PARITY if "n_layers" not in o))
     refs = train_many({"dense": (root / "one_dense", (*MUON_PARITY, "train.micro_batch_size=4")),
-                       "moe": (root / "one_moe", (*MUON_PARITY, "train.micro_batch_size=4", "model.name=debug-moe"))},
-                      nproc=1)
+                       "moe": (root / "one_moe", (*MUON_PARITY, "train.micro_batch_size=4", "model.name=debug-moe")),
+                       "hf": (root / "one_hf", hf)}, nproc=1)
     jobs = {name: (root / name.replace(" ", "_").replace("(", "").replace(")", "").replace("+", "and"),
                    (*MUON_PARITY, *extra)) for name, extra in MUON_LAYOUTS.items()}
     saved = root / "zero3_fp32" / "checkpoints" / "step_00000005"  # Muon's momentum and AdamW's moments, sharded
+    jobs["hf qwen3-moe ep2"] = (root / "hf_ep2", (*hf, "parallel.ep=2"))  # fused gate_up_proj, split in two
     jobs["zero3 fp32"] = (root / "zero3_fp32", (*FP32_SAVE, "parallel.zero_stage=3", "train.micro_batch_size=1"))
     jobs["tp2 resumed"] = (root / "tp2_resumed", (*FP32_SAVE, "parallel.tp=2", f"checkpoint.resume={saved}"))
     for layout in ("parallel.zero_stage=0", "parallel.zero_stage=3"):  # who orthogonalises what, counted
@@ -122,6 +128,32 @@ def test_muon_layouts_match_one_process(layout, muon_layouts):
     """fp64, 1e-10: losses, gradient norms and learning rates per step, and every parameter at the end."""
     refs, runs = muon_layouts
     assert_parity(runs[layout], refs["moe" if "moe" in layout else "dense"], step=PARITY_STEPS)
+
+
+def test_muon_on_a_hugging_face_moe_matches_one_process(muon_layouts):
+    """transformers' Qwen3-MoE (3-D experts with a fused gate_up_proj) at ep=2 on 2 ranks, fp64, 1e-10."""
+    refs, runs = muon_layouts
+    assert_parity(runs["hf qwen3-moe ep2"], refs["hf"], step=PARITY_STEPS)
+
+
+def test_a_fused_gate_up_projection_is_two_matrices():
+    """Each expert's gate and up halves of a fused [experts, 2 x width, dim] tensor are orthogonalised apart, by
+    torch's own iteration, exactly as two separate matrices would be."""
+    from torch.optim._muon import _zeropower_via_newtonschulz
+
+    from disttrain.train.muon import MuonWithAdamW
+
+    torch.manual_seed(0)
+    fused = torch.randn(3, 2 * 8, 12, dtype=torch.float64)
+    group = {"ns_coefficients": (3.4445, -4.7750, 2.0315), "ns_steps": 5, "eps": 1e-7}
+    shell = MuonWithAdamW.__new__(MuonWithAdamW)
+    param = torch.nn.Parameter(fused.clone())
+    shell.names = {param: "model.layers.0.mlp.experts.gate_up_proj"}
+    ours = shell._orthogonalise(param, fused, group)
+    for e in range(3):
+        for half in (slice(0, 8), slice(8, 16)):
+            expected = _zeropower_via_newtonschulz(fused[e, half], group["ns_coefficients"], 5, 1e-7)
+            assert torch.equal(ours[e, half], expected)
 
 
 @pytest.mark.parametrize("resumed", ["one resumed", "tp2 resumed"])
@@ -266,5 +298,14 @@ def test_the_planner_times_every_newton_schulz_iteration():
         short, long = sorted(p.shape)
         flops += 5 * (4 * short * short * long + 2 * short ** 3)
     resolved = resolve_run(cfg, 1, "cuda")
-    seconds = muon_step_s(resolved.shape, resolved.layout, resolved.shape.n_layers, 1e12, None)
+    seconds = muon_step_s(resolved.shape, resolved.layout, resolved.shape.n_layers, 1e12, None, None)
     assert seconds == pytest.approx(flops / 1e12, rel=1e-12)
+
+
+def test_logging_steps_carry_muons_update_and_share(muon_layouts):
+    """Each step record of a Muon run has the orthogonalised update's RMS (at most the peak adjusted rate times
+    one, the RMS of an orthogonal matrix's entries being at most 1) and Muon's share of the optimizer step."""
+    refs, _ = muon_layouts
+    for record in step_records(refs["dense"]).values():
+        assert 0 < record["muon_update_rms"] < 0.2 * 64 ** 0.5 * 3e-3
+        assert 0 < record["muon_optimizer_share"] < 1

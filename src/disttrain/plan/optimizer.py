@@ -49,12 +49,12 @@ def sharing_ranks(layout: Layout) -> int:
     return layout.tp
 
 
-def muon_step_s(shape: ModelShape, layout: Layout, layers: int, matmul_flops_per_s: float, link) -> float:
+def muon_step_s(shape: ModelShape, layout: Layout, layers: int, matmul_flops_per_s: float, link,
+                all_gather_s) -> float:
     """Seconds Muon's step adds on one rank holding `layers` blocks: its share of the iterations (the owners
     balance them), and per matrix a gather of the fp32 update over the tensor or FSDP ranks holding shards and a
-    broadcast of the bf16 result. `link(ranks, kind)` -> (bytes/s, latency), the cluster's."""
-    from disttrain.plan.timing import all_gather_s
-
+    broadcast of the bf16 result. `link(ranks, kind)` -> (bytes/s, latency), the cluster's; `all_gather_s(ranks,
+    bytes, bandwidth, latency)`, plan/timing.py's (which imports this module)."""
     n = sharing_ranks(layout)
     matrices = block_matrices(shape) * layers if shape.moe is None else \
         block_matrices(shape)[:4] * layers  # MoE: attention here, the experts below

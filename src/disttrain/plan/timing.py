@@ -256,7 +256,7 @@ def step_time(shape: ModelShape, layout: Layout, cluster: Cluster, routing_skew:
 
         rate = cluster.matmul_rate(layout.tp, "bf16", gpu.peak_flops("bf16")) \
             if cluster.elementwise_bytes_per_s is not None else gpu.peak_flops("bf16") * cluster.compute_efficiency
-        optimizer += muon_step_s(shape, layout, held.layers, rate, cluster.link)
+        optimizer += muon_step_s(shape, layout, held.layers, rate, cluster.link, all_gather_s)
     step = compute + bubble + tp_comm + pp_comm + dp_exposed + optimizer + ep_comm + cp_exposed
     tps = tokens / step
     per_gpu = tps / world

@@ -117,16 +117,17 @@ class OptimizerStep:
 
     def metrics(self) -> dict:
         """Collective when fp16 loss scaling is on: the scale on every rank (min and max over ranks,
-        which agree unless a rank skipped a step the others took)."""
+        which agree unless a rank skipped a step the others took); and the optimizer's own numbers, if any."""
         scaler = self.precision.scaler
+        own = self.optimizer.metrics() if hasattr(self.optimizer, "metrics") else {}  # Muon's (train/muon.py)
         if not scaler.is_enabled():
-            return {}
+            return own
         import torch.distributed as dist
 
         scale = float(scaler.get_scale())
         spread = torch.tensor([scale, -scale], dtype=torch.float64)
         dist.all_reduce(spread, op=dist.ReduceOp.MAX, group=self.control_group)
-        return {"loss_scale": scale, "loss_scale_max": float(spread[0]), "loss_scale_min": -float(spread[1]),
+        return {**own, "loss_scale": scale, "loss_scale_max": float(spread[0]), "loss_scale_min": -float(spread[1]),
                 "fp16_overflows_total": int(float(self.fp16_overflows))}
 
 

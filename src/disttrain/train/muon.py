@@ -13,7 +13,9 @@ expert, each orthogonalised on its own.
 
 from __future__ import annotations
 
+import math
 import re
+import time
 from dataclasses import dataclass
 
 import torch
@@ -114,6 +116,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
         owners, made = _agree(mine, [r for r, g in groups.items() if g is None and len(r) > 1])
         self.placements = {p: Placement(owners[(name, ranks)], ranks, groups[ranks] or made.get(ranks))
                            for p, (name, ranks, _) in zip(muon_params, mine)}
+        self._update_squares, self._update_numel, self._seconds = None, 0, (0.0, 0.0)
 
     def split(self) -> dict:
         """Which parameters each algorithm steps on this rank: names (as checkpoints spell them), parameters and
@@ -139,11 +142,25 @@ class MuonWithAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        started = time.perf_counter()
         self.adamw.step()
+        adamw_done = time.perf_counter()
+        self._update_squares, self._update_numel = None, 0
         for group in self.param_groups:
             if group["algorithm"] == "muon":
                 self._muon_group(group)
+        self._seconds = (adamw_done - started, time.perf_counter() - adamw_done)
         return loss
+
+    def metrics(self) -> dict:
+        """For a logging step, from the latest step on this rank: the RMS of Muon's orthogonalised update (each
+        matrix's at its adjusted rate, weight decay apart) and Muon's share of the optimizer step's host time
+        (on a GPU the host time of queued kernels: read it with the step breakdown)."""
+        if self._update_squares is None:
+            return {}
+        adamw, muon = self._seconds
+        return {"muon_update_rms": math.sqrt(float(self._update_squares) / max(1, self._update_numel)),
+                "muon_optimizer_share": muon / (adamw + muon) if adamw + muon else 0.0}
 
     def _muon_group(self, group: dict) -> None:
         lr, momentum, rank = group["lr"], group["momentum"], dist.get_rank() if dist.is_initialized() else 0
@@ -161,12 +178,16 @@ class MuonWithAdamW(torch.optim.Optimizer):
             full = update.full_tensor() if isinstance(update, DTensor) else update
             ortho = self._orthogonalise(p, full, group) if rank == placement.owner else None
             ortho = self._from_owner(ortho, full, placement)
+            full_square = ortho.float().square().sum()
             if isinstance(p, DTensor):
                 ortho = distribute_tensor(ortho, p.device_mesh, p.placements, src_data_rank=None)
             matrix = tuple(full.shape[-2:]) if p.ndim == 2 else self._expert_matrix(p, full)
             adjusted_lr = _adjust_lr(lr, group["adjust_lr_fn"], torch.Size(matrix))
             p.mul_(1 - lr * group["weight_decay"])
             p.add_(ortho, alpha=-adjusted_lr)
+            square = (adjusted_lr ** 2) * full_square  # no host sync: read on logging steps only
+            self._update_squares = square if self._update_squares is None else self._update_squares + square
+            self._update_numel += full.numel()
 
     def _expert_matrix(self, p, full) -> tuple[int, int]:
         return logical_matrices(self.names[p], tuple(full.shape))[0]

@@ -123,8 +123,9 @@ class RunSchedule(torch.optim.lr_scheduler.LambdaLR):
 
 def build_scheduler(optimizer: torch.optim.Optimizer, optim_cfg, total_steps: int) -> RunSchedule:
     return RunSchedule(optimizer, LRSchedule(optim_cfg.warmup_steps, total_steps, optim_cfg.schedule,
-                                             optim_cfg.min_lr / optim_cfg.lr, optim_cfg.decay_steps,
-                                             optim_cfg.decay_fraction, optim_cfg.decay_shape))
+                                             optim_cfg.min_lr / optim_cfg.lr, getattr(optim_cfg, "decay_steps", None),
+                                             getattr(optim_cfg, "decay_fraction", 0.2),
+                                             getattr(optim_cfg, "decay_shape", "linear")))
 
 
 def _grad_groups(params) -> dict:
