@@ -309,3 +309,40 @@ def test_logging_steps_carry_muons_update_and_share(muon_layouts):
     for record in step_records(refs["dense"]).values():
         assert 0 < record["muon_update_rms"] < 0.2 * 64 ** 0.5 * 3e-3
         assert 0 < record["muon_optimizer_share"] < 1
+
+
+def test_a_wsd_run_extended_on_resume_decays_at_the_new_end():
+    """warmup-stable-decay over 100 steps (decay over the last 20%), resumed at step 50 with train.steps=200: the
+    peak holds until step 160 and the decay ends at the new end; resumed inside its decay, the rate goes on from
+    where it was, never jumping."""
+    from types import SimpleNamespace
+
+    from disttrain.train.optim import build_scheduler
+
+    cfg = SimpleNamespace(warmup_steps=10, schedule="wsd", min_lr=1e-4, lr=1e-3, decay_steps=None,
+                          decay_fraction=0.2, decay_shape="linear")
+
+    def run(total, resume_from=None, steps=0):
+        weights = torch.nn.Parameter(torch.zeros(2, 2))
+        optimizer = torch.optim.AdamW([weights], lr=cfg.lr)
+        scheduler = build_scheduler(optimizer, cfg, total)
+        if resume_from is not None:
+            optimizer.load_state_dict(resume_from[0].state_dict())
+            scheduler.load_state_dict(resume_from[1].state_dict())
+        rates = []
+        for _ in range(steps):
+            rates.append(optimizer.param_groups[0]["lr"])
+            optimizer.step()
+            scheduler.step()
+        return (optimizer, scheduler), rates
+
+    first, before = run(100, steps=50)
+    _, after = run(200, first, steps=150)
+    assert before[10:] == [1e-3] * 40 and after[:110] == [1e-3] * 110  # steps 50..159 at the peak
+    assert after[110] == 1e-3 and all(a > b for a, b in zip(after[110:], after[111:]))
+    assert after[-1] == pytest.approx(1e-4 + 9e-4 / 40, rel=1e-12)  # one step short of min_lr at step 200
+    late, in_decay = run(100, steps=90)  # inside the decay (started at step 80)
+    _, resumed = run(120, late, steps=30)
+    assert resumed[0] == pytest.approx(in_decay[-1] - 9e-4 / 20, rel=1e-12)  # where it was, one step on
+    assert resumed[1] < resumed[0]  # and decaying on, now towards step 120
+    assert all(a > b for a, b in zip(resumed, resumed[1:])) and resumed[-1] > 1e-4

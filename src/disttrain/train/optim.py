@@ -61,9 +61,10 @@ class LRSchedule:
         if self.total <= self.from_step:
             return self.from_factor
         start, shape = self.from_step, self.schedule
-        if shape == "wsd":
+        if shape == "wsd":  # (a run resumed inside its decay goes on decaying, to the new end)
             decay = self.decay_steps or round(self.decay_fraction * self.total)
-            start, shape = max(start, self.total - decay), self.decay_shape
+            start = start if self.from_factor < 1.0 else max(start, self.total - decay)
+            shape = self.decay_shape
             if step < start:
                 return self.from_factor
         progress = min(1.0, (step - start) / max(1, self.total - start))
