@@ -12,6 +12,7 @@ their reads, inside `Optimizer.step`, are counted apart.
     python benchmarks/step_counts.py --hf   # the HF workload: disttrain ZeRO-3 vs fully_shard per decoder layer
     python benchmarks/step_counts.py --moe  # debug-moe at ep=2, ZeRO-3: disttrain vs workloads/plain_moe_ep.py
     python benchmarks/step_counts.py --moe --stacks  # ... and each host sync per step by the line it comes from
+    python benchmarks/step_counts.py --muon  # disttrain's AdamW against its Muon on DDP, ZeRO-3 and TP
 
 `--stacks` adds, per step, the profiler's host syncs by the ops they ran inside, and the Python calls that
 would wait for a GPU by the line of disttrain or the workload that made them (`sync_sources`).
@@ -184,7 +185,21 @@ def moe_pair(runtime, micro_batch: int) -> dict:
     return rows
 
 
-def worker(micro_batch: int, out: Path, hf: bool = False, moe: bool = False) -> None:
+def muon_pairs(runtime, micro_batch: int) -> dict:
+    """What optim.name=muon issues per step against AdamW on the same layout (train/muon.py: one broadcast of
+    each orthogonalised matrix from its owner, after a gather of the update where it is sharded)."""
+    import torch.distributed as dist
+
+    rows = {}
+    for layout in ("ddp", "zero3", "tp2"):
+        for optimizer in ("adamw", "muon"):
+            rows[f"disttrain {layout} {optimizer}"] = per_step(disttrain_steps(
+                runtime, [*LAYOUTS[layout], f"optim.name={optimizer}"], micro_batch))
+            dist.barrier()
+    return rows
+
+
+def worker(micro_batch: int, out: Path, hf: bool = False, moe: bool = False, muon: bool = False) -> None:
     import torch.distributed as dist
 
     from disttrain.distributed.env import detect_env
@@ -193,7 +208,7 @@ def worker(micro_batch: int, out: Path, hf: bool = False, moe: bool = False) -> 
     runtime = init_distributed(detect_env(), "gloo", 300)
     rows = {}
     try:
-        for layout, overrides in ({} if hf or moe else LAYOUTS).items():
+        for layout, overrides in ({} if hf or moe or muon else LAYOUTS).items():
             rows[f"disttrain {layout}"] = per_step(disttrain_steps(runtime, overrides, micro_batch))
             dist.barrier()
             rows[f"hand-written {layout}"] = per_step(handwritten_steps(layout, micro_batch))
@@ -201,8 +216,8 @@ def worker(micro_batch: int, out: Path, hf: bool = False, moe: bool = False) -> 
             if runtime.rank == 0:
                 print(f"{layout}: disttrain {rows[f'disttrain {layout}']}\n      hand-written "
                       f"{rows[f'hand-written {layout}']}", flush=True)
-        if hf or moe:
-            rows = hf_pair(runtime) if hf else moe_pair(runtime, micro_batch)
+        if hf or moe or muon:
+            rows = hf_pair(runtime) if hf else moe_pair(runtime, micro_batch) if moe else muon_pairs(runtime, micro_batch)
             if runtime.rank == 0:
                 print("\n".join(f"{name}: {row}" for name, row in rows.items()), flush=True)
         if runtime.rank == 0:
@@ -218,22 +233,25 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--hf", action="store_true", help="only the Hugging Face workload's sharded pair")
     parser.add_argument("--moe", action="store_true", help="only the expert-parallel pair (debug-moe, ep=2)")
+    parser.add_argument("--muon", action="store_true", help="only disttrain's AdamW against its Muon")
     parser.add_argument("--stacks", action="store_true", help="count host syncs per source line as well")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     global STACKS
     STACKS = args.stacks
     name = "step_counts_hf.json" if args.hf else "step_counts_moe.json" if args.moe else \
+        "step_counts_muon.json" if args.muon else \
         f"step_counts_mb{args.micro_batch}.json"
     out = Path(args.out or REPO / "benchmarks" / "results" / name)
     if "LOCAL_RANK" in os.environ:
-        worker(args.micro_batch, out, args.hf, args.moe)
+        worker(args.micro_batch, out, args.hf, args.moe, args.muon)
         return
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(WORKLOADS), str(REPO / "src"), os.environ.get("PYTHONPATH", "")]))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
            "--micro-batch", str(args.micro_batch), "--out", str(out), *(["--hf"] if args.hf else []),
-           *(["--moe"] if args.moe else []), *(["--stacks"] if args.stacks else [])]
+           *(["--moe"] if args.moe else []), *(["--muon"] if args.muon else []),
+           *(["--stacks"] if args.stacks else [])]
     sys.exit(subprocess.run(cmd, env=env, cwd=REPO).returncode)
 
 

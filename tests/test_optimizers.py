@@ -154,6 +154,29 @@ def test_a_fused_gate_up_projection_is_two_matrices():
         for half in (slice(0, 8), slice(8, 16)):
             expected = _zeropower_via_newtonschulz(fused[e, half], group["ns_coefficients"], 5, 1e-7)
             assert torch.equal(ours[e, half], expected)
+    # GPT-2's Conv1D c_attn: [dim, 3 x dim], q, k and v side by side
+    qkv = torch.randn(12, 3 * 12, dtype=torch.float64)
+    param = torch.nn.Parameter(qkv.clone())
+    shell.names = {param: "transformer.h.0.attn.c_attn.weight"}
+    ours = shell._orthogonalise(param, qkv, group)
+    for third in (slice(0, 12), slice(12, 24), slice(24, 36)):
+        assert torch.equal(ours[:, third], _zeropower_via_newtonschulz(qkv[:, third], group["ns_coefficients"], 5, 1e-7))
+
+
+def test_gpt2s_blocks_take_muon():
+    """GPT-2's repeated blocks are `transformer.h.N`: their projections take Muon, its embeddings and norms AdamW."""
+    from hf_models import tiny_config
+    from transformers import AutoModelForCausalLM
+
+    from disttrain.train.muon import logical_matrices, split_parameters
+
+    with torch.device("meta"):
+        muon, matrices, vectors, names = split_parameters(AutoModelForCausalLM.from_config(tiny_config("gpt2")))
+    assert sorted({names[p].split(".h.0.")[-1] for p in muon if ".h.0." in names[p]}) == \
+        ["attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"]
+    assert len(muon) == 4 * 4 and {names[p] for p in matrices} == {"transformer.wte.weight", "transformer.wpe.weight"}
+    c_attn = next(p for p in muon if names[p].endswith("h.0.attn.c_attn.weight"))
+    assert logical_matrices(names[c_attn], tuple(c_attn.shape)) == [(64, 64)] * 3
 
 
 @pytest.mark.parametrize("resumed", ["one resumed", "tp2 resumed"])

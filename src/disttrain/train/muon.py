@@ -6,9 +6,9 @@ here: the momentum is kept and updated where the gradient lives (a shard under F
 iteration of each matrix runs on one rank of the ranks that share it (its owner, chosen to balance the
 iteration's FLOPs), and the owner's update reaches the others, which take their shard of it.
 
-A fused projection (Hugging Face experts' `gate_up_proj`) is orthogonalised per logical matrix: its rows are
-the gate's and the up projection's, halves of one tensor. 3-D expert tensors are a stack of matrices, one per
-expert, each orthogonalised on its own.
+A fused projection is orthogonalised per logical matrix, told by its name (`FUSED`): transformers' fused
+experts' `gate_up_proj` (gate and up, halves of its rows) and GPT-2's `c_attn` (q, k and v, thirds of its
+columns). 3-D expert tensors are a stack of matrices, one per expert, each orthogonalised on its own.
 """
 
 from __future__ import annotations
@@ -28,9 +28,20 @@ from disttrain.parallel.expert import is_expert_shard
 from disttrain.parallel.expert_shards import shard_of
 from disttrain.parallel.param_names import clean_fqn
 
-BLOCK = re.compile(r"(^|\.)layers\.\d+\.")  # a parameter of a repeated block (built-in and transformers names)
+BLOCK = re.compile(r"(^|\.)(layers|h)\.\d+\.")  # a repeated block's parameter (built-in, transformers, GPT-2)
 ROUTER = re.compile(r"(^|\.)(router|gate|shared_expert_gate)(\.|$)")  # routers stay with AdamW
-FUSED_HALVES = ("gate_up_proj",)  # a fused gate/up projection: two matrices stacked along the output rows
+# Fused projections by name: (matrices, the dimension they are stacked along). transformers' fused experts keep
+# gate and up as the two halves of their rows; GPT-2's Conv1D `c_attn` keeps q, k and v side by side in columns.
+FUSED = {"gate_up_proj": (2, -2), "c_attn.weight": (3, -1)}
+
+
+def fused(name: str, shape: tuple[int, ...]) -> tuple[int, int]:
+    """(pieces, dim) a parameter is cut into before orthogonalising: (1, -2) when it is not fused."""
+    name = clean_fqn(name)
+    for suffix, (pieces, dim) in FUSED.items():
+        if name.endswith(suffix) and shape[dim] % pieces == 0:
+            return pieces, dim
+    return 1, -2
 
 
 def takes_muon(name: str, param: torch.Tensor) -> bool:
@@ -47,11 +58,12 @@ def ns_flops(rows: int, cols: int, steps: int) -> int:
 
 
 def logical_matrices(name: str, shape: tuple[int, ...]) -> list[tuple[int, int]]:
-    """The (rows, cols) of each matrix Muon orthogonalises within a parameter of `shape`."""
+    """The (rows, cols) of each matrix Muon orthogonalises within a parameter of `shape`: one per expert of a
+    3-D tensor, one per piece of a fused projection."""
     experts = shape[0] if len(shape) == 3 else 1
     rows, cols = shape[-2:]
-    halves = 2 if clean_fqn(name).endswith(FUSED_HALVES) and rows % 2 == 0 else 1
-    return [(rows // halves, cols)] * (experts * halves)
+    pieces, dim = fused(name, shape)
+    return [(rows // pieces, cols) if dim == -2 else (rows, cols // pieces)] * (experts * pieces)
 
 
 @dataclass
@@ -194,10 +206,11 @@ class MuonWithAdamW(torch.optim.Optimizer):
 
     def _orthogonalise(self, p, full: torch.Tensor, group: dict) -> torch.Tensor:
         """torch's Newton-Schulz on each logical matrix of the whole `full` (see the module's docstring)."""
-        rows, cols = logical_matrices(self.names[p], tuple(full.shape))[0]
-        pieces = full.reshape(-1, rows, cols)
-        out = torch.stack([_zeropower_via_newtonschulz(m, group["ns_coefficients"], group["ns_steps"], group["eps"])
-                           for m in pieces.unbind(0)])
+        pieces, dim = fused(self.names[p], tuple(full.shape))
+        stack = full.reshape(-1, *full.shape[-2:])  # one matrix per expert (one in all for a 2-D parameter)
+        out = torch.stack([torch.cat([_zeropower_via_newtonschulz(piece, group["ns_coefficients"], group["ns_steps"],
+                                                                  group["eps"]) for piece in m.chunk(pieces, dim)], dim)
+                           for m in stack.unbind(0)])
         return out.reshape(full.shape)
 
     def _from_owner(self, ortho, full: torch.Tensor, placement: Placement) -> torch.Tensor:
