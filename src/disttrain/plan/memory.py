@@ -100,7 +100,7 @@ def model_state_bytes(n_params: float, layout: Layout, accounting: str = "runtim
         buffers = pb * held_copies if pb != FP32 else 0.0
         owned = max(t / layout.gradient_ranks, largest_tensor) if stage == 1 else t
         if muon:
-            return ModelStates(p, g, o, buffers, step_temporary=FP32 * adamw + muon_temporaries(muon_matrix),
+            return ModelStates(p, g, o, buffers, step_temporary=FP32 * adamw + muon_temporaries(muon_matrix, muon),
                                first_step_grads=g if layout.gradient_ranks > 1 else 0.0)
         return ModelStates(p, g, ADAM_MOMENT_BYTES * owned, buffers, step_temporary=FP32 * owned,
                            first_step_grads=g if layout.gradient_ranks > 1 else 0.0)
@@ -110,7 +110,8 @@ def model_state_bytes(n_params: float, layout: Layout, accounting: str = "runtim
         buffers = pb * n_params + (pb + rb) * largest_unit
     else:  # current + prefetched block gathered, the root unit kept gathered for backward
         buffers = pb * (2 * largest_unit + root_params) + (pb + rb) * largest_unit
-    states = ModelStates(p / d, g / d, o / d, buffers, step_temporary=FP32 * adamw / d + muon_temporaries(muon_matrix))
+    states = ModelStates(p / d, g / d, o / d, buffers,
+                         step_temporary=FP32 * adamw / d + muon_temporaries(muon_matrix, muon))
     if layout.microbatches > 1 or layout.pp > 1:  # on the device even with CPU offload; a pipeline schedule defers
         # the reduce-scatter to after its last micro-batch (`perform_reduce_grad`), even with one
         states.unsharded_grads = rb * t

@@ -20,11 +20,15 @@ def muon_params(shape: ModelShape, held) -> float:
     return held.block - held.layers * 2 * shape.dim
 
 
-def muon_temporaries(matrix: float) -> float:
-    """What Muon's step holds at once for its largest matrix of `matrix` elements: the whole update gathered in
-    fp32, and the bf16 copies torch's Newton-Schulz iteration works on (its input, its output and the broadcast
-    result, each the matrix's size; the Gram matrices are of the short side, no larger)."""
-    return FP32 * matrix + 3 * BF16 * matrix
+def muon_temporaries(matrix: float, total: float) -> float:
+    """What Muon's step holds at once (train/muon.py), for a largest matrix of `matrix` elements among `total`
+    whole-matrix elements: a bucket of matrices (BUCKET_ELEMENTS, at least the largest) gathered whole in fp32 with
+    their bf16 results, and two bf16 copies of one matrix inside torch's Newton-Schulz iteration (its input and
+    output; the Gram matrices are of the short side, no larger)."""
+    from disttrain.train.muon import BUCKET_ELEMENTS
+
+    bucket = max(matrix, min(BUCKET_ELEMENTS, total))
+    return (FP32 + BF16) * bucket + 2 * BF16 * matrix
 
 
 def ns_flops(rows: int, cols: int, steps: int = 5) -> float:

@@ -33,6 +33,9 @@ ROUTER = re.compile(r"(^|\.)(router|gate|shared_expert_gate)(\.|$)")  # routers 
 # Fused projections by name: (matrices, the dimension they are stacked along). transformers' fused experts keep
 # gate and up as the two halves of their rows; GPT-2's Conv1D `c_attn` keeps q, k and v side by side in columns.
 FUSED = {"gate_up_proj": (2, -2), "c_attn.weight": (3, -1)}
+# Whole-matrix elements a step holds at once (gathered fp32 updates and bf16 results): the matrices are taken in
+# buckets of about this size (at least one matrix each), each bucket's iterations running on all ranks at once.
+BUCKET_ELEMENTS = 2 ** 25
 
 
 def fused(name: str, shape: tuple[int, ...]) -> tuple[int, int]:
@@ -175,31 +178,62 @@ class MuonWithAdamW(torch.optim.Optimizer):
                 "muon_optimizer_share": muon / (adamw + muon) if adamw + muon else 0.0}
 
     def _muon_group(self, group: dict) -> None:
-        lr, momentum, rank = group["lr"], group["momentum"], dist.get_rank() if dist.is_initialized() else 0
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            grad = p.grad
-            state = self.state[p]
-            if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
-            buf = state["momentum_buffer"]
-            buf.lerp_(grad, 1 - momentum)
-            update = grad.lerp(buf, momentum) if group["nesterov"] else buf
-            placement = self.placements[p]
-            full = update.full_tensor() if isinstance(update, DTensor) else update
-            ortho = self._orthogonalise(p, full, group) if rank == placement.owner else None
-            ortho = self._from_owner(ortho, full, placement)
-            full_square = ortho.float().square().sum()
-            if isinstance(p, DTensor):
-                ortho = distribute_tensor(ortho, p.device_mesh, p.placements, src_data_rank=None)
-            matrix = tuple(full.shape[-2:]) if p.ndim == 2 else self._expert_matrix(p, full)
-            adjusted_lr = _adjust_lr(lr, group["adjust_lr_fn"], torch.Size(matrix))
-            p.mul_(1 - lr * group["weight_decay"])
-            p.add_(ortho, alpha=-adjusted_lr)
-            square = (adjusted_lr ** 2) * full_square  # no host sync: read on logging steps only
-            self._update_squares = square if self._update_squares is None else self._update_squares + square
-            self._update_numel += full.numel()
+        params = [p for p in group["params"] if p.grad is not None]
+        bucket, size = [], 0
+        for p in params:
+            if bucket and size + p.numel() > BUCKET_ELEMENTS:
+                self._muon_bucket(bucket, group)
+                bucket, size = [], 0
+            bucket.append(p)
+            size += p.numel()
+        if bucket:
+            self._muon_bucket(bucket, group)
+
+    def _muon_bucket(self, bucket: list, group: dict) -> None:
+        """Momentum and whole updates of every matrix of `bucket` first (the gathers, in one order on every rank),
+        then each owner's iterations with their broadcasts in flight, so that the ranks orthogonalise at the same
+        time instead of one after the other; then every update applied."""
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        fulls = [self._whole_update(p, group) for p in bucket]
+        sent = [self._send(self._orthogonalise(p, full, group) if rank == self.placements[p].owner else None, full,
+                           self.placements[p]) for p, full in zip(bucket, fulls)]
+        for p, full, (ortho, work) in zip(bucket, fulls, sent):
+            if work is not None:
+                work.wait()
+            self._apply(p, full, ortho, group)
+
+    def _whole_update(self, p, group: dict) -> torch.Tensor:
+        """torch.optim.Muon's momentum step on this rank's share, and the (Nesterov) update it gives, whole."""
+        grad, state = p.grad, self.state[p]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
+        buf = state["momentum_buffer"]
+        buf.lerp_(grad, 1 - group["momentum"])
+        update = grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
+        return update.full_tensor() if isinstance(update, DTensor) else update
+
+    def _send(self, ortho, full: torch.Tensor, placement: Placement):
+        """(the owner's update on this rank, the broadcast's work in flight or None)."""
+        if len(placement.ranks) == 1:
+            return ortho, None
+        if ortho is None:
+            ortho = torch.empty(full.shape, dtype=torch.bfloat16, device=full.device)
+        return ortho, dist.broadcast(ortho, src=placement.owner, group=placement.group, async_op=True)
+
+    def _apply(self, p, full: torch.Tensor, ortho: torch.Tensor, group: dict) -> None:
+        """Decoupled weight decay, then the orthogonalised update at the matrix's adjusted rate (this rank's
+        shard of it); its square summed for the update RMS without a host sync."""
+        lr = group["lr"]
+        square = ortho.float().square().sum()
+        if isinstance(p, DTensor):
+            ortho = distribute_tensor(ortho, p.device_mesh, p.placements, src_data_rank=None)
+        matrix = tuple(full.shape[-2:]) if p.ndim == 2 else self._expert_matrix(p, full)
+        adjusted_lr = _adjust_lr(lr, group["adjust_lr_fn"], torch.Size(matrix))
+        p.mul_(1 - lr * group["weight_decay"])
+        p.add_(ortho, alpha=-adjusted_lr)
+        square = (adjusted_lr ** 2) * square
+        self._update_squares = square if self._update_squares is None else self._update_squares + square
+        self._update_numel += full.numel()
 
     def _expert_matrix(self, p, full) -> tuple[int, int]:
         return logical_matrices(self.names[p], tuple(full.shape))[0]
@@ -212,15 +246,6 @@ class MuonWithAdamW(torch.optim.Optimizer):
                                                                   group["eps"]) for piece in m.chunk(pieces, dim)], dim)
                            for m in stack.unbind(0)])
         return out.reshape(full.shape)
-
-    def _from_owner(self, ortho, full: torch.Tensor, placement: Placement) -> torch.Tensor:
-        """The owner's update on every rank that shares the matrix (one broadcast over those ranks)."""
-        if len(placement.ranks) == 1:
-            return ortho
-        if ortho is None:
-            ortho = torch.empty(full.shape, dtype=torch.bfloat16, device=full.device)
-        dist.broadcast(ortho, src=placement.owner, group=placement.group)
-        return ortho
 
 
 def _agree(mine: list[tuple[str, tuple[int, ...], float]], needed: list[tuple[int, ...]]) -> tuple[dict, dict]:
