@@ -30,7 +30,10 @@ def optimizer_line(split: dict) -> str:
     """Which algorithm trains how much of the model (optim.name=muon)."""
     parts = [f"{name if name == 'adamw' else name.capitalize()} on {len(e['names'])} tensors "
              f"({e['params'] / 1e6:.2f}M parameters, {e['bytes'] / 2 ** 20:.1f} MiB)" for name, e in split.items()]
-    return "optimizer: " + ", ".join(parts).replace("adamw", "AdamW")
+    line = "optimizer: " + ", ".join(parts).replace("adamw", "AdamW")
+    if "muon" not in split:  # a model whose blocks are named otherwise (a user's model.spec)
+        line += "; Muon on nothing: no parameter is in a repeated block named layers.N or h.N"
+    return line
 
 
 def announce(metrics, *, step: int, world_size: int, layout, model: str, num_params: int, trainable: int | None, device: str,
