@@ -369,3 +369,15 @@ def test_a_wsd_run_extended_on_resume_decays_at_the_new_end():
     assert resumed[0] == pytest.approx(in_decay[-1] - 9e-4 / 20, rel=1e-12)  # where it was, one step on
     assert resumed[1] < resumed[0]  # and decaying on, now towards step 120
     assert all(a > b for a, b in zip(resumed, resumed[1:])) and resumed[-1] > 1e-4
+
+
+def test_the_start_line_says_when_muon_steps_nothing():
+    from disttrain.observe.console import optimizer_line
+
+    only_adamw = {"adamw": {"names": ["w"], "params": 4, "bytes": 16}}
+    assert optimizer_line(only_adamw).endswith("Muon on nothing: no parameter is in a repeated block named layers.N "
+                                                "or h.N")
+    both = {"adamw": {"names": ["a"], "params": 2_000_000, "bytes": 8_000_000},
+            "muon": {"names": ["b", "c"], "params": 3_000_000, "bytes": 12_000_000}}
+    assert optimizer_line(both) == ("optimizer: AdamW on 1 tensors (2.00M parameters, 7.6 MiB), Muon on 2 tensors "
+                                    "(3.00M parameters, 11.4 MiB)")
