@@ -291,6 +291,10 @@ def test_the_planner_counts_muons_one_moment():
     with_muon = estimate(resolved.shape, resolved.layout, muon=True).memory.states.optimizer
     assert adamw == 8 * (n_muon + n_rest)
     assert with_muon == 8 * n_rest + 4 * n_muon
+    from disttrain.plan import optimizer as planned
+    from disttrain.train import muon as runtime
+
+    assert planned.BUCKET_ELEMENTS == runtime.BUCKET_ELEMENTS  # the step's temporaries are counted per bucket
 
 
 @pytest.mark.parametrize("layout", [("parallel.zero_stage=3",), ("parallel.zero_stage=0",)])

@@ -12,6 +12,7 @@ from disttrain.layout.layout import Layout
 from disttrain.models.registry import ModelShape
 
 FP32, BF16 = 4, 2
+BUCKET_ELEMENTS = 2 ** 25  # train/muon.py's bucket (the planner does not import training code; a test holds them equal)
 
 
 def muon_params(shape: ModelShape, held) -> float:
@@ -25,8 +26,6 @@ def muon_temporaries(matrix: float, total: float) -> float:
     whole-matrix elements: a bucket of matrices (BUCKET_ELEMENTS, at least the largest) gathered whole in fp32 with
     their bf16 results, and two bf16 copies of one matrix inside torch's Newton-Schulz iteration (its input and
     output; the Gram matrices are of the short side, no larger)."""
-    from disttrain.train.muon import BUCKET_ELEMENTS
-
     bucket = max(matrix, min(BUCKET_ELEMENTS, total))
     return (FP32 + BF16) * bucket + 2 * BF16 * matrix
 
