@@ -58,5 +58,16 @@ class RandomWindows:
         return rows[:, :-1], rows[:, 1:]
 
 
+def ddp_accumulate(model, data, accum: int) -> None:
+    """One step's forward and backward over `accum` micro-batches of a DDP model, synchronising on the last."""
+    for i in range(accum):
+        x, y = data.micro_batch()
+        if i < accum - 1:
+            with model.no_sync():
+                (loss_fn(model(x), y) / accum).backward()
+        else:
+            (loss_fn(model(x), y) / accum).backward()
+
+
 def loss_fn(logits, targets):
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())

@@ -4,7 +4,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common import GLOBAL_BATCH, RandomWindows, loss_fn, make_model, make_optimizer, parse_args
+from common import GLOBAL_BATCH, RandomWindows, ddp_accumulate, make_model, make_optimizer, parse_args
 
 
 def main():
@@ -16,13 +16,7 @@ def main():
     opt = make_optimizer(model)
     data = RandomWindows(dist.get_rank(), micro_batch=args.micro_batch)
     for _ in range(steps):
-        for i in range(accum):
-            x, y = data.micro_batch()
-            if i < accum - 1:
-                with model.no_sync():
-                    (loss_fn(model(x), y) / accum).backward()
-            else:
-                (loss_fn(model(x), y) / accum).backward()
+        ddp_accumulate(model, data, accum)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -7,7 +7,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common import GLOBAL_BATCH, LR, MODEL_SHAPES, RandomWindows, build_model, llama_spec, loss_fn, parse_args
+from common import GLOBAL_BATCH, LR, MODEL_SHAPES, RandomWindows, build_model, ddp_accumulate, llama_spec, \
+    parse_args
 
 BLOCK_MATRIX = re.compile(r"^module\.layers\.\d+\..*\.weight$")
 
@@ -26,13 +27,7 @@ def main():
                                     lr=LR, betas=(0.9, 0.95))]
     data = RandomWindows(dist.get_rank(), seq_len=args.seq_len, micro_batch=args.micro_batch)
     for _ in range(args.steps):
-        for i in range(accum):
-            x, y = data.micro_batch()
-            if i < accum - 1:
-                with model.no_sync():
-                    (loss_fn(model(x), y) / accum).backward()
-            else:
-                (loss_fn(model(x), y) / accum).backward()
+        ddp_accumulate(model, data, accum)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         for opt in optimizers:
             opt.step()

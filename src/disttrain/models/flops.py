@@ -99,3 +99,10 @@ def training_days(tokens: float, flops_per_token: float, gpus: int, achieved_flo
 
 def mfu(flops_per_token: float, tokens_per_second_per_gpu: float, peak_flops_per_gpu: float) -> float:
     return flops_per_token * tokens_per_second_per_gpu / peak_flops_per_gpu
+
+
+def newton_schulz_flops(rows: int, cols: int, steps: int = 5) -> float:
+    """FLOPs of `steps` Newton-Schulz iterations (Muon's orthogonalisation, torch.optim.Muon's quintic) on one
+    rows x cols matrix: per iteration the Gram matrix of the short side, its square, and the product back."""
+    short, long = min(rows, cols), max(rows, cols)
+    return steps * (4 * short * short * long + 2 * short ** 3)

@@ -9,6 +9,7 @@ owner's bf16 result is broadcast to the others; none of it overlaps the step's c
 from __future__ import annotations
 
 from disttrain.layout.layout import Layout
+from disttrain.models.flops import newton_schulz_flops
 from disttrain.models.registry import ModelShape
 
 FP32, BF16 = 4, 2
@@ -28,12 +29,6 @@ def muon_temporaries(matrix: float, total: float) -> float:
     output; the Gram matrices are of the short side, no larger)."""
     bucket = max(matrix, min(BUCKET_ELEMENTS, total))
     return (FP32 + BF16) * bucket + 2 * BF16 * matrix
-
-
-def ns_flops(rows: int, cols: int, steps: int = 5) -> float:
-    """FLOPs of `steps` Newton-Schulz iterations on one rows x cols matrix (train/muon.py counts the same)."""
-    short, long = min(rows, cols), max(rows, cols)
-    return steps * (4 * short * short * long + 2 * short ** 3)
 
 
 def block_matrices(shape: ModelShape) -> list[tuple[int, int]]:
@@ -61,10 +56,10 @@ def muon_step_s(shape: ModelShape, layout: Layout, layers: int, matmul_flops_per
     n = sharing_ranks(layout)
     matrices = block_matrices(shape) * layers if shape.moe is None else \
         block_matrices(shape)[:4] * layers  # MoE: attention here, the experts below
-    flops = sum(ns_flops(r, c) for r, c in matrices) / n
+    flops = sum(newton_schulz_flops(r, c) for r, c in matrices) / n
     if shape.moe is not None:  # each rank's own experts, orthogonalised where they live
         experts = shape.moe.num_experts // layout.ep
-        flops += layers * experts * 3 * ns_flops(shape.moe.moe_intermediate_size, shape.dim)
+        flops += layers * experts * 3 * newton_schulz_flops(shape.moe.moe_intermediate_size, shape.dim)
     seconds = flops / matmul_flops_per_s
     if n > 1:
         bw, lat = link(n, "all_gather")

@@ -24,6 +24,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, EPS, _adjust_lr, _zeropower_via_newtonschulz
 
+from disttrain.models.flops import newton_schulz_flops
 from disttrain.parallel.expert import is_expert_shard
 from disttrain.parallel.expert_shards import shard_of
 from disttrain.parallel.param_names import clean_fqn
@@ -51,13 +52,6 @@ def takes_muon(name: str, param: torch.Tensor) -> bool:
     """The matrices of the repeated blocks (attention, MLP, experts, shared experts), not routers."""
     name = clean_fqn(name)
     return param.ndim in (2, 3) and BLOCK.search(name) is not None and ROUTER.search(name) is None
-
-
-def ns_flops(rows: int, cols: int, steps: int) -> int:
-    """Multiply-adds x 2 of `steps` Newton-Schulz iterations on one rows x cols matrix (the short side squared
-    in the Gram matrix)."""
-    short, long = min(rows, cols), max(rows, cols)
-    return steps * (4 * short * short * long + 2 * short ** 3)
 
 
 def logical_matrices(name: str, shape: tuple[int, ...]) -> list[tuple[int, int]]:
@@ -124,7 +118,8 @@ class MuonWithAdamW(torch.optim.Optimizer):
         muon_params = [p for g in self.param_groups if g["algorithm"] == "muon" for p in g["params"]]
         mine, groups = [], {}
         for p in muon_params:
-            cost = sum(ns_flops(r, c, muon_groups[0]["ns_steps"]) for r, c in logical_matrices(names[p], p.shape))
+            steps = muon_groups[0]["ns_steps"]
+            cost = sum(newton_schulz_flops(r, c, steps) for r, c in logical_matrices(names[p], p.shape))
             ranks, group = sharing(p, replicas)
             mine.append((clean_fqn(names[p]), ranks, cost))
             groups.setdefault(ranks, group)
@@ -224,7 +219,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
         """Decoupled weight decay, then the orthogonalised update at the matrix's adjusted rate (this rank's
         shard of it); its square summed for the update RMS without a host sync."""
         lr = group["lr"]
-        square = ortho.float().square().sum()
+        square = torch.linalg.vector_norm(ortho, dtype=torch.float32) ** 2  # no fp32 copy of the matrix
         if isinstance(p, DTensor):
             ortho = distribute_tensor(ortho, p.device_mesh, p.placements, src_data_rank=None)
         matrix = tuple(full.shape[-2:]) if p.ndim == 2 else self._expert_matrix(p, full)
