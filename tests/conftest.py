@@ -30,7 +30,37 @@ LONGEST_FIRST = ("test_object_storage", "test_hf", "test_quickstart", "test_mode
                  "test_parity", "test_plan", "test_resume")
 
 
+# What `make test` leaves to `make test-slow` (CI's `.ci/run` runs both, so nothing is tested by hand only): the
+# longest multi-process matrices, whose layouts the fast tier still covers once each (DDP, ZeRO, TP, PP, CP, EP,
+# Hugging Face and LoRA, each in a shorter test), keyed by module and by a fixture or test name (a prefix).
+SLOW_TIER = {
+    "test_hf": ("two_rank_runs",),  # every Hugging Face family under every layout (one 2-rank launch)
+    "test_lora": ("two_rank_runs",),  # LoRA under every layout
+    "test_optimizers": ("muon_layouts",),  # Muon under every layout, resharded resumes, the split counted
+    "test_moe": ("test_expert_parallel_equals_one_process",),
+    "test_dryrun": ("test_dry_run_equals_a_real_run",),
+    "test_object_storage": ("test_preempted_then_killed_launch",),
+    "test_planner_grid": ("test_",),  # the planner against the dry run, row by row
+    "test_plan": ("test_the_written_config_is_the_planned_layout[13b", "test_the_written_config_is_the_planned_"
+                  "layout[70b", "test_the_written_config_is_the_planned_layout[qwen3"),
+    "test_context_parallel": ("test_cp2_with_data_or_tensor_parallel_on_4_ranks",),
+    "test_balance": ("four_rank_runs",),
+    "test_sharding": ("four_rank_runs",),
+    "test_chat_data": ("test_the_sft_example_end_to_end",),
+    "test_observability": ("test_bench_scaling_table_and_plot",),
+}
+
+
+def _slow_tier(item) -> bool:
+    keys = SLOW_TIER.get(item.path.stem, ())
+    return any(item.name.startswith(k) or k in item.fixturenames for k in keys)
+
+
 def pytest_collection_modifyitems(items):
+    for item in items:
+        if _slow_tier(item):
+            item.add_marker(pytest.mark.slow)
+
     def rank(item):
         module = item.path.stem
         return LONGEST_FIRST.index(module) if module in LONGEST_FIRST else len(LONGEST_FIRST)

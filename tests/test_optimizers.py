@@ -20,6 +20,8 @@ CASES = {
     "muon": ("optim.name=muon", "optim.schedule=wsd", "optim.decay_fraction=0.5", "optim.weight_decay=0.05"),
     "muon original": ("optim.name=muon", "optim.muon.adjust_lr=original", "optim.muon.nesterov=false",
                       "optim.muon.lr=0.02", "optim.muon.momentum=0.9", "optim.muon.ns_steps=3"),
+    "adamw bf16 states": ("optim.state_dtype=bf16", "checkpoint.every_steps=4"),
+    "muon bf16 states": ("optim.name=muon", "optim.state_dtype=bf16", "checkpoint.every_steps=4"),
 }
 
 
@@ -34,7 +36,12 @@ def against_plain_loops(tmp_path_factory):
         jobs[name] = (run, (*COMMON, *extra))
         jobs[f"{name} reference"] = {"call": "optim_reference:train",
                                      "args": [str(DEBUG_CONFIG), overrides, str(root / f"{run.name}.pt")]}
-    train_many(jobs, nproc=1)
+    for name in ("adamw bf16 states", "muon bf16 states"):  # resumed halfway: the loaded moments stay bf16
+        run, extra = jobs[name]
+        saved = run / "checkpoints" / "step_00000004"
+        jobs[f"{name} resumed"] = (root / f"{run.name}_resumed", (*extra, f"checkpoint.resume={saved}"))
+    train_many({k: v for k, v in jobs.items() if "resumed" not in k}, nproc=1)
+    train_many({k: v for k, v in jobs.items() if "resumed" in k}, nproc=1)
     return {name: (root / name.replace(" ", "_"), torch.load(root / f"{name.replace(' ', '_')}.pt"))
             for name in CASES}
 
@@ -66,6 +73,23 @@ def test_equals_a_plain_pytorch_loop(case, against_plain_loops):
         assert worst <= rel, f"{name}: worst element {worst:.2e} of its largest > {rel:.0e}"
     if case.startswith("muon"):  # the split the reference made by hand: every block matrix, nothing else
         assert len(ref["muon"]) == 2 * 7
+
+
+@pytest.mark.parametrize("case", ["adamw bf16 states", "muon bf16 states"])
+def test_bf16_states_are_saved_in_bf16_and_resume_exactly(case, against_plain_loops):
+    """The checkpoint holds every moment in bf16 (half of fp32's bytes), and a run resumed from it at step 4 ends
+    where the uninterrupted one does (fp64, 1e-10): its loaded moments were kept in bf16, not widened."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    run, _ = against_plain_loops[case]
+    meta = FileSystemReader(str(run / "checkpoints" / "step_00000004")).read_metadata().state_dict_metadata
+    moments = {k: v.properties.dtype for k, v in meta.items() if k.rsplit(".", 1)[-1] in
+               ("exp_avg", "exp_avg_sq", "momentum_buffer")}
+    kinds = {k.rsplit(".", 1)[-1] for k in moments}
+    assert kinds == ({"exp_avg", "exp_avg_sq", "momentum_buffer"} if case.startswith("muon") else
+                     {"exp_avg", "exp_avg_sq"})
+    assert set(moments.values()) == {torch.bfloat16}, moments
+    assert_parity(run.parent / f"{run.name}_resumed", run, step=STEPS, after=4)
 
 
 def test_wsd_holds_the_peak_then_decays_to_min_lr(against_plain_loops):
@@ -206,6 +230,9 @@ REFUSED = {
     "muon with lora": (["optim.name=muon", "model.lora.rank=4"], "optim.name=muon with model.lora"),
     "muon with deepspeed": (["optim.name=muon", "engine=deepspeed"], "optim.name=muon needs engine=torch"),
     "muon with zero-1": (["optim.name=muon", "parallel.zero_stage=1"], "parallel.zero_stage=1 with optim.name=muon"),
+    "4-bit states": (["optim.state_dtype=int4"], "optim.state_dtype=int4"),
+    "bf16 states with deepspeed": (["optim.state_dtype=bf16", "engine=deepspeed"],
+                                   "optim.state_dtype=bf16 needs engine=torch"),
 }
 
 
@@ -295,15 +322,20 @@ def test_the_planner_counts_muons_one_moment():
     with_muon = estimate(resolved.shape, resolved.layout, muon=True).memory.states.optimizer
     assert adamw == 8 * (n_muon + n_rest)
     assert with_muon == 8 * n_rest + 4 * n_muon
+    halved = estimate(resolved.shape, resolved.layout, muon=True, state_dtype="bf16").memory.states.optimizer
+    assert halved == 4 * n_rest + 2 * n_muon  # optim.state_dtype=bf16: two bytes a moment
     from disttrain.plan import optimizer as planned
     from disttrain.train import muon as runtime
 
     assert planned.BUCKET_ELEMENTS == runtime.BUCKET_ELEMENTS  # the step's temporaries are counted per bucket
 
 
-@pytest.mark.parametrize("layout", [("parallel.zero_stage=3",), ("parallel.zero_stage=0",)])
+@pytest.mark.parametrize("layout", [("parallel.zero_stage=3",), ("parallel.zero_stage=0",),
+                                    ("parallel.zero_stage=3", "optim.state_dtype=bf16"),
+                                    ("parallel.zero_stage=1", "optim.name=adamw", "optim.state_dtype=bf16")])
 def test_dry_run_and_planner_agree_on_muons_states(layout):
-    """The dry run of a Muon run measures the optimizer states the planner counts (4 ranks)."""
+    """The dry run of a Muon run (and of bf16 states) measures the optimizer states the planner counts (4
+    ranks)."""
     from disttrain.cli.dryrun import dry_run
     from disttrain.config.load import load_config
 

@@ -1,6 +1,7 @@
 """The independent reference of the optimizer tests: the same model, starting weights and batches as a
 one-process `disttrain train` of CONFIG + OVERRIDES, trained by a plain PyTorch loop written here
-(torch.optim.AdamW, torch.optim.Muon, LambdaLR, clip_grad_norm_), sharing nothing with disttrain's optimizer,
+(torch.optim.AdamW, torch.optim.Muon, LambdaLR, clip_grad_norm_; bf16 states as fp32 ones rounded after
+each step), sharing nothing with disttrain's optimizer,
 schedule or clipping code. Run as a job of tests/workers/train_many.py in a launch of one process:
 
     {"call": "optim_reference:train", "args": [CONFIG, OVERRIDES, OUT]}
@@ -74,6 +75,11 @@ def train(config: str, overrides: list[str], out: str) -> None:
         record["lr"].append(optimizers[0].param_groups[0]["lr"])
         for opt, schedule in zip(optimizers, schedules):
             opt.step()
+            if o.state_dtype == "bf16":  # what a bf16 state keeps: the moments rounded after each step
+                for entry in opt.state.values():
+                    for key in ("exp_avg", "exp_avg_sq", "momentum_buffer"):
+                        if key in entry:
+                            entry[key].copy_(entry[key].to(torch.bfloat16))
             opt.zero_grad(set_to_none=True)
             schedule.step()
         record["loss"].append(loss)

@@ -108,7 +108,7 @@ def dry_run(cfg, world_size: int, ranks: list[int] | None = None, gpu_name: str 
     out = []
     for rank in ranks:
         planned = estimate_memory(resolved.shape, layout, pp_rank=pp_rank_of(layout, rank), routing_skew=routing.skew,
-                                  muon=cfg.optim.name == "muon")
+                                  muon=cfg.optim.name == "muon", state_dtype=cfg.optim.state_dtype)
         planner = {**planned.categories(), "peak_bytes": planned.total}
         if progress:
             progress(f"dry run: rank {rank} of {world_size} ...")

@@ -71,6 +71,8 @@ def add_parsers(sub) -> None:
                      "(default: the config's model.lora.rank, else none)")
     est.add_argument("--optimizer", choices=("adamw", "muon"), default=None, help="optim.name whose states to count "
                      "(default: the config's, else adamw)")
+    est.add_argument("--state-dtype", choices=("fp32", "bf16"), default=None, help="optim.state_dtype of the "
+                     "moments (default: the config's, else fp32)")
     est.add_argument("--json", action="store_true")
     add_cluster_args(est)
 
@@ -217,13 +219,15 @@ def _lora_rank(args) -> int:
     return args.lora_rank
 
 
-def _optimizer(args) -> str:
-    """--optimizer, else the config's optim.name, else adamw."""
-    if args.optimizer is None and args.config:
+def _optimizer(args) -> tuple[str, str]:
+    """(--optimizer, else the config's optim.name, else adamw; --state-dtype, else the config's, else fp32)."""
+    name, dtype = args.optimizer, args.state_dtype
+    if (name is None or dtype is None) and args.config:
         from disttrain.config.load import load_config
 
-        return load_config(args.config, getattr(args, "overrides", [])).optim.name
-    return args.optimizer or "adamw"
+        optim = load_config(args.config, getattr(args, "overrides", [])).optim
+        name, dtype = name or optim.name, dtype or optim.state_dtype
+    return name or "adamw", dtype or "fp32"
 
 
 def cmd_estimate(args) -> None:
@@ -232,7 +236,7 @@ def cmd_estimate(args) -> None:
     cluster = _cluster(args, layout.world_size, name, shape) if args.time else None
     est = estimate(shape, layout, cluster, model=name, accounting=args.accounting, lora_rank=moe.no_lora(
         _lora_rank(args), shape), routing_skew=moe.routing_skew(args.routing_skew, shape),
-        muon=_optimizer(args) == "muon")
+        muon=_optimizer(args)[0] == "muon", state_dtype=_optimizer(args)[1])
     gpu_name, memory = gpu_memory(args.gpu, getattr(args, "hardware", None))
     tokens = parse_count("--tokens", args.tokens) if args.tokens else None
     if args.json:

@@ -57,6 +57,10 @@ def config_problems(cfg) -> list[Problem]:
                                  f"train.steps - optim.warmup_steps = {t.steps - o.warmup_steps}"))
     if o.name == "muon":
         problems += _muon_problems(cfg)
+    if o.state_dtype != "fp32" and cfg.engine == "deepspeed":
+        problems.append(_problem("optim.state_dtype", o.state_dtype, f"optim.state_dtype={o.state_dtype} needs "
+                                 "engine=torch (DeepSpeed keeps its own optimizer states; allowed with "
+                                 "engine=deepspeed: fp32)", "fp32"))
     return problems
 
 

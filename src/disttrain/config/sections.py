@@ -215,4 +215,7 @@ class OptimConfig(Section):
     min_lr: float = Field(0.0, ge=0, description="final learning rate")
     grad_clip: float = Field(1.0, ge=0, description="max global gradient norm over every parameter (0: off; the "
                              "norm is still logged)")
+    state_dtype: Literal["fp32", "bf16"] = Field("fp32", description="dtype the optimizer keeps its moments in "
+                                                 "(AdamW's two, Muon's momentum): bf16 halves their memory, each "
+                                                 "update still computed in the parameters' dtype")
     muon: MuonConfig = Field(default_factory=MuonConfig, description="Muon's settings (optim.name=muon)")

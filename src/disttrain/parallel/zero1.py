@@ -44,25 +44,28 @@ class ExpertsBeside(torch.optim.Optimizer):
         return loss
 
 
-def build_zero1_optimizer(model: nn.Module, optim_cfg, group, expert_group=None) -> torch.optim.Optimizer:
-    """`group`: the data-parallel ranks; `expert_group`: the ranks holding the same experts (None: one rank)."""
+def build_zero1_optimizer(model: nn.Module, optim_cfg, group, expert_group=None,
+                          adamw=(torch.optim.AdamW, {})) -> torch.optim.Optimizer:
+    """`group`: the data-parallel ranks; `expert_group`: the ranks holding the same experts (None: one rank);
+    `adamw`: (the AdamW class each rank steps its share with, its extra keyword arguments)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = _split_states([p for p in params if not is_expert_shard(p)], optim_cfg, group, two_groups=True)
+    opt = _split_states([p for p in params if not is_expert_shard(p)], optim_cfg, group, adamw, two_groups=True)
     experts = [p for p in params if is_expert_shard(p)]
     if not experts:
         return opt
-    return ExpertsBeside(opt, _split_states(experts, optim_cfg, expert_group))
+    return ExpertsBeside(opt, _split_states(experts, optim_cfg, expert_group, adamw))
 
 
-def _split_states(params: list, optim_cfg, group, two_groups: bool = False) -> torch.optim.Optimizer:
+def _split_states(params: list, optim_cfg, group, adamw, two_groups: bool = False) -> torch.optim.Optimizer:
     """AdamW over `params` (matrices decay, vectors do not), its states split over `group` (None: kept).
     `two_groups`: both groups even when one is empty (the dense parameters: checkpoints name two)."""
-    kwargs = {"lr": optim_cfg.lr, "betas": tuple(optim_cfg.betas), "eps": optim_cfg.eps}
+    adamw_cls, extra = adamw
+    kwargs = {"lr": optim_cfg.lr, "betas": tuple(optim_cfg.betas), "eps": optim_cfg.eps, **extra}
     matrices, vectors = [p for p in params if p.ndim >= 2], [p for p in params if p.ndim < 2]
     if group is None:
         groups = [{"params": matrices, "weight_decay": optim_cfg.weight_decay}, {"params": vectors, "weight_decay": 0.0}]
-        return torch.optim.AdamW([g for g in groups if g["params"]], **kwargs)
-    opt = ZeroRedundancyOptimizer(matrices, optimizer_class=torch.optim.AdamW, process_group=group,
+        return adamw_cls([g for g in groups if g["params"]], **kwargs)
+    opt = ZeroRedundancyOptimizer(matrices, optimizer_class=adamw_cls, process_group=group,
                                   weight_decay=optim_cfg.weight_decay, **kwargs)
     if vectors or two_groups:
         opt.add_param_group({"params": vectors, "weight_decay": 0.0})
@@ -116,8 +119,10 @@ def zero1_load_template(model: nn.Module, opt) -> dict:
     """Tensors to load into: this rank's owned parameters' AdamW state, shaped like the parameters
     (whole DTensors for expert shards: DCP reads this rank's experts from any saved layout)."""
     names = _names(model)
-    state = {names[id(p)]: _whole(p, {"step": torch.zeros((), dtype=torch.float32), "exp_avg": torch.zeros_like(p),
-                                      "exp_avg_sq": torch.zeros_like(p)}) for _, p in _owned(opt)}
+    state = {names[id(p)]: _whole(p, {"step": torch.zeros((), dtype=torch.float32),
+                                      "exp_avg": torch.zeros_like(p, dtype=getattr(o, "state_dtype", None)),
+                                      "exp_avg_sq": torch.zeros_like(p, dtype=getattr(o, "state_dtype", None))})
+             for o, p in _owned(opt)}
     return {"state": state, "param_groups": _group_meta(model, opt, names)}
 
 

@@ -60,12 +60,13 @@ class Estimate:
 
 def estimate(shape: ModelShape, layout: Layout, cluster: Cluster | None = None, *, model: str = "custom",
              accounting: str = "runtime", fused_norm: bool = True, lora_rank: int = 0,
-             routing_skew: float = 1.0, muon: bool = False) -> Estimate:
+             routing_skew: float = 1.0, muon: bool = False, state_dtype: str = "fp32") -> Estimate:
     """`lora_rank` > 0: LoRA adapters train on a frozen base (memory only; the step time is the full one's).
     `routing_skew`: an MoE router's load on the busiest expert-parallel rank, 1 = balanced (plan/moe.py).
-    `muon`: optim.name=muon (plan/optimizer.py: its states, temporaries, iterations and traffic)."""
+    `muon`: optim.name=muon (plan/optimizer.py: its states, temporaries, iterations and traffic); `state_dtype`:
+    optim.state_dtype (the moments' bytes)."""
     memory = estimate_memory(shape, layout, accounting, fused_norm, lora_rank=lora_rank, routing_skew=routing_skew,
-                             muon=muon)
+                             muon=muon, state_dtype=state_dtype)
     timing = step_time(shape, layout, cluster, routing_skew, muon) if cluster is not None else None
     return Estimate(model, shape, layout, memory, timing, accounting, routing_skew, "muon" if muon else "adamw")
 

@@ -30,8 +30,9 @@ from disttrain.plan.params import (RankParams, layer_params, lora_layer_params, 
 
 ACCOUNTINGS = ("runtime", "zero-paper")
 FP32 = 4
-ADAM_MOMENT_BYTES = 8  # exp_avg + exp_avg_sq, fp32
-MUON_MOMENT_BYTES = 4  # momentum_buffer, fp32
+STATE_BYTES = {"fp32": 4, "bf16": 2}  # per moment, optim.state_dtype (train/state_dtype.py)
+ADAM_MOMENT_BYTES = 2 * STATE_BYTES["fp32"]  # exp_avg + exp_avg_sq
+MUON_MOMENT_BYTES = STATE_BYTES["fp32"]  # momentum_buffer
 
 
 @dataclass
@@ -59,7 +60,8 @@ class ModelStates:
 
 def model_state_bytes(n_params: float, layout: Layout, accounting: str = "runtime",
                       largest_unit: float = 0.0, root_params: float = 0.0, largest_tensor: float = 0.0,
-                      trainable: float | None = None, muon: float = 0.0, muon_matrix: float = 0.0) -> ModelStates:
+                      trainable: float | None = None, muon: float = 0.0, muon_matrix: float = 0.0,
+                      state_dtype: str = "fp32") -> ModelStates:
     """Bytes of parameters, gradients and optimizer states one rank holds for `n_params` parameters
     (already split by tp/pp). `largest_unit`/`root_params` size FSDP's gather buffers; `largest_tensor`
     (parameters of the biggest one) bounds ZeRO-1's share from below: torch's ZeroRedundancyOptimizer
@@ -67,11 +69,14 @@ def model_state_bytes(n_params: float, layout: Layout, accounting: str = "runtim
     `trainable`: the parameters that train (LoRA adapters; None: all); frozen ones have no gradient,
     no optimizer state and no master copy, and the runtime stores them in a bf16/fp16 compute dtype.
     `muon`: of the trainable parameters, those Muon steps (optim.name=muon: one fp32 momentum where AdamW keeps
-    two moments; train/muon.py), whose largest matrix has `muon_matrix` elements (whole, however sharded)."""
+    two moments; train/muon.py), whose largest matrix has `muon_matrix` elements (whole, however sharded).
+    `state_dtype`: optim.state_dtype; bf16 moments take half the bytes, and their step (one tensor at a time,
+    train/state_dtype.py) holds fp32 copies of one tensor's two moments and its denominator, not of all."""
     pb = DTYPE_BYTES[layout.param_dtype]
     stage = layout.zero_stage
     t = n_params if trainable is None else trainable
-    moments = ADAM_MOMENT_BYTES * (t - muon) + MUON_MOMENT_BYTES * muon
+    per_moment = STATE_BYTES[state_dtype]
+    moments = per_moment * (2 * (t - muon) + muon)
     if accounting == "zero-paper":
         master = 0 if pb == FP32 else FP32
         p, g, o = pb * n_params, pb * t, master * t + moments
@@ -86,6 +91,8 @@ def model_state_bytes(n_params: float, layout: Layout, accounting: str = "runtim
     frozen_bytes = DTYPE_BYTES[layout.compute_dtype] if low else FP32
     p, g, o = FP32 * t + frozen_bytes * (n_params - t), FP32 * t, moments
     adamw = t - muon  # AdamW's foreach temporaries cover its own parameters; Muon's are one matrix at a time
+    if state_dtype != "fp32":  # one tensor at a time (its largest); a tensor's own size under sharding
+        adamw = 3 * min(adamw, largest_tensor or adamw)
     if stage <= 1:
         # DDP: gradients are views into its buckets (gradient_as_bucket_view); autocast keeps a
         # low-precision copy of each weight for the backward - of every weight without checkpointing; with
@@ -102,7 +109,8 @@ def model_state_bytes(n_params: float, layout: Layout, accounting: str = "runtim
         if muon:
             return ModelStates(p, g, o, buffers, step_temporary=FP32 * adamw + muon_temporaries(muon_matrix, muon),
                                first_step_grads=g if layout.gradient_ranks > 1 else 0.0)
-        return ModelStates(p, g, ADAM_MOMENT_BYTES * owned, buffers, step_temporary=FP32 * owned,
+        return ModelStates(p, g, 2 * per_moment * owned, buffers,
+                           step_temporary=FP32 * (owned if state_dtype == "fp32" else adamw),
                            first_step_grads=g if layout.gradient_ranks > 1 else 0.0)
     d = layout.shard_ranks
     rb = DTYPE_BYTES[layout.reduce_dtype]
@@ -195,11 +203,11 @@ def last_forward_output(shape: ModelShape, layout: Layout, held) -> float:
 
 def estimate_memory(shape: ModelShape, layout: Layout, accounting: str = "runtime",
                     fused_norm: bool = True, pp_rank: int | None = None, lora_rank: int = 0,
-                    routing_skew: float = 1.0, muon: bool = False) -> MemoryEstimate:
+                    routing_skew: float = 1.0, muon: bool = False, state_dtype: str = "fp32") -> MemoryEstimate:
     """The rank that needs the most memory (over pipeline stages), with every stage's total kept;
     with `pp_rank`, that pipeline rank's. `lora_rank` > 0: LoRA adapters on every projection train and
     the base (held as the runtime holds it, in fp32) is frozen. `routing_skew`: MoE routing (plan/moe.py).
-    `muon`: optim.name=muon (the block matrices keep one moment instead of two)."""
+    `muon`: optim.name=muon (the block matrices keep one moment instead of two); `state_dtype`: optim.state_dtype."""
     candidates = []
     ranks = {0, layout.pp - 1} | ({1} if layout.pp > 2 else set()) if pp_rank is None else {pp_rank}
     for pp_rank in sorted(ranks):
@@ -211,9 +219,10 @@ def estimate_memory(shape: ModelShape, layout: Layout, accounting: str = "runtim
         matrices = muon_params(shape, held) if muon else 0.0
         states = model_state_bytes(held.total + (adapters or 0), layout, accounting, largest_unit=unit,
                                    root_params=held.root, largest_tensor=largest, trainable=adapters,
-                                   muon=matrices, muon_matrix=shape.dim * max(shape.dim, shape.ffn_hidden_dim))
+                                   muon=matrices, muon_matrix=shape.dim * max(shape.dim, shape.ffn_hidden_dim),
+                                   state_dtype=state_dtype)
         if held.experts:  # the experts' states on their own data-parallel group
-            states = moe_model_states(model_state_bytes, held, layout, accounting, largest, shape, muon)
+            states = moe_model_states(model_state_bytes, held, layout, accounting, largest, shape, muon, state_dtype)
         states.tables = rotary_table_bytes(shape)
         if layout.zero_stage <= 1 and states.buffers and not lora_rank and not held.experts and layout.pp == 1:
             # Autocast casts every matrix but the input embedding's (a lookup); without checkpointing the copies stay

@@ -83,7 +83,7 @@ def expert_tensor(shape: ModelShape, ep: int = 1) -> int:
 
 
 def model_states(model_state_bytes, held, layout: Layout, accounting: str, largest_tensor: float,
-                 shape: ModelShape, muon: bool = False):
+                 shape: ModelShape, muon: bool = False, state_dtype: str = "fp32"):
     """Dense parameters' states over the data-parallel group, the experts' over theirs (`expert_layout`),
     added field by field. `model_state_bytes` is memory's (passed in: memory imports this module). `muon`: the
     block matrices (all but norms and routers; every expert matrix) keep Muon's one moment."""
@@ -93,13 +93,14 @@ def model_states(model_state_bytes, held, layout: Layout, accounting: str, large
     dense_muon = held.block - held.experts - held.layers * 2 * shape.dim - routers if muon else 0.0
     dense = model_state_bytes(held.total - held.experts, layout, accounting, largest_unit=dense_unit,
                               root_params=held.root, largest_tensor=largest_tensor, muon=max(0.0, dense_muon),
-                              muon_matrix=shape.dim * max(shape.dim, shape.ffn_hidden_dim) if muon else 0.0)
+                              muon_matrix=shape.dim * max(shape.dim, shape.ffn_hidden_dim) if muon else 0.0,
+                              state_dtype=state_dtype)
     if not held.experts:
         return dense
     routed = model_state_bytes(held.experts, expert_layout(layout), accounting, largest_unit=expert_unit,
                                root_params=0, largest_tensor=expert_tensor(shape, layout.ep),
                                muon=held.experts if muon else 0.0,
-                               muon_matrix=expert_tensor(shape, layout.ep) if muon else 0.0)
+                               muon_matrix=expert_tensor(shape, layout.ep) if muon else 0.0, state_dtype=state_dtype)
     for f in fields(dense):
         setattr(dense, f.name, getattr(dense, f.name) + getattr(routed, f.name))
     return dense

@@ -34,6 +34,7 @@ from disttrain.train.loss import GlobalMeanLoss
 from disttrain.train.optim import build_optimizer, build_scheduler
 from disttrain.train.phases import HostComputeClock, Phases
 from disttrain.train.precision import Precision
+from disttrain.train.state_dtype import adamw_class
 from disttrain.train.run import Instruments, RunData, TrainedModel, TrainingRun
 
 log = logging.getLogger(__name__)
@@ -166,7 +167,7 @@ def build_engine(cfg: RunConfig, layout: Layout, meshes: Meshes, spec: ModelSpec
         from disttrain.parallel.zero1 import build_zero1_optimizer
 
         same_experts = meshes.same_experts.get_group() if layout.ep > 1 and layout.efsdp > 1 else None
-        optimizer = build_zero1_optimizer(wrapped, cfg.optim, dp_group, same_experts)
+        optimizer = build_zero1_optimizer(wrapped, cfg.optim, dp_group, same_experts, adamw_class(cfg.optim))
     else:
         optimizer = build_optimizer(wrapped, cfg.optim, dp_group if layout.gradient_wrapper == "ddp" else None)
     # DDP's gradients as views into its buckets are zeroed in place (engine.py); copies are freed as usual

@@ -28,6 +28,7 @@ from disttrain.models.flops import newton_schulz_flops
 from disttrain.parallel.expert import is_expert_shard
 from disttrain.parallel.expert_shards import shard_of
 from disttrain.parallel.param_names import clean_fqn
+from disttrain.train.state_dtype import STATE_DTYPES, adamw_class, keep_states_in
 
 BLOCK = re.compile(r"(^|\.)(layers|h)\.\d+\.")  # a repeated block's parameter (built-in, transformers, GPT-2)
 ROUTER = re.compile(r"(^|\.)(router|gate|shared_expert_gate)(\.|$)")  # routers stay with AdamW
@@ -105,8 +106,9 @@ class MuonWithAdamW(torch.optim.Optimizer):
     shares their dicts and this optimizer's state; torch has no optimizer that chains two."""
 
     def __init__(self, muon_groups: list[dict], adamw_groups: list[dict], adamw_kwargs: dict, names: dict,
-                 replicas=None):
-        self.adamw = torch.optim.AdamW([g for g in adamw_groups if g["params"]], **adamw_kwargs)
+                 replicas=None, adamw=torch.optim.AdamW, state_dtype: torch.dtype | None = None):
+        self.adamw = adamw([g for g in adamw_groups if g["params"]], **adamw_kwargs)
+        self.state_dtype = state_dtype  # of the momentum (None: the parameter's)
         for group in adamw_groups:
             group["algorithm"] = "adamw"
         for group in muon_groups:
@@ -145,6 +147,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
         super().load_state_dict(state_dict)
         self.adamw.param_groups = [g for g in self.param_groups if g["algorithm"] == "adamw"]
         self.adamw.state = self.state
+        keep_states_in(self, self.state_dtype)  # torch's load gives states the parameters' dtype
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -201,9 +204,12 @@ class MuonWithAdamW(torch.optim.Optimizer):
         """torch.optim.Muon's momentum step on this rank's share, and the (Nesterov) update it gives, whole."""
         grad, state = p.grad, self.state[p]
         if "momentum_buffer" not in state:
-            state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
-        buf = state["momentum_buffer"]
+            state["momentum_buffer"] = torch.zeros_like(grad, dtype=self.state_dtype, memory_format=torch.preserve_format)
+        stored = state["momentum_buffer"]
+        buf = stored if stored.dtype == grad.dtype else stored.to(grad.dtype)  # bf16 states: computed at full width
         buf.lerp_(grad, 1 - group["momentum"])
+        if buf is not stored:
+            stored.copy_(buf)
         update = grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
         return update.full_tensor() if isinstance(update, DTensor) else update
 
@@ -286,6 +292,8 @@ def build_muon(model: nn.Module, optim_cfg, replicas=None) -> MuonWithAdamW:
     adamw_groups = [{"params": matrices, "weight_decay": optim_cfg.weight_decay},
                     {"params": vectors, "weight_decay": 0.0}]
     mixed = len({isinstance(p, DTensor) for p in matrices + vectors}) > 1  # see build_optimizer
-    kwargs = {"lr": optim_cfg.lr, "betas": tuple(optim_cfg.betas), "eps": optim_cfg.eps,
+    adamw, extra = adamw_class(optim_cfg)
+    kwargs = {"lr": optim_cfg.lr, "betas": tuple(optim_cfg.betas), "eps": optim_cfg.eps, **extra,
               **({"foreach": False} if mixed else {})}
-    return MuonWithAdamW([muon_group], adamw_groups, kwargs, names, replicas)
+    return MuonWithAdamW([muon_group], adamw_groups, kwargs, names, replicas, adamw,
+                         STATE_DTYPES[optim_cfg.state_dtype])

@@ -11,6 +11,7 @@ from torch.distributed.tensor import DTensor
 
 from disttrain.core.dtypes import at_least_fp32
 from disttrain.parallel.expert_shards import hold_expert_states, shard_of
+from disttrain.train.state_dtype import adamw_class
 
 
 def build_optimizer(model: nn.Module, optim_cfg, replicas=None) -> torch.optim.Optimizer:
@@ -33,8 +34,9 @@ def build_optimizer(model: nn.Module, optim_cfg, replicas=None) -> torch.optim.O
     groups = [{"params": decay, "weight_decay": optim_cfg.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
     mixed = len({isinstance(p, DTensor) for p in decay + no_decay}) > 1
-    optimizer = torch.optim.AdamW(groups, lr=optim_cfg.lr, betas=tuple(optim_cfg.betas), eps=optim_cfg.eps,
-                                  **({"foreach": False} if mixed else {}))
+    adamw, extra = adamw_class(optim_cfg)
+    optimizer = adamw(groups, lr=optim_cfg.lr, betas=tuple(optim_cfg.betas), eps=optim_cfg.eps, **extra,
+                      **({"foreach": False} if mixed else {}))
     hold_expert_states(optimizer)
     return optimizer
 

@@ -1,0 +1,81 @@
+"""Optimizer states in bf16 (`optim.state_dtype=bf16`): half the bytes of AdamW's two moments and Muon's momentum.
+
+torch's AdamW keeps its moments in the parameter's dtype: its single-tensor and foreach steps refuse moments of
+another dtype, and only its fused CUDA kernel mixes them (not on CPU, not for a list mixing DTensors and plain
+tensors). So the bf16 step is written here, per tensor: each moment is read into the parameter's dtype, updated by
+the same operations as torch.optim.AdamW's single-tensor step, used at that precision, and stored back rounded. One
+step therefore equals torch.optim.AdamW's step from the rounded moments, which is how the tests check it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+STATE_DTYPES = {"fp32": None, "bf16": torch.bfloat16}  # None: the parameter's own dtype (torch's default)
+MOMENTS = ("exp_avg", "exp_avg_sq", "momentum_buffer")
+
+
+class AdamWLowPrecisionStates(torch.optim.AdamW):
+    """torch.optim.AdamW (decoupled decay, no amsgrad) whose moments are stored in `state_dtype`."""
+
+    def __init__(self, params, state_dtype: torch.dtype = torch.bfloat16, **kwargs):
+        kwargs.pop("foreach", None)
+        super().__init__(params, foreach=False, **kwargs)
+        self.state_dtype = state_dtype
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self._step_one(p, group)
+        return loss
+
+    def _step_one(self, p, group: dict) -> None:
+        beta1, beta2 = group["betas"]
+        lr, grad, state = group["lr"], p.grad, self.state[p]
+        if not state:
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(p, dtype=self.state_dtype, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=self.state_dtype, memory_format=torch.preserve_format)
+        state["step"] += 1
+        step = float(state["step"])
+        if group["weight_decay"] != 0:
+            p.mul_(1 - lr * group["weight_decay"])
+        exp_avg = state["exp_avg"].to(p.dtype).lerp_(grad, 1 - beta1)
+        exp_avg_sq = state["exp_avg_sq"].to(p.dtype).mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        state["exp_avg"].copy_(exp_avg)
+        state["exp_avg_sq"].copy_(exp_avg_sq)
+        bias_correction2_sqrt = (1 - beta2 ** step) ** 0.5
+        denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(group["eps"])
+        p.addcdiv_(exp_avg, denom, value=-(lr / (1 - beta1 ** step)))
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)  # torch casts every state to its parameter's dtype: cast back
+        keep_states_in(self, self.state_dtype)
+
+
+def keep_states_in(optimizer: torch.optim.Optimizer, dtype: torch.dtype | None) -> None:
+    """Cast `optimizer`'s moments back to `dtype` (after a load, which gives them the parameters' dtype)."""
+    if dtype is None:
+        return
+    for entry in optimizer.state.values():
+        for key in MOMENTS:
+            if key in entry and entry[key].dtype != dtype:
+                entry[key] = entry[key].to(dtype)
+
+
+def adamw_class(optim_cfg):
+    """(class, extra keyword arguments) of the AdamW that keeps states in optim.state_dtype. The dtype is the
+    class's default, not an argument: ZeroRedundancyOptimizer copies its extra arguments into every param group
+    (and so into checkpoints)."""
+    dtype = STATE_DTYPES[getattr(optim_cfg, "state_dtype", "fp32")]
+    return (torch.optim.AdamW, {}) if dtype is None else (AdamWBf16States, {})
+
+
+class AdamWBf16States(AdamWLowPrecisionStates):
+    """AdamWLowPrecisionStates in bf16."""
