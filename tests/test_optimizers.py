@@ -421,3 +421,30 @@ def test_the_start_line_says_when_muon_steps_nothing():
             "muon": {"names": ["b", "c"], "params": 3_000_000, "bytes": 12_000_000}}
     assert optimizer_line(both) == ("optimizer: AdamW on 1 tensors (2.00M parameters, 7.6 MiB), Muon on 2 tensors "
                                     "(3.00M parameters, 11.4 MiB)")
+
+
+def test_plan_and_estimate_take_the_optimizer_and_its_state_dtype(tmp_path):
+    """`plan --optimizer muon --state-dtype bf16 --out` writes both keys into a config the runtime validates, and
+    `estimate --state-dtype bf16` halves the moments' bytes of the fp32 count."""
+    import json
+
+    import yaml
+
+    from disttrain.config.load import load_config
+    from disttrain.config.resolve import resolve_run
+    from helpers import run_main
+
+    out = tmp_path / "winner.yaml"
+    code, _, err = run_main("plan", "--model", "1b", "--gpus", "8", "--gpu", "a100-80g", "--seq-len", "2048",
+                            "--global-batch-tokens", "1M", "--optimizer", "muon", "--state-dtype", "bf16",
+                            "--out", str(out))
+    assert code == 0, err
+    written = yaml.safe_load(out.read_text())["optim"]
+    assert (written["name"], written["state_dtype"]) == ("muon", "bf16")
+    resolve_run(load_config(out), 8, "cuda")
+    optimizer = {}
+    for dtype in ("fp32", "bf16"):
+        code, stdout, err = run_main("estimate", "--model", "125m", "--state-dtype", dtype, "--json")
+        assert code == 0, err
+        optimizer[dtype] = json.loads(stdout)["bytes_per_rank"]["optimizer"]
+    assert optimizer["bf16"] == optimizer["fp32"] / 2

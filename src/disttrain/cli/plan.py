@@ -101,6 +101,8 @@ def add_parsers(sub) -> None:
     plan.add_argument("--lora-rank", type=int, default=0, help="LoRA adapters of this rank on a frozen base")
     plan.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw", help="optim.name to plan for "
                       "(muon: one moment for the block matrices; ZeRO-1 not considered)")
+    plan.add_argument("--state-dtype", choices=("fp32", "bf16"), default="fp32", help="optim.state_dtype to plan "
+                      "for (bf16: the moments take half the bytes)")
     plan.add_argument("--scaling", default=None, help="also plan these GPU counts, e.g. 2,4,8,16,32, and print "
                                                       "the scaling efficiency of each")
     plan.add_argument("--out", default=None, help="write the winner as a config to this path (default: none)")
@@ -284,7 +286,8 @@ def cmd_plan(args) -> None:
     space = SearchSpace(seq_len=seq_len, global_batch_size=gbs, zero_stages=stages,
                         allow_offload=args.allow_offload, param_dtype=args.dtype or "bf16",
                         lora_rank=moe.no_lora(args.lora_rank, shape), ep=moe.expert_degrees(args.ep, shape, args.gpus),
-                        routing_skew=moe.routing_skew(args.routing_skew, shape), optimizer=args.optimizer)
+                        routing_skew=moe.routing_skew(args.routing_skew, shape), optimizer=args.optimizer,
+                        state_dtype=args.state_dtype)
     result = search(shape, cluster, space, args.headroom, model=name)
     tokens = parse_count("--tokens", args.tokens) if args.tokens else None
     if not result.ranked:

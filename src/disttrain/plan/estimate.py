@@ -21,6 +21,7 @@ class Estimate:
     accounting: str = "runtime"
     routing_skew: float = 1.0  # MoE: the busiest expert-parallel rank's share over a balanced one (plan/moe.py)
     optimizer: str = "adamw"  # optim.name the memory was counted for
+    state_dtype: str = "fp32"  # optim.state_dtype the moments were counted in
 
     @property
     def tokens_per_step(self) -> int:
@@ -68,7 +69,8 @@ def estimate(shape: ModelShape, layout: Layout, cluster: Cluster | None = None, 
     memory = estimate_memory(shape, layout, accounting, fused_norm, lora_rank=lora_rank, routing_skew=routing_skew,
                              muon=muon, state_dtype=state_dtype)
     timing = step_time(shape, layout, cluster, routing_skew, muon) if cluster is not None else None
-    return Estimate(model, shape, layout, memory, timing, accounting, routing_skew, "muon" if muon else "adamw")
+    return Estimate(model, shape, layout, memory, timing, accounting, routing_skew, "muon" if muon else "adamw",
+                    state_dtype)
 
 
 def shape_for_params(n_params: float) -> tuple[str, ModelShape]:

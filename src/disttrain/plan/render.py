@@ -166,6 +166,8 @@ def _config(est: Estimate, model: dict, steps: int) -> dict:
     sections["optim"] = optimizer_section(est.shape.num_params(), steps)
     if est.optimizer != "adamw":
         sections["optim"] = {"name": est.optimizer, **sections["optim"]}
+    if est.state_dtype != "fp32":
+        sections["optim"] = {**sections["optim"], "state_dtype": est.state_dtype}
     order = ("data", "train", "optim", "parallel", "precision")
     return {"model": model, **({"engine": lay.engine} if lay.engine != "torch" else {}),
             **{name: sections[name] for name in order if sections[name]}}

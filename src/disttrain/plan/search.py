@@ -44,6 +44,7 @@ class SearchSpace:
     ep: tuple[int, ...] | None = None  # expert-parallel degrees to try (None: every one that divides; plan/moe.py)
     routing_skew: float = 1.0  # MoE: the busiest expert-parallel rank's load over a balanced one
     optimizer: str = "adamw"  # or muon: one moment for the block matrices, and no ZeRO-1 (train/muon.py)
+    state_dtype: str = "fp32"  # optim.state_dtype: bf16 moments take half the bytes
 
 
 def expert_degrees(shape: ModelShape, dp_shard: int, space: SearchSpace) -> list[int]:
@@ -128,7 +129,8 @@ def search(shape: ModelShape, cluster: Cluster, space: SearchSpace, headroom: fl
                 continue
             considered += 1
             est = estimate(shape, layout, cluster, model=model, lora_rank=space.lora_rank,
-                           routing_skew=space.routing_skew, muon=space.optimizer == "muon")
+                           routing_skew=space.routing_skew, muon=space.optimizer == "muon",
+                           state_dtype=space.state_dtype)
             if not fits(est, budget):
                 break  # larger micro-batches need more memory still
             ranked.append(est)
@@ -145,7 +147,7 @@ def brute_force(shape: ModelShape, cluster: Cluster, space: SearchSpace, headroo
             layout = family.replace(micro_batch_size=mbs)
             if not layout_problems(shape, layout):
                 est = estimate(shape, layout, cluster, lora_rank=space.lora_rank, routing_skew=space.routing_skew,
-                               muon=space.optimizer == "muon")
+                               muon=space.optimizer == "muon", state_dtype=space.state_dtype)
                 if fits(est, budget):
                     out.append(est)
     out.sort(key=lambda e: (-e.time.tokens_per_s, e.memory.total))
