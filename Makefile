@@ -35,8 +35,8 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadfile tests
 
 # The slow tests (`.ci/run` runs them after `make test`): elastic node loss and rejoin, the exit barrier, DeepSpeed
-# under srun, 4-rank context parallelism, the planner grid's long rows. Two workers: the node tests time real
-# restarts, which a third worker's load would stretch.
+# under srun, and the longest layout matrices (listed in tests/conftest.py, SLOW_TIER). Two workers: the node tests
+# time real restarts, which a third worker's load would stretch.
 SLOW_WORKERS ?= 2
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow -n $(SLOW_WORKERS) --dist loadfile tests
