@@ -112,6 +112,12 @@ MUON_LAYOUTS = {  # 2 ranks; micro-batches of 1 (accumulating) unless a layout n
     "zero3 + cpu offload": ("parallel.zero_stage=3", "parallel.cpu_offload=true", "train.micro_batch_size=1"),
     "tp2": ("parallel.tp=2", "train.micro_batch_size=2"),
     "pp2 1f1b": ("parallel.pp=2", "parallel.pp_schedule=1f1b", "train.micro_batch_size=1"),
+    "pp2 gpipe": ("parallel.pp=2", "parallel.pp_schedule=gpipe", "train.micro_batch_size=1"),
+    "pp2 interleaved 1f1b": ("parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "train.micro_batch_size=1"),
+    "pp2 zero bubble": ("parallel.pp=2", "parallel.pp_schedule=zero_bubble", "train.micro_batch_size=1"),
+    "tp2 + sp": ("parallel.tp=2", "parallel.sequence_parallel=true", "train.micro_batch_size=2"),
+    "ddp uneven 3:1": ("parallel.balance_weights=[3,1]", "train.micro_batch_size=1"),
+    "zero3 uneven 1:3": ("parallel.zero_stage=3", "parallel.balance_weights=[1,3]", "train.micro_batch_size=1"),
     "cp2": ("parallel.cp=2", "train.micro_batch_size=2"),
     # MoE: the balancing loss is over each forward's tokens, so no accumulation (as in test_moe)
     "ep2 + zero3 (moe)": ("model.name=debug-moe", "parallel.ep=2", "parallel.zero_stage=3"),
