@@ -117,6 +117,8 @@ MUON_LAYOUTS = {  # 2 ranks; micro-batches of 1 (accumulating) unless a layout n
     "pp2 zero bubble": ("parallel.pp=2", "parallel.pp_schedule=zero_bubble", "train.micro_batch_size=1"),
     "tp2 + sp": ("parallel.tp=2", "parallel.sequence_parallel=true", "train.micro_batch_size=2"),
     "ddp uneven 3:1": ("parallel.balance_weights=[3,1]", "train.micro_batch_size=1"),
+    "ddp + full recompute": ("parallel.activation_checkpointing=full", "train.micro_batch_size=1"),
+    "zero3 + compile": ("parallel.zero_stage=3", "parallel.compile=true", "train.micro_batch_size=1"),
     "zero3 uneven 1:3": ("parallel.zero_stage=3", "parallel.balance_weights=[1,3]", "train.micro_batch_size=1"),
     "cp2": ("parallel.cp=2", "train.micro_batch_size=2"),
     # MoE: the balancing loss is over each forward's tokens, so no accumulation (as in test_moe)
@@ -171,6 +173,10 @@ def muon_layouts(tmp_path_factory):
 def test_muon_layouts_match_one_process(layout, muon_layouts):
     """fp64, 1e-10: losses, gradient norms and learning rates per step, and every parameter at the end."""
     refs, runs = muon_layouts
+    if "compile" in layout:  # dynamo captured the blocks' graphs in this job (train_many counts per job)
+        import json
+
+        assert json.loads((runs[layout] / "dynamo_stats.json").read_text()).get("unique_graphs", 0) >= 1
     assert_parity(runs[layout], refs["moe" if "moe" in layout else "dense"], step=PARITY_STEPS)
 
 
