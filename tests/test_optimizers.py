@@ -104,6 +104,7 @@ MUON_PARITY = (FP64, f"train.steps={PARITY_STEPS}", "train.global_batch_size=4",
                "optim.name=muon", "checkpoint.save_final=true", "metrics.sync_check_every=5")
 MUON_LAYOUTS = {  # 2 ranks; micro-batches of 1 (accumulating) unless a layout needs more per rank
     "ddp": ("train.micro_batch_size=1",),
+    "zero1": ("parallel.zero_stage=1", "train.micro_batch_size=1", "checkpoint.every_steps=5"),
     "zero3": ("parallel.zero_stage=3", "train.micro_batch_size=1"),
     "zero2 + selective recompute": ("parallel.zero_stage=2", "parallel.activation_checkpointing=selective",
                                     "train.micro_batch_size=1"),
@@ -165,7 +166,10 @@ def muon_layouts(tmp_path_factory):
     runs = train_many(jobs, nproc=2)
     runs |= train_many({"hsdp 2x2": (root / "hsdp_2x2", (*MUON_PARITY, *HSDP_2X2)),
                         "hsdp 2x2 in fp32": (root / "hsdp_2x2_fp32", (*MUON_FP32, *HSDP_2X2))}, nproc=4)
-    runs |= train_many({"one resumed": (root / "one_resumed", (*FP32_SAVE, f"checkpoint.resume={saved}"))}, nproc=1)
+    zero1_saved = runs["zero1"] / "checkpoints" / "step_00000005"  # each matrix's momentum on its owner only
+    runs |= train_many({"one resumed": (root / "one_resumed", (*FP32_SAVE, f"checkpoint.resume={saved}")),
+                        "zero1 resumed": (root / "zero1_resumed", (*MUON_PARITY, "train.micro_batch_size=4",
+                                                                   f"checkpoint.resume={zero1_saved}"))}, nproc=1)
     return refs, runs
 
 
@@ -178,6 +182,13 @@ def test_muon_layouts_match_one_process(layout, muon_layouts):
 
         assert json.loads((runs[layout] / "dynamo_stats.json").read_text()).get("unique_graphs", 0) >= 1
     assert_parity(runs[layout], refs["moe" if "moe" in layout else "dense"], step=PARITY_STEPS)
+
+
+def test_a_zero1_muon_checkpoint_resumes_exactly_on_one_process(muon_layouts):
+    """Under ZeRO-1 each matrix's momentum lives on its owner only: the checkpoint still holds all of them, and
+    one process resumed from it at step 5 ends where one process trained throughout does (fp64, 1e-10)."""
+    refs, runs = muon_layouts
+    assert_parity(runs["zero1 resumed"], refs["dense"], step=PARITY_STEPS, after=5)
 
 
 def test_muon_on_hsdp_2x2_matches_one_process(muon_layouts):
@@ -299,7 +310,6 @@ REFUSED = {
     "decay steps past the warmup": (["optim.schedule=wsd", "optim.decay_steps=19"], "optim.decay_steps=19 exceeds"),
     "muon with lora": (["optim.name=muon", "model.lora.rank=4"], "optim.name=muon with model.lora"),
     "muon with deepspeed": (["optim.name=muon", "engine=deepspeed"], "optim.name=muon needs engine=torch"),
-    "muon with zero-1": (["optim.name=muon", "parallel.zero_stage=1"], "parallel.zero_stage=1 with optim.name=muon"),
     "4-bit states": (["optim.state_dtype=int4"], "optim.state_dtype=int4"),
     "bf16 states with deepspeed": (["optim.state_dtype=bf16", "engine=deepspeed"],
                                    "optim.state_dtype=bf16 needs engine=torch"),
@@ -400,7 +410,7 @@ def test_the_planner_counts_muons_one_moment():
     assert planned.BUCKET_ELEMENTS == runtime.BUCKET_ELEMENTS  # the step's temporaries are counted per bucket
 
 
-@pytest.mark.parametrize("layout", [("parallel.zero_stage=3",), ("parallel.zero_stage=0",),
+@pytest.mark.parametrize("layout", [("parallel.zero_stage=3",), ("parallel.zero_stage=0",), ("parallel.zero_stage=1",),
                                     ("parallel.zero_stage=3", "optim.state_dtype=bf16"),
                                     ("parallel.zero_stage=1", "optim.name=adamw", "optim.state_dtype=bf16")])
 def test_dry_run_and_planner_agree_on_muons_states(layout):
@@ -437,11 +447,14 @@ def test_the_planner_times_every_newton_schulz_iteration():
 
 def test_logging_steps_carry_muons_update_and_share(muon_layouts):
     """Each step record of a Muon run has the orthogonalised update's RMS (at most the peak adjusted rate times
-    one, the RMS of an orthogonal matrix's entries being at most 1) and Muon's share of the optimizer step."""
+    one, the RMS of an orthogonal matrix's entries being at most 1), AdamW's update RMS and Muon's share of the
+    optimizer step."""
     refs, _ = muon_layouts
     for record in step_records(refs["dense"]).values():
         assert 0 < record["muon_update_rms"] < 0.2 * 64 ** 0.5 * 3e-3
         assert 0 < record["muon_optimizer_share"] < 1
+        # Adam's step is at most the rate per element when 1 - beta1 < sqrt(1 - beta2) (0.1 < 0.22 here)
+        assert 0 < record["adamw_update_rms"] <= record["lr"] * (1 + 1e-9)
 
 
 def test_a_wsd_run_extended_on_resume_decays_at_the_new_end():

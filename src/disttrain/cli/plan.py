@@ -100,7 +100,7 @@ def add_parsers(sub) -> None:
     plan.add_argument("--top", type=int, default=5)
     plan.add_argument("--lora-rank", type=int, default=0, help="LoRA adapters of this rank on a frozen base")
     plan.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw", help="optim.name to plan for "
-                      "(muon: one moment for the block matrices; ZeRO-1 not considered)")
+                      "(muon: one moment for the block matrices)")
     plan.add_argument("--state-dtype", choices=("fp32", "bf16"), default="fp32", help="optim.state_dtype to plan "
                       "for (bf16: the moments take half the bytes)")
     plan.add_argument("--scaling", default=None, help="also plan these GPU counts, e.g. 2,4,8,16,32, and print "

@@ -65,8 +65,7 @@ def config_problems(cfg) -> list[Problem]:
 
 
 def _muon_problems(cfg) -> list[Problem]:
-    """What Muon does not compose with (yet): LoRA's adapters, DeepSpeed's own optimizer step, ZeRO-1's
-    partitioned AdamW."""
+    """What Muon does not compose with: LoRA's adapters, DeepSpeed's own optimizer step."""
     if cfg.model.lora is not None:
         return [_problem("optim.name", "muon", "optim.name=muon with model.lora: LoRA trains low-rank adapters, "
                          "whose factors Muon's orthogonalisation does not suit (allowed with model.lora: adamw)",
@@ -74,9 +73,6 @@ def _muon_problems(cfg) -> list[Problem]:
     if cfg.engine == "deepspeed":
         return [_problem("optim.name", "muon", "optim.name=muon needs engine=torch (DeepSpeed steps its own "
                          "optimizer; allowed with engine=deepspeed: adamw)", "adamw")]
-    if cfg.parallel.zero_stage == 1:
-        return [_problem("parallel.zero_stage", 1, "parallel.zero_stage=1 with optim.name=muon: ZeRO-1 partitions "
-                         "AdamW's states, not Muon's (allowed with muon: 0, 2, 3)", "0, 2, 3")]
     return []
 
 

@@ -106,7 +106,8 @@ def model_state_bytes(n_params: float, layout: Layout, accounting: str = "runtim
             held_copies = t
         buffers = pb * held_copies if pb != FP32 else 0.0
         owned = max(t / layout.gradient_ranks, largest_tensor) if stage == 1 else t
-        if muon:
+        if muon:  # ZeRO-1 keeps each matrix's momentum on its owner only; AdamW's states stay replicated
+            o = per_moment * (2 * (t - muon) + muon / (layout.gradient_ranks if stage == 1 else 1))
             return ModelStates(p, g, o, buffers, step_temporary=FP32 * adamw + muon_temporaries(muon_matrix, muon),
                                first_step_grads=g if layout.gradient_ranks > 1 else 0.0)
         return ModelStates(p, g, 2 * per_moment * owned, buffers,

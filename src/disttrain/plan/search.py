@@ -43,7 +43,7 @@ class SearchSpace:
     lora_rank: int = 0  # > 0: LoRA adapters on a frozen base
     ep: tuple[int, ...] | None = None  # expert-parallel degrees to try (None: every one that divides; plan/moe.py)
     routing_skew: float = 1.0  # MoE: the busiest expert-parallel rank's load over a balanced one
-    optimizer: str = "adamw"  # or muon: one moment for the block matrices, and no ZeRO-1 (train/muon.py)
+    optimizer: str = "adamw"  # or muon: one moment for the block matrices (train/muon.py)
     state_dtype: str = "fp32"  # optim.state_dtype: bf16 moments take half the bytes
 
 
@@ -64,7 +64,7 @@ def layout_families(shape: ModelShape, cluster: Cluster, space: SearchSpace) -> 
         for pp in divisors(gpus // (tp * cp)):
             dp = gpus // (tp * pp * cp)
             schedules = space.schedules if pp > 1 else ("1f1b",)
-            for stage in (s for s in space.zero_stages if not (space.optimizer == "muon" and s == 1)):
+            for stage in space.zero_stages:
                 replicas = divisors(dp) if stage >= 2 else [1]
                 offloads = (False, True) if space.allow_offload and stage >= 2 else (False,)
                 if stage and dp * cp == 1:  # sharding over one rank changes nothing, unless it offloads

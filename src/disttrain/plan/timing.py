@@ -211,8 +211,9 @@ def step_time(shape: ModelShape, layout: Layout, cluster: Cluster, routing_skew:
             dp_comm = ar
             last_bucket = all_reduce_s(dp, min(DDP_BUCKET_BYTES, rb * groups[0][1]), bw, lat)
             dp_exposed = exposed(ar, bwd, cluster.overlap_efficiency, last_bucket)
-            if layout.zero_stage == 1:  # updated parameters broadcast from their owners after the step (the
-                link = cluster.link(dp * layout.tp, "all_gather")  # experts' over the ranks holding them)
+            if layout.zero_stage == 1 and not muon:  # updated parameters broadcast from their owners after the
+                # step (the experts' over the ranks holding them); with Muon only its updates travel (muon_step_s)
+                link = cluster.link(dp * layout.tp, "all_gather")
                 ag = sum(all_gather_s(g.gradient_ranks, 4 * n, *link) for g, n, _ in groups if g.zero_stage == 1)
                 dp_comm += ag
                 dp_exposed += ag

@@ -163,19 +163,21 @@ def build_engine(cfg: RunConfig, layout: Layout, meshes: Meshes, spec: ModelSpec
     wrapped = parallelize(model, spec, layout, meshes, device, cfg.parallel, document_eos)
     if materialize is not None and layout.gradient_wrapper == "fsdp":
         materialize(wrapped)  # fully_shard takes meta parameters, not fake ones
-    if layout.sharded_optimizer:
+    zero1_adamw = layout.sharded_optimizer and cfg.optim.name == "adamw"  # ZeRO-1 with Muon: train/muon.py
+    if zero1_adamw:
         from disttrain.parallel.zero1 import build_zero1_optimizer
 
         same_experts = meshes.same_experts.get_group() if layout.ep > 1 and layout.efsdp > 1 else None
         optimizer = build_zero1_optimizer(wrapped, cfg.optim, dp_group, same_experts, adamw_class(cfg.optim))
     else:
-        optimizer = build_optimizer(wrapped, cfg.optim, dp_group if layout.gradient_wrapper == "ddp" else None)
+        optimizer = build_optimizer(wrapped, cfg.optim, dp_group if layout.gradient_wrapper == "ddp" else None,
+                                    shard_states=layout.sharded_optimizer)
     # DDP's gradients as views into its buckets are zeroed in place (engine.py); copies are freed as usual
     bucket_views = layout.gradient_wrapper == "ddp" and cfg.parallel.ddp_gradient_as_bucket_view
     step = _optimizer_step(cfg, optimizer, precision, None, keep_gradients=bucket_views)
     _route_moe(step, spec, wrapped, layout, meshes)
     return TorchEngine(wrapped, optimizer, step, mean_loss, precision, device, tensor_parallel, dp_group, phases,
-                       sharded_optimizer=layout.sharded_optimizer, keep_gathered=layout.keep_gathered)
+                       sharded_optimizer=zero1_adamw, keep_gathered=layout.keep_gathered)
 
 
 def _route_moe(step: OptimizerStep, spec: ModelSpec, model: nn.Module, layout: Layout, meshes: Meshes) -> None:

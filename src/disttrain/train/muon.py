@@ -106,9 +106,11 @@ class MuonWithAdamW(torch.optim.Optimizer):
     shares their dicts and this optimizer's state; torch has no optimizer that chains two."""
 
     def __init__(self, muon_groups: list[dict], adamw_groups: list[dict], adamw_kwargs: dict, names: dict,
-                 replicas=None, adamw=torch.optim.AdamW, state_dtype: torch.dtype | None = None):
+                 replicas=None, adamw=torch.optim.AdamW, state_dtype: torch.dtype | None = None,
+                 shard_states: bool = False):
         self.adamw = adamw([g for g in adamw_groups if g["params"]], **adamw_kwargs)
         self.state_dtype = state_dtype  # of the momentum (None: the parameter's)
+        self.shard_states = shard_states  # ZeRO-1: a replicated matrix's momentum only on its owner
         for group in adamw_groups:
             group["algorithm"] = "adamw"
         for group in muon_groups:
@@ -128,7 +130,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
         owners, made = _agree(mine, [r for r, g in groups.items() if g is None and len(r) > 1])
         self.placements = {p: Placement(owners[(name, ranks)], ranks, groups[ranks] or made.get(ranks))
                            for p, (name, ranks, _) in zip(muon_params, mine)}
-        self._update_squares, self._update_numel, self._seconds = None, 0, (0.0, 0.0)
+        self._update_squares, self._update_numel, self._seconds, self._adamw_lrs = None, 0, (0.0, 0.0), []
 
     def split(self) -> dict:
         """Which parameters each algorithm steps on this rank: names (as checkpoints spell them), parameters and
@@ -156,6 +158,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         started = time.perf_counter()
+        self._adamw_lrs = [group["lr"] for group in self.adamw.param_groups]  # the schedule moves them after the step
         self.adamw.step()
         adamw_done = time.perf_counter()
         self._update_squares, self._update_numel = None, 0
@@ -173,7 +176,25 @@ class MuonWithAdamW(torch.optim.Optimizer):
             return {}
         adamw, muon = self._seconds
         return {"muon_update_rms": math.sqrt(float(self._update_squares) / max(1, self._update_numel)),
+                "adamw_update_rms": self._adamw_update_rms(),
                 "muon_optimizer_share": muon / (adamw + muon) if adamw + muon else 0.0}
+
+    def _adamw_update_rms(self) -> float:
+        """The RMS of AdamW's latest update on this rank's shards (lr x the bias-corrected m / (sqrt(v) + eps),
+        weight decay apart), recomputed from its moments on logging steps only."""
+        squares, numel = 0.0, 0
+        for group, lr in zip(self.adamw.param_groups, self._adamw_lrs):
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                state = self.state.get(p)
+                if not state or "exp_avg" not in state:
+                    continue
+                step = float(state["step"])
+                m, v = (t.to_local() if isinstance(t, DTensor) else t for t in (state["exp_avg"], state["exp_avg_sq"]))
+                update = (m.double() / (1 - beta1 ** step)) / ((v.double() / (1 - beta2 ** step)).sqrt() + group["eps"])
+                squares += float(lr) ** 2 * float(torch.linalg.vector_norm(update) ** 2)
+                numel += update.numel()
+        return math.sqrt(squares / max(1, numel))
 
     def _muon_group(self, group: dict) -> None:
         params = [p for p in group["params"] if p.grad is not None]
@@ -192,13 +213,18 @@ class MuonWithAdamW(torch.optim.Optimizer):
         then each owner's iterations with their broadcasts in flight, so that the ranks orthogonalise at the same
         time instead of one after the other; then every update applied."""
         rank = dist.get_rank() if dist.is_initialized() else 0
-        fulls = [self._whole_update(p, group) for p in bucket]
+        fulls = [self._whole_update(p, group) if self._keeps_state(p, rank) else p.detach() for p in bucket]
         sent = [self._send(self._orthogonalise(p, full, group) if rank == self.placements[p].owner else None, full,
                            self.placements[p]) for p, full in zip(bucket, fulls)]
         for p, full, (ortho, work) in zip(bucket, fulls, sent):
             if work is not None:
                 work.wait()
             self._apply(p, full, ortho, group)
+
+    def _keeps_state(self, p, rank: int) -> bool:
+        """Under ZeRO-1 (`shard_states`) a replicated matrix's gradient is whole on every rank, so only its owner
+        keeps the momentum and makes the update; the others receive the result (and only need its shape)."""
+        return not self.shard_states or isinstance(p, DTensor) or rank == self.placements[p].owner
 
     def _whole_update(self, p, group: dict) -> torch.Tensor:
         """torch.optim.Muon's momentum step on this rank's share, and the (Nesterov) update it gives, whole."""
@@ -281,9 +307,10 @@ def split_parameters(model: nn.Module) -> tuple[list, list, list, dict]:
     return muon, matrices, vectors, names
 
 
-def build_muon(model: nn.Module, optim_cfg, replicas=None) -> MuonWithAdamW:
+def build_muon(model: nn.Module, optim_cfg, replicas=None, shard_states: bool = False) -> MuonWithAdamW:
     """Muon over the block matrices (optim.muon.*), AdamW over the rest (optim.*); `replicas`: the group plain
-    parameters are replicated over (DDP's), whose ranks share each matrix's iteration."""
+    parameters are replicated over (DDP's), whose ranks share each matrix's iteration; `shard_states` (ZeRO-1):
+    each matrix's momentum kept by its owner only (AdamW's states stay replicated)."""
     muon, matrices, vectors, names = split_parameters(model)
     m = optim_cfg.muon
     muon_group = {"params": muon, "lr": m.lr or optim_cfg.lr, "momentum": m.momentum, "nesterov": m.nesterov,
@@ -296,4 +323,4 @@ def build_muon(model: nn.Module, optim_cfg, replicas=None) -> MuonWithAdamW:
     kwargs = {"lr": optim_cfg.lr, "betas": tuple(optim_cfg.betas), "eps": optim_cfg.eps, **extra,
               **({"foreach": False} if mixed else {})}
     return MuonWithAdamW([muon_group], adamw_groups, kwargs, names, replicas, adamw,
-                         STATE_DTYPES[optim_cfg.state_dtype])
+                         STATE_DTYPES[optim_cfg.state_dtype], shard_states)

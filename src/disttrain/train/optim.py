@@ -14,9 +14,10 @@ from disttrain.parallel.expert_shards import hold_expert_states, shard_of
 from disttrain.train.state_dtype import adamw_class
 
 
-def build_optimizer(model: nn.Module, optim_cfg, replicas=None) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, optim_cfg, replicas=None, shard_states: bool = False) -> torch.optim.Optimizer:
     """optim.name's optimizer over `model`'s trainable parameters. `replicas`: the process group the plain
-    parameters are replicated over (DDP's), whose ranks share Muon's work.
+    parameters are replicated over (DDP's), whose ranks share Muon's work; `shard_states`: ZeRO-1 with Muon
+    (each matrix's momentum on its owner only; ZeRO-1 with AdamW is parallel/zero1.py's).
 
     torch's foreach kernels (AdamW's default on GPUs) refuse a list mixing DTensors and plain tensors, as
     plain expert shards are beside FSDP's or tensor parallel's DTensors: those take the per-tensor loop.
@@ -24,7 +25,7 @@ def build_optimizer(model: nn.Module, optim_cfg, replicas=None) -> torch.optim.O
     if optim_cfg.name == "muon":
         from disttrain.train.muon import build_muon
 
-        optimizer = build_muon(model, optim_cfg, replicas)
+        optimizer = build_muon(model, optim_cfg, replicas, shard_states)
         hold_expert_states(optimizer)
         return optimizer
     decay, no_decay = [], []
