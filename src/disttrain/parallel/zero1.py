@@ -45,9 +45,9 @@ class ExpertsBeside(torch.optim.Optimizer):
 
 
 def build_zero1_optimizer(model: nn.Module, optim_cfg, group, expert_group=None,
-                          adamw=(torch.optim.AdamW, {})) -> torch.optim.Optimizer:
+                          adamw=torch.optim.AdamW) -> torch.optim.Optimizer:
     """`group`: the data-parallel ranks; `expert_group`: the ranks holding the same experts (None: one rank);
-    `adamw`: (the AdamW class each rank steps its share with, its extra keyword arguments)."""
+    `adamw`: the AdamW class each rank steps its share with (the optimizer's package gives it)."""
     params = [p for p in model.parameters() if p.requires_grad]
     opt = _split_states([p for p in params if not is_expert_shard(p)], optim_cfg, group, adamw, two_groups=True)
     experts = [p for p in params if is_expert_shard(p)]
@@ -59,13 +59,12 @@ def build_zero1_optimizer(model: nn.Module, optim_cfg, group, expert_group=None,
 def _split_states(params: list, optim_cfg, group, adamw, two_groups: bool = False) -> torch.optim.Optimizer:
     """AdamW over `params` (matrices decay, vectors do not), its states split over `group` (None: kept).
     `two_groups`: both groups even when one is empty (the dense parameters: checkpoints name two)."""
-    adamw_cls, extra = adamw
-    kwargs = {"lr": optim_cfg.lr, "betas": tuple(optim_cfg.betas), "eps": optim_cfg.eps, **extra}
+    kwargs = {"lr": optim_cfg.lr, "betas": tuple(optim_cfg.betas), "eps": optim_cfg.eps}
     matrices, vectors = [p for p in params if p.ndim >= 2], [p for p in params if p.ndim < 2]
     if group is None:
         groups = [{"params": matrices, "weight_decay": optim_cfg.weight_decay}, {"params": vectors, "weight_decay": 0.0}]
-        return adamw_cls([g for g in groups if g["params"]], **kwargs)
-    opt = ZeroRedundancyOptimizer(matrices, optimizer_class=adamw_cls, process_group=group,
+        return adamw([g for g in groups if g["params"]], **kwargs)
+    opt = ZeroRedundancyOptimizer(matrices, optimizer_class=adamw, process_group=group,
                                   weight_decay=optim_cfg.weight_decay, **kwargs)
     if vectors or two_groups:
         opt.add_param_group({"params": vectors, "weight_decay": 0.0})

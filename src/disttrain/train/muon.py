@@ -181,8 +181,9 @@ class MuonWithAdamW(torch.optim.Optimizer):
 
     def _adamw_update_rms(self) -> float:
         """The RMS of AdamW's latest update on this rank's shards (lr x the bias-corrected m / (sqrt(v) + eps),
-        weight decay apart), recomputed from its moments on logging steps only."""
-        squares, numel = 0.0, 0
+        weight decay apart), recomputed from its moments on logging steps only, in the parameters' dtype on the
+        device with one host read."""
+        squares, numel = None, 0
         for group, lr in zip(self.adamw.param_groups, self._adamw_lrs):
             beta1, beta2 = group["betas"]
             for p in group["params"]:
@@ -191,10 +192,12 @@ class MuonWithAdamW(torch.optim.Optimizer):
                     continue
                 step = float(state["step"])
                 m, v = (t.to_local() if isinstance(t, DTensor) else t for t in (state["exp_avg"], state["exp_avg_sq"]))
-                update = (m.double() / (1 - beta1 ** step)) / ((v.double() / (1 - beta2 ** step)).sqrt() + group["eps"])
-                squares += float(lr) ** 2 * float(torch.linalg.vector_norm(update) ** 2)
+                m, v = m.to(p.dtype), v.to(p.dtype)  # as the step computed it (bf16 states widened)
+                update = (m / (1 - beta1 ** step)) / ((v / (1 - beta2 ** step)).sqrt() + group["eps"])
+                square = float(lr) ** 2 * torch.linalg.vector_norm(update) ** 2
+                squares = square if squares is None else squares + square
                 numel += update.numel()
-        return math.sqrt(squares / max(1, numel))
+        return math.sqrt(float(squares) / numel) if numel else 0.0
 
     def _muon_group(self, group: dict) -> None:
         params = [p for p in group["params"] if p.grad is not None]
@@ -319,8 +322,7 @@ def build_muon(model: nn.Module, optim_cfg, replicas=None, shard_states: bool = 
     adamw_groups = [{"params": matrices, "weight_decay": optim_cfg.weight_decay},
                     {"params": vectors, "weight_decay": 0.0}]
     mixed = len({isinstance(p, DTensor) for p in matrices + vectors}) > 1  # see build_optimizer
-    adamw, extra = adamw_class(optim_cfg)
-    kwargs = {"lr": optim_cfg.lr, "betas": tuple(optim_cfg.betas), "eps": optim_cfg.eps, **extra,
+    kwargs = {"lr": optim_cfg.lr, "betas": tuple(optim_cfg.betas), "eps": optim_cfg.eps,
               **({"foreach": False} if mixed else {})}
-    return MuonWithAdamW([muon_group], adamw_groups, kwargs, names, replicas, adamw,
+    return MuonWithAdamW([muon_group], adamw_groups, kwargs, names, replicas, adamw_class(optim_cfg),
                          STATE_DTYPES[optim_cfg.state_dtype], shard_states)

@@ -35,9 +35,8 @@ def build_optimizer(model: nn.Module, optim_cfg, replicas=None, shard_states: bo
     groups = [{"params": decay, "weight_decay": optim_cfg.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
     mixed = len({isinstance(p, DTensor) for p in decay + no_decay}) > 1
-    adamw, extra = adamw_class(optim_cfg)
-    optimizer = adamw(groups, lr=optim_cfg.lr, betas=tuple(optim_cfg.betas), eps=optim_cfg.eps, **extra,
-                      **({"foreach": False} if mixed else {}))
+    optimizer = adamw_class(optim_cfg)(groups, lr=optim_cfg.lr, betas=tuple(optim_cfg.betas), eps=optim_cfg.eps,
+                                       **({"foreach": False} if mixed else {}))
     hold_expert_states(optimizer)
     return optimizer
 

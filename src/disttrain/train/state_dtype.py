@@ -15,13 +15,16 @@ STATE_DTYPES = {"fp32": None, "bf16": torch.bfloat16}  # None: the parameter's o
 MOMENTS = ("exp_avg", "exp_avg_sq", "momentum_buffer")
 
 
-class AdamWLowPrecisionStates(torch.optim.AdamW):
-    """torch.optim.AdamW (decoupled decay, no amsgrad) whose moments are stored in `state_dtype`."""
+class AdamWBf16States(torch.optim.AdamW):
+    """torch.optim.AdamW (decoupled decay, no amsgrad) whose moments are stored in bf16. The dtype is a class
+    attribute, not an argument: ZeroRedundancyOptimizer copies its extra arguments into every param group (and so
+    into checkpoints)."""
 
-    def __init__(self, params, state_dtype: torch.dtype = torch.bfloat16, **kwargs):
+    state_dtype = torch.bfloat16
+
+    def __init__(self, params, **kwargs):
         kwargs.pop("foreach", None)
         super().__init__(params, foreach=False, **kwargs)
-        self.state_dtype = state_dtype
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -67,13 +70,6 @@ def keep_states_in(optimizer: torch.optim.Optimizer, dtype: torch.dtype | None) 
                 entry[key] = entry[key].to(dtype)
 
 
-def adamw_class(optim_cfg):
-    """(class, extra keyword arguments) of the AdamW that keeps states in optim.state_dtype. The dtype is the
-    class's default, not an argument: ZeroRedundancyOptimizer copies its extra arguments into every param group
-    (and so into checkpoints)."""
-    dtype = STATE_DTYPES[getattr(optim_cfg, "state_dtype", "fp32")]
-    return (torch.optim.AdamW, {}) if dtype is None else (AdamWBf16States, {})
-
-
-class AdamWBf16States(AdamWLowPrecisionStates):
-    """AdamWLowPrecisionStates in bf16."""
+def adamw_class(optim_cfg) -> type[torch.optim.AdamW]:
+    """The AdamW that keeps its moments in optim.state_dtype."""
+    return torch.optim.AdamW if STATE_DTYPES[optim_cfg.state_dtype] is None else AdamWBf16States
