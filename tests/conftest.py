@@ -48,6 +48,8 @@ SLOW_TIER = {
     "test_sharding": ("four_rank_runs",),
     "test_chat_data": ("test_the_sft_example_end_to_end",),
     "test_observability": ("test_bench_scaling_table_and_plot",),
+    "test_model_parallel": ("four_rank_runs", "test_three_d_on_eight_ranks"),  # compositions; TP and PP stay
+    "test_deepspeed": ("deepspeed_runs",),  # ZeRO-2/3 under DeepSpeed against the torch engine, resumed
 }
 
 

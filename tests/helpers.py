@@ -22,6 +22,27 @@ PARITY = (*PARITY_FP32, FP64)
 EXACT = 1e-10
 
 
+def free_ports(count: int = 1) -> int:
+    """The first of `count` adjacent free TCP ports on loopback, for a server a test starts (a rendezvous, an S3
+    server, metrics endpoints). Drawn outside the kernel's ephemeral range (/proc/sys/net/ipv4/ip_local_port_range,
+    32768-60999 here): a port the kernel hands out for outgoing connections (the suite's other processes open
+    many) could be taken between this check and the server's bind."""
+    import random
+    import socket
+
+    low, _ = (int(v) for v in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    for _ in range(200):
+        first = random.randrange(10000, low - count)
+        try:
+            for port in range(first, first + count):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+            return first
+        except OSError:
+            continue
+    raise RuntimeError(f"no {count} adjacent free ports below {low}")
+
+
 def cli_env() -> dict:
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = "1"

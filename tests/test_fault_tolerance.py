@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import DEBUG_CONFIG, REPO, assert_losses_close, cli_env, events, losses, run_cli, train
+from helpers import DEBUG_CONFIG, REPO, assert_losses_close, cli_env, events, free_ports, losses, run_cli, train
 
 RUN = ("train.steps=16", "train.global_batch_size=4", "train.micro_batch_size=1", "checkpoint.every_steps=4")
 
@@ -198,11 +198,7 @@ def _srun_step(tmp_path: Path, name: str, *overrides: str, signal_after: int | N
     """What `srun --ntasks=N disttrain train ...` starts: N plain processes that find their rank, the world
     size and the rendezvous in SLURM's variables (no torchrun); with `signal_after`, SLURM's warning
     signal reaches every task after that many logged steps (as `--signal=USR1@...` delivers it)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_ports()
     procs = []
     for rank in range(tasks):
         task_env = {**cli_env(), **(env or {}), "SLURM_JOB_ID": "777", "SLURM_STEP_NUM_TASKS": str(tasks), "SLURM_PROCID": str(rank),

@@ -6,13 +6,12 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from chat_tokenizer import records, save_chat_tokenizer
-from helpers import DEBUG_CONFIG, REPO, cli_env, losses
+from helpers import DEBUG_CONFIG, REPO, cli_env, losses, run_module
 from hf_models import tiny_config
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -47,10 +46,10 @@ def hub(tmp_path_factory):
 
 
 def _disttrain(hub: Path, *args: str) -> subprocess.CompletedProcess:
-    """A fresh interpreter (huggingface_hub reads HF_HUB_OFFLINE and the cache location when imported)."""
+    """The command in its own process, where huggingface_hub is first imported (it reads HF_HUB_OFFLINE and the
+    cache location then): the suite's pre-imported server does not import it."""
     env = {**cli_env(), "HF_HUB_CACHE": str(hub / "cache"), "HF_HUB_OFFLINE": "1"}
-    return subprocess.run([sys.executable, "-m", "disttrain", *args], env=env, cwd=REPO, capture_output=True,
-                          text=True, timeout=300)
+    return run_module("disttrain", args, env=env, cwd=REPO, timeout=300)
 
 
 def test_a_hub_model_and_dataset_train_as_their_directories_do(hub, tmp_path):

@@ -37,14 +37,11 @@ FOUR_RANKS = {
 
 
 @pytest.fixture(scope="module")
-def references(tmp_path_factory, four_rank_runs):
-    """One process: plain, with tied embeddings, with document masking; and resumed from the pp=2 x tp=2
-    checkpoint of step 3 (another layout and world size)."""
+def references(tmp_path_factory):
+    """One process: plain, with tied embeddings, with document masking."""
     root = tmp_path_factory.mktemp("ref")
-    ckpt = four_rank_runs["pp x tp + sp"] / "checkpoints" / "step_00000003"
     return train_many({"plain": (root / "run", (*COMMON, SAMPLE)), "tied": (root / "tied", (*COMMON, "model.tie_embeddings=true")),
-                       "documents": (root / "documents", (*COMMON, "data.document_masking=true")),
-                       "resumed": (root / "resumed", (*COMMON, f"checkpoint.resume={ckpt}"))}, nproc=1)
+                       "documents": (root / "documents", (*COMMON, "data.document_masking=true"))}, nproc=1)
 
 
 @pytest.fixture(scope="module")
@@ -61,13 +58,11 @@ MODEL_STATES = {"parallel.tp=2": {"tp": 2}, "parallel.pp=2": {"pp": 2}}  # overr
 
 
 @pytest.fixture(scope="module")
-def two_rank_runs(tmp_path_factory, four_rank_runs):
-    """Also ZeRO-3 resumed from the pp=2 x tp=2 checkpoint of step 3 (another layout and world size), and the
-    per-rank model-state measurement of tp=2 and of pp=2 (tests/workers/model_states.py) in the same launch."""
+def two_rank_runs(tmp_path_factory):
+    """Also the per-rank model-state measurement of tp=2 and of pp=2 (tests/workers/model_states.py) in the same
+    launch."""
     root = tmp_path_factory.mktemp("two")
-    ckpt = four_rank_runs["pp x tp + sp"] / "checkpoints" / "step_00000003"
-    resumed = {"zero3 resumed": ("parallel.zero_stage=3", f"checkpoint.resume={ckpt}")}
-    jobs = {k: (root / k.replace(" ", "_"), (*COMMON, *v)) for k, v in {**TWO_RANKS, **resumed}.items()}
+    jobs = {k: (root / k.replace(" ", "_"), (*COMMON, *v)) for k, v in TWO_RANKS.items()}
     jobs |= {f"states {o}": model_states.job(root / f"states_{o.split('.')[1][:2]}", stages=[0], overrides=[o])
              for o in MODEL_STATES}
     return train_many(jobs, nproc=2)
@@ -77,6 +72,16 @@ def two_rank_runs(tmp_path_factory, four_rank_runs):
 def four_rank_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("four")
     return train_many({k: (root / k.replace(" ", "_"), (*COMMON, *v)) for k, v in FOUR_RANKS.items()}, nproc=4)
+
+
+@pytest.fixture(scope="module")
+def resumed_from_pp_tp(tmp_path_factory, four_rank_runs):
+    """The pp=2 x tp=2 checkpoint of step 3 resumed on other layouts and world sizes: by one process, and by
+    ZeRO-3 over 2 ranks."""
+    root = tmp_path_factory.mktemp("resumed")
+    resume = f"checkpoint.resume={four_rank_runs['pp x tp + sp'] / 'checkpoints' / 'step_00000003'}"
+    one = train_many({"one process": (root / "one", (*COMMON, resume))}, nproc=1)
+    return one | train_many({"zero3": (root / "zero3", (*COMMON, "parallel.zero_stage=3", resume))}, nproc=2)
 
 
 def _assert_parity(run, reference):
@@ -119,12 +124,12 @@ def test_four_rank_compositions_equal_single_process(layout, four_rank_runs, ref
     _assert_parity(four_rank_runs[layout], reference)
 
 
-def test_pp_tp_checkpoint_resumes_on_other_layouts(four_rank_runs, two_rank_runs, references):
+def test_pp_tp_checkpoint_resumes_on_other_layouts(four_rank_runs, resumed_from_pp_tp):
     """Saved by pp=2 x tp=2; resumed by one process and by ZeRO-3 over 2 ranks: the same losses."""
     run = four_rank_runs["pp x tp + sp"]
     expected = {s: v for s, v in losses(run).items() if s > 3}
-    assert_losses_close(losses(references["resumed"]), expected, rel=EXACT)
-    assert_losses_close(losses(two_rank_runs["zero3 resumed"]), expected, rel=EXACT)
+    assert_losses_close(losses(resumed_from_pp_tp["one process"]), expected, rel=EXACT)
+    assert_losses_close(losses(resumed_from_pp_tp["zero3"]), expected, rel=EXACT)
 
 
 def test_three_d_on_eight_ranks(reference, tmp_path):

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -13,19 +12,13 @@ from pathlib import Path
 import pytest
 
 from disttrain.bench.processes import kill_tree
-from helpers import DEBUG_CONFIG, REPO, assert_losses_close, cli_env, events, losses, train
+from helpers import DEBUG_CONFIG, REPO, assert_losses_close, cli_env, events, free_ports, losses, train
 
 # 0.6 s per step (a sleep on rank 0, after restarts too) leaves time to kill and rejoin mid-run: the node started
 # again at step 25 has 35 steps (21 s) to start its interpreter and join, also on a loaded machine (at 0.3 s per
 # step, under a loaded test run, the survivor sometimes finished alone first).
 PACE = "slow:rank=0:step=0:seconds=0.6:attempts=all"
 RUN = ("train.steps=60", "train.global_batch_size=4", "checkpoint.every_steps=5")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _node(run_dir: Path, port: int, *extra: str, fault: str = PACE) -> subprocess.Popen:
@@ -62,7 +55,7 @@ def test_a_lost_node_is_survived_and_a_returning_node_rejoins_the_same_stream(tm
     """Node B is killed whole: node A resumes alone (world 1) from the last checkpoint; B started again is
     admitted at the next restart point (A's worker saves on the agent's SIGTERM, both resume at world 2) and
     the losses of every step are those of one uninterrupted process."""
-    run, port = tmp_path / "elastic", _free_port()
+    run, port = tmp_path / "elastic", free_ports()
     a = _node(run, port, *RUN)
     time.sleep(1)  # A hosts the rendezvous
     b = _node(run, port, *RUN)
@@ -85,7 +78,7 @@ def test_a_lost_node_is_survived_and_a_returning_node_rejoins_the_same_stream(tm
 def test_a_node_vanishing_after_the_end_does_not_hold_the_other_in_the_exit_barrier(tmp_path):
     """torchrun's agent waits 300 s for the other agents once its workers finish; `--exit-barrier-timeout`
     bounds it: node B's agent dies as training ends, node A exits 0 within seconds."""
-    run, port = tmp_path / "ending", _free_port()
+    run, port = tmp_path / "ending", free_ports()
     common = ("train.steps=6", "--exit-barrier-timeout", "3")
     nodes = [_node(run, port, *common, fault="kill_agent_at_exit:rank=1:step=0")]
     time.sleep(1)

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from helpers import DEBUG_CONFIG, REPO, assert_losses_close, cli_env, events, losses, run_cli, train
+from helpers import DEBUG_CONFIG, REPO, assert_losses_close, cli_env, events, free_ports, losses, run_cli, train
 
 RUN = ("train.steps=12", "train.global_batch_size=4", "train.micro_batch_size=1", "checkpoint.every_steps=4",
        "metrics.comm_profile_every=0")
@@ -61,15 +61,9 @@ class S3:
                       if p.rsplit("/", 1)[1].startswith("step_") and fs.exists(f"{p}/COMMIT"))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def s3():
-    server = S3(_free_port())
+    server = S3(free_ports())
     saved = {k: os.environ.get(k) for k in server.env}
     os.environ.update(server.env)  # the in-process checks (convert, a refused launch) reach it as workers do
     server.fs.mkdir(BUCKET)

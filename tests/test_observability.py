@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import time
@@ -15,22 +14,9 @@ import math
 import pytest
 
 from disttrain.models.registry import MODEL_SHAPES
-from helpers import (DEBUG_CONFIG, REPO, cli_env, events, load_checkpoint_state, losses, records, run_cli, step_records,
-                     train, train_many)
+from helpers import (DEBUG_CONFIG, REPO, cli_env, events, free_ports, load_checkpoint_state, losses, records, run_cli,
+                     step_records, train, train_many)
 from workers import clock
-
-
-def _free_port_pair() -> int:
-    for _ in range(50):
-        with socket.socket() as a, socket.socket() as b:
-            try:
-                a.bind(("127.0.0.1", 0))
-                port = a.getsockname()[1]
-                b.bind(("127.0.0.1", port + 1))
-                return port
-            except OSError:
-                continue
-    raise RuntimeError("no two adjacent free ports")
 
 
 def _scrape(port: int) -> dict:
@@ -50,7 +36,7 @@ def _samples(text: str) -> dict:
 
 
 def test_every_rank_serves_prometheus_metrics_during_a_run(tmp_path):
-    port = _free_port_pair()
+    port = free_ports(2)  # one endpoint per rank
     # ScrapeProbe, a job of the loop after the metrics job, reads this rank's endpoint at each logged step
     cmd = [sys.executable, "-m", "disttrain", "train", str(DEBUG_CONFIG), f"run.dir={tmp_path}", "run.name=run",
            "train.steps=100000", "metrics.log_every=5", f"metrics.prometheus_port={port}", "metrics.comm_profile_every=5",
@@ -61,7 +47,7 @@ def test_every_rank_serves_prometheus_metrics_during_a_run(tmp_path):
     try:
         scraped = {}
         deadline = time.monotonic() + 600  # waits for a state only: generous for a loaded machine
-        while time.monotonic() < deadline and len(scraped) < 2:
+        while time.monotonic() < deadline and len(scraped) < 2 and proc.poll() is None:
             for rank in (0, 1):
                 try:
                     samples = _scrape(port + rank)
@@ -71,7 +57,9 @@ def test_every_rank_serves_prometheus_metrics_during_a_run(tmp_path):
                         and ("disttrain_collective_seconds", "all_reduce") in samples:
                     scraped[rank] = samples
             time.sleep(0.5)
-        assert len(scraped) == 2, f"not both ranks served metrics: {sorted(scraped)}"
+        assert len(scraped) == 2, (f"not both ranks served metrics: {sorted(scraped)}, the launch "
+                                   f"{'exited ' + str(proc.returncode) if proc.poll() is not None else 'running'}"
+                                   f"\n{proc.stderr.read().decode()[-3000:] if proc.poll() is not None else ''}")
         for rank, samples in scraped.items():
             assert samples["disttrain_tokens_per_second"].labels == {"rank": str(rank)}
             assert samples["disttrain_tokens_per_second"].value > 100

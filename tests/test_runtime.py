@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import math
-import subprocess
-import sys
 
 import pytest
 
 from disttrain.distributed.env import detect_env
 from disttrain.launch.self_launch import LaunchOptions, torchrun_args
-from helpers import DEBUG_CONFIG, REPO, assert_losses_close, cli_env, losses, records, train, train_many
+from helpers import DEBUG_CONFIG, REPO, assert_losses_close, cli_env, losses, records, run_module, train, train_many
 
 
 def test_detects_torchrun_slurm_and_single():
@@ -45,10 +43,10 @@ def test_torchrun_module_launch_with_time_triggered_checkpoints(tmp_path):
     """`torchrun -m disttrain train` works as is; a minutes trigger fires on both ranks together."""
     single = train(tmp_path / "single", "train.steps=12")
     run = tmp_path / "torchrun"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "disttrain",
-           "train", str(DEBUG_CONFIG), f"run.dir={tmp_path}", "run.name=torchrun", "train.steps=12",
-           "checkpoint.every_minutes=0.0005", "checkpoint.save_final=false", "distributed.timeout_s=60"]
-    proc = subprocess.run(cmd, cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=300)
+    args = ["--standalone", "--nproc-per-node=2", "-m", "disttrain", "train", str(DEBUG_CONFIG), f"run.dir={tmp_path}",
+            "run.name=torchrun", "train.steps=12", "checkpoint.every_minutes=0.0005", "checkpoint.save_final=false",
+            "distributed.timeout_s=60"]
+    proc = run_module("torch.distributed.run", args, env=cli_env(), cwd=REPO, timeout=300)  # torchrun's own main
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_losses_close(losses(run), losses(single), rel=1e-5)
     saved = [r["step"] for r in records(run) if r.get("event") == "checkpoint_saved"]

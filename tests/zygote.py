@@ -6,8 +6,8 @@ hundreds of such commands. Each pytest worker starts this server once; every com
 with those modules already imported, given the command's own arguments, environment, working directory and
 output files. The child undoes what a fresh interpreter would not have (signal handlers, the thread count
 torch read at import) and leaves as `python -m` would: exit status, atexit functions, flushed streams.
-Only modules that read no per-command environment at import are loaded here (not transformers, not
-disttrain's storage layer). Requests come one JSON line at a time on stdin; replies go to stdout.
+Only modules that read no per-command environment at import are loaded here (not transformers): the
+launcher's own, and what its agent preloads before forking workers (the builder, the loop, dynamo). Requests come one JSON line at a time on stdin; replies go to stdout.
 """
 
 from __future__ import annotations
@@ -29,7 +29,11 @@ import torch.distributed.fsdp  # noqa: F401
 import torch.distributed.tensor  # noqa: F401
 
 import disttrain.cli  # noqa: F401
+from disttrain.launch.agent import PRELOAD
 from disttrain.launch import this_process
+
+for _name in PRELOAD:  # what every training command imports: the builder, the loop, dynamo
+    __import__(_name)
 
 RESET_SIGNALS = ("SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGPIPE")
 

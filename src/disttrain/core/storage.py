@@ -27,7 +27,7 @@ from disttrain.core.errors import UserError
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-RETRIES = int(os.environ.get("DISTTRAIN_STORAGE_RETRIES", "3"))  # attempts after the first, ours
+RETRIES_ENV = "DISTTRAIN_STORAGE_RETRIES"  # attempts after the first, ours (3 unless set; read at each call)
 BACKOFF_S = 0.5  # first wait; doubled each time
 
 
@@ -126,7 +126,7 @@ def transient(exc: BaseException) -> bool:
 
 def retried(fn: Callable[[], T], what: str, attempts: int | None = None) -> T:
     """fn(), retried with exponential backoff while it fails transiently."""
-    attempts = RETRIES if attempts is None else attempts
+    attempts = int(os.environ.get(RETRIES_ENV, "3")) if attempts is None else attempts
     for attempt in range(attempts + 1):
         try:
             return fn()
