@@ -23,11 +23,12 @@ def debug_reference_fp32(tmp_path_factory):
 
 # The longest modules first: with `make test`'s workers taking one module at a time, the suite ends on short
 # modules instead of one worker running a long one while the others idle.
-LONGEST_FIRST = ("test_object_storage", "test_hf", "test_quickstart", "test_model_parallel", "test_context_parallel",
-                 "test_moe", "test_fault_tolerance", "test_planner_grid", "test_lora", "test_deepspeed",
-                 "test_observability", "test_sharding", "test_dryrun", "test_optimizers", "test_loss",
-                 "test_chat_data", "test_balance", "test_runtime", "test_user_models", "test_export", "test_demo",
-                 "test_parity", "test_plan", "test_resume")
+LONGEST_FIRST = ("test_fault_tolerance", "test_context_parallel", "test_dryrun", "test_quickstart", "test_user_models",
+                 "test_plan", "test_planner_grid", "test_hf", "test_model_parallel", "test_optimizers", "test_lora",
+                 "test_moe", "test_dryrun_moe", "test_object_storage", "test_sharding", "test_chat_data",
+                 "test_observability", "test_balance", "test_deepspeed", "test_demo", "test_parity", "test_loss",
+                 "test_runtime", "test_interrupts", "test_hub", "test_plan_moe", "test_lease", "test_export",
+                 "test_resume")
 
 
 # What `make test` leaves to `make test-slow` (CI's `.ci/run` runs both, so nothing is tested by hand only): the
