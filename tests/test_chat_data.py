@@ -74,6 +74,43 @@ def test_sequences_hold_whole_conversations_with_targets_only_on_answers(packing
         "cut to it (the cut part carries no loss)"]
 
 
+@pytest.mark.parametrize("multiple", [8, 12])
+def test_each_micro_batch_is_cut_after_its_last_answer_token(multiple, chat_dir):
+    """data.padding=longest: a micro-batch of unpacked conversations is its padded rows up to its last target
+    that carries loss, rounded up to the multiple (at most data.seq_len); what is cut is padding without loss."""
+    from disttrain.data.loader import DistributedBatchLoader
+    from disttrain.data.source import load_samples, make_sampler
+
+    _, samples, _ = load_samples(str(chat_dir), "auto", SEQ_LEN, False)
+    full = DistributedBatchLoader(samples, make_sampler(samples, str(chat_dir), 8, 0), 0, 1, 2)
+    cut = DistributedBatchLoader(samples, make_sampler(samples, str(chat_dir), 8, 0), 0, 1, 2, pad_multiple=multiple)
+    widths = []
+    for step in (1, 2, 3):
+        for (x, y), (cx, cy) in zip(full.micro_batches(step), cut.micro_batches(step)):
+            last = int(np.flatnonzero((y != -100).any(0).numpy())[-1])  # the last target with loss
+            width = min(SEQ_LEN, -(-(last + 1) // multiple) * multiple)
+            assert cx.shape == cy.shape == (2, width) and width % multiple in (0, SEQ_LEN % multiple)
+            assert cx.equal(x[:, :width]) and cy.equal(y[:, :width]) and (y[:, width:] == -100).all()
+            widths.append(width)
+    assert min(widths) < SEQ_LEN and len(set(widths)) > 1, widths  # cut, and by what each micro-batch holds
+
+
+@pytest.mark.parametrize("overrides,world,multiple", [
+    ((), 1, 8), (("data.pad_to_multiple_of=64",), 1, 64), (("parallel.tp=2",), 2, 8),
+    (("parallel.tp=2", "parallel.sequence_parallel=true", "data.pad_to_multiple_of=3"), 2, 6),
+    (("parallel.cp=2", "data.pad_to_multiple_of=6"), 2, 12), (("parallel.pp=2", "train.micro_batch_size=2"), 2, 0),
+    (("data.padding=seq_len",), 1, 0)])
+def test_the_cut_keeps_what_the_layout_splits(overrides, world, multiple):
+    """Sequence parallelism splits a sequence over the tensor-parallel ranks and context parallelism into 2 x cp
+    chunks: the width multiple is a multiple of those too; pipeline stages keep data.seq_len (one shape)."""
+    from disttrain.config.load import load_config
+    from disttrain.config.resolve import resolve_run
+    from disttrain.data.padding import padding_multiple
+
+    cfg = load_config(None, ["model.name=debug", "data.seq_len=96", "train.global_batch_size=4", *overrides])
+    assert padding_multiple(cfg.data, resolve_run(cfg, world, "cpu").layout) == multiple
+
+
 def test_the_sample_prompt_is_a_user_turn_through_the_chat_template(chat_dir, tokenizers):
     from transformers import AutoTokenizer
 
@@ -104,7 +141,10 @@ COMMON = ("model.vocab_size=384", f"data.seq_len={SEQ_LEN}", "train.steps=4", "t
           "train.micro_batch_size=2", "optim.lr=3e-3", "checkpoint.save_final=true", "train.eval_every=4",
           "train.eval_batches=1", FP64)
 PACKED = "data.packing=true"
+# Unpacked, each micro-batch is cut to its longest conversation (data.padding=longest, the default); pp2 keeps
+# data.seq_len. Every one of them equals the one-process run, itself equal to padding every row to data.seq_len.
 LAYOUTS = {"ddp": (), "zero3": ("parallel.zero_stage=3",), "tp2": ("parallel.tp=2",),
+           "tp2 sp": ("parallel.tp=2", "parallel.sequence_parallel=true"), "cp2": ("parallel.cp=2",),
            "pp2": ("parallel.pp=2", "parallel.pp_schedule=gpipe"), "ddp packed": (PACKED,),
            "zero3 packed": ("parallel.zero_stage=3", PACKED), "tp2 packed": ("parallel.tp=2", PACKED),
            "ddp mixture": ()}
@@ -144,7 +184,15 @@ def one_process(tmp_path_factory, chat_dir, hf_dir, tokenizers, mixture):
         jobs[f"ref {packing}"] = (root / f"ref_{packing}", (
             f"data.source={chat_dir}", *COMMON, "train.micro_batch_size=8", f"data.packing={str(packing).lower()}"))
     jobs["ref mixture"] = (root / "ref_mixture", (mixture, *COMMON, "train.micro_batch_size=8"))
+    jobs["ref padded"] = (root / "ref_padded", (f"data.source={chat_dir}", *COMMON, "train.micro_batch_size=8",
+                                                "data.padding=seq_len"))
     return train_many(jobs, nproc=1)
+
+
+def test_micro_batches_cut_to_their_longest_conversation_train_as_padded_ones(one_process):
+    """data.padding=longest (the default) against every row padded to data.seq_len: the same losses, gradient
+    norms and parameters in fp64."""
+    assert_parity(one_process["ref False"], one_process["ref padded"], step=4)
 
 
 def _hf_loss(model, convs, rows, counts):

@@ -143,6 +143,13 @@ class DataConfig(Section):
                                   "batches are the same either way); empty: on with a GPU, off on CPU")
     packing: bool = Field(False, description="chat data: several conversations per sequence (first-fit), with "
                           "document masking; false: one conversation per sequence, padded")
+    padding: Literal["longest", "seq_len"] = Field("longest", description="chat and instruction data: each "
+                                                   "micro-batch padded to its longest sequence (rounded up to "
+                                                   "data.pad_to_multiple_of; the same losses and gradients), or "
+                                                   "every sequence to data.seq_len; pipeline parallelism keeps "
+                                                   "data.seq_len")
+    pad_to_multiple_of: int = Field(8, gt=0, description="with data.padding=longest: micro-batch widths are "
+                                    "multiples of this (and of what sequence or context parallelism splits)")
     cache_dir: str = Field("", description="data.source on an object store: keep the byte ranges read in this local "
                            "directory (fsspec's block cache); empty: read them from the store each time")
 

@@ -47,6 +47,7 @@ class ChatSamples:
         self.tokens, self.mask, self.seq_len, self.pad_id = tokens, mask, seq_len, pad_id
         self.targets_per_sample = seq_len
         self.masks_targets = True
+        self.pads_sequences = True  # padding after each conversation (or pack): a micro-batch can be cut short
         ends = np.asarray(ends, dtype=np.int64)
         self.starts = np.concatenate([[0], ends[:-1]]).astype(np.int64)
         lengths = ends - self.starts

@@ -10,6 +10,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 
+from disttrain.data.padding import cut_padding
+
 
 class TokenWindows:
     """Non-overlapping windows of seq_len+1 tokens (inputs plus the shifted targets)."""
@@ -18,6 +20,7 @@ class TokenWindows:
         self.tokens = tokens
         self.seq_len = seq_len
         self.targets_per_sample = seq_len
+        self.pads_sequences = False  # every window is full
         self.masks_targets = False  # every target is a real next token
         self.num_samples = max(0, (len(tokens) - 1) // seq_len)
 
@@ -40,6 +43,7 @@ class DatasetSamples:
         first = dataset[0][1] if self.num_samples else torch.zeros(())
         self.targets_per_sample = max(1, torch.as_tensor(first).numel())
         self.masks_targets = True  # a user's targets may hold the ignore index (-100)
+        self.pads_sequences = False  # what a user's samples hold is theirs
 
     def __len__(self) -> int:
         return self.num_samples
@@ -58,6 +62,7 @@ class MixtureSamples:
         self.names, self.parts = names, parts
         self.targets_per_sample = parts[0].targets_per_sample
         self.masks_targets = any(p.masks_targets for p in parts)
+        self.pads_sequences = all(p.pads_sequences for p in parts)
         self.num_samples = sum(len(p) for p in parts)
 
     def __len__(self) -> int:
@@ -84,8 +89,9 @@ class DistributedBatchLoader:
 
     def __init__(self, windows, sampler, dp_rank: int, dp_size: int,
                  micro_batch_size: int, shares: list[int] | None = None, prefetch: bool = False,
-                 pin_memory: bool = False):
+                 pin_memory: bool = False, pad_multiple: int = 0):
         self.windows, self.sampler, self.dp_rank = windows, sampler, dp_rank
+        self.pad_multiple = pad_multiple  # > 0: each micro-batch cut to what it holds (data/padding.py)
         self.micro_batch_size = micro_batch_size or sampler.global_batch_size // dp_size
         # Prefetch: the next step's batches are read (and pinned, for a GPU's non-blocking copy) on a
         # background thread while this step computes; reading order and content are unchanged.
@@ -105,7 +111,10 @@ class DistributedBatchLoader:
 
     def micro_batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         x, y = self.windows.batch(self.sampler.indices(step)[self.lo:self.hi])
-        return list(zip(x.split(self.micro_batch_size), y.split(self.micro_batch_size)))
+        batches = list(zip(x.split(self.micro_batch_size), y.split(self.micro_batch_size)))
+        if self.pad_multiple:
+            batches = [cut_padding(x, y, self.pad_multiple) for x, y in batches]
+        return batches
 
     def _read(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         batches = self.micro_batches(step)

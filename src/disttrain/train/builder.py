@@ -18,6 +18,7 @@ from torch import nn
 from disttrain.checkpoint.manager import CheckpointManager
 from disttrain.config.schema import RunConfig
 from disttrain.data.loader import DistributedBatchLoader
+from disttrain.data.padding import padding_multiple
 from disttrain.data.source import load_samples, make_sampler
 from disttrain.distributed.mesh import Meshes, build_meshes
 from disttrain.distributed.runtime import Runtime
@@ -62,7 +63,9 @@ def build_run(cfg: RunConfig, runtime: Runtime, resolved: ResolvedRun | None = N
     loader = DistributedBatchLoader(train_samples, sampler, dp_rank, dp_size, per_forward,
                                     balancer.shares if layout.balanced else None,
                                     prefetch=cfg.data.prefetch if cfg.data.prefetch is not None else runtime.device.type == "cuda",
-                                    pin_memory=runtime.device.type == "cuda")
+                                    pin_memory=runtime.device.type == "cuda",
+                                    pad_multiple=padding_multiple(cfg.data, layout)
+                                    if train_samples.pads_sequences and resolved.spec.causal else 0)
 
     spec = resolved.spec
     log.info("model %s (%s, from %s)", spec.label, spec.family, resolved.model_source)

@@ -138,7 +138,7 @@ def hf_spec(directory: str, routing=None) -> ModelSpec:
         loss_sum=lambda out, targets: token_cross_entropy_sum(logits_of(out), targets), logits=logits_of,
         tensor_parallel=parallel_plan.tensor_parallel if has_tp else None, sequence_parallel=has_tp,
         pipeline_split=parallel_plan.pipeline_split if splittable else None, tied_parameters=tied,
-        mask_documents=mask_documents,
+        mask_documents=mask_documents, causal=True,  # model.hf loads causal language models only
         moe_layers=partial(hf_moe_layers, routing=routing or MoERouting()) if config.model_type in SUPPORTED else None,
         context_parallel=context.context_parallel if config.model_type in context.MODEL_TYPES else None,
         context_parallel_methods=cp_methods, context_parallel_note=cp_note,

@@ -23,7 +23,7 @@ def llama_spec(shape: ModelShape):
         name="llama", build=partial(Transformer, shape), init_weights=init_weights, blocks=lambda m: m.layers,
         shape=shape, max_seq_len=shape.max_seq_len, tensor_parallel=parallel_plan.tensor_parallel,
         pipeline_split=parallel_plan.pipeline_split, tied_parameters=tied, mask_documents=mask_documents,
-        context_parallel=parallel_plan.context_parallel,
+        causal=True, context_parallel=parallel_plan.context_parallel,
         to_hf=partial(hf_names.to_hf, shape=shape), from_hf=hf_names.from_hf,
         hf_config=partial(hf_names.hf_config, shape), fingerprint=shape_fingerprint(shape))
 
