@@ -7,6 +7,9 @@ DEMO_STAMP := $(VENV)/.installed-demo
 STAMP := $(VENV)/.installed
 NPROC ?= auto
 export OMP_NUM_THREADS ?= 1
+# Python's default, whatever the environment says: compiled modules are cached beside their sources (with
+# PYTHONDONTWRITEBYTECODE set, every process of the suite would compile disttrain and the tests again).
+export PYTHONDONTWRITEBYTECODE =
 
 .PHONY: demo test test-slow venv bench bench-env bench-compare clean
 

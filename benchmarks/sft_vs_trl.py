@@ -22,7 +22,9 @@ import argparse
 import importlib.util
 import json
 import random
+import re
 import statistics
+import subprocess
 import sys
 import uuid
 
@@ -71,8 +73,25 @@ def make_work(n: int = 1024) -> dict:
     disttrain_main(["prepare-data", str(WORK / "chats.jsonl"), "--out", str(WORK / "data"), "--tokenizer",
                     str(WORK / "tokenizer"), "--seq-len", "256", "--val-fraction", "0.01", "--force"])
     tok = AutoTokenizer.from_pretrained(WORK / "tokenizer")
-    lengths = [len(tok.apply_chat_template(r["messages"], tokenize=True)) for r in records]
-    return {"conversations": n, "mean_tokens": statistics.mean(lengths), "max_tokens": max(lengths)}
+    lengths = [len(tok.apply_chat_template(r["messages"], tokenize=True, return_dict=True)["input_ids"])
+               for r in records]
+    return {"conversations": n, "mean_tokens": statistics.mean(lengths), "max_tokens": max(lengths),
+            "per_step": conversations_per_step()}
+
+
+def conversations_per_step() -> dict[str, float]:
+    """A step reads 16 rows: 16 conversations unpacked, more packed (each framework's own packing)."""
+    from disttrain.data.source import load_samples
+
+    one = len(load_samples(str(WORK / "data"), "auto", 256, False)[1])
+    packed = len(load_samples(str(WORK / "data"), "auto", 256, True)[1])
+    counted = subprocess.run([str(BENCH_PY), str(WORKLOADS / "trl_sft.py"), "--work", str(WORK), "--steps", "1",
+                              "--packing", "--count-rows"], capture_output=True, text=True, check=True).stdout
+    rows, convs = re.search(r"ROWS (\d+) CONVERSATIONS (\d+)", counted).groups()
+    per_step = {v: float(PER_STEP) for v in VARIANTS}
+    per_step["disttrain-packed"] = PER_STEP * one / packed
+    per_step["trl-packed"] = PER_STEP * int(convs) / int(rows)
+    return per_step
 
 
 def command(variant: str, steps: int) -> list[str]:
@@ -93,7 +112,7 @@ def command(variant: str, steps: int) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(parser, "sft_vs_trl.json")
-    parser.set_defaults(short=4, long=20)
+    parser.set_defaults(short=4, long=64)  # 60 steps apart: 960 conversations, most of one epoch
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset")
     args = parser.parse_args()
     variants = args.variants.split(",")
@@ -101,18 +120,24 @@ def main() -> None:
         raise SystemExit("the comparison environment is missing: run `make bench-env` first")
     data = make_work()
     print(f"{data['conversations']} conversations, {data['mean_tokens']:.1f} tokens on average, "
-          f"at most {data['max_tokens']}", flush=True)
+          f"at most {data['max_tokens']}; conversations per step: {data['per_step']}", flush=True)
     results = interleaved(variants, command, args.reps, args.short, args.long, tokens_per_step=PER_STEP)
+    for name, rows in results.items():  # per conversation, whatever a step holds
+        for row in rows:
+            scale = data["per_step"][name] / PER_STEP
+            row["conversations_per_s"] = row.pop("tokens_per_s") * scale
+            row["cpu_s_per_conversation"] = row.pop("cpu_s_per_token") / scale
     summary = {}
     for name, rows in results.items():
-        ms = [1e3 / r["tokens_per_s"] for r in rows]
-        cpu = [1e3 * r["cpu_s_per_token"] for r in rows]
+        ms = [1e3 / r["conversations_per_s"] for r in rows]
+        cpu = [1e3 * r["cpu_s_per_conversation"] for r in rows]
         summary[name] = {"ms_per_conversation": statistics.median(ms), "range": [min(ms), max(ms)],
                          "cpu_ms_per_conversation": statistics.median(cpu)}
     for ours, theirs in (("disttrain", "trl"), ("disttrain-seq_len", "trl"), ("disttrain-packed", "trl-packed"),
                          ("disttrain-packed", "trl")):
         if ours in results and theirs in results:  # per repetition: the two ran minutes apart at most
-            ratios = [o["tokens_per_s"] / t["tokens_per_s"] for o, t in zip(results[ours], results[theirs])]
+            ratios = [o["conversations_per_s"] / t["conversations_per_s"]
+                      for o, t in zip(results[ours], results[theirs])]
             summary[f"{ours} / {theirs}"] = {"median": statistics.median(ratios), "range": [min(ratios), max(ratios)]}
     write_results(args.out, {"args": vars(args), "data": data, "runs": results, "summary": summary})
     for name, row in summary.items():
