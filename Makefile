@@ -30,9 +30,9 @@ $(STAMP): $(DEMO_STAMP)
 demo: $(DEMO_STAMP)
 	$(BIN)/disttrain train configs/demo.yaml --nproc-per-node $(NPROC)
 
-# Three pytest workers, one test module each at a time, on this 2-core machine: a test that waits (a
-# restart, a watchdog, a lease) or a process starting up leaves a core idle, which the third fills
-# (9:07 with two workers, 7:33 with three; docs/benchmarks/test-suite.md).
+# Three pytest workers, one test module each at a time, on a 2-core machine: a test that waits (a restart, a
+# watchdog, a lease) or a process starting up leaves a core idle, which the third fills
+# (docs/benchmarks/test-suite.md).
 TEST_WORKERS ?= 3
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadfile tests
