@@ -164,7 +164,7 @@ def _run_line(line: str, cwd: Path, env: dict, through_shell: bool) -> subproces
     while tokens and re.fullmatch(r"[A-Z_]+=\S*", tokens[0]):
         key, value = tokens.pop(0).split("=", 1)
         settings[key] = value
-    if through_shell or tokens[0] not in MODULES:
+    if through_shell or tokens[0] not in MODULES or any(t in ("|", "||", "&&", ";", ">", "<") for t in tokens):
         return subprocess.run(line, shell=True, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
     args = [a for token in tokens[1:] for a in (sorted(str(p.relative_to(cwd)) for p in cwd.glob(token))
                                                     if "*" in token else [token])]
