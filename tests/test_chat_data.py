@@ -75,21 +75,24 @@ def test_sequences_hold_whole_conversations_with_targets_only_on_answers(packing
 
 
 @pytest.mark.parametrize("multiple", [8, 12])
-def test_each_micro_batch_is_cut_after_its_last_answer_token(multiple, chat_dir):
-    """data.padding=longest: a micro-batch of unpacked conversations is its padded rows up to its last target
-    that carries loss, rounded up to the multiple (at most data.seq_len); what is cut is padding without loss."""
+def test_each_micro_batch_is_cut_after_its_longest_conversation(multiple, chat_dir, tokenizers):
+    """data.padding=longest: a micro-batch of unpacked conversations is its padded rows up to the end token of
+    its longest conversation (transformers' rendering, plus that token), rounded up to the multiple (at most
+    data.seq_len); what is cut is padding without loss."""
     from disttrain.data.loader import DistributedBatchLoader
     from disttrain.data.source import load_samples, make_sampler
 
     _, samples, _ = load_samples(str(chat_dir), "auto", SEQ_LEN, False)
+    train, _ = _conversations(tokenizers["markers"])  # row i of the unpacked samples is conversation i
     full = DistributedBatchLoader(samples, make_sampler(samples, str(chat_dir), 8, 0), 0, 1, 2)
     cut = DistributedBatchLoader(samples, make_sampler(samples, str(chat_dir), 8, 0), 0, 1, 2, pad_multiple=multiple)
     widths = []
     for step in (1, 2, 3):
-        for (x, y), (cx, cy) in zip(full.micro_batches(step), cut.micro_batches(step)):
-            last = int(np.flatnonzero((y != -100).any(0).numpy())[-1])  # the last target with loss
-            width = min(SEQ_LEN, -(-(last + 1) // multiple) * multiple)
-            assert cx.shape == cy.shape == (2, width) and width % multiple in (0, SEQ_LEN % multiple)
+        ids = full.sampler.indices(step)
+        for m, ((x, y), (cx, cy)) in enumerate(zip(full.micro_batches(step), cut.micro_batches(step))):
+            longest = max(min(SEQ_LEN, len(train[int(i)][0]) + 1) for i in ids[2 * m:2 * m + 2])
+            width = min(SEQ_LEN, -(-longest // multiple) * multiple)
+            assert cx.shape == cy.shape == (2, width)
             assert cx.equal(x[:, :width]) and cy.equal(y[:, :width]) and (y[:, width:] == -100).all()
             widths.append(width)
     assert min(widths) < SEQ_LEN and len(set(widths)) > 1, widths  # cut, and by what each micro-batch holds

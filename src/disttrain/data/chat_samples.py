@@ -60,6 +60,12 @@ class ChatSamples:
     def __len__(self) -> int:
         return self.num_samples
 
+    def held_tokens(self, ids: np.ndarray) -> np.ndarray:
+        """Input positions each sequence fills before its padding: its conversations' tokens (end tokens
+        included), at most seq_len."""
+        return np.array([min(self.seq_len, sum(int(self.lengths[d]) for d in self.rows[int(i)])) for i in ids],
+                        dtype=np.int64)
+
     def batch(self, ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         width = self.seq_len + 1
         rows = np.full((len(ids), width), self.pad_id, dtype=np.int64)

@@ -80,6 +80,14 @@ class MixtureSamples:
             x[at], y[at] = xi, yi
         return x, y
 
+    def held_tokens(self, rows: np.ndarray) -> np.ndarray:
+        held = np.zeros(len(rows), dtype=np.int64)
+        for i, part in enumerate(self.parts):
+            at = np.flatnonzero(rows[:, 0] == i)
+            if len(at):
+                held[at] = part.held_tokens(rows[at, 1])
+        return held
+
 
 class DistributedBatchLoader:
     """Yields this rank's micro-batches for successive steps; its position is checkpointed.
@@ -110,10 +118,12 @@ class DistributedBatchLoader:
         self.hi = self.lo + self.shares[self.dp_rank] * m
 
     def micro_batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        x, y = self.windows.batch(self.sampler.indices(step)[self.lo:self.hi])
+        ids = self.sampler.indices(step)[self.lo:self.hi]
+        x, y = self.windows.batch(ids)
         batches = list(zip(x.split(self.micro_batch_size), y.split(self.micro_batch_size)))
         if self.pad_multiple:
-            batches = [cut_padding(x, y, self.pad_multiple) for x, y in batches]
+            held = torch.from_numpy(self.windows.held_tokens(ids)).split(self.micro_batch_size)
+            batches = [cut_padding(x, y, int(h.max()), self.pad_multiple) for (x, y), h in zip(batches, held)]
         return batches
 
     def _read(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

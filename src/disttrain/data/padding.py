@@ -2,8 +2,10 @@
 
 Chat and instruction data without packing hold one conversation per sequence, padded with the end token to
 `data.seq_len` + 1 tokens; most conversations are much shorter. A causal model's output at a position depends
-only on the tokens before it, so the padding after a micro-batch's last loss-carrying target changes no loss
-and no gradient: each micro-batch is cut just after that target, rounded up to `data.pad_to_multiple_of`
+only on the tokens before it, so the padding after a micro-batch's last real token changes no loss and no
+gradient: each micro-batch is cut just after that token (the end token of its longest conversation: it carries
+no loss, but a mixture-of-experts layer routes it, as it routes every real token), rounded up to
+`data.pad_to_multiple_of`
 (8 by default: bf16 and fp16 matmuls use the GPU's tensor cores on multiples of 8, and a handful of widths
 keeps compiled graphs few; a larger multiple only computes more padding). The layout may need a larger
 multiple: sequence parallelism splits the sequence over `parallel.tp` ranks, context parallelism cuts it into
@@ -16,8 +18,6 @@ from __future__ import annotations
 import math
 
 import torch
-
-from disttrain.models.spec import IGNORE_INDEX
 
 
 def padding_multiple(data_cfg, layout) -> int:
@@ -32,13 +32,11 @@ def padding_multiple(data_cfg, layout) -> int:
     return multiple
 
 
-def cut_padding(inputs: torch.Tensor, targets: torch.Tensor, multiple: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(inputs, targets) of one micro-batch up to its last loss-carrying target, rounded up to `multiple`
-    (at most their width); a micro-batch without one keeps `multiple` positions."""
+def cut_padding(inputs: torch.Tensor, targets: torch.Tensor, held: int, multiple: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets) of one micro-batch whose longest sequence fills `held` input positions, cut to `held`
+    rounded up to `multiple` (at most their width)."""
     width = targets.shape[1]
-    carrying = (targets != IGNORE_INDEX).any(dim=0).nonzero()
-    held = int(carrying[-1]) + 1 if len(carrying) else 1
-    cut = min(width, -(-held // multiple) * multiple)
+    cut = min(width, -(-max(held, 1) // multiple) * multiple)
     if cut == width:
         return inputs, targets
     return inputs[:, :cut].contiguous(), targets[:, :cut].contiguous()
