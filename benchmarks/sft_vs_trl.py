@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import random
 import re
 import statistics
 import subprocess
@@ -33,7 +32,6 @@ from overhead import BENCH_PY, REPO, WORKLOADS, add_common_args, interleaved, wr
 VARIANTS = ("disttrain", "disttrain-seq_len", "disttrain-packed", "trl", "trl-packed")
 PER_STEP = 16
 WORK = REPO / "runs" / "bench-sft"
-WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
 
 
 def _assets_module():
@@ -43,27 +41,13 @@ def _assets_module():
     return module
 
 
-def conversations(n: int, seed: int = 0) -> list[dict]:
-    """`n` chats of 1-8 question-and-answer turns about sums, about half with a system turn."""
-    rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        messages = [{"role": "system", "content": "You add numbers."}] if rng.random() < 0.5 else []
-        for _ in range(rng.randint(1, 8)):
-            a, b = rng.randrange(10), rng.randrange(10)
-            messages += [{"role": "user", "content": f"What is {WORDS[a]} plus {WORDS[b]}?"},
-                         {"role": "assistant", "content": f"{WORDS[a].capitalize()} plus {WORDS[b]} is {a + b}."}]
-        out.append({"messages": messages})
-    return out
-
-
 def make_work(n: int = 1024) -> dict:
     """The model, tokenizer, conversations and disttrain's prepared shards under runs/bench-sft; their lengths."""
     from transformers import AutoTokenizer
 
     assets = _assets_module()
     WORK.mkdir(parents=True, exist_ok=True)
-    records = conversations(n)
+    records = assets.make_records(n, max_turns=8, instructions=0)  # chats only: 1-8 turns each
     (WORK / "chats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     texts = [m["content"] for r in records for m in r["messages"]]
     assets.train_tokenizer(texts, WORK / "tokenizer", vocab_size=384, template=assets.chat_template())

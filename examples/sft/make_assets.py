@@ -48,18 +48,18 @@ def train_tokenizer(texts: list[str], directory: Path, vocab_size: int, template
     return directory
 
 
-def make_records(n: int, seed: int = 0) -> list[dict]:
-    """`n` records: chats of one or two questions about sums (about half with a system turn), and about a
-    fifth instruction records (prompt + completion) that spell a number out."""
+def make_records(n: int, seed: int = 0, max_turns: int = 2, instructions: float = 0.2) -> list[dict]:
+    """`n` records: chats of one to `max_turns` questions about sums (about half with a system turn), and about
+    a share `instructions` of instruction records (prompt + completion) that spell a number out."""
     rng = random.Random(seed)
     out = []
     for _ in range(n):
-        if rng.random() < 0.2:
+        if instructions and rng.random() < instructions:
             a, b = rng.randrange(10), rng.randrange(10)
             out.append({"prompt": f"Spell {a}{b}:", "completion": f" {WORDS[a]} {WORDS[b]}"})
             continue
         messages = [{"role": "system", "content": "You add numbers."}] if rng.random() < 0.5 else []
-        for _ in range(rng.randrange(1, 3)):
+        for _ in range(rng.randrange(1, max_turns + 1)):
             a, b = rng.randrange(10), rng.randrange(10)
             messages += [{"role": "user", "content": f"What is {WORDS[a]} plus {WORDS[b]}?"},
                          {"role": "assistant", "content": f"{WORDS[a].capitalize()} plus {WORDS[b]} is {a + b}."}]
