@@ -36,6 +36,7 @@ LONGEST_FIRST = ("test_fault_tolerance", "test_context_parallel", "test_dryrun",
 # Hugging Face and LoRA, each in a shorter test), keyed by module and by a fixture or test name (a prefix).
 SLOW_TIER = {
     "test_hf": ("two_rank_runs",),  # every Hugging Face family under every layout (one 2-rank launch)
+    "test_hf_families": ("family_runs", "references"),  # the 2026 families under the layouts they take
     "test_lora": ("two_rank_runs",),  # LoRA under every layout
     "test_optimizers": ("muon_layouts",),  # Muon under every layout, resharded resumes, the split counted
     "test_moe": ("test_expert_parallel_equals_one_process",),

@@ -31,9 +31,42 @@ def tiny_config(kind: str):
     raise ValueError(kind)
 
 
+FAMILY_SIZES = {**SIZES, "intermediate_size": 96, "tie_word_embeddings": False}
+
+
+def family_config(kind: str):
+    """The 2026 families, tiny, with what each asks of the layouts: gpt-oss (attention sinks, sliding and full
+    attention alternating, biased experts), DeepSeek-V3 (latent attention, group-limited routing, a shared
+    expert, a dense first layer), Qwen3-Next (three GatedDeltaNet linear-attention layers to one gated full one,
+    experts with a gated shared expert), Gemma 3 (scaled embeddings, `1 + weight` norms, sliding windows with
+    their own rotary base, tied embeddings); for initialisation only also Qwen3.5, Gemma 4 and GLM-4-MoE."""
+    from transformers import AutoConfig
+
+    alternating = ["sliding_attention", "full_attention"] * 2
+    local_global = ["sliding_attention"] * 3 + ["full_attention"]
+    linear = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+                  layer_types=["linear_attention"] * 3 + ["full_attention"])
+    experts = dict(moe_intermediate_size=32, num_experts_per_tok=2)
+    extra = {
+        "gpt_oss": dict(intermediate_size=32, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                        sliding_window=8, layer_types=alternating),
+        "deepseek_v3": dict(num_key_value_heads=4, **experts, n_routed_experts=4, n_group=2, topk_group=1,
+                            n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16,
+                            qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16),
+        "qwen3_next": dict(head_dim=16, **experts, shared_expert_intermediate_size=32, num_experts=4, **linear),
+        "gemma3_text": dict(head_dim=16, sliding_window=8, layer_types=local_global, tie_word_embeddings=True),
+        "qwen3_5_text": dict(head_dim=16, **linear),
+        "gemma4_text": dict(head_dim=16, global_head_dim=16, sliding_window=8, layer_types=local_global,
+                            vocab_size_per_layer_input=256, hidden_size_per_layer_input=16, tie_word_embeddings=True),
+        "glm4_moe": dict(head_dim=16, **experts, n_routed_experts=4, n_group=1, topk_group=1, n_shared_experts=1,
+                         first_k_dense_replace=1),
+    }[kind]
+    return AutoConfig.for_model(kind, **{**FAMILY_SIZES, **extra})
+
+
 def save_tiny(kind: str, directory: Path, weights_seed: int | None = None) -> Path:
     """config.json only, or (with `weights_seed`) a model with transformers' own random init saved too."""
-    config = tiny_config(kind)
+    config = tiny_config(kind) if kind in ("llama", "qwen2", "gpt2", "qwen3_moe", "mixtral") else family_config(kind)
     if weights_seed is None:
         config.save_pretrained(directory)
         return directory

@@ -30,7 +30,7 @@ def test_resolved_yaml_shows_the_shape_and_round_trips():
     back as the same run."""
     cfg = load_config(DEBUG_CONFIG, ["checkpoint.every_steps=5", "model.n_layers=3"])
     tree = yaml.safe_load(cfg.to_yaml(resolve_run(cfg, 2, "cpu")))
-    assert {k: v for k, v in tree["model"].items() if k not in ("name", "hf", "spec", "init_from")} == {
+    assert {k: v for k, v in tree["model"].items() if k not in ("name", "hf", "spec", "init_from", "attn_implementation")} == {
         "dim": 64, "n_layers": 3, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 256, "ffn_hidden_dim": 192,
         "max_seq_len": 256, "tie_embeddings": False, "norm_eps": 1e-5, "rope_theta": 10000.0}
     again = RunConfig.model_validate(tree)

@@ -103,6 +103,10 @@ class ModelConfig(Section):
     tie_embeddings: bool | None = Field(None, description="the output layer shares the embedding matrix; " + FROM_NAME)
     norm_eps: float | None = Field(None, gt=0, description="RMSNorm epsilon; " + FROM_NAME)
     rope_theta: float | None = Field(None, gt=0, description="rotary embedding base; " + FROM_NAME)
+    attn_implementation: Literal["auto", "sdpa", "eager", "flex_attention"] = Field(
+        "auto", description="model.hf's attention kernel: auto (PyTorch's sdpa where the model supports it, eager "
+        "where it needs what sdpa cannot do: gpt-oss's attention sinks, attention-logit soft-capping), or "
+        "transformers' sdpa, eager, flex_attention; the choice is recorded in the run's started event")
     init_from: str = Field("", description="weights written by `disttrain convert` (torch, safetensors or hf) to "
                            "start from (empty: random initialisation)")
     lora: LoraConfig | None = Field(None, description="train LoRA adapters on the frozen model (model.lora.rank=8); "
@@ -121,6 +125,9 @@ class ModelConfig(Section):
         if source and given:
             raise ValueError(f"model.{given[0]}={show(dotted(self, given[0]))} with {source[0]}={source[1]}: the "
                              f"shape comes from {source[2]} (allowed with {source[0]}: no shape keys)")
+        if self.attn_implementation != "auto" and not self.hf:
+            raise ValueError(f"model.attn_implementation={self.attn_implementation} without model.hf: the built-in "
+                             "and user models choose their own attention (allowed without model.hf: auto)")
         if self.init_from and not Path(self.init_from).exists():
             raise ValueError(f"model.init_from={self.init_from}: no such file or directory (allowed: empty, or "
                              "a file or folder written by `disttrain convert`)")

@@ -81,7 +81,7 @@ def _hf_shape(section) -> ModelShape:
 def _hf_spec(section):
     from disttrain.models.hf.spec import hf_spec
 
-    spec = hf_spec(section.hf, _routing(section))
+    spec = hf_spec(section.hf, _routing(section), getattr(section, "attn_implementation", "auto"))
     return replace(spec, family=f"Hugging Face {spec.name}", label=section.hf)
 
 

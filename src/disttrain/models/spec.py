@@ -84,6 +84,8 @@ class ModelSpec:
     depend on it, so a checkpoint loads only into its own family. Set by models/registry.py."""
     label: str = ""
     """How a run's start line names the model: the registry name, the model directory, or the spec's own name."""
+    attention: str = ""
+    """The attention kernel the model runs with and why, where the family chooses one (recorded as the run starts)."""
 
     def flops_per_token(self, seq_len: int) -> float | None:
         if self.shape is None:

@@ -39,12 +39,16 @@ def optimizer_line(split: dict) -> str:
 def announce(metrics, *, step: int, world_size: int, layout, model: str, num_params: int, trainable: int | None, device: str,
              tokenizer: str | None, per_step: str, warnings: list[str], shares: list[int] | None = None,
              rebalance_every: int = 0, skipped: list[str] = (), checkpoint_dir: str = "",
-             resumed_from: str | None = None, changes: dict | None = None, optimizer_split: dict | None = None) -> None:
+             resumed_from: str | None = None, changes: dict | None = None, optimizer_split: dict | None = None,
+             attention: str = "") -> None:
     """What a run says as it starts, on the console and as events: the start line, warnings, uneven shares,
     checkpoints that could not be loaded, and where it resumed from with what changed since."""
     metrics.event("started", step=step, world_size=world_size, layout=layout.describe(), num_params=num_params,
-                  **({} if trainable is None else {"trainable_params": trainable}))
+                  **({} if trainable is None else {"trainable_params": trainable}),
+                  **({"attention": attention} if attention else {}))
     metrics.message(start_line(model, num_params, layout, device, tokenizer, per_step, trainable))
+    if "(" in attention:  # a kernel chosen for a reason: say which and why
+        metrics.message(f"attention: {attention}")
     if optimizer_split:
         metrics.event("optimizer_split", stage_only=layout.pp > 1, **optimizer_split)
         metrics.message(optimizer_line(optimizer_split) + (" (pipeline stage 0)" if layout.pp > 1 else ""))

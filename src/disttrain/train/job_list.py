@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from disttrain.core.errors import UserError
 from disttrain.train.evaluation import Evaluation, Sampling
-from disttrain.train.jobs import Rebalance, ReplicaSyncCheck, SkippedUpdates
+from disttrain.train.jobs import Rebalance, ReplicaSyncCheck, SkippedUpdates, StuckLoss
 from disttrain.train.step_boundary import StepBoundary
 from disttrain.train.step_metrics import StepMetrics
 
@@ -36,7 +36,7 @@ def default_jobs(run) -> list:
     cfg = run.cfg
     jobs = [SkippedUpdates(run.engine),
             ReplicaSyncCheck(cfg.metrics.sync_check_every, run.model.module, run.meshes.replica_group(run.layout)),
-            StepMetrics(run), Evaluation(run)]
+            StepMetrics(run), StuckLoss(cfg.train.steps), Evaluation(run)]
     if run.layout.balanced:
         jobs.append(Rebalance(run.balancer, run.data.loader))
     return [*jobs, *user_jobs(cfg.train.callbacks), StepBoundary(run), Sampling(run)]

@@ -3,6 +3,8 @@ pipeline split of `model.layers` (embeddings with the first stage; final norm an
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
@@ -12,8 +14,21 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 from disttrain.core.errors import UserError
 
 
+MASKS = {  # a layer type (config.layer_types) -> the transformers.masking_utils function its layers attend with
+    "full_attention": "create_causal_mask", "sliding_attention": "create_sliding_window_causal_mask",
+    "chunked_attention": "create_chunked_causal_mask", "linear_attention": "create_recurrent_attention_mask"}
+
+
+def layer_types(config) -> list[str]:
+    """Each layer's kind (Gemma's sliding and global attention, gpt-oss's alternation, Qwen3-Next's linear
+    attention); all `full_attention` for a model that does not say."""
+    return list(getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers)
+
+
 class HFStage(nn.Module):
-    """One pipeline stage of a transformers decoder: what LlamaModel.forward does, on some layers."""
+    """One pipeline stage of a transformers decoder: what the model's own forward does, on some layers. Each
+    layer gets the mask and the rotary table of its kind, looked up by its index in the whole model (the keys
+    of `layers`), as the model's forward does by enumerating all of them."""
 
     def __init__(self, config, embed_tokens, layers: dict, norm, lm_head, rotary_emb):
         super().__init__()
@@ -21,18 +36,32 @@ class HFStage(nn.Module):
         self.embed_tokens, self.norm, self.lm_head = embed_tokens, norm, lm_head
         self.layers = nn.ModuleDict(layers)
         self.rotary_emb = rotary_emb
+        kinds = layer_types(config)
+        self.kinds = {key: kinds[int(key)] for key in layers}
+        unknown = sorted(set(self.kinds.values()) - set(MASKS))
+        if unknown or getattr(config, "use_bidirectional_attention", False):
+            what = f"layers of type {unknown[0]}" if unknown else "bidirectional attention"
+            raise UserError(f"parallel.pp > 1 with model.hf ({config.model_type}): the pipeline stages cannot build "
+                            f"the masks of its {what} (allowed for it: parallel.pp=1)")
+        self.per_kind_rotary = "layer_type" in inspect.signature(rotary_emb.forward).parameters
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        from transformers.masking_utils import create_causal_mask
+        from transformers import masking_utils
 
         if self.embed_tokens is not None:
             h = self.embed_tokens(h)
         position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
-        mask = create_causal_mask(config=self.config, inputs_embeds=h, attention_mask=None, past_key_values=None,
-                                  position_ids=position_ids)
-        position_embeddings = self.rotary_emb(h, position_ids=position_ids)
-        for layer in self.layers.values():
-            h = layer(h, attention_mask=mask, position_ids=position_ids, position_embeddings=position_embeddings)
+        masks, rotary = {}, {}
+        for kind in set(self.kinds.values()):
+            masks[kind] = getattr(masking_utils, MASKS[kind])(
+                config=self.config, inputs_embeds=h, attention_mask=None, past_key_values=None,
+                position_ids=position_ids)
+            rotary[kind] = self.rotary_emb(h, position_ids, kind) if self.per_kind_rotary else None
+        shared = None if self.per_kind_rotary else self.rotary_emb(h, position_ids=position_ids)
+        for key, layer in self.layers.items():
+            kind = self.kinds[key]
+            h = layer(h, attention_mask=masks[kind], position_ids=position_ids,
+                      position_embeddings=rotary[kind] if self.per_kind_rotary else shared)
         if self.norm is not None:
             h = self.lm_head(self.norm(h))
         return h

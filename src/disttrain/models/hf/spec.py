@@ -1,10 +1,11 @@
 """A Hugging Face causal LM (a local `save_pretrained` directory) as a ModelSpec.
 
-The module is transformers' own `AutoModelForCausalLM` built from config.json (sdpa attention, no KV
-cache), so parameter names are the checkpoint's and `disttrain convert --to hf` is an identity
-mapping. What the framework adds from outside: deterministic initialisation by parameter name (the
-same on every layout), the model's own tensor-parallel plan (`base_model_tp_plan`), a pipeline split
-of `model.layers`, weights read with safetensors, and RMSNorms that stay float64 in fp64 runs (norms.py).
+The module is transformers' own `AutoModelForCausalLM` built from config.json (with the attention kernel it
+needs, kernels.py; no KV cache), so parameter names are the checkpoint's and `disttrain convert --to hf` is an
+identity mapping. What the framework adds from outside: the architecture's own initialisation seeded by module
+name (the same on every layout, init.py), the model's own tensor-parallel plan (`base_model_tp_plan`), a
+pipeline split of `model.layers`, weights read with safetensors, and RMSNorms that stay float64 in fp64 runs
+(norms.py).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from disttrain.core.errors import UserError
 from disttrain.models.hf.norms import keep_float64_norms
 from disttrain.core.hub import local_directory
 from disttrain.models.hf.shape import hf_shape, read_config
-from disttrain.models.spec import ModelSpec, copy_weights, seeded_normal_, token_cross_entropy_sum
+from disttrain.models.spec import ModelSpec, copy_weights, token_cross_entropy_sum
 
 
 def _load_config(directory: str):
@@ -36,17 +37,13 @@ def _load_config(directory: str):
 
 
 @torch.no_grad()
-def init_weights(model: nn.Module, seed: int, std: float) -> None:
-    """Normal(0, initializer_range) for matrices, ones for norm weights, zeros for biases: one generator
-    per parameter name, so every layout starts from the same weights. Non-persistent buffers (rotary
-    frequencies) are rebuilt, since `to_empty` left them uninitialised."""
-    model.tie_weights()
-    for name, param in model.named_parameters():
-        if param.ndim == 1:
-            param.fill_(0.0 if name.endswith(".bias") else 1.0)
-        else:
-            seeded_normal_(param, seed, name, std)
+def init_weights(model: nn.Module, seed: int) -> None:
+    """The architecture's own initialisation, seeded by module name (models/hf/init.py). Non-persistent buffers
+    of modules that hold a config are rebuilt first, for a family whose `_init_weights` misses one."""
+    from disttrain.models.hf.init import init_by_architecture
+
     rebuild_buffers(model)
+    init_by_architecture(model, seed)
 
 
 @torch.no_grad()
@@ -100,23 +97,27 @@ def _converted_by_transformers(directory: str) -> dict:
     return loaded.state_dict()
 
 
-def hf_spec(directory: str, routing=None) -> ModelSpec:
+def hf_spec(directory: str, routing=None, attention: str = "auto") -> ModelSpec:
     """`routing`: model.moe's training keys (a models.moe.MoERouting) for a sparse-MoE family (models/hf/moe.py).
-    `directory`: a local directory or a Hub id (read from its cached snapshot, core/hub.py)."""
+    `directory`: a local directory or a Hub id (read from its cached snapshot, core/hub.py). `attention`:
+    model.attn_implementation (models/hf/kernels.py)."""
     directory = local_directory(directory)
     from functools import partial
 
-    from disttrain.models.hf import parallel_plan
+    from disttrain.models.hf import kernels, parallel_plan
     from disttrain.models.hf.moe import SUPPORTED, hf_moe_layers
     from disttrain.models.moe.layer import MoERouting
 
     shape = hf_shape(directory)
     config = _load_config(directory)
+    attn_implementation, attention_why = kernels.choose_attention(config, attention, directory)
+    experts = kernels.experts_implementation(kernels._model_class(config))
 
     def build() -> nn.Module:
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation,
+                                                 dtype=torch.float32, **experts)
         keep_float64_norms(model)  # fp64 runs (build_model converts after init) stay float64 in the norms
         return model
 
@@ -133,7 +134,7 @@ def hf_spec(directory: str, routing=None) -> ModelSpec:
         default=str).encode()).hexdigest()[:16]
     return ModelSpec(
         name=config.model_type, build=build,
-        init_weights=lambda m, seed: init_weights(m, seed, float(getattr(config, "initializer_range", 0.02))),
+        init_weights=init_weights,
         blocks=lambda m: parallel_plan.blocks(m), shape=shape, max_seq_len=shape.max_seq_len,
         loss_sum=lambda out, targets: token_cross_entropy_sum(logits_of(out), targets), logits=logits_of,
         tensor_parallel=parallel_plan.tensor_parallel if has_tp else None, sequence_parallel=has_tp,
@@ -143,7 +144,8 @@ def hf_spec(directory: str, routing=None) -> ModelSpec:
         context_parallel=context.context_parallel if config.model_type in context.MODEL_TYPES else None,
         context_parallel_methods=cp_methods, context_parallel_note=cp_note,
         to_hf=dict, from_hf=dict, hf_config=lambda: {**raw, "use_cache": True},
-        load_pretrained=lambda m: load_pretrained(m, directory), fingerprint=fingerprint)
+        load_pretrained=lambda m: load_pretrained(m, directory), fingerprint=fingerprint,
+        attention=f"{attn_implementation} ({attention_why})" if attention_why else attn_implementation)
 
 
 def mask_documents(model: nn.Module, eos_id: int) -> None:
