@@ -56,6 +56,7 @@ def family_config(kind: str):
         "qwen3_next": dict(head_dim=16, **experts, shared_expert_intermediate_size=32, num_experts=4, **linear),
         "gemma3_text": dict(head_dim=16, sliding_window=8, layer_types=local_global, tie_word_embeddings=True),
         "qwen3_5_text": dict(head_dim=16, **linear),
+        "qwen3": dict(head_dim=16),  # query/key norms, replicated over tensor-parallel ranks
         "gemma4_text": dict(head_dim=16, global_head_dim=16, sliding_window=8, layer_types=local_global,
                             vocab_size_per_layer_input=256, hidden_size_per_layer_input=16, tie_word_embeddings=True),
         "glm4_moe": dict(head_dim=16, **experts, n_routed_experts=4, n_group=1, topk_group=1, n_shared_experts=1,

@@ -60,8 +60,9 @@ def spec_problems(ctx) -> list[Problem]:
     what = f"model {spec.name}" + (f" from {ctx.model_source}" if hf else "")
     problems = []
     if lay.tp > 1 and spec.tensor_parallel is None:
+        why = f" ({spec.tensor_parallel_note})" if spec.tensor_parallel_note else ""
         problems.append(Problem("parallel.tp", lay.tp, "1", f"parallel.tp={lay.tp}: {what} has no tensor-parallel "
-                                "plan (allowed for it: parallel.tp=1)"))
+                                f"plan{why}; allowed for it: parallel.tp=1"))
     if lay.ep > 1 and spec.moe_layers is None:
         problems.append(Problem("parallel.ep", lay.ep, "1", f"parallel.ep={lay.ep}: {what} has no MoE layers "
                                 "expert parallelism can split (the built-in MoE family and transformers' qwen3_moe, "
@@ -75,9 +76,9 @@ def spec_problems(ctx) -> list[Problem]:
                                 "stage of a transformers model sees only its sequence slice and cannot derive "
                                 "positions); allowed for it: sequence parallel or pipeline, not both"))
     if lay.pp > 1 and (spec.pipeline_split is None or spec.shape is None):
+        why = spec.pipeline_note or "needs the usual model.embed_tokens / model.layers / model.norm / lm_head decoder"
         problems.append(Problem("parallel.pp", lay.pp, "1", f"parallel.pp={lay.pp}: {what} cannot be split into "
-                                "pipeline stages (needs the usual model.embed_tokens / model.layers / model.norm / "
-                                "lm_head decoder; allowed for it: parallel.pp=1)"))
+                                f"pipeline stages ({why}; allowed for it: parallel.pp=1)"))
     if lay.balanced and lay.dp > 1 and spec.sync_batchnorm:
         # uneven shares mean ranks run different numbers of forward passes: nothing may communicate in one
         problems.append(Problem("parallel.balance", lay.balance, "equal shares", "parallel.balance/balance_weights: "

@@ -48,11 +48,15 @@ class ModelSpec:
     """The next-token logits in the module's output (for sampling)."""
     tensor_parallel: Callable[[nn.Module, object, bool], None] | None = None
     """Apply the TP (and sequence-parallel) plan in place to a model or a pipeline stage."""
+    tensor_parallel_note: str = ""
+    """Why a family without `tensor_parallel` has none (said when parallel.tp > 1 is refused)."""
     sequence_parallel: bool = True
     """Whether `tensor_parallel` also implements sequence parallelism."""
     pipeline_split: Callable[[nn.Module, list[range], list[int]], list[nn.Module]] | None = None
     """Prune the model to the stages this rank owns and return one module per owned stage; the
     parameters keep their names in the pruned model."""
+    pipeline_note: str = ""
+    """Why a family without `pipeline_split` cannot be split (said when parallel.pp > 1 is refused)."""
     sync_batchnorm: bool = False
     """Normalise BatchNorm layers over the whole data-parallel batch (SyncBatchNorm) when dp > 1."""
     tied_parameters: tuple[tuple[str, ...], ...] = ()

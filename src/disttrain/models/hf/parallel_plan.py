@@ -7,9 +7,9 @@ import inspect
 
 import torch
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
-                                               parallelize_module)
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel,
+                                               SequenceParallel, parallelize_module)
 
 from disttrain.core.errors import UserError
 
@@ -38,11 +38,6 @@ class HFStage(nn.Module):
         self.rotary_emb = rotary_emb
         kinds = layer_types(config)
         self.kinds = {key: kinds[int(key)] for key in layers}
-        unknown = sorted(set(self.kinds.values()) - set(MASKS))
-        if unknown or getattr(config, "use_bidirectional_attention", False):
-            what = f"layers of type {unknown[0]}" if unknown else "bidirectional attention"
-            raise UserError(f"parallel.pp > 1 with model.hf ({config.model_type}): the pipeline stages cannot build "
-                            f"the masks of its {what} (allowed for it: parallel.pp=1)")
         self.per_kind_rotary = "layer_type" in inspect.signature(rotary_emb.forward).parameters
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
@@ -84,7 +79,25 @@ def _llama_like_decoder(model: nn.Module) -> nn.Module | None:
 
 
 def can_split(model: nn.Module) -> bool:
-    return _llama_like_decoder(model) is not None
+    return _llama_like_decoder(model) is not None and not stage_problem(model.config)
+
+
+def stage_problem(config) -> str:
+    """Why pipeline stages cannot build this model's masks ('' when they can)."""
+    unknown = sorted(set(layer_types(config)) - set(MASKS))
+    if unknown:
+        return f"a stage cannot mask its layers of type {unknown[0]}"
+    if getattr(config, "use_bidirectional_attention", False):
+        return "a stage cannot build its bidirectional attention mask"
+    return ""
+
+
+def plan_problem(config) -> str:
+    """Why the model's own tensor-parallel plan cannot be applied ('' when it can, or when it has none)."""
+    for key, style in (getattr(type(config), "base_model_tp_plan", None) or {}).items():
+        if not key.startswith("layers.*.") or style not in STYLES:
+            return f"its plan entry {key}={style} is not supported yet"
+    return ""
 
 
 def blocks(module: nn.Module) -> nn.Module:
@@ -108,6 +121,9 @@ def _parts(module: nn.Module):
     return module.config, decoder.embed_tokens, decoder.layers, module.lm_head
 
 
+STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce")  # the plan entries tensor_parallel applies
+
+
 def tensor_parallel(module: nn.Module, tp_mesh, sequence_parallel: bool) -> None:
     """The model's own `base_model_tp_plan` on every block. With sequence parallelism the residual stream
     between blocks is split along the sequence: the model-level forward still sees the whole sequence
@@ -115,12 +131,10 @@ def tensor_parallel(module: nn.Module, tp_mesh, sequence_parallel: bool) -> None
     full length), the first block takes its slice locally, norms run on slices, attention and MLP gather
     the sequence on entry and reduce-scatter on exit, and the head gathers it back."""
     config, embed, layers, head = _parts(module)
-    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel,
+              "replicated_with_grad_allreduce": ReplicatedOverHeads}
     block_plan = {}
-    for key, style in type(config).base_model_tp_plan.items():
-        if not key.startswith("layers.*.") or style not in styles:
-            raise UserError(f"model.hf ({config.model_type}): tensor-parallel plan entry {key}={style} is not "
-                            "supported (allowed: colwise/rowwise entries under layers.*); set parallel.tp=1")
+    for key, style in type(config).base_model_tp_plan.items():  # plan_problem refused any other entry
         sub = key[len("layers.*."):]
         if sequence_parallel and style == "rowwise":
             block_plan[sub] = RowwiseParallel(output_layouts=Shard(1))
@@ -145,6 +159,24 @@ def tensor_parallel(module: nn.Module, tp_mesh, sequence_parallel: bool) -> None
             parallelize_module(_decoder(module, "parallel.tp").norm, tp_mesh, SequenceParallel(use_local_output=True))
     if getattr(config, "tie_word_embeddings", False) and embed is not None and head is not None:
         head.weight = embed.weight  # both Shard(0) of the (vocab, dim) matrix: share again
+
+
+class ReplicatedOverHeads(ParallelStyle):
+    """A small module applied to each head on its own (Qwen3's and Gemma's query/key norms over `head_dim`): its
+    weight is replicated over the tensor-parallel ranks, its input (batch, seq, this rank's heads, head_dim) is
+    declared sharded over the heads, so DTensor sums the weight's gradient over every rank's heads, as one
+    process sums it over all of them. transformers' name for it: `replicated_with_grad_allreduce`."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        def replicate(name, mod, mesh):
+            for key, param in list(mod.named_parameters(recurse=False)):
+                mod.register_parameter(key, nn.Parameter(distribute_tensor(param, mesh, [Replicate()]),
+                                                         requires_grad=param.requires_grad))
+
+        def heads_in(mod, inputs, mesh):
+            return tuple(DTensor.from_local(x, mesh, [Shard(x.ndim - 2)], run_check=False) for x in inputs)
+
+        return distribute_module(module, device_mesh, replicate, heads_in, lambda mod, out, mesh: out.to_local())
 
 
 def _sequence_parallel_entries(block: nn.Module) -> dict:

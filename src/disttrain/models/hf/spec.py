@@ -125,7 +125,8 @@ def hf_spec(directory: str, routing=None, attention: str = "auto") -> ModelSpec:
         splittable = parallel_plan.can_split(build())
     raw = read_config(directory)
     tied = (("model.embed_tokens.weight", "lm_head.weight"),) if shape.tie_embeddings else ()
-    has_tp = bool(getattr(config, "base_model_tp_plan", None))
+    tp_note = "" if getattr(config, "base_model_tp_plan", None) else "its config class has no base_model_tp_plan"
+    tp_note = tp_note or parallel_plan.plan_problem(config)
     from disttrain.models.hf import context
 
     cp_methods, cp_note = context.methods(config)
@@ -137,8 +138,9 @@ def hf_spec(directory: str, routing=None, attention: str = "auto") -> ModelSpec:
         init_weights=init_weights,
         blocks=lambda m: parallel_plan.blocks(m), shape=shape, max_seq_len=shape.max_seq_len,
         loss_sum=lambda out, targets: token_cross_entropy_sum(logits_of(out), targets), logits=logits_of,
-        tensor_parallel=parallel_plan.tensor_parallel if has_tp else None, sequence_parallel=has_tp,
-        pipeline_split=parallel_plan.pipeline_split if splittable else None, tied_parameters=tied,
+        tensor_parallel=None if tp_note else parallel_plan.tensor_parallel, tensor_parallel_note=tp_note,
+        sequence_parallel=not tp_note, pipeline_split=parallel_plan.pipeline_split if splittable else None,
+        pipeline_note=parallel_plan.stage_problem(config), tied_parameters=tied,
         mask_documents=mask_documents, causal=True,  # model.hf loads causal language models only
         moe_layers=partial(hf_moe_layers, routing=routing or MoERouting()) if config.model_type in SUPPORTED else None,
         context_parallel=context.context_parallel if config.model_type in context.MODEL_TYPES else None,
