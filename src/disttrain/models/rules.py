@@ -66,7 +66,8 @@ def spec_problems(ctx) -> list[Problem]:
     if lay.ep > 1 and spec.moe_layers is None:
         problems.append(Problem("parallel.ep", lay.ep, "1", f"parallel.ep={lay.ep}: {what} has no MoE layers "
                                 "expert parallelism can split (the built-in MoE family and transformers' qwen3_moe, "
-                                "qwen2_moe, mixtral, olmoe have; allowed for it: parallel.ep=1)"))
+                                "qwen2_moe, mixtral, olmoe, deepseek_v3, glm4_moe, qwen3_next, gpt_oss have; allowed "
+                                "for it: parallel.ep=1)"))
     if lay.sequence_parallel and not spec.sequence_parallel:
         problems.append(Problem("parallel.sequence_parallel", True, "false", "parallel.sequence_parallel=true: "
                                 f"{what} has no sequence-parallel plan (allowed for it: false)"))

@@ -5,8 +5,12 @@ that plan needs the `accelerate` package and builds its own process groups from 
 the one DeviceMesh and FSDP composition every other layout here uses; with disttrain's dispatch an HF
 MoE model gets the same all-to-all, expert FSDP unit, global routing statistics, balancing loss and DCP
 resharding as the built-in family, and transformers' router (its top-k and `norm_topk_prob`) still
-chooses the experts. Families whose block is `gate` (returning logits, weights, indices) + `experts`
-with `gate_up_proj (E, 2I, H)` and `down_proj (E, H, I)`: Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE.
+chooses the experts. Families whose block is a router (`gate`, gpt-oss's `router`: returning logits, weights,
+indices) + `experts` with fused 3-D weights: `gate_up_proj (E, 2I, H)` and `down_proj (E, H, I)` (Qwen3-MoE,
+Qwen2-MoE, Mixtral, OLMoE, DeepSeek-V3 with its group-limited sigmoid router and shared experts, GLM-4-MoE,
+Qwen3-Next), or transposed with biases and gpt-oss's clamped SwiGLU over interleaved gate and up columns. The
+layout comes from the flags transformers' `use_experts_implementation` sets on the experts module
+(`is_transposed`, `has_bias`) and the gating from its `_apply_gate`, so the arithmetic is transformers' own.
 """
 
 from __future__ import annotations
@@ -19,19 +23,25 @@ from disttrain.core.dtypes import at_least_fp32
 from disttrain.models.moe.experts import AutocastWeights, grouped_gemm_fits, in_autocast_dtype
 from disttrain.models.moe.layer import MoERouting, RoutedExperts
 
-SUPPORTED = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+SUPPORTED = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "glm4_moe", "qwen3_next", "gpt_oss")
+
+
+def _router(block: nn.Module) -> nn.Module | None:
+    return getattr(block, "gate", None) if hasattr(getattr(block, "gate", None), "top_k") else \
+        getattr(block, "router", None)
 
 
 class HFRoutedExperts(RoutedExperts):
     """Replaces the forward of one block's `experts` module (parameter names unchanged)."""
 
     def __init__(self, block: nn.Module, routing: MoERouting):
-        experts = block.experts
-        self.init_routing(experts.num_experts, block.gate.top_k, routing)
-        self.experts, self.act = experts, experts.act_fn
+        experts, router = block.experts, _router(block)
+        self.init_routing(experts.num_experts, router.top_k, routing)
+        self.experts = experts
+        self.transposed, self.biased = getattr(experts, "is_transposed", False), getattr(experts, "has_bias", False)
         self.logits: torch.Tensor | None = None
         self.autocast_weights = AutocastWeights()
-        block.gate.register_forward_hook(self._keep_logits)
+        router.register_forward_hook(self._keep_logits)
         experts.forward = self.forward
 
     def _keep_logits(self, module, args, output) -> None:
@@ -42,20 +52,26 @@ class HFRoutedExperts(RoutedExperts):
         probs = at_least_fp32(logits).softmax(dim=-1) if logits is not None else None
         return self.routed(hidden_states, top_k_weights, top_k_index, probs, self.experts.training)
 
+    def _gate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        apply = getattr(self.experts, "_apply_gate", None)
+        if apply is not None:
+            return apply(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.experts.act_fn(gate) * up
+
     def compute_experts(self, rows: torch.Tensor, counts: torch.Tensor, counts_list):
         # grouped_mm is on no autocast list (torch 2.13): cast as F.linear is, as the built-in experts do
-        rows, (gate_up, down) = in_autocast_dtype(self.autocast_weights, rows,
-                                                  (self.experts.gate_up_proj, self.experts.down_proj))
-        if rows.shape[0] and grouped_gemm_fits(rows, gate_up.shape[1]) and grouped_gemm_fits(rows, down.shape[2]):
-            offsets = torch.cumsum(counts, 0).to(torch.int32)
-            gate, up = F.grouped_mm(rows, gate_up.transpose(-2, -1), offs=offsets).chunk(2, dim=-1)
-            return F.grouped_mm(self.act(gate) * up, down.transpose(-2, -1), offs=offsets)
-        sizes = counts_list if counts_list is not None else counts.tolist()
-        outs = []
-        for e, x in enumerate(torch.split(rows, sizes)):
-            gate, up = F.linear(x, gate_up[e]).chunk(2, dim=-1)
-            outs.append(F.linear(self.act(gate) * up, down[e]))
-        return torch.cat(outs) if outs else rows.new_zeros(0, down.shape[1])
+        e = self.experts
+        params = (e.gate_up_proj, e.down_proj) + ((e.gate_up_proj_bias, e.down_proj_bias) if self.biased else ())
+        rows, (gate_up, down, *biases) = in_autocast_dtype(self.autocast_weights, rows, params)
+        if not self.transposed:  # (E, out, in) as nn.Linear keeps them -> (E, in, out)
+            gate_up, down = gate_up.transpose(-2, -1), down.transpose(-2, -1)
+        if biases:  # each row gets its expert's bias
+            sizes = counts if counts_list is None else torch.tensor(counts_list, device=rows.device)
+            biases = [b.repeat_interleave(sizes, dim=0, output_size=rows.shape[0]) for b in biases]
+        hidden = _per_expert(rows, gate_up, counts, counts_list)
+        out = _per_expert(self._gate(hidden + biases[0] if biases else hidden), down, counts, counts_list)
+        return out + biases[1] if biases else out
 
     def release_compute_copies(self) -> None:
         self.autocast_weights.release()
@@ -64,12 +80,21 @@ class HFRoutedExperts(RoutedExperts):
         raise NotImplementedError
 
 
+def _per_expert(rows: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, counts_list) -> torch.Tensor:
+    """Rows sorted by expert times their expert's (in, out) matrix: one grouped GEMM where it fits, else a loop."""
+    if rows.shape[0] and grouped_gemm_fits(rows, weight.shape[2]):
+        return F.grouped_mm(rows, weight, offs=torch.cumsum(counts, 0).to(torch.int32))
+    sizes = counts_list if counts_list is not None else counts.tolist()
+    parts = [x @ weight[i] for i, x in enumerate(torch.split(rows, sizes))]
+    return torch.cat(parts) if parts else rows.new_zeros(0, weight.shape[2])
+
+
 def hf_moe_layers(model: nn.Module, routing: MoERouting) -> dict[str, HFRoutedExperts]:
     """Every sparse-MoE block's routing (installed on first call, the same objects after)."""
     layers = {}
     for name, module in model.named_modules():
         experts = getattr(module, "experts", None)
-        if experts is None or not hasattr(module, "gate") or not isinstance(getattr(experts, "gate_up_proj", None),
+        if experts is None or _router(module) is None or not isinstance(getattr(experts, "gate_up_proj", None),
                                                                            torch.Tensor):
             continue
         if "_disttrain_routing" not in experts.__dict__:

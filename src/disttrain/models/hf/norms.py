@@ -1,4 +1,4 @@
-"""RMSNorm that stays in float64 when the model is float64 (`precision.compute_dtype=fp64`).
+"""RMSNorms and routers that stay in float64 when the model is float64 (`precision.compute_dtype=fp64`).
 
 transformers' LlamaRMSNorm (and its copies: Qwen2, Mistral, Qwen3, Phi-3, ...) and Gemma's `1 + weight`
 RMSNorm (and its copies: Qwen3-Next, ...) compute in float32 on purpose, `hidden_states.to(torch.float32)`, so that bf16/fp16 activations are normalised stably. On a
@@ -18,6 +18,7 @@ import types
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 
 def _llama_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -72,3 +73,43 @@ def keep_float64_norms(model: nn.Module) -> int:
     for module in norms:
         module.forward = types.MethodType(_dispatch, module)
     return len(norms)
+
+
+class _NoFloat32Casts(TorchFunctionMode):
+    """Inside: a float64 tensor asked to become float32 (`.float()`, `.type(torch.float32)`, `.to(torch.float32)`)
+    stays float64."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.Tensor.float, torch.Tensor.type, torch.Tensor.to) and args and \
+                isinstance(args[0], torch.Tensor) and args[0].dtype == torch.float64:
+            target = torch.float32 if func is torch.Tensor.float else \
+                (args[1] if len(args) == 2 and not kwargs else kwargs.get("dtype") if len(args) == 1 else None)
+            if target is torch.float32:
+                return args[0]
+        return func(*args, **kwargs)
+
+
+def _router_dispatch(self, hidden_states: torch.Tensor):
+    if hidden_states.dtype != torch.float64:
+        return type(self).forward(self, hidden_states)
+    with _NoFloat32Casts():
+        return type(self).forward(self, hidden_states)
+
+
+@functools.lru_cache(maxsize=None)
+def _float32_router(cls: type) -> bool:
+    """A router that computes its logits in float32 on purpose (DeepSeek-V3's, GLM-4-MoE's)."""
+    try:
+        return cls.__name__.endswith("Router") and "torch.float32" in inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return False
+
+
+def keep_float64_routers(model: nn.Module) -> int:
+    """Routers that cast to float32 keep float64 inputs in float64 (as the norms above): their float32 logits
+    round differently for another number of rows in a batch, 1e-10 apart between layouts after a few steps."""
+    routers = [m for m in model.modules() if _float32_router(type(m))]
+    for module in routers:
+        module.forward = types.MethodType(_router_dispatch, module)
+    return len(routers)

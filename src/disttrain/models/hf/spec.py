@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from disttrain.core.errors import UserError
-from disttrain.models.hf.norms import keep_float64_norms
+from disttrain.models.hf.norms import keep_float64_norms, keep_float64_routers
 from disttrain.core.hub import local_directory
 from disttrain.models.hf.shape import hf_shape, read_config
 from disttrain.models.spec import ModelSpec, copy_weights, token_cross_entropy_sum
@@ -119,6 +119,7 @@ def hf_spec(directory: str, routing=None, attention: str = "auto") -> ModelSpec:
         model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation,
                                                  dtype=torch.float32, **experts)
         keep_float64_norms(model)  # fp64 runs (build_model converts after init) stay float64 in the norms
+        keep_float64_routers(model)  # ... and in the routers
         return model
 
     with torch.device("meta"):
