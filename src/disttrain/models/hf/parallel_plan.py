@@ -89,6 +89,10 @@ def stage_problem(config) -> str:
         return f"a stage cannot mask its layers of type {unknown[0]}"
     if getattr(config, "use_bidirectional_attention", False):
         return "a stage cannot build its bidirectional attention mask"
+    if getattr(config, "hidden_size_per_layer_input", 0):
+        return "its layers take per-layer input embeddings (Gemma 4), which a stage does not pass on"
+    if getattr(config, "num_kv_shared_layers", 0):
+        return "later layers reuse earlier layers' keys and values, which a stage does not pass on"
     return ""
 
 

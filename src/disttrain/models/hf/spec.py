@@ -4,8 +4,8 @@ The module is transformers' own `AutoModelForCausalLM` built from config.json (w
 needs, kernels.py; no KV cache), so parameter names are the checkpoint's and `disttrain convert --to hf` is an
 identity mapping. What the framework adds from outside: the architecture's own initialisation seeded by module
 name (the same on every layout, init.py), the model's own tensor-parallel plan (`base_model_tp_plan`), a
-pipeline split of `model.layers`, weights read with safetensors, and RMSNorms that stay float64 in fp64 runs
-(norms.py).
+pipeline split of `model.layers`, weights read with safetensors, and norms and routers that stay float64 in fp64
+runs (float64.py).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from disttrain.core.errors import UserError
-from disttrain.models.hf.norms import keep_float64_norms, keep_float64_routers
+from disttrain.models.hf.float64 import keep_float64
 from disttrain.core.hub import local_directory
 from disttrain.models.hf.shape import hf_shape, read_config
 from disttrain.models.spec import ModelSpec, copy_weights, token_cross_entropy_sum
@@ -118,8 +118,7 @@ def hf_spec(directory: str, routing=None, attention: str = "auto") -> ModelSpec:
 
         model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation,
                                                  dtype=torch.float32, **experts)
-        keep_float64_norms(model)  # fp64 runs (build_model converts after init) stay float64 in the norms
-        keep_float64_routers(model)  # ... and in the routers
+        keep_float64(model)  # fp64 runs (build_model converts after init) stay float64 in norms and routers
         return model
 
     with torch.device("meta"):
