@@ -79,13 +79,14 @@ class ReplicaSyncCheck(Job):
 class StuckLoss(Job):
     """A model that cannot learn, said once: the global loss of the first `STEPS` steps of a fresh run constant
     to `TOLERANCE` over different batches means outputs that do not depend on the input (an embedding scaled
-    to zero, a head or norm left at zero, uninitialised memory). Collective at those steps only."""
+    to zero, a head or norm left at zero, uninitialised memory). Each step keeps its local loss sum on the device
+    (no host sync); step `STEPS` reduces them all in one collective."""
 
     label, collective = "stuck-loss check", True
     STEPS, TOLERANCE = 10, 1e-6
 
     def __init__(self, total_steps: int):
-        self.armed, self.total_steps, self.losses = False, total_steps, []
+        self.armed, self.total_steps, self.sums, self.targets = False, total_steps, [], []
 
     def start(self, trainer) -> None:
         self.armed = trainer.step == 0 and self.total_steps >= self.STEPS
@@ -95,9 +96,14 @@ class StuckLoss(Job):
 
     def run(self, trainer) -> None:
         result = trainer.outcome.result
-        self.losses.append(trainer.global_sums(result.loss_sum)[0] / float(result.targets))
-        if trainer.step == self.STEPS and max(self.losses) - min(self.losses) <= self.TOLERANCE:
-            line = (f"the loss stayed at {self.losses[0]:.6f} (within {self.TOLERANCE:g}) over steps 1-{self.STEPS} "
+        self.sums.append(result.loss_sum.detach())
+        self.targets.append(result.targets)
+        if trainer.step < self.STEPS:
+            return
+        losses = [total / float(count) for total, count in zip(trainer.global_sums(*self.sums), self.targets)]
+        self.sums, self.targets = [], []
+        if max(losses) - min(losses) <= self.TOLERANCE:
+            line = (f"the loss stayed at {losses[0]:.6f} (within {self.TOLERANCE:g}) over steps 1-{self.STEPS} "
                     "on different batches: the model is not learning (its output does not depend on the input; "
                     "check its initialisation, model.init_from and optim.lr)")
             trainer.metrics.event("warning", step=trainer.step, message=line)
