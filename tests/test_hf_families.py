@@ -5,6 +5,7 @@ the others (the support table in docs/models.md), and exported back to transform
 
 from __future__ import annotations
 
+import json
 import math
 import os
 
@@ -273,3 +274,40 @@ def test_convert_to_hf_gives_transformers_the_same_model(kind, family_runs, fami
     with torch.no_grad():
         torch.testing.assert_close(theirs(input_ids=inputs).logits, ours(input_ids=inputs).logits, rtol=1e-5,
                                    atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_estimate_counts_each_family_as_transformers_does(kind, family_dirs):
+    """`estimate --hf DIR`: the parameter count of transformers' own model (sinks, biases, query/key norms, Gemma's
+    four norms and per-layer inputs, linear-attention layers, gated attention and shared-expert gates included)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(family_dirs[kind]))
+    code, stdout, err = run_main("estimate", "--hf", str(family_dirs[kind]), "--gpus", "2", "--json")
+    assert code == 0, err
+    assert json.loads(stdout)["params"] == sum(p.numel() for p in model.parameters())
+
+
+PUBLISHED = {  # model card figures: total and active parameters (billions, as rounded there); active excludes the
+    # input embedding, a lookup (the output projection is a matmul every token runs through)
+    "gpt-oss-120b": ("gpt_oss", {}, 116.8, 5.1),
+    "gpt-oss-20b": ("gpt_oss", {"num_hidden_layers": 24, "num_local_experts": 32}, 20.9, 3.6),
+}
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_full_size_counts_match_transformers_and_the_model_card(name, tmp_path):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from disttrain.models.hf.shape import hf_shape
+
+    kind, changes, total, active = PUBLISHED[name]
+    config = AutoConfig.for_model(kind, **changes)
+    config.save_pretrained(tmp_path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    shape = hf_shape(str(tmp_path))
+    assert shape.num_params() == sum(p.numel() for p in model.parameters())
+    assert round(shape.num_params() / 1e9, 1) == total
+    assert round(shape.num_params(include_embedding=False, active=True) / 1e9, 1) == active

@@ -27,7 +27,7 @@ def matmul_params(shape: ModelShape) -> int:
 
 
 def block_params(shape: ModelShape) -> int:
-    if shape.moe is not None or shape.mla is not None:  # the blocks' active parameters
+    if shape.moe is not None or shape.mla is not None or shape.extras is not None:  # the blocks' active parameters
         return matmul_params(shape) - shape.vocab_size * shape.dim - shape.dim
     kv_dim = shape.n_kv_heads * shape.head_dim
     per_layer = 2 * shape.dim * shape.dim + 2 * shape.dim * kv_dim + 3 * shape.dim * shape.ffn_hidden_dim + 2 * shape.dim
@@ -36,10 +36,19 @@ def block_params(shape: ModelShape) -> int:
 
 def attention_flops_per_token(shape: ModelShape, seq_len: int) -> float:
     """12·L·H·Q·T: QKᵀ and attention·V, forward and backward, full (unmasked) score matrix. Multi-head latent
-    attention's scores use the query/key head width and its weighted sum the value width: 6·L·H·(Qk + Qv)·T."""
+    attention's scores use the query/key head width and its weighted sum the value width: 6·L·H·(Qk + Qv)·T.
+    A sliding-window layer attends to at most its window (min(W, T) keys a query); a linear-attention layer
+    (Gated DeltaNet) updates and reads a state instead, at a cost per token that does not grow with T."""
     if shape.mla is not None:
         return 6.0 * shape.n_layers * shape.n_heads * (shape.mla.qk_head_dim + shape.mla.v_head_dim) * seq_len
-    return 12.0 * shape.n_layers * shape.n_heads * shape.head_dim * seq_len
+    x = shape.extras
+    if x is None:
+        return 12.0 * shape.n_layers * shape.n_heads * shape.head_dim * seq_len
+    per_key = 12.0 * shape.n_heads * shape.head_dim
+    full = shape.n_layers - shape.linear_layers - x.sliding_layers
+    window = min(x.sliding_window, seq_len) if x.sliding_window else seq_len
+    linear = x.linear.layers * x.linear.flops_per_token() if x.linear else 0.0
+    return per_key * (full * seq_len + x.sliding_layers * window) + linear
 
 
 def model_flops_per_token(shape: ModelShape, seq_len: int) -> float:

@@ -20,7 +20,7 @@ __all__ = ["MODEL_SHAPES", "ModelShape", "RESOLVERS", "model_shape", "model_spec
            "saved_model", "default_balancing"]
 
 BUILT_IN = "built-in llama"  # the family of every registry model, dense or MoE (as checkpoints record it)
-SHAPE_KEYS = tuple(f.name for f in fields(ModelShape) if f.name not in ("moe", "mla"))
+SHAPE_KEYS = tuple(f.name for f in fields(ModelShape) if f.name not in ("moe", "mla", "extras"))
 MOE_SHAPE_KEYS = tuple(f.name for f in fields(MoEShape))
 
 

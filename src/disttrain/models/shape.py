@@ -52,6 +52,58 @@ class MLAShape:
 
 
 @dataclass(frozen=True)
+class LinearAttentionShape:
+    """Gated DeltaNet layers (Qwen3-Next, Qwen3.5): a recurrent (key x value) state per value head instead of
+    attention over the sequence. Names follow transformers' Qwen3NextConfig (`linear_*`)."""
+    layers: int  # how many of the blocks attend this way (the rest are full attention)
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+
+    def params(self, dim: int) -> int:
+        """q/k/v/z and b/a projections, the causal convolution over q/k/v, dt_bias and A_log, the gated norm and
+        the output projection of one layer."""
+        qk, v = self.num_key_heads * self.key_head_dim, self.num_value_heads * self.value_head_dim
+        return (dim * (2 * qk + 2 * v) + dim * 2 * self.num_value_heads + (2 * qk + v) * self.conv_kernel
+                + 2 * self.num_value_heads + self.value_head_dim + v * dim)
+
+    def flops_per_token(self) -> float:
+        """Forward and backward (3x) of the recurrence per layer: reading the state with the key, the delta
+        update's outer product and reading it with the query, 2·dk·dv multiply-adds each, per value head."""
+        return 3 * 6.0 * self.num_value_heads * self.key_head_dim * self.value_head_dim
+
+
+@dataclass(frozen=True)
+class BlockExtras:
+    """What transformers' newer families add to the Llama-style block, for the planner's counts: None on the
+    built-in models (so their fingerprints stay as they were)."""
+    qk_norm: bool = False  # per-head RMSNorm of queries and keys (Qwen3, Gemma 3): 2·head_dim a layer
+    o_bias: bool = False  # a bias on the output projection (gpt-oss)
+    attention_sinks: bool = False  # a learned logit per head (gpt-oss)
+    attn_output_gate: bool = False  # the query projection also gives a per-head output gate (Qwen3-Next, 3.5)
+    norms_per_block: int = 2  # Gemma 2/3: 4 (before and after attention and MLP)
+    sliding_window: int = 0  # the window of the layers that attend locally
+    sliding_layers: int = 0  # how many layers do
+    linear: LinearAttentionShape | None = None
+    expert_bias: bool = False  # biases on each expert's projections (gpt-oss)
+    router_bias: bool = False  # a bias on the router's logits (gpt-oss)
+    shared_expert_gate: bool = False  # a sigmoid gate on the shared expert's output (Qwen2-MoE, Qwen3-Next)
+    per_layer_input: int = 0  # Gemma 4: width of each layer's own input embedding (0: none)
+    per_layer_vocab: int = 0  # ... and the vocabulary of that embedding table
+
+    def per_layer_params(self, dim: int, layers: int, include_embedding: bool) -> int:
+        """Gemma 4's per-layer inputs: the table (an embedding), the projection of the hidden state onto every
+        layer's input and its norm, and in each layer a gate, a projection back and a norm."""
+        width = self.per_layer_input
+        if not width:
+            return 0
+        table = self.per_layer_vocab * layers * width if include_embedding else 0
+        return table + dim * layers * width + width + layers * (2 * dim * width + dim)
+
+
+@dataclass(frozen=True)
 class ModelShape:
     dim: int
     n_layers: int
@@ -70,27 +122,52 @@ class ModelShape:
     # Precomputed cos/sin buffers, as the built-in models hold (transformers' compute theirs per forward); the
     # planner's to count, not the model's identity (models/llama shape_fingerprint leaves it out).
     rotary_tables: bool = True
+    extras: BlockExtras | None = None  # None: the Llama-style block (the built-in models)
 
     @property
     def head_dim(self) -> int:
         return self.head_size or self.dim // self.n_heads
 
+    @property
+    def linear_layers(self) -> int:
+        return self.extras.linear.layers if self.extras and self.extras.linear else 0
+
     def attention_params(self) -> int:
-        """One block's attention projections (and their biases; MLA: its latent norms too)."""
+        """One full-attention block's attention projections (and their biases, norms, sinks; MLA: its latent
+        norms too)."""
         if self.mla is not None:
             return self.mla.params(self.dim, self.n_heads)
+        x = self.extras or BlockExtras()
         q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        return self.dim * q_dim * 2 + self.dim * kv_dim * 2 + (q_dim + 2 * kv_dim if self.qkv_bias else 0)
+        q_out = 2 * q_dim if x.attn_output_gate else q_dim
+        return (self.dim * (q_out + q_dim) + self.dim * kv_dim * 2 + (q_dim + 2 * kv_dim if self.qkv_bias else 0)
+                + (self.dim if x.o_bias else 0) + (self.n_heads if x.attention_sinks else 0)
+                + (2 * self.head_dim if x.qk_norm else 0))
+
+    def _moe_extras(self, active: bool) -> int:
+        """gpt-oss's expert and router biases, a shared-expert gate: one MoE layer's parameters beyond MoEShape's."""
+        x, moe = self.extras, self.moe
+        if x is None:
+            return 0
+        experts = moe.num_experts_per_tok if active else moe.num_experts
+        return ((experts * (2 * moe.moe_intermediate_size + self.dim) if x.expert_bias else 0)
+                + (moe.num_experts if x.router_bias else 0) + (self.dim if x.shared_expert_gate else 0))
 
     def num_params(self, include_embedding: bool = True, active: bool = False) -> int:
-        """Exact parameter count of a Llama-style decoder (SwiGLU MLP, GQA, RMSNorm, no biases). With `active`,
-        an MoE model's count holds only the experts one token runs through (what its FLOPs per token follow)."""
-        attn = self.attention_params()
+        """Exact parameter count of a Llama-style decoder (SwiGLU MLP, GQA, RMSNorm, no biases) and of the
+        families `extras` describes. With `active`, an MoE model's count holds only the experts one token runs
+        through (what its FLOPs per token follow)."""
+        linear = self.extras.linear if self.extras and self.extras.linear else None
+        mixers = (self.n_layers - self.linear_layers) * self.attention_params() + \
+            (linear.params(self.dim) * linear.layers if linear else 0)
         dense_mlp = 3 * self.dim * self.ffn_hidden_dim
-        mlps = sum(self.moe.layer_params(self.dim, active) if self.moe and self.moe.is_moe_layer(layer)
-                   else dense_mlp for layer in range(self.n_layers))
+        mlps = sum(self.moe.layer_params(self.dim, active) + self._moe_extras(active)
+                   if self.moe and self.moe.is_moe_layer(layer) else dense_mlp for layer in range(self.n_layers))
         embedding = self.vocab_size * self.dim
         output = 0 if self.tie_embeddings else self.vocab_size * self.dim
-        total = self.n_layers * (attn + 2 * self.dim) + mlps + self.dim + output
+        norms = (self.extras.norms_per_block if self.extras else 2) * self.dim
+        total = mixers + self.n_layers * norms + mlps + self.dim + output
+        if self.extras:
+            total += self.extras.per_layer_params(self.dim, self.n_layers, include_embedding)
         return total + (embedding if include_embedding else 0)
 

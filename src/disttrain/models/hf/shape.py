@@ -8,7 +8,7 @@ from pathlib import Path
 
 from disttrain.core.errors import UserError
 from disttrain.core.hub import local_directory
-from disttrain.models.shape import MLAShape, ModelShape, MoEShape
+from disttrain.models.shape import BlockExtras, LinearAttentionShape, MLAShape, ModelShape, MoEShape
 
 # Decoder-only families whose config.json maps onto ModelShape (SwiGLU MLP, RMSNorm, rotary, GQA).
 DECODER_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3")
@@ -69,7 +69,7 @@ def hf_shape(directory: str) -> ModelShape:
             rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))),
             qkv_bias=c["model_type"] == "qwen2" or bool(c.get("qkv_bias", c.get("attention_bias", False))),
             head_size=int(c.get("head_dim") or 0) if int(c.get("head_dim") or 0) != dim // heads else 0,
-            moe=_moe(c, directory), mla=mla, rotary_tables=False)
+            moe=_moe(c, directory), mla=mla, rotary_tables=False, extras=_extras(c))
     except KeyError as exc:
         raise UserError(f"model.hf={directory}: config.json lacks {exc.args[0]} (a causal LM's config has "
                         "hidden_size, num_hidden_layers, num_attention_heads and vocab_size)") from None
@@ -114,3 +114,28 @@ def _mla(c: dict) -> MLAShape | None:
     return MLAShape(kv_lora_rank=int(c["kv_lora_rank"]), q_lora_rank=int(c.get("q_lora_rank") or 0),
                     qk_nope_head_dim=int(c["qk_nope_head_dim"]), qk_rope_head_dim=int(c["qk_rope_head_dim"]),
                     v_head_dim=int(c["v_head_dim"]))
+
+
+QK_NORM_TYPES = ("qwen3", "qwen3_moe", "qwen3_next", "qwen3_5_text", "gemma3_text", "gemma4_text")  # per head_dim
+
+
+def _extras(c: dict) -> BlockExtras | None:
+    """What the newer families add to the Llama-style block (None: nothing)."""
+    kind, kinds = c["model_type"], list(c.get("layer_types") or [])
+    gpt_oss = kind == "gpt_oss"
+    linear = None
+    if "linear_attention" in kinds:
+        linear = LinearAttentionShape(
+            layers=kinds.count("linear_attention"), num_key_heads=int(c["linear_num_key_heads"]),
+            num_value_heads=int(c["linear_num_value_heads"]), key_head_dim=int(c["linear_key_head_dim"]),
+            value_head_dim=int(c["linear_value_head_dim"]), conv_kernel=int(c.get("linear_conv_kernel_dim") or 4))
+    extras = BlockExtras(
+        qk_norm=kind in QK_NORM_TYPES, o_bias=gpt_oss and bool(c.get("attention_bias", True)), attention_sinks=gpt_oss,
+        attn_output_gate=kind in ("qwen3_next", "qwen3_5_text") and bool(c.get("attn_output_gate", True)),
+        norms_per_block=4 if kind in ("gemma2", "gemma3_text", "gemma4_text") else 2,
+        sliding_window=int(c.get("sliding_window") or 0) if "sliding_attention" in kinds else 0,
+        sliding_layers=kinds.count("sliding_attention"), linear=linear, expert_bias=gpt_oss, router_bias=gpt_oss,
+        shared_expert_gate=kind in ("qwen2_moe", "qwen3_next") and bool(c.get("shared_expert_intermediate_size")),
+        per_layer_input=int(c.get("hidden_size_per_layer_input") or 0),
+        per_layer_vocab=int(c.get("vocab_size_per_layer_input") or 0))
+    return None if extras == BlockExtras() else extras
