@@ -96,7 +96,7 @@ def test_hf_model_trains_like_one_process(kind, layout, two_rank_runs, reference
 @pytest.mark.parametrize("layout", list(MORE_LAYOUTS))
 def test_hf_model_under_the_other_data_parallel_layouts(layout, two_rank_runs, references):
     """Compile fuses each RMSNorm into one kernel that sums the variance in another order: exact only because the
-    norms stay float64 (models/hf/norms.py); with transformers' float32 round trip it was 6e-9 off in the loss."""
+    norms stay float64 (models/hf/float64.py); with transformers' float32 round trip it was 6e-9 off in the loss."""
     run = two_rank_runs[f"llama {layout}"]
     graphs = json.loads((run / "dynamo_stats.json").read_text()).get("unique_graphs", 0)
     assert (graphs >= 1) == layout.endswith("compile"), graphs  # compile really ran, and only there

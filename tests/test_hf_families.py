@@ -179,12 +179,24 @@ def test_a_model_that_cannot_learn_is_said_once(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def references(family_dirs, tmp_path_factory):
-    """One process per family, fp64; Llama through eager attention beside it."""
+def weight_dirs(tmp_path_factory):
+    """Each family with transformers' own random weights saved: the base LoRA adapters are exported against."""
+    root = tmp_path_factory.mktemp("weights")
+    return {kind: save_tiny(kind, root / kind, weights_seed=1) for kind in FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def references(family_dirs, weight_dirs, tmp_path_factory):
+    """One process per family, fp64; Llama through eager attention beside it; LoRA on each family's weights
+    (fp32, as adapters are exported)."""
     root = tmp_path_factory.mktemp("ref")
     jobs = {kind: (root / kind, (*COMMON, f"model.hf={family_dirs[kind]}")) for kind in EXACT_PAIRS}
     jobs.update({f"{kind} {PP_MB}": (root / f"{kind}_mb2", (*COMMON, f"model.hf={family_dirs[kind]}", PP_MB))
                  for kind, names in EXACT_PAIRS.items() if "pp2" in names})
+    jobs.update({f"{kind} lora": (root / f"{kind}_lora", ("train.steps=3", "train.global_batch_size=4",
+                                                           "data.seq_len=32", "optim.lr=1e-2", "model.lora.rank=4", "checkpoint.save_final=true",
+                                                           f"model.hf={weight_dirs[kind]}"))
+                 for kind in FAMILIES})
     jobs["llama eager"] = (root / "llama_eager", (*COMMON, f"model.hf={family_dirs['llama']}",
                                                   "model.attn_implementation=eager"))
     jobs["llama"] = (root / "llama", (*COMMON, f"model.hf={family_dirs['llama']}"))
@@ -311,3 +323,25 @@ def test_full_size_counts_match_transformers_and_the_model_card(name, tmp_path):
     assert shape.num_params() == sum(p.numel() for p in model.parameters())
     assert round(shape.num_params() / 1e9, 1) == total
     assert round(shape.num_params(include_embedding=False, active=True) / 1e9, 1) == active
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_lora_exports_load_in_peft_and_merged(kind, references, weight_dirs, tmp_path):
+    """Each family's adapters through peft's own loading onto transformers' base equal the merged weights
+    through transformers alone (fp32), and they moved the logits."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    run = references[f"{kind} lora"]
+    for target, extra in (("peft", ()), ("hf", ("--merge-lora",))):
+        code, _, err = run_main("convert", str(run), "--to", target, *extra, "--out", str(tmp_path / target))
+        assert code == 0, err
+    inputs, _ = _batch()
+    base = AutoModelForCausalLM.from_pretrained(weight_dirs[kind], dtype=torch.float32).eval()
+    with torch.no_grad():
+        base_logits = base(input_ids=inputs).logits
+        adapted = PeftModel.from_pretrained(base, tmp_path / "peft").eval()(input_ids=inputs).logits
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()(
+            input_ids=inputs).logits
+    assert float((adapted - base_logits).abs().max()) > 1e-3
+    torch.testing.assert_close(merged, adapted, rtol=1e-5, atol=1e-5)

@@ -67,8 +67,8 @@ def merged_state(saved, adapters: dict[str, torch.Tensor], init_from) -> dict[st
         raise UserError(f"--merge-lora: the base model rebuilt from the run's config differs from the one its "
                         f"adapters were trained on (fingerprint {base}, trained on {trained_on}): were "
                         f"the weights of model.hf={saved.model_dir or '(none)'} or model.init_from replaced?")
-    params = dict(model.named_parameters())
-    for name, tensor in adapters.items():
+    params = {**dict(model.named_buffers()), **dict(model.named_parameters(remove_duplicate=False))}  # buffers, ties
+    for name, tensor in adapters.items():  # (DeepSeek's routing-correction bias; a tied head under its own name)
         params[name].copy_(tensor.to(params[name].dtype))
     merge_lora(model)
     return {k: v.detach().float().contiguous() for k, v in model.named_parameters()}

@@ -46,14 +46,38 @@ def matches(name: str, pattern: str) -> bool:
     return name == pattern or name.endswith(f".{pattern}") or fnmatch.fnmatchcase(name, pattern)
 
 
+def peft_reaimed(model: nn.Module) -> tuple[str, ...]:
+    """Module names peft re-aims for this transformers model type: to load adapters written for transformers 4,
+    peft (0.18+) turns a target ending in `gate_proj`, `up_proj` or `down_proj` (Mixtral: w1, w2, w3) of an MoE
+    family into LoRA on the fused experts, also when the module named is a shared expert or a dense MLP of
+    transformers 5 (peft's own conversion table, read here). Adapters on such modules would train and load on
+    other weights than asked, so they are left out of the default targets and refused when named."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    try:
+        from peft.utils import transformers_weight_conversion as conversion
+    except ImportError:
+        return ()
+    pattern = getattr(conversion, "_MODEL_TO_CONVERSION_PATTERN", {}).get(model_type)
+    mapping = getattr(conversion, "_MOE_TARGET_MODULE_MAPPING", {}).get(pattern) or {}
+    return tuple(old for old, new in mapping.items() if new.endswith("_proj"))
+
+
 def target_names(model: nn.Module, spec, targets: list[str]) -> list[str]:
-    """The full names of the linear modules `targets` selects; ValueError naming a pattern that selects none."""
+    """The full names of the linear modules `targets` selects; ValueError naming a pattern that selects none, or
+    one that selects a module peft would re-aim (`peft_reaimed`)."""
     every, inside = linear_names(model, spec)
+    reaimed = peft_reaimed(model)
     if not targets:
-        return inside
+        return [n for n in inside if n.rsplit(".", 1)[-1] not in reaimed]
     chosen = []
     for pattern in targets:
         found = [n for n in every if matches(n, pattern)]
+        bad = [n for n in found if n.rsplit(".", 1)[-1] in reaimed]
+        if bad:
+            raise ValueError(f"model.lora.targets: {pattern!r} selects {bad[0]}, which peft re-aims at the fused "
+                             f"experts of {model.config.model_type} models (its conversion of transformers-4 "
+                             f"adapters of {', '.join(reaimed)}), so the adapter would not be where it trained "
+                             "(allowed: the attention projections and other modules)")
         if not found:
             leaves = sorted({n.rsplit(".", 1)[-1] for n in every})
             raise ValueError(f"model.lora.targets: {pattern!r} matches no linear module of model {spec.name} "
