@@ -24,13 +24,16 @@ COMMON = ("train.steps=4", "train.global_batch_size=4", "data.seq_len=32", "opti
           "checkpoint.save_final=true", "metrics.sync_check_every=2", FP64)
 PP_MB = "train.micro_batch_size=2"  # two micro-batches through the two stages; its reference micro-batches alike
 LAYOUTS = {"ddp": (), "zero3": ("parallel.zero_stage=3",), "pp2": ("parallel.pp=2", PP_MB), "tp2": ("parallel.tp=2",),
-           "tp2-sp": ("parallel.tp=2", "parallel.sequence_parallel=true"), "cp2": ("parallel.cp=2",),
+           "tp2-sp": ("parallel.tp=2", "parallel.sequence_parallel=true"),
+           "cp2": ("parallel.cp=2", "parallel.cp_method=allgather"),
+           "cp2-ulysses": ("parallel.cp=2", "parallel.cp_method=ulysses"),
            "ep2-zero3": ("parallel.ep=2", "parallel.zero_stage=3")}
 # What is proven exact (fp64, 1e-10, against one process); every other pair of TABLE_FAMILIES x LAYOUTS must be
 # refused in one line (test_the_support_table_is_current, which also writes the table in docs/models.md).
 MOE = ("ddp", "zero3", "pp2", "ep2-zero3")
 EXACT_PAIRS = {"gpt_oss": MOE, "deepseek_v3": MOE, "qwen3_next": MOE, "glm4_moe": MOE,
-               "gemma3_text": ("ddp", "zero3", "pp2", "tp2", "tp2-sp"), "qwen3_5_text": ("ddp", "zero3", "pp2"),
+               "gemma3_text": ("ddp", "zero3", "pp2", "tp2", "tp2-sp", "cp2", "cp2-ulysses"),
+               "qwen3_5_text": ("ddp", "zero3", "pp2"),
                "gemma4_text": ("ddp", "zero3"),
                "qwen3": ("tp2", "tp2-sp")}  # Qwen3: the query/key norms replicated over tensor-parallel ranks
 TABLE_FAMILIES = FAMILIES

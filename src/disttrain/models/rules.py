@@ -106,8 +106,8 @@ def _context_problems(spec, layout, what: str) -> list[Problem]:
     cp, method = layout.cp, layout.cp_method
     if spec.context_parallel is None:
         return [Problem("parallel.cp", cp, "1", f"parallel.cp={cp}: {what} cannot shard its sequence (context "
-                        "parallelism needs the built-in model or a transformers llama, mistral, qwen2 or qwen3 "
-                        "model; allowed for it: parallel.cp=1)")]
+                        "parallelism needs the built-in model or a transformers llama, mistral, qwen2, qwen3 or "
+                        "gemma3_text model; allowed for it: parallel.cp=1)")]
     if layout.pp > 1 and spec.name != "llama":
         return [Problem("parallel.cp", cp, "1 with parallel.pp > 1", f"parallel.cp={cp} with parallel.pp={layout.pp}: "
                         f"{what} (context-parallel pipeline stages need the built-in model; allowed for it: one of "

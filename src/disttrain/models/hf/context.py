@@ -14,11 +14,12 @@ from __future__ import annotations
 from torch import nn
 
 ATTENTION_NAME = "disttrain_context_parallel"
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 
 
 def sliding_window(config) -> int | None:
-    """The attention window of any layer (Mistral; Qwen2/3 with use_sliding_window), else None."""
+    """The attention window of any layer (Mistral; Qwen2/3 with use_sliding_window; Gemma 3's local layers),
+    else None."""
     types = getattr(config, "layer_types", None) or []
     if getattr(config, "model_type", "") == "mistral" or "sliding_attention" in types:
         return getattr(config, "sliding_window", None)
