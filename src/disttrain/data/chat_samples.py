@@ -56,6 +56,8 @@ class ChatSamples:
         self.lengths = np.minimum(lengths, capacity)
         self.rows = first_fit(self.lengths, capacity) if packing else [[i] for i in range(len(ends))]
         self.num_samples = len(self.rows)
+        # input positions each row fills before its padding: its conversations (end tokens included), <= seq_len
+        self.row_tokens = np.minimum(seq_len, np.array([int(self.lengths[r].sum()) for r in self.rows], np.int64))
 
     def __len__(self) -> int:
         return self.num_samples
@@ -63,8 +65,7 @@ class ChatSamples:
     def held_tokens(self, ids: np.ndarray) -> np.ndarray:
         """Input positions each sequence fills before its padding: its conversations' tokens (end tokens
         included), at most seq_len."""
-        return np.array([min(self.seq_len, sum(int(self.lengths[d]) for d in self.rows[int(i)])) for i in ids],
-                        dtype=np.int64)
+        return self.row_tokens[np.asarray(ids, dtype=np.int64)]
 
     def batch(self, ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         width = self.seq_len + 1

@@ -64,10 +64,11 @@ def spec_problems(ctx) -> list[Problem]:
         problems.append(Problem("parallel.tp", lay.tp, "1", f"parallel.tp={lay.tp}: {what} has no tensor-parallel "
                                 f"plan{why}; allowed for it: parallel.tp=1"))
     if lay.ep > 1 and spec.moe_layers is None:
+        from disttrain.models.hf.moe import SUPPORTED  # a spec exists: torch is imported already
+
         problems.append(Problem("parallel.ep", lay.ep, "1", f"parallel.ep={lay.ep}: {what} has no MoE layers "
-                                "expert parallelism can split (the built-in MoE family and transformers' qwen3_moe, "
-                                "qwen2_moe, mixtral, olmoe, deepseek_v3, glm4_moe, qwen3_next, gpt_oss have; allowed "
-                                "for it: parallel.ep=1)"))
+                                "expert parallelism can split (the built-in MoE family and transformers' "
+                                f"{', '.join(SUPPORTED)} have; allowed for it: parallel.ep=1)"))
     if lay.sequence_parallel and not spec.sequence_parallel:
         problems.append(Problem("parallel.sequence_parallel", True, "false", "parallel.sequence_parallel=true: "
                                 f"{what} has no sequence-parallel plan (allowed for it: false)"))
@@ -105,9 +106,11 @@ def _context_problems(spec, layout, what: str) -> list[Problem]:
     """Context parallelism needs the family's hook, and a method its attention can take."""
     cp, method = layout.cp, layout.cp_method
     if spec.context_parallel is None:
+        from disttrain.models.hf.context import MODEL_TYPES
+
         return [Problem("parallel.cp", cp, "1", f"parallel.cp={cp}: {what} cannot shard its sequence (context "
-                        "parallelism needs the built-in model or a transformers llama, mistral, qwen2, qwen3 or "
-                        "gemma3_text model; allowed for it: parallel.cp=1)")]
+                        "parallelism needs the built-in model or a transformers model of type "
+                        f"{', '.join(MODEL_TYPES)}; allowed for it: parallel.cp=1)")]
     if layout.pp > 1 and spec.name != "llama":
         return [Problem("parallel.cp", cp, "1 with parallel.pp > 1", f"parallel.cp={cp} with parallel.pp={layout.pp}: "
                         f"{what} (context-parallel pipeline stages need the built-in model; allowed for it: one of "

@@ -66,7 +66,7 @@ class ModelSpec:
     after it (`data.document_masking`); None: the family cannot."""
     causal: bool = False
     """The output at a position depends on the tokens before it only (a causal language model): padding after a
-    micro-batch's last target can be cut (`data.padding=longest`, data/padding.py)."""
+    micro-batch's last real token can be cut (`data.padding=longest`, data/padding.py)."""
     context_parallel: Callable[[nn.Module, object], None] | None = None
     """Make the whole module train on one context-parallel shard of each sequence (`parallel.cp`): it is then
     called with the full sequences' token ids, hands `cp.inputs` what it gets and attends through

@@ -47,7 +47,7 @@ def announce(metrics, *, step: int, world_size: int, layout, model: str, num_par
                   **({} if trainable is None else {"trainable_params": trainable}),
                   **({"attention": attention} if attention else {}))
     metrics.message(start_line(model, num_params, layout, device, tokenizer, per_step, trainable))
-    if "(" in attention:  # a kernel chosen for a reason: say which and why
+    if attention and attention != "sdpa":  # a kernel other than the default: say which and why
         metrics.message(f"attention: {attention}")
     if optimizer_split:
         metrics.event("optimizer_split", stage_only=layout.pp > 1, **optimizer_split)

@@ -18,7 +18,6 @@ import torch
 
 from disttrain.core.errors import UserError
 
-CHOICES = ("auto", "sdpa", "eager", "flex_attention")
 EXPERTS_NAME = "disttrain"
 
 
@@ -70,11 +69,12 @@ def _experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tenso
     return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
 
 
-def experts_implementation(model_class) -> dict:
+def experts_implementation(config) -> dict:
     """`from_config` keyword arguments that route fused experts through `_experts_forward` ({} for a dense model
     or one whose experts transformers cannot dispatch)."""
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
+    model_class = _model_class(config)
     if model_class is None or not model_class._can_set_experts_implementation():
         return {}
     ALL_EXPERTS_FUNCTIONS.register(EXPERTS_NAME, _experts_forward)

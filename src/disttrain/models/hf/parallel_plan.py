@@ -51,12 +51,12 @@ class HFStage(nn.Module):
             masks[kind] = getattr(masking_utils, MASKS[kind])(
                 config=self.config, inputs_embeds=h, attention_mask=None, past_key_values=None,
                 position_ids=position_ids)
-            rotary[kind] = self.rotary_emb(h, position_ids, kind) if self.per_kind_rotary else None
         shared = None if self.per_kind_rotary else self.rotary_emb(h, position_ids=position_ids)
+        for kind in masks:
+            rotary[kind] = self.rotary_emb(h, position_ids, kind) if self.per_kind_rotary else shared
         for key, layer in self.layers.items():
             kind = self.kinds[key]
-            h = layer(h, attention_mask=masks[kind], position_ids=position_ids,
-                      position_embeddings=rotary[kind] if self.per_kind_rotary else shared)
+            h = layer(h, attention_mask=masks[kind], position_ids=position_ids, position_embeddings=rotary[kind])
         if self.norm is not None:
             h = self.lm_head(self.norm(h))
         return h
@@ -125,9 +125,6 @@ def _parts(module: nn.Module):
     return module.config, decoder.embed_tokens, decoder.layers, module.lm_head
 
 
-STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce")  # the plan entries tensor_parallel applies
-
-
 def tensor_parallel(module: nn.Module, tp_mesh, sequence_parallel: bool) -> None:
     """The model's own `base_model_tp_plan` on every block. With sequence parallelism the residual stream
     between blocks is split along the sequence: the model-level forward still sees the whole sequence
@@ -135,15 +132,13 @@ def tensor_parallel(module: nn.Module, tp_mesh, sequence_parallel: bool) -> None
     full length), the first block takes its slice locally, norms run on slices, attention and MLP gather
     the sequence on entry and reduce-scatter on exit, and the head gathers it back."""
     config, embed, layers, head = _parts(module)
-    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel,
-              "replicated_with_grad_allreduce": ReplicatedOverHeads}
     block_plan = {}
     for key, style in type(config).base_model_tp_plan.items():  # plan_problem refused any other entry
         sub = key[len("layers.*."):]
         if sequence_parallel and style == "rowwise":
             block_plan[sub] = RowwiseParallel(output_layouts=Shard(1))
         else:
-            block_plan[sub] = styles[style]()
+            block_plan[sub] = STYLES[style]()
     if sequence_parallel:
         block_plan.update(_sequence_parallel_entries(next(iter(layers.children()))))
     for i, block in enumerate(layers.children()):
@@ -181,6 +176,10 @@ class ReplicatedOverHeads(ParallelStyle):
             return tuple(DTensor.from_local(x, mesh, [Shard(x.ndim - 2)], run_check=False) for x in inputs)
 
         return distribute_module(module, device_mesh, replicate, heads_in, lambda mod, out, mesh: out.to_local())
+
+
+# The plan entries `tensor_parallel` applies (transformers' names); `plan_problem` refuses a plan with any other.
+STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel, "replicated_with_grad_allreduce": ReplicatedOverHeads}
 
 
 def _sequence_parallel_entries(block: nn.Module) -> dict:

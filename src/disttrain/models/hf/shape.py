@@ -10,13 +10,6 @@ from disttrain.core.errors import UserError
 from disttrain.core.hub import local_directory
 from disttrain.models.shape import BlockExtras, LinearAttentionShape, MLAShape, ModelShape, MoEShape
 
-# Decoder-only families whose config.json maps onto ModelShape (SwiGLU MLP, RMSNorm, rotary, GQA).
-DECODER_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3")
-# Mixture-of-experts families: their MoE keys map onto MoEShape (the planner counts them; parameters ModelShape
-# leaves out are listed in docs/planning.md: Qwen3/OLMoE q/k norms, Qwen2-MoE's shared-expert gate, gpt-oss's biases
-# and attention sinks).
-MOE_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "gpt_oss")
-
 
 def read_config(directory: str) -> dict:
     """`model.hf`'s config.json: a local directory's, or a Hub id's from its cached snapshot (core/hub.py)."""

@@ -111,7 +111,7 @@ def hf_spec(directory: str, routing=None, attention: str = "auto") -> ModelSpec:
     shape = hf_shape(directory)
     config = _load_config(directory)
     attn_implementation, attention_why = kernels.choose_attention(config, attention, directory)
-    experts = kernels.experts_implementation(kernels._model_class(config))
+    experts = kernels.experts_implementation(config)
 
     def build() -> nn.Module:
         from transformers import AutoModelForCausalLM
