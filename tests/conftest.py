@@ -5,14 +5,15 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from helpers import PARITY, PARITY_FP32, train  # noqa: E402
+from helpers import PARITY, PARITY_FP32, WHOLE_LOGITS, train  # noqa: E402
 
 
 @pytest.fixture(scope="session")
 def debug_reference(tmp_path_factory):
     """One process, one micro-batch of 4, in fp64: the plain single-device computation that every layout of
-    the debug model at the PARITY setting must reproduce to EXACT (shared by every test module)."""
-    return train(tmp_path_factory.mktemp("ref") / "run", *PARITY, "train.micro_batch_size=4")
+    the debug model at the PARITY setting must reproduce to EXACT (shared by every test module). With the whole
+    logits, where the PARITY runs compute the loss in chunks: the chunked loss is held to it on every layout."""
+    return train(tmp_path_factory.mktemp("ref") / "run", *PARITY, "train.micro_batch_size=4", WHOLE_LOGITS)
 
 
 @pytest.fixture(scope="session")

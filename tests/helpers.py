@@ -15,8 +15,12 @@ LR = 3e-3  # configs/debug.yaml
 # Parity runs in double precision, where every layout must give one process's numbers to EXACT (relative):
 # another reduction order moves an fp64 result by ~1e-16, far below it, while any real error (a wrong
 # scale, a missed reduction, a wrong data slice) moves it by more than 1e-6. PARITY_FP32 is what users run.
+# The output head's loss in chunks that do not divide a sequence (64 tokens) against references with the
+# whole logits (WHOLE_LOGITS): every layout compared with them checks the chunked loss too.
+SMALL_CHUNKS = "train.loss_chunk_tokens=40"
+WHOLE_LOGITS = "train.loss_chunk_tokens=0"
 PARITY_FP32 = ("train.steps=20", "train.global_batch_size=4", f"optim.lr={LR}", "checkpoint.save_final=true",
-               "metrics.sync_check_every=5")
+               "metrics.sync_check_every=5", SMALL_CHUNKS)
 FP64 = "precision.compute_dtype=fp64"
 PARITY = (*PARITY_FP32, FP64)
 EXACT = 1e-10

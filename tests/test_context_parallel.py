@@ -14,14 +14,14 @@ import numpy as np
 import pytest
 
 from chat_tokenizer import records, save_chat_tokenizer
-from helpers import (DEBUG_CONFIG, EXACT, FP64, assert_losses_close, assert_params_exact, final_params, losses,
-                     run_cli, run_main, train_many)
+from helpers import (DEBUG_CONFIG, EXACT, FP64, SMALL_CHUNKS, WHOLE_LOGITS, assert_losses_close, assert_params_exact,
+                     final_params, losses, run_cli, run_main, train_many)
 from hf_models import SIZES
 
 METHODS = ("ring", "allgather", "ulysses")
 STEPS = 4
 COMMON = (f"train.steps={STEPS}", "train.global_batch_size=4", "optim.lr=3e-3", "checkpoint.save_final=true",
-          "metrics.sync_check_every=2", FP64)
+          "metrics.sync_check_every=2", FP64, SMALL_CHUNKS)
 CHAT_SEQ = 128
 FP32 = (*(o for o in COMMON if o != FP64), "checkpoint.every_steps=2")  # the checkpoint tests' runs
 STEP_2 = "checkpoints/step_00000002"
@@ -68,7 +68,7 @@ def runs(tmp_path_factory, data):
                                                      "parallel.zero_stage=3", "parallel.activation_checkpointing=full"))
     jobs["cp2_fp32"] = (root / "cp2_fp32", (*FP32, "parallel.cp=2"))
     two = train_many(jobs, nproc=2)
-    one_jobs = {f"ref_{c}": (root / f"ref_{c}", (*COMMON, *o)) for c, o in cases.items()}
+    one_jobs = {f"ref_{c}": (root / f"ref_{c}", (*COMMON, *o, WHOLE_LOGITS)) for c, o in cases.items()}
     one_jobs["ref_fp32"] = (root / "ref_fp32", FP32)
     one_jobs["one_from_cp2"] = (root / "one_from_cp2", (*FP32, f"checkpoint.resume={root / 'cp2_fp32' / STEP_2}"))
     return {**two, **train_many(one_jobs, nproc=1)}

@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from hf_models import save_tiny
-from helpers import (DEBUG_CONFIG, EXACT, FP64, assert_losses_close, assert_parity, final_params, losses, run_cli,
-                     run_main, train_many)
+from helpers import (DEBUG_CONFIG, EXACT, FP64, SMALL_CHUNKS, WHOLE_LOGITS, assert_losses_close, assert_parity,
+                     final_params, losses, run_cli, run_main, train_many)
 
 LR = 3e-3
 COMMON_FP32 = ("train.steps=6", "train.global_batch_size=4", "train.micro_batch_size=1", "data.seq_len=64",
                f"optim.lr={LR}", "checkpoint.save_final=true", "checkpoint.every_steps=3",
-               "metrics.sync_check_every=3")
+               "metrics.sync_check_every=3", SMALL_CHUNKS)
 COMMON = (*COMMON_FP32, FP64)  # parity runs in double precision (helpers.PARITY)
 TP_MB = "train.micro_batch_size=2"  # DTensor on a CPU costs ~0.1 s per micro-batch: 2 of 2 (still accumulating)
 LAYOUTS = {"ddp": (), "zero3": ("parallel.zero_stage=3",), "tp2": ("parallel.tp=2", TP_MB), "pp2": ("parallel.pp=2",),
@@ -53,9 +53,9 @@ def hf_dirs(tmp_path_factory):
 def references(hf_dirs, two_rank_runs, tmp_path_factory):
     """One process; also Qwen2 resumed from the 2-rank ZeRO-3 checkpoint of step 3 (another world size)."""
     root = tmp_path_factory.mktemp("ref")
-    jobs = {k: (root / k, (*COMMON, f"model.hf={d}")) for k, d in hf_dirs.items()}
+    jobs = {k: (root / k, (*COMMON, f"model.hf={d}", WHOLE_LOGITS)) for k, d in hf_dirs.items()}
     jobs["llama documents"] = (root / "llama_documents", (*COMMON, f"model.hf={hf_dirs['llama']}",
-                                                          "data.document_masking=true"))
+                                                          "data.document_masking=true", WHOLE_LOGITS))
     jobs["llama fp32"] = (root / "llama_fp32", (*COMMON_FP32, f"model.hf={hf_dirs['llama']}"))  # for LOW_PRECISION
     step3 = two_rank_runs["qwen2 zero3"] / "checkpoints" / "step_00000003"
     jobs["qwen2 resumed"] = (root / "qwen2_resumed", (*COMMON, f"model.hf={hf_dirs['qwen2']}",

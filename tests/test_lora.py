@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from hf_models import save_tiny
-from helpers import (DEBUG_CONFIG, EXACT, FP64, assert_losses_close, assert_params_exact, assert_parity,
-                     final_params, losses, run_cli, run_main, train_many)
+from helpers import (DEBUG_CONFIG, EXACT, FP64, SMALL_CHUNKS, WHOLE_LOGITS, assert_losses_close, assert_params_exact,
+                     assert_parity, final_params, losses, run_cli, run_main, train_many)
 
 LORA = ("model.lora.rank=4", "model.lora.alpha=8")
 COMMON = ("train.steps=4", "train.global_batch_size=4", "train.micro_batch_size=1", "data.seq_len=64",
@@ -36,9 +36,9 @@ def references(base, tmp_path_factory):
     two steps on a copy of the base whose weights a test then replaces."""
     root = tmp_path_factory.mktemp("ref")
     shutil.copytree(base, root / "base_copy")
-    return train_many({"lora": (root / "lora", (*COMMON, f"model.hf={base}", "train.micro_batch_size=4")),
+    return train_many({"lora": (root / "lora", (*COMMON, f"model.hf={base}", "train.micro_batch_size=4", WHOLE_LOGITS)),
                        "plain": (root / "plain", (*COMMON[:-2], "train.steps=2", f"model.hf={base}")),
-                       "builtin": (root / "builtin", (*COMMON, "train.micro_batch_size=4")),
+                       "builtin": (root / "builtin", (*COMMON, "train.micro_batch_size=4", WHOLE_LOGITS)),
                        "copy": (root / "on_copy", (*COMMON, "train.steps=2", f"model.hf={root / 'base_copy'}"))},
                       nproc=1)
 
@@ -46,12 +46,12 @@ def references(base, tmp_path_factory):
 @pytest.fixture(scope="module")
 def two_rank_runs(base, references, tmp_path_factory):
     root = tmp_path_factory.mktemp("two")
-    jobs = {name: (root / name, (*COMMON, f"model.hf={base}", *extra)) for name, extra in LAYOUTS.items()}
+    jobs = {name: (root / name, (*COMMON, f"model.hf={base}", *extra, SMALL_CHUNKS)) for name, extra in LAYOUTS.items()}
     # the interrupted run: what the reference had written when step 2 was saved, resumed under ZeRO-3
     step2 = references["lora"] / "checkpoints" / "step_00000002"
     shutil.copytree(step2, root / "resumed" / "checkpoints" / step2.name)
-    jobs["resumed"] = (root / "resumed", (*COMMON, f"model.hf={base}", "parallel.zero_stage=3"))
-    jobs["builtin tp2-sp"] = (root / "builtin_tp2_sp", (*COMMON, *LAYOUTS["tp2-sp"]))
+    jobs["resumed"] = (root / "resumed", (*COMMON, f"model.hf={base}", "parallel.zero_stage=3", SMALL_CHUNKS))
+    jobs["builtin tp2-sp"] = (root / "builtin_tp2_sp", (*COMMON, *LAYOUTS["tp2-sp"], SMALL_CHUNKS))
     jobs["zero3 bf16"] = (root / "zero3_bf16", (*COMMON[:-3], *LORA, f"model.hf={base}", "parallel.zero_stage=3",
                                                 "precision.compute_dtype=bf16"))
     return train_many(jobs, nproc=2)

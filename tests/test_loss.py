@@ -11,12 +11,13 @@ import torch
 import torch.nn.functional as F
 
 from hf_models import save_tiny
-from helpers import EXACT, FP64, REPO, assert_parity, losses, train_many
+from helpers import EXACT, FP64, REPO, WHOLE_LOGITS, assert_parity, losses, train_many
 
 SOURCE = f"data.source=py:{REPO / 'tests' / 'data' / 'masked_tokens.py'}:splits"
 # 8 sequences per step: 2 micro-batches of 2 per rank on 2 ranks, whose valid-target counts differ widely.
 COMMON = ("train.steps=6", "train.global_batch_size=8", "train.micro_batch_size=2", "optim.lr=3e-3",
-          "checkpoint.save_final=true", "train.eval_every=6", "train.eval_batches=1", SOURCE, FP64)
+          "checkpoint.save_final=true", "train.eval_every=6", "train.eval_batches=1", SOURCE, FP64,
+          "train.loss_chunk_tokens=24")  # the references take whole logits
 LAYOUTS = {
     "ddp": (),
     "zero3": ("parallel.zero_stage=3",),
@@ -35,8 +36,9 @@ def hf_dir(tmp_path_factory):
 def references(tmp_path_factory, hf_dir):
     """One process, the whole global batch in one micro-batch: the built-in debug model and an HF Llama."""
     root = tmp_path_factory.mktemp("ref")
-    return train_many({"builtin": (root / "builtin", (*COMMON, "train.micro_batch_size=8")),
-                       "hf": (root / "hf", (*COMMON, "train.micro_batch_size=8", f"model.hf={hf_dir}"))}, nproc=1)
+    return train_many({"builtin": (root / "builtin", (*COMMON, "train.micro_batch_size=8", WHOLE_LOGITS)),
+                       "hf": (root / "hf", (*COMMON, "train.micro_batch_size=8", f"model.hf={hf_dir}", WHOLE_LOGITS))},
+                      nproc=1)
 
 
 @pytest.fixture(scope="module")

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import (EXACT, FP64, assert_losses_close, assert_parity, events, final_params, losses, records,
-                     train_many)
+from helpers import (EXACT, FP64, SMALL_CHUNKS, WHOLE_LOGITS, assert_losses_close, assert_parity, events, final_params,
+                     losses, records, train_many)
 from workers import model_states
 
 LR = 3e-3
 # 4 layers so that interleaved schedules get 2 stages per rank on 2 ranks; 4 micro-batches of 1.
 COMMON = ("train.steps=6", "train.global_batch_size=4", "train.micro_batch_size=1", "model.n_layers=4",
-          f"optim.lr={LR}", "checkpoint.save_final=true", "metrics.sync_check_every=3", FP64)
+          f"optim.lr={LR}", "checkpoint.save_final=true", "metrics.sync_check_every=3", FP64, SMALL_CHUNKS)
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 # DTensor on a CPU costs ~0.1 s per micro-batch of this model: tensor-parallel runs take 2 micro-batches of 2
 # (still accumulating) where the others take 4 of 1.
@@ -40,8 +40,10 @@ FOUR_RANKS = {
 def references(tmp_path_factory):
     """One process: plain, with tied embeddings, with document masking."""
     root = tmp_path_factory.mktemp("ref")
-    return train_many({"plain": (root / "run", (*COMMON, SAMPLE)), "tied": (root / "tied", (*COMMON, "model.tie_embeddings=true")),
-                       "documents": (root / "documents", (*COMMON, "data.document_masking=true"))}, nproc=1)
+    return train_many({"plain": (root / "run", (*COMMON, SAMPLE, WHOLE_LOGITS)),
+                       "tied": (root / "tied", (*COMMON, "model.tie_embeddings=true", WHOLE_LOGITS)),
+                       "documents": (root / "documents", (*COMMON, "data.document_masking=true", WHOLE_LOGITS))},
+                      nproc=1)
 
 
 @pytest.fixture(scope="module")

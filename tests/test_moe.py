@@ -22,12 +22,13 @@ from disttrain.models.registry import model_spec
 from disttrain.models.spec import build_model
 from disttrain.config.resolve import resolve_run
 from hf_models import save_tiny
-from helpers import (EXACT, FP64, LR, assert_losses_close, assert_params_close, assert_params_exact, final_params,
-                     losses, records, run_main, train_many)
+from helpers import (EXACT, FP64, LR, SMALL_CHUNKS, WHOLE_LOGITS, assert_losses_close, assert_params_close,
+                     assert_params_exact, final_params, losses, records, run_main, train_many)
 
 STEPS = 3  # the bias moves twice before the last step; the resumed runs compare one step after step 2
 COMMON = (f"train.steps={STEPS}", "train.global_batch_size=4", "model.name=debug-moe", "checkpoint.save_final=true",
-          "metrics.sync_check_every=2", "model.moe.aux_loss_coef=0.01", "model.moe.bias_update_rate=0.001")
+          "metrics.sync_check_every=2", "model.moe.aux_loss_coef=0.01", "model.moe.bias_update_rate=0.001",
+          SMALL_CHUNKS)
 
 
 def _layer(routing=MoERouting(), experts=8, top_k=2, scoring="softmax", dtype=torch.float64) -> MoEFeedForward:
@@ -380,7 +381,8 @@ def test_expert_parallel_equals_one_process(tmp_path):
     chat_data = (f"data.source={chat}", "model.vocab_size=384", "data.seq_len=128",
                  f"train.global_batch_size={conversations}")
     hf = {kind: (f"model.hf={save_tiny(kind, tmp_path / kind)}", f"train.steps={STEPS}", "train.global_batch_size=4",
-                 "checkpoint.save_final=true", "model.moe.aux_loss_coef=0.01", FP64) for kind in ("qwen3_moe", "mixtral")}
+                 "checkpoint.save_final=true", "model.moe.aux_loss_coef=0.01", FP64, SMALL_CHUNKS)
+          for kind in ("qwen3_moe", "mixtral")}
     jobs = {name: (*COMMON, *(() if name.startswith("save32") else (FP64,)), *(chat_data if name == "chat" else ()), *o)
             for name, o in jobs.items()}
     jobs.update({"hf_qwen3_moe": (*hf["qwen3_moe"], "parallel.ep=2", "parallel.zero_stage=0"),
@@ -414,14 +416,14 @@ def test_expert_parallel_equals_one_process(tmp_path):
                                                                                    "parallel.zero_stage=1",
                                                                                    "run.allow_changes=true"))},
                            nproc=4))
-    single = train_many({"one": (tmp_path / "one", (*COMMON, FP64)), "one32": (tmp_path / "one32", (*COMMON, *fp32)),
-                         "one_noaux": (tmp_path / "one_noaux", (*COMMON, FP64, "model.moe.aux_loss_coef=0")),
-                         "one_docs": (tmp_path / "one_docs", (*COMMON, FP64, "data.document_masking=true")),
+    single = train_many({"one": (tmp_path / "one", (*COMMON, FP64, WHOLE_LOGITS)), "one32": (tmp_path / "one32", (*COMMON, *fp32)),
+                         "one_noaux": (tmp_path / "one_noaux", (*COMMON, FP64, "model.moe.aux_loss_coef=0", WHOLE_LOGITS)),
+                         "one_docs": (tmp_path / "one_docs", (*COMMON, FP64, "data.document_masking=true", WHOLE_LOGITS)),
                          "one_chat": (tmp_path / "one_chat", (*COMMON, FP64, *chat_data,
                                                               "model.moe.bias_update_rate=0",
-                                                              "model.moe.aux_loss_coef=0")),
-                         "hf_qwen3_moe_one": (tmp_path / "hf_qwen3_moe_one", hf["qwen3_moe"]),
-                         "hf_mixtral_one": (tmp_path / "hf_mixtral_one", hf["mixtral"]),
+                                                              "model.moe.aux_loss_coef=0", WHOLE_LOGITS)),
+                         "hf_qwen3_moe_one": (tmp_path / "hf_qwen3_moe_one", (*hf["qwen3_moe"], WHOLE_LOGITS)),
+                         "hf_mixtral_one": (tmp_path / "hf_mixtral_one", (*hf["mixtral"], WHOLE_LOGITS)),
                          "resume32": (runs["save32"], (*COMMON, *fp32, "run.allow_changes=true")),
                          "resume32_zero1": (runs["save32_zero1"], (*COMMON, *fp32, "run.allow_changes=true"))},
                         nproc=1)

@@ -10,8 +10,8 @@ refuses it unless `run.allow_changes=true`. The model is compared by its resolve
 from __future__ import annotations
 
 FREE = ("parallel.", "distributed.", "checkpoint.", "metrics.", "run.", "engine", "model.", "data.prefetch",
-        "train.micro_batch_size", "train.eval_every", "train.eval_batches", "train.sample_tokens",
-        "train.sample_prompt")
+        "train.micro_batch_size", "train.loss_chunk_tokens", "train.eval_every", "train.eval_batches",
+        "train.sample_tokens", "train.sample_prompt")
 
 
 def flatten(tree: dict, prefix: str = "") -> dict:

@@ -9,6 +9,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from disttrain.layout.layout import LOSS_CHUNK_TOKENS
+
 PARALLELISM_DOC = "docs/parallelism.md"
 
 
@@ -178,6 +180,9 @@ class TrainConfig(Section):
     global_batch_size: int = Field(8, gt=0, description="sequences per optimizer step, over all data-parallel ranks")
     micro_batch_size: int = Field(0, ge=0, description="sequences per forward pass per rank; 0: the whole per-rank "
                                   "batch (gradient accumulation = global / (dp x micro))")
+    loss_chunk_tokens: int = Field(LOSS_CHUNK_TOKENS, ge=0, description="the output head and the cross-entropy "
+                                   "run in chunks of this many tokens, so that a micro-batch's whole logits never "
+                                   "exist (0: whole logits, as the model computes them)")
     seed: int = Field(0, ge=0, description="fixes the initialisation and the data order")
     eval_every: int = Field(0, ge=0, description="validation every N steps (0: off)")
     eval_batches: int = Field(4, gt=0, description="global batches per validation")

@@ -31,6 +31,11 @@ def stages_per_rank(pp: int, schedule: str, virtual_stages: int = VIRTUAL_STAGES
 
 
 
+# Tokens per chunk of the output head's loss (models/output_head.py): one chunk of a 128K vocabulary's logits
+# in bf16 is 0.5 GiB (its fp32 statistics twice that), and a 2048-row matmul still fills a GPU.
+LOSS_CHUNK_TOKENS = 2048
+
+
 @dataclass(frozen=True)
 class Layout:
     """One way to cut a run. `dp_shard` is the ZeRO/FSDP sharding degree; DDP (stage 0/1)
@@ -60,6 +65,7 @@ class Layout:
     engine: str = "torch"
     balance: str = "off"  # "auto": re-split the global batch by measured speed
     balance_weights: tuple[float, ...] = ()  # one per data-parallel rank; (): equal (or auto's start)
+    loss_chunk_tokens: int = LOSS_CHUNK_TOKENS  # the output head and loss in chunks of this many tokens (0: whole)
 
     # ------------------------------------------------------------ degrees and batches
     @property
@@ -228,7 +234,8 @@ class Layout:
                    activation_checkpointing=parallel.activation_checkpointing,
                    param_dtype=param_dtype, compute_dtype=prec.compute_dtype, reduce_dtype=reduce_dtype,
                    cpu_offload=parallel.cpu_offload, engine=cfg.engine, balance=parallel.balance,
-                   balance_weights=tuple(float(w) for w in parallel.balance_weights))
+                   balance_weights=tuple(float(w) for w in parallel.balance_weights),
+                   loss_chunk_tokens=cfg.train.loss_chunk_tokens)
 
     def to_config(self) -> dict:
         """The config sections that give this Layout back through `from_config` (on its world size): the one
@@ -245,7 +252,8 @@ class Layout:
         precision = {"param_dtype": self.param_dtype if own_param_dtype else "auto",
                      "compute_dtype": self.compute_dtype, "reduce_dtype": self.reduce_dtype}
         return {"engine": self.engine, "parallel": parallel, "precision": precision,
-                "train": {"global_batch_size": self.global_batch_size, "micro_batch_size": self.micro_batch_size},
+                "train": {"global_batch_size": self.global_batch_size, "micro_batch_size": self.micro_batch_size,
+                          "loss_chunk_tokens": self.loss_chunk_tokens},
                 "data": {"seq_len": self.seq_len}}
 
     def describe(self, micro_batch: bool = False) -> str:

@@ -45,7 +45,13 @@ class ModelSpec:
     loss_sum: Callable[[object, torch.Tensor], torch.Tensor] = token_cross_entropy_sum
     """Token-loss sum of a micro-batch from the module's output and the targets."""
     logits: Callable[[object], torch.Tensor] = lambda out: out
-    """The next-token logits in the module's output (for sampling)."""
+    """The next-token logits in the module's output (for sampling); with a chunked loss head, what the head
+    returned in their place: the micro-batch's loss sum (models/output_head.py)."""
+    output_head: Callable[[nn.Module], nn.Module | None] | None = None
+    """The projection from hidden states to the vocabulary (an nn.Linear without bias), which then computes
+    the loss in chunks of tokens (`train.loss_chunk_tokens`); None: the loss takes the whole logits."""
+    output_head_note: str = ""
+    """Why a family without `output_head` takes the whole logits (said in the run's start line)."""
     tensor_parallel: Callable[[nn.Module, object, bool], None] | None = None
     """Apply the TP (and sequence-parallel) plan in place to a model or a pipeline stage."""
     tensor_parallel_note: str = ""

@@ -37,6 +37,7 @@ class PipelineParts:
     schedule: object
     group: object  # the pipeline process group
     is_last: bool  # this rank runs the last stage (where the loss is)
+    microbatches: int = 1  # the schedule's micro-batches a step
 
 
 def build_pipeline(model: nn.Module, spec, layout: Layout, meshes: Meshes, device: torch.device, options,
@@ -61,4 +62,4 @@ def build_pipeline(model: nn.Module, spec, layout: Layout, meshes: Meshes, devic
     cls = SCHEDULES[layout.pp_schedule]
     schedule = cls(stages if len(stages) > 1 else stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn,
                    scale_grads=False)
-    return PipelineParts(model, stages, schedule, group, is_last=(n_stages - 1) in owned)
+    return PipelineParts(model, stages, schedule, group, is_last=(n_stages - 1) in owned, microbatches=n_microbatches)

@@ -135,6 +135,16 @@ def build_engine(cfg: RunConfig, layout: Layout, meshes: Meshes, spec: ModelSpec
     given up front (parallel/pipeline.py)."""
     device, dp_group = runtime.device, meshes.dp_cp.get_group()  # gradients and loss sums: dp x cp
     tensor_parallel = layout.tp > 1
+    mean_loss.chunk_the_head(model, spec, layout.loss_chunk_tokens)
+    engine = _build_engine(cfg, layout, meshes, spec, model, device, dp_group, tensor_parallel, phases, mean_loss,
+                           materialize, stage_io, document_eos)
+    mean_loss.find_heads(engine.model)  # wrapped, or a pipeline's stages: the heads this rank kept
+    return engine
+
+
+def _build_engine(cfg: RunConfig, layout: Layout, meshes: Meshes, spec: ModelSpec, model: nn.Module, device,
+                  dp_group, tensor_parallel: bool, phases: Phases, mean_loss: GlobalMeanLoss, materialize, stage_io,
+                  document_eos: int | None) -> StepEngine:
     if layout.engine == "deepspeed":
         from disttrain.parallel.activation_checkpoint import apply_activation_checkpointing
         from disttrain.train.deepspeed_engine import DeepSpeedEngine

@@ -100,7 +100,9 @@ class DeepSpeedEngine:
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for i, (x, y) in enumerate(batches):
             with phases("forward", step, i == last) as forward:
-                forward.loss = mean_loss(self.engine(x), y)
+                with mean_loss.forward_with_targets(y):
+                    out = self.engine(x)
+                forward.loss = mean_loss(out, y)
             with phases("backward", step, i == last):
                 self.engine.backward(forward.loss * len(batches))  # undo DeepSpeed's 1/accumulation
             with phases("optimizer", step, i == last):  # a real update at the last micro-batch only
@@ -115,7 +117,9 @@ class DeepSpeedEngine:
         targets = torch.zeros((), dtype=torch.float64, device=self.device)
         for x, y in micro_batches:
             x, y = x.to(self.device), y.to(self.device)
-            total += self.mean_loss.loss_sum(self.engine(x), y).detach().double()
+            with self.mean_loss.forward_with_targets(y):
+                out = self.engine(x)
+            total += self.mean_loss.loss_sum(out, y).detach().double()
             targets += valid_targets(y)
         return total, targets
 

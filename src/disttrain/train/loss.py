@@ -10,6 +10,10 @@ count / dp); data-parallel gradient averaging (DDP, FSDP, DeepSpeed all divide b
 gradient of the global mean, whatever the shares (uneven ones included). The logged loss is that same
 mean: local sums added over ranks, divided by the global count.
 
+With `train.loss_chunk_tokens` the model's output head computes the sum itself, chunk by chunk, from the
+targets it is handed before the forward (`forward_with_targets`; models/output_head.py), so that the whole
+logits never exist; the sum is then what the model returns in place of its logits.
+
 The global count needs one all-reduce of a scalar per step, issued before the first forward and
 never read on the host; data that cannot mask targets (token windows) skips it: its count is known.
 """
@@ -20,9 +24,11 @@ import contextlib
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from disttrain.models.output_head import ChunkedLossHead, chunk_output_head, targets_for, why_not_chunked
 from disttrain.models.spec import IGNORE_INDEX
 
 
@@ -38,6 +44,30 @@ class GlobalMeanLoss:
         self.masks_targets = masks_targets  # the data may hold IGNORE_INDEX targets: count them
         self.targets: torch.Tensor | int = targets_per_step  # of the whole global batch, this step
         self.divisor: torch.Tensor | float = targets_per_step / dp
+        self.heads: list[ChunkedLossHead] = []  # this rank's chunked output heads (none on a middle stage)
+        self.head_sum = None  # the model output -> the loss sum its chunked head returned (the spec's `logits`)
+        self.description = "whole logits"
+
+    def chunk_the_head(self, model: nn.Module, spec, chunk_tokens: int) -> None:
+        """Make the model's output head compute the loss in chunks of `chunk_tokens` tokens, where its family
+        allows (before the model is parallelised: tensor parallelism plans the head by its class)."""
+        if chunk_tokens <= 0:
+            return
+        head = spec.output_head(model) if spec.output_head is not None else None
+        why = spec.output_head_note if spec.output_head is None and spec.output_head_note else why_not_chunked(head)
+        if why:
+            self.description = f"whole logits ({why})"
+            return
+        chunk_output_head(head, chunk_tokens)
+        self.head_sum, self.description = spec.logits, f"chunks of {chunk_tokens} tokens"
+
+    def find_heads(self, model: nn.Module) -> None:
+        """The chunked heads this rank holds once the model is parallelised (a pipeline's last stage only)."""
+        self.heads = [m for m in model.modules() if isinstance(m, ChunkedLossHead)]
+
+    def forward_with_targets(self, targets: torch.Tensor):
+        """Around the forward of a micro-batch whose outputs go to this loss: hands the heads their targets."""
+        return targets_for(self.heads, self.shard_targets(targets)) if self.heads else contextlib.nullcontext()
 
     def start_step(self, targets: list[torch.Tensor]) -> None:
         """Collective over data parallel when the data masks targets: the step's global valid count.
@@ -51,6 +81,8 @@ class GlobalMeanLoss:
 
     def loss_sum(self, outputs, targets: torch.Tensor) -> torch.Tensor:
         """The target-loss sum of this rank's outputs (its shard of `targets` under context parallelism)."""
+        if self.head_sum is not None:
+            return self.head_sum(outputs)
         return self.model_loss_sum(outputs, self.shard_targets(targets))
 
     def valid_targets(self, targets: torch.Tensor) -> torch.Tensor:

@@ -34,15 +34,32 @@ class PipelineEngine(SteppedByOptimizerStep):
         self.bubble = PipelineBubble()
         phases.subscribe(self.bubble)
         self._step: int | None = None  # the step the schedule is running (None: evaluation)
+        self._targets: tuple[torch.Tensor, ...] = ()  # this step's micro-batches' targets (last stage)
         for stage in parts.stages:  # each chunk announces itself (receives happen before it, sends after)
             for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
                 phase = "forward" if "forward" in name else "backward"
-                setattr(stage, name, self._announced(getattr(stage, name), phase, stage.submod))
+                setattr(stage, name, self._announced(getattr(stage, name), phase, stage.submod,
+                                                     stage.is_last and name == "forward_one_chunk"))
+            if stage.is_last and hasattr(stage, "_forward_metadata_inference"):
+                # the schedule's first step runs the stages once to learn their shapes (torch >= 2.12), the loss
+                # on the first micro-batch's targets included: the chunked head gets those targets too
+                stage._forward_metadata_inference = self._with_first_targets(stage._forward_metadata_inference)
 
-    def _announced(self, chunk, phase: str, module):
+    def _with_first_targets(self, infer):
+        def run(*args, **kwargs):
+            with self.mean_loss.forward_with_targets(self._targets[0]):
+                return infer(*args, **kwargs)
+        return run
+
+    def _announced(self, chunk, phase: str, module, last: bool = False):
+        """`last`: the last stage's forward, whose chunked output head is handed its micro-batch's targets
+        (the schedule's first argument is the micro-batch's index)."""
         def run(*args, **kwargs):
             with self.phases(phase, self._step, module=module):
-                return chunk(*args, **kwargs)
+                if not last:
+                    return chunk(*args, **kwargs)
+                with self.mean_loss.forward_with_targets(self._targets[args[0]]):
+                    return chunk(*args, **kwargs)
         return run
 
     def _batch(self, batches: list) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,6 +74,8 @@ class PipelineEngine(SteppedByOptimizerStep):
         args = (inputs,) if self.parts.stages[0].is_first else ()
         target = targets if self.parts.is_last else None
         self._step = step
+        # the schedule's own cut of the targets (torch.tensor_split along the batch), for the output head
+        self._targets = torch.tensor_split(targets, self.parts.microbatches) if target is not None else ()
         with self.precision.autocast(), loss_context(self.tensor_parallel):
             # return_outputs=False: the last stage would otherwise keep every micro-batch's logits until the
             # step ends (found by the dry run: 8 GiB on the 1b's last stage at 8 x 4096 tokens); the loss is all we use.

@@ -45,7 +45,9 @@ class TorchEngine(SteppedByOptimizerStep):
             with sync, loss_context(self.tensor_parallel):
                 with phases("forward", step, i == last) as forward:
                     with self.precision.autocast():
-                        forward.loss = mean_loss(self.model(x), y)
+                        with mean_loss.forward_with_targets(y):
+                            out = self.model(x)
+                        forward.loss = mean_loss(out, y)
                 with phases("backward", step, i == last):
                     self.precision.scaler.scale(forward.loss).backward()
             loss_sum += mean_loss.as_sum(forward.loss)
@@ -63,7 +65,8 @@ class TorchEngine(SteppedByOptimizerStep):
             x, y = self.precision.inputs(x, self.device), y.to(self.device)
             with loss_context(self.tensor_parallel):
                 with self.precision.autocast():
-                    out = self.model(x)
+                    with self.mean_loss.forward_with_targets(y):
+                        out = self.model(x)
                 total += replicated_value(self.mean_loss.loss_sum(out, y)).double()
             targets += self.mean_loss.valid_targets(y)
         if self.keep_gathered:  # forward-only passes left parameters gathered

@@ -12,6 +12,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, P
                                                SequenceParallel, parallelize_module)
 
 from disttrain.core.errors import UserError
+from disttrain.models.output_head import head_parallel_style
 
 
 MASKS = {  # a layer type (config.layer_types) -> the transformers.masking_utils function its layers attend with
@@ -150,10 +151,7 @@ def tensor_parallel(module: nn.Module, tp_mesh, sequence_parallel: bool) -> None
     if embed is not None:
         parallelize_module(embed, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
     if head is not None:
-        # Vocabulary-sharded logits stay a DTensor for loss_parallel.
-        head_input = Shard(1) if sequence_parallel else Replicate()
-        parallelize_module(head, tp_mesh, ColwiseParallel(input_layouts=head_input, output_layouts=Shard(-1),
-                                                          use_local_output=False))
+        parallelize_module(head, tp_mesh, head_parallel_style(head, Shard(1) if sequence_parallel else Replicate()))
         if sequence_parallel:
             parallelize_module(_decoder(module, "parallel.tp").norm, tp_mesh, SequenceParallel(use_local_output=True))
     if getattr(config, "tie_word_embeddings", False) and embed is not None and head is not None:

@@ -130,6 +130,7 @@ def hf_spec(directory: str, routing=None, attention: str = "auto") -> ModelSpec:
     from disttrain.models.hf import context
 
     cp_methods, cp_note = context.methods(config)
+    softcap = getattr(config.get_text_config(), "final_logit_softcapping", None)
     fingerprint = hashlib.sha256(json.dumps({k: raw.get(k) for k in sorted(raw) if k not in (
         "transformers_version", "torch_dtype", "dtype", "use_cache", "architectures")}, sort_keys=True,
         default=str).encode()).hexdigest()[:16]
@@ -147,7 +148,9 @@ def hf_spec(directory: str, routing=None, attention: str = "auto") -> ModelSpec:
         context_parallel_methods=cp_methods, context_parallel_note=cp_note,
         to_hf=dict, from_hf=dict, hf_config=lambda: {**raw, "use_cache": True},
         load_pretrained=lambda m: load_pretrained(m, directory), fingerprint=fingerprint,
-        attention=f"{attn_implementation} ({attention_why})" if attention_why else attn_implementation)
+        attention=f"{attn_implementation} ({attention_why})" if attention_why else attn_implementation,
+        output_head=None if softcap else (lambda m: m.get_output_embeddings()),
+        output_head_note=f"transformers soft-caps its logits (final_logit_softcapping={softcap})" if softcap else "")
 
 
 def mask_documents(model: nn.Module, eos_id: int) -> None:

@@ -25,7 +25,8 @@ def llama_spec(shape: ModelShape):
         pipeline_split=parallel_plan.pipeline_split, tied_parameters=tied, mask_documents=mask_documents,
         causal=True, context_parallel=parallel_plan.context_parallel,
         to_hf=partial(hf_names.to_hf, shape=shape), from_hf=hf_names.from_hf,
-        hf_config=partial(hf_names.hf_config, shape), fingerprint=shape_fingerprint(shape))
+        hf_config=partial(hf_names.hf_config, shape), fingerprint=shape_fingerprint(shape),
+        output_head=lambda m: m.output)
 
 
 def shape_fingerprint(shape: ModelShape) -> str:

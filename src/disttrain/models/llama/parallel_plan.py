@@ -21,6 +21,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                SequenceParallel, parallelize_module)
 
 from disttrain.models.llama.model import Transformer
+from disttrain.models.output_head import head_parallel_style
 
 
 def block_plan(sequence_parallel: bool, mlp: str = "feed_forward") -> dict:
@@ -56,8 +57,7 @@ def tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool) -> None:
     if model.norm is not None and sequence_parallel:
         top["norm"] = SequenceParallel()
     if model.output is not None:
-        # Vocabulary-sharded logits stay a DTensor for loss_parallel.
-        top["output"] = ColwiseParallel(input_layouts=residual, output_layouts=Shard(-1), use_local_output=False)
+        top["output"] = head_parallel_style(model.output, residual)
     if top:
         parallelize_module(model, tp_mesh, top)
     for block in model.layers.values():

@@ -1,0 +1,176 @@
+"""The output head and the cross-entropy in chunks of tokens (`train.loss_chunk_tokens`): the whole
+`[tokens x vocabulary]` logits never exist, only one chunk's, forward and backward.
+
+With a 128K-256K vocabulary the logits, their fp32 copy and their gradient are the largest tensors of a step
+(several GiB for a 1B model at 16K tokens a micro-batch). The head here computes, chunk by chunk, the logits
+in the compute dtype, their log-sum-exp in fp32 (fp64 in an fp64 run), the loss and, while the chunk is at
+hand, its gradient with respect to the hidden states and the weight; backward only scales those by the
+incoming gradient. Nothing is recomputed (a checkpointed chunk would run the head's matmul a second time),
+at the price of holding the weight's gradient (fp32) and the hidden states' from the forward to the backward.
+PyTorch has no fused linear cross-entropy and torch.compile does not chunk one, hence this by hand.
+
+The head takes the targets of the micro-batch from `targets_for` before the model runs (the module's own
+forward, so FSDP, DDP and tensor parallelism see an ordinary call of an ordinary `nn.Linear`) and returns the
+micro-batch's loss sum in place of its logits; without targets (sampling) it returns logits as before.
+Under tensor parallelism the weight is split over the vocabulary: each rank computes its slice's logits, and
+the maximum, the sum of exponentials and the target logit are summed over the tensor-parallel group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from disttrain.models.spec import IGNORE_INDEX
+
+
+def statistics_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the log-sum-exp, the loss and the weight-gradient sum: fp32, fp64 in an fp64 run."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class ChunkedLossHead(nn.Linear):
+    """An `nn.Linear` output head (the class of the model's own head is swapped: parameters, names and
+    checkpoints are unchanged) that returns the target-loss sum of its micro-batch when given targets."""
+
+    chunk_tokens: int = 2048
+    targets: torch.Tensor | None = None
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        targets, self.targets = self.targets, None
+        if targets is None:
+            return super().forward(hidden)
+        return chunked_loss_sum(hidden, self.weight, targets, self.chunk_tokens)
+
+
+def why_not_chunked(head: nn.Module | None) -> str:
+    """Why this output head cannot compute the loss in chunks ('' when it can)."""
+    if head is None:
+        return "the model names no output head"
+    if type(head) not in (nn.Linear, ChunkedLossHead):
+        return f"its output head is a {type(head).__name__}, not a plain nn.Linear"
+    if head.bias is not None:
+        return "its output head has a bias"
+    return ""
+
+
+def chunk_output_head(head: nn.Linear, chunk_tokens: int) -> ChunkedLossHead:
+    """Make `head` (checked by `why_not_chunked`) a ChunkedLossHead in place."""
+    head.__class__ = ChunkedLossHead
+    head.chunk_tokens = chunk_tokens
+    return head
+
+
+@contextlib.contextmanager
+def targets_for(heads: list[ChunkedLossHead], targets: torch.Tensor):
+    """The next forward of each head computes the loss against `targets`; a head that did not run by the end of
+    the block is a wiring error (its targets would leak into the next forward), said at once."""
+    for head in heads:
+        head.targets = targets
+    try:
+        yield
+    finally:
+        stale = [head for head in heads if head.targets is not None]
+        for head in stale:
+            head.targets = None
+    if stale:
+        raise RuntimeError("the output head did not run in the forward that was given its targets")
+
+
+def chunked_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                     chunk_tokens: int) -> torch.Tensor:
+    """Sum of the token cross-entropies of `hidden @ weight.T` against `targets` (IGNORE_INDEX carries none).
+    DTensor weights (tensor parallelism, split over the vocabulary) are computed on their local slices."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    if not isinstance(weight, DTensor):
+        return _ChunkedCrossEntropy.apply(hidden, weight, targets, chunk_tokens, None, 0)
+    mesh = weight.device_mesh
+    local = weight.to_local()
+    rows = -(-weight.shape[0] // mesh.size())  # Shard(0) cuts as torch.chunk does: ceil(vocab / tp) a rank
+    # each rank's slice of the vocabulary contributes its part of the hidden states' gradient: a partial sum
+    hidden = hidden.to_local(grad_placements=[Partial()]) if isinstance(hidden, DTensor) else hidden
+    loss = _ChunkedCrossEntropy.apply(hidden, local, targets, chunk_tokens, mesh.get_group(),
+                                      mesh.get_local_rank() * rows)
+    return DTensor.from_local(loss, mesh, [Replicate()], run_check=False)
+
+
+class _ChunkedCrossEntropy(torch.autograd.Function):
+    """Forward computes the loss and both gradients chunk by chunk; backward scales them."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk_tokens, group, vocab_start):
+        flat, labels = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+        if flat.shape[0] != labels.shape[0]:
+            raise ValueError(f"the output head got {flat.shape[0]} positions and {labels.shape[0]} targets")
+        grad_hidden = torch.empty_like(flat)
+        grad_weight = None
+        loss = None
+        chunk = chunk_tokens if chunk_tokens > 0 else max(1, flat.shape[0])
+        for start in range(0, flat.shape[0], chunk):
+            h, y = flat[start:start + chunk], labels[start:start + chunk]
+            logits = F.linear(h, weight)  # the compute dtype (autocast's, or the parameters')
+            stat = statistics_dtype(logits.dtype)
+            if grad_weight is None:
+                grad_weight = torch.zeros(weight.shape, dtype=stat, device=weight.device)
+                loss = torch.zeros((), dtype=stat, device=weight.device)
+            part, dlogits = _chunk_loss_and_grad(logits.to(stat), y, group, vocab_start)
+            loss += part
+            dlogits = dlogits.to(logits.dtype)
+            grad_hidden[start:start + chunk] = dlogits @ weight.to(logits.dtype)
+            grad_weight += (dlogits.t() @ h.to(logits.dtype)).to(stat)
+        if loss is None:  # no positions at all
+            loss = torch.zeros((), dtype=statistics_dtype(weight.dtype), device=weight.device)
+            grad_weight = torch.zeros_like(weight)
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.shapes = hidden.shape, hidden.dtype, weight.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        shape, hidden_dtype, weight_dtype = ctx.shapes
+        grad_hidden = (grad_hidden * grad_loss.to(grad_hidden.dtype)).to(hidden_dtype).reshape(shape)
+        grad_weight = (grad_weight * grad_loss.to(grad_weight.dtype)).to(weight_dtype)
+        return grad_hidden, grad_weight, None, None, None, None
+
+
+def _chunk_loss_and_grad(logits: torch.Tensor, targets: torch.Tensor, group, vocab_start: int):
+    """(loss sum, d loss / d logits) of one chunk; `logits` are this rank's vocabulary slice
+    [vocab_start, vocab_start + columns) when `group` (tensor parallel) is given."""
+    columns = logits.shape[1]
+    valid = targets != IGNORE_INDEX
+    here = valid & (targets >= vocab_start) & (targets < vocab_start + columns)
+    index = (targets - vocab_start).clamp(0, columns - 1).unsqueeze(1)
+    peak = logits.max(dim=1).values
+    if group is not None:
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+    probs = torch.exp(logits - peak.unsqueeze(1))
+    total = probs.sum(dim=1)
+    target_logit = logits.gather(1, index).squeeze(1) * here
+    if group is not None:
+        both = torch.stack([total, target_logit])
+        dist.all_reduce(both, group=group)
+        total, target_logit = both[0], both[1]
+    log_sum_exp = peak + torch.log(total)
+    loss = ((log_sum_exp - target_logit) * valid).sum()
+    probs /= total.unsqueeze(1)  # softmax: the gradient, less one at the target
+    probs.scatter_add_(1, index, -here.to(probs.dtype).unsqueeze(1))
+    probs *= valid.unsqueeze(1)
+    return loss, probs
+
+
+def head_parallel_style(head: nn.Module, input_layout):
+    """The tensor-parallel style of an output head: split over the vocabulary (column-wise) either way. A plain
+    head leaves its logits vocabulary-sharded as a DTensor for `loss_parallel`; a chunked one returns the loss
+    sum, the same on every rank (its sampling logits are gathered whole)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    if isinstance(head, ChunkedLossHead):
+        return ColwiseParallel(input_layouts=input_layout, output_layouts=Replicate(), use_local_output=True)
+    return ColwiseParallel(input_layouts=input_layout, output_layouts=Shard(-1), use_local_output=False)
