@@ -156,9 +156,31 @@ def weight_gradient_inputs_bytes(shape: ModelShape, micro_batch: int, seq_len: i
 
 def last_stage_output_bytes(shape: ModelShape, layout: Layout) -> float:
     """One micro-batch's output of a pipeline's last stage: the logits in the compute dtype, which torch's
-    schedules keep for the stage's backward (and the last forward's to the step's end)."""
+    schedules keep for the stage's backward (and the last forward's to the step's end); a chunked loss head
+    returns the loss sum instead (nothing to count)."""
+    if layout.loss_chunk_tokens:
+        return 0.0
     ec, _ = dtype_bytes(layout)
     return ec * layout.micro_batch * (layout.seq_len // layout.cp) * shape.vocab_size / layout.tp
+
+
+def chunked_loss_bytes(shape: ModelShape, layout: Layout) -> tuple[float, float]:
+    """(kept, transient) of the output head computing the loss in chunks (models/output_head.py). Kept from its
+    forward to its backward: the gradients it computed on the way, the hidden states' (the residual's dtype) and
+    the weight's vocabulary slice (fp32; fp64 in an fp64 run). Transient while a chunk is at hand: its logits in
+    the compute dtype, their fp32 copy, the exponentials and the difference they are taken of; or later the logits
+    and their gradient (compute dtype) with the weight gradient's chunk term (compute dtype, then its fp32 copy);
+    and the head's input, the final norm's output
+    (under sequence parallelism its slice and the gathered whole)."""
+    ec, er = dtype_bytes(layout)
+    stat = 8 if layout.compute_dtype == "fp64" else FP32
+    tokens = layout.micro_batch * (layout.seq_len // layout.cp)
+    vocab = shape.vocab_size / layout.tp
+    chunk = min(tokens, layout.loss_chunk_tokens)
+    kept = er * tokens * shape.dim + stat * vocab * shape.dim
+    head_input = er * tokens * shape.dim * (1 + (1 / layout.tp if layout.sequence_parallel else 0))
+    transient = max((ec + 3 * stat) * chunk * vocab, 2 * ec * chunk * vocab + (ec + stat) * vocab * shape.dim)
+    return kept, head_input + transient
 
 
 def stage_output_bytes(shape: ModelShape, layout: Layout) -> float:
@@ -205,6 +227,7 @@ class StageActivations:
     # Of a block's parameters, the share whose gradient exists at the fullest moment of its backward (inside
     # the MLP's: the output projection's, w2); the rest are made after it (1.0 where not counted: MoE blocks).
     grad_share: float = 1.0
+    chunk: float = 0.0  # one chunk's temporaries in a chunked loss head's forward (last stage)
 
     @property
     def peak(self) -> float:
@@ -246,28 +269,32 @@ def stage_activation_bytes(shape: ModelShape, layout: Layout, pp_rank: int, fuse
     if ring:
         layer = _ring_backward(layer, attention, ring)
     saved = layers_saved * in_flight
-    logits = 0.0
+    logits = chunk = head = 0.0
     if held.embedding:
         saved += TOKEN_ID * mb * s * in_flight
     if held.output:
         r = layout.tp if layout.sequence_parallel else 1
-        logits = FP32 * mb * s * shape.vocab_size / layout.tp  # fp32 log-softmax kept by the loss
+        if layout.loss_chunk_tokens:  # the head's gradients, computed in its forward
+            head, chunk = chunked_loss_bytes(shape, layout)
+        else:  # the output layer's saved input and the fp32 log-softmax kept by the loss
+            logits = FP32 * mb * s * shape.vocab_size / layout.tp
+            head = ec * mb * s * shape.dim
         # A pipeline's last stage also holds its output (the logits in the compute dtype) for the schedule's
         # backward; GPipe runs every micro-batch's forward and loss first, so it holds all of them.
         output = last_stage_output_bytes(shape, layout) if layout.pp > 1 else 0.0
         losses = in_flight if layout.pp > 1 and layout.pp_schedule == "gpipe" else 1.0
-        saved += losses * (_norm_bytes(er, mb * s, shape.dim, r, fused_norm) + ec * mb * s * shape.dim + logits + output)
+        saved += losses * (_norm_bytes(er, mb * s, shape.dim, r, fused_norm) + head + logits + output)
     if layout.pp > 1 and layout.pp_schedule in ("interleaved_1f1b", "zero_bubble"):
         return _multi_stage(shape, layout, pp_rank, layer, logits, saved - held.layers * layer.saved * in_flight,
-                            accumulated_grads)
+                            accumulated_grads, last=held.output, chunk=chunk)
     if layout.pp > 1 and not held.output:  # the schedule keeps each in-flight micro-batch's stage output
         saved += stage_output_bytes(shape, layout) * in_flight
     loss_inputs = 0.0
     if held.output and layout.pp == 1:  # the final norm's and output layer's saved inputs, gone by any block's backward
-        loss_inputs = _norm_bytes(er, mb * s, shape.dim, r, fused_norm) + ec * mb * s * shape.dim
-    return StageActivations(saved, max(layer.transient, 2 * logits), in_flight, logits, layer.transient,
+        loss_inputs = _norm_bytes(er, mb * s, shape.dim, r, fused_norm) + head
+    return StageActivations(saved, max(layer.transient, 2 * logits, chunk), in_flight, logits, layer.transient,
                             layer_saved=layers_saved / held.layers if held.layers else 0.0, grad_share=grad_share,
-                            block_freed=freed + loss_inputs, loss_inputs=loss_inputs)
+                            block_freed=freed + loss_inputs, loss_inputs=loss_inputs, chunk=chunk)
 
 
 def block_backward_bytes(shape: ModelShape, micro_batch: int, seq_len: int, layout: Layout) -> tuple[float, float]:
@@ -306,26 +333,27 @@ def _ring_backward(layer: LayerActivations, attention: LayerActivations, ring: f
 
 
 def _multi_stage(shape: ModelShape, layout: Layout, pp_rank: int, layer: LayerActivations, logits: float,
-                 loss_and_ids: float, accumulated_grads: float = 0.0) -> StageActivations:
+                 loss_and_ids: float, accumulated_grads: float = 0.0, last: bool = False,
+                 chunk: float = 0.0) -> StageActivations:
     """A rank holding several stages: each local stage's micro-batches are held from their forward to their
     backward, in torch's order for the schedule. Zero-bubble (no checkpointing: the layout rules refuse it
     with checkpointing) holds them to the weight pass, and the ones past their input-gradient pass hold those
-    gradients besides; the last stage's include the logits' gradient."""
+    gradients besides; the last stage's include the logits' gradient (`last`: this rank holds the last stage)."""
     mb, s, v = layout.micro_batch, layout.seq_len, layout.stages_per_rank
     counts = stage_layers(shape, layout)[pp_rank]
-    kept = [n * layer.saved + (0.0 if logits and i == len(counts) - 1 else stage_output_bytes(shape, layout))
+    kept = [n * layer.saved + (0.0 if last and i == len(counts) - 1 else stage_output_bytes(shape, layout))
             for i, n in enumerate(counts)]
     pending = [0.0] * len(counts)
     if layout.pp_schedule == "zero_bubble":
         ec, _ = dtype_bytes(layout)
         pending = [n * weight_gradient_inputs_bytes(shape, mb, s, layout) for n in counts]
-        if logits:  # the last stage: its output layer's input gradient, vocabulary-sized
+        if logits:  # the last stage: its output layer's input gradient, vocabulary-sized (none when chunked)
             pending[-1] += ec * mb * s * shape.vocab_size / layout.tp
     # Each stage's share of the accumulated gradients: its layers, and the embedding (first stage) or the
     # output layer and final norm (last stage).
     table = shape.vocab_size * shape.dim // layout.tp
     params = [n * layer_params(shape, layout.tp) + (table if pp_rank == 0 and i == 0 else 0)
-              + (table + shape.dim if logits and i == len(counts) - 1 else 0) for i, n in enumerate(counts)]
+              + (table + shape.dim if last and i == len(counts) - 1 else 0) for i, n in enumerate(counts)]
     grads = [accumulated_grads * n / max(sum(params), 1) for n in params]
     order = schedule_order(layout.pp_schedule, layout.pp, layout.microbatches, v, pp_rank)
     gathered = None
@@ -337,8 +365,8 @@ def _multi_stage(shape: ModelShape, layout: Layout, pp_rank: int, layer: LayerAc
     pb, rb = DTYPE_BYTES[layout.param_dtype], DTYPE_BYTES[layout.reduce_dtype]
     if layout.pp_schedule == "zero_bubble" and accumulated_grads and pb != rb:
         loose = [g * pb / rb for g in grads]
-    at_block, at_loss = schedule_peak(order, kept, pending, grads, len(counts) - 1 if logits else None, gathered, fresh,
+    at_block, at_loss = schedule_peak(order, kept, pending, grads, len(counts) - 1 if last else None, gathered, fresh,
                                       loose)
-    return StageActivations(at_block.activations + loss_and_ids, max(layer.transient, 2 * logits),
+    return StageActivations(at_block.activations + loss_and_ids, max(layer.transient, 2 * logits, chunk),
                             at_block.activations / (sum(kept) / len(kept)) / v if sum(kept) else 0.0,
-                            logits, layer.transient, at_block, at_loss, at_loss.activations + loss_and_ids)
+                            logits, layer.transient, at_block, at_loss, at_loss.activations + loss_and_ids, chunk=chunk)

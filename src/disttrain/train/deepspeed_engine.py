@@ -103,6 +103,7 @@ class DeepSpeedEngine:
                 with mean_loss.forward_with_targets(y):
                     out = self.engine(x)
                 forward.loss = mean_loss(out, y)
+                del out  # whole logits, unless the head chunks the loss: not kept through the backward
             with phases("backward", step, i == last):
                 self.engine.backward(forward.loss * len(batches))  # undo DeepSpeed's 1/accumulation
             with phases("optimizer", step, i == last):  # a real update at the last micro-batch only

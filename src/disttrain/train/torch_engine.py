@@ -48,6 +48,7 @@ class TorchEngine(SteppedByOptimizerStep):
                         with mean_loss.forward_with_targets(y):
                             out = self.model(x)
                         forward.loss = mean_loss(out, y)
+                        del out  # whole logits, unless the head chunks the loss: not kept through the backward
                 with phases("backward", step, i == last):
                     self.precision.scaler.scale(forward.loss).backward()
             loss_sum += mean_loss.as_sum(forward.loss)
