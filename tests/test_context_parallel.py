@@ -235,12 +235,14 @@ def test_models_that_cannot_shard_their_sequence_are_refused_by_name(tmp_path):
 
 def test_estimate_gives_activation_bytes_falling_as_one_over_cp(tmp_path):
     """`disttrain estimate` of `tiny` at seq 8,192: the ring's per-rank activations at cp 2 and 4 are within
-    10% of 1/cp of cp 1's; all-gather and Ulysses keep more (gathered K/V, explicit masks)."""
+    10% of 1/cp of cp 1's; all-gather and Ulysses keep more (gathered K/V, explicit masks). On whole logits:
+    a chunked loss head's chunk and weight gradient do not shrink with cp."""
     import re
 
     def activations(cp: int, method: str = "ring") -> int:
         cfg = tmp_path / f"cp{cp}_{method}.yaml"
-        cfg.write_text(f"model: {{name: tiny, max_seq_len: 8192}}\ndata: {{seq_len: 8192}}\ntrain: {{global_batch_size: 1}}\n"
+        cfg.write_text(f"model: {{name: tiny, max_seq_len: 8192}}\ndata: {{seq_len: 8192}}\n"
+                       "train: {global_batch_size: 1, loss_chunk_tokens: 0}\n"
                        f"parallel: {{cp: {cp}, cp_method: {method}}}\n")
         code, out, err = run_main("estimate", str(cfg), "--gpus", str(cp))  # pure Python: in this process
         assert code == 0, err
@@ -306,14 +308,15 @@ def test_the_planner_peak_is_the_dry_runs_with_one_micro_batch_per_rank():
     """cp=2 x dp_shard=2 ZeRO-2, one micro-batch per data-parallel rank, seq 128 (rank 0 simulated in this
     process): the planner's peak within 5% of the dry run's, dense and MoE. The planner once took a block's
     backward for the peak here (+9% and +17%): it counted the block's unsharded gradients beside the previous
-    block's reduce-scatter input, and the ring's backward temporaries beside the MLP's tensors."""
+    block's reduce-scatter input, and the ring's backward temporaries beside the MLP's tensors. On whole logits
+    (the loss in chunks moves the peak to the output head's forward: tests/test_chunked_loss.py)."""
     from disttrain.cli.dryrun import dry_run
     from disttrain.config.load import load_config
 
     for name in ("debug", "debug-moe"):
         cfg = load_config(None, [f"model.name={name}", "data.seq_len=128", "train.global_batch_size=4",
                                  "train.micro_batch_size=2", "parallel.zero_stage=2", "parallel.cp=2",
-                                 "parallel.dp_shard=2"])
+                                 "parallel.dp_shard=2", "train.loss_chunk_tokens=0"])
         rank = dry_run(cfg, 4, ranks=[0])["ranks"][0]
         error = rank["planner"]["peak_bytes"] / rank["peak_bytes"] - 1
         assert abs(error) <= 0.05, (name, rank["planner"], rank["bytes"])
@@ -344,7 +347,8 @@ def test_dry_run_activations_fall_as_one_over_cp(tmp_path):
     measured = {}
     for cp in (1, 2, 4):
         cfg = tmp_path / f"cp{cp}.yaml"
-        cfg.write_text(f"model: {{name: tiny, max_seq_len: 8192}}\ndata: {{seq_len: 8192}}\ntrain: {{global_batch_size: 1}}\n"
+        cfg.write_text(f"model: {{name: tiny, max_seq_len: 8192}}\ndata: {{seq_len: 8192}}\n"
+                       "train: {global_batch_size: 1, loss_chunk_tokens: 0}\n"
                        f"parallel: {{cp: {cp}}}\n")
         out = run_cli("dryrun", str(cfg), "--world-size", str(cp), "--rank", "0", timeout=600).stdout
         value, unit = re.search(r"activations\s+([\d.]+) (MiB|GiB)", out).groups()

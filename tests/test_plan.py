@@ -220,16 +220,19 @@ def test_activation_prediction_matches_saved_tensors(model, recompute):
     from disttrain.bench.activations import saved_activation_bytes
 
     shape = MODEL_SHAPES[model]
-    for mb, seq, dtype in ((1, 64, "fp32"), (2, 128, "fp32"), (2, 96, "bf16")):
-        measured = saved_activation_bytes(shape, mb, seq, recompute, {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype])
+    # the loss on whole logits, in chunks smaller than a micro-batch, in one chunk
+    for mb, seq, dtype, chunk in ((1, 64, "fp32", 0), (2, 128, "fp32", 0), (2, 96, "bf16", 0), (2, 128, "fp32", 40),
+                                  (2, 96, "bf16", 2048)):
+        measured = saved_activation_bytes(shape, mb, seq, recompute, {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype],
+                                          loss_chunk_tokens=chunk)
         # bf16 weights throughout: FSDP2's parameter dtype (DDP would keep fp32 weights under autocast,
         # tests/test_planner_grid.py)
         layout = Layout(micro_batch_size=mb, global_batch_size=mb, seq_len=seq, activation_checkpointing=recompute,
-                        param_dtype=dtype, compute_dtype=dtype, zero_stage=3)
+                        param_dtype=dtype, compute_dtype=dtype, zero_stage=3, loss_chunk_tokens=chunk)
         # one device: no FSDP2 to cast the rotary tables into each block (tests/test_context_parallel.py)
         uncast = shape.n_layers * rotary_input_bytes(shape, mb, seq, layout)
         predicted = stage_activation_bytes(shape, layout, 0, fused_norm=False).saved - uncast
-        assert predicted == pytest.approx(measured, rel=1e-3), (mb, seq, dtype)
+        assert predicted == pytest.approx(measured, rel=1e-3), (mb, seq, dtype, chunk)
 
 
 # The model-state comparison against allocations on 1, 2 and 4 ranks lives in tests/test_sharding.py

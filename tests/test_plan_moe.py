@@ -401,15 +401,16 @@ def test_moe_activations_match_saved_tensors(name, recompute, monkeypatch):
 
     monkeypatch.setattr(bench, "Transformer", build)
     shape = SAVED_TENSOR_SHAPES[name]
-    for mb, seq, dtype in ((1, 64, "fp32"), (2, 96, "bf16")):
+    for mb, seq, dtype, chunk in ((1, 64, "fp32", 0), (2, 96, "bf16", 0), (2, 96, "bf16", 40)):
         measured = bench.saved_activation_bytes(shape, mb, seq, recompute,
-                                                {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype])
+                                                {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype],
+                                                loss_chunk_tokens=chunk)
         layout = Layout(micro_batch_size=mb, global_batch_size=mb, seq_len=seq, activation_checkpointing=recompute,
-                        param_dtype=dtype, compute_dtype=dtype, zero_stage=3)
+                        param_dtype=dtype, compute_dtype=dtype, zero_stage=3, loss_chunk_tokens=chunk)
         # one device: no FSDP2 to cast the rotary tables into each block (tests/test_context_parallel.py)
         uncast = shape.n_layers * rotary_input_bytes(shape, mb, seq, layout)
         predicted = stage_activation_bytes(shape, layout, 0, fused_norm=False).saved - uncast
-        assert predicted == pytest.approx(measured, rel=1e-3), (mb, seq, dtype)
+        assert predicted == pytest.approx(measured, rel=1e-3), (mb, seq, dtype, chunk)
 
 
 @pytest.mark.parametrize("name", list(SAVED_TENSOR_SHAPES))

@@ -18,15 +18,20 @@ import torch
 import torch.nn.functional as F
 
 from disttrain.models.llama.model import Transformer
+from disttrain.models.output_head import chunk_output_head, targets_for
 from disttrain.models.registry import MODEL_SHAPES, ModelShape
 from disttrain.observe.model_bytes import iter_tensors
 from disttrain.parallel import activation_checkpoint as ac
 
 
 def saved_activation_bytes(shape: ModelShape, micro_batch: int, seq_len: int, recompute: str = "none",
-                           dtype: torch.dtype = torch.float32, seed: int = 0) -> int:
+                           dtype: torch.dtype = torch.float32, seed: int = 0, loss_chunk_tokens: int = 0) -> int:
+    """`loss_chunk_tokens` > 0: the output head computes the loss in chunks (models/output_head.py), as training
+    does by default."""
     torch.manual_seed(seed)
     model = Transformer(shape).to(dtype)
+    if loss_chunk_tokens:
+        chunk_output_head(model.output, loss_chunk_tokens)
     caches = []
     if recompute == "selective":
         def capture():
@@ -52,8 +57,12 @@ def saved_activation_bytes(shape: ModelShape, micro_batch: int, seq_len: int, re
 
     tokens = torch.randint(0, shape.vocab_size, (micro_batch, seq_len))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        logits = model(tokens)
-        loss = F.cross_entropy(logits.float().flatten(0, 1), tokens.flatten(), reduction="sum")
+        if loss_chunk_tokens:
+            with targets_for([model.output], tokens):
+                loss = logits = model(tokens)
+        else:
+            logits = model(tokens)
+            loss = F.cross_entropy(logits.float().flatten(0, 1), tokens.flatten(), reduction="sum")
     del logits
     for storage in caches:
         for t in iter_tensors(storage):

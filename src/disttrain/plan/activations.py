@@ -179,7 +179,9 @@ def chunked_loss_bytes(shape: ModelShape, layout: Layout) -> tuple[float, float]
     chunk = min(tokens, layout.loss_chunk_tokens)
     kept = er * tokens * shape.dim + stat * vocab * shape.dim
     head_input = er * tokens * shape.dim * (1 + (1 / layout.tp if layout.sequence_parallel else 0))
-    transient = max((ec + 3 * stat) * chunk * vocab, 2 * ec * chunk * vocab + (ec + stat) * vocab * shape.dim)
+    copy = stat if stat != ec else 0  # a cast to the dtype a tensor already has makes no copy
+    transient = max((ec + copy + 2 * stat) * chunk * vocab,
+                    2 * ec * chunk * vocab + (ec + copy) * vocab * shape.dim)
     return kept, head_input + transient
 
 

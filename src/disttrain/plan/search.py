@@ -131,9 +131,8 @@ def search(shape: ModelShape, cluster: Cluster, space: SearchSpace, headroom: fl
             est = estimate(shape, layout, cluster, model=model, lora_rank=space.lora_rank,
                            routing_skew=space.routing_skew, muon=space.optimizer == "muon",
                            state_dtype=space.state_dtype)
-            if not fits(est, budget):
-                break  # larger micro-batches need more memory still
-            ranked.append(est)
+            if fits(est, budget):  # (not monotonic in the micro-batch: with one micro-batch a step, no gradient
+                ranked.append(est)  # exists in a chunked loss head's forward, which can be the peak)
     ranked.sort(key=lambda e: (-e.time.tokens_per_s, e.memory.total))
     return SearchResult(ranked, considered, len(ranked), budget)
 
