@@ -53,6 +53,20 @@ def test_dry_run_of_expert_parallel_debug_moe_matches_the_planner_and_skew_raise
     assert measured > 0.1 * runs[1.0]["peak_bytes"] and abs(planned / measured - 1) <= 0.05, (measured, planned)
 
 
+def test_dry_run_of_selective_checkpointing_on_moe_matches_the_planner():
+    """Selective checkpointing keeps the expert GEMMs' outputs and the all-to-alls' results
+    (parallel/activation_checkpoint.py): the planner's activations within 5% of the dry run's (measured 0.1%),
+    at ep=2 (DDP) and ep=1 (ZeRO-2); the recomputation exchanges nothing, so the step's all-to-alls stay
+    the counts, dispatch and combine forward and the two gradients backward, per layer."""
+    shape = MODEL_SHAPES["debug-moe"]
+    for overrides, ranks in ((EP2, 2), ([*EP2[:-2], "parallel.zero_stage=2"], 2)):
+        cfg = load_config(None, [*overrides, "parallel.activation_checkpointing=selective"])
+        run = dry_run(cfg, ranks)["ranks"][0]
+        assert abs(run["error"]["activations"]) <= 0.05 and abs(run["error"]["peak_bytes"]) <= 0.02, run["error"]
+        a2a = [c["count"] for c in run["collectives"] if c["kind"] == "all_to_all"]
+        assert a2a == ([5 * shape.n_layers] if "parallel.ep=2" in overrides else []), a2a
+
+
 def test_dry_run_of_expert_with_context_parallel_matches_the_planner():
     """ep=2 borrowing the context ranks (cp=2, dp_shard=1, DDP) on 2 simulated ranks, one micro-batch of 4
     sequences: the all-to-alls run over the context pair and carry each rank's half of every sequence

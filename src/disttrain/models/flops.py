@@ -57,16 +57,11 @@ def model_flops_per_token(shape: ModelShape, seq_len: int) -> float:
 
 
 def recompute_flops_per_token(shape: ModelShape, seq_len: int, recompute: str) -> float:
-    """Matmul FLOPs redone in backward. Full: one more forward of every block. Selective (this
-    framework's policy keeps matmul and attention outputs): none, only element-wise ops; but the policy keeps
-    mm-family outputs only, so an MoE layer's grouped expert matmuls run again (one forward of the k routed
-    experts)."""
+    """Matmul FLOPs redone in backward. Full: one more forward of every block. Selective: none (this
+    framework's policy keeps every matmul's, attention's and expert GEMM's output: only element-wise ops run
+    again; tests/test_activation_checkpoint.py counts it)."""
     if recompute == "full":
         return 2.0 * block_params(shape) + attention_flops_per_token(shape, seq_len) / 3.0
-    if recompute == "selective" and shape.moe is not None:
-        moe = shape.moe
-        return 2.0 * (shape.n_layers - moe.first_k_dense_replace) * moe.num_experts_per_tok * 3 * shape.dim * \
-            moe.moe_intermediate_size
     return 0.0
 
 

@@ -1,9 +1,15 @@
 """Per-block activation checkpointing (non-reentrant).
 
 full:      keep only each block's input; recompute the whole block in backward.
-selective: keep the outputs of matrix multiplies and attention (expensive to redo, and what
-           backward needs most), recompute the cheap element-wise ops (norms, SiLU, the
-           SwiGLU product, rotary embeddings, residual adds) in backward.
+selective: keep what is dear to redo or must not be redone, recompute the rest in backward:
+           - the outputs of matrix multiplies (mm, addmm, bmm, the experts' grouped GEMM, scaled matmuls) and
+             of attention kernels: the block's FLOPs;
+           - the results of functional all-to-alls (the experts' dispatch and combine, Ulysses' exchanges) and
+             what waits on them: a collective redone in backward costs a network round trip on every rank;
+           - random ops (dropout): without a saved RNG state a rerun would draw other numbers.
+           Element-wise ops (norms, SiLU, the SwiGLU product, rotary embeddings, residual adds, the router's
+           softmax and sort) and data movement (the dispatch's gathers and scatters) are recomputed.
+           tests/test_activation_checkpoint.py counts what backward redoes with FlopCounterMode.
 """
 
 from __future__ import annotations
@@ -14,16 +20,26 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-_SAVE = {
-    torch.ops.aten.mm.default,
-    torch.ops.aten.addmm.default,
-    torch.ops.aten.bmm.default,
-    torch.ops.aten._scaled_dot_product_flash_attention.default,
-    torch.ops.aten._scaled_dot_product_efficient_attention.default,
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
-}
-if hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention"):
-    _SAVE.add(torch.ops.aten._scaled_dot_product_cudnn_attention.default)
+
+def _overloads(namespace, names: tuple[str, ...]) -> set:
+    """Every overload of the named ops this torch build has (kernels differ by device and version)."""
+    ops = set()
+    for name in names:
+        packet = getattr(namespace, name, None)
+        if packet is not None:
+            ops.update(getattr(packet, overload) for overload in packet.overloads())
+    return ops
+
+
+_SAVE = _overloads(torch.ops.aten, (
+    "mm", "addmm", "bmm", "baddbmm", "linear", "_grouped_mm", "_scaled_mm", "_scaled_grouped_mm",
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_fused_attention_overrideable", "_scaled_dot_product_attention_math",
+    "_flash_attention_forward", "_efficient_attention_forward"))
+# Collectives whose results are kept; all-gathers are recomputed (the gathered K/V is cp times a shard).
+_SAVED_COLLECTIVES = _overloads(torch.ops._c10d_functional, ("all_to_all_single",))
+_FUNCTIONAL_COLLECTIVES = "_c10d_functional"
 
 
 def _ignore_profiler_ranges() -> None:
@@ -42,12 +58,40 @@ def _ignore_profiler_ranges() -> None:
             SAC_IGNORED_OPS.update(getattr(packet, overload) for overload in packet.overloads())
 
 
-def _save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in _SAVE else CheckpointPolicy.PREFER_RECOMPUTE
+def _policy():
+    """A policy for one checkpointed call. A functional collective is waited on (`wait_tensor`, autograd's
+    wrapper) after it is issued: those follow-up ops are kept exactly when the collective's result was, so
+    that the recomputation neither waits on work it never issued nor leaves issued work unwaited. Kept
+    results live in the checkpoint's cache until backward, so their storages identify them meanwhile (an
+    empty one, or a wrapper subclass without storage, is identified by the object itself, held here). Random ops are kept only where they make
+    a new tensor: a cached in-place op would leave the recomputation's buffer unwritten."""
+    kept: set[int] = set()
+    held: list[torch.Tensor] = []
+
+    def key(t: torch.Tensor) -> int:
+        try:
+            return t.untyped_storage().data_ptr() or id(t)
+        except RuntimeError:  # a wrapper without storage (AsyncCollectiveTensor): the object, held
+            return id(t)
+
+    def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        if op in _SAVE or (torch.Tag.nondeterministic_seeded in op.tags and not op._schema.is_mutable):
+            return CheckpointPolicy.MUST_SAVE
+        follows = op.namespace == _FUNCTIONAL_COLLECTIVES and any(
+            isinstance(a, torch.Tensor) and key(a) in kept for a in args)
+        if op in _SAVED_COLLECTIVES or follows:
+            if isinstance(ctx.op_output, torch.Tensor):
+                kept.add(key(ctx.op_output))
+                if key(ctx.op_output) == id(ctx.op_output):
+                    held.append(ctx.op_output)
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
 
 
 def selective_context():
-    return create_selective_checkpoint_contexts(_save_matmuls)
+    return create_selective_checkpoint_contexts(_policy())
 
 
 def apply_activation_checkpointing(blocks: nn.Module, mode: str) -> None:

@@ -28,7 +28,7 @@ import sys
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
+from torch.distributed._functional_collectives import all_to_all_single, all_to_all_single_autograd, wait_tensor
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from disttrain.layout.layout import Layout
@@ -45,8 +45,8 @@ class AllToAllDispatch:
 
     def __call__(self, rows: torch.Tensor, counts: torch.Tensor, experts) -> torch.Tensor:
         ep, per_rank = self.ep, counts.numel() // self.ep
-        received_counts = torch.empty_like(counts)
-        dist.all_to_all_single(received_counts, counts, group=self.group)  # (source rank, local expert)
+        # (source rank, local expert); functional, so that selective checkpointing keeps it for the recomputation
+        received_counts = wait_tensor(all_to_all_single(counts, None, None, self.group))
         both = torch.stack([counts, received_counts]).view(2, ep, per_rank)
         sent, got = self.host_counts(both)
         send_splits, recv_splits = [sum(c) for c in sent], [sum(c) for c in got]

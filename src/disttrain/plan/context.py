@@ -11,7 +11,7 @@ FLOPs and holds seq_len/cp tokens of every activation. On top of that share:
   allgather  keeps the gathered K/V (whole sequence) and a boolean (seq_len/cp x seq_len) mask per layer;
              per layer one all-gather of K/V forward and one reduce-scatter of dK/dV backward, not overlapped;
   ulysses    keeps head-sharded q/k/v/out (the same bytes as its shard) and a (seq_len x seq_len) mask per
-             layer; per layer all-to-alls of q, k, v and the output forward, and of their gradients backward.
+             layer (under selective checkpointing the exchanged q/k/v/out, the mask recomputed); per layer all-to-alls of q, k, v and the output forward, and of their gradients backward.
 Pure Python.
 """
 
@@ -82,13 +82,25 @@ def ring_selective_cache_bytes(shape: ModelShape, layout: Layout, element_bytes:
 
 def context_extra_bytes(shape: ModelShape, layout: Layout, element_bytes: int) -> float:
     """What a layer keeps besides its seq_len/cp share of the activations, per micro-batch. Checkpointing
-    (full or selective: neither collectives nor masks are matmuls) recomputes all-gather's and Ulysses' extras
-    in the layer's backward instead (`context_recomputed_bytes`)."""
+    recomputes all-gather's and Ulysses' extras in the layer's backward instead (`context_recomputed_bytes`),
+    but for the all-to-alls' results selective checkpointing keeps."""
     if layout.cp_method == "ring":
         return ring_selective_cache_bytes(shape, layout, element_bytes)
+    if layout.activation_checkpointing == "selective" and layout.cp_method == "ulysses":
+        return ulysses_selective_cache_bytes(shape, layout, element_bytes)
     if layout.activation_checkpointing != "none":
         return 0.0
     return _gathered_bytes(shape, layout, element_bytes)
+
+
+def ulysses_selective_cache_bytes(shape: ModelShape, layout: Layout, element_bytes: int) -> float:
+    """Selective checkpointing keeps all-to-alls' results (parallel/activation_checkpoint.py): Ulysses' rotated
+    q, k and v in head shards and the attention output back in sequence shards, each as many elements as this
+    rank's own q, k, v or output, beside the projections and the kernel output the layer keeps anyway."""
+    if layout.cp == 1 or layout.cp_method != "ulysses" or layout.activation_checkpointing != "selective":
+        return 0.0
+    tokens = layout.seq_len // layout.cp * layout.micro_batch
+    return element_bytes * tokens * (2 * shape.n_heads + 2 * shape.n_kv_heads) * shape.head_dim / layout.tp
 
 
 def context_recomputed_bytes(shape: ModelShape, layout: Layout, element_bytes: int) -> float:

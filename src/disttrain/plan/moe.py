@@ -135,9 +135,11 @@ def moe_layer_bytes(shape: ModelShape, layout: Layout, attention, ec: int, skew:
     tensor's gradient is made in the compute dtype and cast to fp32 in backward (measured by the dry run:
     6 bytes per element of one [experts, width, dim] tensor at Qwen3-30B-A3B's first pipeline stage).
     `ec`/`er`: the compute and residual dtypes' bytes (activations.dtype_bytes; they differ under autocast).
-    Selective checkpointing keeps the outputs of mm-family matmuls only (parallel/activation_checkpoint.py):
-    the router's logits and the shared experts' projections; the grouped expert matmuls, the routing and the
-    exchange are recomputed. Full keeps the block input and recomputes all of it."""
+    Selective checkpointing (parallel/activation_checkpoint.py) keeps every matmul's output: the router's
+    logits, the grouped expert matmuls' (w1 and w3 outputs, T·k·skew x width each; w2's, T·k·skew x dim) and the
+    shared experts' projections; and the all-to-alls' results (the counts, the received rows, the combined
+    rows back: T·k·skew + T·k rows of dim); the routing, SiLU, the gated product and the combine are
+    recomputed. Full keeps the block input and recomputes all of it."""
     er = ec if er is None else er
     autocast = er != ec
     base, micro_batch, seq_len = attention, layout.micro_batch, layout.seq_len
@@ -158,6 +160,9 @@ def moe_layer_bytes(shape: ModelShape, layout: Layout, attention, ec: int, skew:
         return replace(base, transient=base.transient + full + buffers)
     if mode == "selective":  # the attention part counted two matmul outputs of dim: wo's and the MLP's w2
         kept = ec * tokens * e + (2 * ec * sb * shared if shared else -ec * sb * h / (t if layout.sequence_parallel else 1))
+        kept += ec * rows * (2 * width + h)  # the grouped expert matmuls' outputs
+        if layout.ep > 1:  # the all-to-alls' results: counts, rows received, rows combined back
+            kept += INDEX * e + ec * (rows + tokens * k) * h
         return replace(base, saved=base.saved + kept, transient=base.transient + full - kept + buffers)
     return replace(base, saved=base.saved + full, transient=base.transient + buffers)
 
@@ -185,8 +190,8 @@ def all_to_all_s(n: int, nbytes: float, bandwidth: float, latency: float) -> flo
 
 def dispatch_s(shape: ModelShape, layout: Layout, cluster, skew: float = ROUTING_SKEW) -> float:
     """All-to-all time of one step on the fullest pipeline rank: per MoE layer and micro-batch, dispatch and
-    combine in forward and their gradients in backward (recomputation, full or selective, repeats the forward
-    two: the selective policy keeps mm outputs only), each
+    combine in forward and their gradients in backward (full recomputation repeats the forward two; selective
+    keeps their results), each
     moving T·k rows of dim out and T·k·skew in on the busiest rank, over ep x tp consecutive ranks (intra-node
     while they fit one). Exposed: tokens must arrive before the experts run, and nothing else is queued."""
     if shape.moe is None or layout.ep <= 1:
@@ -196,15 +201,15 @@ def dispatch_s(shape: ModelShape, layout: Layout, cluster, skew: float = ROUTING
     tokens = layout.micro_batch * layout.seq_len / layout.cp / (layout.tp if layout.sequence_parallel else 1)
     nbytes = e * tokens * shape.moe.num_experts_per_tok * shape.dim * received(layout, skew)
     bw, lat = cluster.link(layout.ep * layout.tp, "all_to_all")
-    per_layer = ALL_TO_ALLS_PER_LAYER + (2 if layout.activation_checkpointing != "none" else 0)
+    per_layer = ALL_TO_ALLS_PER_LAYER + (2 if layout.activation_checkpointing == "full" else 0)
     return layout.microbatches * n_moe * per_layer * all_to_all_s(layout.ep, nbytes, bw, lat)
 
 
 def routed_flops_per_token(shape: ModelShape, layers: int, recompute: str = "none") -> float:
     """Routed experts' matmul FLOPs per token over `layers` MoE layers: 6 per active expert parameter (8 with
-    recomputation: selective recomputes the grouped expert matmuls too)."""
+    full recomputation; selective keeps the grouped expert matmuls' outputs)."""
     moe = shape.moe
-    return (8.0 if recompute != "none" else 6.0) * layers * moe.num_experts_per_tok * 3 * shape.dim * \
+    return (8.0 if recompute == "full" else 6.0) * layers * moe.num_experts_per_tok * 3 * shape.dim * \
         moe.moe_intermediate_size
 
 
