@@ -14,8 +14,7 @@ from disttrain.core.gpus import GPUS, find_gpu
 from disttrain.layout.layout import RECOMPUTE, SCHEDULES, VIRTUAL_STAGES, Layout
 from disttrain.layout.rules import layout_problems
 from disttrain.layout.world_rules import world_problems
-from disttrain.models.hf.published import model_parallel
-from disttrain.models.registry import MODEL_SHAPES, ModelShape
+from disttrain.models.registry import MODEL_SHAPES, ModelShape, model_parallel
 from disttrain.plan import moe, render as report
 from disttrain.plan.estimate import estimate, shape_for_params
 from disttrain.plan.memory import ACCOUNTINGS
