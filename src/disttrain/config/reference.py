@@ -23,6 +23,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from disttrain.config.schema import RunConfig
+from disttrain.models.hf.published import PUBLISHED_CONFIGS
 from disttrain.models.registry import MODEL_SHAPES
 
 PAGE = Path(__file__).resolve().parents[3] / "docs" / "config.md"
@@ -248,8 +249,9 @@ def _differing(shapes: dict, key: str, value, otherwise: str) -> str:
 def shape_tables() -> list[str]:
     """The registry's dense and mixture-of-experts shapes (`model.name`), each row with its parameter count
     (and for MoE the active count: the experts one token runs through)."""
-    dense = {n: s for n, s in MODEL_SHAPES.items() if s.moe is None}
-    moe = {n: s for n, s in MODEL_SHAPES.items() if s.moe is not None}
+    llama = {n: s for n, s in MODEL_SHAPES.items() if n not in PUBLISHED_CONFIGS}
+    dense = {n: s for n, s in llama.items() if s.moe is None}
+    moe = {n: s for n, s in llama.items() if s.moe is not None}
     eps = sorted({number(s.norm_eps) for s in dense.values()})
     lines = ["### Registry shapes (`model.name`)", "",
              "Any shape key overrides a shape's value. Dense shapes (`norm_eps` is "
@@ -272,7 +274,31 @@ def shape_tables() -> list[str]:
     lines += [f"| `{n}` | " + " | ".join(shape_cells(s, MOE_COLUMNS)
                                          + [params(s.num_params()), params(s.num_params(active=True))]) + " |"
               for n, s in moe.items()]
+    lines += ["", "Published models whose blocks are not Llama's, as transformers builds them from the model "
+              "card's config.json (shape keys are refused: `model.hf` takes an edited config.json); they take no "
+              "tensor or context parallelism ([models.md](models.md#which-layouts-each-family-takes)):", "",
+              "| `name` | model type | layers | experts (top-k) | parameters | active | besides Llama's block |",
+              "|---|---|---|---|---|---|---|"]
+    lines += [f"| `{n}` | `{PUBLISHED_CONFIGS[n]['model_type']}` | {s.n_layers} | {s.moe.num_experts} "
+              f"({s.moe.num_experts_per_tok}) | {params(s.num_params())} | {params(s.num_params(active=True))} | "
+              f"{_published_blocks(s)} |" for n, s in MODEL_SHAPES.items() if n in PUBLISHED_CONFIGS]
     return lines + [""]
+
+
+def _published_blocks(shape) -> str:
+    """What a published model's blocks add, in a few words."""
+    x, parts = shape.extras, []
+    if shape.mla is not None:
+        parts.append(f"latent attention (kv rank {shape.mla.kv_lora_rank}, q rank {shape.mla.q_lora_rank})")
+    if x is not None and x.attention_sinks:
+        parts.append("attention sinks")
+    if x is not None and x.sliding_layers:
+        parts.append(f"{x.sliding_layers} layers with a {x.sliding_window}-token window")
+    if x is not None and x.linear is not None:
+        parts.append(f"{x.linear.layers} Gated DeltaNet layers")
+    if shape.moe.n_shared_experts:
+        parts.append(f"{shape.moe.n_shared_experts} shared expert")
+    return "; ".join(parts)
 
 
 def render() -> str:

@@ -13,13 +13,18 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Callable
 
-from disttrain.models.llama.shapes import MODEL_SHAPES, resolve_shape
+from disttrain.core.errors import UserError
+
+from disttrain.models.hf.published import PUBLISHED_CONFIGS, model_parallel, published_shapes
+from disttrain.models.llama.shapes import MODEL_SHAPES as LLAMA_SHAPES, resolve_shape
 from disttrain.models.shape import ModelShape, MoEShape
 
-__all__ = ["MODEL_SHAPES", "ModelShape", "RESOLVERS", "model_shape", "model_spec", "model_tokenizer", "resolver_for",
+__all__ = ["MODEL_SHAPES", "ModelShape", "model_parallel", "RESOLVERS", "model_shape", "model_spec", "model_tokenizer", "resolver_for",
            "saved_model", "default_balancing"]
 
-BUILT_IN = "built-in llama"  # the family of every registry model, dense or MoE (as checkpoints record it)
+BUILT_IN = "built-in llama"  # the family of the Llama registry models, dense or MoE (as checkpoints record it)
+# Every `model.name`: the built-in Llama shapes, then the published models transformers builds (models/hf/published.py).
+MODEL_SHAPES: dict[str, ModelShape] = {**LLAMA_SHAPES, **published_shapes()}
 SHAPE_KEYS = tuple(f.name for f in fields(ModelShape) if f.name not in ("moe", "mla", "extras"))
 MOE_SHAPE_KEYS = tuple(f.name for f in fields(MoEShape))
 
@@ -57,9 +62,18 @@ def default_balancing(section, engine: str, compute_dtype: str) -> tuple[float |
 
 
 def _registry_shape(section) -> ModelShape:
-    """The registry shape of `model.name` with the section's non-empty shape keys over it."""
+    """The registry shape of `model.name` with the section's non-empty shape keys over it (none on a published
+    model: its architecture is its config.json's)."""
     moe = getattr(section, "moe", None)
     shape = {k: getattr(section, k) for k in SHAPE_KEYS if getattr(section, k, None) is not None}
+    if section.name in PUBLISHED_CONFIGS:
+        moe_keys = [k for k in MOE_SHAPE_KEYS if getattr(moe, k, None) is not None]
+        if shape or moe_keys:
+            key = next(iter(shape), None) or f"moe.{moe_keys[0]}"
+            value = shape[key] if key in shape else getattr(moe, moe_keys[0])
+            raise UserError(f"model.{key}={value}: model.name={section.name} is the published model's shape and "
+                            "takes no shape keys (allowed: none; or model.hf=DIR with an edited config.json)")
+        return MODEL_SHAPES[section.name]
     return resolve_shape(section.name, shape, {k: getattr(moe, k) for k in MOE_SHAPE_KEYS
                                                if getattr(moe, k, None) is not None})
 
@@ -87,6 +101,12 @@ def _hf_spec(section):
 
 def _registry_spec(section):
     shape = _registry_shape(section)
+    if section.name in PUBLISHED_CONFIGS:  # transformers' architecture, from the model card's config.json
+        from disttrain.models.hf.spec import hf_spec
+
+        spec = hf_spec(section.name, _routing(section), getattr(section, "attn_implementation", "auto"),
+                       config=PUBLISHED_CONFIGS[section.name])
+        return replace(spec, family=f"Hugging Face {spec.name}", label=section.name)
     if shape.moe is not None:
         from disttrain.models.moe import moe_spec
 
@@ -158,6 +178,7 @@ def saved_model(section: dict) -> tuple[str | None, dict | None]:
     if resolver.key == "model.spec":
         return None, None
     try:
-        return (None if resolver.key == "model.hf" else BUILT_IN), asdict(resolver.shape(names))
+        family = None if resolver.key == "model.hf" or names.name in PUBLISHED_CONFIGS else BUILT_IN
+        return family, asdict(resolver.shape(names))
     except (OSError, KeyError, ValueError):
         return None, None

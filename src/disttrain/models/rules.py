@@ -13,13 +13,13 @@ def shape_problems(ctx) -> list[Problem]:
     """The model's dimensions against each other and against data.seq_len; the router's settings against them."""
     cfg, shape = ctx.cfg, ctx.shape
     problems = []
-    if shape.dim % shape.n_heads:
+    if not shape.head_size and shape.dim % shape.n_heads:  # a set head size (Qwen3, gpt-oss) need not divide dim
         problems.append(Problem("model.n_heads", shape.n_heads, f"a divisor of model.dim={shape.dim}",
                                 f"model.n_heads={shape.n_heads} does not divide model.dim={shape.dim}"))
     if shape.n_heads % shape.n_kv_heads:
         problems.append(Problem("model.n_kv_heads", shape.n_kv_heads, f"a divisor of model.n_heads={shape.n_heads}",
                                 f"model.n_kv_heads={shape.n_kv_heads} does not divide model.n_heads={shape.n_heads}"))
-    elif (shape.dim // shape.n_heads) % 2:
+    elif shape.head_dim % 2:
         problems.append(Problem("model.dim", shape.dim, "an even head size", f"model.dim={shape.dim} / model.n_heads="
                                 f"{shape.n_heads} gives an odd head size; rotary embeddings need an even one"))
     moe, router = shape.moe, cfg.model.moe

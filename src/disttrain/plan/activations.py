@@ -101,23 +101,46 @@ def layer_activation_bytes(shape: ModelShape, micro_batch: int, seq_len: int, la
     r = t if layout.sequence_parallel else 1
     sb = seq_len * micro_batch
     h, f = shape.dim, shape.ffn_hidden_dim
-    kv = shape.n_kv_heads * shape.head_dim
+    kv, q = shape.n_kv_heads * shape.head_dim, shape.n_heads * shape.head_dim  # q: h unless a head size is set
     copies = (3, 2) if autocast(layout) else (1, 1)
     norms = 2 * _norm_bytes(er, sb, h, r, fused_norm) + ec * sb * h * sum(copies)
-    attention = ec * sb * (h + 2 * kv + h) / t + FP32 * micro_batch * (shape.n_heads // t) * seq_len  # q k v out, lse
+    scores = eager_scores_bytes(shape, micro_batch, seq_len, layout)
+    if scores:  # eager: k and v repeated to every query head, the probabilities instead of the log-sum-exp
+        attention = ec * sb * 4 * q / t + scores
+    else:
+        attention = ec * sb * (2 * q + 2 * kv) / t + FP32 * micro_batch * (shape.n_heads // t) * seq_len  # q k v out, lse
     mlp = 4 * ec * sb * f / t
     rotary = rotary_input_bytes(shape, micro_batch, seq_len, layout)  # kept whatever the checkpointing
     full = norms + attention + mlp + rotary
     residual = er * sb * h / r + rotary
     mode = layout.activation_checkpointing
+    backward = EAGER_BACKWARD_SCORES * scores  # beside the saved ones while the attention's backward runs
     if mode == "full":
-        return LayerActivations(saved=residual, transient=full)
+        return LayerActivations(saved=residual, transient=full + backward)
     if mode == "selective":
         # Kept: block input, every matmul output (q, k, v, wo, w1, w3, w2; row-parallel outputs are
         # full-size partial sums) and the attention output; the rest is recomputed.
         kept = residual + attention + ec * sb * 2 * f / t + 2 * ec * sb * h
-        return LayerActivations(saved=kept, transient=max(full - kept, 0.0))
-    return LayerActivations(saved=full, transient=0.0)
+        return LayerActivations(saved=kept, transient=max(full - kept, 0.0) + backward)
+    return LayerActivations(saved=full, transient=backward)
+
+
+# Score-sized tensors eager attention's backward holds at once beside the saved probabilities: the gradient at the
+# probabilities (padded by the sink column), softmax's input gradient, the row maximum's scattered gradient and
+# their sum. gpt-oss-20b, rank 0 of 64 (pp=16, ZeRO-3, 4,096 tokens): 7.56 GiB of temporaries at the peak, 3.8
+# tensors of its 2.0 GiB.
+EAGER_BACKWARD_SCORES = 4
+
+
+def eager_scores_bytes(shape: ModelShape, micro_batch: int, seq_len: int, layout: Layout) -> float:
+    """The attention probabilities transformers' eager attention keeps for its backward (micro_batch x heads x
+    s x s in the compute dtype; a sink adds a column): the kernel a model with attention sinks runs (gpt-oss: sdpa
+    cannot take them, models/hf/kernels.py), a sliding window masking the scores, not shrinking them. 0 for the
+    flash-style kernels, which keep none."""
+    if shape.extras is None or not shape.extras.attention_sinks:
+        return 0.0
+    ec, _ = dtype_bytes(layout)
+    return ec * micro_batch * (shape.n_heads // layout.tp) * seq_len * (seq_len + 1)
 
 
 def mlp_backward_bytes(shape: ModelShape, micro_batch: int, seq_len: int, layout: Layout) -> float:

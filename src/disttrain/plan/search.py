@@ -45,6 +45,7 @@ class SearchSpace:
     routing_skew: float = 1.0  # MoE: the busiest expert-parallel rank's load over a balanced one
     optimizer: str = "adamw"  # or muon: one moment for the block matrices (train/muon.py)
     state_dtype: str = "fp32"  # optim.state_dtype: bf16 moments take half the bytes
+    model_parallel: bool = True  # False: the model takes neither tensor nor context parallelism (tp = cp = 1)
 
 
 def expert_degrees(shape: ModelShape, dp_shard: int, space: SearchSpace) -> list[int]:
@@ -59,8 +60,9 @@ def expert_degrees(shape: ModelShape, dp_shard: int, space: SearchSpace) -> list
 def layout_families(shape: ModelShape, cluster: Cluster, space: SearchSpace) -> Iterator[Layout]:
     """Every valid layout except the micro-batch size (left at 1)."""
     gpus, gpn = cluster.gpus, cluster.gpus_per_node
-    for tp, cp in ((t, c) for t in divisors(min(gpn, gpus)) if gpus % t == 0
-                   for c in cp_degrees(space.seq_len, gpus // t)):
+    tps = divisors(min(gpn, gpus)) if space.model_parallel else [1]
+    for tp, cp in ((t, c) for t in tps if gpus % t == 0
+                   for c in (cp_degrees(space.seq_len, gpus // t) if space.model_parallel else [1])):
         for pp in divisors(gpus // (tp * cp)):
             dp = gpus // (tp * pp * cp)
             schedules = space.schedules if pp > 1 else ("1f1b",)

@@ -46,17 +46,17 @@ def _sdpa_refusal(config) -> str:
     return ""
 
 
-def choose_attention(config, requested: str, directory: str) -> tuple[str, str]:
+def choose_attention(config, requested: str, source: str) -> tuple[str, str]:
     """(transformers' attn_implementation, why) for `model.attn_implementation=requested`."""
     refusal = _sdpa_refusal(config)
     if requested == "auto":
         return ("eager", f"sdpa cannot take {refusal}") if refusal else ("sdpa", "")
     if requested == "sdpa" and refusal:
-        raise UserError(f"model.attn_implementation=sdpa with model.hf={directory}: sdpa cannot take {refusal} "
+        raise UserError(f"model.attn_implementation=sdpa with {source}: sdpa cannot take {refusal} "
                         "(allowed for this model: auto, eager, flex_attention)")
     cls = _model_class(config)
     if requested == "flex_attention" and cls is not None and not getattr(cls, "_supports_flex_attn", False):
-        raise UserError(f"model.attn_implementation=flex_attention with model.hf={directory}: {cls.__name__} does "
+        raise UserError(f"model.attn_implementation=flex_attention with {source}: {cls.__name__} does "
                         "not support flex attention (allowed: auto, sdpa, eager)")
     return requested, "model.attn_implementation"
 

@@ -45,7 +45,11 @@ def _get(c: dict, key: str, default=None):
 def hf_shape(directory: str) -> ModelShape:
     """Llama-like families map exactly; others (GPT-2) approximately: the planner's parameter count is then
     an estimate, while training uses the real module."""
-    c = read_config(directory)
+    return config_shape(read_config(directory), f"model.hf={directory}")
+
+
+def config_shape(c: dict, source: str) -> ModelShape:
+    """A config.json's contents as a ModelShape; `source` (`model.hf=DIR`) starts each error line."""
     try:
         dim, heads = int(_get(c, "hidden_size")), int(_get(c, "num_attention_heads"))
         rope = c.get("rope_parameters") or {}
@@ -62,13 +66,13 @@ def hf_shape(directory: str) -> ModelShape:
             rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))),
             qkv_bias=c["model_type"] == "qwen2" or bool(c.get("qkv_bias", c.get("attention_bias", False))),
             head_size=int(c.get("head_dim") or 0) if int(c.get("head_dim") or 0) != dim // heads else 0,
-            moe=_moe(c, directory), mla=mla, rotary_tables=False, extras=_extras(c))
+            moe=_moe(c, source), mla=mla, rotary_tables=False, extras=_extras(c))
     except KeyError as exc:
-        raise UserError(f"model.hf={directory}: config.json lacks {exc.args[0]} (a causal LM's config has "
+        raise UserError(f"{source}: config.json lacks {exc.args[0]} (a causal LM's config has "
                         "hidden_size, num_hidden_layers, num_attention_heads and vocab_size)") from None
 
 
-def _moe(c: dict, directory: str) -> MoEShape | None:
+def _moe(c: dict, source: str) -> MoEShape | None:
     """transformers' MoE keys as MoEShape: the routed experts are `num_experts` (Qwen, OLMoE), `n_routed_experts`
     (DeepSeek) or `num_local_experts` (Mixtral, gpt-oss); each expert's width is `moe_intermediate_size`, or
     `intermediate_size` where a family has no dense MLP beside its experts (Mixtral, OLMoE, gpt-oss)."""
@@ -80,23 +84,23 @@ def _moe(c: dict, directory: str) -> MoEShape | None:
     shared_width = int(c.get("shared_expert_intermediate_size") or 0)  # Qwen2-MoE: one shared expert this wide
     if shared_width:
         if shared_width % width:
-            raise UserError(f"model.hf={directory}: shared_expert_intermediate_size={shared_width} is not a multiple "
+            raise UserError(f"{source}: shared_expert_intermediate_size={shared_width} is not a multiple "
                             f"of moe_intermediate_size={width} (allowed: shared experts as wide as k routed ones)")
         shared = shared_width // width
     dense = c.get("first_k_dense_replace") or 0
     only = sorted(c.get("mlp_only_layers") or [])
     if only:
         if only != list(range(len(only))) or dense:
-            raise UserError(f"model.hf={directory}: mlp_only_layers={only} (allowed: the leading layers 0..k-1, "
+            raise UserError(f"{source}: mlp_only_layers={only} (allowed: the leading layers 0..k-1, "
                             "which become first_k_dense_replace)")
         dense = len(only)
     if int(c.get("decoder_sparse_step") or 1) != 1:
-        raise UserError(f"model.hf={directory}: decoder_sparse_step={c['decoder_sparse_step']} (allowed: 1; MoE "
+        raise UserError(f"{source}: decoder_sparse_step={c['decoder_sparse_step']} (allowed: 1; MoE "
                         "blocks after first_k_dense_replace leading dense ones, not interleaved)")
     scoring = c.get("scoring_func") or ("sigmoid" if c["model_type"].startswith("deepseek_v3") else "softmax")
     top_k = int(c.get("num_experts_per_tok") or 0)
     if not 0 < top_k <= int(experts):
-        raise UserError(f"model.hf={directory}: num_experts_per_tok={top_k} (allowed: 1 to the {experts} experts)")
+        raise UserError(f"{source}: num_experts_per_tok={top_k} (allowed: 1 to the {experts} experts)")
     return MoEShape(num_experts=int(experts), num_experts_per_tok=top_k, moe_intermediate_size=width,
                     n_shared_experts=shared, first_k_dense_replace=int(dense), scoring_func=scoring)
 

@@ -97,20 +97,34 @@ def _converted_by_transformers(directory: str) -> dict:
     return loaded.state_dict()
 
 
-def hf_spec(directory: str, routing=None, attention: str = "auto") -> ModelSpec:
+def _published_config(raw: dict):
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(raw["model_type"], **{k: v for k, v in raw.items() if k != "model_type"})
+    config.use_cache = False
+    return config
+
+
+def hf_spec(directory: str, routing=None, attention: str = "auto", config: dict | None = None) -> ModelSpec:
     """`routing`: model.moe's training keys (a models.moe.MoERouting) for a sparse-MoE family (models/hf/moe.py).
-    `directory`: a local directory or a Hub id (read from its cached snapshot, core/hub.py). `attention`:
-    model.attn_implementation (models/hf/kernels.py)."""
-    directory = local_directory(directory)
+    `directory`: a local directory or a Hub id (read from its cached snapshot, core/hub.py); with `config` (a
+    config.json's contents: a registry name's, models/hf/published.py) only the name in messages, no weights.
+    `attention`: model.attn_implementation (models/hf/kernels.py)."""
     from functools import partial
 
     from disttrain.models.hf import kernels, parallel_plan
     from disttrain.models.hf.moe import SUPPORTED, hf_moe_layers
+    from disttrain.models.hf.shape import config_shape
     from disttrain.models.moe.layer import MoERouting
 
-    shape = hf_shape(directory)
-    config = _load_config(directory)
-    attn_implementation, attention_why = kernels.choose_attention(config, attention, directory)
+    weights = config is None  # a registry name has none
+    if weights:
+        directory = local_directory(directory)
+        shape, raw, config = hf_shape(directory), read_config(directory), _load_config(directory)
+    else:
+        shape, raw, config = config_shape(config, f"model.name={directory}"), config, _published_config(config)
+    source = f"model.hf={directory}" if weights else f"model.name={directory}"
+    attn_implementation, attention_why = kernels.choose_attention(config, attention, source)
     experts = kernels.experts_implementation(config)
 
     def build() -> nn.Module:
@@ -123,7 +137,6 @@ def hf_spec(directory: str, routing=None, attention: str = "auto") -> ModelSpec:
 
     with torch.device("meta"):
         splittable = parallel_plan.can_split(build())
-    raw = read_config(directory)
     tied = (("model.embed_tokens.weight", "lm_head.weight"),) if shape.tie_embeddings else ()
     tp_note = "" if getattr(config, "base_model_tp_plan", None) else "its config class has no base_model_tp_plan"
     tp_note = tp_note or parallel_plan.plan_problem(config)
@@ -147,7 +160,8 @@ def hf_spec(directory: str, routing=None, attention: str = "auto") -> ModelSpec:
         context_parallel=context.context_parallel if config.model_type in context.MODEL_TYPES else None,
         context_parallel_methods=cp_methods, context_parallel_note=cp_note,
         to_hf=dict, from_hf=dict, hf_config=lambda: {**raw, "use_cache": True},
-        load_pretrained=lambda m: load_pretrained(m, directory), fingerprint=fingerprint,
+        load_pretrained=lambda m: load_pretrained(m, directory) if weights else None,
+        fingerprint=fingerprint,
         attention=f"{attn_implementation} ({attention_why})" if attention_why else attn_implementation,
         output_head=None if softcap else (lambda m: m.get_output_embeddings()),
         output_head_note=f"transformers soft-caps its logits (final_logit_softcapping={softcap})" if softcap else "")
