@@ -50,7 +50,7 @@ class ChunkedLossHead(nn.Linear):
 def why_not_chunked(head: nn.Module | None) -> str:
     """Why this output head cannot compute the loss in chunks ('' when it can)."""
     if head is None:
-        return "the model names no output head"
+        return "its ModelSpec names no output_head"
     if type(head) not in (nn.Linear, ChunkedLossHead):
         return f"its output head is a {type(head).__name__}, not a plain nn.Linear"
     if head.bias is not None:

@@ -109,6 +109,7 @@ class Trainer:
         what = "tokens" if tokenizer is not None else "samples"
         announce(self.metrics, step=p.step, world_size=run.runtime.world_size, layout=run.layout,
                  model=run.model.spec.label, num_params=run.model.num_params, trainable=run.model.trainable_params,
+                 loss=getattr(getattr(run.engine, "mean_loss", None), "description", ""),
                  attention=run.model.spec.attention if run.layout.cp == 1 else
                  f"{cfg.parallel.cp_method} context-parallel attention (parallel.cp={run.layout.cp})",
                  device=f"{run.runtime.device.type}/{run.runtime.backend}",

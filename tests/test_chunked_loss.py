@@ -1,0 +1,206 @@
+"""The output head and the loss in chunks of tokens (`train.loss_chunk_tokens`, models/output_head.py): the same
+loss and gradients as whole logits (fp64, with ignored targets and tied embeddings), at most one chunk's logits in
+existence forward and backward, the logits in the compute dtype with fp32 statistics, and the planner's memory
+terms against the dry run's. Every layout's parity with whole logits is in the parity modules: their one-process
+references take whole logits (helpers.WHOLE_LOGITS) where the layouts take chunks (SMALL_CHUNKS)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from helpers import DEBUG_CONFIG, events, run_main, train
+from disttrain.models.llama.model import Transformer
+from disttrain.models.output_head import (ChunkedLossHead, chunk_output_head, chunked_loss_sum, targets_for,
+                                          why_not_chunked)
+from disttrain.models.registry import MODEL_SHAPES
+from disttrain.models.spec import IGNORE_INDEX
+
+TOKENS = (3, 40)  # 120 positions: chunks of 40 divide them, 7 and 50 do not
+
+
+def _targets(vocab: int, seed: int = 0) -> torch.Tensor:
+    targets = torch.randint(0, vocab, TOKENS, generator=torch.Generator().manual_seed(seed))
+    targets[0, :11] = IGNORE_INDEX  # a prompt
+    targets[2, -5:] = IGNORE_INDEX  # padding
+    return targets
+
+
+def _model(tied: bool) -> Transformer:
+    torch.manual_seed(0)
+    model = Transformer(replace(MODEL_SHAPES["debug"], tie_embeddings=tied)).double()
+    model.tie_weights()
+    for p in model.parameters():  # not the debug model's zeros and ones: every gradient is informative
+        torch.nn.init.normal_(p, std=0.3)
+    return model
+
+
+def _whole(model, tokens, targets):
+    logits = model(tokens)
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum", ignore_index=IGNORE_INDEX)
+
+
+def _chunked(model, tokens, targets):
+    with targets_for([model.output], targets):
+        return model(tokens)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("chunk", [7, 40, 50, 0])
+def test_the_loss_and_every_gradient_equal_whole_logits(tied, chunk):
+    tokens = torch.randint(0, 256, TOKENS, generator=torch.Generator().manual_seed(1))
+    targets = _targets(256)
+    reference = _model(tied)
+    whole = _whole(reference, tokens, targets)
+    (0.37 * whole).backward()
+    model = _model(tied)
+    chunk_output_head(model.output, chunk)
+    loss = _chunked(model, tokens, targets)
+    (0.37 * loss).backward()
+    assert isinstance(model.output, ChunkedLossHead) and loss.dtype == torch.float64
+    assert abs(loss.item() - whole.item()) <= 1e-12 * abs(whole.item())
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        scale = q.grad.abs().max().item()
+        assert (p.grad - q.grad).abs().max().item() <= 1e-12 * scale, name
+
+
+def test_without_targets_the_head_gives_logits():
+    """Sampling and evaluation by logits still work: a head given no targets is the plain linear layer."""
+    model = _model(False)
+    tokens = torch.randint(0, 256, TOKENS)
+    expected = model(tokens)
+    chunk_output_head(model.output, 16)
+    assert torch.equal(model(tokens), expected)
+
+
+def test_a_head_that_did_not_run_is_said_at_once():
+    model = _model(False)
+    chunk_output_head(model.output, 16)
+    with pytest.raises(RuntimeError, match="did not run"):
+        with targets_for([model.output], _targets(256)):
+            pass
+    assert model.output.targets is None  # nothing left for the next forward
+
+
+class _Shapes(TorchDispatchMode):
+    """Every tensor an operator makes, forward and backward: its shape and dtype, by operator."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[tuple[str, tuple, torch.dtype]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and not func.is_view:  # views (a transposed weight) hold nothing new
+                self.seen.append((str(func.overloadpacket.__name__), tuple(t.shape), t.dtype))
+        return out
+
+
+def _vocabulary_rows(seen, vocab: int) -> int:
+    """The most positions any vocabulary-wide tensor made held."""
+    return max((s[0] if len(s) == 2 else s[0] * s[1]) for _, s, _ in seen if len(s) in (2, 3) and s[-1] == vocab)
+
+
+@pytest.mark.parametrize("chunk", [16, 50])
+def test_no_more_than_one_chunk_of_logits_exists(chunk):
+    """No operator makes a vocabulary-wide tensor of more than `chunk` positions, in the forward or the backward
+    (the whole path makes them of all 120, as the control shows)."""
+    tokens, targets = torch.randint(0, 256, TOKENS), _targets(256)
+    model = _model(True)
+    with _Shapes() as whole:
+        _whole(model, tokens, targets).backward()
+    assert _vocabulary_rows(whole.seen, 256) == 120
+    chunk_output_head(model.output, chunk)
+    with _Shapes() as chunked:
+        _chunked(model, tokens, targets).backward()
+    assert _vocabulary_rows(chunked.seen, 256) == chunk
+
+
+def test_logits_in_the_compute_dtype_statistics_in_fp32():
+    """Under bf16 autocast the chunk's logits are bf16 (the matmul's dtype), their log-sum-exp and the loss fp32;
+    the loss is the whole path's to bf16's precision."""
+    tokens, targets = torch.randint(0, 256, TOKENS), _targets(256)
+    model = _model(False).float()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        whole = _whole(model, tokens, targets)
+    chunk_output_head(model.output, 32)
+    with _Shapes() as chunked, torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = _chunked(model, tokens, targets)
+    logits = [dtype for op, s, dtype in chunked.seen if op in ("mm", "addmm", "linear") and s == (32, 256)]
+    statistics = [dtype for op, s, dtype in chunked.seen if op in ("exp", "log") and s[0] == 32]
+    assert logits and set(logits) == {torch.bfloat16}
+    assert statistics and set(statistics) == {torch.float32}
+    assert loss.dtype == torch.float32 and abs(loss.item() / whole.item() - 1) < 2e-3
+
+
+def test_a_head_that_cannot_chunk_says_why(tmp_path):
+    assert why_not_chunked(torch.nn.Linear(4, 8, bias=True)) == "its output head has a bias"
+    assert "names no output_head" in why_not_chunked(None)
+    assert why_not_chunked(torch.nn.Linear(4, 8, bias=False)) == ""
+    from transformers import AutoConfig
+
+    from disttrain.models.hf.spec import hf_spec
+
+    config = AutoConfig.for_model("gemma3_text", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                  num_attention_heads=2, num_key_value_heads=1, head_dim=16, vocab_size=128,
+                                  final_logit_softcapping=30.0)
+    config.save_pretrained(tmp_path / "gemma")
+    spec = hf_spec(str(tmp_path / "gemma"))
+    assert spec.output_head is None and "final_logit_softcapping=30.0" in spec.output_head_note
+
+
+def test_a_run_records_its_loss_and_refuses_a_negative_chunk(tmp_path):
+    run = train(tmp_path / "run", "train.steps=2", "train.loss_chunk_tokens=100")
+    assert events(run, "started")[0]["loss"] == "chunks of 100 tokens"
+    code, out, err = run_main("train", str(DEBUG_CONFIG), "train.loss_chunk_tokens=-1",
+                              f"run.dir={tmp_path / 'bad'}")
+    assert code == 2 and "train.loss_chunk_tokens" in err and "-1" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "bad").exists()
+
+
+@pytest.mark.parametrize("chunk", [256, 64, 24])
+def test_the_planner_counts_the_chunked_head_as_the_dry_run_measures(chunk):
+    """Rank 0 of dp_shard=2 x tp=2 + sequence parallel, ZeRO-2, bf16 (`tiny`, 2 layers, a 16K vocabulary, 256
+    tokens a micro-batch), simulated in this process: category by category the planner's peak is the dry run's with
+    the loss in one chunk and in chunks of 64 and 24 (where the weight gradient's chunk term is the larger)."""
+    from disttrain.config.load import load_config
+    from disttrain.config.resolve import resolve_run
+    from disttrain.dryrun.simulate import simulate
+    from disttrain.plan.memory import estimate_memory
+
+    cfg = load_config(None, ["model.name=tiny", "model.n_layers=2", "model.vocab_size=16384",
+                             "model.max_seq_len=8192", "data.seq_len=256", "train.micro_batch_size=1",
+                             "train.global_batch_size=4", "parallel.dp_shard=2", "parallel.tp=2",
+                             "parallel.sequence_parallel=true", "parallel.zero_stage=2",
+                             "precision.param_dtype=bf16", "precision.compute_dtype=bf16",
+                             f"train.loss_chunk_tokens={chunk}"])
+    resolved = resolve_run(cfg, 4, "cuda")
+    measured = simulate(cfg, resolved, 0).bytes
+    planned = estimate_memory(resolved.shape, resolved.layout, pp_rank=0).categories()
+    for category in ("parameters", "gradients", "activations"):
+        assert abs(planned[category] / measured[category] - 1) < 1e-3, (category, planned, measured)
+
+
+@pytest.mark.slow
+def test_the_1b_peak_drops_by_more_than_the_whole_logits_and_the_planner_agrees(tmp_path):
+    """`1b` (128K vocabulary) at 4 x 4,096 tokens in bf16 on one GPU, dry-run: the chunked loss's peak is lower
+    than whole logits' by more than their fp32 copy and its gradient, and the planner is within 2% of it."""
+    from disttrain.cli.dryrun import dry_run
+    from disttrain.config.load import load_config
+
+    base = ["model.name=1b", "data.seq_len=4096", "train.global_batch_size=4", "train.micro_batch_size=4",
+            "precision.compute_dtype=bf16"]
+    peaks = {}
+    for chunk in (0, 2048):
+        rank = dry_run(load_config(None, [*base, f"train.loss_chunk_tokens={chunk}"]), 1, gpu_name="h200")["ranks"][0]
+        peaks[chunk] = rank["peak_bytes"]
+        if chunk:
+            assert abs(rank["planner"]["peak_bytes"] / rank["peak_bytes"] - 1) <= 0.02, rank["error"]
+    shape = MODEL_SHAPES["1b"]
+    fp32_logits_and_gradient = 2 * 4 * 4 * 4096 * shape.vocab_size
+    assert peaks[0] - peaks[2048] >= fp32_logits_and_gradient, peaks
