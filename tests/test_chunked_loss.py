@@ -189,7 +189,8 @@ def test_the_planner_counts_the_chunked_head_as_the_dry_run_measures(chunk):
 @pytest.mark.slow
 def test_the_1b_peak_drops_by_more_than_the_whole_logits_and_the_planner_agrees(tmp_path):
     """`1b` (128K vocabulary) at 4 x 4,096 tokens in bf16 on one GPU, dry-run: the chunked loss's peak is lower
-    than whole logits' by more than their fp32 copy and its gradient, and the planner is within 2% of it."""
+    than whole logits' by more than their fp32 copy and its gradient, and the planner is within 2% of both (one
+    rank, one micro-batch: no gradient exists before the backward, plan/peak_moments.py)."""
     from disttrain.cli.dryrun import dry_run
     from disttrain.config.load import load_config
 
@@ -199,8 +200,27 @@ def test_the_1b_peak_drops_by_more_than_the_whole_logits_and_the_planner_agrees(
     for chunk in (0, 2048):
         rank = dry_run(load_config(None, [*base, f"train.loss_chunk_tokens={chunk}"]), 1, gpu_name="h200")["ranks"][0]
         peaks[chunk] = rank["peak_bytes"]
-        if chunk:
-            assert abs(rank["planner"]["peak_bytes"] / rank["peak_bytes"] - 1) <= 0.02, rank["error"]
+        assert abs(rank["planner"]["peak_bytes"] / rank["peak_bytes"] - 1) <= 0.02, (chunk, rank["error"])
     shape = MODEL_SHAPES["1b"]
     fp32_logits_and_gradient = 2 * 4 * 4 * 4096 * shape.vocab_size
     assert peaks[0] - peaks[2048] >= fp32_logits_and_gradient, peaks
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_under_fsdp_the_dry_run_finds_more_buffers_at_the_chunked_head(stage):
+    """What the planner does not yet count: under FSDP2 (`debug`, 2 simulated ranks) the dry run's peak with the loss
+    in chunks holds one root unit and a half more of FSDP's communication buffers than the planner counts (the same
+    98,560 bytes at ZeRO-2 and ZeRO-3), while the activations agree to 0.2%; the peak is then 3% under the dry run's.
+    With whole logits both agree to 0.1%. Where these buffers come from, and their size on larger models, is not
+    yet measured."""
+    from disttrain.cli.dryrun import dry_run
+    from disttrain.config.load import load_config
+
+    errors = {}
+    for chunk in (0, 2048):
+        cfg = load_config(None, ["model.name=debug", "data.seq_len=128", "train.micro_batch_size=2",
+                                 "train.global_batch_size=4", f"parallel.zero_stage={stage}",
+                                 f"train.loss_chunk_tokens={chunk}"])
+        errors[chunk] = dry_run(cfg, 2)["ranks"][0]["error"]
+    assert abs(errors[0]["peak_bytes"]) <= 0.001 and abs(errors[2048]["activations"]) <= 0.002, errors
+    assert -0.035 <= errors[2048]["peak_bytes"] < -0.02, errors  # the gap, until the planner counts it

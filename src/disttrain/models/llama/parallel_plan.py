@@ -4,7 +4,8 @@ Tensor parallel (Megatron's split, as DTensor `parallelize_module` plans): q/k/v
 gate/up projections column-wise (each rank owns whole heads and a slice of the FFN width), the
 attention output and down projections row-wise (one all-reduce each, or a reduce-scatter with
 sequence parallelism). The embedding is split over the vocabulary (row-wise), the output layer
-over the vocabulary too (column-wise), its logits left vocabulary-sharded for `loss_parallel`.
+over the vocabulary too (column-wise): its logits left vocabulary-sharded for `loss_parallel`, or its
+chunked loss summed over the ranks (models/output_head.py).
 Sequence parallelism also shards the residual stream and the norms over the sequence.
 
 Pipeline: contiguous layer ranges; the embedding goes to the first stage, the final norm and output
