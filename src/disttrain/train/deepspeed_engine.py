@@ -93,6 +93,9 @@ class DeepSpeedEngine:
         self.phases = phases
         self.skipped_steps: list[int] = []  # DeepSpeed skips overflowing fp16 steps itself
 
+    def check_finite(self) -> None:
+        """DeepSpeed checks its own steps (fp16 overflow skips); nothing deferred here."""
+
     def train_step(self, micro_batches: list, step: int) -> StepResult:
         phases, mean_loss, last = self.phases, self.mean_loss, len(micro_batches) - 1
         batches = [(x.to(self.device), y.to(self.device)) for x, y in micro_batches]

@@ -38,6 +38,10 @@ class StepEngine(Protocol):
 
     def train_step(self, micro_batches: list, step: int) -> StepResult: ...
 
+    def check_finite(self) -> None:
+        """Raise NonFiniteError if a step's gradient norm was not finite and the run stops on that (the check is
+        deferred to logging steps and saves: no host sync per step)."""
+
     def eval_loss_sum(self, micro_batches: list) -> tuple[torch.Tensor, torch.Tensor]:
         """(this rank's target-loss sum, its valid targets), both float64; the loop adds them over loss_groups."""
 
@@ -72,6 +76,9 @@ class OptimizerStep:
         # would allocate a second copy of every gradient beside the buckets (measured by the dry run).
         self.set_to_none = not keep_gradients
         self.fp16_overflows = 0.0
+        # metrics.nonfinite=stop: the first step whose gradient norm was not finite, kept on the device and read
+        # by `check_finite` (logging steps, before a save): no host sync in any other step
+        self.first_nonfinite: torch.Tensor | None = None
         self.before_clip: list = []  # gradient reductions no wrapper does (expert parallelism under DDP)
         self.after_step: list = []  # called with whether the parameters were updated (MoE routing statistics)
 
@@ -84,12 +91,12 @@ class OptimizerStep:
         for reduce in self.before_clip:
             reduce()
         grad_norm = clip_grad_norm_global(params, self.clip, self.pp_group, norm_params)
-        # One scalar to the host per step; fp16 leaves non-finite steps to the GradScaler. A fake
-        # tensor (the dry run) has no value to read: it counts as finite.
-        if not scaler.is_enabled() and not is_fake(grad_norm) and not bool(torch.isfinite(grad_norm)):
-            if self.nonfinite == "stop":
-                raise NonFiniteError(f"non-finite gradient norm at step {step} (local loss sum "
-                                     f"{float(loss_sum):.4g}); metrics.nonfinite=skip_step would drop such steps")
+        # fp16 leaves non-finite steps to the GradScaler. A fake tensor (the dry run) has no value to read: it
+        # counts as finite. `stop` notes the step on the device (the run stops at the next check: a NaN update
+        # taken meanwhile is never saved); `skip_step` must know before the update: one scalar to the host.
+        if not scaler.is_enabled() and not is_fake(grad_norm) and self.nonfinite == "stop":
+            self._note_nonfinite(grad_norm, step)
+        elif not scaler.is_enabled() and not is_fake(grad_norm) and not bool(torch.isfinite(grad_norm)):
             self.optimizer.zero_grad(set_to_none=self.set_to_none)
             self.scheduler.step()
             self.skipped_steps.append(step)
@@ -103,6 +110,19 @@ class OptimizerStep:
         for hook in self.after_step:
             hook(True)
         return grad_norm
+
+    def _note_nonfinite(self, grad_norm: torch.Tensor, step: int) -> None:
+        bad = ~torch.isfinite(grad_norm)
+        if self.first_nonfinite is None:
+            self.first_nonfinite = torch.full((), -1, dtype=torch.int64, device=grad_norm.device)
+        first = self.first_nonfinite
+        self.first_nonfinite = torch.where(bad & (first < 0), torch.full_like(first, step), first)
+
+    def check_finite(self) -> None:
+        """One host read: NonFiniteError if a step since the run began had a non-finite gradient norm."""
+        if self.first_nonfinite is not None and (step := int(self.first_nonfinite)) >= 0:
+            raise NonFiniteError(f"non-finite gradient norm at step {step}; metrics.nonfinite=skip_step would drop "
+                                 "such steps")
 
     def lr(self) -> float:
         return self.scheduler.get_last_lr()[0]
@@ -139,6 +159,9 @@ class SteppedByOptimizerStep:
     @property
     def skipped_steps(self) -> list[int]:
         return self.optimizer_step.skipped_steps
+
+    def check_finite(self) -> None:
+        self.optimizer_step.check_finite()
 
     def lr(self) -> float:
         return self.optimizer_step.lr()

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from disttrain.core.errors import UserError
 from disttrain.train.evaluation import Evaluation, Sampling
-from disttrain.train.jobs import Rebalance, ReplicaSyncCheck, SkippedUpdates, StuckLoss
+from disttrain.train.jobs import FiniteCheck, Rebalance, ReplicaSyncCheck, SkippedUpdates, StuckLoss
 from disttrain.train.step_boundary import StepBoundary
 from disttrain.train.step_metrics import StepMetrics
 
@@ -34,7 +34,7 @@ def user_jobs(refs: list[str]) -> list:
 def default_jobs(run) -> list:
     """Every job of `run` (train/run.py's TrainingRun), in order."""
     cfg = run.cfg
-    jobs = [SkippedUpdates(run.engine),
+    jobs = [FiniteCheck(run.engine, cfg.metrics.log_every, cfg.train.steps), SkippedUpdates(run.engine),
             ReplicaSyncCheck(cfg.metrics.sync_check_every, run.model.module, run.meshes.replica_group(run.layout)),
             StepMetrics(run), StuckLoss(cfg.train.steps), Evaluation(run)]
     if run.layout.balanced:

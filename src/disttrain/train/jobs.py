@@ -45,6 +45,23 @@ def every(interval: int, step: int) -> bool:
     return bool(interval) and step % interval == 0
 
 
+class FiniteCheck(Job):
+    """`metrics.nonfinite=stop`: whether a step since the last check had a non-finite gradient norm, read on
+    logging steps and the last step (and before every save, train/step_boundary.py): steps in between make no
+    host sync for it."""
+
+    label = "non-finite check"
+
+    def __init__(self, engine, log_every: int, last_step: int):
+        self.engine, self.log_every, self.last_step = engine, log_every, last_step
+
+    def due(self, step: int) -> bool:
+        return every(self.log_every, step) or step == self.last_step
+
+    def run(self, trainer) -> None:
+        self.engine.check_finite()
+
+
 class SkippedUpdates(Job):
     """`metrics.nonfinite=skip_step`: say that this step's update was dropped."""
 

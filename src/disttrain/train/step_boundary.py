@@ -72,6 +72,7 @@ class StepBoundary(Job):
         """Synchronous: saved and committed. Async: `blocking_s` is what training waited for. `last`: no later
         save would retry a failure (the final or the emergency save)."""
         t0, step = time.perf_counter(), trainer.step
+        self.training_run.engine.check_finite()  # never save the update of a step whose gradients were not finite
         trainer.watchdog.enter(f"step {step}: checkpoint save", collective=True)
         try:
             path = self.checkpoints.save(step, self.training_run.engine, train_state(self.training_run, trainer.progress))
