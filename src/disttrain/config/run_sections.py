@@ -53,8 +53,10 @@ class MetricsConfig(Section):
     mlflow: bool = Field(False, description="also log to MLflow (<run dir>/mlruns unless MLFLOW_TRACKING_URI is set)")
     wandb: bool = Field(False, description="also log to Weights & Biases (offline in <run dir>/wandb unless "
                         "WANDB_MODE=online)")
-    nonfinite: Literal["stop", "skip_step"] = Field("stop", description="a non-finite gradient norm: stop (exit 3) "
-                                                    "or skip_step (drop that update, logged)")
+    nonfinite: Literal["stop", "skip_step"] = Field("stop", description="a non-finite gradient norm: stop (exit 3, "
+                                                    "at the next logging step or save, which name the step: no host "
+                                                    "sync per step) or skip_step (drop that update, logged; one host "
+                                                    "sync per step)")
 
 
 class DistributedConfig(Section):
