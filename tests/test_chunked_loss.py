@@ -156,7 +156,7 @@ def test_a_head_that_cannot_chunk_says_why(tmp_path):
 
 def test_a_run_records_its_loss_and_refuses_a_negative_chunk(tmp_path):
     run = train(tmp_path / "run", "train.steps=2", "train.loss_chunk_tokens=100")
-    assert events(run, "started")[0]["loss"] == "chunks of 100 tokens"
+    assert events(run, "started")[0]["logits"] == "chunks of 100 tokens"
     code, out, err = run_main("train", str(DEBUG_CONFIG), "train.loss_chunk_tokens=-1",
                               f"run.dir={tmp_path / 'bad'}")
     assert code == 2 and "train.loss_chunk_tokens" in err and "-1" in err and len(err.strip().splitlines()) == 1

@@ -45,7 +45,7 @@ def announce(metrics, *, step: int, world_size: int, layout, model: str, num_par
     checkpoints that could not be loaded, and where it resumed from with what changed since."""
     metrics.event("started", step=step, world_size=world_size, layout=layout.describe(), num_params=num_params,
                   **({} if trainable is None else {"trainable_params": trainable}),
-                  **({"attention": attention} if attention else {}), **({"loss": loss} if loss else {}))
+                  **({"attention": attention} if attention else {}), **({"logits": loss} if loss else {}))
     metrics.message(start_line(model, num_params, layout, device, tokenizer, per_step, trainable))
     if attention and attention != "sdpa":  # a kernel other than the default: say which and why
         metrics.message(f"attention: {attention}")
