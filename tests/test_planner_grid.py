@@ -1,7 +1,11 @@
 """The planner held to the dry run over a sampled grid at small scale (8 simulated ranks, in this process),
 the dry run's independence of what ran before it, the fused RMSNorm and DDP buckets it stands in for a GPU's,
 and what `plan --verify` (with the receive buffers of micro-batches it does not simulate) and `estimate` say
-about fitting."""
+about fitting.
+
+On whole logits (`train.loss_chunk_tokens=0`, `WHOLE`): these rows measured the planner's terms for the loss as
+the model computes it; the loss in chunks is held to the dry run in tests/test_chunked_loss.py, where FSDP2's
+buffers at the chunked head are a known gap (the dry run finds more than the planner counts)."""
 
 from __future__ import annotations
 
@@ -10,6 +14,8 @@ import json
 import pytest
 
 from disttrain.config.load import load_config
+
+WHOLE = "train.loss_chunk_tokens=0"
 from disttrain.layout.layout import Layout
 from disttrain.models.registry import MODEL_SHAPES
 
@@ -62,7 +68,7 @@ def _config(model: str, name: str, checkpointing: str, per_rank: int, dtype: str
         overrides.append(f"parallel.pp_microbatches={per_rank}")
     if any(o.endswith(("zero_stage=2", "zero_stage=3")) for o in overrides):
         overrides.append(f"precision.param_dtype={dtype}")
-    return load_config(None, [*overrides, f"precision.compute_dtype={dtype}"])
+    return load_config(None, [*overrides, f"precision.compute_dtype={dtype}", WHOLE])
 
 
 # Rows the suite leaves to `make test-slow` (each 7-30 s of CPU): the suite keeps every checkpointing mode,
@@ -118,7 +124,7 @@ def test_a_zero3_pipeline_stage_gathered_through_its_backward():
                              "train.global_batch_size=12", "parallel.dp_replicate=2", "parallel.dp_shard=2",
                              "parallel.pp=2", "parallel.pp_schedule=1f1b", "parallel.pp_microbatches=3",
                              "parallel.zero_stage=3", "parallel.activation_checkpointing=selective",
-                             "precision.param_dtype=bf16", "precision.compute_dtype=bf16"])
+                             "precision.param_dtype=bf16", "precision.compute_dtype=bf16", WHOLE])
     _held_to_planner(cfg, "hsdp pp=2 zero3 selective", every_rank=True)
 
 
@@ -134,7 +140,7 @@ def test_every_pipeline_rank_of_tensor_sequence_and_pipeline_parallelism():
     cfg = load_config(None, ["model.name=tiny", "data.seq_len=512", "train.micro_batch_size=1", "train.global_batch_size=4",
                              "parallel.dp_shard=1", "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.pp=4",
                              "parallel.pp_microbatches=4", "parallel.zero_stage=0", "precision.compute_dtype=bf16",
-                             "parallel.activation_checkpointing=none"])
+                             "parallel.activation_checkpointing=none", WHOLE])
     resolved = resolve_run(cfg, RANKS, "cuda")
     for run in dry_run(cfg, RANKS)["ranks"]:
         planned = estimate_memory(resolved.shape, resolved.layout, pp_rank=pp_rank_of(resolved.layout, run["rank"]))
@@ -228,7 +234,8 @@ def test_autocast_activations_match_saved_tensors():
         logits = model(tokens)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         F.cross_entropy(logits.float().flatten(0, 1), tokens.flatten(), reduction="sum")
-    layout = Layout(micro_batch_size=2, global_batch_size=2, seq_len=128, param_dtype="bf16", zero_stage=0)
+    layout = Layout(micro_batch_size=2, global_batch_size=2, seq_len=128, param_dtype="bf16", zero_stage=0,
+                    loss_chunk_tokens=0)
     copies = 2 * (shape.n_layers * layer_params(shape) - 2 * shape.n_layers * shape.dim  # matrices, not norm weights
                   + shape.vocab_size * shape.dim)  # the output layer's
     predicted = stage_activation_bytes(shape, layout, 0, fused_norm=False).saved + copies
@@ -300,7 +307,8 @@ def test_verify_adds_the_receive_buffers_of_the_micro_batches_it_leaves_out():
     from disttrain.plan.estimate import estimate
     from disttrain.plan.render import winner_config
 
-    layout = Layout(pp=2, pp_schedule="1f1b", seq_len=64, micro_batch_size=1, global_batch_size=6, zero_stage=0)
+    layout = Layout(pp=2, pp_schedule="1f1b", seq_len=64, micro_batch_size=1, global_batch_size=6, zero_stage=0,
+                    loss_chunk_tokens=0)
     est = estimate(MODEL_SHAPES["debug"], layout, model="debug")
     (row,) = verify_plan([est], 2, "a100-80g")
     assert row["left_out_bytes"] > 0  # 6 micro-batches, 4 simulated
