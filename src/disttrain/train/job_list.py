@@ -34,7 +34,8 @@ def user_jobs(refs: list[str]) -> list:
 def default_jobs(run) -> list:
     """Every job of `run` (train/run.py's TrainingRun), in order."""
     cfg = run.cfg
-    jobs = [FiniteCheck(run.engine, cfg.metrics.log_every, cfg.train.steps), SkippedUpdates(run.engine),
+    checked = (cfg.metrics.log_every, cfg.metrics.sync_check_every, cfg.train.eval_every)
+    jobs = [FiniteCheck(run.engine, checked, cfg.train.steps), SkippedUpdates(run.engine),
             ReplicaSyncCheck(cfg.metrics.sync_check_every, run.model.module, run.meshes.replica_group(run.layout)),
             StepMetrics(run), StuckLoss(cfg.train.steps), Evaluation(run)]
     if run.layout.balanced:

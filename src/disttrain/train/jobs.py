@@ -46,17 +46,18 @@ def every(interval: int, step: int) -> bool:
 
 
 class FiniteCheck(Job):
-    """`metrics.nonfinite=stop`: whether a step since the last check had a non-finite gradient norm, read on
-    logging steps and the last step (and before every save, train/step_boundary.py): steps in between make no
-    host sync for it."""
+    """`metrics.nonfinite=stop`: whether a step since the last check had a non-finite gradient norm, read on the
+    steps where other jobs read the model or its loss (logging, the replica check, evaluation) and the last step,
+    before them, so that a NaN is named as such rather than as a diverged replica (and before every save,
+    train/step_boundary.py): steps in between make no host sync for it."""
 
     label = "non-finite check"
 
-    def __init__(self, engine, log_every: int, last_step: int):
-        self.engine, self.log_every, self.last_step = engine, log_every, last_step
+    def __init__(self, engine, intervals: tuple[int, ...], last_step: int):
+        self.engine, self.intervals, self.last_step = engine, intervals, last_step
 
     def due(self, step: int) -> bool:
-        return every(self.log_every, step) or step == self.last_step
+        return any(every(interval, step) for interval in self.intervals) or step == self.last_step
 
     def run(self, trainer) -> None:
         self.engine.check_finite()
