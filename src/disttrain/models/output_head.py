@@ -172,5 +172,22 @@ def head_parallel_style(head: nn.Module, input_layout):
     from torch.distributed.tensor.parallel import ColwiseParallel
 
     if isinstance(head, ChunkedLossHead):
-        return ColwiseParallel(input_layouts=input_layout, output_layouts=Replicate(), use_local_output=True)
+        return _chunked_head_style()(input_layouts=input_layout, output_layouts=Replicate(), use_local_output=True)
     return ColwiseParallel(input_layouts=input_layout, output_layouts=Shard(-1), use_local_output=False)
+
+
+def _chunked_head_style():
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    class ChunkedHeadParallel(ColwiseParallel):
+        """Column-wise, the output replicated and local; the loss sum a copy, not `to_local`'s view of it (FSDP2
+        warns of a module returning a view: an in-place op on it would skip its pre-backward all-gather)."""
+
+        @staticmethod
+        def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+            if outputs.placements != (Replicate(),):  # sampling's logits, vocabulary-sharded: gathered whole
+                outputs = outputs.redistribute(placements=[Replicate()], async_op=False)
+            return outputs.to_local().clone() if outputs.dim() == 0 else outputs.to_local()
+
+    return ChunkedHeadParallel
