@@ -21,7 +21,7 @@ from disttrain.plan.estimate import estimate
 from disttrain.plan.activations import rotary_input_bytes
 from disttrain.plan.memory import layer_params, stage_activation_bytes
 from disttrain.plan.moe import ALL_TO_ALLS_PER_LAYER, dispatch_s
-from disttrain.plan.search import SearchSpace, brute_force, layout_families, search
+from disttrain.plan.search import SearchSpace, layout_families, search
 from disttrain.plan.timing import Cluster
 from helpers import REPO
 
@@ -281,9 +281,7 @@ def test_search_picks_expert_parallelism_when_experts_dominate_memory():
     result = search(EXPERT_HEAVY, cluster, space)
     assert result.ranked and all(e.layout.ep > 1 for e in result.ranked)
     assert not search(EXPERT_HEAVY, cluster, replace(space, ep=(1,))).ranked  # without it nothing fits
-    brute = brute_force(EXPERT_HEAVY, cluster, space)
-    assert [e.layout for e in brute] == [e.layout for e in result.ranked]
-    assert {e.layout.ep for e in brute} == {4, 8}  # ep=2 holds 32 experts: 25.8 GB of states, over 21.6
+    assert {e.layout.ep for e in result.ranked} == {4, 8}  # ep=2 holds 32 experts: 25.8 GB of states, over 21.6
     with_zero1 = search(EXPERT_HEAVY, cluster, replace(space, zero_stages=(0, 1))).ranked  # it composes with ep
     assert {(e.layout.zero_stage, e.layout.ep) for e in with_zero1} == {(0, 4), (0, 8), (1, 4), (1, 8)}
 

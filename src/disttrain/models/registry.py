@@ -14,13 +14,12 @@ from pathlib import Path
 from typing import Callable
 
 from disttrain.core.errors import UserError
-
 from disttrain.models.hf.published import PUBLISHED_CONFIGS, model_parallel, published_shapes
 from disttrain.models.llama.shapes import MODEL_SHAPES as LLAMA_SHAPES, resolve_shape
 from disttrain.models.shape import ModelShape, MoEShape
 
-__all__ = ["MODEL_SHAPES", "ModelShape", "model_parallel", "RESOLVERS", "model_shape", "model_spec", "model_tokenizer", "resolver_for",
-           "saved_model", "default_balancing"]
+__all__ = ["MODEL_SHAPES", "ModelShape", "model_parallel", "RESOLVERS", "model_shape", "model_spec", "model_tokenizer",
+           "resolver_for", "saved_model", "default_balancing"]
 
 BUILT_IN = "built-in llama"  # the family of the Llama registry models, dense or MoE (as checkpoints record it)
 # Every `model.name`: the built-in Llama shapes, then the published models transformers builds (models/hf/published.py).

@@ -1,9 +1,9 @@
 """Layout search: enumerate what the runtime can run, drop what does not fit, rank by tokens/s.
 
-Memory grows with the micro-batch size for every other choice fixed (in-flight activations are
-mb·min(p, R/mb) sequences and per-layer terms are linear in mb), so for each family the sizes are
-tried in increasing order and the first that does not fit ends that family. The brute-force test in
-tests/test_plan.py checks that this pruning never loses the winner.
+Every micro-batch size of every family is estimated (pure Python, cheap): memory is not monotonic in the
+size (a GPipe rank holds each in-flight micro-batch's loss-head gradients, fewer and larger ones hold less;
+one micro-batch a step holds no gradient before its backward), so stopping at the first size that does not
+fit would lose layouts (tests/test_plan.py).
 """
 
 from __future__ import annotations
@@ -133,26 +133,10 @@ def search(shape: ModelShape, cluster: Cluster, space: SearchSpace, headroom: fl
             est = estimate(shape, layout, cluster, model=model, lora_rank=space.lora_rank,
                            routing_skew=space.routing_skew, muon=space.optimizer == "muon",
                            state_dtype=space.state_dtype)
-            if fits(est, budget):  # (not monotonic in the micro-batch: with one micro-batch a step, no gradient
-                ranked.append(est)  # exists in a chunked loss head's forward, which can be the peak)
+            if fits(est, budget):
+                ranked.append(est)
     ranked.sort(key=lambda e: (-e.time.tokens_per_s, e.memory.total))
     return SearchResult(ranked, considered, len(ranked), budget)
-
-
-def brute_force(shape: ModelShape, cluster: Cluster, space: SearchSpace, headroom: float = 0.1) -> list[Estimate]:
-    """Every valid layout estimated, no pruning: the reference the search is tested against."""
-    budget = memory_budget(cluster.gpu.memory_bytes, headroom)
-    out = []
-    for family in layout_families(shape, cluster, space):
-        for mbs in micro_batch_sizes(family, space):
-            layout = family.replace(micro_batch_size=mbs)
-            if not layout_problems(shape, layout):
-                est = estimate(shape, layout, cluster, lora_rank=space.lora_rank, routing_skew=space.routing_skew,
-                               muon=space.optimizer == "muon", state_dtype=space.state_dtype)
-                if fits(est, budget):
-                    out.append(est)
-    out.sort(key=lambda e: (-e.time.tokens_per_s, e.memory.total))
-    return out
 
 
 _SUFFIX = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
