@@ -59,11 +59,8 @@ def alive_at_moments(states, acts: StageActivations, layout: Layout, gathered: f
                            "temporary": (3 if layout.tp > 1 else 2) * acts.logits + loss_pending,
                            "communication": gathered + loss_gathered}
     elif acts.chunk:  # a chunked head's forward: one chunk's temporaries, which the dry run's tracker files with
-        # the forward's activations; gradients then are DDP's buckets or an earlier micro-batch's only (1b at 4 x
-        # 4096 tokens on one GPU: counting them there put the planner 8% over the dry run)
-        earlier = layout.pp > 1 or layout.microbatches > 1 or layout.gradient_wrapper == "ddp"
-        moments["loss"] = {"parameters": s.params + s.tables, "gradients": loss_grads if earlier else 0.0,
-                           "optimizer": s.optimizer,
+        # the forward's activations; the gradients there are the loss backward's (none made yet by this micro-batch)
+        moments["loss"] = {"parameters": s.params + s.tables, "gradients": loss_grads, "optimizer": s.optimizer,
                            "activations": loss_acts + copies - (0.0 if fsdp else s.block_copies) + pipe + acts.chunk,
                            "temporary": loss_pending, "communication": gathered + loss_gathered}
     # The root's unsharded gradients made before the blocks' backwards, pending until the root's post-backward (13b
