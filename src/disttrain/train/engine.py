@@ -82,7 +82,7 @@ class OptimizerStep:
         self.before_clip: list = []  # gradient reductions no wrapper does (expert parallelism under DDP)
         self.after_step: list = []  # called with whether the parameters were updated (MoE routing statistics)
 
-    def __call__(self, params, loss_sum: torch.Tensor, step: int, norm_params=None) -> torch.Tensor:
+    def __call__(self, params, step: int, norm_params=None) -> torch.Tensor:
         scaler = self.precision.scaler
         scaler.unscale_(self.optimizer)
         if scaler.is_enabled():  # overflow count stays on the device until a logging step reads it
@@ -116,7 +116,7 @@ class OptimizerStep:
         if self.first_nonfinite is None:
             self.first_nonfinite = torch.full((), -1, dtype=torch.int64, device=grad_norm.device)
         first = self.first_nonfinite
-        self.first_nonfinite = torch.where(bad & (first < 0), torch.full_like(first, step), first)
+        self.first_nonfinite = torch.where(bad & (first < 0), step, first)
 
     def check_finite(self) -> None:
         """One host read: NonFiniteError if a step since the run began had a non-finite gradient norm."""

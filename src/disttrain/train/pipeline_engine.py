@@ -93,7 +93,7 @@ class PipelineEngine(SteppedByOptimizerStep):
         with self.phases("reduce", step):
             self.tied.sync_grads()
         with self.phases("optimizer", step):
-            grad_norm = self.optimizer_step(self.params, schedule.loss, step, self.norm_params)
+            grad_norm = self.optimizer_step(self.params, step, self.norm_params)
         return StepResult(schedule.loss, self.mean_loss.targets, grad_norm)
 
     @torch.no_grad()

@@ -53,7 +53,7 @@ class TorchEngine(SteppedByOptimizerStep):
                     self.precision.scaler.scale(forward.loss).backward()
             loss_sum += mean_loss.as_sum(forward.loss)
         with phases("optimizer", step):
-            grad_norm = self.optimizer_step(self.model.parameters(), loss_sum, step)
+            grad_norm = self.optimizer_step(self.model.parameters(), step)
         return StepResult(loss_sum, mean_loss.targets, grad_norm)
 
     @torch.no_grad()
