@@ -127,10 +127,11 @@ def measure_step(cfg, layout: Layout, spec, model, steps: int = 2, materialize=N
     runtime = Runtime(DistEnv(rank, world, rank % 8, min(world, 8), "dryrun"), device, dist.get_backend())
     building = ddp_on_fake(tensor_mode) if tensor_mode is not None and layout.gradient_wrapper == "ddp" \
         else contextlib.nullcontext()
-    stage_io = stage_shapes(spec, layout) if layout.pp > 1 else None  # real runs too: same code measured
     with building, groups_on_the_fake_backend(tensor_mode is not None):
         mean_loss = GlobalMeanLoss(spec.loss_sum, meshes.dp_cp.get_group(), layout.gradient_ranks, False,
                                    layout.global_batch_size * layout.seq_len, context_shard(layout, meshes))
+        # real runs too: same code measured
+        stage_io = stage_shapes(spec, layout, lambda: mean_loss.chunked) if layout.pp > 1 else None
         engine = build_engine(cfg, layout, meshes, spec, model, runtime, Phases(StepBreakdown(device)), mean_loss,
                               materialize=materialize, stage_io=stage_io)
     if routing is not None and spec.moe_layers is not None:

@@ -61,6 +61,11 @@ class GlobalMeanLoss:
         chunk_output_head(head, chunk_tokens)
         self.head_sum, self.description = spec.logits, f"chunks of {chunk_tokens} tokens"
 
+    @property
+    def chunked(self) -> bool:
+        """Whether the model's head computes the loss in chunks (`chunk_the_head` took it)."""
+        return self.head_sum is not None
+
     def find_heads(self, model: nn.Module) -> None:
         """The chunked heads this rank holds once the model is parallelised (a pipeline's last stage only)."""
         self.heads = [m for m in model.modules() if isinstance(m, ChunkedLossHead)]
