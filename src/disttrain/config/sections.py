@@ -86,8 +86,8 @@ class ModelConfig(Section):
     """What trains: a registry shape, a Hugging Face directory, or your own ModelSpec."""
 
     name: str = Field("debug", description="registry shape: debug, tiny, 125m, 1b, 7b, 13b, 70b; mixture-of-experts "
-                      "shapes debug-moe, mixtral-8x7b, qwen3-30b-a3b, qwen3-235b-a22b; published models transformers builds "
-                      "gpt-oss-20b, gpt-oss-120b, deepseek-v3, qwen3-next-80b-a3b")
+                      "shapes debug-moe, mixtral-8x7b, qwen3-30b-a3b, qwen3-235b-a22b; published models "
+                      "transformers builds gpt-oss-20b, gpt-oss-120b, deepseek-v3, qwen3-next-80b-a3b")
     hf: str = Field("", description="a Hugging Face model: a local directory (config.json, optional weights and "
                                     "tokenizer) or a Hub id (org/name, org/name@revision) read from huggingface_hub's "
                                     "cache and downloaded into it when online (HF_HUB_OFFLINE=1: the cache only); "

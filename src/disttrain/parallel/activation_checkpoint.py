@@ -63,8 +63,9 @@ def _policy():
     wrapper) after it is issued: those follow-up ops are kept exactly when the collective's result was, so
     that the recomputation neither waits on work it never issued nor leaves issued work unwaited. Kept
     results live in the checkpoint's cache until backward, so their storages identify them meanwhile (an
-    empty one, or a wrapper subclass without storage, is identified by the object itself, held here). Random ops are kept only where they make
-    a new tensor: a cached in-place op would leave the recomputation's buffer unwritten."""
+    empty one, or a wrapper subclass without storage, is identified by the object itself, held here). Random
+    ops are kept only where they make a new tensor: a cached in-place op would leave the recomputation's buffer
+    unwritten."""
     kept: set[int] = set()
     held: list[torch.Tensor] = []
 

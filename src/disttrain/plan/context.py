@@ -11,7 +11,8 @@ FLOPs and holds seq_len/cp tokens of every activation. On top of that share:
   allgather  keeps the gathered K/V (whole sequence) and a boolean (seq_len/cp x seq_len) mask per layer;
              per layer one all-gather of K/V forward and one reduce-scatter of dK/dV backward, not overlapped;
   ulysses    keeps head-sharded q/k/v/out (the same bytes as its shard) and a (seq_len x seq_len) mask per
-             layer (under selective checkpointing the exchanged q/k/v/out, the mask recomputed); per layer all-to-alls of q, k, v and the output forward, and of their gradients backward.
+             layer (under selective checkpointing the exchanged q/k/v/out, the mask recomputed); per layer
+             all-to-alls of q, k, v and the output forward, and of their gradients backward.
 Pure Python.
 """
 
