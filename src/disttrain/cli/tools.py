@@ -73,8 +73,11 @@ def _prepare_data(args: argparse.Namespace, scratch: Path) -> None:
         raise UserError(str(exc).splitlines()[0]) from None
     splits = ", ".join(f"{k} {v:,} tokens" for k, v in meta["splits"].items())
     print(f"wrote {out}: {splits} (vocabulary {meta['vocab_size']}, {meta['dtype']})")
-    if "chat" in meta:  # what carries loss: check it before a long run
+    if "chat" in meta or "preference" in meta:  # what carries loss: check it before a long run
         from disttrain.data.chat_prepare import describe
+        from disttrain.data.preference_prepare import describe as describe_pairs
+
+        describe = describe_pairs if "preference" in meta else describe
 
         for line in describe(meta):
             print(line, file=sys.stderr if line.startswith("warning:") else sys.stdout)

@@ -15,7 +15,7 @@ from pydantic import Field, PrivateAttr
 from disttrain.config.parallel_sections import ParallelConfig, PrecisionConfig
 from disttrain.config.run_sections import CheckpointConfig, DistributedConfig, MetricsConfig, RunSection
 from disttrain.config.sections import (SHAPE_KEYS, DataConfig, LoraConfig, ModelConfig, MoEConfig, OptimConfig,
-                                       Section, TrainConfig)
+                                       PreferenceConfig, Section, TrainConfig)
 
 __all__ = ["RunConfig", "LoraConfig", "ModelConfig", "MoEConfig"]
 
@@ -30,6 +30,7 @@ class RunConfig(Section):
     data: DataConfig = Field(default_factory=DataConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
+    dpo: PreferenceConfig = Field(default_factory=PreferenceConfig)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)

@@ -184,6 +184,9 @@ class TrainConfig(Section):
     loss_chunk_tokens: int = Field(LOSS_CHUNK_TOKENS, ge=0, description="the output head and the cross-entropy "
                                    "run in chunks of this many tokens, so that a micro-batch's whole logits never "
                                    "exist (0: whole logits, as the model computes them)")
+    objective: Literal["lm", "dpo", "simpo", "orpo"] = Field(
+        "lm", description="lm: next-token cross-entropy on the valid targets; dpo, simpo, orpo: preference "
+        "optimisation on prepared pairs (the dpo section; batch sizes then count pairs)")
     seed: int = Field(0, ge=0, description="fixes the initialisation and the data order")
     eval_every: int = Field(0, ge=0, description="validation every N steps (0: off)")
     eval_batches: int = Field(4, gt=0, description="global batches per validation")
@@ -195,6 +198,21 @@ class TrainConfig(Section):
     callbacks: list[str] = Field(default_factory=list, description="your own jobs of the loop: FILE.py:Name or "
                                  "package.module:Name, each called with no arguments to make an object with "
                                  "due(step) and run(trainer) (docs/guide.md, \"Your own jobs\")")
+
+
+class PreferenceConfig(Section):
+    """Preference optimisation (train.objective=dpo, simpo or orpo), with TRL's meanings."""
+
+    beta: float = Field(0.1, gt=0, description="dpo: the strength of the reference's pull (reward = beta x the "
+                        "log-ratio to the reference); simpo: the scale of the length-normalised log-probabilities")
+    loss_type: Literal["sigmoid", "ipo", "hinge"] = Field(
+        "sigmoid", description="dpo: sigmoid (the DPO paper's), ipo (squared, on log-ratios averaged over each "
+        "completion's tokens) or hinge")
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="dpo sigmoid: the assumed share of pairs whose "
+                                   "labels are flipped (conservative DPO)")
+    gamma: float = Field(0.5, ge=0, description="simpo: the target margin between chosen and rejected rewards")
+    lambda_: float = Field(0.1, ge=0, alias="lambda", description="orpo: the weight of the odds-ratio term beside "
+                           "the chosen completions' cross-entropy")
 
 
 class MuonConfig(Section):

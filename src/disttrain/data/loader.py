@@ -120,7 +120,8 @@ class DistributedBatchLoader:
     def micro_batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         ids = self.sampler.indices(step)[self.lo:self.hi]
         x, y = self.windows.batch(ids)
-        batches = list(zip(x.split(self.micro_batch_size), y.split(self.micro_batch_size)))
+        rows = self.micro_batch_size * getattr(self.windows, "rows_per_sample", 1)  # preference data: 2 a pair
+        batches = list(zip(x.split(rows), y.split(rows)))
         if self.pad_multiple:
             held = torch.from_numpy(self.windows.held_tokens(ids)).split(self.micro_batch_size)
             batches = [cut_padding(x, y, int(h.max()), self.pad_multiple) for (x, y), h in zip(batches, held)]

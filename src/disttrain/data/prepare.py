@@ -109,8 +109,11 @@ def prepare(paths: list[Path], out: Path, tokenizer: str = "byte", vocab_size: i
     tmp.mkdir(parents=True)
     try:
         from disttrain.data.chat_prepare import is_chat_input, write_chat
+        from disttrain.data.preference_prepare import is_preference_input, write_preference
 
-        if is_chat_input(paths):  # chat or instruction records: rendered by the tokenizer's chat template
+        if is_preference_input(paths):  # pairs of completions: rendered by the tokenizer's chat template
+            meta = write_preference(paths, tmp, tokenizer, val_fraction, seq_len)
+        elif is_chat_input(paths):  # chat or instruction records: rendered by the tokenizer's chat template
             meta = write_chat(paths, tmp, tokenizer, val_fraction, seq_len)
         else:
             meta = _write(paths, tmp, resolve_tokenizer(tokenizer), vocab_size, val_fraction, text_key, progress,

@@ -21,7 +21,8 @@ def data_problems(ctx) -> list[Problem]:
     elif data.document_masking and info.eos_id is None:
         problems.append(Problem("data.document_masking", True, "false", f"data.document_masking=true: the tokenizer of "
                                 f"data.source={source} has no end-of-document token to mask at (allowed with it: false)"))
-    if data.packing:
+    problems += objective_problems(ctx)
+    if data.packing and not problems:
         problems += _packing_problems(source)
     if shape is not None and shape.vocab_size < info.vocab_size:
         problems.append(Problem("model.vocab_size", shape.vocab_size, f"at least {info.vocab_size}",
@@ -29,6 +30,38 @@ def data_problems(ctx) -> list[Problem]:
                                 f"({info.vocab_size} tokens from {info.tokenizer_name}); set model.vocab_size>="
                                 f"{info.vocab_size}"))
     return problems
+
+
+def _holds_pairs(source) -> bool:
+    from disttrain.data.shards import read_meta
+
+    return isinstance(source, str) and source != "builtin" and not source.startswith("py:") and \
+        "preference" in read_meta(source)
+
+
+def objective_problems(ctx) -> list[Problem]:
+    """A preference objective trains on preference pairs, and pairs only with one; the layouts it runs on."""
+    cfg = ctx.cfg
+    objective, source, layout = cfg.train.objective, cfg.data.source, ctx.layout
+    pairs = _holds_pairs(source)
+    if objective == "lm" and pairs:
+        return [Problem("train.objective", objective, "dpo, simpo or orpo", f"data.source={source} holds preference "
+                        "pairs: train.objective=lm would train on both completions alike (allowed for pairs: dpo, simpo "
+                        "or orpo)")]
+    if objective == "lm":
+        return []
+    if not pairs:
+        shown = "a mixture" if isinstance(source, dict) else source
+        return [Problem("train.objective", objective, "lm", f"train.objective={objective} needs preference pairs: "
+                        f"data.source={shown} is not a `disttrain prepare-data` directory of preference records "
+                        "(prompt, chosen, rejected; allowed on other data: lm)")]
+    for key, value, allowed in (("parallel.pp", layout.pp, 1), ("parallel.cp", layout.cp, 1),
+                                ("data.packing", cfg.data.packing, False), ("engine", cfg.engine, "torch")):
+        if value != allowed:
+            return [Problem(key, value, str(allowed).lower(), f"{key}={str(value).lower()} with train.objective="
+                            f"{objective}: preference objectives run on data, tensor and expert parallelism and "
+                            f"FSDP, unpacked, with the torch engine so far (allowed: {str(allowed).lower()})")]
+    return []
 
 
 def _packing_problems(source) -> list[Problem]:

@@ -146,16 +146,21 @@ def split_samples(directory: str, split: str, seq_len: int, packing: bool = Fals
 
     tokens = shards.open_split(directory, split, cache_dir)
     meta = shards.read_meta(directory)
-    if "chat" not in meta:
+    if "chat" not in meta and "preference" not in meta:
         return TokenWindows(tokens, seq_len)
     mask, ends = shards.open_mask(directory, split, cache_dir)
+    if "preference" in meta:
+        from disttrain.data.preference_samples import PreferenceSamples
+
+        return PreferenceSamples(tokens, mask, ends, seq_len, meta["eos_id"] or 0)
     return ChatSamples(tokens, mask, ends, seq_len, meta["eos_id"] or 0, packing)
 
 
 def source_tokenizer(source, tokenizer: str) -> Tokenizer:
     """The run's tokenizer; a chat directory's also renders sample prompts through its chat template."""
     first = next(iter(source)) if isinstance(source, dict) else source
-    if first not in ("builtin",) and not str(first).startswith(PY_PREFIX) and "chat" in shards.read_meta(first):
+    if first not in ("builtin",) and not str(first).startswith(PY_PREFIX) and \
+            {"chat", "preference"} & set(shards.read_meta(first)):
         if storage.is_url(first):
             raise UserError(f"data.source={first}: chat data is read from a local directory (its chat template and "
                             "tokenizer files); copy it to local disk (allowed on an object store: text shards)")

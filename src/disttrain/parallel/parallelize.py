@@ -22,10 +22,10 @@ from disttrain.parallel.compile import apply_compile
 
 
 def parallelize(model: nn.Module, spec, layout: Layout, meshes: Meshes, device: torch.device,
-                options, document_eos: int | None = None) -> nn.Module:
+                options, document_eos: int | None = None, frozen: bool = False) -> nn.Module:
     """`options`: the config's `parallel` section (compile, DDP knobs); `document_eos`: the end token under
-    document masking (None: off). Returns the module to call (a DDP wrapper, or the same module sharded
-    in place)."""
+    document masking (None: off); `frozen`: a model that only runs forward (a reference model): no DDP wrapper.
+    Returns the module to call (a DDP wrapper, or the same module sharded in place)."""
     if spec.sync_batchnorm and layout.dp > 1:
         from disttrain.parallel.sync_batchnorm import convert_sync_batchnorm
 
@@ -57,7 +57,7 @@ def parallelize(model: nn.Module, spec, layout: Layout, meshes: Meshes, device: 
 
         for module in experts:
             hold_locally(module)
-    if wrapper == "ddp":
+    if wrapper == "ddp" and not frozen:
         from disttrain.parallel.ddp import apply_ddp
 
         if experts:  # reduced by parallel/expert.py's ExpertGradients, over the ranks holding the same experts

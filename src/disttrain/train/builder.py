@@ -69,25 +69,7 @@ def build_run(cfg: RunConfig, runtime: Runtime, resolved: ResolvedRun | None = N
 
     spec = resolved.spec
     log.info("model %s (%s, from %s)", spec.label, spec.family, resolved.model_source)
-    model = build_model(spec, runtime.device, t.seed, torch.float64 if layout.compute_dtype == "fp64" else None)
-    if cfg.data.document_masking:  # validation checked the spec can and the tokenizer has an end token
-        spec.mask_documents(model, tokenizer.eos_id)
-    if spec.moe_layers is not None and train_samples.masks_targets and tokenizer.eos_id is not None \
-            and layout.pp == layout.cp == 1:  # a stage or a sequence shard sees no whole rows of token ids
-        from disttrain.models.moe.padding import exclude_padding  # padding reaches no expert
-
-        exclude_padding(model, spec.moe_layers(model).values(), tokenizer.eos_id)
-    if cfg.model.init_from:
-        from disttrain.checkpoint.export import init_from
-
-        try:
-            init_from(model, cfg.model.init_from, spec)
-        except ValueError as exc:
-            raise UserError(f"model.init_from={cfg.model.init_from}: {exc}") from None
-        except Exception as exc:  # not weights at all: safetensors, pickle and zip readers raise their own types
-            reason = (str(exc).splitlines() or [type(exc).__name__])[0]
-            raise UserError(f"model.init_from={cfg.model.init_from}: not a weights file written by "
-                            f"`disttrain convert` ({type(exc).__name__}: {reason})") from None
+    model = starting_model(cfg, spec, layout, runtime.device, tokenizer, train_samples.masks_targets)
     if not spec.fingerprint:  # a user spec: identify checkpoints by parameter names and shapes
         shapes = json.dumps([(n, list(p.shape)) for n, p in model.named_parameters()])
         spec = replace(spec, fingerprint=hashlib.sha256(shapes.encode()).hexdigest()[:16])
@@ -104,11 +86,23 @@ def build_run(cfg: RunConfig, runtime: Runtime, resolved: ResolvedRun | None = N
     compute_clock = HostComputeClock()
     # fault injection innermost (last in, first out), so what it simulates (a slow rank) counts as phase time
     phases = Phases(breakdown, compute_clock, *([balancer.timer] if balancer.timer is not None else []), faults)
-    mean_loss = GlobalMeanLoss(spec.loss_sum, meshes.dp_cp.get_group(), layout.gradient_ranks,
-                               train_samples.masks_targets, t.global_batch_size * train_samples.targets_per_sample,
-                               context_shard(layout, meshes))
+    if t.objective == "lm":
+        mean_loss = GlobalMeanLoss(spec.loss_sum, meshes.dp_cp.get_group(), layout.gradient_ranks,
+                                   train_samples.masks_targets, t.global_batch_size * train_samples.targets_per_sample,
+                                   context_shard(layout, meshes))
+    else:  # preference pairs (checked by data/rules.py)
+        from disttrain.train.preference import PreferenceLoss
+
+        mean_loss = PreferenceLoss(t.objective, cfg.dpo, spec.logits, meshes.dp_cp.get_group(), layout.gradient_ranks,
+                                   t.global_batch_size)
     eos = tokenizer.eos_id if cfg.data.document_masking else None
     engine = build_engine(cfg, layout, meshes, spec, model, runtime, phases, mean_loss, document_eos=eos)
+    if t.objective == "dpo":
+        from disttrain.train import preference_reference as reference
+
+        mean_loss.reference = reference.lora_reference(engine.model) if lora_base else reference.frozen_copy(
+            starting_model(cfg, spec, layout, runtime.device, tokenizer, train_samples.masks_targets), spec, layout,
+            meshes, runtime.device, cfg.parallel, eos)
     peak_flops, _ = peak_flops_per_device(cfg, layout, runtime.device)
     routing = None
     if spec.moe_layers is not None:
@@ -124,6 +118,31 @@ def build_run(cfg: RunConfig, runtime: Runtime, resolved: ResolvedRun | None = N
         checkpoints=CheckpointManager(cfg.checkpoint_dir, runtime.rank, cfg.checkpoint.keep_last, cfg.checkpoint.async_save),
         instruments=Instruments(breakdown, CommProfiler(cfg.metrics.comm_profile_every, runtime.device), compute_clock,
                                 faults, peak_flops, spec.flops_per_token(cfg.data.seq_len)))
+
+
+def starting_model(cfg: RunConfig, spec: ModelSpec, layout: Layout, device, tokenizer, masks_targets: bool) -> nn.Module:
+    """The single-device model as training starts from it: built and initialised from the seed, or loaded from
+    `model.init_from`, with document masking and MoE padding exclusion in place (no adapters, no parallelism)."""
+    model = build_model(spec, device, cfg.train.seed, torch.float64 if layout.compute_dtype == "fp64" else None)
+    if cfg.data.document_masking:  # validation checked the spec can and the tokenizer has an end token
+        spec.mask_documents(model, tokenizer.eos_id)
+    if spec.moe_layers is not None and masks_targets and tokenizer.eos_id is not None \
+            and layout.pp == layout.cp == 1:  # a stage or a sequence shard sees no whole rows of token ids
+        from disttrain.models.moe.padding import exclude_padding  # padding reaches no expert
+
+        exclude_padding(model, spec.moe_layers(model).values(), tokenizer.eos_id)
+    if cfg.model.init_from:
+        from disttrain.checkpoint.export import init_from
+
+        try:
+            init_from(model, cfg.model.init_from, spec)
+        except ValueError as exc:
+            raise UserError(f"model.init_from={cfg.model.init_from}: {exc}") from None
+        except Exception as exc:  # not weights at all: safetensors, pickle and zip readers raise their own types
+            reason = (str(exc).splitlines() or [type(exc).__name__])[0]
+            raise UserError(f"model.init_from={cfg.model.init_from}: not a weights file written by "
+                            f"`disttrain convert` ({type(exc).__name__}: {reason})") from None
+    return model
 
 
 def build_engine(cfg: RunConfig, layout: Layout, meshes: Meshes, spec: ModelSpec, model: nn.Module, runtime: Runtime,

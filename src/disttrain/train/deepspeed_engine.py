@@ -103,7 +103,7 @@ class DeepSpeedEngine:
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for i, (x, y) in enumerate(batches):
             with phases("forward", step, i == last) as forward:
-                with mean_loss.forward_with_targets(y):
+                with mean_loss.forward_with_targets(y, x):
                     out = self.engine(x)
                 forward.loss = mean_loss(out, y)
                 del out  # whole logits, unless the head chunks the loss: not kept through the backward
@@ -121,7 +121,7 @@ class DeepSpeedEngine:
         targets = torch.zeros((), dtype=torch.float64, device=self.device)
         for x, y in micro_batches:
             x, y = x.to(self.device), y.to(self.device)
-            with self.mean_loss.forward_with_targets(y):
+            with self.mean_loss.forward_with_targets(y, x):
                 out = self.engine(x)
             total += self.mean_loss.loss_sum(out, y).detach().double()
             targets += valid_targets(y)

@@ -30,6 +30,7 @@ class StepEngine(Protocol):
     """`train_step` is the training math; where it is (forward, backward, reduce, optimizer, checkpoint)
     it announces through `phases`, which the loop's observers subscribe to (train/phases.py)."""
 
+    mean_loss: object  # the objective (train/loss.py's GlobalMeanLoss or train/preference.py's PreferenceLoss)
     model: nn.Module  # every parameter this rank holds, under checkpoint names (a pipeline's pruned model)
     loss_groups: list  # process groups a local loss sum is added over to make the global sum
     skipped_steps: list[int]  # steps whose update a non-finite gradient norm skipped

@@ -70,8 +70,9 @@ class GlobalMeanLoss:
         """The chunked heads this rank holds once the model is parallelised (a pipeline's last stage only)."""
         self.heads = [m for m in model.modules() if isinstance(m, ChunkedLossHead)]
 
-    def forward_with_targets(self, targets: torch.Tensor):
-        """Around the forward of a micro-batch whose outputs go to this loss: hands the heads their targets."""
+    def forward_with_targets(self, targets: torch.Tensor, inputs: torch.Tensor | None = None):
+        """Around the forward of a micro-batch whose outputs go to this loss: hands the heads their targets
+        (`inputs`: the micro-batch's, for an objective that reads them, train/preference.py)."""
         return targets_for(self.heads, self.shard_targets(targets)) if self.heads else contextlib.nullcontext()
 
     def start_step(self, targets: list[torch.Tensor]) -> None:
@@ -99,6 +100,10 @@ class GlobalMeanLoss:
         if isinstance(loss_sum, DTensor) and isinstance(divisor, torch.Tensor):  # loss_parallel's replicated loss
             divisor = DTensor.from_local(divisor, loss_sum.device_mesh, loss_sum.placements)
         return loss_sum / divisor
+
+    def metrics(self) -> dict:
+        """What the objective reports on logging steps (nothing beyond the loss)."""
+        return {}
 
     def as_sum(self, loss: torch.Tensor) -> torch.Tensor:
         """Back to the micro-batch's target-loss sum, as a plain float64 tensor (for logging)."""

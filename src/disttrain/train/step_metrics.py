@@ -62,6 +62,7 @@ class StepMetrics(Job):
         record.update(memory_stats(device))
         record.update(rank_stats(outcome.data_time + tools.compute_clock.seconds, peak_memory_bytes(device), device))
         record.update(engine.extra_metrics())
+        record.update(engine.mean_loss.metrics())  # a preference objective's rewards
         if run.model.routing is not None:
             record.update(run.model.routing.record())
         if run.layout.balanced:

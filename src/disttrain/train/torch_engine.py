@@ -45,7 +45,7 @@ class TorchEngine(SteppedByOptimizerStep):
             with sync, loss_context(self.tensor_parallel):
                 with phases("forward", step, i == last) as forward:
                     with self.precision.autocast():
-                        with mean_loss.forward_with_targets(y):
+                        with mean_loss.forward_with_targets(y, x):
                             out = self.model(x)
                         forward.loss = mean_loss(out, y)
                         del out  # whole logits, unless the head chunks the loss: not kept through the backward
@@ -66,7 +66,7 @@ class TorchEngine(SteppedByOptimizerStep):
             x, y = self.precision.inputs(x, self.device), y.to(self.device)
             with loss_context(self.tensor_parallel):
                 with self.precision.autocast():
-                    with self.mean_loss.forward_with_targets(y):
+                    with self.mean_loss.forward_with_targets(y, x):
                         out = self.model(x)
                 total += replicated_value(self.mean_loss.loss_sum(out, y)).double()
             targets += self.mean_loss.valid_targets(y)

@@ -1,0 +1,146 @@
+"""Preference objectives (`train.objective` dpo, simpo, orpo) on pairs of sequences, with TRL's meanings.
+
+Each micro-batch holds whole pairs, each pair's chosen row followed by its rejected row (data/preference_samples.py).
+The model's logits give every row's log-probability of its completion (the sum over its valid targets); the pair
+losses follow:
+- dpo: the log-ratios to a reference model, `sigmoid` -log σ(β Δ) (with label smoothing ε: conservative DPO,
+  -(1-ε) log σ(β Δ) - ε log σ(-β Δ)), `hinge` relu(1 - β Δ), `ipo` (Δ/len - 1/(2β))², the log-ratios averaged
+  over each completion's tokens as TRL does;
+- simpo: no reference, -log σ(β (mean log-prob chosen - mean log-prob rejected) - γ);
+- orpo: no reference, the chosen completion's cross-entropy (its mean over the completion's tokens, the ORPO
+  paper's per-example form) plus λ -log σ(log-odds ratio of the mean log-probabilities).
+The objective is their mean over the pairs of the global batch, whatever the layout: a micro-batch returns its
+share times dp (`GlobalMeanLoss`'s convention), so data-parallel gradient averaging gives the global gradient.
+
+The reference of dpo is the model before training: with LoRA the same model with its adapters switched off (no
+second copy), otherwise a frozen copy parallelised like the policy (train/preference_reference.py). Its forward
+runs just before the policy's, on the same inputs, without gradients.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from disttrain.core.dtypes import at_least_fp32
+from disttrain.models.spec import IGNORE_INDEX
+from disttrain.train.loss import replicated_value
+
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+           "logps/rejected")
+
+
+def sequence_logps(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each row's summed log-probability of its valid targets, their count), in at least fp32. Under tensor
+    parallelism the logits are vocabulary-sharded DTensors and the loss context's cross-entropy reduces them."""
+    per_token = F.cross_entropy(at_least_fp32(logits).flatten(0, -2), targets.flatten(), reduction="none",
+                                ignore_index=IGNORE_INDEX)
+    per_token = replicated_value(per_token).view(targets.shape)
+    counts = (targets != IGNORE_INDEX).sum(-1).to(per_token.dtype)
+    return -per_token.sum(-1), counts
+
+
+def pair_losses(objective: str, cfg, chosen, rejected, chosen_len, rejected_len, ref_chosen=None,
+                ref_rejected=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(each pair's loss, chosen reward, rejected reward): the formulas of the module docstring. `cfg`: the
+    config's dpo section."""
+    beta = cfg.beta
+    if objective == "dpo":
+        chosen_ratio, rejected_ratio = chosen - ref_chosen, rejected - ref_rejected
+        delta = chosen_ratio - rejected_ratio
+        if cfg.loss_type == "sigmoid":
+            eps = cfg.label_smoothing
+            loss = -(1 - eps) * F.logsigmoid(beta * delta) - eps * F.logsigmoid(-beta * delta)
+        elif cfg.loss_type == "hinge":
+            loss = torch.relu(1 - beta * delta)
+        else:  # ipo
+            mean_delta = chosen_ratio / chosen_len.clamp(min=1) - rejected_ratio / rejected_len.clamp(min=1)
+            loss = (mean_delta - 1 / (2 * beta)) ** 2
+        return loss, beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
+    chosen_mean, rejected_mean = chosen / chosen_len.clamp(min=1), rejected / rejected_len.clamp(min=1)
+    if objective == "simpo":
+        loss = -F.logsigmoid(beta * (chosen_mean - rejected_mean) - cfg.gamma)
+        return loss, beta * chosen_mean.detach(), beta * rejected_mean.detach()
+    log_odds = (chosen_mean - rejected_mean) - (torch.log1p(-torch.exp(chosen_mean))
+                                                 - torch.log1p(-torch.exp(rejected_mean)))
+    loss = -chosen_mean - cfg.lambda_ * F.logsigmoid(log_odds)
+    return loss, cfg.lambda_ * chosen_mean.detach(), cfg.lambda_ * rejected_mean.detach()
+
+
+class PreferenceLoss:
+    """The engines' loss (GlobalMeanLoss's protocol) for a preference objective. `start_step` resets the step's
+    sums; each call takes one micro-batch of whole pairs."""
+
+    chunked = False
+    heads: list = []
+
+    def __init__(self, objective: str, cfg, logits, dp_group, dp: int, pairs_per_step: int):
+        self.objective, self.cfg, self.logits = objective, cfg, logits
+        self.dp_group, self.dp = dp_group, dp
+        self.targets: torch.Tensor | int = pairs_per_step  # the divisor of the logged loss: pairs
+        self.divisor: torch.Tensor | float = pairs_per_step / dp
+        self.reference = None  # inputs -> model outputs of the reference (dpo), set by the builder
+        self.description = "whole logits (the preference objective reads each sequence's log-probability)"
+        self._ref: torch.Tensor | None = None
+        self._sums: torch.Tensor | None = None
+
+    def chunk_the_head(self, model, spec, chunk_tokens: int) -> None:
+        """The head keeps whole logits: a pair's loss needs each row's log-probability before any gradient."""
+
+    def find_heads(self, model) -> None:
+        pass
+
+    def forward_with_targets(self, targets: torch.Tensor, inputs: torch.Tensor | None = None):
+        """Before the policy's forward of a micro-batch: the reference's log-probabilities of it (dpo)."""
+        if self.reference is not None:
+            with torch.no_grad():
+                self._ref = sequence_logps(self.logits(self.reference(inputs)), targets)[0].detach()
+        return contextlib.nullcontext()
+
+    def start_step(self, targets: list[torch.Tensor]) -> None:
+        """The step's metric sums start at zero (no collective: the pairs of a step are known)."""
+        self._sums = torch.zeros(len(METRICS) + 1, dtype=torch.float64, device=targets[0].device)
+
+    def _pairs(self, outputs, targets: torch.Tensor):
+        logps, lengths = sequence_logps(self.logits(outputs), targets)
+        ref = self._ref
+        self._ref = None
+        return pair_losses(self.objective, self.cfg, logps[0::2], logps[1::2], lengths[0::2], lengths[1::2],
+                           *((ref[0::2], ref[1::2]) if ref is not None else ())), logps
+
+    def loss_sum(self, outputs, targets: torch.Tensor) -> torch.Tensor:
+        """The micro-batch's pair losses summed; a training step also adds its rewards to the step's sums."""
+        (loss, chosen_reward, rejected_reward), logps = self._pairs(outputs, targets)
+        total = loss.sum()
+        if self._sums is not None and torch.is_grad_enabled():  # evaluation runs without gradients
+            c, r = logps[0::2].detach(), logps[1::2].detach()
+            if self.objective != "dpo":
+                c, r = c / (targets[0::2] != IGNORE_INDEX).sum(-1).clamp(min=1), \
+                    r / (targets[1::2] != IGNORE_INDEX).sum(-1).clamp(min=1)
+            values = (chosen_reward, rejected_reward, (chosen_reward > rejected_reward).to(c.dtype),
+                      chosen_reward - rejected_reward, c, r, torch.ones_like(c))
+            self._sums += torch.stack([v.double().sum() for v in values])
+        return total
+
+    def __call__(self, outputs, targets: torch.Tensor) -> torch.Tensor:
+        return self.loss_sum(outputs, targets) / self.divisor
+
+    def valid_targets(self, targets: torch.Tensor) -> torch.Tensor:
+        """Pairs (evaluation divides the loss sum by them)."""
+        return torch.tensor(targets.shape[0] // 2, dtype=torch.float64, device=targets.device)
+
+    def as_sum(self, loss: torch.Tensor) -> torch.Tensor:
+        return replicated_value(loss.detach()).double() * self.divisor
+
+    def metrics(self) -> dict:
+        """Collective over data parallel: the step's rewards and log-probabilities, averaged over its pairs
+        (TRL's names, so that dashboards carry over)."""
+        if self._sums is None:
+            return {}
+        sums = self._sums.clone()
+        dist.all_reduce(sums, group=self.dp_group)
+        pairs = max(float(sums[-1]), 1.0)
+        return {name: float(value) / pairs for name, value in zip(METRICS, sums[:-1].tolist())}

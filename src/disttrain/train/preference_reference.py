@@ -1,0 +1,51 @@
+"""The reference model of DPO: the policy as it was before training, run forward only.
+
+With LoRA the reference is the policy itself with its adapters switched off (peft's per-layer switch): the
+base weights are frozen, so the base is the starting model, and no second copy exists. Otherwise the reference
+is a second model built exactly as the policy was (same spec, seed or `model.init_from` weights, so it equals
+the policy's starting point on every layout and after every resume) and parallelised like it (tensor, expert
+and FSDP sharding), with no gradients, no optimizer state and no DDP wrapper (it has nothing to synchronise).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from torch import nn
+
+
+@contextlib.contextmanager
+def adapters_off(model: nn.Module):
+    """peft's LoRA layers compute their base layer alone. The flag is flipped directly: peft's
+    `enable_adapters` would also change the adapters' requires_grad, which the optimizer and FSDP hold."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    for layer in layers:
+        layer._disable_adapters = True
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer._disable_adapters = False
+
+
+def lora_reference(policy: nn.Module):
+    """inputs -> the outputs of the policy with its adapters off."""
+    def forward(inputs):
+        with adapters_off(policy):
+            return policy(inputs)
+    return forward
+
+
+def frozen_copy(model: nn.Module, spec, layout, meshes, device, parallel_options, document_eos: int | None):
+    """inputs -> the outputs of `model` (a freshly built copy of the starting policy), frozen and parallelised
+    like the policy."""
+    from dataclasses import replace
+
+    from disttrain.parallel.parallelize import parallelize
+
+    model.requires_grad_(False)
+    reference = parallelize(model, spec, replace(layout, activation_checkpointing="none"), meshes, device,
+                            parallel_options, document_eos, frozen=True)
+    return reference

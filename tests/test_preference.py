@@ -1,0 +1,278 @@
+"""Preference optimisation: pairs prepared as TRL tokenizes them; DPO's loss and rewards equal TRL's DPOTrainer on
+the same pairs and weights (fp64), with and without LoRA, for each loss type; SimPO and ORPO equal their
+published formulas computed here from transformers' logits; every layout equals one process (fp64, 1e-10); bad
+records and layouts not supported get one line and exit 2."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from chat_tokenizer import WORDS, save_chat_tokenizer
+from helpers import DEBUG_CONFIG, EXACT, FP64, assert_parity, run_main, step_records, train_many
+
+SEQ_LEN = 64
+BETA = 0.2
+
+
+def pair_records(n: int) -> list[dict]:
+    """Conversational pairs, with an explicit prompt (messages) and implicit (whole conversations sharing
+    it); rejected answers of other lengths than the chosen ones."""
+    out = []
+    for i in range(n):
+        a, b = i % 10, (3 * i + 1) % 10
+        question = [{"role": "user", "content": f"What is {WORDS[a]} plus {WORDS[b]}?"}]
+        good = [{"role": "assistant", "content": f"{WORDS[a]} plus {WORDS[b]} is {a + b}."}]
+        bad = [{"role": "assistant", "content": f"It is {a + b + 1}, I think." * (1 + i % 3)}]
+        if i % 2:
+            out.append({"chosen": question + good, "rejected": question + bad})
+        else:
+            out.append({"prompt": question, "chosen": good, "rejected": bad})
+    return out
+
+
+def _prepare(root, data, tokenizer, *extra):
+    src = root / "pairs.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in data))
+    return run_main("prepare-data", str(src), "--out", str(root / "out"), "--tokenizer", str(tokenizer),
+                    "--seq-len", str(SEQ_LEN), *extra)
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    """A chat tokenizer, a tiny Llama saved by transformers, and two prepared pair sets: 8 pairs (all in
+    training: a global batch of 8 reads each once per step) and 24 (with validation) for the layouts."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from hf_models import SIZES
+
+    root = tmp_path_factory.mktemp("pref")
+    tokenizer = save_chat_tokenizer(root / "tokenizer")
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(LlamaConfig(**{**SIZES, "vocab_size": 384}, tie_word_embeddings=False)) \
+        .save_pretrained(root / "base")
+    for name, n, val in (("eight", 8, "0"), ("many", 24, "0.125")):
+        (root / name).mkdir()
+        code, out, err = _prepare(root / name, pair_records(n), tokenizer, "--val-fraction", val)
+        assert code == 0, err
+    return {"root": root, "tokenizer": tokenizer, "base": root / "base", "eight": root / "eight" / "out",
+            "many": root / "many" / "out", "prepared": out}
+
+
+HF = ("model.vocab_size=384", f"data.seq_len={SEQ_LEN}", "train.global_batch_size=8", "train.micro_batch_size=4",
+      "optim.lr=2e-2", "optim.warmup_steps=0", "optim.schedule=constant", "metrics.log_every=1", f"dpo.beta={BETA}",
+      FP64)
+LOSS_TYPES = ("sigmoid", "ipo", "hinge")
+
+
+@pytest.fixture(scope="module")
+def one_process(assets, tmp_path_factory):
+    """The HF model on the 8 pairs: DPO (each loss type; sigmoid also with LoRA) for 3 steps with the checkpoint
+    of step 2; SimPO and ORPO for one step. And the one-process references of the layouts."""
+    root = tmp_path_factory.mktemp("one")
+    hf = (f"model.hf={assets['base']}", f"data.source={assets['eight']}", *HF)
+    dpo = ("train.objective=dpo", "train.steps=3", "checkpoint.every_steps=2", "checkpoint.save_final=false")
+    jobs = {f"dpo {t}": (root / f"dpo_{t}", (*hf, *dpo, f"dpo.loss_type={t}")) for t in LOSS_TYPES}
+    jobs["dpo lora"] = (root / "dpo_lora", (*hf, *dpo, "model.lora.rank=4", "model.lora.alpha=8"))
+    jobs["simpo"] = (root / "simpo", (*hf, "train.objective=simpo", "train.steps=1", "dpo.gamma=0.3"))
+    jobs["orpo"] = (root / "orpo", (*hf, "train.objective=orpo", "train.steps=1", "dpo.lambda=0.4"))
+    jobs.update({f"ref {name}": (root / f"ref_{name.replace(' ', '_')}", (f"data.source={assets['many']}", *LAYOUT,
+                                                                          *extra))
+                 for name, extra in REFERENCES.items()})
+    return train_many(jobs, nproc=1)
+
+
+def _trl_dataset(records):
+    """The records as TRL reads them: implicit prompts extracted by TRL's own `maybe_extract_prompt`."""
+    from datasets import Dataset
+    from trl.data_utils import maybe_extract_prompt
+
+    return Dataset.from_list([maybe_extract_prompt(r) for r in records])
+
+
+def _trl(assets, records, policy, reference, loss_type: str, tmp_path):
+    """TRL's DPOTrainer on `records` as one batch: (loss, its metrics, its collated batch)."""
+    from transformers import AutoTokenizer
+    from trl import DPOConfig, DPOTrainer
+
+    args = DPOConfig(output_dir=str(tmp_path / "trl"), beta=BETA, loss_type=[loss_type], report_to="none",
+                     use_cpu=True, max_length=None, per_device_train_batch_size=len(records))
+    trainer = DPOTrainer(model=policy, ref_model=reference, args=args, train_dataset=_trl_dataset(records),
+                         processing_class=AutoTokenizer.from_pretrained(assets["tokenizer"]))
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(len(records))])
+    with torch.no_grad():
+        loss = trainer._compute_loss(trainer.model, batch, return_outputs=False)
+    metrics = {k: v[-1] for mode in trainer._metrics.values() for k, v in mode.items()}
+    return float(loss), metrics, batch
+
+
+def _close(ours: float, theirs: float) -> bool:
+    return abs(ours - theirs) <= EXACT * max(1.0, abs(theirs))
+
+
+def test_prepared_pairs_are_what_trl_tokenizes(assets, tmp_path):
+    """Each pair's rows hold TRL's prompt + completion ids, and exactly TRL's completion tokens carry loss."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import DPOConfig, DPOTrainer
+
+    from disttrain.data.source import split_samples
+
+    assert "8 pairs written" in assets["prepared"] or "24 pairs written" in assets["prepared"]
+    records = pair_records(8)
+    args = DPOConfig(output_dir=str(tmp_path / "trl"), report_to="none", use_cpu=True, max_length=None)
+    trainer = DPOTrainer(model=AutoModelForCausalLM.from_pretrained(assets["base"]), args=args,
+                         train_dataset=_trl_dataset(records),
+                         processing_class=AutoTokenizer.from_pretrained(assets["tokenizer"]))
+    samples = split_samples(str(assets["eight"]), "train", SEQ_LEN)
+    assert len(samples) == 8
+    x, y = samples.batch(np.arange(8))
+    for i in range(8):
+        example = trainer.train_dataset[i]
+        for side, row in (("chosen", 2 * i), ("rejected", 2 * i + 1)):
+            ids = example["prompt_ids"] + example[f"{side}_ids"]
+            mask = [0] * len(example["prompt_ids"]) + [1] * len(example[f"{side}_ids"])
+            assert x[row, :len(ids)].tolist() == ids
+            carried = (y[row] != -100).tolist()
+            assert carried[:len(ids) - 1] == [bool(m) for m in mask[1:]] and not any(carried[len(ids) - 1:])
+
+
+def test_implicit_prompts_are_taken_as_trl_takes_them():
+    """Whole conversations, and whole texts (the space at the cut goes to the completions)."""
+    from trl.data_utils import maybe_extract_prompt
+
+    from disttrain.data.preference import split_record
+
+    for record in (pair_records(2)[1], {"chosen": "The sky is blue.", "rejected": "The sky is green."}):
+        assert split_record(record) == tuple(maybe_extract_prompt(record)[k] for k in ("prompt", "chosen", "rejected"))
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_dpo_equals_trl_after_two_steps(loss_type, one_process, assets, tmp_path):
+    """disttrain's loss and rewards at step 3 (the weights after two updates, all 8 pairs) equal TRL's
+    DPOTrainer on the weights of the step-2 checkpoint, exported to transformers' format, against the base as
+    reference, fp64."""
+    from transformers import AutoModelForCausalLM
+
+    run = one_process[f"dpo {loss_type}"]
+    code, _, err = run_main("convert", str(run), "--to", "hf", "--out", str(tmp_path / "policy"))
+    assert code == 0, err
+    policy = AutoModelForCausalLM.from_pretrained(tmp_path / "policy", dtype=torch.float64)
+    reference = AutoModelForCausalLM.from_pretrained(assets["base"], dtype=torch.float64)
+    loss, metrics, _ = _trl(assets, pair_records(8), policy, reference, loss_type, tmp_path)
+    first, third = step_records(run)[1], step_records(run)[3]
+    assert first["loss"] == pytest.approx({"sigmoid": math.log(2), "ipo": (1 / (2 * BETA)) ** 2, "hinge": 1.0}
+                                          [loss_type], rel=1e-12)  # the policy starts as its reference
+    assert _close(third["loss"], loss), (third["loss"], loss)
+    for key in ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+                "logps/rejected"):
+        assert _close(third[key], metrics[key]), (key, third[key], metrics[key])
+    assert third["rewards/margins"] > 0.1  # two updates moved the policy: not a comparison of zeros
+
+
+def test_dpo_with_lora_equals_trl_with_peft_adapters_off_as_reference(one_process, assets, tmp_path):
+    """With LoRA the reference is the base with the adapters switched off: TRL does the same with peft, on the
+    adapter disttrain exported in PEFT's format after two steps."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    run = one_process["dpo lora"]
+    code, _, err = run_main("convert", str(run), "--to", "peft", "--out", str(tmp_path / "adapter"))
+    assert code == 0, err
+    base = AutoModelForCausalLM.from_pretrained(assets["base"], dtype=torch.float64)
+    policy = PeftModel.from_pretrained(base, tmp_path / "adapter")
+    loss, metrics, _ = _trl(assets, pair_records(8), policy, None, "sigmoid", tmp_path)
+    third = step_records(run)[3]
+    assert _close(third["loss"], loss) and _close(third["rewards/margins"], metrics["rewards/margins"])
+    assert abs(third["rewards/margins"]) > 1e-3
+
+
+def _completion_logps(assets, tmp_path):
+    """(chosen, rejected) mean log-probabilities per completion token of the base model on TRL's batch of the 8
+    pairs, computed here from transformers' logits."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(assets["base"], dtype=torch.float64)
+    _, _, batch = _trl(assets, pair_records(8), model, None, "sigmoid", tmp_path)
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+    targets, mask = batch["input_ids"][:, 1:], batch["completion_mask"][:, 1:].double()
+    token = torch.log_softmax(logits, -1).gather(-1, targets[..., None])[..., 0]
+    mean = (token * mask).sum(1) / mask.sum(1)
+    return mean[:8], mean[8:]
+
+
+def test_simpo_and_orpo_equal_their_published_formulas(one_process, assets, tmp_path):
+    """SimPO: -log σ(β (mean chosen - mean rejected) - γ); ORPO: the chosen completion's mean negative
+    log-likelihood + λ (-log σ(log odds(chosen) - log odds(rejected))); each averaged over the pairs."""
+    chosen, rejected = _completion_logps(assets, tmp_path)
+    simpo = -torch.nn.functional.logsigmoid(BETA * (chosen - rejected) - 0.3)
+    odds = lambda p: p - torch.log1p(-torch.exp(p))  # noqa: E731 (log odds of a mean log-probability)
+    orpo = -chosen - 0.4 * torch.nn.functional.logsigmoid(odds(chosen) - odds(rejected))
+    for name, expected in (("simpo", simpo), ("orpo", orpo)):
+        assert _close(step_records(one_process[name])[1]["loss"], float(expected.mean())), name
+
+
+LAYOUT = ("model.vocab_size=384", f"data.seq_len={SEQ_LEN}", "train.steps=4", "train.global_batch_size=8",
+          "train.micro_batch_size=2", "optim.lr=1e-2", "train.eval_every=4", "train.eval_batches=1",
+          "checkpoint.save_final=true", FP64)
+REFERENCES = {"dpo": ("train.objective=dpo",), "lora": ("train.objective=dpo", "model.lora.rank=4"),
+              "simpo": ("train.objective=simpo",), "moe": ("train.objective=dpo", "model.name=debug-moe")}
+LAYOUTS = {"ddp": ("dpo", ()), "zero3": ("dpo", ("parallel.zero_stage=3",)), "tp2": ("dpo", ("parallel.tp=2",)),
+           "zero3 lora": ("lora", ("parallel.zero_stage=3",)), "tp2 sp simpo": ("simpo", (
+               "parallel.tp=2", "parallel.sequence_parallel=true")),
+           "ep2 zero3": ("moe", ("parallel.ep=2", "parallel.zero_stage=3"))}
+
+
+@pytest.fixture(scope="module")
+def two_processes(assets, tmp_path_factory):
+    root = tmp_path_factory.mktemp("two")
+    jobs = {name: (root / name.replace(" ", "_"), (f"data.source={assets['many']}", *LAYOUT, *REFERENCES[ref],
+                                                     *extra)) for name, (ref, extra) in LAYOUTS.items()}
+    return train_many(jobs, nproc=2)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_every_layout_gives_one_process_on_pairs(layout, two_processes, one_process):
+    """Pairs stay together in each micro-batch on every layout: losses, gradient norms, parameters and the
+    validation loss equal one process at other micro-batches (fp64, 1e-10); the rewards too."""
+    ours, theirs = two_processes[layout], one_process[f"ref {LAYOUTS[layout][0]}"]
+    assert_parity(ours, theirs, step=4)
+    for step, record in step_records(ours).items():
+        assert _close(record["rewards/margins"], step_records(theirs)[step]["rewards/margins"])
+
+
+@pytest.mark.parametrize("record,message", [
+    ({"prompt": "Hi", "chosen": "Hello."}, "records.jsonl:1: has 'chosen' but no 'rejected'"),
+    ({"prompt": "Hi", "chosen": "Hello.", "rejected": "Hello."}, "'chosen' and 'rejected' are identical"),
+    ({"prompt": "Hi", "chosen": " ", "rejected": "Hello."}, "'chosen' is empty"),
+    ({"chosen": "A cat.", "rejected": "The dog."}, "share no leading part"),
+])
+def test_a_bad_record_gets_one_line_and_nothing_written(record, message, assets, tmp_path):
+    src = tmp_path / "records.jsonl"
+    src.write_text(json.dumps(record) + "\n")
+    code, out, err = run_main("prepare-data", str(src), "--out", str(tmp_path / "out"), "--tokenizer",
+                              str(assets["tokenizer"]))
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.partial*"))
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (("train.objective=lm",), "holds preference pairs: train.objective=lm"),
+    (("train.objective=dpo", "parallel.pp=2"), "parallel.pp=2 with train.objective=dpo"),
+    (("train.objective=dpo", "data.packing=true"), "data.packing=true with train.objective=dpo"),
+    (("train.objective=dpo", "dpo.loss_type=robust"), "dpo.loss_type"),
+    (("train.objective=dpo", "dpo.label_smoothing=0.5"), "dpo.label_smoothing"),
+])
+def test_bad_settings_get_one_line(overrides, message, assets, tmp_path):
+    code, _, err = run_main("train", str(DEBUG_CONFIG), f"data.source={assets['many']}", "model.vocab_size=384",
+                            f"data.seq_len={SEQ_LEN}", f"run.dir={tmp_path}", *overrides)
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_preference_objective_needs_pairs(tmp_path):
+    code, _, err = run_main("train", str(DEBUG_CONFIG), "train.objective=simpo", f"run.dir={tmp_path}")
+    assert code == 2 and "train.objective=simpo needs preference pairs" in err, err
