@@ -77,3 +77,15 @@ def save_tiny(kind: str, directory: Path, weights_seed: int | None = None) -> Pa
     torch.manual_seed(weights_seed)
     AutoModelForCausalLM.from_config(config).save_pretrained(directory)
     return directory
+
+
+def fp64_norms(model):
+    """transformers' RMSNorms of `model` normalised in float64 throughout, as disttrain's fp64 runs do
+    (transformers rounds through float32 on purpose, for bf16; in fp64 that moves a loss by ~1e-9): a reference
+    in double precision for them. Returns the model."""
+    import torch
+
+    for norm in (m for m in model.modules() if type(m).__name__.endswith("RMSNorm")):
+        norm.forward = lambda x, n=norm: n.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) +
+                                                                     n.variance_epsilon))
+    return model

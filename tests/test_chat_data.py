@@ -222,12 +222,9 @@ def test_loss_equals_transformers_masked_cross_entropy(packing, one_process, hf_
 
     run = one_process[f"hf {packing}"]
     train, val = _conversations(tokenizers["markers"])
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float64)
-    for norm in (m for m in model.modules() if type(m).__name__ == "LlamaRMSNorm"):
-        # transformers' RMSNorm rounds through float32 on purpose (for bf16); in fp64 that rounding moves the
-        # loss by ~1e-9, so the reference normalises with the same formula in float64 throughout
-        norm.forward = lambda x, n=norm: n.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) +
-                                                                     n.variance_epsilon))
+    from hf_models import fp64_norms
+
+    model = fp64_norms(AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float64))
     rows = _rows(train, packing)
     expected = _hf_loss(model, train, rows, [1] * len(rows))
     assert abs(losses(run)[1] - expected) <= EXACT * expected

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from chat_tokenizer import WORDS, save_chat_tokenizer
-from helpers import DEBUG_CONFIG, EXACT, FP64, assert_parity, run_main, step_records, train_many
+from hf_models import fp64_norms
+from helpers import DEBUG_CONFIG, EXACT, FP64, assert_parity, final_params, run_main, step_records, train_many
 
 SEQ_LEN = 64
 BETA = 0.2
@@ -63,7 +64,7 @@ def assets(tmp_path_factory):
             "many": root / "many" / "out", "prepared": out}
 
 
-HF = ("model.vocab_size=384", f"data.seq_len={SEQ_LEN}", "train.global_batch_size=8", "train.micro_batch_size=4",
+HF = (f"data.seq_len={SEQ_LEN}", "train.global_batch_size=8", "train.micro_batch_size=4",
       "optim.lr=2e-2", "optim.warmup_steps=0", "optim.schedule=constant", "metrics.log_every=1", f"dpo.beta={BETA}",
       FP64)
 LOSS_TYPES = ("sigmoid", "ipo", "hinge")
@@ -94,15 +95,23 @@ def _trl_dataset(records):
     return Dataset.from_list([maybe_extract_prompt(r) for r in records])
 
 
-def _trl(assets, records, policy, reference, loss_type: str, tmp_path):
-    """TRL's DPOTrainer on `records` as one batch: (loss, its metrics, its collated batch)."""
+def _trl(assets, records, policy, reference, loss_type: str, tmp_path, lora=None, adapters=None):
+    """TRL's DPOTrainer on `records` as one batch: (loss, its metrics, its collated batch). `lora`: the trainer
+    puts these adapters on `policy` (its reference: the adapters disabled), then they take the values
+    `adapters` holds (by disttrain's parameter names)."""
     from transformers import AutoTokenizer
     from trl import DPOConfig, DPOTrainer
 
     args = DPOConfig(output_dir=str(tmp_path / "trl"), beta=BETA, loss_type=[loss_type], report_to="none",
                      use_cpu=True, max_length=None, per_device_train_batch_size=len(records))
     trainer = DPOTrainer(model=policy, ref_model=reference, args=args, train_dataset=_trl_dataset(records),
-                         processing_class=AutoTokenizer.from_pretrained(assets["tokenizer"]))
+                         processing_class=AutoTokenizer.from_pretrained(assets["tokenizer"]), peft_config=lora)
+    if adapters is not None:
+        held = [(n, p) for n, p in trainer.model.named_parameters() if ".lora_" in n]
+        assert len(held) == len(adapters) > 0
+        with torch.no_grad():
+            for name, param in held:
+                param.data = adapters[name.removeprefix("base_model.model.")].clone()
     batch = trainer.data_collator([trainer.train_dataset[i] for i in range(len(records))])
     with torch.no_grad():
         loss = trainer._compute_loss(trainer.model, batch, return_outputs=False)
@@ -153,15 +162,14 @@ def test_implicit_prompts_are_taken_as_trl_takes_them():
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_dpo_equals_trl_after_two_steps(loss_type, one_process, assets, tmp_path):
     """disttrain's loss and rewards at step 3 (the weights after two updates, all 8 pairs) equal TRL's
-    DPOTrainer on the weights of the step-2 checkpoint, exported to transformers' format, against the base as
-    reference, fp64."""
+    DPOTrainer on the fp64 weights of the step-2 checkpoint (a model.hf run keeps transformers' parameter names)
+    against the base as reference."""
     from transformers import AutoModelForCausalLM
 
     run = one_process[f"dpo {loss_type}"]
-    code, _, err = run_main("convert", str(run), "--to", "hf", "--out", str(tmp_path / "policy"))
-    assert code == 0, err
-    policy = AutoModelForCausalLM.from_pretrained(tmp_path / "policy", dtype=torch.float64)
-    reference = AutoModelForCausalLM.from_pretrained(assets["base"], dtype=torch.float64)
+    policy = fp64_norms(AutoModelForCausalLM.from_pretrained(assets["base"], dtype=torch.float64))
+    policy.load_state_dict(final_params(run, step=2))
+    reference = fp64_norms(AutoModelForCausalLM.from_pretrained(assets["base"], dtype=torch.float64))
     loss, metrics, _ = _trl(assets, pair_records(8), policy, reference, loss_type, tmp_path)
     first, third = step_records(run)[1], step_records(run)[3]
     assert first["loss"] == pytest.approx({"sigmoid": math.log(2), "ipo": (1 / (2 * BETA)) ** 2, "hinge": 1.0}
@@ -174,17 +182,19 @@ def test_dpo_equals_trl_after_two_steps(loss_type, one_process, assets, tmp_path
 
 
 def test_dpo_with_lora_equals_trl_with_peft_adapters_off_as_reference(one_process, assets, tmp_path):
-    """With LoRA the reference is the base with the adapters switched off: TRL does the same with peft, on the
-    adapter disttrain exported in PEFT's format after two steps."""
-    from peft import PeftModel
+    """With LoRA the reference is the base with the adapters switched off: TRL does the same when it puts the
+    adapters on (peft_config: the config of the adapter disttrain exported in PEFT's format), here with the fp64
+    adapter values of the step-2 checkpoint."""
+    from peft import LoraConfig
     from transformers import AutoModelForCausalLM
 
     run = one_process["dpo lora"]
     code, _, err = run_main("convert", str(run), "--to", "peft", "--out", str(tmp_path / "adapter"))
     assert code == 0, err
-    base = AutoModelForCausalLM.from_pretrained(assets["base"], dtype=torch.float64)
-    policy = PeftModel.from_pretrained(base, tmp_path / "adapter")
-    loss, metrics, _ = _trl(assets, pair_records(8), policy, None, "sigmoid", tmp_path)
+    base = fp64_norms(AutoModelForCausalLM.from_pretrained(assets["base"], dtype=torch.float64))
+    saved = {n: p for n, p in final_params(run, step=2).items() if ".lora_" in n}
+    loss, metrics, _ = _trl(assets, pair_records(8), base, None, "sigmoid", tmp_path,
+                            LoraConfig.from_pretrained(tmp_path / "adapter"), saved)
     third = step_records(run)[3]
     assert _close(third["loss"], loss) and _close(third["rewards/margins"], metrics["rewards/margins"])
     assert abs(third["rewards/margins"]) > 1e-3
@@ -195,7 +205,7 @@ def _completion_logps(assets, tmp_path):
     pairs, computed here from transformers' logits."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(assets["base"], dtype=torch.float64)
+    model = fp64_norms(AutoModelForCausalLM.from_pretrained(assets["base"], dtype=torch.float64))
     _, _, batch = _trl(assets, pair_records(8), model, None, "sigmoid", tmp_path)
     with torch.no_grad():
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
