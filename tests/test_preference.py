@@ -228,7 +228,7 @@ def test_simpo_and_orpo_equal_their_published_formulas(one_process, assets, tmp_
 
 LAYOUT = ("model.vocab_size=384", f"data.seq_len={SEQ_LEN}", "train.steps=4", "train.global_batch_size=8",
           "train.micro_batch_size=2", "optim.lr=1e-2", "train.eval_every=4", "train.eval_batches=1",
-          "checkpoint.save_final=true", FP64)
+          "checkpoint.save_final=true", "checkpoint.every_steps=2", FP64)
 REFERENCES = {"dpo": ("train.objective=dpo",), "lora": ("train.objective=dpo", "model.lora.rank=4"),
               "simpo": ("train.objective=simpo",), "moe": ("train.objective=dpo", "model.name=debug-moe",
                                                                  "model.moe.aux_loss_coef=0")}
@@ -256,6 +256,18 @@ def test_every_layout_gives_one_process_on_pairs(layout, two_processes, one_proc
     assert_parity(ours, theirs, step=4)
     for step, record in step_records(ours).items():
         assert _close(record["rewards/margins"], step_records(theirs)[step]["rewards/margins"])
+
+
+def test_a_run_saved_on_two_ranks_resumes_on_one_exactly(assets, two_processes, one_process, tmp_path):
+    """DPO saved under ZeRO-3 on 2 ranks at step 2 continues on one process as if uninterrupted: the policy and
+    optimizer reshard, the frozen reference is built again from the same starting weights."""
+    import shutil
+
+    run = tmp_path / "resumed"
+    shutil.copytree(two_processes["zero3"], run)
+    shutil.rmtree(run / "checkpoints" / "step_00000004")
+    train_many({"resumed": (run, (f"data.source={assets['many']}", *LAYOUT, *REFERENCES["dpo"]))}, nproc=1)
+    assert_parity(run, one_process["ref dpo"], step=4, after=2)
 
 
 @pytest.mark.parametrize("record,message", [

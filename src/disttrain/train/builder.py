@@ -120,7 +120,8 @@ def build_run(cfg: RunConfig, runtime: Runtime, resolved: ResolvedRun | None = N
                                 faults, peak_flops, spec.flops_per_token(cfg.data.seq_len)))
 
 
-def starting_model(cfg: RunConfig, spec: ModelSpec, layout: Layout, device, tokenizer, masks_targets: bool) -> nn.Module:
+def starting_model(cfg: RunConfig, spec: ModelSpec, layout: Layout, device, tokenizer,
+                   masks_targets: bool) -> nn.Module:
     """The single-device model as training starts from it: built and initialised from the seed, or loaded from
     `model.init_from`, with document masking and MoE padding exclusion in place (no adapters, no parallelism)."""
     model = build_model(spec, device, cfg.train.seed, torch.float64 if layout.compute_dtype == "fp64" else None)

@@ -1,8 +1,8 @@
 """Preference objectives (`train.objective` dpo, simpo, orpo) on pairs of sequences, with TRL's meanings.
 
-Each micro-batch holds whole pairs, each pair's chosen row followed by its rejected row (data/preference_samples.py).
-The model's logits give every row's log-probability of its completion (the sum over its valid targets); the pair
-losses follow:
+Each micro-batch holds whole pairs, each pair's chosen row followed by its rejected row
+(data/preference_samples.py). The model's logits give every row's log-probability of its completion (the sum
+over its valid targets); the pair losses follow:
 - dpo: the log-ratios to a reference model, `sigmoid` -log σ(β Δ) (with label smoothing ε: conservative DPO,
   -(1-ε) log σ(β Δ) - ε log σ(-β Δ)), `hinge` relu(1 - β Δ), `ipo` (Δ/len - 1/(2β))², the log-ratios averaged
   over each completion's tokens as TRL does;
