@@ -167,13 +167,18 @@ class _quiet:
         logging.getLogger("torch.distributed").setLevel(self.level)
 
 
-def cmd_dryrun(args: argparse.Namespace, overrides: list[str]) -> None:
-    from disttrain.config.load import load_config
-
-    cfg = load_config(args.config, overrides)
+def refuse_unmodelled(cfg):
+    """`cfg`, unless its objective is one the dry run and the planner cannot model yet (one line, exit 2)."""
     if cfg.train.objective != "lm":  # what the planner and the dry run model is one sequence per sample
         raise UserError(f"train.objective={cfg.train.objective}: the dry run and the planner model a language-model "
                         "step; they do not count the pairs' second sequence or a reference model yet (allowed: lm)")
+    return cfg
+
+
+def cmd_dryrun(args: argparse.Namespace, overrides: list[str]) -> None:
+    from disttrain.config.load import load_config
+
+    cfg = refuse_unmodelled(load_config(args.config, overrides))
     if not 0 <= args.headroom < 1:
         raise UserError(f"--headroom={args.headroom}: must be in [0, 1)")
     result = dry_run(cfg, args.world_size, args.rank, args.gpu, args.steps,

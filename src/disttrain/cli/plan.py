@@ -164,14 +164,10 @@ def _positive(flag: str, value) -> None:
 def build_layout(args) -> tuple[str, ModelShape, Layout]:
     cfg = resolved = None
     if args.config:
+        from disttrain.cli.dryrun import refuse_unmodelled
         from disttrain.config.load import load_config
         from disttrain.config.resolve import resolve_run
-
-        cfg = load_config(args.config, getattr(args, "overrides", []))
-        if cfg.train.objective != "lm":  # what the planner and the dry run model is one sequence per sample
-            raise UserError(f"train.objective={cfg.train.objective}: the dry run and the planner model a "
-                            "language-model step; they do not count the pairs' second sequence or a reference model "
-                            "yet (allowed: lm)")
+        cfg = refuse_unmodelled(load_config(args.config, getattr(args, "overrides", [])))
         resolved = resolve_run(cfg, None, "cpu" if args.hardware else "cuda")
     name, shape = _shape(args, (resolved.model_name, resolved.shape) if cfg is not None else None)
     for flag in ("gpus", "dp_replicate", "tp", "pp", "microbatches", "micro_batch_size", "global_batch_size", "seq_len"):
