@@ -230,14 +230,16 @@ LAYOUT = ("model.vocab_size=384", f"data.seq_len={SEQ_LEN}", "train.steps=4", "t
           "train.micro_batch_size=2", "optim.lr=1e-2", "train.eval_every=4", "train.eval_batches=1",
           "checkpoint.save_final=true", "checkpoint.every_steps=2", FP64)
 REFERENCES = {"dpo": ("train.objective=dpo",), "lora": ("train.objective=dpo", "model.lora.rank=4"),
-              "simpo": ("train.objective=simpo",), "moe": ("train.objective=dpo", "model.name=debug-moe",
+              "simpo": ("train.objective=simpo",), "orpo": ("train.objective=orpo",), "moe": ("train.objective=dpo", "model.name=debug-moe",
                                                                  "model.moe.aux_loss_coef=0")}
 # debug-moe without its balancing loss: that loss is taken over each micro-batch of every rank together, which
 # one process at two pairs a micro-batch does not see (tests/test_moe.py compares it with matching micro-batches)
 LAYOUTS = {"ddp": ("dpo", ()), "zero3": ("dpo", ("parallel.zero_stage=3",)), "tp2": ("dpo", ("parallel.tp=2",)),
            "zero3 lora": ("lora", ("parallel.zero_stage=3",)), "tp2 sp simpo": ("simpo", (
                "parallel.tp=2", "parallel.sequence_parallel=true")),
-           "ep2 zero3": ("moe", ("parallel.ep=2", "parallel.zero_stage=3"))}
+           "ep2 zero3": ("moe", ("parallel.ep=2", "parallel.zero_stage=3")),
+           "cp2": ("dpo", ("parallel.cp=2",)), "cp2 orpo": ("orpo", ("parallel.cp=2", "parallel.cp_method=allgather")),
+           "pp2 simpo": ("simpo", ("parallel.pp=2", "parallel.pp_schedule=1f1b"))}
 
 
 @pytest.fixture(scope="module")
@@ -288,7 +290,7 @@ def test_a_bad_record_gets_one_line_and_nothing_written(record, message, assets,
 
 @pytest.mark.parametrize("overrides,message", [
     (("train.objective=lm",), "holds preference pairs: train.objective=lm"),
-    (("train.objective=dpo", "parallel.pp=2"), "parallel.pp=2 with train.objective=dpo"),
+    (("train.objective=dpo", "parallel.pp=2"), "parallel.pp=2 with train.objective=dpo: the reference model"),
     (("train.objective=dpo", "data.packing=true"), "data.packing=true with train.objective=dpo"),
     (("train.objective=dpo", "dpo.loss_type=robust"), "dpo.loss_type"),
     (("train.objective=dpo", "dpo.label_smoothing=0.5"), "dpo.label_smoothing"),

@@ -141,3 +141,50 @@ def callback_problems(ctx) -> list[Problem]:
         except UserError as exc:
             return [_problem("train.callbacks", ref, str(exc), "FILE.py:Name or package.module:Name")]
     return []
+
+
+def distill_problems(ctx) -> list[Problem]:
+    """train.objective=distill: a teacher with weights, the student's vocabulary and tokenizer, on the layouts
+    whose forward it can follow (no pipeline yet), and not on preference pairs."""
+    import hashlib
+    from pathlib import Path
+
+    from disttrain.config.sections import ModelConfig
+    from disttrain.core.errors import UserError
+    from disttrain.core.hub import local_directory
+    from disttrain.models import registry
+
+    cfg = ctx.cfg
+    teacher = cfg.distill.teacher
+    if cfg.train.objective != "distill":
+        return []
+    if not teacher:
+        return [_problem("distill.teacher", "", "train.objective=distill needs distill.teacher=DIR (a Hugging Face "
+                         "model directory or Hub id with weights)", "a model directory")]
+    try:
+        directory = Path(local_directory(teacher, "distill.teacher"))
+        shape = registry.model_shape(ModelConfig(hf=teacher))
+    except UserError as exc:
+        return [_problem("distill.teacher", teacher, str(exc))]
+    if not any(directory.glob("*.safetensors")) and not any(directory.glob("*.bin")):
+        return [_problem("distill.teacher", teacher, f"distill.teacher={teacher}: holds no weights (*.safetensors): "
+                         "a teacher initialised at random teaches nothing (allowed: a model saved with weights)")]
+    if ctx.shape is not None and shape is not None and shape.vocab_size != ctx.shape.vocab_size:
+        return [_problem("distill.teacher", teacher, f"distill.teacher={teacher}: its vocabulary has "
+                         f"{shape.vocab_size} tokens, the student's {ctx.shape.vocab_size}: the two distributions "
+                         "must be over the same tokens (allowed: a teacher with the student's tokenizer)")]
+    from disttrain.data.source import PY_PREFIX, tokenizer_file
+
+    source = cfg.data.source
+    data = ctx.tokenizer if isinstance(source, str) and source.startswith(PY_PREFIX) else \
+        tokenizer_file(source, ctx.tokenizer)
+    own = directory / "tokenizer.json"
+    if own.is_file() and data != "byte" and Path(data).is_file() and \
+            hashlib.sha256(own.read_bytes()).digest() != hashlib.sha256(Path(data).read_bytes()).digest():
+        return [_problem("distill.teacher", teacher, f"distill.teacher={teacher}: its tokenizer.json differs from "
+                         f"the run's ({data}): teacher and student must share the tokenizer")]
+    if ctx.layout.pp > 1:
+        return [_problem("parallel.pp", ctx.layout.pp, "train.objective=distill with parallel.pp="
+                         f"{ctx.layout.pp}: the teacher's forward does not run through a pipeline yet (allowed: "
+                         "parallel.pp=1)", "1")]
+    return []

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from disttrain.config.checks import callback_problems, engine_installed
+from disttrain.config.checks import callback_problems, distill_problems, engine_installed
 from disttrain.core.errors import UserError
 from disttrain.data.rules import data_problems
 from disttrain.distributed.rules import backend_problems
@@ -98,6 +98,7 @@ RULES = (
     Rule(engine_installed, ("world",)),  # config/checks.py
     Rule(data_problems),  # data/rules.py
     Rule(callback_problems),  # config/checks.py: the loop's user jobs load
+    Rule(distill_problems, ("world",)),  # config/checks.py: the teacher against the student and the layout
     Rule(lambda ctx: ctx.world, ("world",)),  # layout/world_rules.py
     Rule(lambda ctx: batch_problems(ctx.layout), ("world",)),  # layout/rules.py
     Rule(spec_problems, ("world",)),  # models/rules.py

@@ -14,8 +14,8 @@ from pydantic import Field, PrivateAttr
 
 from disttrain.config.parallel_sections import ParallelConfig, PrecisionConfig
 from disttrain.config.run_sections import CheckpointConfig, DistributedConfig, MetricsConfig, RunSection
-from disttrain.config.sections import (SHAPE_KEYS, DataConfig, LoraConfig, ModelConfig, MoEConfig, OptimConfig,
-                                       PreferenceConfig, Section, TrainConfig)
+from disttrain.config.sections import (SHAPE_KEYS, DataConfig, DistillConfig, LoraConfig, ModelConfig, MoEConfig,
+                                       OptimConfig, PreferenceConfig, Section, TrainConfig)
 
 __all__ = ["RunConfig", "LoraConfig", "ModelConfig", "MoEConfig"]
 
@@ -31,6 +31,7 @@ class RunConfig(Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
     dpo: PreferenceConfig = Field(default_factory=PreferenceConfig)
+    distill: DistillConfig = Field(default_factory=DistillConfig)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)

@@ -184,9 +184,10 @@ class TrainConfig(Section):
     loss_chunk_tokens: int = Field(LOSS_CHUNK_TOKENS, ge=0, description="the output head and the cross-entropy "
                                    "run in chunks of this many tokens, so that a micro-batch's whole logits never "
                                    "exist (0: whole logits, as the model computes them)")
-    objective: Literal["lm", "dpo", "simpo", "orpo"] = Field(
+    objective: Literal["lm", "dpo", "simpo", "orpo", "distill"] = Field(
         "lm", description="lm: next-token cross-entropy on the valid targets; dpo, simpo, orpo: preference "
-        "optimisation on prepared pairs (the dpo section; batch sizes then count pairs)")
+        "optimisation on prepared pairs (the dpo section; batch sizes then count pairs); distill: knowledge "
+        "distillation from a teacher model (the distill section)")
     seed: int = Field(0, ge=0, description="fixes the initialisation and the data order")
     eval_every: int = Field(0, ge=0, description="validation every N steps (0: off)")
     eval_batches: int = Field(4, gt=0, description="global batches per validation")
@@ -213,6 +214,20 @@ class PreferenceConfig(Section):
     gamma: float = Field(0.5, ge=0, description="simpo: the target margin between chosen and rejected rewards")
     lambda_: float = Field(0.1, ge=0, alias="lambda", description="orpo: the weight of the odds-ratio term beside "
                            "the chosen completions' cross-entropy")
+
+
+class DistillConfig(Section):
+    """Knowledge distillation (train.objective=distill): the student learns the teacher's next-token distribution."""
+
+    teacher: str = Field("", description="the teacher: a Hugging Face model directory or Hub id with weights, "
+                         "sharing the student's tokenizer and vocabulary")
+    temperature: float = Field(1.0, gt=0, description="both distributions are softened by it; the divergence is "
+                               "scaled by its square, so that its gradients keep their size")
+    alpha: float = Field(0.5, ge=0, le=1, description="the divergence's weight; the usual cross-entropy on the "
+                         "targets takes 1 - alpha")
+    kl: Literal["forward", "reverse"] = Field("forward", description="forward: KL(teacher || student), which "
+                                              "covers every mode of the teacher; reverse: KL(student || teacher), "
+                                              "which seeks its main mode")
 
 
 class MuonConfig(Section):

@@ -32,6 +32,7 @@ from disttrain.train.balance import Balancer
 from disttrain.train.engine import OptimizerStep, StepEngine
 from disttrain.train.faults import FaultInjector
 from disttrain.train.loss import GlobalMeanLoss
+from disttrain.train.objectives import attach_frozen_model, make_objective
 from disttrain.train.optim import build_optimizer, build_scheduler
 from disttrain.train.phases import HostComputeClock, Phases
 from disttrain.train.precision import Precision
@@ -86,23 +87,12 @@ def build_run(cfg: RunConfig, runtime: Runtime, resolved: ResolvedRun | None = N
     compute_clock = HostComputeClock()
     # fault injection innermost (last in, first out), so what it simulates (a slow rank) counts as phase time
     phases = Phases(breakdown, compute_clock, *([balancer.timer] if balancer.timer is not None else []), faults)
-    if t.objective == "lm":
-        mean_loss = GlobalMeanLoss(spec.loss_sum, meshes.dp_cp.get_group(), layout.gradient_ranks,
-                                   train_samples.masks_targets, t.global_batch_size * train_samples.targets_per_sample,
-                                   context_shard(layout, meshes))
-    else:  # preference pairs (checked by data/rules.py)
-        from disttrain.train.preference import PreferenceLoss
-
-        mean_loss = PreferenceLoss(t.objective, cfg.dpo, spec.logits, meshes.dp_cp.get_group(), layout.gradient_ranks,
-                                   t.global_batch_size)
+    mean_loss = make_objective(cfg, spec, layout, meshes, train_samples, context_shard(layout, meshes))
     eos = tokenizer.eos_id if cfg.data.document_masking else None
     engine = build_engine(cfg, layout, meshes, spec, model, runtime, phases, mean_loss, document_eos=eos)
-    if t.objective == "dpo":
-        from disttrain.train import preference_reference as reference
-
-        mean_loss.reference = reference.lora_reference(engine.model) if lora_base else reference.frozen_copy(
-            starting_model(cfg, spec, layout, runtime.device, tokenizer, train_samples.masks_targets), spec, layout,
-            meshes, runtime.device, cfg.parallel, eos)
+    if t.objective in ("dpo", "distill"):  # the reference or the teacher, frozen, parallelised like the model
+        attach_frozen_model(mean_loss, cfg, spec, layout, meshes, runtime.device, engine, bool(lora_base), tokenizer,
+                            train_samples.masks_targets, eos)
     peak_flops, _ = peak_flops_per_device(cfg, layout, runtime.device)
     routing = None
     if spec.moe_layers is not None:

@@ -105,6 +105,10 @@ class GlobalMeanLoss:
         """What the objective reports on logging steps (nothing beyond the loss)."""
         return {}
 
+    def uncounted(self):
+        """Around a forward whose loss is not one of the step's (a pipeline's shape inference)."""
+        return contextlib.nullcontext()
+
     def as_sum(self, loss: torch.Tensor) -> torch.Tensor:
         """Back to the micro-batch's target-loss sum, as a plain float64 tensor (for logging)."""
         return replicated_value(loss.detach()).double() * self.divisor

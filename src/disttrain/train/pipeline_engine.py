@@ -44,10 +44,18 @@ class PipelineEngine(SteppedByOptimizerStep):
                 # the schedule's first step runs the stages once to learn their shapes (torch >= 2.12), the loss
                 # on the first micro-batch's targets included: the chunked head gets those targets too
                 stage._forward_metadata_inference = self._with_first_targets(stage._forward_metadata_inference)
+            if stage.is_last and hasattr(stage, "_backward_metadata_inference"):  # it calls the loss, on meta values
+                stage._backward_metadata_inference = self._uncounted(stage._backward_metadata_inference)
 
     def _with_first_targets(self, infer):
+        def run(*args, **kwargs):  # a forward the step's metrics must not count
+            with self.mean_loss.forward_with_targets(self._targets[0]), self.mean_loss.uncounted():
+                return infer(*args, **kwargs)
+        return run
+
+    def _uncounted(self, infer):
         def run(*args, **kwargs):
-            with self.mean_loss.forward_with_targets(self._targets[0]):
+            with self.mean_loss.uncounted():
                 return infer(*args, **kwargs)
         return run
 

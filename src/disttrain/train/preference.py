@@ -11,6 +11,9 @@ over its valid targets); the pair losses follow:
   paper's per-example form) plus λ -log σ(log-odds ratio of the mean log-probabilities).
 The objective is their mean over the pairs of the global batch, whatever the layout: a micro-batch returns its
 share times dp (`GlobalMeanLoss`'s convention), so data-parallel gradient averaging gives the global gradient.
+Under context parallelism each rank holds a shard of every row: the rows' log-probabilities are summed over the
+context ranks by an all-reduce whose backward sums the gradients back (`torch.distributed.nn.functional`), and
+each context rank carries 1/cp of the pair losses (it counts as a data-parallel rank in the averaging).
 
 The reference of dpo is the model before training: with LoRA the same model with its adapters switched off (no
 second copy), otherwise a frozen copy parallelised like the policy (train/preference_reference.py). Its forward
@@ -77,9 +80,12 @@ class PreferenceLoss:
     chunked = False
     heads: list = []
 
-    def __init__(self, objective: str, cfg, logits, dp_group, dp: int, pairs_per_step: int):
+    def __init__(self, objective: str, cfg, logits, dp_group, dp: int, pairs_per_step: int, shard_targets=None,
+                 cp_group=None, cp: int = 1):
         self.objective, self.cfg, self.logits = objective, cfg, logits
         self.dp_group, self.dp = dp_group, dp
+        self.shard_targets = shard_targets or (lambda targets: targets)
+        self.cp_group, self.cp = cp_group, cp
         self.targets: torch.Tensor | int = pairs_per_step  # the divisor of the logged loss: pairs
         self.divisor: torch.Tensor | float = pairs_per_step / dp
         self.reference = None  # inputs -> model outputs of the reference (dpo), set by the builder
@@ -97,15 +103,35 @@ class PreferenceLoss:
         """Before the policy's forward of a micro-batch: the reference's log-probabilities of it (dpo)."""
         if self.reference is not None:
             with torch.no_grad():
-                self._ref = sequence_logps(self.logits(self.reference(inputs)), targets)[0].detach()
+                self._ref = self._logps(self.reference(inputs), targets)[0].detach()
         return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def uncounted(self):
+        """Around a forward whose loss is not one of the step's (a pipeline's shape inference): its rewards stay
+        out of the step's metrics."""
+        sums, self._sums = self._sums, None
+        try:
+            yield
+        finally:
+            self._sums = sums
+
+    def _logps(self, outputs, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each whole row's completion log-probability and length (summed over the context ranks' shards)."""
+        logps, lengths = sequence_logps(self.logits(outputs), self.shard_targets(targets))
+        if self.cp_group is not None:
+            from torch.distributed.nn.functional import all_reduce
+
+            logps = all_reduce(logps, group=self.cp_group)
+            dist.all_reduce(lengths, group=self.cp_group)
+        return logps, lengths
 
     def start_step(self, targets: list[torch.Tensor]) -> None:
         """The step's metric sums start at zero (no collective: the pairs of a step are known)."""
         self._sums = torch.zeros(len(METRICS) + 1, dtype=torch.float64, device=targets[0].device)
 
     def _pairs(self, outputs, targets: torch.Tensor):
-        logps, lengths = sequence_logps(self.logits(outputs), targets)
+        logps, lengths = self._logps(outputs, targets)
         ref = self._ref
         self._ref = None
         return pair_losses(self.objective, self.cfg, logps[0::2], logps[1::2], lengths[0::2], lengths[1::2],
@@ -114,7 +140,7 @@ class PreferenceLoss:
     def loss_sum(self, outputs, targets: torch.Tensor) -> torch.Tensor:
         """The micro-batch's pair losses summed; a training step also adds its rewards to the step's sums."""
         (loss, chosen_reward, rejected_reward), logps = self._pairs(outputs, targets)
-        total = loss.sum()
+        total = loss.sum() / self.cp  # each context rank holds the whole rows' losses
         if self._sums is not None and torch.is_grad_enabled():  # evaluation runs without gradients
             c, r = logps[0::2].detach(), logps[1::2].detach()
             if self.objective != "dpo":
@@ -129,18 +155,19 @@ class PreferenceLoss:
         return self.loss_sum(outputs, targets) / self.divisor
 
     def valid_targets(self, targets: torch.Tensor) -> torch.Tensor:
-        """Pairs (evaluation divides the loss sum by them)."""
-        return torch.tensor(targets.shape[0] // 2, dtype=torch.float64, device=targets.device)
+        """Pairs (evaluation divides the loss sum by them; each context rank counts 1/cp of them)."""
+        return torch.tensor(targets.shape[0] / 2 / self.cp, dtype=torch.float64, device=targets.device)
 
     def as_sum(self, loss: torch.Tensor) -> torch.Tensor:
         return replicated_value(loss.detach()).double() * self.divisor
 
     def metrics(self) -> dict:
-        """Collective over data parallel: the step's rewards and log-probabilities, averaged over its pairs
-        (TRL's names, so that dashboards carry over)."""
+        """Collective over every rank: the step's rewards and log-probabilities, averaged over its pairs (TRL's
+        names, so that dashboards carry over). Tensor and context ranks add the same pairs as often as they count
+        them, and a pipeline's earlier stages add nothing: the averages are the global batch's."""
         if self._sums is None:
             return {}
         sums = self._sums.clone()
-        dist.all_reduce(sums, group=self.dp_group)
+        dist.all_reduce(sums)
         pairs = max(float(sums[-1]), 1.0)
         return {name: float(value) / pairs for name, value in zip(METRICS, sums[:-1].tolist())}

@@ -1,0 +1,45 @@
+"""`train.objective` -> the loss every engine backpropagates, and the frozen model it reads (DPO's reference,
+distillation's teacher), attached once the policy is parallelised."""
+
+from __future__ import annotations
+
+from disttrain.train.loss import GlobalMeanLoss
+
+
+def make_objective(cfg, spec, layout, meshes, samples, shard_targets):
+    """The engines' loss for `train.objective` (GlobalMeanLoss's protocol). `shard_targets`: this rank's shard of
+    a target tensor under context parallelism (None: cp = 1)."""
+    t, dp_group = cfg.train, meshes.dp_cp.get_group()
+    if t.objective in ("dpo", "simpo", "orpo"):  # preference pairs (checked by data/rules.py)
+        from disttrain.train.preference import PreferenceLoss
+
+        return PreferenceLoss(t.objective, cfg.dpo, spec.logits, dp_group, layout.gradient_ranks, t.global_batch_size,
+                              shard_targets, meshes.cp.get_group() if layout.cp > 1 else None, layout.cp)
+    args = (spec.loss_sum, dp_group, layout.gradient_ranks, samples.masks_targets,
+            t.global_batch_size * samples.targets_per_sample, shard_targets)
+    if t.objective == "distill":
+        from disttrain.train.distill import DistillLoss
+
+        return DistillLoss(cfg.distill, spec.logits, *args)
+    return GlobalMeanLoss(*args)
+
+
+def attach_frozen_model(objective, cfg, spec, layout, meshes, device, engine, lora: bool, tokenizer,
+                        masks_targets: bool, document_eos: int | None) -> None:
+    """DPO's reference (the policy's adapters switched off under LoRA, else a frozen copy of the starting model)
+    or distillation's teacher, parallelised like the policy."""
+    from disttrain.train import preference_reference as reference
+    from disttrain.train.builder import starting_model
+
+    kind = cfg.train.objective
+    if kind == "dpo" and lora:
+        objective.reference = reference.lora_reference(engine.model)
+    elif kind == "dpo":
+        objective.reference = reference.frozen_copy(starting_model(cfg, spec, layout, device, tokenizer, masks_targets),
+                                                    spec, layout, meshes, device, cfg.parallel, document_eos)
+    elif kind == "distill":
+        from disttrain.train.distill import teacher_model
+
+        model, teacher_spec = teacher_model(cfg, layout, device, tokenizer, masks_targets)
+        objective.teacher = reference.frozen_copy(model, teacher_spec, layout, meshes, device, cfg.parallel,
+                                                  document_eos)
