@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,6 +19,7 @@ from hf_models import fp64_norms
 from helpers import DEBUG_CONFIG, EXACT, FP64, assert_parity, final_params, run_main, step_records, train_many
 
 SEQ_LEN = 64
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "dpo"
 BETA = 0.2
 
 
@@ -242,12 +245,62 @@ LAYOUTS = {"ddp": ("dpo", ()), "zero3": ("dpo", ("parallel.zero_stage=3",)), "tp
            "pp2 simpo": ("simpo", ("parallel.pp=2", "parallel.pp_schedule=1f1b"))}
 
 
+def example_script(name: str):
+    """A script of examples/dpo, imported by path (the example is not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"dpo_example_{name}", EXAMPLE / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.fixture(scope="module")
-def two_processes(assets, tmp_path_factory):
+def example(tmp_path_factory):
+    """examples/dpo/run.sh's inputs, made in this process: the fine-tuning example's assets, the pairs and the
+    student (make_pairs.py), both prepared with the script's flags."""
+    from chat_tokenizer import example as sft_assets
+
+    work = tmp_path_factory.mktemp("dpo_example")
+    sft_assets.main(work)
+    example_script("make_pairs").main(work)
+    for records, out in (("chats.jsonl", "chat-data"), ("pairs.jsonl", "pair-data")):
+        code, _, err = run_main("prepare-data", str(work / records), "--out", str(work / out), "--tokenizer",
+                                str(work / "tokenizer"), "--seq-len", "128", "--val-fraction", "0.05", "--force")
+        assert code == 0, err
+    return work
+
+
+@pytest.fixture(scope="module")
+def two_processes(assets, example, tmp_path_factory):
+    """Every layout on the pairs, and the example's DPO and distillation (its configs, 4 steps each; DPO from
+    the base model, where the script starts from the fine-tuned one)."""
     root = tmp_path_factory.mktemp("two")
     jobs = {name: (root / name.replace(" ", "_"), (f"data.source={assets['many']}", *LAYOUT, *REFERENCES[ref],
                                                      *extra)) for name, (ref, extra) in LAYOUTS.items()}
+    short = ("train.steps=4", "optim.warmup_steps=2", "train.eval_every=4", "checkpoint.every_steps=0")
+    jobs["example dpo"] = (example / "dpo", (f"model.hf={example / 'base'}", f"data.source={example / 'pair-data'}",
+                                             *short), EXAMPLE / "dpo.yaml")
+    jobs["example distill"] = (example / "distill", (f"model.hf={example / 'student'}", f"distill.teacher="
+                                                     f"{example / 'base'}", f"data.source={example / 'chat-data'}",
+                                                     *short), EXAMPLE / "distill.yaml")
     return train_many(jobs, nproc=2)
+
+
+def test_the_example_end_to_end_shortened(example, two_processes, capsys):
+    """examples/dpo/run.sh with 4 steps of each training: the pairs' completions carry loss, DPO logs its rewards,
+    both exports of its adapters answer alike through transformers' generate, the distilled student exports."""
+    meta = json.loads((example / "pair-data" / "meta.json").read_text())["preference"]
+    assert meta["written"] > 500 and meta["skipped"] == meta["truncated"] == 0
+    assert "rewards/accuracies" in step_records(two_processes["example dpo"])[4]
+    shutil.copytree(example / "base", example / "sft-merged")  # the script's DPO starts from its fine-tuned model
+    for run, args in (("dpo", ("--to", "peft", "--out", "dpo-adapter")), ("dpo", ("--to", "hf", "--merge-lora",
+                      "--out", "dpo-merged")), ("distill", ("--to", "hf", "--out", "distilled"))):
+        code, _, err = run_main("convert", str(example / run), *args[:-1], str(example / args[-1]))
+        assert code == 0, err
+    capsys.readouterr()
+    example_script("generate").main(example, ["What is two plus three?"])  # exits if the exports differ
+    assert "distilled student:" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -263,8 +316,6 @@ def test_every_layout_gives_one_process_on_pairs(layout, two_processes, one_proc
 def test_a_run_saved_on_two_ranks_resumes_on_one_exactly(assets, two_processes, one_process, tmp_path):
     """DPO saved under ZeRO-3 on 2 ranks at step 2 continues on one process as if uninterrupted: the policy and
     optimizer reshard, the frozen reference is built again from the same starting weights."""
-    import shutil
-
     run = tmp_path / "resumed"
     shutil.copytree(two_processes["zero3"], run)
     shutil.rmtree(run / "checkpoints" / "step_00000004")

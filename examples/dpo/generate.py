@@ -1,0 +1,52 @@
+"""Answers from the example's models, greedy: the fine-tuned model (DPO's starting point), DPO's adapter loaded
+on it by `peft` and DPO's merged weights (the same answers: the script stops if they differ), and the distilled
+student beside its teacher.
+
+    python examples/dpo/generate.py WORK_DIR ["What is two plus three?" ...]
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+from peft import PeftModel
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.utils import logging as transformers_logging
+
+transformers_logging.disable_progress_bar()
+warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+
+
+def answer(model, tok, question: str, tokens: int = 16) -> str:
+    ids = tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                  return_tensors="pt", return_dict=True)
+    out = model.generate(**ids, max_new_tokens=tokens, do_sample=False, pad_token_id=tok.pad_token_id,
+                         eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"))
+    return tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+
+
+def load(directory: Path):
+    return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+
+
+def main(work: Path, questions: list[str]) -> None:
+    tok = AutoTokenizer.from_pretrained(work / "dpo-merged")
+    sft = load(work / "sft-merged")
+    before = {q: answer(sft, tok, q) for q in questions}
+    adapted = PeftModel.from_pretrained(sft, work / "dpo-adapter").eval()
+    merged, student = load(work / "dpo-merged"), load(work / "distilled")
+    for q in questions:
+        via_peft, via_merged = answer(adapted, tok, q), answer(merged, tok, q)
+        print(f"user: {q}\n  fine-tuned:               {before[q]!r}\n  after DPO (adapter):      {via_peft!r}\n"
+              f"  after DPO (merged):       {via_merged!r}\n  distilled student:        {answer(student, tok, q)!r}")
+        if via_peft != via_merged:
+            sys.exit(f"the adapter and the merged weights answer differently: {via_peft!r} vs {via_merged!r}")
+
+
+if __name__ == "__main__":
+    args = sys.argv[1:]
+    main(Path(args[0] if args else "runs/dpo-example"), args[1:] or ["What is two plus three?",
+                                                                     "What is seven plus one?"])
