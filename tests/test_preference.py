@@ -16,7 +16,7 @@ import torch
 
 from chat_tokenizer import WORDS, save_chat_tokenizer
 from hf_models import fp64_norms
-from helpers import DEBUG_CONFIG, EXACT, FP64, assert_parity, final_params, run_main, step_records, train_many
+from helpers import DEBUG_CONFIG, EXACT, FP64, assert_parity, events, final_params, run_main, step_records, train_many
 
 SEQ_LEN = 64
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "dpo"
@@ -311,6 +311,16 @@ def test_every_layout_gives_one_process_on_pairs(layout, two_processes, one_proc
     assert_parity(ours, theirs, step=4)
     for step, record in step_records(ours).items():
         assert _close(record["rewards/margins"], step_records(theirs)[step]["rewards/margins"])
+    (ours_eval,), (their_eval,) = events(ours, "eval"), events(theirs, "eval")
+    for key in ("val_loss", "rewards/margins", "rewards/accuracies", "logps/chosen"):
+        assert _close(ours_eval[key], their_eval[key]), key
+
+
+def test_the_report_plots_margins_and_accuracy(one_process, tmp_path):
+    from disttrain.observe.run_report import make_report
+
+    _, files, _ = make_report(one_process["ref dpo"], tmp_path)
+    assert "rewards.png" in {f.name for f in files}
 
 
 def test_a_run_saved_on_two_ranks_resumes_on_one_exactly(assets, two_processes, one_process, tmp_path):

@@ -30,7 +30,8 @@ SHORT = ("train.steps=2", "optim.warmup_steps=1", "train.eval_every=0", "train.s
 # the interleaved pipeline (2 micro-batches: the per-rank batch of 16 / micro-batch 8), ring context parallel.
 CLAIMED = {"demo": "dp=2 zero=0", "debug": "dp=1 zero=0", "demo-lr1e-3": "dp=2 zero=0", "demo-torchrun": "dp=2 zero=0",
            "fsdp": "dp=2 zero=3", "demo-tp": "dp=1 zero=0 tp=2 sp", "demo-pp": "dp=1 zero=0 pp=2 interleaved_1f1b m=2",
-           "demo-cp": "dp=1 zero=0 cp=2 ring", "mycorpus": "dp=1 zero=0", "sft": "dp=2 zero=0"}
+           "demo-cp": "dp=1 zero=0 cp=2 ring", "mycorpus": "dp=1 zero=0", "sft": "dp=2 zero=0",
+           "dpo": "dp=2 zero=0"}
 
 
 def quickstart_lines() -> list[str]:
@@ -81,9 +82,10 @@ HUB_COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 
 def _chat_inputs(cwd: Path) -> dict:
-    """What the fine-tuning lines read, offline: a Hugging Face cache holding, under the README's Hub ids, a chat
-    dataset and a model with its tokenizer and chat template (examples/sft's tiny Llama and BPE, made here, its
-    positions raised to the line's 1024). Returns the environment that points huggingface_hub at it."""
+    """What the fine-tuning and DPO lines read, offline: a Hugging Face cache holding, under the README's Hub ids, a
+    chat dataset, a preference dataset (examples/dpo's pairs) and a model with its tokenizer and chat template
+    (examples/sft's tiny Llama and BPE, made here, its positions raised to the lines' 1024). Returns the
+    environment that points huggingface_hub at it."""
     spec = importlib.util.spec_from_file_location("make_assets", REPO / "examples" / "sft" / "make_assets.py")
     make_assets = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(make_assets)
@@ -91,8 +93,16 @@ def _chat_inputs(cwd: Path) -> dict:
     readme = (REPO / "README.md").read_text()
     line = readme.split("disttrain prepare-data ", 2)[2].splitlines()[0]  # the fine-tuning one, the second
     data_id, model_id = line.split()[0], line.split("--tokenizer ", 1)[1].split()[0]
+    pairs_id = readme.split("disttrain prepare-data ", 3)[3].split()[0]  # the DPO one, the third
+    spec = importlib.util.spec_from_file_location("make_pairs", REPO / "examples" / "dpo" / "make_pairs.py")
+    make_pairs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_pairs)
+    chats = [json.loads(row) for row in (cwd / "sft-assets" / "chats.jsonl").read_text().splitlines()]
+    pairs = make_pairs.make_pairs(chats)
+    (cwd / "sft-assets" / "pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs))
     hub = cwd / "hf-cache"
-    for kind, repo in (("models", model_id), ("datasets", data_id)):
+    for kind, repo, records in (("models", model_id, None), ("datasets", data_id, "chats.jsonl"),
+                                ("datasets", pairs_id, "pairs.jsonl")):
         root = hub / f"{kind}--{repo.replace('/', '--')}"
         (root / "refs").mkdir(parents=True)
         (root / "refs" / "main").write_text(HUB_COMMIT)
@@ -104,7 +114,7 @@ def _chat_inputs(cwd: Path) -> dict:
             (snapshot / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 1024}))
         else:
             (snapshot / "data").mkdir(parents=True)
-            shutil.copy(cwd / "sft-assets" / "chats.jsonl", snapshot / "data" / "train.jsonl")
+            shutil.copy(cwd / "sft-assets" / records, snapshot / "data" / "train.jsonl")
     return {"HF_HUB_CACHE": str(hub), "HF_HUB_OFFLINE": "1"}
 
 
@@ -147,7 +157,7 @@ def test_quickstart_after_make_demo_trains_what_each_line_says(tmp_path):
                 claimed = resolve_run(load_config(tmp_path / train[0], train[1]), nproc(line), "cpu").layout
             assert (started["world_size"], started["layout"]) == (nproc(line), claimed.describe()), line
             trained[cfg.run.name] = started["layout"]
-    assert len(seen) == 11  # make demo, the ten training lines (fine-tuning and context parallel among them)
+    assert len(seen) == 12  # make demo, the eleven training lines (fine-tuning, DPO and context parallel among them)
     assert trained == CLAIMED  # what the README says each line trains (the 3D line runs elsewhere)
 
 

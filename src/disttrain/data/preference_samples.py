@@ -26,9 +26,11 @@ class PreferenceSamples:
         self.targets_per_sample = 2 * seq_len  # tokens a pair occupies at full width (throughput, MFU)
         ends = np.asarray(ends, dtype=np.int64)
         self.starts = np.concatenate([[0], ends[:-1]]).astype(np.int64)
-        self.lengths = np.minimum(ends - self.starts, seq_len + 1)  # prepare-data cut longer ones already
+        lengths = ends - self.starts
         self.num_samples = len(ends) // 2
-        self.truncated = 0
+        # prepare-data cut sequences to its --seq-len; a shorter data.seq_len cuts them again here (said at start)
+        self.truncated = int((lengths[:2 * self.num_samples].reshape(-1, 2) > seq_len + 1).any(axis=1).sum())
+        self.lengths = np.minimum(lengths, seq_len + 1)
         held = np.minimum(seq_len, self.lengths[:2 * self.num_samples].reshape(-1, 2).max(axis=1))
         self.pair_tokens = held.astype(np.int64)
 

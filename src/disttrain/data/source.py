@@ -223,7 +223,8 @@ def truncation_warnings(source, samples, seq_len: int) -> list[str]:
     """One line when chat data holds conversations longer than a sequence: they are cut to it."""
     parts = getattr(samples, "parts", [samples])
     cut = sum(getattr(p, "truncated", 0) for p in parts)
-    return [f"data.source={source}: {cut} training conversations are longer than data.seq_len+1={seq_len + 1} "
+    what = "pairs hold a sequence" if getattr(samples, "pairs", False) else "conversations are"
+    return [f"data.source={source}: {cut} training {what} longer than data.seq_len+1={seq_len + 1} "
             "tokens and are cut to it (the cut part carries no loss)"] if cut else []
 
 

@@ -161,6 +161,16 @@ def figures(records: list[dict], events: list[dict]) -> dict[str, object]:
             ax.plot(*_series(records, key))
             finish(ax)
 
+    steps, margins = _series(records, "rewards/margins")
+    if margins:  # a preference objective: how far apart, and how often right, the policy ranks each pair
+        ax = plot("rewards.png", "Preference rewards", "reward margin (chosen - rejected)")
+        ax.plot(steps, margins, label="margin")
+        accuracy = ax.twinx()
+        accuracy.set(ylabel="accuracy (pairs ranked right)", ylim=(0, 1))
+        accuracy.plot(*_series(records, "rewards/accuracies"), color="tab:orange", label="accuracy")
+        finish(ax)
+        figs["rewards.png"].legend(loc="lower right", fontsize="small")
+
     ax = plot("throughput.png", "Throughput", "tokens/s (all ranks)")
     ax.plot(*_series(records, "tokens_per_sec"))
     finish(ax)

@@ -24,12 +24,16 @@ class Evaluation(Job):
         return every(self.interval, step)
 
     def run(self, trainer) -> None:
+        objective = self.training_run.engine.mean_loss
+        objective.start_evaluation()
         val, by_source = self.evaluate(trainer)
+        own = objective.evaluation_metrics()  # a preference objective's rewards on the validation pairs
         if val is not None:
             extra = {"val_loss_by_source": by_source} if by_source else {}
-            trainer.metrics.event("eval", step=trainer.step, val_loss=val, **extra)
+            trainer.metrics.event("eval", step=trainer.step, val_loss=val, **extra, **own)
             trainer.metrics.message(f"step {trainer.step}: validation loss {val:.4f}" + "".join(
-                f", {n} {v:.4f}" for n, v in by_source.items()))
+                f", {n} {v:.4f}" for n, v in by_source.items()) + "".join(
+                f", {n} {own[n]:.4f}" for n in ("rewards/accuracies", "rewards/margins") if n in own))
 
     def evaluate(self, trainer) -> tuple[float | None, dict[str, float]]:
         val = self.training_run.data.val_samples

@@ -105,6 +105,13 @@ class GlobalMeanLoss:
         """What the objective reports on logging steps (nothing beyond the loss)."""
         return {}
 
+    def start_evaluation(self) -> None:
+        """Before a validation pass (an objective with its own validation figures resets them)."""
+
+    def evaluation_metrics(self) -> dict:
+        """Collective where the objective has any: its own figures of the validation pass."""
+        return {}
+
     def uncounted(self):
         """Around a forward whose loss is not one of the step's (a pipeline's shape inference)."""
         return contextlib.nullcontext()

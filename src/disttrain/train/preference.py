@@ -92,6 +92,7 @@ class PreferenceLoss:
         self.description = "whole logits (the preference objective reads each sequence's log-probability)"
         self._ref: torch.Tensor | None = None
         self._sums: torch.Tensor | None = None
+        self._eval_sums: torch.Tensor | None = None  # the validation pass's, beside the training step's
 
     def chunk_the_head(self, model, spec, chunk_tokens: int) -> None:
         """The head keeps whole logits: a pair's loss needs each row's log-probability before any gradient."""
@@ -141,14 +142,15 @@ class PreferenceLoss:
         """The micro-batch's pair losses summed; a training step also adds its rewards to the step's sums."""
         (loss, chosen_reward, rejected_reward), logps = self._pairs(outputs, targets)
         total = loss.sum() / self.cp  # each context rank holds the whole rows' losses
-        if self._sums is not None and torch.is_grad_enabled():  # evaluation runs without gradients
+        sums = self._sums if torch.is_grad_enabled() else self._eval_sums  # evaluation runs without gradients
+        if sums is not None:
             c, r = logps[0::2].detach(), logps[1::2].detach()
             if self.objective != "dpo":
                 c, r = c / (targets[0::2] != IGNORE_INDEX).sum(-1).clamp(min=1), \
                     r / (targets[1::2] != IGNORE_INDEX).sum(-1).clamp(min=1)
             values = (chosen_reward, rejected_reward, (chosen_reward > rejected_reward).to(c.dtype),
                       chosen_reward - rejected_reward, c, r, torch.ones_like(c))
-            self._sums += torch.stack([v.double().sum() for v in values])
+            sums += torch.stack([v.double().sum() for v in values])
         return total
 
     def __call__(self, outputs, targets: torch.Tensor) -> torch.Tensor:
@@ -165,9 +167,21 @@ class PreferenceLoss:
         """Collective over every rank: the step's rewards and log-probabilities, averaged over its pairs (TRL's
         names, so that dashboards carry over). Tensor and context ranks add the same pairs as often as they count
         them, and a pipeline's earlier stages add nothing: the averages are the global batch's."""
-        if self._sums is None:
+        return self._averages(self._sums)
+
+    def start_evaluation(self) -> None:
+        self._eval_sums = torch.zeros_like(self._sums) if self._sums is not None else None
+
+    def evaluation_metrics(self) -> dict:
+        """Collective: `metrics` over the validation pass's pairs."""
+        averages, self._eval_sums = self._averages(self._eval_sums), None
+        return averages
+
+    @staticmethod
+    def _averages(sums: torch.Tensor | None) -> dict:
+        if sums is None:
             return {}
-        sums = self._sums.clone()
+        sums = sums.clone()
         dist.all_reduce(sums)
         pairs = max(float(sums[-1]), 1.0)
         return {name: float(value) / pairs for name, value in zip(METRICS, sums[:-1].tolist())}
