@@ -52,18 +52,23 @@ def assets(tmp_path_factory):
     training: a global batch of 8 reads each once per step) and 24 (with validation) for the layouts."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from hf_models import SIZES
+    from hf_models import SIZES, tiny_config
 
     root = tmp_path_factory.mktemp("pref")
     tokenizer = save_chat_tokenizer(root / "tokenizer")
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(LlamaConfig(**{**SIZES, "vocab_size": 384}, tie_word_embeddings=False)) \
         .save_pretrained(root / "base")
+    config = tiny_config("qwen3_moe")
+    config.vocab_size = 384
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(root / "qwen3_moe")
     for name, n, val in (("eight", 8, "0"), ("many", 24, "0.125")):
         (root / name).mkdir()
         code, out, err = _prepare(root / name, pair_records(n), tokenizer, "--val-fraction", val)
         assert code == 0, err
-    return {"root": root, "tokenizer": tokenizer, "base": root / "base", "eight": root / "eight" / "out",
+    return {"root": root, "tokenizer": tokenizer, "base": root / "base", "qwen3_moe": root / "qwen3_moe",
+            "eight": root / "eight" / "out",
             "many": root / "many" / "out", "prepared": out}
 
 
@@ -85,9 +90,14 @@ def one_process(assets, tmp_path_factory):
     jobs["simpo"] = (root / "simpo", (*hf, "train.objective=simpo", "train.steps=1", "dpo.gamma=0.3"))
     jobs["orpo"] = (root / "orpo", (*hf, "train.objective=orpo", "train.steps=1", "dpo.lambda=0.4"))
     jobs.update({f"ref {name}": (root / f"ref_{name.replace(' ', '_')}", (f"data.source={assets['many']}", *LAYOUT,
-                                                                          *extra))
+                                                                          *_filled(extra, assets)))
                  for name, extra in REFERENCES.items()})
     return train_many(jobs, nproc=1)
+
+
+def _filled(overrides, assets) -> tuple:
+    """Overrides naming a fixture's directory ({qwen3_moe}) with its path."""
+    return tuple(o.format(**assets) for o in overrides)
 
 
 def _trl_dataset(records):
@@ -229,18 +239,21 @@ def test_simpo_and_orpo_equal_their_published_formulas(one_process, assets, tmp_
         assert _close(step_records(one_process[name])[1]["loss"], float(expected.mean())), name
 
 
-LAYOUT = ("model.vocab_size=384", f"data.seq_len={SEQ_LEN}", "train.steps=4", "train.global_batch_size=8",
+LAYOUT = (f"data.seq_len={SEQ_LEN}", "train.steps=4", "train.global_batch_size=8",
           "train.micro_batch_size=2", "optim.lr=1e-2", "train.eval_every=4", "train.eval_batches=1",
           "checkpoint.save_final=true", "checkpoint.every_steps=2", FP64)
-REFERENCES = {"dpo": ("train.objective=dpo",), "lora": ("train.objective=dpo", "model.lora.rank=4"),
-              "simpo": ("train.objective=simpo",), "orpo": ("train.objective=orpo",), "moe": ("train.objective=dpo", "model.name=debug-moe",
-                                                                 "model.moe.aux_loss_coef=0")}
-# debug-moe without its balancing loss: that loss is taken over each micro-batch of every rank together, which
-# one process at two pairs a micro-batch does not see (tests/test_moe.py compares it with matching micro-batches)
+BUILTIN = "model.vocab_size=384"  # the built-in models' vocabulary, for the tokenizer's 320 tokens
+REFERENCES = {"dpo": (BUILTIN, "train.objective=dpo"), "lora": (BUILTIN, "train.objective=dpo", "model.lora.rank=4"),
+              "simpo": (BUILTIN, "train.objective=simpo"), "orpo": (BUILTIN, "train.objective=orpo"),
+              "hf moe": ("train.objective=dpo", "model.hf={qwen3_moe}", "model.moe.aux_loss_coef=0"),
+              "moe": (BUILTIN, "train.objective=dpo", "model.name=debug-moe", "model.moe.aux_loss_coef=0")}
+# MoE without a balancing loss: debug-moe's is taken over each micro-batch of every rank together, which one
+# process at two pairs a micro-batch does not see (tests/test_moe.py compares it with matching micro-batches)
 LAYOUTS = {"ddp": ("dpo", ()), "zero3": ("dpo", ("parallel.zero_stage=3",)), "tp2": ("dpo", ("parallel.tp=2",)),
-           "zero3 lora": ("lora", ("parallel.zero_stage=3",)), "tp2 sp simpo": ("simpo", (
-               "parallel.tp=2", "parallel.sequence_parallel=true")),
+           "zero3 lora": ("lora", ("parallel.zero_stage=3",)),
+           "tp2 sp simpo": ("simpo", ("parallel.tp=2", "parallel.sequence_parallel=true")),
            "ep2 zero3": ("moe", ("parallel.ep=2", "parallel.zero_stage=3")),
+           "hf moe ep2": ("hf moe", ("parallel.ep=2", "parallel.zero_stage=0")),
            "cp2": ("dpo", ("parallel.cp=2",)), "cp2 orpo": ("orpo", ("parallel.cp=2", "parallel.cp_method=allgather")),
            "pp2 simpo": ("simpo", ("parallel.pp=2", "parallel.pp_schedule=1f1b"))}
 
@@ -276,8 +289,9 @@ def two_processes(assets, example, tmp_path_factory):
     """Every layout on the pairs, and the example's DPO and distillation (its configs, 4 steps each; DPO from
     the base model, where the script starts from the fine-tuned one)."""
     root = tmp_path_factory.mktemp("two")
-    jobs = {name: (root / name.replace(" ", "_"), (f"data.source={assets['many']}", *LAYOUT, *REFERENCES[ref],
-                                                     *extra)) for name, (ref, extra) in LAYOUTS.items()}
+    jobs = {name: (root / name.replace(" ", "_"), (f"data.source={assets['many']}", *LAYOUT,
+                                                     *_filled(REFERENCES[ref], assets), *extra))
+            for name, (ref, extra) in LAYOUTS.items()}
     short = ("train.steps=4", "optim.warmup_steps=2", "train.eval_every=4", "checkpoint.every_steps=0")
     jobs["example dpo"] = (example / "dpo", (f"model.hf={example / 'base'}", f"data.source={example / 'pair-data'}",
                                              *short), EXAMPLE / "dpo.yaml")
