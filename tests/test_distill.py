@@ -49,7 +49,7 @@ def _run_args(assets, *extra):
 
 
 LAYOUT = ("train.steps=3", "train.global_batch_size=8", "train.micro_batch_size=2", "optim.lr=1e-2",
-          "checkpoint.save_final=true", "distill.temperature=2", "distill.alpha=0.7")
+          "checkpoint.save_final=true", "checkpoint.every_steps=2", "distill.temperature=2", "distill.alpha=0.7")
 LAYOUTS = {"zero3": ("parallel.zero_stage=3",), "tp2": ("parallel.tp=2",), "cp2": ("parallel.cp=2",)}
 
 
@@ -116,6 +116,17 @@ def test_every_layout_gives_one_process(layout, two_processes, one_process):
     """The teacher sharded like the student (ZeRO-3, tensor parallel with the vocabulary split, context
     parallel): losses, gradient norms and parameters equal one process at other micro-batches."""
     assert_parity(two_processes[layout], one_process["ref"], step=3)
+
+
+def test_a_run_saved_on_two_ranks_resumes_on_one_exactly(assets, two_processes, one_process, tmp_path):
+    """Saved under ZeRO-3 on 2 ranks at step 2, continued on one process: the teacher is built again from its
+    directory, the student and its optimizer reshard; step 3 and the parameters equal the uninterrupted run."""
+    run = tmp_path / "resumed"
+    shutil.copytree(two_processes["zero3"], run)
+    shutil.rmtree(run / "checkpoints" / "step_00000003")
+    (run / "metrics.jsonl").unlink()  # the resumed run logs step 3 alone
+    train_many({"resumed": (run, _run_args(assets, *LAYOUT))}, nproc=1)
+    assert_parity(run, one_process["ref"], step=3, after=2)
 
 
 def test_a_teacher_that_cannot_teach_is_refused(assets, tmp_path):
