@@ -255,7 +255,9 @@ LAYOUTS = {"ddp": ("dpo", ()), "zero3": ("dpo", ("parallel.zero_stage=3",)), "tp
            "ep2 zero3": ("moe", ("parallel.ep=2", "parallel.zero_stage=3")),
            "hf moe ep2": ("hf moe", ("parallel.ep=2", "parallel.zero_stage=0")),
            "cp2": ("dpo", ("parallel.cp=2",)), "cp2 orpo": ("orpo", ("parallel.cp=2", "parallel.cp_method=allgather")),
-           "pp2 simpo": ("simpo", ("parallel.pp=2", "parallel.pp_schedule=1f1b"))}
+           "pp2 simpo": ("simpo", ("parallel.pp=2", "parallel.pp_schedule=1f1b")),
+           "pp2": ("dpo", ("parallel.pp=2", "parallel.pp_schedule=1f1b")),
+           "pp2 lora": ("lora", ("parallel.pp=2", "parallel.pp_schedule=gpipe"))}
 
 
 def example_script(name: str):
@@ -365,7 +367,6 @@ def test_a_bad_record_gets_one_line_and_nothing_written(record, message, assets,
 
 @pytest.mark.parametrize("overrides,message", [
     (("train.objective=lm",), "holds preference pairs: train.objective=lm"),
-    (("train.objective=dpo", "parallel.pp=2"), "parallel.pp=2 with train.objective=dpo: the reference model"),
     (("train.objective=dpo", "data.packing=true"), "data.packing=true with train.objective=dpo"),
     (("train.objective=dpo", "dpo.loss_type=robust"), "dpo.loss_type"),
     (("train.objective=dpo", "dpo.label_smoothing=0.5"), "dpo.label_smoothing"),

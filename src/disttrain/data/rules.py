@@ -55,10 +55,6 @@ def objective_problems(ctx) -> list[Problem]:
         return [Problem("train.objective", objective, "lm", f"train.objective={objective} needs preference pairs: "
                         f"data.source={shown} is not a `disttrain prepare-data` directory of preference records "
                         "(prompt, chosen, rejected; allowed on other data: lm)")]
-    if objective == "dpo" and layout.pp > 1:
-        return [Problem("parallel.pp", layout.pp, "1", f"parallel.pp={layout.pp} with train.objective=dpo: the "
-                        "reference model's forward does not run through a pipeline yet (allowed with pipelines: the "
-                        "reference-free simpo or orpo; with dpo: parallel.pp=1)")]
     for key, value, allowed in (("data.packing", cfg.data.packing, False), ("engine", cfg.engine, "torch")):
         if value != allowed:
             return [Problem(key, value, str(allowed).lower(), f"{key}={str(value).lower()} with train.objective="

@@ -41,17 +41,19 @@ class PipelineParts:
 
 
 def build_pipeline(model: nn.Module, spec, layout: Layout, meshes: Meshes, device: torch.device, options,
-                   loss_fn, n_microbatches: int, materialize=None, stage_io=None) -> PipelineParts:
+                   loss_fn, n_microbatches: int, materialize=None, stage_io=None, frozen: bool = False) -> PipelineParts:
     """`materialize(module)` and `stage_io(stage) -> (example inputs, example outputs)`: the dry run's
     meta-to-fake step after parallelisation, and stage shapes given up front (a fake process group
-    cannot carry the shape exchange of the first step)."""
+    cannot carry the shape exchange of the first step); `frozen`: a model that only runs forward (DPO's
+    reference), parallelised without a gradient wrapper."""
     if spec.pipeline_split is None:
         raise UserError(f"parallel.pp={layout.pp}: model {spec.name} has no pipeline split (allowed for it: "
                         "parallel.pp=1)")
     pp_rank = meshes.pp.get_local_rank()
     ranges = layout.stage_layer_ranges(spec.shape.n_layers)
     owned = layout.owned_stages(pp_rank)
-    modules = [parallelize(m, spec, layout, meshes, device, options) for m in spec.pipeline_split(model, ranges, owned)]
+    modules = [parallelize(m, spec, layout, meshes, device, options, frozen=frozen)
+               for m in spec.pipeline_split(model, ranges, owned)]
     if materialize is not None:  # the stages hold every parameter of the pruned model (and share buffers)
         materialize(nn.ModuleList(modules))
     group = meshes.pp.get_group()

@@ -70,9 +70,11 @@ class GlobalMeanLoss:
         """The chunked heads this rank holds once the model is parallelised (a pipeline's last stage only)."""
         self.heads = [m for m in model.modules() if isinstance(m, ChunkedLossHead)]
 
-    def forward_with_targets(self, targets: torch.Tensor, inputs: torch.Tensor | None = None):
+    def forward_with_targets(self, targets: torch.Tensor, inputs: torch.Tensor | None = None,
+                             microbatch: int | None = None):
         """Around the forward of a micro-batch whose outputs go to this loss: hands the heads their targets
-        (`inputs`: the micro-batch's, for an objective that reads them, train/preference.py)."""
+        (`inputs`: the micro-batch's, or on a pipeline's last stage `microbatch`, its index, for an objective that
+        reads them: train/preference.py)."""
         return targets_for(self.heads, self.shard_targets(targets)) if self.heads else contextlib.nullcontext()
 
     def start_step(self, targets: list[torch.Tensor]) -> None:

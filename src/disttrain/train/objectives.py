@@ -32,7 +32,13 @@ def attach_frozen_model(objective, cfg, spec, layout, meshes, device, engine, lo
     from disttrain.train.builder import starting_model
 
     kind = cfg.train.objective
-    if kind == "dpo" and lora:
+    if kind == "dpo" and layout.pp > 1:  # the reference's forward runs through a pipeline of its own (or the policy's)
+        from disttrain.parallel.pipeline import build_pipeline
+
+        engine.reference = (engine.parts, True) if lora else (build_pipeline(
+            starting_model(cfg, spec, layout, device, tokenizer, masks_targets), spec, layout, meshes, device,
+            cfg.parallel, objective, layout.microbatches, frozen=True), False)
+    elif kind == "dpo" and lora:
         objective.reference = reference.lora_reference(engine.model)
     elif kind == "dpo":
         objective.reference = reference.frozen_copy(starting_model(cfg, spec, layout, device, tokenizer, masks_targets),

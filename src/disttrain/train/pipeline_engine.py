@@ -7,6 +7,7 @@ off. The loss exists on the last stage only; it is summed along the pipeline whe
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 
@@ -33,6 +34,7 @@ class PipelineEngine(SteppedByOptimizerStep):
         self.norm_params = tied.norm_params(self.params)
         self.bubble = PipelineBubble()
         phases.subscribe(self.bubble)
+        self.reference: tuple[PipelineParts, bool] | None = None  # DPO: (the reference's pipeline, adapters off)
         self._step: int | None = None  # the step the schedule is running (None: evaluation)
         self._targets: tuple[torch.Tensor, ...] = ()  # this step's micro-batches' targets (last stage)
         for stage in parts.stages:  # each chunk announces itself (receives happen before it, sends after)
@@ -66,7 +68,7 @@ class PipelineEngine(SteppedByOptimizerStep):
             with self.phases(phase, self._step, module=module):
                 if not last:
                     return chunk(*args, **kwargs)
-                with self.mean_loss.forward_with_targets(self._targets[args[0]]):
+                with self.mean_loss.forward_with_targets(self._targets[args[0]], microbatch=args[0]):
                     return chunk(*args, **kwargs)
         return run
 
@@ -93,9 +95,26 @@ class PipelineEngine(SteppedByOptimizerStep):
             return torch.zeros((), dtype=torch.float64, device=self.device)
         return torch.stack([self.mean_loss.as_sum(x) for x in losses]).sum()
 
+    def _run_reference(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
+        """DPO: the reference's forward of this rank's micro-batches through a pipeline (the policy's own with its
+        adapters off under LoRA, else the frozen copy's), before the policy's; the loss keeps each micro-batch's
+        reference log-probabilities on the last stage."""
+        if self.reference is None:
+            return
+        parts, adapters_off = self.reference
+        from disttrain.train.preference_reference import adapters_off as switched_off
+
+        self._targets = torch.tensor_split(targets, parts.microbatches) if parts.is_last else ()
+        args = (inputs,) if parts.stages[0].is_first else ()
+        off = switched_off(self.model) if adapters_off else contextlib.nullcontext()
+        with torch.no_grad(), off, self.mean_loss.collecting_reference(), self.precision.autocast(), \
+                loss_context(self.tensor_parallel):
+            parts.schedule.eval(*args, target=targets if parts.is_last else None, losses=[], return_outputs=False)
+
     def train_step(self, micro_batches: list, step: int) -> StepResult:
         inputs, targets = self._batch(micro_batches)
         self.mean_loss.start_step([targets])
+        self._run_reference(inputs, targets)
         with self.phases("pipeline", step) as schedule:
             schedule.loss = self._run(inputs, targets, step)
         with self.phases("reduce", step):
@@ -109,6 +128,7 @@ class PipelineEngine(SteppedByOptimizerStep):
         """Forward only, same micro-batching (evaluation batches have the training batch's shape); the
         targets are counted where the loss is, on the last stage."""
         inputs, targets = self._batch(micro_batches)
+        self._run_reference(inputs, targets)
         total = self._run(inputs, targets, None)
         count = self.mean_loss.valid_targets(targets) if self.parts.is_last else torch.zeros((), dtype=torch.float64)
         return total, count.to(self.device)

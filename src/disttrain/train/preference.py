@@ -91,6 +91,9 @@ class PreferenceLoss:
         self.reference = None  # inputs -> model outputs of the reference (dpo), set by the builder
         self.description = "whole logits (the preference objective reads each sequence's log-probability)"
         self._ref: torch.Tensor | None = None
+        self._shape_only = False  # a pipeline's shape inference calls the loss on placeholder values
+        self._collected: list | None = None  # a pipeline's reference pass under way
+        self._pipeline_refs: list = []  # what the last one collected, by micro-batch
         self._sums: torch.Tensor | None = None
         self._eval_sums: torch.Tensor | None = None  # the validation pass's, beside the training step's
 
@@ -100,22 +103,36 @@ class PreferenceLoss:
     def find_heads(self, model) -> None:
         pass
 
-    def forward_with_targets(self, targets: torch.Tensor, inputs: torch.Tensor | None = None):
-        """Before the policy's forward of a micro-batch: the reference's log-probabilities of it (dpo)."""
-        if self.reference is not None:
+    def forward_with_targets(self, targets: torch.Tensor, inputs: torch.Tensor | None = None,
+                             microbatch: int | None = None):
+        """Before the policy's forward of a micro-batch: the reference's log-probabilities of it (dpo); on a
+        pipeline's last stage, those its reference pass collected for micro-batch `microbatch`."""
+        if microbatch is not None and self._collected is None and microbatch < len(self._pipeline_refs):
+            self._ref = self._pipeline_refs[microbatch]
+        elif self.reference is not None and inputs is not None:
             with torch.no_grad():
                 self._ref = self._logps(self.reference(inputs), targets)[0].detach()
         return contextlib.nullcontext()
 
     @contextlib.contextmanager
-    def uncounted(self):
-        """Around a forward whose loss is not one of the step's (a pipeline's shape inference): its rewards stay
-        out of the step's metrics."""
-        sums, self._sums = self._sums, None
+    def collecting_reference(self):
+        """Around a pipeline's forward-only pass of the reference: each call of the loss keeps its micro-batch's
+        log-probabilities (in the schedule's order, micro-batch 0 first) instead of computing a loss."""
+        self._collected = []
         try:
             yield
         finally:
-            self._sums = sums
+            self._pipeline_refs, self._collected = self._collected, None
+
+    @contextlib.contextmanager
+    def uncounted(self):
+        """Around a forward whose loss is not one of the step's (a pipeline's shape inference): its rewards stay
+        out of the step's metrics."""
+        sums, self._sums, self._shape_only = self._sums, None, True
+        try:
+            yield
+        finally:
+            self._sums, self._shape_only = sums, False
 
     def _logps(self, outputs, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each whole row's completion log-probability and length (summed over the context ranks' shards)."""
@@ -133,13 +150,16 @@ class PreferenceLoss:
 
     def _pairs(self, outputs, targets: torch.Tensor):
         logps, lengths = self._logps(outputs, targets)
-        ref = self._ref
+        ref = self._ref if not self._shape_only else logps.detach()
         self._ref = None
         return pair_losses(self.objective, self.cfg, logps[0::2], logps[1::2], lengths[0::2], lengths[1::2],
                            *((ref[0::2], ref[1::2]) if ref is not None else ())), logps
 
     def loss_sum(self, outputs, targets: torch.Tensor) -> torch.Tensor:
         """The micro-batch's pair losses summed; a training step also adds its rewards to the step's sums."""
+        if self._collected is not None:  # a pipeline's reference pass: keep, compute nothing
+            self._collected.append(self._logps(outputs, targets)[0].detach())
+            return torch.zeros((), dtype=self._collected[-1].dtype, device=self._collected[-1].device)
         (loss, chosen_reward, rejected_reward), logps = self._pairs(outputs, targets)
         total = loss.sum() / self.cp  # each context rank holds the whole rows' losses
         sums = self._sums if torch.is_grad_enabled() else self._eval_sums  # evaluation runs without gradients
