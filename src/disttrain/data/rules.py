@@ -40,7 +40,7 @@ def _holds_pairs(source) -> bool:
 
 
 def objective_problems(ctx) -> list[Problem]:
-    """A preference objective trains on preference pairs, and pairs only with one; the layouts it runs on."""
+    """A preference objective trains on preference pairs, and pairs only with one (unpacked, on the torch engine)."""
     cfg = ctx.cfg
     objective, source, layout = cfg.train.objective, cfg.data.source, ctx.layout
     pairs = _holds_pairs(source)
