@@ -22,9 +22,8 @@ from disttrain.data.padding import padding_multiple
 from disttrain.data.source import load_samples, make_sampler
 from disttrain.distributed.mesh import Meshes, build_meshes
 from disttrain.distributed.runtime import Runtime
-from disttrain.core.errors import UserError
 from disttrain.layout.layout import Layout
-from disttrain.models.spec import ModelSpec, build_model, count_params
+from disttrain.models.spec import ModelSpec, count_params
 from disttrain.observe.breakdown import CommProfiler, StepBreakdown, device_clock
 from disttrain.observe.mfu import peak_flops_per_device
 from disttrain.config.resolve import ResolvedRun, resolve_run
@@ -36,6 +35,7 @@ from disttrain.train.objectives import attach_frozen_model, make_objective
 from disttrain.train.optim import build_optimizer, build_scheduler
 from disttrain.train.phases import HostComputeClock, Phases
 from disttrain.train.precision import Precision
+from disttrain.train.starting_model import starting_model
 from disttrain.train.state_dtype import adamw_class
 from disttrain.train.run import Instruments, RunData, TrainedModel, TrainingRun
 
@@ -108,32 +108,6 @@ def build_run(cfg: RunConfig, runtime: Runtime, resolved: ResolvedRun | None = N
         checkpoints=CheckpointManager(cfg.checkpoint_dir, runtime.rank, cfg.checkpoint.keep_last, cfg.checkpoint.async_save),
         instruments=Instruments(breakdown, CommProfiler(cfg.metrics.comm_profile_every, runtime.device), compute_clock,
                                 faults, peak_flops, spec.flops_per_token(cfg.data.seq_len)))
-
-
-def starting_model(cfg: RunConfig, spec: ModelSpec, layout: Layout, device, tokenizer,
-                   masks_targets: bool) -> nn.Module:
-    """The single-device model as training starts from it: built and initialised from the seed, or loaded from
-    `model.init_from`, with document masking and MoE padding exclusion in place (no adapters, no parallelism)."""
-    model = build_model(spec, device, cfg.train.seed, torch.float64 if layout.compute_dtype == "fp64" else None)
-    if cfg.data.document_masking:  # validation checked the spec can and the tokenizer has an end token
-        spec.mask_documents(model, tokenizer.eos_id)
-    if spec.moe_layers is not None and masks_targets and tokenizer.eos_id is not None \
-            and layout.pp == layout.cp == 1:  # a stage or a sequence shard sees no whole rows of token ids
-        from disttrain.models.moe.padding import exclude_padding  # padding reaches no expert
-
-        exclude_padding(model, spec.moe_layers(model).values(), tokenizer.eos_id)
-    if cfg.model.init_from:
-        from disttrain.checkpoint.export import init_from
-
-        try:
-            init_from(model, cfg.model.init_from, spec)
-        except ValueError as exc:
-            raise UserError(f"model.init_from={cfg.model.init_from}: {exc}") from None
-        except Exception as exc:  # not weights at all: safetensors, pickle and zip readers raise their own types
-            reason = (str(exc).splitlines() or [type(exc).__name__])[0]
-            raise UserError(f"model.init_from={cfg.model.init_from}: not a weights file written by "
-                            f"`disttrain convert` ({type(exc).__name__}: {reason})") from None
-    return model
 
 
 def build_engine(cfg: RunConfig, layout: Layout, meshes: Meshes, spec: ModelSpec, model: nn.Module, runtime: Runtime,

@@ -76,7 +76,7 @@ def teacher_model(cfg, layout, device, tokenizer, masks_targets: bool):
     `model.hf` would be, with the student's document masking and MoE padding exclusion."""
     from disttrain.config.sections import ModelConfig
     from disttrain.models import registry
-    from disttrain.train.builder import starting_model
+    from disttrain.train.starting_model import starting_model
 
     section = ModelConfig(hf=cfg.distill.teacher)
     spec = registry.model_spec(section)

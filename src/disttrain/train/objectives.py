@@ -29,7 +29,7 @@ def attach_frozen_model(objective, cfg, spec, layout, meshes, device, engine, lo
     """DPO's reference (the policy's adapters switched off under LoRA, else a frozen copy of the starting model)
     or distillation's teacher, parallelised like the policy."""
     from disttrain.train import preference_reference as reference
-    from disttrain.train.builder import starting_model
+    from disttrain.train.starting_model import starting_model
 
     kind = cfg.train.objective
     if kind == "dpo" and layout.pp > 1:  # the reference's forward runs through a pipeline of its own (or the policy's)
