@@ -73,7 +73,7 @@ def command(variant: str, steps: int) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(parser, "dpo_vs_trl.json")
-    parser.set_defaults(short=4, long=36)  # 32 steps apart: 512 pairs, half an epoch
+    parser.set_defaults(short=4, long=68)  # 64 steps apart: 1,024 pairs, one epoch
     args = parser.parse_args()
     if not BENCH_PY.exists():
         raise SystemExit("the comparison environment is missing: run `make bench-env` first")
