@@ -144,8 +144,7 @@ def callback_problems(ctx) -> list[Problem]:
 
 
 def distill_problems(ctx) -> list[Problem]:
-    """train.objective=distill: a teacher with weights, the student's vocabulary and tokenizer, on the layouts
-    whose forward it can follow (no pipeline yet), and not on preference pairs."""
+    """train.objective=distill: a teacher with weights, the student's vocabulary and tokenizer."""
     import hashlib
     from pathlib import Path
 
@@ -183,8 +182,4 @@ def distill_problems(ctx) -> list[Problem]:
             hashlib.sha256(own.read_bytes()).digest() != hashlib.sha256(Path(data).read_bytes()).digest():
         return [_problem("distill.teacher", teacher, f"distill.teacher={teacher}: its tokenizer.json differs from "
                          f"the run's ({data}): teacher and student must share the tokenizer")]
-    if ctx.layout.pp > 1:
-        return [_problem("parallel.pp", ctx.layout.pp, "train.objective=distill with parallel.pp="
-                         f"{ctx.layout.pp}: the teacher's forward does not run through a pipeline yet (allowed: "
-                         "parallel.pp=1)", "1")]
     return []

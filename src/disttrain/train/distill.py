@@ -55,20 +55,53 @@ class DistillLoss(GlobalMeanLoss):
         self.cfg, self.logits = cfg, logits
         self.teacher = None
         self._teacher_logits: torch.Tensor | None = None
+        self._collected: list | None = None  # a pipeline's teacher pass under way
+        self._pipeline_logits: list = []  # what the last one kept, by micro-batch
+        self._shape_only = False
         self.description = "whole logits (distillation compares the teacher's and the student's distributions)"
 
     def chunk_the_head(self, model, spec, chunk_tokens: int) -> None:
         """Both distributions are needed whole per token: the heads keep their logits."""
 
-    def forward_with_targets(self, targets: torch.Tensor, inputs: torch.Tensor | None = None):
-        """Before the student's forward of a micro-batch: the teacher's logits of it."""
-        with torch.no_grad():
-            self._teacher_logits = self.logits(self.teacher(inputs)).detach()
+    def forward_with_targets(self, targets: torch.Tensor, inputs: torch.Tensor | None = None,
+                             microbatch: int | None = None):
+        """Before the student's forward of a micro-batch: the teacher's logits of it; on a pipeline's last stage,
+        those its teacher pass kept for micro-batch `microbatch`."""
+        if microbatch is not None and self._collected is None and microbatch < len(self._pipeline_logits):
+            self._teacher_logits = self._pipeline_logits[microbatch]
+        elif self.teacher is not None and inputs is not None:
+            with torch.no_grad():
+                self._teacher_logits = self.logits(self.teacher(inputs)).detach()
         return contextlib.nullcontext()
 
+    @contextlib.contextmanager
+    def collecting_reference(self):
+        """Around a pipeline's forward-only pass of the teacher: each call of the loss keeps its micro-batch's
+        logits (micro-batch 0 first; all of a step's are held until the student's pass uses them)."""
+        self._collected = []
+        try:
+            yield
+        finally:
+            self._pipeline_logits, self._collected = self._collected, None
+
+    @contextlib.contextmanager
+    def uncounted(self):
+        """A pipeline's shape inference calls the loss on placeholder values, with no teacher logits of them."""
+        self._shape_only = True
+        try:
+            yield
+        finally:
+            self._shape_only = False
+
     def loss_sum(self, outputs, targets: torch.Tensor) -> torch.Tensor:
+        if self._collected is not None:  # a pipeline's teacher pass: keep the logits, compute nothing
+            self._collected.append(self.logits(outputs).detach())
+            return torch.zeros((), device=targets.device)
         teacher, self._teacher_logits = self._teacher_logits, None
-        return distill_sum(self.logits(outputs), teacher, self.shard_targets(targets), self.cfg)
+        student = self.logits(outputs)
+        if self._shape_only:
+            teacher = student.detach()
+        return distill_sum(student, teacher, self.shard_targets(targets), self.cfg)
 
 
 def teacher_model(cfg, layout, device, tokenizer, masks_targets: bool):

@@ -47,5 +47,11 @@ def attach_frozen_model(objective, cfg, spec, layout, meshes, device, engine, lo
         from disttrain.train.distill import teacher_model
 
         model, teacher_spec = teacher_model(cfg, layout, device, tokenizer, masks_targets)
-        objective.teacher = reference.frozen_copy(model, teacher_spec, layout, meshes, device, cfg.parallel,
-                                                  document_eos)
+        if layout.pp > 1:  # the teacher's forward through a pipeline of its own, before the student's
+            from disttrain.parallel.pipeline import build_pipeline
+
+            engine.reference = (build_pipeline(model, teacher_spec, layout, meshes, device, cfg.parallel, objective,
+                                               layout.microbatches, frozen=True), False)
+        else:
+            objective.teacher = reference.frozen_copy(model, teacher_spec, layout, meshes, device, cfg.parallel,
+                                                      document_eos)

@@ -96,9 +96,9 @@ class PipelineEngine(SteppedByOptimizerStep):
         return torch.stack([self.mean_loss.as_sum(x) for x in losses]).sum()
 
     def _run_reference(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
-        """DPO: the reference's forward of this rank's micro-batches through a pipeline (the policy's own with its
-        adapters off under LoRA, else the frozen copy's), before the policy's; the loss keeps each micro-batch's
-        reference log-probabilities on the last stage."""
+        """DPO's reference or distillation's teacher: its forward of this rank's micro-batches through a pipeline
+        (the policy's own with its adapters off under LoRA, else the frozen model's), before the policy's; the loss
+        keeps what each micro-batch gave on the last stage."""
         if self.reference is None:
             return
         parts, adapters_off = self.reference
