@@ -81,7 +81,7 @@ LOSS_TYPES = ("sigmoid", "ipo", "hinge")
 @pytest.fixture(scope="module")
 def one_process(assets, tmp_path_factory):
     """The HF model on the 8 pairs: DPO (each loss type; sigmoid also with LoRA) for 3 steps with the checkpoint
-    of step 2; SimPO and ORPO for one step. And the one-process references of the layouts."""
+    of step 2; SimPO and ORPO for one step."""
     root = tmp_path_factory.mktemp("one")
     hf = (f"model.hf={assets['base']}", f"data.source={assets['eight']}", *HF)
     dpo = ("train.objective=dpo", "train.steps=3", "checkpoint.every_steps=2", "checkpoint.save_final=false")
@@ -89,10 +89,16 @@ def one_process(assets, tmp_path_factory):
     jobs["dpo lora"] = (root / "dpo_lora", (*hf, *dpo, "model.lora.rank=4", "model.lora.alpha=8"))
     jobs["simpo"] = (root / "simpo", (*hf, "train.objective=simpo", "train.steps=1", "dpo.gamma=0.3"))
     jobs["orpo"] = (root / "orpo", (*hf, "train.objective=orpo", "train.steps=1", "dpo.lambda=0.4"))
-    jobs.update({f"ref {name}": (root / f"ref_{name.replace(' ', '_')}", (f"data.source={assets['many']}", *LAYOUT,
-                                                                          *_filled(extra, assets)))
-                 for name, extra in REFERENCES.items()})
     return train_many(jobs, nproc=1)
+
+
+@pytest.fixture(scope="module")
+def references(assets, tmp_path_factory):
+    """The layouts' one-process runs (the slow tier)."""
+    root = tmp_path_factory.mktemp("refs")
+    return train_many({name: (root / name.replace(" ", "_"), (f"data.source={assets['many']}", *LAYOUT,
+                                                                *_filled(extra, assets)))
+                       for name, extra in REFERENCES.items()}, nproc=1)
 
 
 def _filled(overrides, assets) -> tuple:
@@ -287,13 +293,19 @@ def example(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def two_processes(assets, example, tmp_path_factory):
-    """Every layout on the pairs, and the example's DPO and distillation (its configs, 4 steps each; DPO from
-    the base model, where the script starts from the fine-tuned one)."""
+def two_processes(assets, tmp_path_factory):
+    """Every layout on the pairs (one 2-rank launch; the slow tier)."""
     root = tmp_path_factory.mktemp("two")
-    jobs = {name: (root / name.replace(" ", "_"), (f"data.source={assets['many']}", *LAYOUT,
-                                                     *_filled(REFERENCES[ref], assets), *extra))
-            for name, (ref, extra) in LAYOUTS.items()}
+    return train_many({name: (root / name.replace(" ", "_"), (f"data.source={assets['many']}", *LAYOUT,
+                                                                *_filled(REFERENCES[ref], assets), *extra))
+                       for name, (ref, extra) in LAYOUTS.items()}, nproc=2)
+
+
+@pytest.fixture(scope="module")
+def example_runs(example):
+    """The example's DPO and distillation on 2 ranks (its configs, 4 steps each; DPO from the base model, where
+    the script starts from the fine-tuned one)."""
+    jobs = {}
     short = ("train.steps=4", "optim.warmup_steps=2", "train.eval_every=4", "checkpoint.every_steps=0")
     jobs["example dpo"] = (example / "dpo", (f"model.hf={example / 'base'}", f"data.source={example / 'pair-data'}",
                                              *short), EXAMPLE / "dpo.yaml")
@@ -303,12 +315,12 @@ def two_processes(assets, example, tmp_path_factory):
     return train_many(jobs, nproc=2)
 
 
-def test_the_example_end_to_end_shortened(example, two_processes, capsys):
+def test_the_example_end_to_end_shortened(example, example_runs, capsys):
     """examples/dpo/run.sh with 4 steps of each training: the pairs' completions carry loss, DPO logs its rewards,
     both exports of its adapters answer alike through transformers' generate, the distilled student exports."""
     meta = json.loads((example / "pair-data" / "meta.json").read_text())["preference"]
     assert meta["written"] > 500 and meta["skipped"] == meta["truncated"] == 0
-    assert "rewards/accuracies" in step_records(two_processes["example dpo"])[4]
+    assert "rewards/accuracies" in step_records(example_runs["example dpo"])[4]
     shutil.copytree(example / "base", example / "sft-merged")  # the script's DPO starts from its fine-tuned model
     for run, args in (("dpo", ("--to", "peft", "--out", "dpo-adapter")), ("dpo", ("--to", "hf", "--merge-lora",
                       "--out", "dpo-merged")), ("distill", ("--to", "hf", "--out", "distilled"))):
@@ -320,10 +332,10 @@ def test_the_example_end_to_end_shortened(example, two_processes, capsys):
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_every_layout_gives_one_process_on_pairs(layout, two_processes, one_process):
+def test_every_layout_gives_one_process_on_pairs(layout, two_processes, references):
     """Pairs stay together in each micro-batch on every layout: losses, gradient norms, parameters and the
     validation loss equal one process at other micro-batches (fp64, 1e-10); the rewards too."""
-    ours, theirs = two_processes[layout], one_process[f"ref {LAYOUTS[layout][0]}"]
+    ours, theirs = two_processes[layout], references[LAYOUTS[layout][0]]
     assert_parity(ours, theirs, step=4)
     for step, record in step_records(ours).items():
         assert _close(record["rewards/margins"], step_records(theirs)[step]["rewards/margins"])
@@ -335,11 +347,11 @@ def test_every_layout_gives_one_process_on_pairs(layout, two_processes, one_proc
 def test_the_report_plots_margins_and_accuracy(one_process, tmp_path):
     from disttrain.observe.run_report import make_report
 
-    _, files, _ = make_report(one_process["ref dpo"], tmp_path)
+    _, files, _ = make_report(one_process["dpo sigmoid"], tmp_path)
     assert "rewards.png" in {f.name for f in files}
 
 
-def test_a_run_saved_on_two_ranks_resumes_on_one_exactly(assets, two_processes, one_process, tmp_path):
+def test_a_run_saved_on_two_ranks_resumes_on_one_exactly(assets, two_processes, references, tmp_path):
     """DPO saved under ZeRO-3 on 2 ranks at step 2 continues on one process as if uninterrupted: the policy and
     optimizer reshard, the frozen reference is built again from the same starting weights."""
     run = tmp_path / "resumed"
@@ -347,7 +359,7 @@ def test_a_run_saved_on_two_ranks_resumes_on_one_exactly(assets, two_processes, 
     shutil.rmtree(run / "checkpoints" / "step_00000004")
     (run / "metrics.jsonl").unlink()  # the resumed run logs steps 3 and 4 alone
     train_many({"resumed": (run, (f"data.source={assets['many']}", *LAYOUT, *REFERENCES["dpo"]))}, nproc=1)
-    assert_parity(run, one_process["ref dpo"], step=4, after=2)
+    assert_parity(run, references["dpo"], step=4, after=2)
 
 
 @pytest.mark.parametrize("record,message", [
