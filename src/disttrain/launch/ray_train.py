@@ -191,13 +191,15 @@ def _cluster_has_gpus() -> bool:
     return device_type() == "cuda"
 
 
-def worker_env() -> dict[str, str]:
-    """What the workers get of the driver's environment: disttrain's own settings and the thread count."""
-    from disttrain.checkpoint import lease
+# Settings of torchrun's workers or of this launch only (the run key travels in the loop config).
+NOT_FOR_WORKERS = ("DISTTRAIN_WORKER_START", "DISTTRAIN_EXIT_BARRIER_S", "DISTTRAIN_RUN_KEY")
 
-    env = {k: v for k, v in os.environ.items() if k.startswith("DISTTRAIN_") and k != lease.KEY_ENV}
-    env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", "1")
-    return env
+
+def worker_env() -> dict[str, str]:
+    """What the workers get of the driver's environment: disttrain's own settings (DISTTRAIN_*). Ray sets their
+    thread count to their CPUs. Only when there is something to pass: a runtime environment makes Ray start new
+    worker processes rather than use the ones it keeps ready."""
+    return {k: v for k, v in os.environ.items() if k.startswith("DISTTRAIN_") and k not in NOT_FOR_WORKERS}
 
 
 def connect(opts: RayOptions, high: int):
@@ -205,7 +207,8 @@ def connect(opts: RayOptions, high: int):
     as torchrun would start that many processes); returns the ray module."""
     ray = require_ray()
     os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")  # else each console line of rank 0 shows twice
-    common = dict(logging_level=logging.WARNING, runtime_env={"env_vars": worker_env()}, log_to_driver=True)
+    env = worker_env()
+    common = dict(logging_level=logging.WARNING, log_to_driver=True, **({"runtime_env": {"env_vars": env}} if env else {}))
     if opts.address:
         check_address(opts.address)
         ray.init(address=opts.address, **common)
@@ -216,15 +219,17 @@ def connect(opts: RayOptions, high: int):
 
 
 def check_cluster(ray, cfg) -> None:
-    """Several nodes and a run directory on this machine's own disk: refused in one line."""
-    nodes = [n for n in ray.nodes() if n.get("Alive")]
-    if len(nodes) < 2:
+    """Nodes on other machines and a run directory on this machine's own disk: refused in one line. (Nodes that
+    all run on this machine share its disk.)"""
+    here = socket.gethostname()
+    others = [n for n in ray.nodes() if n.get("Alive") and n.get("NodeManagerHostname", here) != here]
+    if not others:
         return
     local = local_filesystem(cfg.run_dir)
     if local and local_filesystem(cfg.checkpoint_dir):
         raise UserError(f"run.dir={cfg.run.dir}: on this machine's own disk ({local}), which the other "
-                        f"{len(nodes) - 1} node(s) of the Ray cluster cannot reach: put run.dir on a shared "
-                        "filesystem, or checkpoint.dir on an object store (s3://...)")
+                        f"node(s) of the Ray cluster ({others[0].get('NodeManagerHostname')}, ...) cannot reach: put "
+                        "run.dir on a shared filesystem, or checkpoint.dir on an object store (s3://...)")
 
 
 def launch(cfg, opts: RayOptions, config_path: str, overrides: list[str]) -> int:

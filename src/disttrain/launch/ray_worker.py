@@ -93,15 +93,15 @@ class RayReport(Job):
         self.reported: str | None = None
 
     def start(self, trainer) -> None:
+        runtime = self.training_run.runtime
         self.reported = self.training_run.checkpoints.newest  # resumed from it: Ray knows it already
-        if self.training_run.runtime.rank != 0:
+        log.info("ray worker: pid %d, world rank %d of %d", os.getpid(), runtime.rank, runtime.world_size)
+        if runtime.rank != 0:
             return
         from disttrain.observe.run_report import load_records
 
         _, events = load_records(self.training_run.cfg.run_dir)
         starts = [e for e in events if e.get("event") == "started" and e.get("time", 0) >= self.launched]
-        log.info("ray worker: pid %d, world rank %d of %d, start %d of this launch", os.getpid(),
-                 self.training_run.runtime.rank, self.training_run.runtime.world_size, len(starts))
         if len(starts) > 1:
             trainer.metrics.event("restart", step=trainer.step, restart=len(starts) - 1, launcher="ray",
                                   world_size=self.training_run.runtime.world_size, resumed_from=self.reported)
