@@ -4,6 +4,7 @@ from 2 to 1 and back to 2 workers; the mistakes refused in one line."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -26,6 +27,9 @@ RAY = str(Path(sys.executable).with_name("ray"))
 # for the test to act in the middle of the run (the sleep changes no number).
 RUN = ("train.steps=16", "train.global_batch_size=4", "train.micro_batch_size=1", "checkpoint.every_steps=4")
 SLOW_RANK_1 = {"DISTTRAIN_FAULT": "slow:rank=1:step=0:seconds=0.4"}
+# A node whose raylet is gone is declared dead after 1 s x 3 missed health checks (Ray's defaults: 3 s x 5): a lost
+# node is noticed in seconds.
+FAST_NODE_LOSS = {"health_check_period_ms": 1000, "health_check_timeout_ms": 1000, "health_check_failure_threshold": 3}
 # A cluster on loopback for this test alone: no token authentication (its nodes and drivers all agree on that).
 NO_TOKEN = {"RAY_AUTH_MODE": "disabled"}
 
@@ -88,7 +92,8 @@ class Cluster:
 
     def __init__(self, logs: Path):
         self.logs, self.port, self.started = logs, _gcs_port(), 0
-        self.head = RayNode(logs / "head.log", "--head", f"--port={self.port}", "--include-dashboard=false")
+        self.head = RayNode(logs / "head.log", "--head", f"--port={self.port}", "--include-dashboard=false",
+                            f"--system-config={json.dumps(FAST_NODE_LOSS)}")
         self.second = None
         try:
             self.head.wait()
@@ -263,15 +268,17 @@ def test_sigterm_to_a_worker_actor_saves_the_emergency_checkpoint(ray_address, u
 
 
 def test_resize_from_two_to_one_and_back_to_two(cluster, uninterrupted, tmp_path):
-    """The second node leaves mid-run: Ray restarts the group on the one CPU left and disttrain resumes at world size
-    1; the node comes back: Ray grows the group to 2 (it looks every --ray-resize-interval seconds) and disttrain
+    """The second node is lost mid-run (its processes killed at once, as when a machine dies; a node stopped with
+    `ray stop` drains first, and a run shorter than the drain never sees it go): Ray restarts the group on the one
+    CPU left and disttrain resumes at world size 1; the node comes back: Ray grows the group to 2 (it looks every --ray-resize-interval seconds) and disttrain
     resumes at world size 2. The global batch stays 4: every step's loss equals the uninterrupted run's within
     1e-5, and each step record names the world size it ran on."""
     run = tmp_path / "run"
-    thread, out = _in_background(lambda: ray_train(run, *RUN, workers="1:2", address=cluster.address, env=SLOW_RANK_1,
+    slow = {"DISTTRAIN_FAULT": "slow:rank=0:step=0:seconds=1.5;slow:rank=1:step=0:seconds=1.5"}  # while a node joins
+    thread, out = _in_background(lambda: ray_train(run, *RUN, workers="1:2", address=cluster.address, env=slow,
                                                    extra=("--ray-resize-interval", "2")))
     _when(run, lambda: _logged_step(run) >= 5)
-    cluster.second.stop()
+    cluster.second.kill()
     _when(run, lambda: any(e["world_size"] == 1 for e in events(run, "restart")), timeout=180)
     cluster.add_node()
     thread.join(400)
