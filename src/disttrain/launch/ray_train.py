@@ -63,11 +63,19 @@ def options(args) -> RayOptions:
                       60.0 if args.ray_resize_interval is None else args.ray_resize_interval)
 
 
-def require_ray():
+def require_ray(load: bool = True):
+    """The ray module (UserError, one line, where Ray Train is not installed); `load=False`: only whether it is,
+    without the seconds an import of Ray Train takes."""
+    import importlib.util
+
     try:
+        if not load:
+            if importlib.util.find_spec("ray") is None or importlib.util.find_spec("ray.train") is None:
+                raise ImportError
+            return None
         import ray
         import ray.train.torch  # noqa: F401
-    except ImportError:
+    except (ImportError, ValueError):  # ValueError: find_spec of a module set to None (hidden)
         raise UserError(MISSING) from None
     return ray
 
@@ -110,6 +118,9 @@ def storage(cfg) -> tuple[str, str]:
     where = cfg.checkpoint_dir
     if isinstance(where, str):  # a URL
         parent, _, name = where.rpartition("/")
+        if "://" not in parent or parent.endswith(":/"):
+            raise UserError(f"checkpoint.dir={where}: under --ray, name a folder inside the bucket (e.g. "
+                            f"{where}/runs): Ray keeps its record of the run beside the checkpoints")
         return parent, name
     where = Path(where).resolve()
     return str(where.parent), where.name
@@ -142,6 +153,7 @@ class RayJob:
                 resolve_run(self.cfg, size, device)
             except UserError as exc:
                 raise UserError(f"--workers {low}:{high}: at {size} workers: {exc}") from None
+        storage(self.cfg)  # a checkpoint directory Ray cannot keep its record beside: refused here
         self.key = f"ray-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"  # the run directory's claim
         self.loop_config = {"config": str(Path(config).resolve()), "overrides": list(overrides),
                             "cwd": os.getcwd(), "run_key": self.key, "launched": time.time()}
@@ -210,7 +222,6 @@ def connect(opts: RayOptions, high: int):
     env = worker_env()
     common = dict(logging_level=logging.WARNING, log_to_driver=True, **({"runtime_env": {"env_vars": env}} if env else {}))
     if opts.address:
-        check_address(opts.address)
         ray.init(address=opts.address, **common)
     else:
         ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False,
@@ -233,40 +244,60 @@ def check_cluster(ray, cfg) -> None:
 
 
 def launch(cfg, opts: RayOptions, config_path: str, overrides: list[str]) -> int:
-    """`disttrain train CONFIG --ray`: the run under Ray Train; the exit status."""
-    from disttrain.checkpoint.run_directory import PREEMPTED, AlreadyFinished, RunDirectory
+    """`disttrain train CONFIG --ray`: the run under Ray Train; the exit status. Without --ray-address the run is
+    resolved before the local Ray instance starts; with one, once the cluster says whether it has GPUs."""
+    from disttrain.distributed.env import device_type
 
-    require_ray()
+    require_ray(load=False)
+    job = None
     if opts.address:
-        check_address(opts.address)  # before anything starts
-    high_guess = opts.workers[1] if opts.workers else 2
-    ray = connect(opts, high_guess)
+        check_address(opts.address)
+    else:
+        gpus = _local_gpus() if device_type() == "cuda" else 0
+        job = RayJob(config_path, overrides, opts.workers or ((gpus, gpus) if gpus else (2, 2)), use_gpu=gpus > 0,
+                     resize_interval_s=opts.resize_interval_s)
+    ray = connect(opts, job.workers[1] if job else 1)
     try:
         check_cluster(ray, cfg)
-        gpus = int(ray.cluster_resources().get("GPU", 0))
-        workers = opts.workers or ((gpus, gpus) if gpus else (2, 2))
-        job = RayJob(config_path, overrides, workers, use_gpu=gpus > 0, resize_interval_s=opts.resize_interval_s)
-        restarts = opts.max_restarts if opts.max_restarts is not None else (0 if workers[0] == workers[1] else 3)
-        from ray.train import FailureConfig
-        from ray.train.torch import TorchTrainer
-
-        trainer = TorchTrainer(job.train_loop, train_loop_config=job.loop_config, torch_config=job.torch_config,
-                               scaling_config=job.scaling_config(),
-                               run_config=job.run_config(failure_config=FailureConfig(max_failures=restarts)))
-        try:
-            result, error = job.fit(trainer), None
-        except AlreadyFinished as exc:
-            print(exc, flush=True)
-            return 0
-        except Exception as exc:  # Ray's TrainingFailedError: restarts used up
-            result, error = None, exc
-        error = error if error is not None else result.error
-        if error is None:
-            return int(result.return_value or 0)
-        if RunDirectory(cfg, job.resolved, job.key, claims=False).ending() == PREEMPTED:
-            return EXIT_PREEMPTED  # the workers said so: the emergency checkpoint is committed
-        first = next((line for line in str(error).splitlines() if line.strip()), type(error).__name__)
-        print(f"disttrain: error: the Ray workers failed (restarts allowed: {restarts}): {first}", flush=True)
-        return 1
+        if job is None:
+            gpus = int(ray.cluster_resources().get("GPU", 0))
+            job = RayJob(config_path, overrides, opts.workers or ((gpus, gpus) if gpus else (2, 2)),
+                         use_gpu=gpus > 0, resize_interval_s=opts.resize_interval_s)
+        return _fit(job, opts)
     finally:
         ray.shutdown()
+
+
+def _local_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def _fit(job: RayJob, opts: RayOptions) -> int:
+    """TorchTrainer.fit under the run directory's claim; Ray's result as an exit status."""
+    from ray.train import FailureConfig
+    from ray.train.torch import TorchTrainer
+
+    from disttrain.checkpoint.run_directory import PREEMPTED, AlreadyFinished, RunDirectory
+
+    low, high = job.workers
+    restarts = opts.max_restarts if opts.max_restarts is not None else (0 if low == high else 3)
+    trainer = TorchTrainer(job.train_loop, train_loop_config=job.loop_config, torch_config=job.torch_config,
+                           scaling_config=job.scaling_config(),
+                           run_config=job.run_config(failure_config=FailureConfig(max_failures=restarts)))
+    try:
+        result, error = job.fit(trainer), None
+    except AlreadyFinished as exc:
+        print(exc, flush=True)
+        return 0
+    except Exception as exc:  # Ray's TrainingFailedError: the restarts are used up
+        result, error = None, exc
+    error = error if error is not None else result.error
+    if error is None:
+        return int(result.return_value or 0)
+    if RunDirectory(job.cfg, job.resolved, job.key, claims=False).ending() == PREEMPTED:
+        return EXIT_PREEMPTED  # the workers said so in one line: the emergency checkpoint is committed
+    first = next((line for line in str(error).splitlines() if line.strip()), type(error).__name__)
+    print(f"disttrain: error: the Ray workers failed (restarts allowed: {restarts}): {first}", flush=True)
+    return 1
