@@ -209,6 +209,30 @@ def test_without_ray_installed_it_says_so(tmp_path, monkeypatch):
     assert err.strip() == "disttrain: error: --ray needs Ray Train, which is not installed: pip install 'disttrain[ray]'"
 
 
+def test_a_run_directory_on_this_machines_disk_is_refused_on_a_cluster_of_other_machines(tmp_path):
+    """The check behind the refusal, on this machine's real mounts: tmp_path is on a local disk; an object store is
+    not; nodes that all run on this machine share its disk (the tests' cluster), a node elsewhere does not. (A
+    cluster of several machines cannot be started here: its node list stands in for Ray's `ray.nodes()`.)"""
+    from disttrain.config.load import load_config
+    from disttrain.core.errors import UserError
+    from disttrain.launch.ray_train import check_cluster, local_filesystem
+
+    assert local_filesystem(tmp_path) is not None and local_filesystem("s3://bucket/runs") is None
+    cfg = load_config("configs/debug.yaml", [f"run.dir={tmp_path}"])
+    here, elsewhere = {"Alive": True, "NodeManagerHostname": socket.gethostname()}, \
+        {"Alive": True, "NodeManagerHostname": "node-7"}
+
+    class Nodes:
+        def __init__(self, *nodes):
+            self.nodes = lambda: list(nodes)
+
+    check_cluster(Nodes(here, dict(here)), cfg)  # two nodes of this machine
+    with pytest.raises(UserError, match=rf"^run.dir={tmp_path}: on this machine's own disk .*node-7"):
+        check_cluster(Nodes(here, elsewhere), cfg)
+    shared = load_config("configs/debug.yaml", [f"run.dir={tmp_path}", "checkpoint.dir=s3://bucket/runs/debug"])
+    check_cluster(Nodes(here, elsewhere), shared)  # checkpoints every node reaches
+
+
 # ---------------------------------------------------------------- the same numbers
 def test_two_ray_workers_equal_one_process(ray_address, debug_reference, tmp_path):
     """DDP over Ray's process group: two workers of two micro-batches each give one process's losses, gradient norms
