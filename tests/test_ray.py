@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers import (EXACT, PARITY, PARITY_FP32, assert_losses_close, assert_parity, cli_env, events, losses, records,
-                     run_cli, run_main, step_records, train)
+from helpers import (PARITY, REPO, assert_losses_close, assert_parity, cli_env, events, losses, run_cli, run_main,
+                     run_module, step_records, train)
 
 pytest.importorskip("ray", reason="Ray Train is an optional extra: pip install 'disttrain[ray]'")
 
@@ -30,6 +30,9 @@ SLOW_RANK_1 = {"DISTTRAIN_FAULT": "slow:rank=1:step=0:seconds=0.4"}
 # A node whose raylet is gone is declared dead after 1 s x 3 missed health checks (Ray's defaults: 3 s x 5): a lost
 # node is noticed in seconds.
 FAST_NODE_LOSS = {"health_check_period_ms": 1000, "health_check_timeout_ms": 1000, "health_check_failure_threshold": 3}
+# Workers on ports the system picks (the ephemeral range), not Ray's 10002-19999, where the suite's other modules
+# start their servers (helpers.free_ports).
+WORKER_PORTS = ("--min-worker-port=0", "--max-worker-port=0")
 # A cluster on loopback for this test alone: no token authentication (its nodes and drivers all agree on that).
 NO_TOKEN = {"RAY_AUTH_MODE": "disabled"}
 
@@ -56,7 +59,7 @@ class RayNode:
     def __init__(self, log: Path, *args: str):
         self.log = log
         self.proc = subprocess.Popen([RAY, "start", "--block", "--disable-usage-stats", "--node-ip-address=127.0.0.1",
-                                      "--num-cpus=1", *args], env={**cli_env(), **NO_TOKEN}, stdout=log.open("w"),
+                                      "--num-cpus=1", *WORKER_PORTS, *args], env={**cli_env(), **NO_TOKEN}, stdout=log.open("w"),
                                      stderr=subprocess.STDOUT, start_new_session=True)
 
     def wait(self, timeout: float = 90) -> None:
@@ -247,10 +250,16 @@ def test_two_ray_workers_equal_one_process(ray_address, debug_reference, tmp_pat
     assert "step_00000020" in snapshot  # Ray's own record of the run's checkpoints names the committed one
 
 
-def test_zero3_on_two_ray_workers_equals_one_process(ray_address, debug_reference, tmp_path):
+def test_zero3_through_the_python_entry_point_equals_one_process(ray_address, debug_reference, tmp_path):
+    """ZeRO-3 (FSDP2) on two workers through `RayJob` in a TorchTrainer of the user's own (docs/guide.md): one
+    process's numbers to 1e-10 in fp64, and Ray's Result names the final committed checkpoint where it lies."""
     run = tmp_path / "run"
-    ray_train(run, *PARITY, "parallel.zero_stage=3", workers="2", address=ray_address)
+    overrides = (f"run.dir={tmp_path}", "run.name=run", "distributed.timeout_s=60", *PARITY, "parallel.zero_stage=3")
+    proc = run_module("workers.ray_entry", [ray_address, str(REPO / "configs" / "debug.yaml"), *overrides],
+                      env={**cli_env(), **NO_TOKEN}, cwd=REPO / "tests", timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
     assert_parity(run, debug_reference)
+    assert f"result checkpoint: {run / 'checkpoints' / 'step_00000020'}" in proc.stdout
 
 
 # ---------------------------------------------------------------- restarts
