@@ -189,7 +189,8 @@ class RayJob:
         """`trainer.fit()` while this process holds the run directory for every attempt; Ray's Result."""
         from disttrain.checkpoint.run_directory import RunDirectory
 
-        with RunDirectory(self.cfg, self.resolved, self.key, claims=True):
+        self.run_directory = RunDirectory(self.cfg, self.resolved, self.key, claims=True)
+        with self.run_directory:
             return trainer.fit()
 
 
@@ -279,7 +280,7 @@ def _fit(job: RayJob, opts: RayOptions) -> int:
     from ray.train import FailureConfig
     from ray.train.torch import TorchTrainer
 
-    from disttrain.checkpoint.run_directory import PREEMPTED, AlreadyFinished, RunDirectory
+    from disttrain.checkpoint.run_directory import PREEMPTED, AlreadyFinished
 
     low, high = job.workers
     restarts = opts.max_restarts if opts.max_restarts is not None else (0 if low == high else 3)
@@ -296,7 +297,7 @@ def _fit(job: RayJob, opts: RayOptions) -> int:
     error = error if error is not None else result.error
     if error is None:
         return int(result.return_value or 0)
-    if RunDirectory(job.cfg, job.resolved, job.key, claims=False).ending() == PREEMPTED:
+    if job.run_directory.ending() == PREEMPTED:  # what the workers recorded since the launch
         return EXIT_PREEMPTED  # the workers said so in one line: the emergency checkpoint is committed
     first = next((line for line in str(error).splitlines() if line.strip()), type(error).__name__)
     print(f"disttrain: error: the Ray workers failed (restarts allowed: {restarts}): {first}", flush=True)
