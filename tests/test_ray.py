@@ -1,4 +1,5 @@
-"""Ray Train: `disttrain train --ray` on a real local Ray cluster on 127.0.0.1 (started once for this module), against
+"""Ray Train: `disttrain train --ray` on a real Ray cluster of two nodes on this machine (started once for this module;
+asked for 127.0.0.1, which Ray advertises as the machine's own address), against
 one process and an uninterrupted run; a worker actor killed under an elastic worker count, one sent SIGTERM, a resize
 from 2 to 1 and back to 2 workers; the mistakes refused in one line."""
 
@@ -90,7 +91,7 @@ class RayNode:
 
 
 class Cluster:
-    """Two Ray nodes of one CPU each on 127.0.0.1: the head and a second node that a test may take away and bring
+    """Two Ray nodes of one CPU each on this machine: the head and a second node that a test may take away and bring
     back (capacity lost and returned)."""
 
     def __init__(self, logs: Path):

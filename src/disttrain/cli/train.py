@@ -42,7 +42,7 @@ def add_parser(sub) -> None:
                      help="worker count N, or MIN:MAX: Ray restarts the group at the size available and disttrain "
                           "resumes at that world size (default: every GPU of the cluster, or 2 on CPU)")
     ray.add_argument("--ray-address", default=None,
-                     help="HOST:PORT of a running Ray cluster (default: a local Ray instance on 127.0.0.1)")
+                     help="HOST:PORT of a running Ray cluster (default: a local Ray instance of this machine)")
     ray.add_argument("--ray-resize-interval", type=float, default=None,
                      help="seconds between Ray's checks for capacity to grow a MIN:MAX group (default 60)")
 

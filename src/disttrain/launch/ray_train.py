@@ -33,7 +33,7 @@ LOCAL_FILESYSTEMS = {"ext2", "ext3", "ext4", "xfs", "btrfs", "tmpfs", "overlay",
 @dataclass(frozen=True)
 class RayOptions:
     workers: tuple[int, int] | None  # (MIN, MAX); equal for a fixed count; None: every GPU, or 2 on CPU
-    address: str | None  # None: a local Ray instance on 127.0.0.1
+    address: str | None  # None: a local Ray instance of this machine alone
     max_restarts: int | None  # None: 0 for a fixed count, 3 for MIN:MAX
     resize_interval_s: float = 60.0  # how often Ray looks for capacity to grow an elastic group (Ray's default)
 
@@ -216,8 +216,9 @@ def worker_env() -> dict[str, str]:
 
 
 def connect(opts: RayOptions, high: int):
-    """Join the cluster at --ray-address, or start a local instance on 127.0.0.1 (with at least one CPU per worker,
-    as torchrun would start that many processes); returns the ray module."""
+    """Join the cluster at --ray-address, or start a local instance of this machine alone (asked for 127.0.0.1,
+    which Ray advertises as the machine's own address; at least one CPU per worker, as torchrun would start that
+    many processes); returns the ray module."""
     ray = require_ray()
     os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")  # else each console line of rank 0 shows twice
     env = worker_env()
