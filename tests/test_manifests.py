@@ -151,7 +151,7 @@ def test_the_trainjob_names_a_runtime_of_the_examples_and_its_grace_period_cover
 
 def test_every_reference_to_a_manifest_exists():
     """The docs and the manifests' own comments name files that exist."""
-    texts = [p.read_text() for p in [REPO / "README.md", *(REPO / "docs").rglob("*.md"), *(REPO / "examples").rglob("*")]
-             if p.is_file() and p.suffix in (".md", ".yaml", ".yml", ".sbatch")]
+    files = [REPO / "README.md", *(REPO / "docs").rglob("*.md"), *(REPO / "examples").rglob("*")]
+    texts = [p.read_text() for p in files if p.is_file() and p.suffix in (".md", ".yaml", ".yml", ".sbatch")]
     named = {m for t in texts for m in re.findall(r"examples/kubernetes[\w/.-]*\.ya?ml", t)}
     assert named and all((REPO / n).is_file() for n in named), sorted(n for n in named if not (REPO / n).is_file())

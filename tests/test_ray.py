@@ -60,8 +60,8 @@ class RayNode:
     def __init__(self, log: Path, *args: str):
         self.log = log
         self.proc = subprocess.Popen([RAY, "start", "--block", "--disable-usage-stats", "--node-ip-address=127.0.0.1",
-                                      "--num-cpus=1", *WORKER_PORTS, *args], env={**cli_env(), **NO_TOKEN}, stdout=log.open("w"),
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+                                      "--num-cpus=1", *WORKER_PORTS, *args], env={**cli_env(), **NO_TOKEN},
+                                     stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
 
     def wait(self, timeout: float = 90) -> None:
         """Until the node has joined (`ray start` says so once its raylet registered)."""
@@ -210,7 +210,8 @@ def test_without_ray_installed_it_says_so(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # what `import ray` meets where Ray is not installed
     code, out, err = run_main("train", "configs/debug.yaml", f"run.dir={tmp_path}", "--ray")
     assert code == 2
-    assert err.strip() == "disttrain: error: --ray needs Ray Train, which is not installed: pip install 'disttrain[ray]'"
+    assert err.strip() == ("disttrain: error: --ray needs Ray Train, which is not installed: "
+                           "pip install 'disttrain[ray]'")
 
 
 def test_a_run_directory_on_this_machines_disk_is_refused_on_a_cluster_of_other_machines(tmp_path):

@@ -222,7 +222,8 @@ def connect(opts: RayOptions, high: int):
     ray = require_ray()
     os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")  # else each console line of rank 0 shows twice
     env = worker_env()
-    common = dict(logging_level=logging.WARNING, log_to_driver=True, **({"runtime_env": {"env_vars": env}} if env else {}))
+    common = dict(logging_level=logging.WARNING, log_to_driver=True,
+                  **({"runtime_env": {"env_vars": env}} if env else {}))
     if opts.address:
         ray.init(address=opts.address, **common)
     else:

@@ -31,7 +31,8 @@ from disttrain.train.phases import PhaseEvent, Subscriber
 
 log = logging.getLogger(__name__)
 
-__all__ = ["EXIT_HANG", "EXIT_PREEMPTED", "Decision", "StepControl", "Watchdog", "NullWatchdog", "note_preemption_signal"]
+__all__ = ["EXIT_HANG", "EXIT_PREEMPTED", "Decision", "StepControl", "Watchdog", "NullWatchdog",
+           "note_preemption_signal"]
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 _noted: list[int] = []  # preemption signals caught by a handler of the main thread while training runs in another
 
