@@ -24,7 +24,7 @@ $(DEMO_STAMP): pyproject.toml constraints.txt
 # One pip call: torch is in place from the demo's install, so DeepSpeed's setup (which imports it) builds
 # without isolation beside the other extras.
 $(STAMP): $(DEMO_STAMP)
-	DS_BUILD_OPS=0 $(BIN)/python -m pip install -q -c constraints.txt --no-build-isolation -e '.[test,deepspeed,trackers]'
+	DS_BUILD_OPS=0 $(BIN)/python -m pip install -q -c constraints.txt --no-build-isolation -e '.[test,deepspeed,trackers,ray]'
 	touch $(STAMP)
 
 demo: $(DEMO_STAMP)

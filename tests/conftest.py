@@ -24,7 +24,7 @@ def debug_reference_fp32(tmp_path_factory):
 
 # The longest modules first: with `make test`'s workers taking one module at a time, the suite ends on short
 # modules instead of one worker running a long one while the others idle.
-LONGEST_FIRST = ("test_quickstart", "test_context_parallel", "test_chat_data", "test_fault_tolerance",
+LONGEST_FIRST = ("test_quickstart", "test_ray", "test_context_parallel", "test_chat_data", "test_fault_tolerance",
                  "test_model_parallel", "test_demo", "test_user_models", "test_dryrun", "test_object_storage",
                  "test_observability", "test_sharding", "test_loss", "test_parity", "test_plan", "test_balance",
                  "test_optimizers", "test_hf", "test_hf_families", "test_dryrun_moe", "test_runtime", "test_lease",
@@ -64,6 +64,10 @@ SLOW_TIER = {
     "test_hub": ("test_a_hub_model_and_dataset_train_as_their_directories_do",),  # the README's Hub line stays
     "test_preference": ("two_processes",),  # preference objectives under every layout; TRL and the example stay
     "test_distill": ("two_processes",),  # distillation under every layout; the hand-written reference stays
+    # Ray Train: each run costs Ray's start of a worker group (10-20 s here), each restart another; DDP parity and
+    # the refusals stay
+    "test_ray": ("test_zero3_through_the_python_entry_point", "test_a_killed_worker_actor", "test_sigterm_to_a_worker_actor",
+                 "test_resize_from_two_to_one"),
 }
 
 

@@ -1,5 +1,6 @@
 """`disttrain train`: the arguments, then one call: a self-launch under torch.distributed.run
-(launch/self_launch.py), or this rank's share of the run (launch/worker.py)."""
+(launch/self_launch.py), a run under Ray Train (launch/ray_train.py), or this rank's share of the run
+(launch/worker.py)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,16 @@ def add_parser(sub) -> None:
     launch.add_argument("--exit-barrier-timeout", type=int, default=None,
                         help="seconds a node whose workers finished waits for the other nodes (default 30; "
                              "torchrun's own is 300)")
+    ray = train.add_argument_group("Ray Train (pip install 'disttrain[ray]'; --max-restarts applies too: default 0, "
+                                   "or 3 with MIN:MAX)")
+    ray.add_argument("--ray", action="store_true", help="train on Ray Train's workers (TorchTrainer)")
+    ray.add_argument("--workers", default=None,
+                     help="worker count N, or MIN:MAX: Ray restarts the group at the size available and disttrain "
+                          "resumes at that world size (default: every GPU of the cluster, or 2 on CPU)")
+    ray.add_argument("--ray-address", default=None,
+                     help="HOST:PORT of a running Ray cluster (default: a local Ray instance of this machine)")
+    ray.add_argument("--ray-resize-interval", type=float, default=None,
+                     help="seconds between Ray's checks for capacity to grow a MIN:MAX group (default 60)")
 
 
 def cmd_train(args: argparse.Namespace, overrides: list[str]) -> None:
@@ -41,6 +52,19 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> None:
     from disttrain.launch import self_launch, worker
 
     cfg = load_config(args.config, overrides)
+    ray_flags = [f for f in ("--workers", "--ray-address", "--ray-resize-interval")
+                 if getattr(args, f[2:].replace("-", "_")) is not None]
+    if args.ray or ray_flags:
+        from disttrain.launch import ray_train
+
+        torchrun_flags = [f"--{f.replace('_', '-')}" for f in ("nproc_per_node", *self_launch.FLAGS)
+                          if f != "max_restarts" and getattr(args, f) is not None]
+        if not args.ray:
+            raise UserError(f"{ray_flags[0]} needs --ray (Ray Train's workers)")
+        if under_torchrun() or torchrun_flags:
+            where = torchrun_flags[0] if torchrun_flags else "torchrun"
+            raise UserError(f"--ray with {where}: Ray Train starts the workers itself; use one launcher")
+        sys.exit(ray_train.launch(cfg, ray_train.options(args), args.config, overrides))
     if not under_torchrun():
         given = [f"--{f.replace('_', '-')}" for f in self_launch.FLAGS if getattr(args, f) is not None]
         if given and args.nproc_per_node is None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a process ended by Ctrl-C
@@ -42,7 +43,9 @@ def _on_sigint(signum, frame) -> None:
 
 
 def install() -> None:
-    """Handle SIGINT in this process as the module docstring says (main thread only)."""
+    """Handle SIGINT in this process as the module docstring says. Only the main thread can: training in another
+    thread (a Ray Train worker) leaves Ctrl-C to its driver, which stops the workers."""
     global _since
     _since = None
-    signal.signal(signal.SIGINT, _on_sigint)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, _on_sigint)

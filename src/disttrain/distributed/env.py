@@ -1,4 +1,5 @@
-"""Where this process sits: torchrun's variables, SLURM's (srun without torchrun), or one process."""
+"""Where this process sits: torchrun's variables, SLURM's (srun without torchrun), or one process. A Ray Train
+worker is told by its launcher (launch/ray_worker.py builds its DistEnv from Ray's context)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ class DistEnv:
     world_size: int
     local_rank: int
     local_world_size: int
-    launcher: str  # "torchrun", "slurm" or "single"
+    launcher: str  # "torchrun", "slurm", "ray" or "single"
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
 

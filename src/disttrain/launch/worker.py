@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import Callable
 
 from disttrain.checkpoint.run_directory import AlreadyFinished, RunDirectory
 from disttrain.config.resolve import resolve_run
@@ -17,24 +18,27 @@ from disttrain.launch import this_process
 from disttrain.observe.quiet import quiet_third_party
 
 
-def train_here(cfg) -> int:
-    """Resolve the run for this world, hold (or check) its directory, and train this rank; the exit status."""
-    env = detect_env()
+def train_here(cfg, env=None, jobs_after_checkpoints: Callable | None = None) -> int:
+    """Resolve the run for this world, hold (or check) its directory, and train this rank; the exit status.
+    `env`: where this process sits (default: from its environment, distributed/env.py); `jobs_after_checkpoints`:
+    run -> jobs of the loop that run after the step boundary's checkpoint (a launcher's own, launch/ray_worker.py)."""
+    env = env or detect_env()
     interrupts.install()
     resolved = resolve_run(cfg, env.world_size, device_type())
     try:
         with RunDirectory.for_rank(cfg, resolved, env.rank) as run_dir:
-            return _train(cfg, env, resolved, run_dir)
+            return _train(cfg, env, resolved, run_dir, jobs_after_checkpoints)
     except AlreadyFinished as exc:  # every rank found it before starting anything
         if env.rank == 0:
             print(exc, flush=True)
         return 0
 
 
-def _train(cfg, env, resolved, run_dir: RunDirectory) -> int:
+def _train(cfg, env, resolved, run_dir: RunDirectory, jobs_after_checkpoints: Callable | None = None) -> int:
     from disttrain.distributed.runtime import init_distributed, shutdown
     from disttrain.observe.health import NonFiniteError, ReplicaDivergence
     from disttrain.train.builder import build_run
+    from disttrain.train.job_list import default_jobs
     from disttrain.train.loop import CheckpointFailed, Preempted, Trainer
 
     setup_logging(cfg.run_dir, env.rank)
@@ -50,7 +54,11 @@ def _train(cfg, env, resolved, run_dir: RunDirectory) -> int:
     try:
         runtime = init_distributed(env, cfg.distributed.backend, cfg.distributed.timeout_s)
         try:
-            trainer = Trainer(build_run(cfg, runtime, resolved))
+            run = build_run(cfg, runtime, resolved)
+            jobs = default_jobs(run)
+            if jobs_after_checkpoints is not None:  # after the step boundary (checkpoints, stop), before sampling
+                jobs[-1:-1] = jobs_after_checkpoints(run)
+            trainer = Trainer(run, jobs)
         except UserError:  # found while assembling (weights that do not fit, a job that is not one): leave nothing
             run_dir.forget_if_fresh(env.rank)
             raise

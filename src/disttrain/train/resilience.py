@@ -31,8 +31,17 @@ from disttrain.train.phases import PhaseEvent, Subscriber
 
 log = logging.getLogger(__name__)
 
-__all__ = ["EXIT_HANG", "EXIT_PREEMPTED", "Decision", "StepControl", "Watchdog", "NullWatchdog"]
+__all__ = ["EXIT_HANG", "EXIT_PREEMPTED", "Decision", "StepControl", "Watchdog", "NullWatchdog",
+           "note_preemption_signal"]
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+_noted: list[int] = []  # preemption signals caught by a handler of the main thread while training runs in another
+
+
+def note_preemption_signal(signum: int) -> None:
+    """For a process whose training runs outside its main thread (a Ray Train worker: launch/ray_worker.py), where
+    only the main thread can handle signals: its handler calls this, and StepControl reads it at the next step
+    boundary as if its own handler had caught the signal."""
+    _noted.append(signum)
 
 
 class Decision(NamedTuple):
@@ -55,8 +64,9 @@ class StepControl:
         self.agent_pid = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None
         self.last_save = time.monotonic()
         self.group = dist.new_group(backend="gloo")  # CPU: no device sync in the hot path
-        for sig in PREEMPT_SIGNALS:
-            signal.signal(sig, self._on_signal)
+        if threading.current_thread() is threading.main_thread():  # else the main thread's handler notes them
+            for sig in PREEMPT_SIGNALS:
+                signal.signal(sig, self._on_signal)
 
     def _on_signal(self, signum, frame) -> None:
         self.preempt_signal = signum
@@ -64,6 +74,8 @@ class StepControl:
     def decide(self, write_pending: bool = False, stop: bool = False) -> Decision:
         """Collective: one small all-reduce (MAX) of this rank's four flags."""
         due = self.rank == 0 and self.every_s > 0 and time.monotonic() - self.last_save >= self.every_s
+        if self.preempt_signal is None and _noted:
+            self.preempt_signal = _noted[-1]
         if self.agent_pid is not None and self.preempt_signal is None and os.getppid() != self.agent_pid:
             log.warning("the launcher (pid %d) is gone: saving an emergency checkpoint and stopping", self.agent_pid)
             self.preempt_signal = signal.SIGHUP

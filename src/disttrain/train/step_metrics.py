@@ -51,7 +51,7 @@ class StepMetrics(Job):
         record = {"step": trainer.step, "time": time.time(), "loss": loss,
                   "lr": outcome.lr, "grad_norm": float(result.grad_norm), "tokens_per_sec": tokens_per_sec,
                   "step_time_s": elapsed / window_steps, "data_time_s": outcome.data_time,
-                  "tokens_seen": trainer.progress.tokens_seen}
+                  "tokens_seen": trainer.progress.tokens_seen, "world_size": run.runtime.world_size}
         if tools.peak_flops and tools.flops_per_token:
             record["mfu"] = tools.flops_per_token * tokens_per_sec / (tools.peak_flops * run.runtime.world_size)
         record.update(tools.breakdown.collect(window_steps))
