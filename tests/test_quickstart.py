@@ -31,7 +31,7 @@ SHORT = ("train.steps=2", "optim.warmup_steps=1", "train.eval_every=0", "train.s
 CLAIMED = {"demo": "dp=2 zero=0", "debug": "dp=1 zero=0", "demo-lr1e-3": "dp=2 zero=0", "demo-torchrun": "dp=2 zero=0",
            "fsdp": "dp=2 zero=3", "demo-tp": "dp=1 zero=0 tp=2 sp", "demo-pp": "dp=1 zero=0 pp=2 interleaved_1f1b m=2",
            "demo-cp": "dp=1 zero=0 cp=2 ring", "mycorpus": "dp=1 zero=0", "sft": "dp=2 zero=0",
-           "dpo": "dp=2 zero=0"}
+           "dpo": "dp=2 zero=0", "demo-ray": "dp=2 zero=0"}
 
 
 def quickstart_lines() -> list[str]:
@@ -58,6 +58,9 @@ def training(line: str) -> tuple[str, list[str]] | None:
 
 
 def nproc(line: str) -> int:
+    if "--ray" in line:  # Ray Train's workers: --workers N, by default 2 on CPU
+        found = re.search(r"--workers[ =](\d+)", line)
+        return int(found.group(1)) if found else 2
     found = re.search(r"--nproc[-_]per[-_]node[ =](\w+)", line)
     return 1 if not found else 2 if found.group(1) == "auto" else int(found.group(1))
 
@@ -157,7 +160,7 @@ def test_quickstart_after_make_demo_trains_what_each_line_says(tmp_path):
                 claimed = resolve_run(load_config(tmp_path / train[0], train[1]), nproc(line), "cpu").layout
             assert (started["world_size"], started["layout"]) == (nproc(line), claimed.describe()), line
             trained[cfg.run.name] = started["layout"]
-    assert len(seen) == 12  # make demo, the eleven training lines (fine-tuning, DPO and context parallel among them)
+    assert len(seen) == 13  # make demo, the twelve training lines (fine-tuning, DPO, Ray, context parallel among them)
     assert trained == CLAIMED  # what the README says each line trains (the 3D line runs elsewhere)
 
 

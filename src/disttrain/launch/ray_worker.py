@@ -23,6 +23,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 from ray.train.torch import TorchConfig
 
@@ -116,7 +117,9 @@ class RayReport(Job):
         from disttrain.checkpoint.manager import CheckpointManager
 
         path = self.reported = self.training_run.checkpoints.newest
-        checkpoint = Checkpoint(str(path)) if self.training_run.runtime.rank == 0 else None
+        # Ray reads a local checkpoint path as a URI: a relative one (run.dir=runs, the default) has no scheme
+        where = str(path) if "://" in str(path) else str(Path(path).resolve())
+        checkpoint = Checkpoint(where) if self.training_run.runtime.rank == 0 else None
         metrics = {"step": CheckpointManager.step_of(path), "world_size": self.training_run.runtime.world_size}
         if trainer.final_loss is not None:
             metrics["loss"] = trainer.final_loss
