@@ -76,6 +76,7 @@ class StepControl:
         due = self.rank == 0 and self.every_s > 0 and time.monotonic() - self.last_save >= self.every_s
         if self.preempt_signal is None and _noted:
             self.preempt_signal = _noted[-1]
+            _noted.clear()  # read once: a later run in this process starts without it
         if self.agent_pid is not None and self.preempt_signal is None and os.getppid() != self.agent_pid:
             log.warning("the launcher (pid %d) is gone: saving an emergency checkpoint and stopping", self.agent_pid)
             self.preempt_signal = signal.SIGHUP
