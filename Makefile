@@ -1,5 +1,5 @@
 # `make demo` trains the demo config; `make test` runs the suite. Both build .venv from nothing: the demo
-# installs disttrain and its own dependencies only, the suite adds the test tools, DeepSpeed and trackers.
+# installs disttrain and its own dependencies only, the suite adds the test tools, DeepSpeed, trackers and Ray.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
