@@ -141,6 +141,7 @@ def test_a_teacher_that_cannot_teach_is_refused(assets, tmp_path):
     (foreign / "tokenizer.json").write_text(
         (foreign / "tokenizer.json").read_text().replace('"<|im_end|>"', '"<|eot|>"'))
     cases = [(("distill.teacher=",), "train.objective=distill needs distill.teacher=DIR"),
+             (("engine=deepspeed", "precision.compute_dtype=fp32"), "engine=deepspeed with train.objective=distill"),
              ((f"distill.teacher={other}",), "its vocabulary has 448 tokens, the student's 384"),
              ((f"distill.teacher={no_weights}",), "holds no weights"),
              ((f"distill.teacher={foreign}",), "its tokenizer.json differs from the run's")]

@@ -160,6 +160,9 @@ def distill_problems(ctx) -> list[Problem]:
     if not teacher:
         return [_problem("distill.teacher", "", "train.objective=distill needs distill.teacher=DIR (a Hugging Face "
                          "model directory or Hub id with weights)", "a model directory")]
+    if cfg.engine == "deepspeed":
+        return [_problem("engine", "deepspeed", "engine=deepspeed with train.objective=distill: the teacher is "
+                         "sharded by the torch engine's layouts only, so far (allowed: engine=torch)", "torch")]
     try:
         directory = Path(local_directory(teacher, "distill.teacher"))
         shape = registry.model_shape(ModelConfig(hf=teacher))
