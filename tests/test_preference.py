@@ -345,9 +345,18 @@ def test_every_layout_gives_one_process_on_pairs(layout, two_processes, referenc
 
 
 def test_the_report_plots_margins_and_accuracy(one_process, tmp_path):
-    from disttrain.observe.run_report import make_report
+    """`disttrain report` draws each logged step's margin and accuracy (the figure's own data), and writes it."""
+    from disttrain.observe.run_report import figures, load_records, make_report
 
-    _, files, _ = make_report(one_process["dpo sigmoid"], tmp_path)
+    run = one_process["dpo sigmoid"]
+    records, run_events = load_records(run)
+    figure = figures(records, run_events)["rewards.png"]
+    margin, accuracy = (ax.get_lines()[0] for ax in figure.axes)
+    logged = step_records(run)
+    assert list(margin.get_xdata()) == list(accuracy.get_xdata()) == sorted(logged)
+    assert list(margin.get_ydata()) == [logged[s]["rewards/margins"] for s in sorted(logged)]
+    assert list(accuracy.get_ydata()) == [logged[s]["rewards/accuracies"] for s in sorted(logged)]
+    _, files, _ = make_report(run, tmp_path)
     assert "rewards.png" in {f.name for f in files}
 
 

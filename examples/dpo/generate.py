@@ -16,16 +16,11 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as transformers_logging
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sft"))
+from generate import answer  # noqa: E402  (the fine-tuning example's greedy answer through the chat template)
+
 transformers_logging.disable_progress_bar()
 warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
-
-
-def answer(model, tok, question: str, tokens: int = 16) -> str:
-    ids = tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
-                                  return_tensors="pt", return_dict=True)
-    out = model.generate(**ids, max_new_tokens=tokens, do_sample=False, pad_token_id=tok.pad_token_id,
-                         eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"))
-    return tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True).strip()
 
 
 def load(directory: Path):

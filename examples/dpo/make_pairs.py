@@ -16,6 +16,9 @@ import re
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sft"))
+from make_assets import save_base  # noqa: E402  (the fine-tuning example's model, made smaller)
+
 
 def make_pairs(chats: list[dict], seed: int = 0) -> list[dict]:
     """One pair per conversation whose last answer is a sum: that answer chosen, the same with a wrong sum
@@ -37,18 +40,10 @@ def make_pairs(chats: list[dict], seed: int = 0) -> list[dict]:
     return pairs
 
 
-def save_student(directory: Path, vocab_size: int, seed: int = 1) -> Path:
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
-    from transformers.utils import logging as transformers_logging
-
-    transformers_logging.disable_progress_bar()
-    torch.manual_seed(seed)
-    config = LlamaConfig(hidden_size=32, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2,
-                         num_key_value_heads=1, vocab_size=vocab_size, max_position_embeddings=256,
-                         tie_word_embeddings=False, initializer_range=0.1)
-    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
-    return directory
+def save_student(directory: Path, vocab_size: int) -> Path:
+    """The fine-tuning example's Llama made smaller: 2 layers, hidden 32."""
+    return save_base(directory, vocab_size, seed=1, hidden_size=32, intermediate_size=96, num_hidden_layers=2,
+                     num_attention_heads=2, num_key_value_heads=1)
 
 
 def main(work: Path) -> None:

@@ -67,8 +67,9 @@ def make_records(n: int, seed: int = 0, max_turns: int = 2, instructions: float 
     return out
 
 
-def save_base(directory: Path, vocab_size: int, seed: int = 0) -> Path:
-    """A 4-layer Llama (hidden 64, grouped-query attention) written by transformers' save_pretrained."""
+def save_base(directory: Path, vocab_size: int, seed: int = 0, **sizes) -> Path:
+    """A 4-layer Llama (hidden 64, grouped-query attention) written by transformers' save_pretrained; `sizes`:
+    LlamaConfig keys that replace those dimensions (examples/dpo's smaller student)."""
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -76,9 +77,9 @@ def save_base(directory: Path, vocab_size: int, seed: int = 0) -> Path:
 
     transformers_logging.disable_progress_bar()  # one tiny shard: a bar says nothing
     torch.manual_seed(seed)
-    config = LlamaConfig(hidden_size=64, intermediate_size=192, num_hidden_layers=4, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=vocab_size, max_position_embeddings=256,
-                         tie_word_embeddings=False, initializer_range=0.1)
+    config = LlamaConfig(**{**dict(hidden_size=64, intermediate_size=192, num_hidden_layers=4, num_attention_heads=4,
+                                   num_key_value_heads=2), **sizes}, vocab_size=vocab_size,
+                         max_position_embeddings=256, tie_word_embeddings=False, initializer_range=0.1)
     AutoModelForCausalLM.from_config(config).save_pretrained(directory)
     return directory
 

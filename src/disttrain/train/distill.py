@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from disttrain.core.dtypes import at_least_fp32
 from disttrain.models.spec import IGNORE_INDEX
 from disttrain.train.loss import GlobalMeanLoss, replicated_value
+from disttrain.train.preference_reference import PipelinePass
 
 
 def distill_sum(student: torch.Tensor, teacher: torch.Tensor, targets: torch.Tensor, cfg) -> torch.Tensor:
@@ -55,8 +56,7 @@ class DistillLoss(GlobalMeanLoss):
         self.cfg, self.logits = cfg, logits
         self.teacher = None
         self._teacher_logits: torch.Tensor | None = None
-        self._collected: list | None = None  # a pipeline's teacher pass under way
-        self._pipeline_logits: list = []  # what the last one kept, by micro-batch
+        self.pipeline_pass = PipelinePass()  # the teacher's pass through a pipeline, before the student's
         self._shape_only = False
         self.description = "whole logits (distillation compares the teacher's and the student's distributions)"
 
@@ -67,22 +67,18 @@ class DistillLoss(GlobalMeanLoss):
                              microbatch: int | None = None):
         """Before the student's forward of a micro-batch: the teacher's logits of it; on a pipeline's last stage,
         those its teacher pass kept for micro-batch `microbatch`."""
-        if microbatch is not None and self._collected is None and microbatch < len(self._pipeline_logits):
-            self._teacher_logits = self._pipeline_logits[microbatch]
+        kept = self.pipeline_pass.get(microbatch)
+        if kept is not None:
+            self._teacher_logits = kept
         elif self.teacher is not None and inputs is not None:
             with torch.no_grad():
                 self._teacher_logits = self.logits(self.teacher(inputs)).detach()
         return contextlib.nullcontext()
 
-    @contextlib.contextmanager
     def collecting_reference(self):
         """Around a pipeline's forward-only pass of the teacher: each call of the loss keeps its micro-batch's
-        logits (micro-batch 0 first; all of a step's are held until the student's pass uses them)."""
-        self._collected = []
-        try:
-            yield
-        finally:
-            self._pipeline_logits, self._collected = self._collected, None
+        logits (all of a step's are held until the student's pass uses them)."""
+        return self.pipeline_pass.collecting()
 
     @contextlib.contextmanager
     def uncounted(self):
@@ -94,8 +90,8 @@ class DistillLoss(GlobalMeanLoss):
             self._shape_only = False
 
     def loss_sum(self, outputs, targets: torch.Tensor) -> torch.Tensor:
-        if self._collected is not None:  # a pipeline's teacher pass: keep the logits, compute nothing
-            self._collected.append(self.logits(outputs).detach())
+        if self.pipeline_pass.active:  # a pipeline's teacher pass: keep the logits, compute nothing
+            self.pipeline_pass.keep(self.logits(outputs).detach())
             return torch.zeros((), device=targets.device)
         teacher, self._teacher_logits = self._teacher_logits, None
         student = self.logits(outputs)

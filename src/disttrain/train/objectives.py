@@ -35,9 +35,9 @@ def attach_frozen_model(objective, cfg, spec, layout, meshes, device, engine, lo
     if kind == "dpo" and layout.pp > 1:  # the reference's forward runs through a pipeline of its own (or the policy's)
         from disttrain.parallel.pipeline import build_pipeline
 
-        engine.reference = (engine.parts, True) if lora else (build_pipeline(
+        engine.reference = (engine.parts, reference.lora_layers(engine.model)) if lora else (build_pipeline(
             starting_model(cfg, spec, layout, device, tokenizer, masks_targets), spec, layout, meshes, device,
-            cfg.parallel, objective, layout.microbatches, frozen=True), False)
+            cfg.parallel, objective, layout.microbatches, frozen=True), [])
     elif kind == "dpo" and lora:
         objective.reference = reference.lora_reference(engine.model)
     elif kind == "dpo":
@@ -51,7 +51,7 @@ def attach_frozen_model(objective, cfg, spec, layout, meshes, device, engine, lo
             from disttrain.parallel.pipeline import build_pipeline
 
             engine.reference = (build_pipeline(model, teacher_spec, layout, meshes, device, cfg.parallel, objective,
-                                               layout.microbatches, frozen=True), False)
+                                               layout.microbatches, frozen=True), [])
         else:
             objective.teacher = reference.frozen_copy(model, teacher_spec, layout, meshes, device, cfg.parallel,
                                                       document_eos)

@@ -7,7 +7,6 @@ off. The loss exists on the last stage only; it is summed along the pipeline whe
 
 from __future__ import annotations
 
-import contextlib
 import time
 from pathlib import Path
 
@@ -34,7 +33,8 @@ class PipelineEngine(SteppedByOptimizerStep):
         self.norm_params = tied.norm_params(self.params)
         self.bubble = PipelineBubble()
         phases.subscribe(self.bubble)
-        self.reference: tuple[PipelineParts, bool] | None = None  # DPO: (the reference's pipeline, adapters off)
+        # DPO's reference or a teacher: (its pipeline, the LoRA layers switched off for it: the policy's own)
+        self.reference: tuple[PipelineParts, list] | None = None
         self._step: int | None = None  # the step the schedule is running (None: evaluation)
         self._targets: tuple[torch.Tensor, ...] = ()  # this step's micro-batches' targets (last stage)
         for stage in parts.stages:  # each chunk announces itself (receives happen before it, sends after)
@@ -101,13 +101,12 @@ class PipelineEngine(SteppedByOptimizerStep):
         keeps what each micro-batch gave on the last stage."""
         if self.reference is None:
             return
-        parts, adapters_off = self.reference
-        from disttrain.train.preference_reference import adapters_off as switched_off
+        parts, lora_layers = self.reference
+        from disttrain.train.preference_reference import adapters_off
 
         self._targets = torch.tensor_split(targets, parts.microbatches) if parts.is_last else ()
         args = (inputs,) if parts.stages[0].is_first else ()
-        off = switched_off(self.model) if adapters_off else contextlib.nullcontext()
-        with torch.no_grad(), off, self.mean_loss.collecting_reference(), self.precision.autocast(), \
+        with torch.no_grad(), adapters_off(lora_layers), self.mean_loss.collecting_reference(), self.precision.autocast(), \
                 loss_context(self.tensor_parallel):
             parts.schedule.eval(*args, target=targets if parts.is_last else None, losses=[], return_outputs=False)
 

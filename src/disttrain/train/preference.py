@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from disttrain.core.dtypes import at_least_fp32
 from disttrain.models.spec import IGNORE_INDEX
 from disttrain.train.loss import replicated_value
+from disttrain.train.preference_reference import PipelinePass
 
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected")
@@ -92,8 +93,7 @@ class PreferenceLoss:
         self.description = "whole logits (the preference objective reads each sequence's log-probability)"
         self._ref: torch.Tensor | None = None
         self._shape_only = False  # a pipeline's shape inference calls the loss on placeholder values
-        self._collected: list | None = None  # a pipeline's reference pass under way
-        self._pipeline_refs: list = []  # what the last one collected, by micro-batch
+        self.pipeline_pass = PipelinePass()  # the reference's pass through a pipeline, before the policy's
         self._sums: torch.Tensor | None = None
         self._eval_sums: torch.Tensor | None = None  # the validation pass's, beside the training step's
 
@@ -107,22 +107,18 @@ class PreferenceLoss:
                              microbatch: int | None = None):
         """Before the policy's forward of a micro-batch: the reference's log-probabilities of it (dpo); on a
         pipeline's last stage, those its reference pass collected for micro-batch `microbatch`."""
-        if microbatch is not None and self._collected is None and microbatch < len(self._pipeline_refs):
-            self._ref = self._pipeline_refs[microbatch]
+        kept = self.pipeline_pass.get(microbatch)
+        if kept is not None:
+            self._ref = kept
         elif self.reference is not None and inputs is not None:
             with torch.no_grad():
                 self._ref = self._logps(self.reference(inputs), targets)[0].detach()
         return contextlib.nullcontext()
 
-    @contextlib.contextmanager
     def collecting_reference(self):
         """Around a pipeline's forward-only pass of the reference: each call of the loss keeps its micro-batch's
-        log-probabilities (in the schedule's order, micro-batch 0 first) instead of computing a loss."""
-        self._collected = []
-        try:
-            yield
-        finally:
-            self._pipeline_refs, self._collected = self._collected, None
+        log-probabilities instead of computing a loss."""
+        return self.pipeline_pass.collecting()
 
     @contextlib.contextmanager
     def uncounted(self):
@@ -153,21 +149,21 @@ class PreferenceLoss:
         ref = self._ref if not self._shape_only else logps.detach()
         self._ref = None
         return pair_losses(self.objective, self.cfg, logps[0::2], logps[1::2], lengths[0::2], lengths[1::2],
-                           *((ref[0::2], ref[1::2]) if ref is not None else ())), logps
+                           *((ref[0::2], ref[1::2]) if ref is not None else ())), logps, lengths
 
     def loss_sum(self, outputs, targets: torch.Tensor) -> torch.Tensor:
         """The micro-batch's pair losses summed; a training step also adds its rewards to the step's sums."""
-        if self._collected is not None:  # a pipeline's reference pass: keep, compute nothing
-            self._collected.append(self._logps(outputs, targets)[0].detach())
-            return torch.zeros((), dtype=self._collected[-1].dtype, device=self._collected[-1].device)
-        (loss, chosen_reward, rejected_reward), logps = self._pairs(outputs, targets)
+        if self.pipeline_pass.active:  # a pipeline's reference pass: keep, compute nothing
+            logps = self._logps(outputs, targets)[0].detach()
+            self.pipeline_pass.keep(logps)
+            return torch.zeros((), dtype=logps.dtype, device=logps.device)
+        (loss, chosen_reward, rejected_reward), logps, lengths = self._pairs(outputs, targets)
         total = loss.sum() / self.cp  # each context rank holds the whole rows' losses
         sums = self._sums if torch.is_grad_enabled() else self._eval_sums  # evaluation runs without gradients
         if sums is not None:
             c, r = logps[0::2].detach(), logps[1::2].detach()
-            if self.objective != "dpo":
-                c, r = c / (targets[0::2] != IGNORE_INDEX).sum(-1).clamp(min=1), \
-                    r / (targets[1::2] != IGNORE_INDEX).sum(-1).clamp(min=1)
+            if self.objective != "dpo":  # the per-token means these objectives compare
+                c, r = c / lengths[0::2].clamp(min=1), r / lengths[1::2].clamp(min=1)
             values = (chosen_reward, rejected_reward, (chosen_reward > rejected_reward).to(c.dtype),
                       chosen_reward - rejected_reward, c, r, torch.ones_like(c))
             sums += torch.stack([v.double().sum() for v in values])

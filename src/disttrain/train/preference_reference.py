@@ -14,13 +14,17 @@ import contextlib
 from torch import nn
 
 
-@contextlib.contextmanager
-def adapters_off(model: nn.Module):
-    """peft's LoRA layers compute their base layer alone. The flag is flipped directly: peft's
-    `enable_adapters` would also change the adapters' requires_grad, which the optimizer and FSDP hold."""
+def lora_layers(model: nn.Module) -> list[nn.Module]:
+    """peft's adapter-holding layers of `model` (found once, switched every step)."""
     from peft.tuners.tuners_utils import BaseTunerLayer
 
-    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    return [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+
+
+@contextlib.contextmanager
+def adapters_off(layers: list[nn.Module]):
+    """peft's LoRA layers compute their base layer alone. The flag is flipped directly: peft's
+    `enable_adapters` would also change the adapters' requires_grad, which the optimizer and FSDP hold."""
     for layer in layers:
         layer._disable_adapters = True
     try:
@@ -32,8 +36,10 @@ def adapters_off(model: nn.Module):
 
 def lora_reference(policy: nn.Module):
     """inputs -> the outputs of the policy with its adapters off."""
+    layers = lora_layers(policy)
+
     def forward(inputs):
-        with adapters_off(policy):
+        with adapters_off(layers):
             return policy(inputs)
     return forward
 
@@ -49,3 +55,34 @@ def frozen_copy(model: nn.Module, spec, layout, meshes, device, parallel_options
     reference = parallelize(model, spec, replace(layout, activation_checkpointing="none"), meshes, device,
                             parallel_options, document_eos, frozen=True)
     return reference
+
+
+class PipelinePass:
+    """What a frozen model's forward-only pass through a pipeline leaves on the last stage, by micro-batch (DPO's
+    reference log-probabilities, a teacher's logits): the loss keeps one value per call while `collecting()`
+    (the schedule calls it micro-batch 0 first), and the policy's pass reads them back by index."""
+
+    def __init__(self):
+        self._collecting: list | None = None
+        self._kept: list = []
+
+    @property
+    def active(self) -> bool:
+        return self._collecting is not None
+
+    @contextlib.contextmanager
+    def collecting(self):
+        self._collecting = []
+        try:
+            yield
+        finally:
+            self._kept, self._collecting = self._collecting, None
+
+    def keep(self, value):
+        self._collecting.append(value)
+
+    def get(self, microbatch: int | None):
+        """The value kept for `microbatch`, or None (not on a pipeline, or no pass kept it)."""
+        if microbatch is None or self.active or microbatch >= len(self._kept):
+            return None
+        return self._kept[microbatch]
