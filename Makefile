@@ -1,5 +1,5 @@
 # `make demo` trains the demo config; `make test` runs the suite. Both build .venv from nothing: the demo
-# installs disttrain and its own dependencies only, the suite adds the test tools, DeepSpeed, trackers and Ray.
+# installs disttrain and its own dependencies only, the suite adds the test tools, DeepSpeed, trackers, Ray and torchao.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -24,7 +24,7 @@ $(DEMO_STAMP): pyproject.toml constraints.txt
 # One pip call: torch is in place from the demo's install, so DeepSpeed's setup (which imports it) builds
 # without isolation beside the other extras.
 $(STAMP): $(DEMO_STAMP)
-	DS_BUILD_OPS=0 $(BIN)/python -m pip install -q -c constraints.txt --no-build-isolation -e '.[test,deepspeed,trackers,ray]'
+	DS_BUILD_OPS=0 $(BIN)/python -m pip install -q -c constraints.txt --no-build-isolation -e '.[test,deepspeed,trackers,ray,float8]'
 	touch $(STAMP)
 
 demo: $(DEMO_STAMP)

@@ -6,6 +6,8 @@
 #                                                         # the per-expert loop up to Qwen3-30B-A3B's expert shape
 #     OUT=/tmp/cuda bash benchmarks/cuda_check.sh moe     # a mid-sized built-in MoE's CUDA peak memory, and a
 #                                                         # Hugging Face Qwen3-MoE trained through `model.hf`
+#     OUT=/tmp/cuda bash benchmarks/cuda_check.sh speed   # `1b` bf16 at 2,048 tokens: the loss in chunks or whole,
+#                                                         # compile, float8 rowwise (torchao installed), checkpointing
 # The parts are separate so that each call's files fit what one device call brings back (8).
 set -u
 PART=${1:-dense}
@@ -56,7 +58,16 @@ print("saved /tmp/qwen3_moe_small")
 PY
   train hf_qwen3_moe 200 model.hf=/tmp/qwen3_moe_small data.seq_len=1024 train.micro_batch_size=4 \
       train.global_batch_size=8 train.steps=30
+elif [ "$PART" = speed ]; then
+  DENSE="model.name=1b data.seq_len=2048 train.global_batch_size=8 train.micro_batch_size=4 train.steps=30"
+  train 1b_chunked 240 $DENSE
+  train 1b_whole 240 $DENSE train.loss_chunk_tokens=0
+  train 1b_compile 300 $DENSE parallel.compile=true
+  train 1b_float8 300 $DENSE precision.float8=rowwise
+  train 1b_float8_compile 300 $DENSE precision.float8=rowwise parallel.compile=true
+  train 1b_float8_compile_selective 300 $DENSE precision.float8=rowwise parallel.compile=true \
+      parallel.activation_checkpointing=selective
 else
-  echo "usage: bash benchmarks/cuda_check.sh dense|moe" >&2
+  echo "usage: bash benchmarks/cuda_check.sh dense|moe|speed" >&2
   exit 2
 fi

@@ -81,4 +81,4 @@ def test_make_demo_installs_only_what_the_demo_needs(tmp_path):
     assert len(demo) == 2 and demo[1].endswith("-c constraints.txt -e .")
     assert not re.search(r"deepspeed|trackers|test", " ".join(demo))
     test = _make_commands("test", tmp_path)
-    assert "-e '.[test,deepspeed,trackers,ray]'" in test and "-c constraints.txt -e ." in test
+    assert "-e '.[test,deepspeed,trackers,ray,float8]'" in test and "-c constraints.txt -e ." in test

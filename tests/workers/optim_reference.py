@@ -4,8 +4,11 @@ one-process `disttrain train` of CONFIG + OVERRIDES, trained by a plain PyTorch 
 each step), sharing nothing with disttrain's optimizer,
 schedule or clipping code. Run as a job of tests/workers/train_many.py in a launch of one process:
 
-    {"call": "optim_reference:train", "args": [CONFIG, OVERRIDES, OUT]}
+    {"call": "optim_reference:train", "args": [CONFIG, OVERRIDES, OUT, FLOAT8]}
 
+FLOAT8 (optional, false by default): the model's block Linear layers made float8 here, by torchao's own
+`convert_to_float8_training` in its emulation mode (matmuls of the dequantized float8 values, no float8 kernel), by
+the documented rule written out here (OVERRIDES then leave `precision.float8` off).
 OUT (torch.save): {"loss", "lr", "grad_norm": one per step, "params": the final parameters}.
 """
 
@@ -44,10 +47,26 @@ def factor(step: int, o, total: int) -> float:
     return low + (1 - low) * left
 
 
-def train(config: str, overrides: list[str], out: str) -> None:
+def float8_by_hand(model: torch.nn.Module) -> None:
+    """docs/guide.md's rule: Linear layers in layers.N with both dimensions multiples of 16, not a router's."""
+    import dataclasses
+
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    def chosen(module, name: str) -> bool:
+        return (isinstance(module, torch.nn.Linear) and re.match(r"^layers\.\d+\.", name) is not None
+                and ".router." not in name and module.in_features % 16 == 0 and module.out_features % 16 == 0)
+
+    config = dataclasses.replace(Float8LinearConfig.from_recipe_name("rowwise"), emulate=True)
+    convert_to_float8_training(model, config=config, module_filter_fn=chosen)
+
+
+def train(config: str, overrides: list[str], out: str, float8: bool = False) -> None:
     cfg = load_config(config, overrides)
     run = build_run(cfg, Runtime(detect_env(), torch.device("cpu"), "gloo"))
     model, o, total = run.model.module, cfg.optim, cfg.train.steps
+    if float8:
+        float8_by_hand(model)
     params = dict(model.named_parameters())
     muon_names = [n for n in params if o.name == "muon" and BLOCK_MATRIX.match(n)]
     rest = [n for n in params if n not in muon_names]

@@ -61,7 +61,29 @@ def config_problems(cfg) -> list[Problem]:
         problems.append(_problem("optim.state_dtype", o.state_dtype, f"optim.state_dtype={o.state_dtype} needs "
                                  "engine=torch (DeepSpeed keeps its own optimizer states; allowed with "
                                  "engine=deepspeed: fp32)", "fp32"))
-    return problems
+    return problems + float8_problems(cfg)
+
+
+FLOAT8_HINT = "pip install -c constraints.txt 'disttrain[float8]'"
+
+
+def float8_problems(cfg) -> list[Problem]:
+    """precision.float8=rowwise: torchao's float8 training, under the torch engine, from fp32 or bf16 compute."""
+    if cfg.precision.float8 == "off":
+        return []
+    compute = cfg.precision.compute_dtype
+    if compute in ("fp16", "fp64"):
+        why = "fp16's range is too narrow for float8's scaling" if compute == "fp16" else \
+            "float8 rounding is what fp64 runs exist to rule out"
+        return [_problem("precision.float8", "rowwise", f"precision.float8=rowwise with precision.compute_dtype="
+                         f"{compute}: {why} (allowed with float8: fp32, bf16; or precision.float8=off)", "off")]
+    if cfg.engine == "deepspeed":
+        return [_problem("precision.float8", "rowwise", "precision.float8=rowwise needs engine=torch (DeepSpeed builds "
+                         "its own modules; allowed with engine=deepspeed: off)", "off")]
+    if importlib.util.find_spec("torchao") is None:
+        return [_problem("precision.float8", "rowwise", "precision.float8=rowwise needs torchao, which is not "
+                         f"installed ({FLOAT8_HINT}; allowed without it: off)", "off")]
+    return []
 
 
 def _muon_problems(cfg) -> list[Problem]:

@@ -76,3 +76,7 @@ class PrecisionConfig(Section):
     reduce_dtype: Literal["auto", "fp32", "bf16", "fp16", "fp64"] = Field(
         "auto", description="the dtype gradients are reduced in under zero_stage 2-3; auto: fp64 when "
         "compute_dtype=fp64, else fp32")
+    float8: Literal["off", "rowwise"] = Field(
+        "off", description="rowwise: torchao's float8 matmuls (rowwise scales) in the Linear layers of the repeated "
+        "blocks whose dimensions are multiples of 16, not routers or LoRA factors; needs fp32 or bf16 compute, "
+        "engine=torch, and on CUDA a GPU of compute capability 8.9 or newer (H100, H200, L40, B200)")

@@ -66,6 +66,7 @@ class Layout:
     balance: str = "off"  # "auto": re-split the global batch by measured speed
     balance_weights: tuple[float, ...] = ()  # one per data-parallel rank; (): equal (or auto's start)
     loss_chunk_tokens: int = LOSS_CHUNK_TOKENS  # the output head and loss in chunks of this many tokens (0: whole)
+    float8: str = "off"  # "rowwise": float8 matmuls in the blocks' Linear layers (parallel/float8.py)
 
     # ------------------------------------------------------------ degrees and batches
     @property
@@ -235,7 +236,7 @@ class Layout:
                    param_dtype=param_dtype, compute_dtype=prec.compute_dtype, reduce_dtype=reduce_dtype,
                    cpu_offload=parallel.cpu_offload, engine=cfg.engine, balance=parallel.balance,
                    balance_weights=tuple(float(w) for w in parallel.balance_weights),
-                   loss_chunk_tokens=cfg.train.loss_chunk_tokens)
+                   loss_chunk_tokens=cfg.train.loss_chunk_tokens, float8=prec.float8)
 
     def to_config(self) -> dict:
         """The config sections that give this Layout back through `from_config` (on its world size): the one
@@ -250,7 +251,7 @@ class Layout:
         # outside fp64; elsewhere the weights take the compute dtype, and `auto` says so
         own_param_dtype = self.zero_stage >= 2 and self.engine == "torch" and self.compute_dtype != "fp64"
         precision = {"param_dtype": self.param_dtype if own_param_dtype else "auto",
-                     "compute_dtype": self.compute_dtype, "reduce_dtype": self.reduce_dtype}
+                     "compute_dtype": self.compute_dtype, "reduce_dtype": self.reduce_dtype, "float8": self.float8}
         return {"engine": self.engine, "parallel": parallel, "precision": precision,
                 "train": {"global_batch_size": self.global_batch_size, "micro_batch_size": self.micro_batch_size,
                           "loss_chunk_tokens": self.loss_chunk_tokens},

@@ -40,15 +40,18 @@ def announce(metrics, *, step: int, world_size: int, layout, model: str, num_par
              tokenizer: str | None, per_step: str, warnings: list[str], shares: list[int] | None = None,
              rebalance_every: int = 0, skipped: list[str] = (), checkpoint_dir: str = "",
              resumed_from: str | None = None, changes: dict | None = None, optimizer_split: dict | None = None,
-             attention: str = "", loss: str = "") -> None:
+             attention: str = "", loss: str = "", float8: str = "") -> None:
     """What a run says as it starts, on the console and as events: the start line, warnings, uneven shares,
     checkpoints that could not be loaded, and where it resumed from with what changed since."""
     metrics.event("started", step=step, world_size=world_size, layout=layout.describe(), num_params=num_params,
                   **({} if trainable is None else {"trainable_params": trainable}),
-                  **({"attention": attention} if attention else {}), **({"logits": loss} if loss else {}))
+                  **({"attention": attention} if attention else {}), **({"logits": loss} if loss else {}),
+                  **({"float8": float8} if float8 else {}))
     metrics.message(start_line(model, num_params, layout, device, tokenizer, per_step, trainable))
     if attention and attention != "sdpa":  # a kernel other than the default: say which and why
         metrics.message(f"attention: {attention}")
+    if float8:
+        metrics.message(f"float8: {float8}")
     if loss.startswith("whole logits ("):  # train.loss_chunk_tokens asked for chunks the model cannot take
         metrics.message(f"loss: {loss}")
     if optimizer_split:

@@ -24,6 +24,11 @@ DROPPED = {
     # DeepSpeed, whenever something imports it on a machine without a GPU (peft and transformers probe it): CPU
     # training is what the user asked for, and a GPU that is not seen fails loudly where it matters (backend=nccl).
     "DeepSpeed": ("Setting accelerator to CPU",),
+    # torchao, as it imports: its prebuilt CUDA kernels for MX formats and CUTLASS do not load on a machine without
+    # a matching CUDA; float8 training with rowwise scales and the 8-bit optimizer do not use them.
+    "torchao": ("Failed to load",),
+    # torch, when torchao registers its enum as a pytree constant (a deprecation aimed at torchao, not the user).
+    "torch.utils._pytree": ("is an Enum subclass",),
 }
 
 

@@ -1,5 +1,5 @@
 """Compose the parallelisms onto a single-device model (or one pipeline stage of it), always in
-the same order: (SyncBatchNorm) -> tensor parallel -> expert parallel -> context parallel ->
+the same order: (float8 layers) -> (SyncBatchNorm) -> tensor parallel -> expert parallel -> context parallel ->
 activation checkpointing -> compile -> FSDP/DDP (the experts' own FSDP units first).
 
 The pipeline split comes first, in parallel/pipeline.py, which calls `parallelize` per stage.
@@ -26,6 +26,10 @@ def parallelize(model: nn.Module, spec, layout: Layout, meshes: Meshes, device: 
     """`options`: the config's `parallel` section (compile, DDP knobs); `document_eos`: the end token under
     document masking (None: off); `frozen`: a model that only runs forward (a reference model): no DDP wrapper.
     Returns the module to call (a DDP wrapper, or the same module sharded in place)."""
+    if layout.float8 != "off":
+        from disttrain.parallel.float8 import apply_float8
+
+        apply_float8(model, spec, device)
     if spec.sync_batchnorm and layout.dp > 1:
         from disttrain.parallel.sync_batchnorm import convert_sync_batchnorm
 

@@ -17,6 +17,7 @@ from torch import nn
 
 from disttrain.checkpoint.manager import CheckpointManager
 from disttrain.config.schema import RunConfig
+from disttrain.core.errors import UserError
 from disttrain.data.loader import DistributedBatchLoader
 from disttrain.data.padding import padding_multiple
 from disttrain.data.source import load_samples, make_sampler
@@ -80,6 +81,7 @@ def build_run(cfg: RunConfig, runtime: Runtime, resolved: ResolvedRun | None = N
 
         low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(layout.compute_dtype)  # the frozen base's storage
         lora_base = apply_lora(model, spec, cfg.model.lora, t.seed, base_dtype=low)
+    float8 = float8_choice(model, spec, layout, runtime.device)
     num_params = count_params(model)
     breakdown = StepBreakdown(runtime.device)
     breakdown.watch_input_module(model)
@@ -103,11 +105,24 @@ def build_run(cfg: RunConfig, runtime: Runtime, resolved: ResolvedRun | None = N
     return TrainingRun(
         cfg=cfg, resolved=replace(resolved, spec=spec), runtime=runtime, meshes=meshes, engine=engine, balancer=balancer,
         model=TrainedModel(model, spec, num_params, lora_base, routing, trainable_params=sum(
-            p.numel() for p in model.parameters() if p.requires_grad) if lora_base else None),
+            p.numel() for p in model.parameters() if p.requires_grad) if lora_base else None, float8=float8),
         data=RunData(tokenizer, loader, val_samples, tokens_per_step),
         checkpoints=CheckpointManager(cfg.checkpoint_dir, runtime.rank, cfg.checkpoint.keep_last, cfg.checkpoint.async_save),
         instruments=Instruments(breakdown, CommProfiler(cfg.metrics.comm_profile_every, runtime.device), compute_clock,
                                 faults, peak_flops, spec.flops_per_token(cfg.data.seq_len)))
+
+
+def float8_choice(model: nn.Module, spec: ModelSpec, layout: Layout, device: torch.device) -> str:
+    """What `precision.float8` will convert (parallelize does), said as the run starts; refuses a GPU without
+    float8 matmuls in one line. "": float8 is off."""
+    if layout.float8 == "off":
+        return ""
+    from disttrain.parallel.float8 import choose_layers, float8_device_problem
+
+    problem = float8_device_problem(device)
+    if problem:
+        raise UserError(problem)
+    return choose_layers(model, spec).describe()
 
 
 def build_engine(cfg: RunConfig, layout: Layout, meshes: Meshes, spec: ModelSpec, model: nn.Module, runtime: Runtime,

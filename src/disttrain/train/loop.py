@@ -119,7 +119,8 @@ class Trainer:
                  rebalance_every=cfg.parallel.balance_every if run.balancer.auto else 0,
                  skipped=p.skipped_checkpoints, checkpoint_dir=str(run.checkpoints.dir),
                  resumed_from=p.resumed_from, changes=p.config_changes,
-                 optimizer_split=getattr(getattr(run.engine, "optimizer", None), "split", dict)())
+                 optimizer_split=getattr(getattr(run.engine, "optimizer", None), "split", dict)(),
+                 float8=run.model.float8)
 
     def _train_step(self) -> StepOutcome:
         run, tools, step = self.run, self.run.instruments, self.step + 1

@@ -18,6 +18,7 @@ class TrainedModel:
     lora_base: str = ""  # fingerprint of the frozen base under LoRA adapters (models/lora.py); "" without
     routing: object = None  # observe/moe.py's RoutingMonitor for an MoE model
     trainable_params: int | None = None  # under LoRA, the adapters' parameters; None: every parameter trains
+    float8: str = ""  # which Linear layers take float8 matmuls (precision.float8); "": off
 
 
 @dataclass
