@@ -1,7 +1,7 @@
 """The independent reference of the optimizer tests: the same model, starting weights and batches as a
 one-process `disttrain train` of CONFIG + OVERRIDES, trained by a plain PyTorch loop written here
 (torch.optim.AdamW, torch.optim.Muon, LambdaLR, clip_grad_norm_; bf16 states as fp32 ones rounded after
-each step), sharing nothing with disttrain's optimizer,
+each step; 8-bit states by torchao's AdamW8bit), sharing nothing with disttrain's optimizer,
 schedule or clipping code. Run as a job of tests/workers/train_many.py in a launch of one process:
 
     {"call": "optim_reference:train", "args": [CONFIG, OVERRIDES, OUT, FLOAT8]}
@@ -70,10 +70,12 @@ def train(config: str, overrides: list[str], out: str, float8: bool = False) -> 
     params = dict(model.named_parameters())
     muon_names = [n for n in params if o.name == "muon" and BLOCK_MATRIX.match(n)]
     rest = [n for n in params if n not in muon_names]
-    optimizers = [torch.optim.AdamW([{"params": [params[n] for n in rest if params[n].ndim >= 2],
-                                      "weight_decay": o.weight_decay},
-                                     {"params": [params[n] for n in rest if params[n].ndim < 2], "weight_decay": 0.0}],
-                                    lr=o.lr, betas=tuple(o.betas), eps=o.eps)]
+    adamw = torch.optim.AdamW
+    if o.state_dtype == "int8":  # torchao's own, its step run uncompiled (below)
+        from torchao.optim import AdamW8bit as adamw
+    optimizers = [adamw([{"params": [params[n] for n in rest if params[n].ndim >= 2], "weight_decay": o.weight_decay},
+                         {"params": [params[n] for n in rest if params[n].ndim < 2], "weight_decay": 0.0}],
+                        lr=o.lr, betas=tuple(o.betas), eps=o.eps)]
     if muon_names:
         m = o.muon
         optimizers.append(torch.optim.Muon([params[n] for n in muon_names], lr=m.lr or o.lr,
@@ -91,9 +93,10 @@ def train(config: str, overrides: list[str], out: str, float8: bool = False) -> 
             part.backward()
             loss += float(part)
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip if o.grad_clip else math.inf)
-        record["lr"].append(optimizers[0].param_groups[0]["lr"])
+        record["lr"].append(float(optimizers[0].param_groups[0]["lr"]))
         for opt, schedule in zip(optimizers, schedules):
-            opt.step()
+            with torch.compiler.set_stance("force_eager"):
+                opt.step()
             if o.state_dtype == "bf16":  # what a bf16 state keeps: the moments rounded after each step
                 for entry in opt.state.values():
                     for key in ("exp_avg", "exp_avg_sq", "momentum_buffer"):

@@ -67,8 +67,9 @@ def full_model_state(step_dir) -> dict[str, torch.Tensor]:
         from disttrain.core import storage
 
         full: dict = {}
-        _load_state_dict(full, storage_reader=storage.dcp_reader(step_dir), planner=_EmptyStateDictLoadPlanner(),
-                         no_dist=True)
+        # the model's entries only: the optimizer's may be states of other libraries' types (8-bit moments)
+        _load_state_dict(full, storage_reader=storage.dcp_reader(step_dir),
+                         planner=_EmptyStateDictLoadPlanner(keys={"model"}), no_dist=True)
         state = full["model"]
     return {k: v.detach().float().contiguous() for k, v in state.items() if not k.startswith("rope_")}
 

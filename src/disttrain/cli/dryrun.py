@@ -172,6 +172,9 @@ def refuse_unmodelled(cfg):
     if cfg.train.objective != "lm":  # what the planner and the dry run model is one sequence per sample
         raise UserError(f"train.objective={cfg.train.objective}: the dry run and the planner model a language-model "
                         "step; they do not count the pairs' second sequence or a reference model yet (allowed: lm)")
+    if cfg.optim.state_dtype == "int8":
+        raise UserError("optim.state_dtype=int8: the dry run does not simulate torchao's 8-bit states (`disttrain "
+                        "estimate --state-dtype int8` and `plan` count them; allowed in a dry run: fp32, bf16)")
     return cfg
 
 

@@ -71,7 +71,7 @@ def add_parsers(sub) -> None:
                      "(default: the config's model.lora.rank, else none)")
     est.add_argument("--optimizer", choices=("adamw", "muon"), default=None, help="optim.name whose states to count "
                      "(default: the config's, else adamw)")
-    est.add_argument("--state-dtype", choices=("fp32", "bf16"), default=None, help="optim.state_dtype of the "
+    est.add_argument("--state-dtype", choices=("fp32", "bf16", "int8"), default=None, help="optim.state_dtype of the "
                      "moments (default: the config's, else fp32)")
     est.add_argument("--json", action="store_true")
     add_cluster_args(est)
@@ -101,7 +101,7 @@ def add_parsers(sub) -> None:
     plan.add_argument("--lora-rank", type=int, default=0, help="LoRA adapters of this rank on a frozen base")
     plan.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw", help="optim.name to plan for "
                       "(muon: one moment for the block matrices)")
-    plan.add_argument("--state-dtype", choices=("fp32", "bf16"), default="fp32", help="optim.state_dtype to plan "
+    plan.add_argument("--state-dtype", choices=("fp32", "bf16", "int8"), default="fp32", help="optim.state_dtype to plan "
                       "for (bf16: the moments take half the bytes)")
     plan.add_argument("--scaling", default=None, help="also plan these GPU counts, e.g. 2,4,8,16,32, and print "
                                                       "the scaling efficiency of each")
@@ -226,24 +226,24 @@ def _optimizer(args) -> tuple[str, str]:
     name, dtype = args.optimizer, args.state_dtype
     if (name is None or dtype is None) and args.config:
         from disttrain.config.load import load_config
-
         optim = load_config(args.config, getattr(args, "overrides", [])).optim
         name, dtype = name or optim.name, dtype or optim.state_dtype
+    if name == "muon" and dtype == "int8":
+        raise UserError("--state-dtype=int8 with muon: 8-bit states are AdamW's (allowed with muon: fp32, bf16)")
     return name or "adamw", dtype or "fp32"
 
 
 def cmd_estimate(args) -> None:
     name, shape, layout = build_layout(args)
-    headroom = _headroom(args)
+    headroom, (optimizer, state_dtype) = _headroom(args), _optimizer(args)
     cluster = _cluster(args, layout.world_size, name, shape) if args.time else None
     est = estimate(shape, layout, cluster, model=name, accounting=args.accounting, lora_rank=moe.no_lora(
         _lora_rank(args), shape), routing_skew=moe.routing_skew(args.routing_skew, shape),
-        muon=_optimizer(args)[0] == "muon", state_dtype=_optimizer(args)[1])
+        muon=optimizer == "muon", state_dtype=state_dtype)
     gpu_name, memory = gpu_memory(args.gpu, getattr(args, "hardware", None))
     tokens = parse_count("--tokens", args.tokens) if args.tokens else None
     if args.json:
-        out = est.as_dict()
-        budget = memory_budget(memory, headroom)
+        out, budget = est.as_dict(), memory_budget(memory, headroom)
         out["fits"] = {"gpu": gpu_name, "budget_bytes": budget, "headroom": headroom,
                        "fits": est.memory.total <= budget}
         if tokens and est.time:

@@ -61,7 +61,27 @@ def config_problems(cfg) -> list[Problem]:
         problems.append(_problem("optim.state_dtype", o.state_dtype, f"optim.state_dtype={o.state_dtype} needs "
                                  "engine=torch (DeepSpeed keeps its own optimizer states; allowed with "
                                  "engine=deepspeed: fp32)", "fp32"))
-    return problems + float8_problems(cfg)
+    return problems + float8_problems(cfg) + int8_state_problems(cfg)
+
+
+def int8_state_problems(cfg) -> list[Problem]:
+    """optim.state_dtype=int8: torchao's 8-bit AdamW, where it holds plain tensors or FSDP2's / TP's DTensors."""
+    if cfg.optim.state_dtype != "int8" or cfg.engine == "deepspeed":  # (DeepSpeed: refused above)
+        return []
+    why = {cfg.optim.name == "muon": ("optim.name=muon", "8-bit states are AdamW's (torchao's AdamW8bit)"),
+           cfg.parallel.zero_stage == 1: ("parallel.zero_stage=1", "ZeRO-1's sharded optimizer keeps its own "
+                                          "states (use zero_stage 2 or 3, which shard 8-bit states too)"),
+           cfg.parallel.ep > 1: (f"parallel.ep={cfg.parallel.ep}", "expert shards' states are shown whole in "
+                                 "checkpoints, which 8-bit blocks do not allow"),
+           cfg.precision.compute_dtype == "fp64": ("precision.compute_dtype=fp64", "the 8-bit step computes in "
+                                                   "fp32")}.get(True)
+    if why:
+        return [_problem("optim.state_dtype", "int8", f"optim.state_dtype=int8 with {why[0]}: {why[1]} "
+                         "(allowed there: fp32, bf16)", "fp32, bf16")]
+    if importlib.util.find_spec("torchao") is None:
+        return [_problem("optim.state_dtype", "int8", "optim.state_dtype=int8 needs torchao, which is not installed "
+                         f"({FLOAT8_HINT}; allowed without it: fp32, bf16)", "fp32, bf16")]
+    return []
 
 
 FLOAT8_HINT = "pip install -c constraints.txt 'disttrain[float8]'"

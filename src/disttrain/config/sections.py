@@ -268,7 +268,8 @@ class OptimConfig(Section):
     min_lr: float = Field(0.0, ge=0, description="final learning rate")
     grad_clip: float = Field(1.0, ge=0, description="max global gradient norm over every parameter (0: off; the "
                              "norm is still logged)")
-    state_dtype: Literal["fp32", "bf16"] = Field("fp32", description="dtype the optimizer keeps its moments in "
-                                                 "(AdamW's two, Muon's momentum): bf16 halves their memory, each "
-                                                 "update still computed in the parameters' dtype")
+    state_dtype: Literal["fp32", "bf16", "int8"] = Field(
+        "fp32", description="dtype the optimizer keeps its moments in (AdamW's two, Muon's momentum): bf16 halves "
+        "their memory, each update still computed in the parameters' dtype; int8: AdamW's moments in 8 bits with a "
+        "scale per 256 values (torchao's AdamW8bit, the float8 extra; not Muon, ZeRO-1, expert parallel or fp64)")
     muon: MuonConfig = Field(default_factory=MuonConfig, description="Muon's settings (optim.name=muon)")

@@ -30,7 +30,9 @@ from disttrain.plan.params import (RankParams, layer_params, lora_layer_params, 
 
 ACCOUNTINGS = ("runtime", "zero-paper")
 FP32 = 4
-STATE_BYTES = {"fp32": 4, "bf16": 2}  # per moment, optim.state_dtype (train/state_dtype.py)
+# per moment value, optim.state_dtype (train/state_dtype.py); int8: a byte a value and an fp32 scale per 256 (torchao;
+# its tensors under 4,096 values keep fp32 moments, a share too small to count here)
+STATE_BYTES = {"fp32": 4, "bf16": 2, "int8": 1 + 4 / 256}
 ADAM_MOMENT_BYTES = 2 * STATE_BYTES["fp32"]  # exp_avg + exp_avg_sq
 MUON_MOMENT_BYTES = STATE_BYTES["fp32"]  # momentum_buffer
 

@@ -126,7 +126,7 @@ class OptimizerStep:
                                  "such steps")
 
     def lr(self) -> float:
-        return self.scheduler.get_last_lr()[0]
+        return float(self.scheduler.get_last_lr()[0])  # a CPU tensor under 8-bit states (torchao's)
 
     def state_dict(self) -> dict:
         return {"scheduler": self.scheduler.state_dict(), "scaler": self.precision.scaler.state_dict()}

@@ -5,13 +5,18 @@ another dtype, and only its fused CUDA kernel mixes them (not on CPU, not for a 
 tensors). So the bf16 step is written here, per tensor: each moment is read into the parameter's dtype, updated by
 the same operations as torch.optim.AdamW's single-tensor step, used at that precision, and stored back rounded. One
 step therefore equals torch.optim.AdamW's step from the rounded moments, which is how the tests check it.
+
+8-bit states (`optim.state_dtype=int8`) are torchao's AdamW8bit: each moment in blocks of 256 values, one byte a
+value and one fp32 scale a block (tensors under 4,096 values stay in their own dtype), on plain tensors and on
+FSDP2's and tensor parallel's DTensors (each rank quantizes its own shard).
 """
 
 from __future__ import annotations
 
 import torch
 
-STATE_DTYPES = {"fp32": None, "bf16": torch.bfloat16}  # None: the parameter's own dtype (torch's default)
+STATE_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "int8": None}  # None: the parameter's own dtype (torch's
+# default; int8's quantized moments are torchao's tensor subclass, not a dtype)
 MOMENTS = ("exp_avg", "exp_avg_sq", "momentum_buffer")
 
 
@@ -70,6 +75,30 @@ def keep_states_in(optimizer: torch.optim.Optimizer, dtype: torch.dtype | None) 
                 entry[key] = entry[key].to(dtype)
 
 
-def adamw_class(optim_cfg) -> type[torch.optim.AdamW]:
+def adamw_class(optim_cfg) -> type[torch.optim.Optimizer]:
     """The AdamW that keeps its moments in optim.state_dtype."""
+    if optim_cfg.state_dtype == "int8":
+        return adamw_8bit()
     return torch.optim.AdamW if STATE_DTYPES[optim_cfg.state_dtype] is None else AdamWBf16States
+
+
+def adamw_8bit() -> type[torch.optim.Optimizer]:
+    """torchao's AdamW8bit, stepped eagerly off CUDA. torchao compiles its per-parameter step for every parameter
+    shape and dtype (about 20 s each on a CPU, where tests and small runs train); `force_eager` runs the same
+    function uncompiled. Its learning rate is a tensor in each param group (torchao's requirement; schedules
+    fill it in place)."""
+    from torchao.optim import AdamW8bit
+
+    class AdamWInt8States(AdamW8bit):
+        def __init__(self, params, foreach=None, **kwargs):  # torchao's step has no foreach switch
+            super().__init__(params, **kwargs)
+
+        @torch.no_grad()
+        def step(self, closure=None):
+            on_cuda = any(p.is_cuda for group in self.param_groups for p in group["params"])
+            if on_cuda:
+                return super().step(closure)
+            with torch.compiler.set_stance("force_eager"):
+                return super().step(closure)
+
+    return AdamWInt8States
