@@ -224,3 +224,49 @@ def test_under_fsdp_the_dry_run_finds_more_buffers_at_the_chunked_head(stage):
         errors[chunk] = dry_run(cfg, 2)["ranks"][0]["error"]
     assert abs(errors[0]["peak_bytes"]) <= 0.001 and abs(errors[2048]["activations"]) <= 0.002, errors
     assert -0.035 <= errors[2048]["peak_bytes"] < -0.02, errors  # the gap, until the planner counts it
+
+
+def _rows_whole(model, tokens, targets):
+    logp = -F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten(), reduction="none",
+                            ignore_index=IGNORE_INDEX)
+    return logp.view(targets.shape).sum(-1)
+
+
+def _rows_chunked(model, tokens, targets):
+    model.output.per_row = True
+    with targets_for([model.output], targets):
+        return model(tokens)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("chunk", [7, 40, 50])
+def test_each_rows_log_probability_and_every_gradient_equal_whole_logits(tied, chunk):
+    """A preference objective's figure (each row's summed log-probability of its targets) from the head in chunks,
+    with a different weight on each row's gradient (as pair losses give): values and gradients equal whole
+    logits' in fp64, for chunks that cut rows."""
+    tokens = torch.randint(0, 256, TOKENS, generator=torch.Generator().manual_seed(1))
+    targets, weights = _targets(256), torch.tensor([0.7, -1.3, 0.2], dtype=torch.float64)
+    reference = _model(tied)
+    whole = _rows_whole(reference, tokens, targets)
+    (weights * whole).sum().backward()
+    model = _model(tied)
+    chunk_output_head(model.output, chunk)
+    rows = _rows_chunked(model, tokens, targets)
+    (weights * rows).sum().backward()
+    assert rows.shape == (3,) and rows.dtype == torch.float64
+    assert (rows - whole).abs().max().item() <= 1e-12 * whole.abs().max().item()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert (p.grad - q.grad).abs().max().item() <= 1e-12 * q.grad.abs().max().item(), name
+
+
+def test_rows_hold_no_more_than_one_chunk_of_logits_and_recompute_them_under_autocast():
+    """Forward and backward make no vocabulary-wide tensor of more than one chunk's positions; the backward's
+    recomputed logits are bf16 under bf16 autocast, as the forward's were."""
+    tokens, targets = torch.randint(0, 256, TOKENS), _targets(256)
+    model = _model(True).float()
+    chunk_output_head(model.output, 16)
+    with _Shapes() as seen, torch.autocast("cpu", dtype=torch.bfloat16):
+        _rows_chunked(model, tokens, targets).sum().backward()
+    assert _vocabulary_rows(seen.seen, 256) == 16
+    logits = [dtype for op, s, dtype in seen.seen if op in ("mm", "addmm", "linear") and s == (16, 256)]
+    assert len(logits) >= 2 * (120 // 16) and set(logits) == {torch.bfloat16}  # forward's and backward's

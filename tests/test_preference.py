@@ -16,7 +16,7 @@ import torch
 
 from chat_tokenizer import WORDS, save_chat_tokenizer
 from hf_models import fp64_norms
-from helpers import DEBUG_CONFIG, EXACT, FP64, assert_parity, events, final_params, run_main, step_records, train_many
+from helpers import WHOLE_LOGITS, DEBUG_CONFIG, EXACT, FP64, assert_parity, events, final_params, run_main, step_records, train_many
 
 SEQ_LEN = 64
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "dpo"
@@ -72,9 +72,10 @@ def assets(tmp_path_factory):
             "many": root / "many" / "out", "prepared": out}
 
 
+CHUNK = 24  # the output head's chunks of tokens: they cut rows, and no row length is a multiple
 HF = (f"data.seq_len={SEQ_LEN}", "train.global_batch_size=8", "train.micro_batch_size=4",
       "optim.lr=2e-2", "optim.warmup_steps=0", "optim.schedule=constant", "metrics.log_every=1", f"dpo.beta={BETA}",
-      FP64)
+      FP64, f"train.loss_chunk_tokens={CHUNK}")
 LOSS_TYPES = ("sigmoid", "ipo", "hinge")
 
 
@@ -96,7 +97,7 @@ def one_process(assets, tmp_path_factory):
 def references(assets, tmp_path_factory):
     """The layouts' one-process runs (the slow tier)."""
     root = tmp_path_factory.mktemp("refs")
-    return train_many({name: (root / name.replace(" ", "_"), (f"data.source={assets['many']}", *LAYOUT,
+    return train_many({name: (root / name.replace(" ", "_"), (f"data.source={assets['many']}", *LAYOUT, WHOLE_LOGITS,
                                                                 *_filled(extra, assets)))
                        for name, extra in REFERENCES.items()}, nproc=1)
 
@@ -198,6 +199,8 @@ def test_dpo_equals_trl_after_two_steps(loss_type, one_process, assets, tmp_path
                 "logps/rejected"):
         assert _close(third[key], metrics[key]), (key, third[key], metrics[key])
     assert third["rewards/margins"] > 0.1  # two updates moved the policy: not a comparison of zeros
+    # the head computed each row's log-probability in chunks of tokens (the loss never held the whole logits)
+    assert events(run, "started")[0]["logits"] == f"chunks of {CHUNK} tokens"
 
 
 def test_dpo_with_lora_equals_trl_with_peft_adapters_off_as_reference(one_process, assets, tmp_path):
@@ -294,9 +297,11 @@ def example(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def two_processes(assets, tmp_path_factory):
-    """Every layout on the pairs (one 2-rank launch; the slow tier)."""
+    """Every layout on the pairs (one 2-rank launch; the slow tier), the output head in chunks (whole logits under
+    pipelines), against one process taking whole logits."""
     root = tmp_path_factory.mktemp("two")
     return train_many({name: (root / name.replace(" ", "_"), (f"data.source={assets['many']}", *LAYOUT,
+                                                                f"train.loss_chunk_tokens={CHUNK}",
                                                                 *_filled(REFERENCES[ref], assets), *extra))
                        for name, (ref, extra) in LAYOUTS.items()}, nproc=2)
 

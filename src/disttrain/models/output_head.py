@@ -39,12 +39,14 @@ class ChunkedLossHead(nn.Linear):
 
     chunk_tokens: int = 2048
     targets: torch.Tensor | None = None
+    per_row: bool = False  # return each row's summed target log-probability instead (preference objectives)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         targets, self.targets = self.targets, None
         if targets is None:
             return super().forward(hidden)
-        return chunked_loss_sum(hidden, self.weight, targets, self.chunk_tokens)
+        function = _ChunkedRowLogProbs if self.per_row else _ChunkedCrossEntropy
+        return chunked_head_call(function, hidden, self.weight, targets, self.chunk_tokens)
 
 
 def why_not_chunked(head: nn.Module | None) -> str:
@@ -83,20 +85,25 @@ def targets_for(heads: list[ChunkedLossHead], targets: torch.Tensor):
 
 def chunked_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                      chunk_tokens: int) -> torch.Tensor:
-    """Sum of the token cross-entropies of `hidden @ weight.T` against `targets` (IGNORE_INDEX carries none).
-    DTensor weights (tensor parallelism, split over the vocabulary) are computed on their local slices."""
+    """Sum of the token cross-entropies of `hidden @ weight.T` against `targets` (IGNORE_INDEX carries none)."""
+    return chunked_head_call(_ChunkedCrossEntropy, hidden, weight, targets, chunk_tokens)
+
+
+def chunked_head_call(function, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                      chunk_tokens: int) -> torch.Tensor:
+    """`function` (the loss sum, or the rows' log-probabilities) of `hidden @ weight.T` against `targets`. DTensor
+    weights (tensor parallelism, split over the vocabulary) are computed on their local slices."""
     from torch.distributed.tensor import DTensor, Partial, Replicate
 
     if not isinstance(weight, DTensor):
-        return _ChunkedCrossEntropy.apply(hidden, weight, targets, chunk_tokens, None, 0)
+        return function.apply(hidden, weight, targets, chunk_tokens, None, 0)
     mesh = weight.device_mesh
     local = weight.to_local()
     rows = -(-weight.shape[0] // mesh.size())  # Shard(0) cuts as torch.chunk does: ceil(vocab / tp) a rank
     # each rank's slice of the vocabulary contributes its part of the hidden states' gradient: a partial sum
     hidden = hidden.to_local(grad_placements=[Partial()]) if isinstance(hidden, DTensor) else hidden
-    loss = _ChunkedCrossEntropy.apply(hidden, local, targets, chunk_tokens, mesh.get_group(),
-                                      mesh.get_local_rank() * rows)
-    return DTensor.from_local(loss, mesh, [Replicate()], run_check=False)
+    result = function.apply(hidden, local, targets, chunk_tokens, mesh.get_group(), mesh.get_local_rank() * rows)
+    return DTensor.from_local(result, mesh, [Replicate()], run_check=False)
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
@@ -139,9 +146,10 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None, None
 
 
-def _chunk_loss_and_grad(logits: torch.Tensor, targets: torch.Tensor, group, vocab_start: int):
-    """(loss sum, d loss / d logits) of one chunk; `logits` are this rank's vocabulary slice
-    [vocab_start, vocab_start + columns) when `group` (tensor parallel) is given."""
+def _chunk_statistics(logits: torch.Tensor, targets: torch.Tensor, group, vocab_start: int):
+    """(valid, target in this slice, its column, log-sum-exp, target logit, exp(logits - max)) of one chunk;
+    `logits` are this rank's vocabulary slice [vocab_start, vocab_start + columns) when `group` (tensor
+    parallel) is given, and the three statistics are the whole vocabulary's."""
     columns = logits.shape[1]
     valid = targets != IGNORE_INDEX
     here = valid & (targets >= vocab_start) & (targets < vocab_start + columns)
@@ -156,12 +164,73 @@ def _chunk_loss_and_grad(logits: torch.Tensor, targets: torch.Tensor, group, voc
         both = torch.stack([total, target_logit])
         dist.all_reduce(both, group=group)
         total, target_logit = both[0], both[1]
-    log_sum_exp = peak + torch.log(total)
+    probs /= total.unsqueeze(1)  # the softmax (this slice of it)
+    return valid, here, index, peak + torch.log(total), target_logit, probs
+
+
+def _chunk_loss_and_grad(logits: torch.Tensor, targets: torch.Tensor, group, vocab_start: int):
+    """(loss sum, d loss / d logits) of one chunk."""
+    valid, here, index, log_sum_exp, target_logit, probs = _chunk_statistics(logits, targets, group, vocab_start)
     loss = ((log_sum_exp - target_logit) * valid).sum()
-    probs /= total.unsqueeze(1)  # softmax: the gradient, less one at the target
-    probs.scatter_add_(1, index, -here.to(probs.dtype).unsqueeze(1))
+    probs.scatter_add_(1, index, -here.to(probs.dtype).unsqueeze(1))  # the gradient: softmax less one at the target
     probs *= valid.unsqueeze(1)
     return loss, probs
+
+
+class _ChunkedRowLogProbs(torch.autograd.Function):
+    """Each row's summed log-probability of its valid targets (a preference objective's per-sequence figure),
+    chunk by chunk. Its gradient weighs every token by its own row's incoming gradient, unknown until the pair
+    losses are computed, so backward computes each chunk's logits again (one more matmul of the head) from the
+    kept hidden states and log-sum-exps, instead of holding any chunk's logits."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk_tokens, group, vocab_start):
+        flat, labels = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+        if flat.shape[0] != labels.shape[0]:
+            raise ValueError(f"the output head got {flat.shape[0]} positions and {labels.shape[0]} targets")
+        row_of = torch.arange(labels.shape[0], device=labels.device) // targets.shape[-1]
+        stat = statistics_dtype(torch.result_type(flat, weight))
+        sums = torch.zeros(targets.shape[0], dtype=stat, device=flat.device)
+        lse = torch.zeros(labels.shape[0], dtype=stat, device=flat.device)
+        chunk = chunk_tokens if chunk_tokens > 0 else max(1, flat.shape[0])
+        for start in range(0, flat.shape[0], chunk):
+            logits = F.linear(flat[start:start + chunk], weight)
+            valid, _, _, lse_chunk, target_logit, _ = _chunk_statistics(
+                logits.to(stat), labels[start:start + chunk], group, vocab_start)
+            lse[start:start + chunk] = lse_chunk
+            sums.index_add_(0, row_of[start:start + chunk], (target_logit - lse_chunk) * valid)
+        device = flat.device.type
+        ctx.autocast = (device, torch.get_autocast_dtype(device), torch.is_autocast_enabled(device))
+        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.chunk, ctx.group, ctx.vocab_start = chunk, group, vocab_start
+        return sums
+
+    @staticmethod
+    def backward(ctx, grad_rows):
+        hidden, weight, targets, lse = ctx.saved_tensors
+        flat, labels = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+        row_of = torch.arange(labels.shape[0], device=labels.device) // targets.shape[-1]
+        per_token = grad_rows.to(lse.dtype)[row_of]
+        grad_hidden = torch.empty_like(flat)
+        grad_weight = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device)
+        device, dtype, enabled = ctx.autocast
+        columns = weight.shape[0]
+        with torch.autocast(device, dtype=dtype, enabled=enabled):
+            for start in range(0, flat.shape[0], ctx.chunk):
+                end = start + ctx.chunk
+                h, y = flat[start:end], labels[start:end]
+                logits = F.linear(h, weight)
+                valid = y != IGNORE_INDEX
+                here = valid & (y >= ctx.vocab_start) & (y < ctx.vocab_start + columns)
+                index = (y - ctx.vocab_start).clamp(0, columns - 1).unsqueeze(1)
+                g = per_token[start:end] * valid
+                # d log p(target) / d logits = one at the target less the softmax, times the row's gradient
+                dlogits = torch.exp(logits.to(lse.dtype) - lse[start:end].unsqueeze(1)) * -g.unsqueeze(1)
+                dlogits.scatter_add_(1, index, (g * here).unsqueeze(1))
+                dlogits = dlogits.to(logits.dtype)
+                grad_hidden[start:end] = dlogits @ weight.to(logits.dtype)
+                grad_weight += (dlogits.t() @ h.to(logits.dtype)).to(lse.dtype)
+        return grad_hidden.reshape(hidden.shape), grad_weight.to(weight.dtype), None, None, None, None
 
 
 def head_parallel_style(head: nn.Module, input_layout):
@@ -181,13 +250,14 @@ def _chunked_head_style():
     from torch.distributed.tensor.parallel import ColwiseParallel
 
     class ChunkedHeadParallel(ColwiseParallel):
-        """Column-wise, the output replicated and local; the loss sum a copy, not `to_local`'s view of it (FSDP2
+        """Column-wise, the output replicated and local; the loss sum (or the rows' log-probabilities) a copy, not
+        `to_local`'s view of it (FSDP2
         warns of a module returning a view: an in-place op on it would skip its pre-backward all-gather)."""
 
         @staticmethod
         def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
             if outputs.placements != (Replicate(),):  # sampling's logits, vocabulary-sharded: gathered whole
                 outputs = outputs.redistribute(placements=[Replicate()], async_op=False)
-            return outputs.to_local().clone() if outputs.dim() == 0 else outputs.to_local()
+            return outputs.to_local().clone() if outputs.dim() <= 1 else outputs.to_local()
 
     return ChunkedHeadParallel

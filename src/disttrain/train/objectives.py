@@ -14,7 +14,8 @@ def make_objective(cfg, spec, layout, meshes, samples, shard_targets):
         from disttrain.train.preference import PreferenceLoss
 
         return PreferenceLoss(t.objective, cfg.dpo, spec.logits, dp_group, layout.gradient_ranks, t.global_batch_size,
-                              shard_targets, meshes.cp.get_group() if layout.cp > 1 else None, layout.cp)
+                              shard_targets, meshes.cp.get_group() if layout.cp > 1 else None, layout.cp,
+                              pipeline=layout.pp > 1)
     args = (spec.loss_sum, dp_group, layout.gradient_ranks, samples.masks_targets,
             t.global_batch_size * samples.targets_per_sample, shard_targets)
     if t.objective == "distill":
@@ -41,8 +42,9 @@ def attach_frozen_model(objective, cfg, spec, layout, meshes, device, engine, lo
     elif kind == "dpo" and lora:
         objective.reference = reference.lora_reference(engine.model)
     elif kind == "dpo":
-        objective.reference = reference.frozen_copy(starting_model(cfg, spec, layout, device, tokenizer, masks_targets),
-                                                    spec, layout, meshes, device, cfg.parallel, document_eos)
+        copy = starting_model(cfg, spec, layout, device, tokenizer, masks_targets)
+        objective.chunk_the_head(copy, spec, layout.loss_chunk_tokens)  # as the policy's (before parallelising)
+        objective.reference = reference.frozen_copy(copy, spec, layout, meshes, device, cfg.parallel, document_eos)
     elif kind == "distill":
         from disttrain.train.distill import teacher_model
 

@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from disttrain.core.dtypes import at_least_fp32
+from disttrain.models.output_head import ChunkedLossHead, chunk_output_head, targets_for, why_not_chunked
 from disttrain.models.spec import IGNORE_INDEX
 from disttrain.train.loss import replicated_value
 from disttrain.train.preference_reference import PipelinePass
@@ -78,11 +79,8 @@ class PreferenceLoss:
     """The engines' loss (GlobalMeanLoss's protocol) for a preference objective. `start_step` resets the step's
     sums; each call takes one micro-batch of whole pairs."""
 
-    chunked = False
-    heads: list = []
-
     def __init__(self, objective: str, cfg, logits, dp_group, dp: int, pairs_per_step: int, shard_targets=None,
-                 cp_group=None, cp: int = 1):
+                 cp_group=None, cp: int = 1, pipeline: bool = False):
         self.objective, self.cfg, self.logits = objective, cfg, logits
         self.dp_group, self.dp = dp_group, dp
         self.shard_targets = shard_targets or (lambda targets: targets)
@@ -90,7 +88,9 @@ class PreferenceLoss:
         self.targets: torch.Tensor | int = pairs_per_step  # the divisor of the logged loss: pairs
         self.divisor: torch.Tensor | float = pairs_per_step / dp
         self.reference = None  # inputs -> model outputs of the reference (dpo), set by the builder
-        self.description = "whole logits (the preference objective reads each sequence's log-probability)"
+        self.description = "whole logits"
+        self.pipeline = pipeline  # a pipeline's last stage hands the loss whole logits (a scalar-free output)
+        self.heads: list[ChunkedLossHead] = []  # this rank's chunked output heads, returning rows' log-probs
         self._ref: torch.Tensor | None = None
         self._shape_only = False  # a pipeline's shape inference calls the loss on placeholder values
         self.pipeline_pass = PipelinePass()  # the reference's pass through a pipeline, before the policy's
@@ -98,10 +98,26 @@ class PreferenceLoss:
         self._eval_sums: torch.Tensor | None = None  # the validation pass's, beside the training step's
 
     def chunk_the_head(self, model, spec, chunk_tokens: int) -> None:
-        """The head keeps whole logits: a pair's loss needs each row's log-probability before any gradient."""
+        """The output head returns each row's log-probability of its completion, computed in chunks of tokens
+        (models/output_head.py), where the family allows; under pipeline parallelism the last stage keeps whole
+        logits (its schedule passes the loss one output per micro-batch, which the rows' vector is not)."""
+        if self.pipeline and chunk_tokens > 0:
+            self.description = "whole logits (preference objectives under pipeline parallelism)"
+            return
+        head = spec.output_head(model) if chunk_tokens > 0 and spec.output_head is not None else None
+        why = spec.output_head_note if spec.output_head is None and spec.output_head_note else why_not_chunked(head)
+        if chunk_tokens <= 0 or why:
+            self.description = f"whole logits ({why})" if chunk_tokens > 0 else "whole logits"
+            return
+        chunk_output_head(head, chunk_tokens).per_row = True
+        self.description = f"chunks of {chunk_tokens} tokens"
+
+    @property
+    def chunked(self) -> bool:
+        return self.description.startswith("chunks")
 
     def find_heads(self, model) -> None:
-        pass
+        self.heads = [m for m in model.modules() if isinstance(m, ChunkedLossHead)]
 
     def forward_with_targets(self, targets: torch.Tensor, inputs: torch.Tensor | None = None,
                              microbatch: int | None = None):
@@ -111,9 +127,15 @@ class PreferenceLoss:
         if kept is not None:
             self._ref = kept
         elif self.reference is not None and inputs is not None:
-            with torch.no_grad():
+            with torch.no_grad(), targets_for(self._reference_heads(), self.shard_targets(targets)):
                 self._ref = self._logps(self.reference(inputs), targets)[0].detach()
-        return contextlib.nullcontext()
+        return targets_for(self.heads, self.shard_targets(targets)) if self.heads else contextlib.nullcontext()
+
+    def _reference_heads(self) -> list:
+        """The reference's chunked heads: a frozen copy's own, or the policy's (LoRA: its adapters off)."""
+        if isinstance(self.reference, torch.nn.Module):
+            return [m for m in self.reference.modules() if isinstance(m, ChunkedLossHead)]
+        return self.heads
 
     def collecting_reference(self):
         """Around a pipeline's forward-only pass of the reference: each call of the loss keeps its micro-batch's
@@ -132,7 +154,11 @@ class PreferenceLoss:
 
     def _logps(self, outputs, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each whole row's completion log-probability and length (summed over the context ranks' shards)."""
-        logps, lengths = sequence_logps(self.logits(outputs), self.shard_targets(targets))
+        logits, targets = replicated_value(self.logits(outputs)), self.shard_targets(targets)
+        if logits.dim() == 1:  # a chunked head's rows' log-probabilities
+            logps, lengths = logits, (targets != IGNORE_INDEX).sum(-1).to(logits.dtype)
+        else:
+            logps, lengths = sequence_logps(logits, targets)
         if self.cp_group is not None:
             from torch.distributed.nn.functional import all_reduce
 
