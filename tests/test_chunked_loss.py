@@ -270,3 +270,44 @@ def test_rows_hold_no_more_than_one_chunk_of_logits_and_recompute_them_under_aut
     assert _vocabulary_rows(seen.seen, 256) == 16
     logits = [dtype for op, s, dtype in seen.seen if op in ("mm", "addmm", "linear") and s == (16, 256)]
     assert len(logits) >= 2 * (120 // 16) and set(logits) == {torch.bfloat16}  # forward's and backward's
+
+
+@pytest.mark.parametrize("kl, temperature, alpha", [("forward", 2.0, 0.7), ("reverse", 1.0, 1.0),
+                                                    ("reverse", 1.5, 0.4)])
+@pytest.mark.parametrize("teacher_as", ["hidden states", "logits"])
+def test_distillation_in_chunks_equals_whole_logits(kl, temperature, alpha, teacher_as):
+    """Distillation's objective from the head in chunks of 7 tokens (the teacher's logits made per chunk from its
+    hidden states and head weight, or sliced from its whole logits) against train/distill.py's `distill_sum` on
+    both models' whole logits: the sum and every gradient of the student, fp64."""
+    from types import SimpleNamespace
+
+    from functools import partial
+
+    from disttrain.models.output_head_distill import chunked_distillation
+    from disttrain.train.distill import distill_sum
+
+    tokens = torch.randint(0, 256, TOKENS, generator=torch.Generator().manual_seed(1))
+    targets, settings = _targets(256), SimpleNamespace(temperature=temperature, alpha=alpha, kl=kl)
+    teacher = _model(False)
+    for p in teacher.parameters():
+        p.data.mul_(1.3)
+    with torch.no_grad():
+        teacher_logits = teacher(tokens)
+    reference = _model(True)
+    whole = distill_sum(reference(tokens), teacher_logits, targets, settings)
+    whole.backward()
+    model = _model(True)
+    chunk_output_head(model.output, 7)
+    if teacher_as == "hidden states":
+        chunk_output_head(teacher.output, 7).hands_over = True
+        with torch.no_grad():
+            given = (teacher(tokens), teacher.output.weight)
+    else:
+        given = (teacher_logits,)
+    model.output.objective = partial(chunked_distillation, teacher=given, settings=(temperature, alpha, kl == "reverse"))
+    with targets_for([model.output], targets):
+        loss = model(tokens)
+    loss.backward()
+    assert abs(loss.item() - whole.item()) <= 1e-12 * abs(whole.item())
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert (p.grad - q.grad).abs().max().item() <= 1e-12 * q.grad.abs().max().item(), name

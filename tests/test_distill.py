@@ -12,10 +12,12 @@ import pytest
 import torch
 
 from chat_tokenizer import records, save_chat_tokenizer
-from helpers import DEBUG_CONFIG, EXACT, FP64, assert_parity, run_main, step_records, train_many
+from helpers import (DEBUG_CONFIG, EXACT, FP64, WHOLE_LOGITS, assert_parity, events, run_main, step_records,
+                     train_many)
 from hf_models import SIZES, fp64_norms
 
 SEQ_LEN = 64
+CHUNKS = "train.loss_chunk_tokens=24"  # chunks that cut conversations (no length is a multiple of 24)
 
 
 def _llama(directory, seed: int, **sizes):
@@ -63,18 +65,21 @@ def one_process(assets, tmp_path_factory):
     root = tmp_path_factory.mktemp("one")
     rows = len(split_samples(str(assets["data"]), "train", SEQ_LEN))
     first = ("train.steps=1", f"train.global_batch_size={rows}", "train.micro_batch_size=0",
-             "optim.warmup_steps=0")
-    jobs = {"forward": (root / "forward", _run_args(assets, *first, "distill.temperature=2", "distill.alpha=0.7")),
-            "reverse": (root / "reverse", _run_args(assets, *first, "distill.kl=reverse", "distill.alpha=1")),
-            "ref": (root / "ref", _run_args(assets, *LAYOUT))}
+             "optim.warmup_steps=0", "checkpoint.save_final=true")
+    jobs = {"forward": (root / "forward", _run_args(assets, *first, "distill.temperature=2", "distill.alpha=0.7",
+                                                    CHUNKS)),
+            "forward whole": (root / "forward_whole", _run_args(assets, *first, "distill.temperature=2",
+                                                                "distill.alpha=0.7", WHOLE_LOGITS)),
+            "reverse": (root / "reverse", _run_args(assets, *first, "distill.kl=reverse", "distill.alpha=1", CHUNKS)),
+            "ref": (root / "ref", _run_args(assets, *LAYOUT, WHOLE_LOGITS))}
     return train_many(jobs, nproc=1)
 
 
 @pytest.fixture(scope="module")
 def two_processes(assets, tmp_path_factory):
     root = tmp_path_factory.mktemp("two")
-    return train_many({name: (root / name, _run_args(assets, *LAYOUT, *extra)) for name, extra in LAYOUTS.items()},
-                      nproc=2)
+    return train_many({name: (root / name, _run_args(assets, *LAYOUT, CHUNKS, *extra))
+                       for name, extra in LAYOUTS.items()}, nproc=2)
 
 
 def _by_hand(assets, temperature: float, alpha: float, kl: str) -> float:
@@ -108,15 +113,23 @@ def _by_hand(assets, temperature: float, alpha: float, kl: str) -> float:
 @pytest.mark.parametrize("name,temperature,alpha,kl", [("forward", 2.0, 0.7, "forward"), ("reverse", 1.0, 1.0,
                                                                                           "reverse")])
 def test_the_loss_equals_the_hand_written_reference(name, temperature, alpha, kl, one_process, assets):
+    """The student's head computing the objective in chunks of tokens that cut conversations, from the teacher's
+    hidden states and head weight (neither model's whole logits exist)."""
     expected = _by_hand(assets, temperature, alpha, kl)
     assert abs(step_records(one_process[name])[1]["loss"] - expected) <= EXACT * expected
+    assert events(one_process[name], "started")[0]["logits"] == "chunks of 24 tokens"
+
+
+def test_in_chunks_the_step_equals_whole_logits(one_process):
+    """The gradient too: after the step, every parameter equals the run taking both models' whole logits."""
+    assert_parity(one_process["forward"], one_process["forward whole"], step=1)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_every_layout_gives_one_process(layout, two_processes, one_process):
     """The teacher sharded like the student (ZeRO-3, tensor parallel with the vocabulary split, context
-    parallel, a pipeline of its own): losses, gradient norms and parameters equal one process at other
-    micro-batches."""
+    parallel, a pipeline of its own), the objective in chunks of tokens (whole logits under the pipeline):
+    losses, gradient norms and parameters equal one process taking whole logits at other micro-batches."""
     assert_parity(two_processes[layout], one_process["ref"], step=3)
 
 

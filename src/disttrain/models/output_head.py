@@ -40,11 +40,19 @@ class ChunkedLossHead(nn.Linear):
     chunk_tokens: int = 2048
     targets: torch.Tensor | None = None
     per_row: bool = False  # return each row's summed target log-probability instead (preference objectives)
+    hands_over: bool = False  # a distillation teacher's: return the hidden states, the student's head uses them
+    objective = None  # with the targets, (hidden, weight, targets, chunk_tokens) -> the micro-batch's sum of another
+    # objective than the cross-entropy (distillation's, models/output_head_distill.py), for one forward
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.hands_over:
+            return hidden
         targets, self.targets = self.targets, None
+        objective, self.objective = self.objective, None
         if targets is None:
             return super().forward(hidden)
+        if objective is not None:
+            return objective(hidden, self.weight, targets, self.chunk_tokens)
         function = _ChunkedRowLogProbs if self.per_row else _ChunkedCrossEntropy
         return chunked_head_call(function, hidden, self.weight, targets, self.chunk_tokens)
 

@@ -52,7 +52,7 @@ def announce(metrics, *, step: int, world_size: int, layout, model: str, num_par
         metrics.message(f"attention: {attention}")
     if float8:
         metrics.message(f"float8: {float8}")
-    if loss.startswith("whole logits ("):  # train.loss_chunk_tokens asked for chunks the model cannot take
+    if "whole logits (" in loss:  # train.loss_chunk_tokens asked for chunks a model cannot take
         metrics.message(f"loss: {loss}")
     if optimizer_split:
         metrics.event("optimizer_split", stage_only=layout.pp > 1, **optimizer_split)

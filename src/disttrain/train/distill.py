@@ -8,18 +8,26 @@ batch's valid targets, exactly as the language-model loss is (`GlobalMeanLoss`, 
 layout and micro-batching gives the same numbers.
 
 The teacher is a Hugging Face model run forward only, on the same inputs just before the student, parallelised
-like the student (tensor, context, expert and FSDP sharding; train/preference_reference.py's frozen copy); under
-tensor parallelism both logits are gathered whole over the vocabulary for the divergence (`distill_sum`).
+like the student (tensor, context, expert and FSDP sharding; train/preference_reference.py's frozen copy).
+With `train.loss_chunk_tokens` (outside pipelines) the student's output head computes the objective in chunks of
+tokens (models/output_head_distill.py) from the teacher's last hidden states and its head weight, so neither
+model's whole logits exist. Otherwise, and under tensor parallelism, both logits are gathered whole over the
+vocabulary for the divergence (`distill_sum`).
 """
 
 from __future__ import annotations
 
 import contextlib
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 
+from torch.distributed.tensor import DTensor
+
 from disttrain.core.dtypes import at_least_fp32
+from disttrain.models.output_head import chunk_output_head, why_not_chunked
+from disttrain.models.output_head_distill import chunked_distillation
 from disttrain.models.spec import IGNORE_INDEX
 from disttrain.train.loss import GlobalMeanLoss, replicated_value
 from disttrain.train.preference_reference import PipelinePass
@@ -51,17 +59,35 @@ class DistillLoss(GlobalMeanLoss):
     """GlobalMeanLoss whose per-micro-batch sum is `distill_sum`; `teacher` (inputs -> outputs) is set by the
     builder once the teacher is parallelised."""
 
-    def __init__(self, cfg, logits, *args, **kwargs):
+    def __init__(self, cfg, logits, *args, pipeline: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
-        self.cfg, self.logits = cfg, logits
+        self.cfg, self.logits, self.pipeline = cfg, logits, pipeline
         self.teacher = None
+        self._teacher_head = None  # the teacher's head, when it hands its hidden states over (chunks)
         self._teacher_logits: torch.Tensor | None = None
         self.pipeline_pass = PipelinePass()  # the teacher's pass through a pipeline, before the student's
         self._shape_only = False
-        self.description = "whole logits (distillation compares the teacher's and the student's distributions)"
 
     def chunk_the_head(self, model, spec, chunk_tokens: int) -> None:
-        """Both distributions are needed whole per token: the heads keep their logits."""
+        """The student's head computes the objective in chunks (under a pipeline, whose last stage gets the
+        teacher's logits kept from its own pass, whole logits)."""
+        if self.pipeline and chunk_tokens > 0:
+            self.description = "whole logits (distillation under pipeline parallelism)"
+            return
+        super().chunk_the_head(model, spec, chunk_tokens)
+
+    def chunk_the_teacher(self, model, spec, chunk_tokens: int) -> None:
+        """With the student's head in chunks, the teacher's hands its hidden states over instead of logits, where
+        its family allows (else the student's head reads slices of the teacher's whole logits)."""
+        if not self.chunked:
+            return
+        head = spec.output_head(model) if spec.output_head is not None else None
+        why = spec.output_head_note if spec.output_head is None and spec.output_head_note else why_not_chunked(head)
+        if why:
+            self.description += f"; the teacher's whole logits ({why})"
+            return
+        chunk_output_head(head, chunk_tokens).hands_over = True
+        self._teacher_head = head
 
     def forward_with_targets(self, targets: torch.Tensor, inputs: torch.Tensor | None = None,
                              microbatch: int | None = None):
@@ -73,7 +99,18 @@ class DistillLoss(GlobalMeanLoss):
         elif self.teacher is not None and inputs is not None:
             with torch.no_grad():
                 self._teacher_logits = self.logits(self.teacher(inputs)).detach()
-        return contextlib.nullcontext()
+        if not self.heads or self._teacher_logits is None:
+            return contextlib.nullcontext()
+        teacher, self._teacher_logits = self._teacher_logits, None
+        if self._teacher_head is not None:  # its hidden states, and its head weight whole over the vocabulary
+            weight = self._teacher_head.weight.detach()
+            teacher = (teacher, weight.full_tensor() if isinstance(weight, DTensor) else weight)
+        else:
+            teacher = (replicated_value(teacher),)
+        settings = (self.cfg.temperature, self.cfg.alpha, self.cfg.kl == "reverse")
+        for head in self.heads:
+            head.objective = partial(chunked_distillation, teacher=teacher, settings=settings)
+        return super().forward_with_targets(targets)
 
     def collecting_reference(self):
         """Around a pipeline's forward-only pass of the teacher: each call of the loss keeps its micro-batch's
@@ -93,6 +130,8 @@ class DistillLoss(GlobalMeanLoss):
         if self.pipeline_pass.active:  # a pipeline's teacher pass: keep the logits, compute nothing
             self.pipeline_pass.keep(self.logits(outputs).detach())
             return torch.zeros((), device=targets.device)
+        if self.head_sum is not None:  # the student's head computed the objective in chunks
+            return self.head_sum(outputs)
         teacher, self._teacher_logits = self._teacher_logits, None
         student = self.logits(outputs)
         if self._shape_only:

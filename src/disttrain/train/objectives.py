@@ -21,7 +21,7 @@ def make_objective(cfg, spec, layout, meshes, samples, shard_targets):
     if t.objective == "distill":
         from disttrain.train.distill import DistillLoss
 
-        return DistillLoss(cfg.distill, spec.logits, *args)
+        return DistillLoss(cfg.distill, spec.logits, *args, pipeline=layout.pp > 1)
     return GlobalMeanLoss(*args)
 
 
@@ -55,5 +55,6 @@ def attach_frozen_model(objective, cfg, spec, layout, meshes, device, engine, lo
             engine.reference = (build_pipeline(model, teacher_spec, layout, meshes, device, cfg.parallel, objective,
                                                layout.microbatches, frozen=True), [])
         else:
+            objective.chunk_the_teacher(model, teacher_spec, layout.loss_chunk_tokens)  # before parallelising
             objective.teacher = reference.frozen_copy(model, teacher_spec, layout, meshes, device, cfg.parallel,
                                                       document_eos)

@@ -1,0 +1,109 @@
+"""Distillation's loss in the output head's chunks of tokens (models/output_head.py): per chunk, the student's
+logits from its hidden states and the teacher's from the teacher's hidden states and head weight (or a slice of
+the teacher's whole logits, when the teacher's head cannot hand its hidden states over), the divergence and the
+cross-entropy, and while the chunk is at hand the gradients for the student's hidden states and head weight.
+Neither model's whole logits exist; backward only scales the gradients (the loss is a plain sum over tokens).
+
+Under tensor parallelism both heads are split over the vocabulary alike: the softmaxes' maxima and sums, each
+token's divergence, and the target logit are reduced over the tensor-parallel group, by hand, on local slices."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from disttrain.models.output_head import _chunk_statistics, statistics_dtype
+from disttrain.models.spec import IGNORE_INDEX
+
+
+def chunked_distillation(hidden, weight, targets, chunk_tokens: int, *, teacher: tuple, settings) -> torch.Tensor:
+    """The sum over the valid targets of alpha·T²·KL + (1 - alpha)·cross-entropy (train/distill.py's meaning).
+    `teacher`: (hidden states, head weight whole over the vocabulary) or (logits whole over the vocabulary,);
+    `settings`: (temperature, alpha, reverse)."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    group, start, local = None, 0, weight
+    if isinstance(weight, DTensor):
+        mesh, local = weight.device_mesh, weight.to_local()
+        group, start = mesh.get_group(), mesh.get_local_rank() * -(-weight.shape[0] // mesh.size())
+        hidden = hidden.to_local(grad_placements=[Partial()]) if isinstance(hidden, DTensor) else hidden
+    columns = slice(start, start + local.shape[0])
+    if len(teacher) == 2:
+        t_hidden, t_weight = teacher
+        t_source = (t_hidden.reshape(-1, t_hidden.shape[-1]), t_weight[columns])
+    else:
+        t_source = (teacher[0].reshape(-1, teacher[0].shape[-1])[:, columns],)
+    loss = _ChunkedDistillation.apply(hidden, local, targets, chunk_tokens, group, start, t_source, settings)
+    if isinstance(weight, DTensor):
+        return DTensor.from_local(loss, weight.device_mesh, [Replicate()], run_check=False)
+    return loss
+
+
+def _log_softmax(x: torch.Tensor, group) -> torch.Tensor:
+    """log softmax over the whole vocabulary of rows whose columns are this rank's slice of it."""
+    peak = x.max(dim=1).values
+    if group is not None:
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+    total = torch.exp(x - peak.unsqueeze(1)).sum(dim=1)
+    if group is not None:
+        dist.all_reduce(total, group=group)
+    return x - (peak + torch.log(total)).unsqueeze(1)
+
+
+def _summed(x: torch.Tensor, group) -> torch.Tensor:
+    if group is not None:
+        dist.all_reduce(x, group=group)
+    return x
+
+
+class _ChunkedDistillation(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk_tokens, group, vocab_start, t_source, settings):
+        temperature, alpha, reverse = settings
+        flat, labels = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+        if flat.shape[0] != labels.shape[0]:
+            raise ValueError(f"the output head got {flat.shape[0]} positions and {labels.shape[0]} targets")
+        grad_hidden = torch.empty_like(flat)
+        stat = statistics_dtype(torch.result_type(flat, weight))
+        grad_weight = torch.zeros(weight.shape, dtype=stat, device=weight.device)
+        loss = torch.zeros((), dtype=stat, device=weight.device)
+        chunk = chunk_tokens if chunk_tokens > 0 else max(1, flat.shape[0])
+        for start in range(0, flat.shape[0], chunk):
+            end = start + chunk
+            h, y = flat[start:end], labels[start:end]
+            logits = F.linear(h, weight)  # the compute dtype
+            with torch.no_grad():
+                teacher = F.linear(t_source[0][start:end], t_source[1]) if len(t_source) == 2 else \
+                    t_source[0][start:end]
+            s = logits.to(stat)
+            log_s, log_t = _log_softmax(s / temperature, group), _log_softmax(teacher.to(stat) / temperature, group)
+            p_s, p_t = log_s.exp(), log_t.exp()
+            valid = (y != IGNORE_INDEX).to(stat)
+            if reverse:  # KL(student ‖ teacher); its gradient per logit: T·p_s·(log p_s - log p_t - KL)
+                divergence = _summed((p_s * (log_s - log_t)).sum(dim=1), group)
+                dlogits = p_s * ((log_s - log_t) - divergence.unsqueeze(1)) * temperature
+            else:  # KL(teacher ‖ student); its gradient per logit: T·(p_s - p_t)
+                divergence = _summed((p_t * (log_t - log_s)).sum(dim=1), group)
+                dlogits = (p_s - p_t) * temperature
+            loss += alpha * temperature * temperature * (divergence * valid).sum()
+            dlogits *= alpha * valid.unsqueeze(1)
+            if alpha != 1:
+                _, here, index, lse, target_logit, probs = _chunk_statistics(s, y, group, vocab_start)
+                loss += (1 - alpha) * ((lse - target_logit) * valid).sum()
+                probs.scatter_add_(1, index, -here.to(probs.dtype).unsqueeze(1))
+                dlogits += (1 - alpha) * probs * valid.unsqueeze(1)
+            dlogits = dlogits.to(logits.dtype)
+            grad_hidden[start:end] = dlogits @ weight.to(logits.dtype)
+            grad_weight += (dlogits.t() @ h.to(logits.dtype)).to(stat)
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.shapes = hidden.shape, hidden.dtype, weight.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        shape, hidden_dtype, weight_dtype = ctx.shapes
+        grad_hidden = (grad_hidden * grad_loss.to(grad_hidden.dtype)).to(hidden_dtype).reshape(shape)
+        grad_weight = (grad_weight * grad_loss.to(grad_weight.dtype)).to(weight_dtype)
+        return grad_hidden, grad_weight, None, None, None, None, None, None
