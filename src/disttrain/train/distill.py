@@ -59,22 +59,14 @@ class DistillLoss(GlobalMeanLoss):
     """GlobalMeanLoss whose per-micro-batch sum is `distill_sum`; `teacher` (inputs -> outputs) is set by the
     builder once the teacher is parallelised."""
 
-    def __init__(self, cfg, logits, *args, pipeline: bool = False, **kwargs):
+    def __init__(self, cfg, logits, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.cfg, self.logits, self.pipeline = cfg, logits, pipeline
+        self.cfg, self.logits = cfg, logits
         self.teacher = None
         self._teacher_head = None  # the teacher's head, when it hands its hidden states over (chunks)
         self._teacher_logits: torch.Tensor | None = None
         self.pipeline_pass = PipelinePass()  # the teacher's pass through a pipeline, before the student's
         self._shape_only = False
-
-    def chunk_the_head(self, model, spec, chunk_tokens: int) -> None:
-        """The student's head computes the objective in chunks (under a pipeline, whose last stage gets the
-        teacher's logits kept from its own pass, whole logits)."""
-        if self.pipeline and chunk_tokens > 0:
-            self.description = "whole logits (distillation under pipeline parallelism)"
-            return
-        super().chunk_the_head(model, spec, chunk_tokens)
 
     def chunk_the_teacher(self, model, spec, chunk_tokens: int) -> None:
         """With the student's head in chunks, the teacher's hands its hidden states over instead of logits, where
@@ -99,8 +91,10 @@ class DistillLoss(GlobalMeanLoss):
         elif self.teacher is not None and inputs is not None:
             with torch.no_grad():
                 self._teacher_logits = self.logits(self.teacher(inputs)).detach()
-        if not self.heads or self._teacher_logits is None:
+        if not self.heads:
             return contextlib.nullcontext()
+        if self._teacher_logits is None:  # a pipeline's shape inference: the head's loss, of the same shape
+            return super().forward_with_targets(targets)
         teacher, self._teacher_logits = self._teacher_logits, None
         if self._teacher_head is not None:  # its hidden states, and its head weight whole over the vocabulary
             weight = self._teacher_head.weight.detach()

@@ -14,14 +14,13 @@ def make_objective(cfg, spec, layout, meshes, samples, shard_targets):
         from disttrain.train.preference import PreferenceLoss
 
         return PreferenceLoss(t.objective, cfg.dpo, spec.logits, dp_group, layout.gradient_ranks, t.global_batch_size,
-                              shard_targets, meshes.cp.get_group() if layout.cp > 1 else None, layout.cp,
-                              pipeline=layout.pp > 1)
+                              shard_targets, meshes.cp.get_group() if layout.cp > 1 else None, layout.cp)
     args = (spec.loss_sum, dp_group, layout.gradient_ranks, samples.masks_targets,
             t.global_batch_size * samples.targets_per_sample, shard_targets)
     if t.objective == "distill":
         from disttrain.train.distill import DistillLoss
 
-        return DistillLoss(cfg.distill, spec.logits, *args, pipeline=layout.pp > 1)
+        return DistillLoss(cfg.distill, spec.logits, *args)
     return GlobalMeanLoss(*args)
 
 
@@ -49,12 +48,12 @@ def attach_frozen_model(objective, cfg, spec, layout, meshes, device, engine, lo
         from disttrain.train.distill import teacher_model
 
         model, teacher_spec = teacher_model(cfg, layout, device, tokenizer, masks_targets)
+        objective.chunk_the_teacher(model, teacher_spec, layout.loss_chunk_tokens)  # before parallelising
         if layout.pp > 1:  # the teacher's forward through a pipeline of its own, before the student's
             from disttrain.parallel.pipeline import build_pipeline
 
             engine.reference = (build_pipeline(model, teacher_spec, layout, meshes, device, cfg.parallel, objective,
                                                layout.microbatches, frozen=True), [])
         else:
-            objective.chunk_the_teacher(model, teacher_spec, layout.loss_chunk_tokens)  # before parallelising
             objective.teacher = reference.frozen_copy(model, teacher_spec, layout, meshes, device, cfg.parallel,
                                                       document_eos)

@@ -80,7 +80,7 @@ class PreferenceLoss:
     sums; each call takes one micro-batch of whole pairs."""
 
     def __init__(self, objective: str, cfg, logits, dp_group, dp: int, pairs_per_step: int, shard_targets=None,
-                 cp_group=None, cp: int = 1, pipeline: bool = False):
+                 cp_group=None, cp: int = 1):
         self.objective, self.cfg, self.logits = objective, cfg, logits
         self.dp_group, self.dp = dp_group, dp
         self.shard_targets = shard_targets or (lambda targets: targets)
@@ -89,7 +89,6 @@ class PreferenceLoss:
         self.divisor: torch.Tensor | float = pairs_per_step / dp
         self.reference = None  # inputs -> model outputs of the reference (dpo), set by the builder
         self.description = "whole logits"
-        self.pipeline = pipeline  # a pipeline's last stage hands the loss whole logits (a scalar-free output)
         self.heads: list[ChunkedLossHead] = []  # this rank's chunked output heads, returning rows' log-probs
         self._ref: torch.Tensor | None = None
         self._shape_only = False  # a pipeline's shape inference calls the loss on placeholder values
@@ -99,11 +98,7 @@ class PreferenceLoss:
 
     def chunk_the_head(self, model, spec, chunk_tokens: int) -> None:
         """The output head returns each row's log-probability of its completion, computed in chunks of tokens
-        (models/output_head.py), where the family allows; under pipeline parallelism the last stage keeps whole
-        logits (its schedule passes the loss one output per micro-batch, which the rows' vector is not)."""
-        if self.pipeline and chunk_tokens > 0:
-            self.description = "whole logits (preference objectives under pipeline parallelism)"
-            return
+        (models/output_head.py), where the family allows (on a pipeline, the last stage's)."""
         head = spec.output_head(model) if chunk_tokens > 0 and spec.output_head is not None else None
         why = spec.output_head_note if spec.output_head is None and spec.output_head_note else why_not_chunked(head)
         if chunk_tokens <= 0 or why:
