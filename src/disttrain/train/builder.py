@@ -122,7 +122,9 @@ def float8_choice(model: nn.Module, spec: ModelSpec, layout: Layout, device: tor
     problem = float8_device_problem(device)
     if problem:
         raise UserError(problem)
-    return choose_layers(model, spec).describe()
+    emulated = "" if device.type == "cuda" else ("; on this CPU through torchao's emulation (the float8 rounding, "
+                                                 "no float8 kernel): for testing numerics, many times slower")
+    return choose_layers(model, spec).describe() + emulated
 
 
 def build_engine(cfg: RunConfig, layout: Layout, meshes: Meshes, spec: ModelSpec, model: nn.Module, runtime: Runtime,
