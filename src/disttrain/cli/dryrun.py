@@ -233,9 +233,10 @@ def verify_plan(estimates: list, gpus: int, gpu_name: str, progress=None) -> lis
     (see --microbatches), so a 13B check takes about a minute per stage. A pipeline's receive buffers are the
     exception (torch's `PipelineStage` allocates one per micro-batch and step, pytorch/pytorch#136380), and so
     are the step's token ids: those of the micro-batches left out are added to each rank's measured peak, and
-    said so (`left_out_bytes`)."""
+    said so (`left_out_bytes`), and so are zero-bubble's input gradients, one per micro-batch and stage but the first,
+    which the receive buffers keep to the next step."""
     from disttrain.config.schema import RunConfig
-    from disttrain.plan.activations import pipeline_batch_bytes, pipeline_recv_bytes
+    from disttrain.plan.activations import input_grad_bytes, pipeline_batch_bytes, pipeline_recv_bytes
     from disttrain.plan.render import winner_config
 
     rows = []
@@ -251,9 +252,10 @@ def verify_plan(estimates: list, gpus: int, gpu_name: str, progress=None) -> lis
             rows.append({"layout": lay.describe(micro_batch=True), "planner_peak_bytes": est.memory.total, "error": str(exc)})
             continue
         left_out = {}
-        for r in result["ranks"]:  # the receive buffers of the micro-batches the cap left out
-            per_micro_batch = (pipeline_recv_bytes(est.shape, lay, pp_rank_of(lay, r["rank"]))
-                               + pipeline_batch_bytes(lay)) / lay.microbatches
+        for r in result["ranks"]:  # the receive buffers (and input gradients) of the micro-batches the cap left out
+            p = pp_rank_of(lay, r["rank"])
+            per_micro_batch = (pipeline_recv_bytes(est.shape, lay, p) + pipeline_batch_bytes(lay)) / lay.microbatches
+            per_micro_batch += input_grad_bytes(est.shape, lay) * sum(s > 0 for s in lay.owned_stages(p))
             left_out[r["rank"]] = int(per_micro_batch * (lay.microbatches - cap)) if cap and lay.pp > 1 else 0
         worst = max(result["ranks"], key=lambda r: r["peak_bytes"] + left_out[r["rank"]])
         peak = worst["peak_bytes"] + left_out[worst["rank"]]
@@ -275,6 +277,7 @@ def verify_lines(rows: list[dict]) -> list[str]:
         lines.append(f"  {_size(r['planner_peak_bytes']):>10}  {_size(r['peak_bytes']):>10}  {r['planner_error']:>+7.1%}  "
                      f"{'yes' if r['fits'] else 'NO':>4}  {r['layout']}"
                      + ("  <- the planner says it fits; the dry run does not" if not r["fits"] else "")
-                     + (f" (with {_size(r['left_out_bytes'])} of receive buffers for the micro-batches not simulated)"
-                        if r.get("left_out_bytes") else ""))
+                     + (f" (with {_size(r['left_out_bytes'])} of receive buffers"
+                        f"{' and input gradients' if 'zero_bubble' in r['layout'] else ''} for the micro-batches not "
+                        "simulated)" if r.get("left_out_bytes") else ""))
     return lines

@@ -1,5 +1,5 @@
-"""Activation bytes per rank: Korthikanti et al. 2022's formulas (for reference and tests), and this
-framework's Llama block counted tensor by tensor from what autograd keeps on a GPU.
+"""Activation bytes per rank: this framework's Llama block counted tensor by tensor from what autograd keeps on a
+GPU (Korthikanti et al. 2022's formulas, for reference, in plan/korthikanti.py).
 
 Three dtypes matter. `compute` is what the matmuls write (the autocast or FSDP parameter dtype). The
 `residual` stream is that dtype too, except under autocast over fp32 weights (DDP, ZeRO-1, or FSDP with
@@ -14,39 +14,12 @@ from dataclasses import dataclass, replace
 
 from disttrain.layout.layout import DTYPE_BYTES, Layout
 from disttrain.models.shape import ModelShape
+from disttrain.plan.korthikanti import korthikanti_in_flight_factor
 from disttrain.plan.params import layer_params, rank_params, stage_layers
 from disttrain.plan.schedule_memory import HeldAt, schedule_order, schedule_peak
 
 FP32 = 4
 TOKEN_ID = 8  # int64 token ids the embedding's backward keeps
-
-
-def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sequence_parallel: bool = False,
-                            recompute: str = "none") -> float:
-    """Activation bytes per transformer layer, Korthikanti et al. 2022 (fp16, GPT with dropout):
-    sbh(34 + 5as/h) without parallelism; tensor parallel sbh(10 + 24/t + 5as/ht); with sequence
-    parallel sbh(34/t + 5as/ht); selective recomputation drops the 5as/h term; full keeps 2sbh."""
-    sbh = s * b * h
-    attention = 0.0 if recompute == "selective" else 5 * a * s / (h * t)
-    if recompute == "full":
-        return 2 * sbh / (t if sequence_parallel else 1)
-    if sequence_parallel:
-        return sbh * (34 / t + attention)
-    return sbh * (10 + 24 / t + attention)
-
-
-def korthikanti_in_flight_factor(pp: int, microbatches: int, schedule: str, virtual_stages: int = 1) -> float:
-    """How many micro-batches' worth of its layers the first stage holds, relative to one: 1F1B
-    keeps p in flight (so L/p layers × p = L layers in all), interleaving (v chunks) multiplies
-    that by 1 + (p−1)/(p·v) (Korthikanti et al. 2022, section 4.2.3), GPipe keeps all m."""
-    if pp == 1:
-        return 1.0
-    if schedule == "gpipe":
-        return float(microbatches)
-    in_flight = float(min(pp, microbatches))
-    if schedule in ("interleaved_1f1b", "zero_bubble"):
-        in_flight *= 1 + (pp - 1) / (pp * virtual_stages)
-    return min(in_flight, float(microbatches))
 
 
 def autocast(layout: Layout) -> bool:
@@ -217,6 +190,12 @@ def stage_output_bytes(shape: ModelShape, layout: Layout) -> float:
     return er * layout.micro_batch * (layout.seq_len // layout.cp) * shape.dim / r
 
 
+def input_grad_bytes(shape: ModelShape, layout: Layout) -> float:
+    """Zero-bubble: the gradient of a micro-batch's input that a stage's input-gradient pass (torch's
+    `stage_backward_input`) leaves as its receive buffer's `.grad` until the next step (all but the first stage)."""
+    return stage_output_bytes(shape, layout) if layout.pp_schedule == "zero_bubble" else 0.0
+
+
 def pipeline_recv_bytes(shape: ModelShape, layout: Layout, pp_rank: int) -> float:
     """The receive buffers torch's `PipelineStage` allocates once, for every micro-batch of the step, and
     keeps across steps (`_prepare_forward_infra`, `_setup_backward_recv_info`): each stage but the first
@@ -253,6 +232,7 @@ class StageActivations:
     # the MLP's: the output projection's, w2); the rest are made after it (1.0 where not counted: MoE blocks).
     grad_share: float = 1.0
     chunk: float = 0.0  # one chunk's temporaries in a chunked loss head's forward (last stage)
+    input_grads: float = 0.0  # zero-bubble: every micro-batch's input gradient, kept to the next step
 
     @property
     def peak(self) -> float:
@@ -369,9 +349,12 @@ def _multi_stage(shape: ModelShape, layout: Layout, pp_rank: int, layer: LayerAc
     kept = [n * layer.saved + (0.0 if last and i == len(counts) - 1 else stage_output_bytes(shape, layout))
             for i, n in enumerate(counts)]
     pending = [0.0] * len(counts)
-    if layout.pp_schedule == "zero_bubble":
+    owned = layout.owned_stages(pp_rank)
+    whole = {i for i, stage in enumerate(owned) if stage == 0 and layout.pp_schedule == "zero_bubble"}
+    if layout.pp_schedule == "zero_bubble":  # the first stage's input-gradient pass keeps nothing (whole: its W)
         ec, _ = dtype_bytes(layout)
-        pending = [n * weight_gradient_inputs_bytes(shape, mb, s, layout) for n in counts]
+        pending = [n * weight_gradient_inputs_bytes(shape, mb, s, layout) * (i not in whole)
+                   for i, n in enumerate(counts)]
         if logits:  # the last stage: its output layer's input gradient, vocabulary-sized (none when chunked)
             pending[-1] += ec * mb * s * shape.vocab_size / layout.tp
     # Each stage's share of the accumulated gradients: its layers, and the embedding (first stage) or the
@@ -390,8 +373,10 @@ def _multi_stage(shape: ModelShape, layout: Layout, pp_rank: int, layer: LayerAc
     pb, rb = DTYPE_BYTES[layout.param_dtype], DTYPE_BYTES[layout.reduce_dtype]
     if layout.pp_schedule == "zero_bubble" and accumulated_grads and pb != rb:
         loose = [g * pb / rb for g in grads]
+    sent = [input_grad_bytes(shape, layout) * (stage > 0) for stage in owned]
     at_block, at_loss = schedule_peak(order, kept, pending, grads, len(counts) - 1 if last else None, gathered, fresh,
-                                      loose)
+                                      loose, sent, counts, whole, mlp_backward_bytes(shape, mb, s, layout))
     return StageActivations(at_block.activations + loss_and_ids, max(layer.transient, 2 * logits, chunk),
                             at_block.activations / (sum(kept) / len(kept)) / v if sum(kept) else 0.0,
-                            logits, layer.transient, at_block, at_loss, at_loss.activations + loss_and_ids, chunk=chunk)
+                            logits, layer.transient, at_block, at_loss, at_loss.activations + loss_and_ids, chunk=chunk,
+                            input_grads=layout.microbatches * sum(sent))

@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 
 from disttrain.models.registry import ModelShape
 from disttrain.layout.layout import DTYPE_BYTES, Layout
+from disttrain.plan.korthikanti import korthikanti_in_flight_factor, korthikanti_layer_bytes  # noqa: F401
 from disttrain.plan.activations import (  # noqa: F401 (re-exported: the planner's memory API)
-    StageActivations, korthikanti_in_flight_factor, korthikanti_layer_bytes, last_stage_output_bytes,
+    StageActivations, last_stage_output_bytes,
     layer_activation_bytes, mlp_backward_bytes, mlp_product_bytes, pipeline_batch_bytes, pipeline_recv_bytes,
     stage_activation_bytes, stage_output_bytes)
 from disttrain.plan.moe import model_states as moe_model_states

@@ -49,7 +49,8 @@ def alive_at_moments(states, acts: StageActivations, layout: Layout, gathered: f
     if acts.at_block is not None:  # several stages per rank: what the schedule's order holds at each moment
         if fsdp:  # FSDP's accumulated gradients exist for the stages that have run a backward
             grads, loss_grads = acts.at_block.grads, acts.at_loss.grads
-        loss_acts, loss_pending, block_pending = acts.saved_at_loss, acts.at_loss.weight_pass, acts.at_block.weight_pass
+        # zero-bubble's weight-pass inputs, its loose gradients and the input gradients kept: temporaries to the tracker
+        loss_acts, loss_pending, block_pending = acts.saved_at_loss, acts.at_loss.temporary, acts.at_block.temporary
         loss_gathered, block_gathered = acts.at_loss.gathered, acts.at_block.gathered
     copies = 0.0 if fsdp else s.buffers  # autocast's low-precision weight copies, kept as activations
     moments = {}
@@ -103,7 +104,9 @@ def alive_at_moments(states, acts: StageActivations, layout: Layout, gathered: f
              "activations": block_acts, "temporary": block_temp + (acts.at_block.fresh if acts.at_block else 0.0),
              "communication": gathered + in_use + block_gathered}
     moments["block"] = block
-    if layout.pp > 1:  # without a pipeline the MLP backward's gradients are in acts.layer (block_backward_bytes)
+    # Without a pipeline the MLP backward's gradients are in acts.layer (block_backward_bytes); zero-bubble's schedule
+    # counts them in its whole backwards (plan/schedule_memory.py), its other passes run none.
+    if layout.pp > 1 and layout.pp_schedule != "zero_bubble":
         moments["block"] = max(block, _mlp_backward(block, acts, layout, mlp, product, gathered + gathers + block_gathered,
                                                     s.grads if not fsdp and layout.gradient_ranks > 1 else 0.0,
                                                     s.unsharded_grads if first_backward else block["gradients"]),
@@ -137,7 +140,8 @@ def alive_at_moments(states, acts: StageActivations, layout: Layout, gathered: f
         # them into the accumulated ones (7b pp=4 1F1B, first stage: the embedding's, 0.24 GiB by the dry run).
         root_grads = pb * grad_root if pb != rb and acts.at_block is None else 0.0
         moments["backward end"] = {"parameters": s.params + s.tables, "gradients": s.unsharded_grads + root_grads,
-                                   "optimizer": s.optimizer, "activations": others + pipe, "temporary": 0.0,
+                                   "optimizer": s.optimizer, "activations": others + pipe,
+                                   "temporary": acts.input_grads,
                                    "communication": all_gathered if layout.microbatches > 1 else gathered}
         if layout.microbatches > 1 and layout.reshard_after_forward and acts.at_block is None:
             # The same backward's last blocks: the stage is gathered by then (the last block's all-gather prefetched),
@@ -161,16 +165,18 @@ def alive_at_moments(states, acts: StageActivations, layout: Layout, gathered: f
         # The root's gradients in the parameter dtype are gone by then (cast at the backward's end; `tiny` with a
         # 16k vocabulary, pp=2 1F1B, first stage: +12.8% counting them).
         # Zero-bubble: each stage's last weight pass left its gradients in the parameter dtype beside the accumulated
-        # ones (plan/schedule_memory.py `loose`), for the reduction to add in. The schedule's step still holds the
+        # ones (plan/schedule_memory.py `loose`; temporaries to the tracker), for the reduction to add in, and every
+        # micro-batch's input gradient is still on its receive buffer (to the next step). The schedule's step holds the
         # output of this rank's last forward (a local of torch's `_step_microbatches`, `return_outputs=False` or not):
         # the last stage's logits (7b pp=4 GPipe, one micro-batch: -2.1% without them).
         loose = s.unsharded_grads * pb / rb if layout.pp_schedule == "zero_bubble" and pb != rb else 0.0
-        moments["reduce"] = {**moments["backward end"], "gradients": s.unsharded_grads + loose,
+        moments["reduce"] = {**moments["backward end"], "gradients": s.unsharded_grads,
+                             "temporary": acts.input_grads + loose,
                              "activations": pipe + last_output + rb * reduced * (1 + 1 / layout.shard_ranks),
                              "communication": all_gathered - pb * reduced}
     moments["step"] = {"parameters": s.params + s.tables, "gradients": s.grads,
                        "optimizer": s.optimizer + s.step_temporary,
-                       "activations": pipe, "temporary": 0.0, "communication": 0.0}  # receive buffers stay
+                       "activations": pipe, "temporary": acts.input_grads, "communication": 0.0}  # receive buffers stay
     if s.forward_copies > copies and acts.logits and layout.pp == 1 and layout.tp == 1:
         # The loss's forward, under autocast with checkpointing: every weight's cached copy, and beside the fp32
         # log-softmax it keeps, the logits in the compute dtype and their fp32 copy (the dry run's peak at 125m and
