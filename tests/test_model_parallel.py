@@ -32,6 +32,9 @@ TWO_RANKS = {
 FOUR_RANKS = {
     "fsdp x tp": ("parallel.dp_shard=2", "parallel.tp=2", "parallel.zero_stage=3"),
     "pp x fsdp": ("parallel.pp=2", "parallel.dp_shard=2", "parallel.zero_stage=2", "parallel.pp_schedule=interleaved_1f1b"),
+    # zero-bubble's split backward under FSDP (ZeRO-3 is refused: its weight passes missed resharded parameters)
+    "pp x fsdp zero-bubble": ("parallel.pp=2", "parallel.dp_shard=2", "parallel.zero_stage=2",
+                              "parallel.pp_schedule=zero_bubble"),
     "pp x tp + sp": ("parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true", "checkpoint.every_steps=3"),
 }
 
