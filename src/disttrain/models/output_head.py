@@ -101,17 +101,31 @@ def chunked_head_call(function, hidden: torch.Tensor, weight: torch.Tensor, targ
                       chunk_tokens: int) -> torch.Tensor:
     """`function` (the loss sum, or the rows' log-probabilities) of `hidden @ weight.T` against `targets`. DTensor
     weights (tensor parallelism, split over the vocabulary) are computed on their local slices."""
-    from torch.distributed.tensor import DTensor, Partial, Replicate
+    hidden, local, group, start = local_vocabulary(hidden, weight)
+    return replicated(function.apply(hidden, local, targets, chunk_tokens, group, start), weight)
+
+
+def local_vocabulary(hidden: torch.Tensor, weight: torch.Tensor):
+    """(hidden states, this rank's rows of the head weight, the tensor-parallel group or None, the first vocabulary
+    id of those rows) for a head computed on local slices."""
+    from torch.distributed.tensor import DTensor, Partial
 
     if not isinstance(weight, DTensor):
-        return function.apply(hidden, weight, targets, chunk_tokens, None, 0)
+        return hidden, weight, None, 0
     mesh = weight.device_mesh
-    local = weight.to_local()
     rows = -(-weight.shape[0] // mesh.size())  # Shard(0) cuts as torch.chunk does: ceil(vocab / tp) a rank
     # each rank's slice of the vocabulary contributes its part of the hidden states' gradient: a partial sum
     hidden = hidden.to_local(grad_placements=[Partial()]) if isinstance(hidden, DTensor) else hidden
-    result = function.apply(hidden, local, targets, chunk_tokens, mesh.get_group(), mesh.get_local_rank() * rows)
-    return DTensor.from_local(result, mesh, [Replicate()], run_check=False)
+    return hidden, weight.to_local(), mesh.get_group(), mesh.get_local_rank() * rows
+
+
+def replicated(result: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """A result the same on every tensor-parallel rank, as a DTensor when the head weight is one."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if not isinstance(weight, DTensor):
+        return result
+    return DTensor.from_local(result, weight.device_mesh, [Replicate()], run_check=False)
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
@@ -154,7 +168,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None, None
 
 
-def _chunk_statistics(logits: torch.Tensor, targets: torch.Tensor, group, vocab_start: int):
+def chunk_statistics(logits: torch.Tensor, targets: torch.Tensor, group, vocab_start: int):
     """(valid, target in this slice, its column, log-sum-exp, target logit, exp(logits - max)) of one chunk;
     `logits` are this rank's vocabulary slice [vocab_start, vocab_start + columns) when `group` (tensor
     parallel) is given, and the three statistics are the whole vocabulary's."""
@@ -178,7 +192,7 @@ def _chunk_statistics(logits: torch.Tensor, targets: torch.Tensor, group, vocab_
 
 def _chunk_loss_and_grad(logits: torch.Tensor, targets: torch.Tensor, group, vocab_start: int):
     """(loss sum, d loss / d logits) of one chunk."""
-    valid, here, index, log_sum_exp, target_logit, probs = _chunk_statistics(logits, targets, group, vocab_start)
+    valid, here, index, log_sum_exp, target_logit, probs = chunk_statistics(logits, targets, group, vocab_start)
     loss = ((log_sum_exp - target_logit) * valid).sum()
     probs.scatter_add_(1, index, -here.to(probs.dtype).unsqueeze(1))  # the gradient: softmax less one at the target
     probs *= valid.unsqueeze(1)
@@ -203,7 +217,7 @@ class _ChunkedRowLogProbs(torch.autograd.Function):
         chunk = chunk_tokens if chunk_tokens > 0 else max(1, flat.shape[0])
         for start in range(0, flat.shape[0], chunk):
             logits = F.linear(flat[start:start + chunk], weight)
-            valid, _, _, lse_chunk, target_logit, _ = _chunk_statistics(
+            valid, _, _, lse_chunk, target_logit, _ = chunk_statistics(
                 logits.to(stat), labels[start:start + chunk], group, vocab_start)
             lse[start:start + chunk] = lse_chunk
             sums.index_add_(0, row_of[start:start + chunk], (target_logit - lse_chunk) * valid)

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from disttrain.models.output_head import _chunk_statistics, statistics_dtype
+from disttrain.models.output_head import chunk_statistics, local_vocabulary, replicated, statistics_dtype
 from disttrain.models.spec import IGNORE_INDEX
 
 
@@ -21,23 +21,15 @@ def chunked_distillation(hidden, weight, targets, chunk_tokens: int, *, teacher:
     """The sum over the valid targets of alpha·T²·KL + (1 - alpha)·cross-entropy (train/distill.py's meaning).
     `teacher`: (hidden states, head weight whole over the vocabulary) or (logits whole over the vocabulary,);
     `settings`: (temperature, alpha, reverse)."""
-    from torch.distributed.tensor import DTensor, Partial, Replicate
-
-    group, start, local = None, 0, weight
-    if isinstance(weight, DTensor):
-        mesh, local = weight.device_mesh, weight.to_local()
-        group, start = mesh.get_group(), mesh.get_local_rank() * -(-weight.shape[0] // mesh.size())
-        hidden = hidden.to_local(grad_placements=[Partial()]) if isinstance(hidden, DTensor) else hidden
+    hidden, local, group, start = local_vocabulary(hidden, weight)
     columns = slice(start, start + local.shape[0])
     if len(teacher) == 2:
         t_hidden, t_weight = teacher
         t_source = (t_hidden.reshape(-1, t_hidden.shape[-1]), t_weight[columns])
     else:
         t_source = (teacher[0].reshape(-1, teacher[0].shape[-1])[:, columns],)
-    loss = _ChunkedDistillation.apply(hidden, local, targets, chunk_tokens, group, start, t_source, settings)
-    if isinstance(weight, DTensor):
-        return DTensor.from_local(loss, weight.device_mesh, [Replicate()], run_check=False)
-    return loss
+    return replicated(_ChunkedDistillation.apply(hidden, local, targets, chunk_tokens, group, start, t_source, settings),
+                      weight)
 
 
 def _log_softmax(x: torch.Tensor, group) -> torch.Tensor:
@@ -89,7 +81,7 @@ class _ChunkedDistillation(torch.autograd.Function):
             loss += alpha * temperature * temperature * (divergence * valid).sum()
             dlogits *= alpha * valid.unsqueeze(1)
             if alpha != 1:
-                _, here, index, lse, target_logit, probs = _chunk_statistics(s, y, group, vocab_start)
+                _, here, index, lse, target_logit, probs = chunk_statistics(s, y, group, vocab_start)
                 loss += (1 - alpha) * ((lse - target_logit) * valid).sum()
                 probs.scatter_add_(1, index, -here.to(probs.dtype).unsqueeze(1))
                 dlogits += (1 - alpha) * probs * valid.unsqueeze(1)

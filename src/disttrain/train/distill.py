@@ -9,10 +9,11 @@ layout and micro-batching gives the same numbers.
 
 The teacher is a Hugging Face model run forward only, on the same inputs just before the student, parallelised
 like the student (tensor, context, expert and FSDP sharding; train/preference_reference.py's frozen copy).
-With `train.loss_chunk_tokens` (outside pipelines) the student's output head computes the objective in chunks of
-tokens (models/output_head_distill.py) from the teacher's last hidden states and its head weight, so neither
-model's whole logits exist. Otherwise, and under tensor parallelism, both logits are gathered whole over the
-vocabulary for the divergence (`distill_sum`).
+With `train.loss_chunk_tokens` the student's output head computes the objective in chunks of tokens
+(models/output_head_distill.py) from the teacher's last hidden states and its head weight (under pipelines: those
+the teacher's pipeline kept for the micro-batch), so neither model's whole logits exist. With
+`train.loss_chunk_tokens=0` the objective is `distill_sum` on both whole logits (gathered whole over the
+vocabulary under tensor parallelism).
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
-
 from torch.distributed.tensor import DTensor
 
 from disttrain.core.dtypes import at_least_fp32

@@ -149,9 +149,10 @@ class PreferenceLoss:
 
     def _logps(self, outputs, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each whole row's completion log-probability and length (summed over the context ranks' shards)."""
-        logits, targets = replicated_value(self.logits(outputs)), self.shard_targets(targets)
-        if logits.dim() == 1:  # a chunked head's rows' log-probabilities
-            logps, lengths = logits, (targets != IGNORE_INDEX).sum(-1).to(logits.dtype)
+        logits, targets = self.logits(outputs), self.shard_targets(targets)
+        if logits.dim() == 1:  # a chunked head's rows' log-probabilities (replicated over tensor parallel)
+            logps = replicated_value(logits)
+            lengths = (targets != IGNORE_INDEX).sum(-1).to(logps.dtype)
         else:
             logps, lengths = sequence_logps(logits, targets)
         if self.cp_group is not None:
