@@ -128,7 +128,33 @@ def replicated(result: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return DTensor.from_local(result, weight.device_mesh, [Replicate()], run_check=False)
 
 
-class _ChunkedCrossEntropy(torch.autograd.Function):
+def add_chunk_gradients(dlogits, h, weight, grad_hidden, grad_weight, rows: slice, dtype: torch.dtype) -> None:
+    """A chunk's gradients from d objective / d logits (made in the matmul's `dtype`): the hidden states' written
+    into `rows` of `grad_hidden`, the weight's added to `grad_weight` (in its own dtype)."""
+    dlogits = dlogits.to(dtype)
+    grad_hidden[rows] = dlogits @ weight.to(dtype)
+    grad_weight += (dlogits.t() @ h.to(dtype)).to(grad_weight.dtype)
+
+
+class ScaledGradients(torch.autograd.Function):
+    """A head whose forward makes the gradients of a sum over tokens (`keep`), which backward only scales by the
+    incoming gradient; its inputs after the hidden states and the weight get none."""
+
+    @staticmethod
+    def keep(ctx, hidden, weight, grad_hidden, grad_weight, other_inputs: int) -> None:
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.shapes, ctx.other_inputs = (hidden.shape, hidden.dtype, weight.dtype), other_inputs
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        shape, hidden_dtype, weight_dtype = ctx.shapes
+        grad_hidden = (grad_hidden * grad_loss.to(grad_hidden.dtype)).to(hidden_dtype).reshape(shape)
+        grad_weight = (grad_weight * grad_loss.to(grad_weight.dtype)).to(weight_dtype)
+        return (grad_hidden, grad_weight) + (None,) * ctx.other_inputs
+
+
+class _ChunkedCrossEntropy(ScaledGradients):
     """Forward computes the loss and both gradients chunk by chunk; backward scales them."""
 
     @staticmethod
@@ -149,23 +175,13 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
                 loss = torch.zeros((), dtype=stat, device=weight.device)
             part, dlogits = _chunk_loss_and_grad(logits.to(stat), y, group, vocab_start)
             loss += part
-            dlogits = dlogits.to(logits.dtype)
-            grad_hidden[start:start + chunk] = dlogits @ weight.to(logits.dtype)
-            grad_weight += (dlogits.t() @ h.to(logits.dtype)).to(stat)
+            add_chunk_gradients(dlogits, h, weight, grad_hidden, grad_weight, slice(start, start + chunk), logits.dtype)
         if loss is None:  # no positions at all
             loss = torch.zeros((), dtype=statistics_dtype(weight.dtype), device=weight.device)
             grad_weight = torch.zeros_like(weight)
-        ctx.save_for_backward(grad_hidden, grad_weight)
-        ctx.shapes = hidden.shape, hidden.dtype, weight.dtype
+        ScaledGradients.keep(ctx, hidden, weight, grad_hidden, grad_weight, 4)
         return loss
 
-    @staticmethod
-    def backward(ctx, grad_loss):
-        grad_hidden, grad_weight = ctx.saved_tensors
-        shape, hidden_dtype, weight_dtype = ctx.shapes
-        grad_hidden = (grad_hidden * grad_loss.to(grad_hidden.dtype)).to(hidden_dtype).reshape(shape)
-        grad_weight = (grad_weight * grad_loss.to(grad_weight.dtype)).to(weight_dtype)
-        return grad_hidden, grad_weight, None, None, None, None
 
 
 def chunk_statistics(logits: torch.Tensor, targets: torch.Tensor, group, vocab_start: int):
@@ -249,9 +265,7 @@ class _ChunkedRowLogProbs(torch.autograd.Function):
                 # d log p(target) / d logits = one at the target less the softmax, times the row's gradient
                 dlogits = torch.exp(logits.to(lse.dtype) - lse[start:end].unsqueeze(1)) * -g.unsqueeze(1)
                 dlogits.scatter_add_(1, index, (g * here).unsqueeze(1))
-                dlogits = dlogits.to(logits.dtype)
-                grad_hidden[start:end] = dlogits @ weight.to(logits.dtype)
-                grad_weight += (dlogits.t() @ h.to(logits.dtype)).to(lse.dtype)
+                add_chunk_gradients(dlogits, h, weight, grad_hidden, grad_weight, slice(start, end), logits.dtype)
         return grad_hidden.reshape(hidden.shape), grad_weight.to(weight.dtype), None, None, None, None
 
 

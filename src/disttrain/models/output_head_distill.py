@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from disttrain.models.output_head import chunk_statistics, local_vocabulary, replicated, statistics_dtype
+from disttrain.models.output_head import (ScaledGradients, add_chunk_gradients, chunk_statistics, local_vocabulary,
+                                          replicated, statistics_dtype)
 from disttrain.models.spec import IGNORE_INDEX
 
 
@@ -49,7 +50,7 @@ def _summed(x: torch.Tensor, group) -> torch.Tensor:
     return x
 
 
-class _ChunkedDistillation(torch.autograd.Function):
+class _ChunkedDistillation(ScaledGradients):
     @staticmethod
     def forward(ctx, hidden, weight, targets, chunk_tokens, group, vocab_start, t_source, settings):
         temperature, alpha, reverse = settings
@@ -85,17 +86,6 @@ class _ChunkedDistillation(torch.autograd.Function):
                 loss += (1 - alpha) * ((lse - target_logit) * valid).sum()
                 probs.scatter_add_(1, index, -here.to(probs.dtype).unsqueeze(1))
                 dlogits += (1 - alpha) * probs * valid.unsqueeze(1)
-            dlogits = dlogits.to(logits.dtype)
-            grad_hidden[start:end] = dlogits @ weight.to(logits.dtype)
-            grad_weight += (dlogits.t() @ h.to(logits.dtype)).to(stat)
-        ctx.save_for_backward(grad_hidden, grad_weight)
-        ctx.shapes = hidden.shape, hidden.dtype, weight.dtype
+            add_chunk_gradients(dlogits, h, weight, grad_hidden, grad_weight, slice(start, end), logits.dtype)
+        ScaledGradients.keep(ctx, hidden, weight, grad_hidden, grad_weight, 6)
         return loss
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        grad_hidden, grad_weight = ctx.saved_tensors
-        shape, hidden_dtype, weight_dtype = ctx.shapes
-        grad_hidden = (grad_hidden * grad_loss.to(grad_hidden.dtype)).to(hidden_dtype).reshape(shape)
-        grad_weight = (grad_weight * grad_loss.to(grad_weight.dtype)).to(weight_dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None, None
