@@ -128,12 +128,12 @@ def replicated(result: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return DTensor.from_local(result, weight.device_mesh, [Replicate()], run_check=False)
 
 
-def add_chunk_gradients(dlogits, h, weight, grad_hidden, grad_weight, rows: slice, dtype: torch.dtype) -> None:
-    """A chunk's gradients from d objective / d logits (made in the matmul's `dtype`): the hidden states' written
-    into `rows` of `grad_hidden`, the weight's added to `grad_weight` (in its own dtype)."""
-    dlogits = dlogits.to(dtype)
-    grad_hidden[rows] = dlogits @ weight.to(dtype)
-    grad_weight += (dlogits.t() @ h.to(dtype)).to(grad_weight.dtype)
+def add_chunk_gradients(dlogits, h, weight, grad_hidden, grad_weight, rows: slice) -> None:
+    """A chunk's gradients from d objective / d logits, already in the matmul's dtype (callers cast and rebind,
+    so that the fp32 statistics are freed before these matmuls: the planner counts one chunk's): the hidden
+    states' written into `rows` of `grad_hidden`, the weight's added to `grad_weight` (in its own dtype)."""
+    grad_hidden[rows] = dlogits @ weight.to(dlogits.dtype)
+    grad_weight += (dlogits.t() @ h.to(dlogits.dtype)).to(grad_weight.dtype)
 
 
 class ScaledGradients(torch.autograd.Function):
@@ -175,7 +175,8 @@ class _ChunkedCrossEntropy(ScaledGradients):
                 loss = torch.zeros((), dtype=stat, device=weight.device)
             part, dlogits = _chunk_loss_and_grad(logits.to(stat), y, group, vocab_start)
             loss += part
-            add_chunk_gradients(dlogits, h, weight, grad_hidden, grad_weight, slice(start, start + chunk), logits.dtype)
+            dlogits = dlogits.to(logits.dtype)
+            add_chunk_gradients(dlogits, h, weight, grad_hidden, grad_weight, slice(start, start + chunk))
         if loss is None:  # no positions at all
             loss = torch.zeros((), dtype=statistics_dtype(weight.dtype), device=weight.device)
             grad_weight = torch.zeros_like(weight)
@@ -265,7 +266,8 @@ class _ChunkedRowLogProbs(torch.autograd.Function):
                 # d log p(target) / d logits = one at the target less the softmax, times the row's gradient
                 dlogits = torch.exp(logits.to(lse.dtype) - lse[start:end].unsqueeze(1)) * -g.unsqueeze(1)
                 dlogits.scatter_add_(1, index, (g * here).unsqueeze(1))
-                add_chunk_gradients(dlogits, h, weight, grad_hidden, grad_weight, slice(start, end), logits.dtype)
+                dlogits = dlogits.to(logits.dtype)
+                add_chunk_gradients(dlogits, h, weight, grad_hidden, grad_weight, slice(start, end))
         return grad_hidden.reshape(hidden.shape), grad_weight.to(weight.dtype), None, None, None, None
 
 

@@ -86,6 +86,7 @@ class _ChunkedDistillation(ScaledGradients):
                 loss += (1 - alpha) * ((lse - target_logit) * valid).sum()
                 probs.scatter_add_(1, index, -here.to(probs.dtype).unsqueeze(1))
                 dlogits += (1 - alpha) * probs * valid.unsqueeze(1)
-            add_chunk_gradients(dlogits, h, weight, grad_hidden, grad_weight, slice(start, end), logits.dtype)
+            dlogits = dlogits.to(logits.dtype)
+            add_chunk_gradients(dlogits, h, weight, grad_hidden, grad_weight, slice(start, end))
         ScaledGradients.keep(ctx, hidden, weight, grad_hidden, grad_weight, 6)
         return loss
