@@ -68,13 +68,14 @@ def int8_state_problems(cfg) -> list[Problem]:
     """optim.state_dtype=int8: torchao's 8-bit AdamW, where it holds plain tensors or FSDP2's / TP's DTensors."""
     if cfg.optim.state_dtype != "int8" or cfg.engine == "deepspeed":  # (DeepSpeed: refused above)
         return []
-    why = {cfg.optim.name == "muon": ("optim.name=muon", "8-bit states are AdamW's (torchao's AdamW8bit)"),
-           cfg.parallel.zero_stage == 1: ("parallel.zero_stage=1", "ZeRO-1's sharded optimizer keeps its own "
-                                          "states (use zero_stage 2 or 3, which shard 8-bit states too)"),
-           cfg.parallel.ep > 1: (f"parallel.ep={cfg.parallel.ep}", "expert shards' states are shown whole in "
-                                 "checkpoints, which 8-bit blocks do not allow"),
-           cfg.precision.compute_dtype == "fp64": ("precision.compute_dtype=fp64", "the 8-bit step computes in "
-                                                   "fp32")}.get(True)
+    conflicts = [(cfg.optim.name == "muon", "optim.name=muon", "8-bit states are AdamW's (torchao's AdamW8bit)"),
+                 (cfg.parallel.zero_stage == 1, "parallel.zero_stage=1", "ZeRO-1's sharded optimizer keeps its own "
+                  "states (use zero_stage 2 or 3, which shard 8-bit states too)"),
+                 (cfg.parallel.ep > 1, f"parallel.ep={cfg.parallel.ep}", "expert shards' states are shown whole in "
+                  "checkpoints, which 8-bit blocks do not allow"),
+                 (cfg.precision.compute_dtype == "fp64", "precision.compute_dtype=fp64", "the 8-bit step computes "
+                  "in fp32")]
+    why = next((c[1:] for c in conflicts if c[0]), None)  # the first that applies
     if why:
         return [_problem("optim.state_dtype", "int8", f"optim.state_dtype=int8 with {why[0]}: {why[1]} "
                          "(allowed there: fp32, bf16)", "fp32, bf16")]

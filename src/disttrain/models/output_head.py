@@ -68,6 +68,13 @@ def why_not_chunked(head: nn.Module | None) -> str:
     return ""
 
 
+def chunkable_head(model: nn.Module, spec) -> tuple[nn.Module | None, str]:
+    """(the model's output head if it can compute in chunks, else None; why not, '' when it can)."""
+    head = spec.output_head(model) if spec.output_head is not None else None
+    why = spec.output_head_note if spec.output_head is None and spec.output_head_note else why_not_chunked(head)
+    return (None if why else head), why
+
+
 def chunk_output_head(head: nn.Linear, chunk_tokens: int) -> ChunkedLossHead:
     """Make `head` (checked by `why_not_chunked`) a ChunkedLossHead in place."""
     head.__class__ = ChunkedLossHead

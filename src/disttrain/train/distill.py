@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from disttrain.core.dtypes import at_least_fp32
-from disttrain.models.output_head import chunk_output_head, why_not_chunked
+from disttrain.models.output_head import chunk_output_head, chunkable_head
 from disttrain.models.output_head_distill import chunked_distillation
 from disttrain.models.spec import IGNORE_INDEX
 from disttrain.train.loss import GlobalMeanLoss, replicated_value
@@ -73,8 +73,7 @@ class DistillLoss(GlobalMeanLoss):
         its family allows (else the student's head reads slices of the teacher's whole logits)."""
         if not self.chunked:
             return
-        head = spec.output_head(model) if spec.output_head is not None else None
-        why = spec.output_head_note if spec.output_head is None and spec.output_head_note else why_not_chunked(head)
+        head, why = chunkable_head(model, spec)
         if why:
             self.description += f"; the teacher's whole logits ({why})"
             return

@@ -28,7 +28,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from disttrain.models.output_head import ChunkedLossHead, chunk_output_head, targets_for, why_not_chunked
+from disttrain.models.output_head import ChunkedLossHead, chunk_output_head, chunkable_head, targets_for
 from disttrain.models.spec import IGNORE_INDEX
 
 
@@ -53,8 +53,7 @@ class GlobalMeanLoss:
         allows (before the model is parallelised: tensor parallelism plans the head by its class)."""
         if chunk_tokens <= 0:
             return
-        head = spec.output_head(model) if spec.output_head is not None else None
-        why = spec.output_head_note if spec.output_head is None and spec.output_head_note else why_not_chunked(head)
+        head, why = chunkable_head(model, spec)
         if why:
             self.description = f"whole logits ({why})"
             return

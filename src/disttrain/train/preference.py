@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from disttrain.core.dtypes import at_least_fp32
-from disttrain.models.output_head import ChunkedLossHead, chunk_output_head, targets_for, why_not_chunked
+from disttrain.models.output_head import ChunkedLossHead, chunk_output_head, chunkable_head, targets_for
 from disttrain.models.spec import IGNORE_INDEX
 from disttrain.train.loss import replicated_value
 from disttrain.train.preference_reference import PipelinePass
@@ -88,7 +88,8 @@ class PreferenceLoss:
         self.targets: torch.Tensor | int = pairs_per_step  # the divisor of the logged loss: pairs
         self.divisor: torch.Tensor | float = pairs_per_step / dp
         self.reference = None  # inputs -> model outputs of the reference (dpo), set by the builder
-        self.description = "whole logits"
+        self._frozen_heads: list | None = None  # a frozen reference's chunked heads
+        self.description, self.chunked = "whole logits", False
         self.heads: list[ChunkedLossHead] = []  # this rank's chunked output heads, returning rows' log-probs
         self._ref: torch.Tensor | None = None
         self._shape_only = False  # a pipeline's shape inference calls the loss on placeholder values
@@ -99,17 +100,14 @@ class PreferenceLoss:
     def chunk_the_head(self, model, spec, chunk_tokens: int) -> None:
         """The output head returns each row's log-probability of its completion, computed in chunks of tokens
         (models/output_head.py), where the family allows (on a pipeline, the last stage's)."""
-        head = spec.output_head(model) if chunk_tokens > 0 and spec.output_head is not None else None
-        why = spec.output_head_note if spec.output_head is None and spec.output_head_note else why_not_chunked(head)
-        if chunk_tokens <= 0 or why:
-            self.description = f"whole logits ({why})" if chunk_tokens > 0 else "whole logits"
+        if chunk_tokens <= 0:
+            return
+        head, why = chunkable_head(model, spec)
+        if why:
+            self.description = f"whole logits ({why})"
             return
         chunk_output_head(head, chunk_tokens).per_row = True
-        self.description = f"chunks of {chunk_tokens} tokens"
-
-    @property
-    def chunked(self) -> bool:
-        return self.description.startswith("chunks")
+        self.chunked, self.description = True, f"chunks of {chunk_tokens} tokens"
 
     def find_heads(self, model) -> None:
         self.heads = [m for m in model.modules() if isinstance(m, ChunkedLossHead)]
@@ -127,10 +125,13 @@ class PreferenceLoss:
         return targets_for(self.heads, self.shard_targets(targets)) if self.heads else contextlib.nullcontext()
 
     def _reference_heads(self) -> list:
-        """The reference's chunked heads: a frozen copy's own, or the policy's (LoRA: its adapters off)."""
-        if isinstance(self.reference, torch.nn.Module):
-            return [m for m in self.reference.modules() if isinstance(m, ChunkedLossHead)]
-        return self.heads
+        """The reference's chunked heads: a frozen copy's own (found once), or the policy's (LoRA: its adapters
+        off)."""
+        if not isinstance(self.reference, torch.nn.Module):
+            return self.heads
+        if self._frozen_heads is None:
+            self._frozen_heads = [m for m in self.reference.modules() if isinstance(m, ChunkedLossHead)]
+        return self._frozen_heads
 
     def collecting_reference(self):
         """Around a pipeline's forward-only pass of the reference: each call of the loss keeps its micro-batch's

@@ -95,8 +95,8 @@ def adamw_8bit() -> type[torch.optim.Optimizer]:
 
         @torch.no_grad()
         def step(self, closure=None):
-            on_cuda = any(p.is_cuda for group in self.param_groups for p in group["params"])
-            if on_cuda:
+            first = next((p for group in self.param_groups for p in group["params"]), None)
+            if first is not None and first.is_cuda:  # one device for all
                 return super().step(closure)
             with torch.compiler.set_stance("force_eager"):
                 return super().step(closure)
