@@ -75,6 +75,17 @@ def chunkable_head(model: nn.Module, spec) -> tuple[nn.Module | None, str]:
     return (None if why else head), why
 
 
+def chunk_the_head_of(model: nn.Module, spec, chunk_tokens: int) -> tuple[ChunkedLossHead | None, str]:
+    """(the model's output head made to compute in chunks of `chunk_tokens`, or None where it cannot or 0 asks
+    for whole logits; the run's words for what the loss holds)."""
+    if chunk_tokens <= 0:
+        return None, "whole logits"
+    head, why = chunkable_head(model, spec)
+    if why:
+        return None, f"whole logits ({why})"
+    return chunk_output_head(head, chunk_tokens), f"chunks of {chunk_tokens} tokens"
+
+
 def chunk_output_head(head: nn.Linear, chunk_tokens: int) -> ChunkedLossHead:
     """Make `head` (checked by `why_not_chunked`) a ChunkedLossHead in place."""
     head.__class__ = ChunkedLossHead

@@ -28,7 +28,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from disttrain.models.output_head import ChunkedLossHead, chunk_output_head, chunkable_head, targets_for
+from disttrain.models.output_head import ChunkedLossHead, chunk_the_head_of, targets_for
 from disttrain.models.spec import IGNORE_INDEX
 
 
@@ -51,14 +51,9 @@ class GlobalMeanLoss:
     def chunk_the_head(self, model: nn.Module, spec, chunk_tokens: int) -> None:
         """Make the model's output head compute the loss in chunks of `chunk_tokens` tokens, where its family
         allows (before the model is parallelised: tensor parallelism plans the head by its class)."""
-        if chunk_tokens <= 0:
-            return
-        head, why = chunkable_head(model, spec)
-        if why:
-            self.description = f"whole logits ({why})"
-            return
-        chunk_output_head(head, chunk_tokens)
-        self.head_sum, self.description = spec.logits, f"chunks of {chunk_tokens} tokens"
+        head, self.description = chunk_the_head_of(model, spec, chunk_tokens)
+        if head is not None:
+            self.head_sum = spec.logits
 
     @property
     def chunked(self) -> bool:

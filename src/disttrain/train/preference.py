@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from disttrain.core.dtypes import at_least_fp32
-from disttrain.models.output_head import ChunkedLossHead, chunk_output_head, chunkable_head, targets_for
+from disttrain.models.output_head import ChunkedLossHead, chunk_the_head_of, targets_for
 from disttrain.models.spec import IGNORE_INDEX
 from disttrain.train.loss import replicated_value
 from disttrain.train.preference_reference import PipelinePass
@@ -100,14 +100,9 @@ class PreferenceLoss:
     def chunk_the_head(self, model, spec, chunk_tokens: int) -> None:
         """The output head returns each row's log-probability of its completion, computed in chunks of tokens
         (models/output_head.py), where the family allows (on a pipeline, the last stage's)."""
-        if chunk_tokens <= 0:
-            return
-        head, why = chunkable_head(model, spec)
-        if why:
-            self.description = f"whole logits ({why})"
-            return
-        chunk_output_head(head, chunk_tokens).per_row = True
-        self.chunked, self.description = True, f"chunks of {chunk_tokens} tokens"
+        head, self.description = chunk_the_head_of(model, spec, chunk_tokens)
+        if head is not None:
+            head.per_row, self.chunked = True, True
 
     def find_heads(self, model) -> None:
         self.heads = [m for m in model.modules() if isinstance(m, ChunkedLossHead)]
