@@ -144,6 +144,37 @@ def test_a_run_saved_on_two_ranks_resumes_on_one_exactly(assets, two_processes, 
     assert_parity(run, one_process["ref"], step=3, after=2)
 
 
+def test_a_disttrain_run_teaches_as_its_exported_model(assets, tmp_path):
+    """distill.teacher=RUN (a disttrain run directory): the teacher is the run's model with its newest checkpoint's
+    weights, so a step equals, parameter for parameter, the same step taught by that checkpoint exported to
+    transformers (`disttrain convert --to hf`); the run's training changed the teacher (its weights differ from
+    the directory it started from). A run without a committed checkpoint is refused in one line."""
+    from safetensors.torch import load_file
+
+    teacher_run = tmp_path / "teacher_run"
+    train_many({"teacher": (teacher_run, (f"model.hf={assets['teacher']}", f"data.source={assets['data']}",
+                                          f"data.seq_len={SEQ_LEN}", "train.steps=2", "train.global_batch_size=8",
+                                          "optim.lr=1e-2", "checkpoint.save_final=true"))}, nproc=1)
+    exported = tmp_path / "exported"
+    code, _, err = run_main("convert", str(teacher_run), "--to", "hf", "--out", str(exported))
+    assert code == 0, err
+    shutil.copyfile(assets["data"] / "tokenizer.json", exported / "tokenizer.json")  # the same tokenizer, as bytes
+    before, after = load_file(str(assets["teacher"] / "model.safetensors")), load_file(str(exported / "model.safetensors"))
+    assert any(not torch.equal(before[k], after[k]) for k in after)
+    first = ("train.steps=1", "train.global_batch_size=8", "optim.warmup_steps=0", "distill.temperature=2", CHUNKS,
+             "checkpoint.save_final=true")
+    runs = train_many({name: (tmp_path / name, _run_args(assets, *first, f"distill.teacher={teacher}"))
+                       for name, teacher in (("run", teacher_run), ("hf", exported))}, nproc=1)
+    assert_parity(runs["run"], runs["hf"], step=1)
+    empty = tmp_path / "empty_run"
+    empty.mkdir()
+    (empty / "config.yaml").write_text((teacher_run / "config.yaml").read_text())
+    code, _, err = run_main("train", str(DEBUG_CONFIG), *_run_args(assets, f"run.dir={tmp_path / 'refused'}",
+                                                                   f"distill.teacher={empty}"))
+    assert code == 2 and "holds no committed checkpoint" in err, err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "refused").exists(), err
+
+
 def test_a_teacher_that_cannot_teach_is_refused(assets, tmp_path):
     other = _llama(tmp_path / "other", seed=2, vocab_size=448)
     no_weights = tmp_path / "config_only"

@@ -27,9 +27,10 @@ SFT="$HERE/../sft"
 "$PY" -m disttrain convert "$WORK/dpo" --to peft --out "$WORK/dpo-adapter"
 "$PY" -m disttrain convert "$WORK/dpo" --to hf --merge-lora --out "$WORK/dpo-merged"
 
-# distillation: the smaller student learns the fine-tuned model's distribution on the conversations
+# distillation: the smaller student learns the fine-tuned model's distribution on the conversations (the teacher
+# is the fine-tuning run itself: its checkpoint, adapters folded in)
 "$PY" -m disttrain train "$HERE/distill.yaml" "model.hf=$WORK/student" "data.source=$WORK/chat-data" \
-    "distill.teacher=$WORK/sft-merged" "run.dir=$WORK" run.name=distill --nproc-per-node 2
+    "distill.teacher=$WORK/sft" "run.dir=$WORK" run.name=distill --nproc-per-node 2
 "$PY" -m disttrain convert "$WORK/distill" --to hf --out "$WORK/distilled"
 
 # answers from each model, through transformers' generate

@@ -52,8 +52,9 @@ def saved_run_of(step_dir):
     return saved_run(CheckpointManager.read_train_state(step_dir))
 
 
-def full_model_state(step_dir) -> dict[str, torch.Tensor]:
-    """Unsharded fp32 parameters, whatever layout or engine wrote the checkpoint; no process group needed."""
+def full_model_state(step_dir, dtype: torch.dtype | None = torch.float32) -> dict[str, torch.Tensor]:
+    """Unsharded parameters in `dtype` (None: as saved), whatever layout or engine wrote the checkpoint; no process
+    group needed."""
     from disttrain.checkpoint.manager import CheckpointManager
 
     if CheckpointManager.format_of(step_dir) == "deepspeed":
@@ -71,7 +72,24 @@ def full_model_state(step_dir) -> dict[str, torch.Tensor]:
         _load_state_dict(full, storage_reader=storage.dcp_reader(step_dir),
                          planner=_EmptyStateDictLoadPlanner(keys={"model"}), no_dist=True)
         state = full["model"]
-    return {k: v.detach().float().contiguous() for k, v in state.items() if not k.startswith("rope_")}
+    return {k: v.detach().to(dtype or v.dtype).contiguous() for k, v in state.items() if not k.startswith("rope_")}
+
+
+def trained_weights(run: str, key: str) -> dict[str, torch.Tensor]:
+    """The model's parameters in a run's newest committed checkpoint, by the model's own names, as saved (a LoRA
+    run's adapters folded into its base, fp32), for a model built from the run's config (a distillation teacher).
+    `key`: the config key that named the run, for the one-line error."""
+    try:
+        step_dir = resolve_checkpoint(run)
+    except FileNotFoundError as exc:
+        raise UserError(f"{key}={run}: {exc} (allowed: a run with a committed checkpoint, e.g. after "
+                        "checkpoint.save_final=true)") from None
+    saved = saved_run_of(step_dir)
+    if saved.model.lora is None:
+        return full_model_state(step_dir, dtype=None)
+    from disttrain.checkpoint.lora_export import merged_state
+
+    return merged_state(saved, full_model_state(step_dir), init_from)
 
 
 def _untie(state: dict[str, torch.Tensor], spec) -> dict[str, torch.Tensor]:

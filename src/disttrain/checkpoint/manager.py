@@ -39,7 +39,7 @@ from disttrain.core.errors import UserError
 
 log = logging.getLogger(__name__)
 
-COMMIT = "COMMIT"
+COMMIT = storage.COMMIT
 # What a failed save raises: an OS or store error, or DCP's gathered CheckpointException (a BaseException).
 SAVE_ERRORS = (Exception, CheckpointException)
 

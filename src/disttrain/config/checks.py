@@ -191,6 +191,7 @@ def distill_problems(ctx) -> list[Problem]:
     import hashlib
     from pathlib import Path
 
+    from disttrain.config.saved import has_committed_checkpoint, run_directory
     from disttrain.config.sections import ModelConfig
     from disttrain.core.errors import UserError
     from disttrain.core.hub import local_directory
@@ -202,18 +203,27 @@ def distill_problems(ctx) -> list[Problem]:
         return []
     if not teacher:
         return [_problem("distill.teacher", "", "train.objective=distill needs distill.teacher=DIR (a Hugging Face "
-                         "model directory or Hub id with weights)", "a model directory")]
+                         "model directory or Hub id with weights, or a disttrain run directory)", "a model directory")]
     if cfg.engine == "deepspeed":
         return [_problem("engine", "deepspeed", "engine=deepspeed with train.objective=distill: the teacher is "
                          "sharded by the torch engine's layouts only, so far (allowed: engine=torch)", "torch")]
+    run = run_directory(teacher)
     try:
-        directory = Path(local_directory(teacher, "distill.teacher"))
-        shape = registry.model_shape(ModelConfig(hf=teacher))
+        if run is not None:  # a disttrain run: its model and tokenizer as its config says; weights: its checkpoint
+            shape, own = registry.model_shape(run.model), Path(run.tokenizer or "byte")
+        else:
+            directory = Path(local_directory(teacher, "distill.teacher"))
+            shape, own = registry.model_shape(ModelConfig(hf=teacher)), directory / "tokenizer.json"
     except UserError as exc:
         return [_problem("distill.teacher", teacher, str(exc))]
-    if not any(directory.glob("*.safetensors")) and not any(directory.glob("*.bin")):
+    if run is not None and not has_committed_checkpoint(teacher, run):
+        return [_problem("distill.teacher", teacher, f"distill.teacher={teacher}: this run directory holds no "
+                         "committed checkpoint to teach with (allowed: a run with one, e.g. after "
+                         "checkpoint.save_final=true)")]
+    if run is None and not any(directory.glob("*.safetensors")) and not any(directory.glob("*.bin")):
         return [_problem("distill.teacher", teacher, f"distill.teacher={teacher}: holds no weights (*.safetensors): "
-                         "a teacher initialised at random teaches nothing (allowed: a model saved with weights)")]
+                         "a teacher initialised at random teaches nothing (allowed: a model saved with weights, or "
+                         "a disttrain run directory)")]
     if ctx.shape is not None and shape is not None and shape.vocab_size != ctx.shape.vocab_size:
         return [_problem("distill.teacher", teacher, f"distill.teacher={teacher}: its vocabulary has "
                          f"{shape.vocab_size} tokens, the student's {ctx.shape.vocab_size}: the two distributions "
@@ -223,7 +233,6 @@ def distill_problems(ctx) -> list[Problem]:
     source = cfg.data.source
     data = ctx.tokenizer if isinstance(source, str) and source.startswith(PY_PREFIX) else \
         tokenizer_file(source, ctx.tokenizer)
-    own = directory / "tokenizer.json"
     if own.is_file() and data != "byte" and Path(data).is_file() and \
             hashlib.sha256(own.read_bytes()).digest() != hashlib.sha256(Path(data).read_bytes()).digest():
         return [_problem("distill.teacher", teacher, f"distill.teacher={teacher}: its tokenizer.json differs from "

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from disttrain.config.checks import callback_problems, distill_problems, engine_installed
+from disttrain.config.saved import tokenizer_for
 from disttrain.core.errors import UserError
 from disttrain.data.rules import data_problems
 from disttrain.distributed.rules import backend_problems
@@ -138,9 +139,3 @@ def _context(cfg, world_size: int | None, device_type: str) -> RunContext:
                       registry.model_source(cfg.model), world, spec)
 
 
-def tokenizer_for(cfg) -> str:
-    """`data.tokenizer=auto`: the model's own tokenizer.json when it has one (a Hugging Face directory's), else
-    bytes."""
-    if cfg.data.tokenizer != "auto":
-        return cfg.data.tokenizer
-    return registry.model_tokenizer(cfg.model) or "byte"

@@ -8,9 +8,16 @@ from dataclasses import dataclass
 from functools import cached_property
 from types import SimpleNamespace
 
-from disttrain.config.resolve import tokenizer_for
 from disttrain.config.sections import ModelConfig
 from disttrain.models import registry
+
+
+def tokenizer_for(cfg) -> str:
+    """`data.tokenizer=auto`: the model's own tokenizer.json when it has one (a Hugging Face directory's), else
+    bytes."""
+    if cfg.data.tokenizer != "auto":
+        return cfg.data.tokenizer
+    return registry.model_tokenizer(cfg.model) or "byte"
 
 
 @dataclass(frozen=True)
@@ -57,3 +64,29 @@ class SavedRun:
 
 def saved_run(state: dict) -> SavedRun:
     return SavedRun(state, ModelConfig.model_validate(state["config"]["model"]))
+
+
+def run_directory(path: str) -> SavedRun | None:
+    """The run a disttrain run directory (or URL) holds, from the config.yaml it was started with, or None when
+    `path` is no such directory (a Hugging Face model directory has a config.json instead). A run's newest
+    checkpoint says what the weights are (checkpoint/export.py); this says what model they belong to, before any
+    checkpoint is read."""
+    import yaml
+
+    from disttrain.core import storage
+
+    path = str(path)
+    if not storage.isfile(storage.join(path, "config.yaml")) or storage.isfile(storage.join(path, "config.json")):
+        return None
+    config = yaml.safe_load(storage.read_text(storage.join(path, "config.yaml"))) or {}
+    return SavedRun({"config": config}, ModelConfig.model_validate(config.get("model", {})))
+
+
+def has_committed_checkpoint(path: str, run: SavedRun) -> bool:
+    """Whether the run directory `path` (whose config `run` read) holds a committed checkpoint (in its
+    checkpoint.dir, by default its checkpoints/ folder)."""
+    from disttrain.core import storage
+
+    where = run.state["config"].get("checkpoint", {}).get("dir") or storage.join(str(path), "checkpoints")
+    return any(storage.isfile(storage.join(where, name, storage.COMMIT))
+               for name in storage.listdir(where))

@@ -219,7 +219,8 @@ class PreferenceConfig(Section):
 class DistillConfig(Section):
     """Knowledge distillation (train.objective=distill): the student learns the teacher's next-token distribution."""
 
-    teacher: str = Field("", description="the teacher: a Hugging Face model directory or Hub id with weights, "
+    teacher: str = Field("", description="the teacher: a Hugging Face model directory or Hub id with weights, or "
+                         "a disttrain run directory (its newest committed checkpoint; LoRA adapters folded in), "
                          "sharing the student's tokenizer and vocabulary")
     temperature: float = Field(1.0, gt=0, description="both distributions are softened by it; the divergence is "
                                "scaled by its square, so that its gradients keep their size")

@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 RETRIES_ENV = "DISTTRAIN_STORAGE_RETRIES"  # attempts after the first, ours (3 unless set; read at each call)
 BACKOFF_S = 0.5  # first wait; doubled each time
+COMMIT = "COMMIT"  # a checkpoint directory is whole once this file exists (checkpoint/manager.py writes it last)
 
 
 def is_url(path) -> bool:

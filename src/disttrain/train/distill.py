@@ -134,12 +134,27 @@ class DistillLoss(GlobalMeanLoss):
 
 def teacher_model(cfg, layout, device, tokenizer, masks_targets: bool):
     """(the teacher's single-device model, its ModelSpec): built from `distill.teacher` as a student from
-    `model.hf` would be, with the student's document masking and MoE padding exclusion."""
+    `model.hf` would be, with the student's document masking and MoE padding exclusion. A disttrain run directory
+    gives the model its config names, with the weights of its newest committed checkpoint (LoRA adapters folded
+    into the base)."""
+    from disttrain.config.saved import run_directory
     from disttrain.config.sections import ModelConfig
     from disttrain.models import registry
     from disttrain.train.starting_model import starting_model
 
-    section = ModelConfig(hf=cfg.distill.teacher)
+    run = run_directory(cfg.distill.teacher)
+    section = ModelConfig(hf=cfg.distill.teacher) if run is None else \
+        run.model.model_copy(update={"lora": None, "init_from": ""})
     spec = registry.model_spec(section)
-    teacher_cfg = cfg.model_copy(update={"model": section})
-    return starting_model(teacher_cfg, spec, layout, device, tokenizer, masks_targets), spec
+    model = starting_model(cfg.model_copy(update={"model": section}), spec, layout, device, tokenizer, masks_targets)
+    if run is not None:
+        from disttrain.checkpoint.export import trained_weights
+        from disttrain.models.spec import copy_weights
+
+        weights = trained_weights(cfg.distill.teacher, "distill.teacher")
+        with torch.no_grad():
+            copy_weights(model, weights)
+            for name, buffer in model.named_buffers():  # saved buffers too (DeepSeek's routing-correction bias)
+                if name in weights:
+                    buffer.copy_(weights[name])
+    return model, spec
