@@ -64,8 +64,8 @@ SLOW_TIER = {
     "test_hub": ("test_a_hub_model_and_dataset_train_as_their_directories_do",),  # the README's Hub line stays
     "test_preference": ("two_processes",),  # preference objectives under every layout; TRL and the example stay
     "test_distill": ("two_processes",),  # distillation under every layout; the hand-written reference stays
-    "test_float8": ("two_processes",),
-    "test_int8_states": ("two_processes",),  # 8-bit states under the layouts; the plain loop and the resume stay  # float8 under every layout; the rule, the plain loop and the resume stay
+    "test_float8": ("two_processes",),  # float8 under every layout; the rule, the plain loop and the resume stay
+    "test_int8_states": ("two_processes",),  # 8-bit states under the layouts; the plain loop and the resume stay
     # Ray Train: each run costs Ray's start of a worker group (10-20 s here), each restart another; DDP parity and
     # the refusals stay
     "test_ray": ("test_zero3_through_the_python_entry_point", "test_a_killed_worker_actor", "test_sigterm_to_a_worker_actor",

@@ -77,6 +77,7 @@ HF = (f"data.seq_len={SEQ_LEN}", "train.global_batch_size=8", "train.micro_batch
       "optim.lr=2e-2", "optim.warmup_steps=0", "optim.schedule=constant", "metrics.log_every=1", f"dpo.beta={BETA}",
       FP64, f"train.loss_chunk_tokens={CHUNK}")
 LOSS_TYPES = ("sigmoid", "ipo", "hinge")
+PRECOMPUTE = "dpo.precompute_reference=true"
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +89,8 @@ def one_process(assets, tmp_path_factory):
     dpo = ("train.objective=dpo", "train.steps=3", "checkpoint.every_steps=2", "checkpoint.save_final=false")
     jobs = {f"dpo {t}": (root / f"dpo_{t}", (*hf, *dpo, f"dpo.loss_type={t}")) for t in LOSS_TYPES}
     jobs["dpo lora"] = (root / "dpo_lora", (*hf, *dpo, "model.lora.rank=4", "model.lora.alpha=8"))
+    for name in ("dpo sigmoid", "dpo lora"):  # the reference's values computed once, before the first step
+        jobs[f"{name} precomputed"] = (root / f"{name.replace(' ', '_')}_precomputed", (*jobs[name][1], PRECOMPUTE))
     jobs["simpo"] = (root / "simpo", (*hf, "train.objective=simpo", "train.steps=1", "dpo.gamma=0.3"))
     jobs["orpo"] = (root / "orpo", (*hf, "train.objective=orpo", "train.steps=1", "dpo.lambda=0.4"))
     return train_many(jobs, nproc=1)
@@ -222,9 +225,9 @@ def test_dpo_with_lora_equals_trl_with_peft_adapters_off_as_reference(one_proces
     assert abs(third["rewards/margins"]) > 1e-3
 
 
-def _completion_logps(assets, tmp_path):
-    """(chosen, rejected) mean log-probabilities per completion token of the base model on TRL's batch of the 8
-    pairs, computed here from transformers' logits."""
+def _completion_logps(assets, tmp_path, mean: bool = True):
+    """(chosen, rejected) mean log-probabilities per completion token (`mean`; else their sums) of the base model
+    on TRL's batch of the 8 pairs, computed here from transformers' logits."""
     from transformers import AutoModelForCausalLM
 
     model = fp64_norms(AutoModelForCausalLM.from_pretrained(assets["base"], dtype=torch.float64))
@@ -233,8 +236,50 @@ def _completion_logps(assets, tmp_path):
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
     targets, mask = batch["input_ids"][:, 1:], batch["completion_mask"][:, 1:].double()
     token = torch.log_softmax(logits, -1).gather(-1, targets[..., None])[..., 0]
-    mean = (token * mask).sum(1) / mask.sum(1)
-    return mean[:8], mean[8:]
+    values = (token * mask).sum(1) / (mask.sum(1) if mean else 1)
+    return values[:8], values[8:]
+
+
+@pytest.mark.parametrize("name", ["dpo sigmoid", "dpo lora"])
+def test_a_reference_computed_once_trains_as_the_reference_model(name, one_process, assets, tmp_path):
+    """dpo.precompute_reference: the values kept beside the checkpoints are the base model's completion
+    log-probabilities as transformers computes them (each pair's chosen and rejected row), and training with them
+    equals training beside the reference model (the frozen copy; under LoRA the adapters switched off): losses,
+    rewards, gradient norms and parameters, fp64, 1e-10."""
+    run, reference = one_process[f"{name} precomputed"], one_process[name]
+    table = torch.load(run / "checkpoints" / "reference_logps.pt", weights_only=True)
+    chosen, rejected = _completion_logps(assets, tmp_path, mean=False)
+    assert table["train"].shape == (16,) and table["val"].shape == (0,)
+    for ours, theirs in ((table["train"][0::2], chosen), (table["train"][1::2], rejected)):
+        assert all(_close(float(a), float(b)) for a, b in zip(ours, theirs)), (ours, theirs)
+    assert_parity(run, reference, step=2)  # every step's loss and gradient norm, the parameters of step 2
+    for step, record in step_records(run).items():
+        for key in ("rewards/margins", "rewards/accuracies", "logps/rejected"):
+            assert _close(record[key], step_records(reference)[step][key]), (step, key)
+
+
+def test_a_reference_computed_once_is_read_again_on_resume(one_process, assets, tmp_path):
+    """Resumed at step 2, the run reads the kept values (the starting model is gone) and ends where the
+    uninterrupted run does; without them a resume is refused in one line."""
+    source = one_process["dpo sigmoid precomputed"]
+    overrides = tuple(o for o in _one_process_overrides(assets) if "loss_type" not in o)
+    runs = {}
+    for name in ("resumed", "lost"):
+        runs[name] = tmp_path / name
+        shutil.copytree(source, runs[name])
+        (runs[name] / "metrics.jsonl").unlink()
+    (runs["lost"] / "checkpoints" / "reference_logps.pt").unlink()
+    train_many({"resumed": (runs["resumed"], overrides)}, nproc=1)
+    assert_parity(runs["resumed"], source, step=2, after=2)  # step 3's loss and gradient norm
+    code, _, err = run_main("train", str(DEBUG_CONFIG), f"run.dir={tmp_path}", "run.name=lost", *overrides)
+    assert code == 2 and "reference_logps.pt is gone" in err and len(err.strip().splitlines()) == 1, err
+
+
+def _one_process_overrides(assets) -> tuple:
+    """The overrides of one_process's "dpo sigmoid precomputed" run."""
+    return (f"model.hf={assets['base']}", f"data.source={assets['eight']}", *HF, "train.objective=dpo",
+            "train.steps=3", "checkpoint.every_steps=2", "checkpoint.save_final=false", "dpo.loss_type=sigmoid",
+            PRECOMPUTE)
 
 
 def test_simpo_and_orpo_equal_their_published_formulas(one_process, assets, tmp_path):
@@ -266,7 +311,11 @@ LAYOUTS = {"ddp": ("dpo", ()), "zero3": ("dpo", ("parallel.zero_stage=3",)), "tp
            "cp2": ("dpo", ("parallel.cp=2",)), "cp2 orpo": ("orpo", ("parallel.cp=2", "parallel.cp_method=allgather")),
            "pp2 simpo": ("simpo", ("parallel.pp=2", "parallel.pp_schedule=1f1b")),
            "pp2": ("dpo", ("parallel.pp=2", "parallel.pp_schedule=1f1b")),
-           "pp2 lora": ("lora", ("parallel.pp=2", "parallel.pp_schedule=gpipe"))}
+           "pp2 lora": ("lora", ("parallel.pp=2", "parallel.pp_schedule=gpipe")),
+           # the reference's values computed once by the starting model under the layout (validation pairs too)
+           "pp2 precomputed": ("dpo", ("parallel.pp=2", "parallel.pp_schedule=1f1b", PRECOMPUTE)),
+           "cp2 precomputed": ("dpo", ("parallel.cp=2", PRECOMPUTE)),
+           "zero3 lora precomputed": ("lora", ("parallel.zero_stage=3", PRECOMPUTE))}
 
 
 def example_script(name: str):
@@ -396,6 +445,7 @@ def test_a_bad_record_gets_one_line_and_nothing_written(record, message, assets,
     (("train.objective=dpo", "data.packing=true"), "data.packing=true with train.objective=dpo"),
     (("train.objective=dpo", "dpo.loss_type=robust"), "dpo.loss_type"),
     (("train.objective=dpo", "dpo.label_smoothing=0.5"), "dpo.label_smoothing"),
+    (("train.objective=simpo", PRECOMPUTE), "dpo.precompute_reference=true with train.objective=simpo"),
 ])
 def test_bad_settings_get_one_line(overrides, message, assets, tmp_path):
     code, _, err = run_main("train", str(DEBUG_CONFIG), f"data.source={assets['many']}", "model.vocab_size=384",

@@ -214,6 +214,10 @@ class PreferenceConfig(Section):
     gamma: float = Field(0.5, ge=0, description="simpo: the target margin between chosen and rejected rewards")
     lambda_: float = Field(0.1, ge=0, alias="lambda", description="orpo: the weight of the odds-ratio term beside "
                            "the chosen completions' cross-entropy")
+    precompute_reference: bool = Field(
+        False, description="dpo: the reference's log-probabilities of every pair computed once, by the starting "
+        "model before the first step, and kept beside the run's checkpoints (reference_logps.pt): no reference "
+        "model and no reference forward while training")
 
 
 class DistillConfig(Section):

@@ -6,6 +6,7 @@ Which ids a step reads is data/sampling.py's job; everything here follows that o
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable
 
 import numpy as np
 import torch
@@ -108,6 +109,7 @@ class DistributedBatchLoader:
         self._ahead: tuple[int, Future] | None = None
         self.set_shares(shares or [sampler.global_batch_size // dp_size // self.micro_batch_size] * dp_size)
         self.next_step = 1
+        self.on_step: Callable[[np.ndarray], None] | None = None  # told each step's sample ids as it is handed out
 
     def set_shares(self, shares: list[int]) -> None:
         """From the next step on, rank r reads micro-batches sum(shares[:r]) .. sum(shares[:r+1])."""
@@ -117,8 +119,12 @@ class DistributedBatchLoader:
         self.lo = sum(self.shares[:self.dp_rank]) * m
         self.hi = self.lo + self.shares[self.dp_rank] * m
 
+    def sample_ids(self, step: int) -> np.ndarray:
+        """The samples of this rank's micro-batches of `step`, in their order."""
+        return self.sampler.indices(step)[self.lo:self.hi]
+
     def micro_batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        ids = self.sampler.indices(step)[self.lo:self.hi]
+        ids = self.sample_ids(step)
         x, y = self.windows.batch(ids)
         rows = self.micro_batch_size * getattr(self.windows, "rows_per_sample", 1)  # preference data: 2 a pair
         batches = list(zip(x.split(rows), y.split(rows)))
@@ -135,6 +141,8 @@ class DistributedBatchLoader:
         step = self.next_step
         ahead, self._ahead = self._ahead, None
         batches = ahead[1].result() if ahead is not None and ahead[0] == step else self._read(step)
+        if self.on_step is not None:
+            self.on_step(self.sample_ids(step))
         self.next_step += 1
         if self._pool is not None:
             self._ahead = (self.next_step, self._pool.submit(self._read, self.next_step))

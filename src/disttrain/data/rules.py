@@ -48,8 +48,15 @@ def objective_problems(ctx) -> list[Problem]:
         return [Problem("train.objective", objective, "dpo, simpo or orpo", f"data.source={source} holds preference "
                         f"pairs: train.objective={objective} would train on both completions alike (allowed for "
                         "pairs: dpo, simpo or orpo)")]
+    if cfg.dpo.precompute_reference and objective != "dpo":
+        return [Problem("dpo.precompute_reference", True, "false", f"dpo.precompute_reference=true with "
+                        f"train.objective={objective}: only dpo has a reference model (allowed: false)")]
     if objective in ("lm", "distill"):
         return []
+    if cfg.dpo.precompute_reference and isinstance(source, dict):
+        return [Problem("dpo.precompute_reference", True, "false", "dpo.precompute_reference=true with a data.source "
+                        "mixture: the reference's log-probabilities are kept per pair of one directory (allowed: "
+                        "one preference directory, or false)")]
     if not pairs:
         shown = "a mixture" if isinstance(source, dict) else source
         return [Problem("train.objective", objective, "lm", f"train.objective={objective} needs preference pairs: "

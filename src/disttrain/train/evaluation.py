@@ -54,9 +54,12 @@ class Evaluation(Job):
         loader = DistributedBatchLoader(samples, sampler, run.dp_rank, run.layout.dp, run.data.loader.micro_batch_size,
                                         run.data.loader.shares if run.layout.balanced else None)
         engine = run.engine
+        reference = getattr(engine.mean_loss, "precomputed", None)  # dpo's reference values, kept per pair
         engine.model.eval()
         total = torch.zeros(2, dtype=torch.float64, device=run.runtime.device)  # loss sum, valid targets
         for k in range(1, t.eval_batches + 1):
+            if reference is not None:
+                reference.select("val", loader.sample_ids(k))
             total += torch.stack(engine.eval_loss_sum(loader.micro_batches(k)))
         engine.model.train()
         loss_sum, targets = trainer.global_sums(*total)

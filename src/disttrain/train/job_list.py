@@ -40,4 +40,8 @@ def default_jobs(run) -> list:
             StepMetrics(run), StuckLoss(cfg.train.steps), Evaluation(run)]
     if run.layout.balanced:
         jobs.append(Rebalance(run.balancer, run.data.loader))
+    if cfg.train.objective == "dpo" and cfg.dpo.precompute_reference:  # first: before any other job reads the loss
+        from disttrain.train.reference_logps import ReferencePass
+
+        jobs.insert(0, ReferencePass(run))
     return [*jobs, *user_jobs(cfg.train.callbacks), StepBoundary(run), Sampling(run)]

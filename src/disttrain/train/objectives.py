@@ -26,12 +26,18 @@ def make_objective(cfg, spec, layout, meshes, samples, shard_targets):
 
 def attach_frozen_model(objective, cfg, spec, layout, meshes, device, engine, lora: bool, tokenizer,
                         masks_targets: bool, document_eos: int | None) -> None:
-    """DPO's reference (the policy's adapters switched off under LoRA, else a frozen copy of the starting model)
-    or distillation's teacher, parallelised like the policy."""
+    """DPO's reference (the policy's adapters switched off under LoRA, else a frozen copy of the starting model;
+    with dpo.precompute_reference none, only a table of its values) or distillation's teacher, parallelised like
+    the policy."""
     from disttrain.train import preference_reference as reference
     from disttrain.train.starting_model import starting_model
 
     kind = cfg.train.objective
+    if kind == "dpo" and cfg.dpo.precompute_reference:  # no reference model: its values, computed once
+        from disttrain.train.reference_logps import PrecomputedReference
+
+        objective.precomputed = PrecomputedReference(device)
+        return
     if kind == "dpo" and layout.pp > 1:  # the reference's forward runs through a pipeline of its own (or the policy's)
         from disttrain.parallel.pipeline import build_pipeline
 

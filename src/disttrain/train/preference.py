@@ -88,6 +88,9 @@ class PreferenceLoss:
         self.targets: torch.Tensor | int = pairs_per_step  # the divisor of the logged loss: pairs
         self.divisor: torch.Tensor | float = pairs_per_step / dp
         self.reference = None  # inputs -> model outputs of the reference (dpo), set by the builder
+        self.precomputed = None  # or its log-probabilities computed once (train/reference_logps.py)
+        self.recording = False  # the pass that computes them: each micro-batch's are kept, no loss
+        self._part: torch.Tensor | None = None  # the precomputed table's rows of the current micro-batch
         self._frozen_heads: list | None = None  # a frozen reference's chunked heads
         self.description, self.chunked = "whole logits", False
         self.heads: list[ChunkedLossHead] = []  # this rank's chunked output heads, returning rows' log-probs
@@ -112,7 +115,10 @@ class PreferenceLoss:
         """Before the policy's forward of a micro-batch: the reference's log-probabilities of it (dpo); on a
         pipeline's last stage, those its reference pass collected for micro-batch `microbatch`."""
         kept = self.pipeline_pass.get(microbatch)
-        if kept is not None:
+        if self.precomputed is not None:
+            self._part = self.precomputed.part(targets.shape[0], microbatch)
+            self._ref = None if self.recording else self.precomputed.values(self._part)
+        elif kept is not None:
             self._ref = kept
         elif self.reference is not None and inputs is not None:
             with torch.no_grad(), targets_for(self._reference_heads(), self.shard_targets(targets)):
@@ -171,9 +177,12 @@ class PreferenceLoss:
 
     def loss_sum(self, outputs, targets: torch.Tensor) -> torch.Tensor:
         """The micro-batch's pair losses summed; a training step also adds its rewards to the step's sums."""
-        if self.pipeline_pass.active:  # a pipeline's reference pass: keep, compute nothing
+        if self.pipeline_pass.active or self.recording:  # a reference pass: keep, compute nothing
             logps = self._logps(outputs, targets)[0].detach()
-            self.pipeline_pass.keep(logps)
+            if self.recording and not self._shape_only:
+                self.precomputed.record(self._part, logps)
+            elif not self.recording:
+                self.pipeline_pass.keep(logps)
             return torch.zeros((), dtype=logps.dtype, device=logps.device)
         (loss, chosen_reward, rejected_reward), logps, lengths = self._pairs(outputs, targets)
         total = loss.sum() / self.cp  # each context rank holds the whole rows' losses
