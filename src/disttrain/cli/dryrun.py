@@ -85,6 +85,7 @@ def dry_run(cfg, world_size: int, ranks: list[int] | None = None, gpu_name: str 
     from disttrain.dryrun.simulate import simulate, unsupported
     from disttrain.plan.moe import routing_skew as checked_skew
     from disttrain.plan.memory import estimate_memory
+    from disttrain.plan.objective import objective_terms
     from disttrain.plan.search import memory_budget
     from disttrain.config.resolve import resolve_run
 
@@ -108,7 +109,8 @@ def dry_run(cfg, world_size: int, ranks: list[int] | None = None, gpu_name: str 
     out = []
     for rank in ranks:
         planned = estimate_memory(resolved.shape, layout, pp_rank=pp_rank_of(layout, rank), routing_skew=routing.skew,
-                                  muon=cfg.optim.name == "muon", state_dtype=cfg.optim.state_dtype)
+                                  muon=cfg.optim.name == "muon", state_dtype=cfg.optim.state_dtype,
+                                  objective=objective_terms(cfg, resolved.shape))
         planner = {**planned.categories(), "peak_bytes": planned.total}
         if progress:
             progress(f"dry run: rank {rank} of {world_size} ...")
@@ -168,10 +170,7 @@ class _quiet:
 
 
 def refuse_unmodelled(cfg):
-    """`cfg`, unless its objective is one the dry run and the planner cannot model yet (one line, exit 2)."""
-    if cfg.train.objective != "lm":  # what the planner and the dry run model is one sequence per sample
-        raise UserError(f"train.objective={cfg.train.objective}: the dry run and the planner model a language-model "
-                        "step; they do not count the pairs' second sequence or a reference model yet (allowed: lm)")
+    """`cfg`, unless it holds what the dry run and the planner cannot model yet (one line, exit 2)."""
     if cfg.optim.state_dtype == "int8":
         raise UserError("optim.state_dtype=int8: the dry run does not simulate torchao's 8-bit states (`disttrain "
                         "estimate --state-dtype int8` and `plan` count them; allowed in a dry run: fp32, bf16)")

@@ -18,6 +18,7 @@ from disttrain.models.registry import MODEL_SHAPES, ModelShape, model_parallel
 from disttrain.plan import moe, render as report
 from disttrain.plan.estimate import estimate, shape_for_params
 from disttrain.plan.memory import ACCOUNTINGS
+from disttrain.plan.objective import ObjectiveTerms, objective_terms
 from disttrain.plan.search import (SearchSpace, drop_disproved, global_batch, gpu_memory, memory_budget,
                                    parse_count, parse_counts, scaling_table, search, why_winner)
 from disttrain.plan.timing import Cluster, single_gpu_tokens_per_s
@@ -163,12 +164,14 @@ def _positive(flag: str, value) -> None:
 
 def build_layout(args) -> tuple[str, ModelShape, Layout]:
     cfg = resolved = None
+    args.objective = ObjectiveTerms()  # a config's train.objective: its terms (plan/objective.py)
     if args.config:
         from disttrain.cli.dryrun import refuse_unmodelled
         from disttrain.config.load import load_config
         from disttrain.config.resolve import resolve_run
         cfg = refuse_unmodelled(load_config(args.config, getattr(args, "overrides", [])))
         resolved = resolve_run(cfg, None, "cpu" if args.hardware else "cuda")
+        args.objective = objective_terms(cfg, resolved.shape)
     name, shape = _shape(args, (resolved.model_name, resolved.shape) if cfg is not None else None)
     for flag in ("gpus", "dp_replicate", "tp", "pp", "microbatches", "micro_batch_size", "global_batch_size", "seq_len"):
         _positive("--" + flag.replace("_", "-"), getattr(args, flag))
@@ -205,10 +208,6 @@ def _headroom(args) -> float:
     return args.headroom
 
 
-def _global_batch(args, seq_len: int) -> int:
-    return global_batch(args.global_batch_size, args.global_batch_tokens, seq_len)
-
-
 def _lora_rank(args) -> int:
     """--lora-rank, else the config's model.lora.rank, else 0 (no adapters)."""
     if args.lora_rank is None:
@@ -239,7 +238,7 @@ def cmd_estimate(args) -> None:
     cluster = _cluster(args, layout.world_size, name, shape) if args.time else None
     est = estimate(shape, layout, cluster, model=name, accounting=args.accounting, lora_rank=moe.no_lora(
         _lora_rank(args), shape), routing_skew=moe.routing_skew(args.routing_skew, shape),
-        muon=optimizer == "muon", state_dtype=state_dtype)
+        muon=optimizer == "muon", state_dtype=state_dtype, objective=args.objective)
     gpu_name, memory = gpu_memory(args.gpu, getattr(args, "hardware", None))
     tokens = parse_count("--tokens", args.tokens) if args.tokens else None
     if args.json:
@@ -272,7 +271,7 @@ def cmd_plan(args) -> None:
     seq_len = args.seq_len or min(4096, shape.max_seq_len)
     if seq_len > shape.max_seq_len:
         shape = replace(shape, max_seq_len=seq_len)
-    gbs = _global_batch(args, seq_len)
+    gbs = global_batch(args.global_batch_size, args.global_batch_tokens, seq_len)
     _headroom(args)
     try:
         stages = tuple(sorted({int(s) for s in args.zero_stages.split(",")}))
@@ -379,7 +378,8 @@ def cmd_plan_mixed(args) -> None:
     if seq_len > shape.max_seq_len:
         shape = replace(shape, max_seq_len=seq_len)
     dtype = args.dtype or "bf16"
-    space = SearchSpace(seq_len=seq_len, global_batch_size=_global_batch(args, seq_len), allow_offload=args.allow_offload,
+    space = SearchSpace(seq_len=seq_len, global_batch_size=global_batch(
+        args.global_batch_size, args.global_batch_tokens, seq_len), allow_offload=args.allow_offload,
                         param_dtype=dtype)
     plans = plan_mixed(shape, groups, space, args.gpus_per_node, args.headroom, name, dtype, args.compute_efficiency)
     if not plans:

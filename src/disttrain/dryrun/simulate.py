@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from types import SimpleNamespace
 from dataclasses import dataclass, field
 
 import torch
@@ -27,7 +28,6 @@ from disttrain.dryrun.tracking import DDPBuckets, KeepBuckets, LeafInputsSafe, S
 from disttrain.core.errors import UserError
 from disttrain.layout.layout import MESH_DIMS, Layout
 from disttrain.config.resolve import ResolvedRun
-from disttrain.train.loss import GlobalMeanLoss
 from disttrain.train.phases import Phases
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporary", "communication")
@@ -69,7 +69,23 @@ def unsupported(cfg, layout: Layout) -> str | None:
     if cfg.model.lora is not None:
         return ("model.lora cannot be dry-run yet (the simulated model would train every parameter); "
                 "`disttrain estimate` counts LoRA's memory")
+    if layout.pp > 1 and frozen_model(cfg):
+        return (f"train.objective={cfg.train.objective} with parallel.pp={layout.pp} cannot be dry-run yet (the "
+                f"{frozen_model(cfg)}'s pipeline of its own is not simulated); allowed: parallel.pp=1"
+                + (", or dpo.precompute_reference=true" if cfg.train.objective == "dpo" else ""))
     return None
+
+
+def frozen_model(cfg) -> str:
+    """The frozen model the objective runs beside the trained one ("reference", "teacher"), or ""."""
+    if cfg.train.objective == "dpo" and not cfg.dpo.precompute_reference:
+        return "reference"
+    return "teacher" if cfg.train.objective == "distill" else ""
+
+
+def rows_per_sample(cfg) -> int:
+    """Sequences a sample holds: 2 for a preference objective's pairs."""
+    return 2 if cfg.train.objective in ("dpo", "simpo", "orpo") else 1
 
 
 def simulate(cfg, resolved: ResolvedRun, rank: int, steps: int = 2, routing: AssumedRouting | None = None) -> RankRun:
@@ -120,6 +136,7 @@ def measure_step(cfg, layout: Layout, spec, model, steps: int = 2, materialize=N
     from disttrain.distributed.runtime import Runtime
     from disttrain.observe.breakdown import StepBreakdown
     from disttrain.train.builder import build_engine, context_shard
+    from disttrain.train.objectives import attach_frozen_model, make_objective
 
     t0 = time.perf_counter() if t0 is None else t0
     rank, world, device = dist.get_rank(), layout.world_size, torch.device("cpu")
@@ -128,12 +145,18 @@ def measure_step(cfg, layout: Layout, spec, model, steps: int = 2, materialize=N
     building = ddp_on_fake(tensor_mode) if tensor_mode is not None and layout.gradient_wrapper == "ddp" \
         else contextlib.nullcontext()
     with building, groups_on_the_fake_backend(tensor_mode is not None):
-        mean_loss = GlobalMeanLoss(spec.loss_sum, meshes.dp_cp.get_group(), layout.gradient_ranks, False,
-                                   layout.global_batch_size * layout.seq_len, context_shard(layout, meshes))
-        # real runs too: same code measured
+        # the run's objective (samples of random tokens: every target counts), its frozen model made like the trained
+        # one (real runs too: same code measured)
+        mean_loss = make_objective(cfg, spec, layout, meshes, SimpleNamespace(masks_targets=False,
+                                                                              targets_per_sample=layout.seq_len),
+                                   context_shard(layout, meshes))
         stage_io = stage_shapes(spec, layout, lambda: mean_loss.chunked) if layout.pp > 1 else None
         engine = build_engine(cfg, layout, meshes, spec, model, runtime, Phases(StepBreakdown(device)), mean_loss,
                               materialize=materialize, stage_io=stage_io)
+    if cfg.train.objective in ("dpo", "distill"):  # built on meta outside the fake mode, as the trained model was
+        with groups_on_the_fake_backend(tensor_mode is not None):
+            attach_frozen_model(mean_loss, cfg, spec, layout, meshes, device, engine, False, None, False, None,
+                                on_meta=materialize)
     if routing is not None and spec.moe_layers is not None:
         assume_routing(spec.moe_layers(model), layout.ep, routing)
     buckets = DDPBuckets()
@@ -179,18 +202,26 @@ def _tracked_steps(cfg, layout, spec, engine, steps, counter, buckets, rank, t0)
     from torch.distributed.fsdp import FSDPModule
 
     generator = torch.Generator().manual_seed(cfg.train.seed)
-    tokens = torch.randint(0, spec.shape.vocab_size, (layout.micro_batch, layout.seq_len + 1), generator=generator)
+    rows = rows_per_sample(cfg) * layout.micro_batch
+    tokens = torch.randint(0, spec.shape.vocab_size, (rows, layout.seq_len + 1), generator=generator)
     micro_batch = (tokens[:, :-1], tokens[:, 1:])
     stages = getattr(getattr(engine, "parts", None), "stages", [])
+    objective = engine.mean_loss
+    frozen = [m for m in (getattr(objective, "reference", None), getattr(objective, "teacher", None))
+              if isinstance(m, nn.Module)]  # the reference or teacher: its memory is the rank's too
+    precomputed = getattr(objective, "precomputed", None)
+    if precomputed is not None:  # values to read, as the pass before the first step leaves them
+        precomputed.tables["train"] = torch.zeros(rows * layout.microbatches, dtype=torch.float64)
     if isinstance(engine.model, FSDPModule):
-        tracker = FSDPMemTracker(engine.model, engine.optimizer)
-        track_unwrapped_experts(tracker, engine.model)
+        roots = nn.ModuleList([engine.model, *frozen]) if frozen else engine.model
+        tracker = (StagesTracker if frozen else FSDPMemTracker)(roots, engine.optimizer)
+        track_unwrapped_experts(tracker, roots)
     elif stages and isinstance(stages[0].submod, FSDPModule):  # pipeline stages, each an FSDP root
         tracker = StagesTracker(nn.ModuleList([stage.submod for stage in stages]), engine.optimizer)
         track_unwrapped_experts(tracker, nn.ModuleList([stage.submod for stage in stages]))
     else:
         tracker = Tracker(buckets)
-        tracker.track_external(engine.model, engine.optimizer)
+        tracker.track_external(engine.model, *frozen, engine.optimizer)
     if stages:
         tracker._mod_tracker = LeafInputsSafe()
         tracker._mod_tracker.watch(stages)
@@ -201,6 +232,8 @@ def _tracked_steps(cfg, layout, spec, engine, steps, counter, buckets, rank, t0)
             buckets.stand_in(engine.model.reducer)
         for step in range(1, steps + 1):
             counter.reset()
+            if precomputed is not None:
+                precomputed.select("train", range(rows * layout.microbatches // 2))
             engine.train_step(_batch(layout, micro_batch), step)
     snapshot = tracker.get_tracker_snapshot("peak")
     by_kind = next(iter(snapshot.values())) if snapshot else {}

@@ -130,6 +130,12 @@ class Tracker(MemTracker):
             reftype = _MemRefType.GRAD
         super()._track(reftype, t)
 
+    def _track_module_params_and_buffers(self, module, install_grad_hooks: bool = True):
+        """A frozen module's parameters (a reference or teacher model's) get no gradient hook: torch refuses one on
+        a tensor that needs no gradient, and none ever comes."""
+        frozen = not all(p.requires_grad for p in module.parameters())
+        return super()._track_module_params_and_buffers(module, install_grad_hooks and not frozen)
+
 
 class LeafInputsSafe(ModTracker):
     """torch's ModTracker for pipeline stages, with two changes.

@@ -33,15 +33,15 @@ def chunked_distillation(hidden, weight, targets, chunk_tokens: int, *, teacher:
                       weight)
 
 
-def _log_softmax(x: torch.Tensor, group) -> torch.Tensor:
-    """log softmax over the whole vocabulary of rows whose columns are this rank's slice of it."""
+def _log_softmax_(x: torch.Tensor, group) -> torch.Tensor:
+    """log softmax, in place, over the whole vocabulary of rows whose columns are this rank's slice of it."""
     peak = x.max(dim=1).values
     if group is not None:
         dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
     total = torch.exp(x - peak.unsqueeze(1)).sum(dim=1)
     if group is not None:
         dist.all_reduce(total, group=group)
-    return x - (peak + torch.log(total)).unsqueeze(1)
+    return x.sub_((peak + torch.log(total)).unsqueeze(1))
 
 
 def _summed(x: torch.Tensor, group) -> torch.Tensor:
@@ -65,27 +65,39 @@ class _ChunkedDistillation(ScaledGradients):
         for start in range(0, flat.shape[0], chunk):
             end = start + chunk
             h, y = flat[start:end], labels[start:end]
+            # Each chunk-sized tensor is a vocabulary's width per token: the steps work in place and drop what they
+            # are done with, so that a chunk holds its logits, their fp32 copy and three more at most
             logits = F.linear(h, weight)  # the compute dtype
             with torch.no_grad():
                 teacher = F.linear(t_source[0][start:end], t_source[1]) if len(t_source) == 2 else \
                     t_source[0][start:end]
             s = logits.to(stat)
-            log_s, log_t = _log_softmax(s / temperature, group), _log_softmax(teacher.to(stat) / temperature, group)
-            p_s, p_t = log_s.exp(), log_t.exp()
+            log_s = _log_softmax_(s / temperature, group)
+            log_t = _log_softmax_(teacher.to(stat) / temperature, group)
+            del teacher
             valid = (y != IGNORE_INDEX).to(stat)
             if reverse:  # KL(student ‖ teacher); its gradient per logit: T·p_s·(log p_s - log p_t - KL)
-                divergence = _summed((p_s * (log_s - log_t)).sum(dim=1), group)
-                dlogits = p_s * ((log_s - log_t) - divergence.unsqueeze(1)) * temperature
+                p_s = log_s.exp()
+                difference = log_s.sub_(log_t)
+                del log_t
+                divergence = _summed((p_s * difference).sum(dim=1), group)
+                dlogits = difference.sub_(divergence.unsqueeze(1)).mul_(p_s).mul_(temperature)
+                del p_s
             else:  # KL(teacher ‖ student); its gradient per logit: T·(p_s - p_t)
-                divergence = _summed((p_t * (log_t - log_s)).sum(dim=1), group)
-                dlogits = (p_s - p_t) * temperature
+                p_t = log_t.exp()
+                divergence = _summed(log_t.sub_(log_s).mul_(p_t).sum(dim=1), group)
+                del log_t
+                dlogits = log_s.exp_().sub_(p_t).mul_(temperature)
+                del p_t
             loss += alpha * temperature * temperature * (divergence * valid).sum()
             dlogits *= alpha * valid.unsqueeze(1)
             if alpha != 1:
                 _, here, index, lse, target_logit, probs = chunk_statistics(s, y, group, vocab_start)
                 loss += (1 - alpha) * ((lse - target_logit) * valid).sum()
                 probs.scatter_add_(1, index, -here.to(probs.dtype).unsqueeze(1))
-                dlogits += (1 - alpha) * probs * valid.unsqueeze(1)
+                dlogits += probs.mul_((1 - alpha) * valid.unsqueeze(1))
+                del probs
+            del s
             dlogits = dlogits.to(logits.dtype)
             add_chunk_gradients(dlogits, h, weight, grad_hidden, grad_weight, slice(start, end))
         ScaledGradients.keep(ctx, hidden, weight, grad_hidden, grad_weight, 6)

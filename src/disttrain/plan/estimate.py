@@ -7,7 +7,9 @@ from dataclasses import dataclass, replace
 from disttrain.models.registry import MODEL_SHAPES, ModelShape
 from disttrain.models import flops as F
 from disttrain.layout.layout import Layout
+from disttrain.core.errors import UserError
 from disttrain.plan.memory import MemoryEstimate, estimate_memory, rank_params
+from disttrain.plan.objective import ObjectiveTerms
 from disttrain.plan.timing import Cluster, StepTime, step_time
 
 
@@ -22,6 +24,7 @@ class Estimate:
     routing_skew: float = 1.0  # MoE: the busiest expert-parallel rank's share over a balanced one (plan/moe.py)
     optimizer: str = "adamw"  # optim.name the memory was counted for
     state_dtype: str = "fp32"  # optim.state_dtype the moments were counted in
+    objective: ObjectiveTerms = ObjectiveTerms()  # train.objective's rows and frozen model (plan/objective.py)
 
     @property
     def tokens_per_step(self) -> int:
@@ -51,6 +54,8 @@ class Estimate:
             "tokens_per_step": self.tokens_per_step,
             "flops_per_step": self.flops_per_token * self.tokens_per_step,
         }
+        if self.objective.name != "lm":
+            out["objective"] = self.objective.describe()
         if self.time is not None:
             out["time"] = self.time.as_dict()
         if self.shape.moe is not None:
@@ -61,16 +66,21 @@ class Estimate:
 
 def estimate(shape: ModelShape, layout: Layout, cluster: Cluster | None = None, *, model: str = "custom",
              accounting: str = "runtime", fused_norm: bool = True, lora_rank: int = 0,
-             routing_skew: float = 1.0, muon: bool = False, state_dtype: str = "fp32") -> Estimate:
+             routing_skew: float = 1.0, muon: bool = False, state_dtype: str = "fp32",
+             objective: ObjectiveTerms = ObjectiveTerms()) -> Estimate:
     """`lora_rank` > 0: LoRA adapters train on a frozen base (memory only; the step time is the full one's).
     `routing_skew`: an MoE router's load on the busiest expert-parallel rank, 1 = balanced (plan/moe.py).
     `muon`: optim.name=muon (plan/optimizer.py: its states, temporaries, iterations and traffic); `state_dtype`:
-    optim.state_dtype (the moments' bytes)."""
+    optim.state_dtype (the moments' bytes); `objective`: train.objective's terms (memory only: a step time of an
+    objective other than lm is refused)."""
+    if cluster is not None and objective.name != "lm":
+        raise UserError(f"train.objective={objective.name}: the step time models a language-model step (its "
+                        "memory is counted: leave out --time)")
     memory = estimate_memory(shape, layout, accounting, fused_norm, lora_rank=lora_rank, routing_skew=routing_skew,
-                             muon=muon, state_dtype=state_dtype)
+                             muon=muon, state_dtype=state_dtype, objective=objective)
     timing = step_time(shape, layout, cluster, routing_skew, muon) if cluster is not None else None
     return Estimate(model, shape, layout, memory, timing, accounting, routing_skew, "muon" if muon else "adamw",
-                    state_dtype)
+                    state_dtype, objective)
 
 
 def shape_for_params(n_params: float) -> tuple[str, ModelShape]:

@@ -13,7 +13,7 @@ Two accountings of model states:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from disttrain.models.registry import ModelShape
 from disttrain.layout.layout import DTYPE_BYTES, Layout
@@ -26,6 +26,7 @@ from disttrain.plan.moe import model_states as moe_model_states
 from disttrain.plan.optimizer import muon_params, muon_temporaries
 from disttrain.plan.peak_moments import alive_at_moments
 from disttrain.plan.moe import layer_params as moe_layer_params
+from disttrain.plan.objective import ObjectiveTerms, distill_head_bytes
 from disttrain.plan.params import (RankParams, layer_params, lora_layer_params, rank_params,  # noqa: F401
                                    rotary_table_bytes, stage_layers)
 
@@ -207,11 +208,16 @@ def last_forward_output(shape: ModelShape, layout: Layout, held) -> float:
 
 def estimate_memory(shape: ModelShape, layout: Layout, accounting: str = "runtime",
                     fused_norm: bool = True, pp_rank: int | None = None, lora_rank: int = 0,
-                    routing_skew: float = 1.0, muon: bool = False, state_dtype: str = "fp32") -> MemoryEstimate:
+                    routing_skew: float = 1.0, muon: bool = False, state_dtype: str = "fp32",
+                    objective: ObjectiveTerms = ObjectiveTerms()) -> MemoryEstimate:
     """The rank that needs the most memory (over pipeline stages), with every stage's total kept;
     with `pp_rank`, that pipeline rank's. `lora_rank` > 0: LoRA adapters on every projection train and
     the base (held as the runtime holds it, in fp32) is frozen. `routing_skew`: MoE routing (plan/moe.py).
-    `muon`: optim.name=muon (the block matrices keep one moment instead of two); `state_dtype`: optim.state_dtype."""
+    `muon`: optim.name=muon (the block matrices keep one moment instead of two); `state_dtype`: optim.state_dtype.
+    `objective`: train.objective's rows per sample and frozen model (plan/objective.py)."""
+    if objective.rows > 1:  # the trained model sees rows, not samples
+        layout = layout.replace(micro_batch_size=layout.micro_batch_size * objective.rows,
+                                global_batch_size=layout.global_batch_size * objective.rows)
     candidates = []
     ranks = {0, layout.pp - 1} | ({1} if layout.pp > 2 else set()) if pp_rank is None else {pp_rank}
     for pp_rank in sorted(ranks):
@@ -228,6 +234,11 @@ def estimate_memory(shape: ModelShape, layout: Layout, accounting: str = "runtim
         if held.experts:  # the experts' states on their own data-parallel group
             states = moe_model_states(model_state_bytes, held, layout, accounting, largest, shape, muon, state_dtype)
         states.tables = rotary_table_bytes(shape)
+        if objective.frozen is not None:  # sharded as the trained model's parameters, no gradients or states
+            frozen = rank_params(objective.frozen, layout, pp_rank).total
+            states.params += (FP32 if accounting == "runtime" else DTYPE_BYTES[layout.param_dtype]) * frozen / (
+                layout.shard_ranks if layout.zero_stage >= 3 or (layout.zero_stage == 2 and accounting == "runtime")
+                else 1)
         if layout.zero_stage <= 1 and states.buffers and not lora_rank and not held.experts and layout.pp == 1:
             # Autocast casts every matrix but the input embedding's (a lookup); without checkpointing the copies stay
             # for the backward; with it, the output layer's, and the block being recomputed holds its own.
@@ -249,6 +260,9 @@ def estimate_memory(shape: ModelShape, layout: Layout, accounting: str = "runtim
                 layout.tp - 1) // layout.tp
         acts = stage_activation_bytes(shape, layout, pp_rank, fused_norm, routing_skew=routing_skew,
                                       accumulated_grads=states.unsharded_grads)
+        if held.output and objective.name == "distill":  # the teacher's terms in the student's output head
+            kept, transient = distill_head_bytes(objective, shape, layout)
+            acts = replace(acts, saved=acts.saved + kept, chunk=acts.chunk + transient if acts.chunk else 0.0)
         pipe = pipeline_recv_bytes(shape, layout, pp_rank) + pipeline_batch_bytes(layout) if layout.pp > 1 else 0.0
         pb = DTYPE_BYTES[layout.param_dtype]
         gathered, all_held = 0.0, held.total

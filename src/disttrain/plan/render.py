@@ -30,6 +30,8 @@ def memory_table(est: Estimate) -> list[str]:
     lines.append(_row("peak", m["total"]))
     if m["cpu_offloaded"]:
         lines.append(_row("host memory (CPU offload)", m["cpu_offloaded"]))
+    if est.objective.name != "lm":
+        lines.append(f"  counted: {est.objective.describe()}")
     if est.shape.moe is not None:
         lines += moe_lines(est)
     if est.layout.pp > 1:

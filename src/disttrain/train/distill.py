@@ -30,7 +30,7 @@ from disttrain.models.output_head import chunk_output_head, chunkable_head
 from disttrain.models.output_head_distill import chunked_distillation
 from disttrain.models.spec import IGNORE_INDEX
 from disttrain.train.loss import GlobalMeanLoss, replicated_value
-from disttrain.train.preference_reference import PipelinePass
+from disttrain.train.preference_reference import PipelinePass, run_frozen
 
 
 def distill_sum(student: torch.Tensor, teacher: torch.Tensor, targets: torch.Tensor, cfg) -> torch.Tensor:
@@ -62,6 +62,7 @@ class DistillLoss(GlobalMeanLoss):
     def __init__(self, cfg, logits, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.cfg, self.logits = cfg, logits
+        self.teacher_logits = logits  # the teacher's outputs -> its logits: its own spec's (set with the teacher)
         self.teacher = None
         self._teacher_head = None  # the teacher's head, when it hands its hidden states over (chunks)
         self._teacher_logits: torch.Tensor | None = None
@@ -89,7 +90,7 @@ class DistillLoss(GlobalMeanLoss):
             self._teacher_logits = kept
         elif self.teacher is not None and inputs is not None:
             with torch.no_grad():
-                self._teacher_logits = self.logits(self.teacher(inputs)).detach()
+                self._teacher_logits = self.teacher_logits(run_frozen(self.teacher, inputs)).detach()
         if not self.heads:
             return contextlib.nullcontext()
         if self._teacher_logits is None:  # a pipeline's shape inference: the head's loss, of the same shape
@@ -121,7 +122,7 @@ class DistillLoss(GlobalMeanLoss):
 
     def loss_sum(self, outputs, targets: torch.Tensor) -> torch.Tensor:
         if self.pipeline_pass.active:  # a pipeline's teacher pass: keep the logits, compute nothing
-            self.pipeline_pass.keep(self.logits(outputs).detach())
+            self.pipeline_pass.keep(self.teacher_logits(outputs).detach())
             return torch.zeros((), device=targets.device)
         if self.head_sum is not None:  # the student's head computed the objective in chunks
             return self.head_sum(outputs)
@@ -132,29 +133,32 @@ class DistillLoss(GlobalMeanLoss):
         return distill_sum(student, teacher, self.shard_targets(targets), self.cfg)
 
 
-def teacher_model(cfg, layout, device, tokenizer, masks_targets: bool):
-    """(the teacher's single-device model, its ModelSpec): built from `distill.teacher` as a student from
-    `model.hf` would be, with the student's document masking and MoE padding exclusion. A disttrain run directory
-    gives the model its config names, with the weights of its newest committed checkpoint (LoRA adapters folded
-    into the base)."""
+def teacher_spec(cfg):
+    """(the teacher's model section, its ModelSpec) from `distill.teacher`: a Hugging Face model as `model.hf`
+    would take it, or the model a disttrain run directory's config names."""
     from disttrain.config.saved import run_directory
     from disttrain.config.sections import ModelConfig
     from disttrain.models import registry
-    from disttrain.train.starting_model import starting_model
 
     run = run_directory(cfg.distill.teacher)
     section = ModelConfig(hf=cfg.distill.teacher) if run is None else \
         run.model.model_copy(update={"lora": None, "init_from": ""})
-    spec = registry.model_spec(section)
-    model = starting_model(cfg.model_copy(update={"model": section}), spec, layout, device, tokenizer, masks_targets)
-    if run is not None:
-        from disttrain.checkpoint.export import trained_weights
-        from disttrain.models.spec import copy_weights
+    return section, registry.model_spec(section)
 
-        weights = trained_weights(cfg.distill.teacher, "distill.teacher")
-        with torch.no_grad():
-            copy_weights(model, weights)
-            for name, buffer in model.named_buffers():  # saved buffers too (DeepSeek's routing-correction bias)
-                if name in weights:
-                    buffer.copy_(weights[name])
-    return model, spec
+
+def load_teacher_weights(model, cfg) -> None:
+    """A run directory's teacher: the weights of its newest committed checkpoint (LoRA adapters folded into the
+    base); a Hugging Face teacher was built with its own."""
+    from disttrain.config.saved import run_directory
+
+    if run_directory(cfg.distill.teacher) is None:
+        return
+    from disttrain.checkpoint.export import trained_weights
+    from disttrain.models.spec import copy_weights
+
+    weights = trained_weights(cfg.distill.teacher, "distill.teacher")
+    with torch.no_grad():
+        copy_weights(model, weights)
+        for name, buffer in model.named_buffers():  # saved buffers too (DeepSeek's routing-correction bias)
+            if name in weights:
+                buffer.copy_(weights[name])

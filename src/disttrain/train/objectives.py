@@ -3,6 +3,8 @@ distillation's teacher), attached once the policy is parallelised."""
 
 from __future__ import annotations
 
+import torch
+
 from disttrain.train.loss import GlobalMeanLoss
 
 
@@ -25,12 +27,26 @@ def make_objective(cfg, spec, layout, meshes, samples, shard_targets):
 
 
 def attach_frozen_model(objective, cfg, spec, layout, meshes, device, engine, lora: bool, tokenizer,
-                        masks_targets: bool, document_eos: int | None) -> None:
+                        masks_targets: bool, document_eos: int | None, on_meta=None) -> None:
     """DPO's reference (the policy's adapters switched off under LoRA, else a frozen copy of the starting model;
     with dpo.precompute_reference none, only a table of its values) or distillation's teacher, parallelised like
-    the policy."""
+    the policy. `on_meta(module)`: the dry run's, which builds the frozen model on the meta device and makes it
+    fake tensors once parallelised (no pipelines there)."""
     from disttrain.train import preference_reference as reference
     from disttrain.train.starting_model import starting_model
+
+    def start(model_spec, section=None):
+        if on_meta is not None:
+            with torch.device("meta"):
+                return model_spec.build()
+        return starting_model(cfg if section is None else cfg.model_copy(update={"model": section}), model_spec,
+                              layout, device, tokenizer, masks_targets)
+
+    def frozen(model, model_spec):
+        module = reference.frozen_copy(model, model_spec, layout, meshes, device, cfg.parallel, document_eos)
+        if on_meta is not None:
+            on_meta(module)
+        return module
 
     kind = cfg.train.objective
     if kind == "dpo" and cfg.dpo.precompute_reference:  # no reference model: its values, computed once
@@ -42,24 +58,26 @@ def attach_frozen_model(objective, cfg, spec, layout, meshes, device, engine, lo
         from disttrain.parallel.pipeline import build_pipeline
 
         engine.reference = (engine.parts, reference.lora_layers(engine.model)) if lora else (build_pipeline(
-            starting_model(cfg, spec, layout, device, tokenizer, masks_targets), spec, layout, meshes, device,
-            cfg.parallel, objective, layout.microbatches, frozen=True), [])
+            start(spec), spec, layout, meshes, device, cfg.parallel, objective, layout.microbatches, frozen=True), [])
     elif kind == "dpo" and lora:
         objective.reference = reference.lora_reference(engine.model)
     elif kind == "dpo":
-        copy = starting_model(cfg, spec, layout, device, tokenizer, masks_targets)
+        copy = start(spec)
         objective.chunk_the_head(copy, spec, layout.loss_chunk_tokens)  # as the policy's (before parallelising)
-        objective.reference = reference.frozen_copy(copy, spec, layout, meshes, device, cfg.parallel, document_eos)
+        objective.reference = frozen(copy, spec)
     elif kind == "distill":
-        from disttrain.train.distill import teacher_model
+        from disttrain.train.distill import load_teacher_weights, teacher_spec
 
-        model, teacher_spec = teacher_model(cfg, layout, device, tokenizer, masks_targets)
-        objective.chunk_the_teacher(model, teacher_spec, layout.loss_chunk_tokens)  # before parallelising
+        section, teacher = teacher_spec(cfg)
+        objective.teacher_logits = teacher.logits  # a Hugging Face teacher of a built-in student, say
+        model = start(teacher, section)
+        if on_meta is None:
+            load_teacher_weights(model, cfg)
+        objective.chunk_the_teacher(model, teacher, layout.loss_chunk_tokens)  # before parallelising
         if layout.pp > 1:  # the teacher's forward through a pipeline of its own, before the student's
             from disttrain.parallel.pipeline import build_pipeline
 
-            engine.reference = (build_pipeline(model, teacher_spec, layout, meshes, device, cfg.parallel, objective,
+            engine.reference = (build_pipeline(model, teacher, layout, meshes, device, cfg.parallel, objective,
                                                layout.microbatches, frozen=True), [])
         else:
-            objective.teacher = reference.frozen_copy(model, teacher_spec, layout, meshes, device, cfg.parallel,
-                                                      document_eos)
+            objective.teacher = frozen(model, teacher)

@@ -32,7 +32,7 @@ from disttrain.core.dtypes import at_least_fp32
 from disttrain.models.output_head import ChunkedLossHead, chunk_the_head_of, targets_for
 from disttrain.models.spec import IGNORE_INDEX
 from disttrain.train.loss import replicated_value
-from disttrain.train.preference_reference import PipelinePass
+from disttrain.train.preference_reference import PipelinePass, run_frozen
 
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected")
@@ -122,7 +122,7 @@ class PreferenceLoss:
             self._ref = kept
         elif self.reference is not None and inputs is not None:
             with torch.no_grad(), targets_for(self._reference_heads(), self.shard_targets(targets)):
-                self._ref = self._logps(self.reference(inputs), targets)[0].detach()
+                self._ref = self._logps(run_frozen(self.reference, inputs), targets)[0].detach()
         return targets_for(self.heads, self.shard_targets(targets)) if self.heads else contextlib.nullcontext()
 
     def _reference_heads(self) -> list:

@@ -1,0 +1,74 @@
+"""What a training objective adds to a language-model step, for the planner (`train.objective`; docs/guide.md,
+"Preference optimisation and distillation"):
+
+- preference pairs (dpo, simpo, orpo): a sample is two sequences, so every micro-batch holds twice the rows;
+- a frozen model beside the trained one (dpo's reference, unless its values are computed once ahead; distill's
+  teacher): its parameters, sharded as the trained model's are (tensor and pipeline splits, FSDP shards), in the
+  trained model's storage dtype, with no gradients or optimizer states.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from disttrain.layout.layout import Layout
+from disttrain.models.shape import ModelShape
+
+PREFERENCE = ("dpo", "simpo", "orpo")
+
+
+@dataclass(frozen=True)
+class ObjectiveTerms:
+    name: str = "lm"
+    rows: int = 1  # sequences per sample
+    frozen: ModelShape | None = None  # the reference's or the teacher's shape
+
+    def describe(self) -> str:
+        """What the estimate counted beyond a language-model step, or ""."""
+        if self.name == "lm":
+            return ""
+        parts = [f"train.objective={self.name}"] + (["pairs: twice the rows"] if self.rows > 1 else [])
+        if self.frozen is not None:
+            parts.append(f"a frozen {'teacher' if self.name == 'distill' else 'reference'} of "
+                         f"{self.frozen.num_params() / 1e6:,.1f}M parameters")
+        return ", ".join(parts)
+
+
+def objective_terms(cfg, shape: ModelShape) -> ObjectiveTerms:
+    """The terms of a run config's objective; `shape`: the trained model's (dpo's reference has it)."""
+    name = cfg.train.objective
+    if name in PREFERENCE:
+        frozen = shape if name == "dpo" and not cfg.dpo.precompute_reference and cfg.model.lora is None else None
+        return ObjectiveTerms(name, 2, frozen)
+    if name == "distill":
+        from disttrain.config.saved import run_directory
+        from disttrain.config.sections import ModelConfig
+        from disttrain.models import registry
+
+        run = run_directory(cfg.distill.teacher)
+        section = ModelConfig(hf=cfg.distill.teacher) if run is None else run.model
+        return ObjectiveTerms(name, 1, registry.model_shape(section))
+    return ObjectiveTerms()
+
+
+def distill_head_bytes(objective: ObjectiveTerms, shape: ModelShape, layout: Layout) -> tuple[float, float]:
+    """(kept, transient) that distillation's chunked output head adds to the language-model loss's
+    (plan/activations.py chunked_loss_bytes) on the last stage. Kept through the micro-batch: the teacher's last
+    hidden states (the residual's dtype), and its head weight made whole (fp32) where it is sharded (ZeRO-2/3,
+    tensor parallel). While a chunk is at hand (models/output_head_distill.py): the teacher's chunk of logits
+    beside the student's, each cast to fp32, and the two log-softmaxes with one exponential taken from them, where
+    the language-model loss holds one fp32 copy and two more (torch's tracker on the loop alone: 6.1-6.4 fp32
+    chunks at bf16, 512-1,024 tokens, 384-4,096 words)."""
+    if objective.name != "distill" or not layout.loss_chunk_tokens or objective.frozen is None:
+        return 0.0, 0.0
+    from disttrain.plan.activations import FP32, dtype_bytes
+
+    ec, er = dtype_bytes(layout)
+    stat = 8 if layout.compute_dtype == "fp64" else FP32
+    copy = stat if stat != ec else 0
+    tokens = layout.micro_batch * (layout.seq_len // layout.cp)
+    chunk = min(tokens, layout.loss_chunk_tokens)
+    teacher = objective.frozen
+    whole_weight = FP32 * teacher.vocab_size * teacher.dim if layout.zero_stage >= 2 or layout.tp > 1 else 0.0
+    kept = er * tokens * teacher.dim + whole_weight
+    return kept, (ec + copy + stat) * chunk * shape.vocab_size / layout.tp
