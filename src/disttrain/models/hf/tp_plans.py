@@ -1,0 +1,67 @@
+"""Tensor-parallel plans per block for the transformers families, in transformers' style names: the model's own
+`base_model_tp_plan` where disttrain takes it as written, completed or replaced where it does not.
+
+- Fused routed experts (`mlp.experts`: transformers' `packed_colwise` gate_up_proj, `rowwise` down_proj,
+  `moe_tp_experts`) stay whole on every tensor-parallel rank (GLM-4-MoE, DeepSeek-V3, gpt-oss). Each rank routes
+  the same tokens (the MoE block's input is replicated: gathered from the sequence shards under sequence
+  parallelism) through the same experts, so the outputs are one process's, and the gradient reaching the block's
+  output is the whole one on every rank (the attention and dense MLPs of the next layer all-reduce theirs), so each
+  rank's expert gradients are one process's too, with nothing to reduce. Splitting them along their intermediate
+  dimension would save their memory, but a packed `gate_up_proj` holds gate and up halves that must each be split
+  (a layout DTensor has no placement for) and needs an all-reduce of every routed row; expert parallelism
+  (`parallel.ep`) is the way to split experts.
+- The router stays whole (its weights and gradients are the same on every rank, as above).
+- DeepSeek-V3's multi-head latent attention (transformers' plan leaves it out): the low-rank latents
+  (`q_a_proj`, `kv_a_proj_with_mqa` and their norms) stay whole, `q_b_proj` / `kv_b_proj` (or `q_proj` without
+  a query latent) split the heads (`colwise`), `o_proj` joins them (`rowwise`). The rotary key, the last
+  `qk_rope_head_dim` columns of `kv_a_proj_with_mqa`, is shared by every head: its gradient is summed over the
+  ranks' heads (`rotary_key_of_all_heads`, tp_heads.SharedByAllHeads).
+- gpt-oss (no plan in transformers): queries, keys, values by heads, `o_proj` rowwise, and the attention sinks
+  (one logit per head) split with their heads (`HEAD_PARAMETERS`, parallel_plan.py applies it).
+- GLM-4-MoE's query/key norms (`use_qk_norm`) act on each head alone: replicated with their gradients summed over
+  the ranks' heads, as Qwen3's.
+"""
+
+from __future__ import annotations
+
+# families whose fused experts are kept whole on every tensor-parallel rank (tests/test_hf_families.py proves each)
+REPLICATED_EXPERTS = ("glm4_moe", "deepseek_v3", "gpt_oss")
+
+ATTENTION = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
+             "self_attn.o_proj": "rowwise"}
+QK_NORMS = {"self_attn.q_norm": "replicated_with_grad_allreduce",
+            "self_attn.k_norm": "replicated_with_grad_allreduce"}
+LATENT_ATTENTION = {"self_attn.q_proj": "colwise", "self_attn.q_b_proj": "colwise", "self_attn.kv_b_proj": "colwise",
+                    "self_attn.o_proj": "rowwise", "self_attn.kv_a_proj_with_mqa": "rotary_key_of_all_heads"}
+
+# parameters of one head each (dimension 0), split with their heads: (module in the block, parameter name)
+HEAD_PARAMETERS = {"gpt_oss": (("self_attn", "sinks"),)}
+# how many outputs a family's MoE block returns (gpt-oss's MLP also returns its router scores)
+MOE_OUTPUTS = {"gpt_oss": 2}
+
+
+def _routed_experts(key: str) -> bool:
+    return "experts" in key.split(".")
+
+
+def block_entries(config) -> dict[str, str]:
+    """{path inside a block: transformers' style name}; empty when the model has no plan."""
+    kind = config.model_type
+    own = dict(getattr(type(config), "base_model_tp_plan", None) or {})
+    if kind == "gpt_oss":
+        own = {f"layers.*.{k}": v for k, v in ATTENTION.items()}
+    if kind == "deepseek_v3":
+        own.update({f"layers.*.{k}": v for k, v in LATENT_ATTENTION.items()})
+    if kind == "glm4_moe" and getattr(config, "use_qk_norm", False):
+        own.update({f"layers.*.{k}": v for k, v in QK_NORMS.items()})
+    if kind in REPLICATED_EXPERTS:
+        own = {k: v for k, v in own.items() if not _routed_experts(k)}
+    return own
+
+
+def own_styles(config) -> dict:
+    """Styles of disttrain's own plan entries that need the config: {name: factory}."""
+    from disttrain.models.hf.tp_heads import SharedByAllHeads
+
+    width = getattr(config, "qk_rope_head_dim", 0)
+    return {"rotary_key_of_all_heads": lambda: SharedByAllHeads(width)} if width else {}
