@@ -13,8 +13,8 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                parallelize_module)
 
 from disttrain.core.errors import UserError
-from disttrain.models.hf.tp_plans import HEAD_PARAMETERS, MOE_OUTPUTS, block_entries, own_styles
-from disttrain.models.hf.tp_heads import ReplicatedOverHeads, shard_with_heads
+from disttrain.models.hf.tp_plans import MOE_OUTPUTS, block_entries, hand_written, own_styles
+from disttrain.models.hf.tp_heads import ReplicatedOverHeads
 from disttrain.models.output_head import head_parallel_style
 
 
@@ -138,8 +138,9 @@ def tensor_parallel(module: nn.Module, tp_mesh, sequence_parallel: bool) -> None
     config, embed, layers, head = _parts(module)
     for i, block in enumerate(layers.children()):
         parallelize_module(block, tp_mesh, _block_plan(config, block, sequence_parallel))
-        for path, name in HEAD_PARAMETERS.get(config.model_type, ()):
-            shard_with_heads(block.get_submodule(path), name, tp_mesh)
+        for path, split in hand_written(config):
+            if _has(block, path):
+                split(block.get_submodule(path), tp_mesh)
         if sequence_parallel and i == 0:  # replicated embeddings in, this rank's slice out (no communication)
             parallelize_module(block, tp_mesh, PrepareModuleInput(input_layouts=(Replicate(),),
                                                                   desired_input_layouts=(Shard(1),),
@@ -198,12 +199,13 @@ def _sequence_parallel_entries(block: nn.Module, moe_outputs: int = 1) -> dict:
     for name, child in block.named_children():
         if "norm" in name.lower():
             entries[name] = SequenceParallel(use_local_output=True)
-    if not entries or not hasattr(block, "self_attn") or not hasattr(block, "mlp"):
+    attention = "self_attn" if hasattr(block, "self_attn") else "linear_attn"  # Gated DeltaNet layers
+    if not entries or not hasattr(block, attention) or not hasattr(block, "mlp"):
         raise UserError(f"parallel.sequence_parallel=true: block {type(block).__name__} has no norms / self_attn / mlp "
                         "to place sequence parallelism on; allowed for it: false")
-    entries["self_attn"] = PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
-                                              desired_input_kwarg_layouts={"hidden_states": Replicate()},
-                                              use_local_output=True)
+    entries[attention] = PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                            desired_input_kwarg_layouts={"hidden_states": Replicate()},
+                                            use_local_output=True)
     if _moe(block):
         rest = (None,) * (moe_outputs - 1)
         entries["mlp"] = PrepareModuleInputOutput(

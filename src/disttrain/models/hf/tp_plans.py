@@ -17,7 +17,9 @@
   `qk_rope_head_dim` columns of `kv_a_proj_with_mqa`, is shared by every head: its gradient is summed over the
   ranks' heads (`rotary_key_of_all_heads`, tp_heads.SharedByAllHeads).
 - gpt-oss (no plan in transformers): queries, keys, values by heads, `o_proj` rowwise, and the attention sinks
-  (one logit per head) split with their heads (`HEAD_PARAMETERS`, parallel_plan.py applies it).
+  (one logit per head) split with their heads (`hand_written`).
+- Qwen3-Next and Qwen3.5's Gated DeltaNet layers split by heads (tp_linear_attention.py; transformers' plan
+  gathers their projections' outputs instead, `colwise_gather_output`). Qwen3-Next's experts as above.
 - GLM-4-MoE's query/key norms (`use_qk_norm`) act on each head alone: replicated with their gradients summed over
   the ranks' heads, as Qwen3's.
 """
@@ -25,7 +27,7 @@
 from __future__ import annotations
 
 # families whose fused experts are kept whole on every tensor-parallel rank (tests/test_hf_families.py proves each)
-REPLICATED_EXPERTS = ("glm4_moe", "deepseek_v3", "gpt_oss")
+REPLICATED_EXPERTS = ("glm4_moe", "deepseek_v3", "gpt_oss", "qwen3_next")
 
 ATTENTION = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
              "self_attn.o_proj": "rowwise"}
@@ -34,8 +36,12 @@ QK_NORMS = {"self_attn.q_norm": "replicated_with_grad_allreduce",
 LATENT_ATTENTION = {"self_attn.q_proj": "colwise", "self_attn.q_b_proj": "colwise", "self_attn.kv_b_proj": "colwise",
                     "self_attn.o_proj": "rowwise", "self_attn.kv_a_proj_with_mqa": "rotary_key_of_all_heads"}
 
-# parameters of one head each (dimension 0), split with their heads: (module in the block, parameter name)
-HEAD_PARAMETERS = {"gpt_oss": (("self_attn", "sinks"),)}
+# Gated DeltaNet (Qwen3-Next, Qwen3.5): transformers' `colwise_gather_output` entries replaced by a split of the
+# heads (its projections here, the rest in tp_linear_attention.py)
+LINEAR_ATTENTION = {"linear_attn.in_proj_qkvz": "colwise", "linear_attn.in_proj_ba": "colwise",
+                    "linear_attn.in_proj_z": "colwise", "linear_attn.in_proj_b": "colwise",
+                    "linear_attn.in_proj_a": "colwise", "linear_attn.out_proj": "rowwise",
+                    "linear_attn.norm": "replicated_with_grad_allreduce"}
 # how many outputs a family's MoE block returns (gpt-oss's MLP also returns its router scores)
 MOE_OUTPUTS = {"gpt_oss": 2}
 
@@ -54,6 +60,9 @@ def block_entries(config) -> dict[str, str]:
         own.update({f"layers.*.{k}": v for k, v in LATENT_ATTENTION.items()})
     if kind == "glm4_moe" and getattr(config, "use_qk_norm", False):
         own.update({f"layers.*.{k}": v for k, v in QK_NORMS.items()})
+    if kind in ("qwen3_next", "qwen3_5_text"):
+        own = {k: v for k, v in own.items() if ".linear_attn." not in k}
+        own.update({f"layers.*.{k}": v for k, v in LINEAR_ATTENTION.items()})
     if kind in REPLICATED_EXPERTS:
         own = {k: v for k, v in own.items() if not _routed_experts(k)}
     return own
@@ -65,3 +74,17 @@ def own_styles(config) -> dict:
 
     width = getattr(config, "qk_rope_head_dim", 0)
     return {"rotary_key_of_all_heads": lambda: SharedByAllHeads(width)} if width else {}
+
+
+def hand_written(config) -> list:
+    """[(module path in a block, function(module, tp_mesh))]: what each family needs beyond torch's styles, for the
+    blocks that have that module."""
+    from disttrain.models.hf.tp_heads import shard_with_heads
+    from disttrain.models.hf.tp_linear_attention import split_gated_delta_net
+
+    kind = config.model_type
+    if kind == "gpt_oss":  # the attention sinks, one logit per head
+        return [("self_attn", lambda module, mesh: shard_with_heads(module, "sinks", mesh))]
+    if kind in ("qwen3_next", "qwen3_5_text"):
+        return [("linear_attn", split_gated_delta_net)]
+    return []
