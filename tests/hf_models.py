@@ -39,7 +39,8 @@ def family_config(kind: str):
     attention alternating, biased experts), DeepSeek-V3 (latent attention, group-limited routing, a shared
     expert, a dense first layer), Qwen3-Next (three GatedDeltaNet linear-attention layers to one gated full one,
     experts with a gated shared expert), Gemma 3 (scaled embeddings, `1 + weight` norms, sliding windows with
-    their own rotary base, tied embeddings); for initialisation only also Qwen3.5, Gemma 4 and GLM-4-MoE (query/key norms on)."""
+    their own rotary base, tied embeddings), Qwen3.5 (Gated DeltaNet without experts), GLM-4-MoE (query/key
+    norms, a router, shared experts, a dense first layer) and Gemma 4."""
     from transformers import AutoConfig
 
     alternating = ["sliding_attention", "full_attention"] * 2

@@ -30,10 +30,10 @@ LAYOUTS = {"ddp": (), "zero3": ("parallel.zero_stage=3",), "pp2": ("parallel.pp=
            "ep2-zero3": ("parallel.ep=2", "parallel.zero_stage=3")}
 # What is proven exact (fp64, 1e-10, against one process); every other pair of TABLE_FAMILIES x LAYOUTS must be
 # refused in one line (test_the_support_table_is_current, which also writes the table in docs/models.md).
-MOE = ("ddp", "zero3", "pp2", "ep2-zero3")
+MOE = ("ddp", "zero3", "pp2", "ep2-zero3", "tp2", "tp2-sp")  # TP: heads split, fused experts whole on each rank
 EXACT_PAIRS = {"gpt_oss": MOE, "deepseek_v3": MOE, "qwen3_next": MOE, "glm4_moe": MOE,
                "gemma3_text": ("ddp", "zero3", "pp2", "tp2", "tp2-sp", "cp2", "cp2-ulysses"),
-               "qwen3_5_text": ("ddp", "zero3", "pp2"),
+               "qwen3_5_text": ("ddp", "zero3", "pp2", "tp2", "tp2-sp"),
                "gemma4_text": ("ddp", "zero3"),
                "qwen3": ("tp2", "tp2-sp")}  # Qwen3: the query/key norms replicated over tensor-parallel ranks
 TABLE_FAMILIES = FAMILIES
@@ -267,16 +267,22 @@ def test_the_support_table_is_current(family_dirs, tmp_path):
 TABLE_START, TABLE_END = "<!-- support table: tests/test_hf_families.py -->", "<!-- end of the support table -->"
 
 
-@pytest.mark.parametrize("kind", FAMILIES)
-def test_convert_to_hf_gives_transformers_the_same_model(kind, family_runs, family_dirs, tmp_path):
-    """The ZeRO-3 run's weights, gathered from shards, load with `from_pretrained` under their own names and the
-    config (layer kinds, windows, experts) comes back whole: transformers' logits equal those of the model
-    disttrain trained, given the checkpoint's weights (float32, as the export writes them)."""
+# ZeRO-3 shards for every family; tensor-parallel shards (gpt-oss's sinks split with their heads, DeepSeek's
+# latent attention, Qwen3.5's Gated DeltaNet with its whole convolution and A_log/dt_bias split) for three
+CONVERTED = [(kind, "zero3") for kind in FAMILIES] + [("gpt_oss", "tp2-sp"), ("deepseek_v3", "tp2"),
+                                                       ("qwen3_5_text", "tp2")]
+
+
+@pytest.mark.parametrize("kind,layout", CONVERTED)
+def test_convert_to_hf_gives_transformers_the_same_model(kind, layout, family_runs, family_dirs, tmp_path):
+    """The run's weights, gathered from ZeRO-3 or tensor-parallel shards, load with `from_pretrained` under their
+    own names and the config (layer kinds, windows, experts) comes back whole: transformers' logits equal those of
+    the model disttrain trained, given the checkpoint's weights (float32, as the export writes them)."""
     from transformers import AutoModelForCausalLM
 
     from disttrain.models.spec import copy_weights
 
-    run, out = family_runs[f"{kind} zero3"], tmp_path / "hf"
+    run, out = family_runs[f"{kind} {layout}"], tmp_path / "hf"
     code, _, err = run_main("convert", str(run), "--to", "hf", "--out", str(out))
     assert code == 0, err
     theirs = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)

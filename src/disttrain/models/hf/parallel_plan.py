@@ -131,10 +131,11 @@ def _parts(module: nn.Module):
 
 def tensor_parallel(module: nn.Module, tp_mesh, sequence_parallel: bool) -> None:
     """The model's tensor-parallel plan (its own `base_model_tp_plan`, completed by tp_plans.py) on every block.
-    With sequence parallelism the residual stream between blocks is split along the sequence: the model-level forward still sees the whole sequence
-    (the embedding output is replicated, so transformers derives positions and the causal mask from the
-    full length), the first block takes its slice locally, norms run on slices, attention and MLP gather
-    the sequence on entry and reduce-scatter on exit, and the head gathers it back."""
+    With sequence parallelism the residual stream between blocks is split along the sequence: the model-level
+    forward still sees the whole sequence (the embedding output is replicated, so transformers derives positions
+    and the causal mask from the full length), the first block takes its slice locally, norms run on slices,
+    attention and MLP gather the sequence on entry and reduce-scatter on exit (an MoE block: slice its output), and
+    the head gathers it back."""
     config, embed, layers, head = _parts(module)
     for i, block in enumerate(layers.children()):
         parallelize_module(block, tp_mesh, _block_plan(config, block, sequence_parallel))
