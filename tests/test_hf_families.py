@@ -354,3 +354,13 @@ def test_lora_exports_load_in_peft_and_merged(kind, references, weight_dirs, tmp
             input_ids=inputs).logits
     assert float((adapted - base_logits).abs().max()) > 1e-3
     torch.testing.assert_close(merged, adapted, rtol=1e-5, atol=1e-5)
+
+
+def test_lora_on_a_layer_tensor_parallelism_splits_by_hand_is_refused(family_dirs, tmp_path):
+    """DeepSeek-V3's `kv_a_proj_with_mqa` (its rotary key's gradient summed over heads) takes no adapter under
+    tensor parallelism: the default targets include it, so LoRA there names its targets."""
+    code, _, err = run_main("train", str(DEBUG_CONFIG), f"run.dir={tmp_path / 'runs'}", "parallel.tp=2",
+                            f"model.hf={family_dirs['deepseek_v3']}", "model.lora.rank=4", "--nproc-per-node", "2")
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "kv_a_proj_with_mqa with parallel.tp=2" in lines[0], err
+    assert not (tmp_path / "runs").exists()

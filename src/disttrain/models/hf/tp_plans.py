@@ -36,6 +36,10 @@ QK_NORMS = {"self_attn.q_norm": "replicated_with_grad_allreduce",
 LATENT_ATTENTION = {"self_attn.q_proj": "colwise", "self_attn.q_b_proj": "colwise", "self_attn.kv_b_proj": "colwise",
                     "self_attn.o_proj": "rowwise", "self_attn.kv_a_proj_with_mqa": "rotary_key_of_all_heads"}
 
+# linear layers whose output or gradient tensor parallelism changes with hooks of its own (DeepSeek-V3's shared
+# rotary key, Qwen3.5's rows of this rank's heads): a LoRA adapter on them would not follow (models/lora.py)
+HAND_SPLIT_LINEARS = ("kv_a_proj_with_mqa", "in_proj_qkv")
+
 # Gated DeltaNet (Qwen3-Next, Qwen3.5): transformers' `colwise_gather_output` entries replaced by a split of the
 # heads (its projections here, the rest in tp_linear_attention.py)
 LINEAR_ATTENTION = {"linear_attn.in_proj_qkvz": "colwise", "linear_attn.in_proj_ba": "colwise",
