@@ -380,3 +380,16 @@ def test_lora_on_a_layer_tensor_parallelism_splits_by_hand_is_refused(family_dir
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and "kv_a_proj_with_mqa with parallel.tp=2" in lines[0], err
     assert not (tmp_path / "runs").exists()
+
+
+def test_linear_attention_heads_tensor_parallelism_cannot_split_are_refused(tmp_path):
+    """Gated DeltaNet layers split by key heads: one key head on two ranks is refused before anything starts."""
+    config = family_config("qwen3_5_text")
+    config.linear_num_key_heads = 1
+    config.save_pretrained(tmp_path / "one_key_head")
+    code, _, err = run_main("train", str(DEBUG_CONFIG), f"run.dir={tmp_path / 'runs'}", "parallel.tp=2",
+                            f"model.hf={tmp_path / 'one_key_head'}", "--nproc-per-node", "2")
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, err
+    assert "parallel.tp=2 does not divide the linear-attention heads (linear_num_key_heads=1)" in lines[0], err
+    assert not (tmp_path / "runs").exists()
