@@ -7,9 +7,11 @@
   sequence parallelism) through the same experts, so the outputs are one process's, and the gradient reaching the block's
   output is the whole one on every rank (the attention and dense MLPs of the next layer all-reduce theirs), so each
   rank's expert gradients are one process's too, with nothing to reduce. Splitting them along their intermediate
-  dimension would save their memory, but a packed `gate_up_proj` holds gate and up halves that must each be split
-  (a layout DTensor has no placement for) and needs an all-reduce of every routed row; expert parallelism
-  (`parallel.ep`) is the way to split experts.
+  dimension would divide their memory, but transformers' grouped `gate_up_proj` holds a gate half and an up half
+  that must each be split (two blocks per rank, which no DTensor placement describes: gpt-oss's interleaved
+  columns would split contiguously), and every routed row's output would then be a partial sum to all-reduce,
+  with the down-projection's bias added once; the expert dispatch (models/hf/moe.py) does neither yet. Expert
+  parallelism (`parallel.ep`) is the way to split experts.
 - The router stays whole (its weights and gradients are the same on every rank, as above).
 - DeepSeek-V3's multi-head latent attention (transformers' plan leaves it out): the low-rank latents
   (`q_a_proj`, `kv_a_proj_with_mqa` and their norms) stay whole, `q_b_proj` / `kv_b_proj` (or `q_proj` without
