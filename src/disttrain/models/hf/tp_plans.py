@@ -4,9 +4,9 @@
 - Fused routed experts (`mlp.experts`: transformers' `packed_colwise` gate_up_proj, `rowwise` down_proj,
   `moe_tp_experts`) stay whole on every tensor-parallel rank (GLM-4-MoE, DeepSeek-V3, gpt-oss, Qwen3-Next). Each
   rank routes the same tokens (the MoE block's input is replicated: gathered from the sequence shards under
-  sequence parallelism) through the same experts, so the outputs are one process's, and the gradient reaching the block's
-  output is the whole one on every rank (the attention and dense MLPs of the next layer all-reduce theirs), so each
-  rank's expert gradients are one process's too, with nothing to reduce. Splitting them along their intermediate
+  sequence parallelism) through the same experts, so the outputs are one process's, and the gradient reaching
+  the block's output is the whole one on every rank (the attention and dense MLPs of the next layer all-reduce
+  theirs), so each rank's expert gradients are one process's too, with nothing to reduce. Splitting them along their intermediate
   dimension would divide their memory, but transformers' grouped `gate_up_proj` holds a gate half and an up half
   that must each be split (two blocks per rank, which no DTensor placement describes: gpt-oss's interleaved
   columns would split contiguously), and every routed row's output would then be a partial sum to all-reduce,
