@@ -30,10 +30,10 @@ LAYOUTS = {"ddp": (), "zero3": ("parallel.zero_stage=3",), "pp2": ("parallel.pp=
            "ep2-zero3": ("parallel.ep=2", "parallel.zero_stage=3")}
 # What is proven exact (fp64, 1e-10, against one process); every other pair of TABLE_FAMILIES x LAYOUTS must be
 # refused in one line (test_the_support_table_is_current, which also writes the table in docs/models.md).
-MOE = ("ddp", "zero3", "pp2", "ep2-zero3")
+MOE = ("ddp", "zero3", "pp2", "ep2-zero3", "tp2", "tp2-sp")  # TP: heads split, fused experts whole on each rank
 EXACT_PAIRS = {"gpt_oss": MOE, "deepseek_v3": MOE, "qwen3_next": MOE, "glm4_moe": MOE,
                "gemma3_text": ("ddp", "zero3", "pp2", "tp2", "tp2-sp", "cp2", "cp2-ulysses"),
-               "qwen3_5_text": ("ddp", "zero3", "pp2"),
+               "qwen3_5_text": ("ddp", "zero3", "pp2", "tp2", "tp2-sp"),
                "gemma4_text": ("ddp", "zero3"),
                "qwen3": ("tp2", "tp2-sp")}  # Qwen3: the query/key norms replicated over tensor-parallel ranks
 TABLE_FAMILIES = FAMILIES
@@ -203,15 +203,31 @@ def references(family_dirs, weight_dirs, tmp_path_factory):
     jobs["llama eager"] = (root / "llama_eager", (*COMMON, f"model.hf={family_dirs['llama']}",
                                                   "model.attn_implementation=eager"))
     jobs["llama"] = (root / "llama", (*COMMON, f"model.hf={family_dirs['llama']}"))
+    jobs["gpt_oss lora64"] = (root / "gpt_oss_lora64", (*COMMON, f"model.hf={family_dirs['gpt_oss']}", *LORA64))
     return train_many(jobs, nproc=1)
 
 
 @pytest.fixture(scope="module")
 def family_runs(family_dirs, tmp_path_factory):
     root = tmp_path_factory.mktemp("two")
-    return train_many({f"{kind} {name}": (root / f"{kind}_{name}", (*COMMON, f"model.hf={family_dirs[kind]}",
-                                                                   *LAYOUTS[name]))
-                       for kind, names in EXACT_PAIRS.items() for name in names}, nproc=2)
+    jobs = {f"{kind} {name}": (root / f"{kind}_{name}", (*COMMON, f"model.hf={family_dirs[kind]}", *LAYOUTS[name]))
+            for kind, names in EXACT_PAIRS.items() for name in names}
+    jobs.update({name: (root / name.replace(" ", "_"), (*COMMON, f"model.hf={family_dirs[kind]}", *extra))
+                 for name, (kind, _, extra) in COMPOSED.items()})
+    return train_many(jobs, nproc=2)
+
+
+LORA64 = ("model.lora.rank=4", "model.lora.dropout=0")
+FULL_AC = "parallel.activation_checkpointing=full"
+# beyond the table: what tensor parallelism's own hooks must survive (gpt-oss's sinks and Qwen3.5's rows of its
+# heads taken again in the recomputation; adapters beside the split heads): run -> (family, reference, overrides)
+COMPOSED = {"gpt_oss lora tp2-sp ac": ("gpt_oss", "gpt_oss lora64", (*LORA64, *LAYOUTS["tp2-sp"], FULL_AC)),
+            "qwen3_5_text tp2 ac": ("qwen3_5_text", "qwen3_5_text", (*LAYOUTS["tp2"], FULL_AC))}
+
+
+@pytest.mark.parametrize("name", list(COMPOSED))
+def test_tensor_parallel_hooks_compose_with_lora_and_checkpointing(name, family_runs, references):
+    assert_parity(family_runs[name], references[COMPOSED[name][1]], rel=EXACT, step=4)
 
 
 @pytest.mark.parametrize("kind,layout", [(kind, name) for kind, names in EXACT_PAIRS.items() for name in names])
@@ -267,16 +283,22 @@ def test_the_support_table_is_current(family_dirs, tmp_path):
 TABLE_START, TABLE_END = "<!-- support table: tests/test_hf_families.py -->", "<!-- end of the support table -->"
 
 
-@pytest.mark.parametrize("kind", FAMILIES)
-def test_convert_to_hf_gives_transformers_the_same_model(kind, family_runs, family_dirs, tmp_path):
-    """The ZeRO-3 run's weights, gathered from shards, load with `from_pretrained` under their own names and the
-    config (layer kinds, windows, experts) comes back whole: transformers' logits equal those of the model
-    disttrain trained, given the checkpoint's weights (float32, as the export writes them)."""
+# ZeRO-3 shards for every family; tensor-parallel shards (gpt-oss's sinks split with their heads, DeepSeek's
+# latent attention, Qwen3.5's Gated DeltaNet with its whole convolution and A_log/dt_bias split) for three
+CONVERTED = [(kind, "zero3") for kind in FAMILIES] + [("gpt_oss", "tp2-sp"), ("deepseek_v3", "tp2"),
+                                                       ("qwen3_5_text", "tp2")]
+
+
+@pytest.mark.parametrize("kind,layout", CONVERTED)
+def test_convert_to_hf_gives_transformers_the_same_model(kind, layout, family_runs, family_dirs, tmp_path):
+    """The run's weights, gathered from ZeRO-3 or tensor-parallel shards, load with `from_pretrained` under their
+    own names and the config (layer kinds, windows, experts) comes back whole: transformers' logits equal those of
+    the model disttrain trained, given the checkpoint's weights (float32, as the export writes them)."""
     from transformers import AutoModelForCausalLM
 
     from disttrain.models.spec import copy_weights
 
-    run, out = family_runs[f"{kind} zero3"], tmp_path / "hf"
+    run, out = family_runs[f"{kind} {layout}"], tmp_path / "hf"
     code, _, err = run_main("convert", str(run), "--to", "hf", "--out", str(out))
     assert code == 0, err
     theirs = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
@@ -348,3 +370,26 @@ def test_lora_exports_load_in_peft_and_merged(kind, references, weight_dirs, tmp
             input_ids=inputs).logits
     assert float((adapted - base_logits).abs().max()) > 1e-3
     torch.testing.assert_close(merged, adapted, rtol=1e-5, atol=1e-5)
+
+
+def test_lora_on_a_layer_tensor_parallelism_splits_by_hand_is_refused(family_dirs, tmp_path):
+    """DeepSeek-V3's `kv_a_proj_with_mqa` (its rotary key's gradient summed over heads) takes no adapter under
+    tensor parallelism: the default targets include it, so LoRA there names its targets."""
+    code, _, err = run_main("train", str(DEBUG_CONFIG), f"run.dir={tmp_path / 'runs'}", "parallel.tp=2",
+                            f"model.hf={family_dirs['deepseek_v3']}", "model.lora.rank=4", "--nproc-per-node", "2")
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "kv_a_proj_with_mqa with parallel.tp=2" in lines[0], err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_linear_attention_heads_tensor_parallelism_cannot_split_are_refused(tmp_path):
+    """Gated DeltaNet layers split by key heads: one key head on two ranks is refused before anything starts."""
+    config = family_config("qwen3_5_text")
+    config.linear_num_key_heads = 1
+    config.save_pretrained(tmp_path / "one_key_head")
+    code, _, err = run_main("train", str(DEBUG_CONFIG), f"run.dir={tmp_path / 'runs'}", "parallel.tp=2",
+                            f"model.hf={tmp_path / 'one_key_head'}", "--nproc-per-node", "2")
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, err
+    assert "parallel.tp=2 does not divide the linear-attention heads (linear_num_key_heads=1)" in lines[0], err
+    assert not (tmp_path / "runs").exists()

@@ -29,6 +29,11 @@ def split_problems(shape: ModelShape | None, tp: int, pp: int, stages_per_rank: 
                      for key, value in (("model.n_heads", shape.n_heads), ("model.n_kv_heads", shape.n_kv_heads),
                                         ("model.ffn_hidden_dim", shape.ffn_hidden_dim),
                                         ("model.vocab_size", shape.vocab_size)) if value % tp]
+        linear = shape.extras.linear if shape.extras is not None else None
+        if linear is not None and linear.num_key_heads % tp:  # Gated DeltaNet layers split by key heads
+            problems.append(Problem("parallel.tp", tp, f"a divisor of linear_num_key_heads={linear.num_key_heads}",
+                                    f"parallel.tp={tp} does not divide the linear-attention heads "
+                                    f"(linear_num_key_heads={linear.num_key_heads})"))
     if sequence_parallel and tp == 1:
         problems.append(Problem("parallel.sequence_parallel", True, "false with parallel.tp=1",
                                 "parallel.sequence_parallel=true needs parallel.tp > 1"))

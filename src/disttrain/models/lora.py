@@ -103,9 +103,16 @@ def lora_problem(spec, lora, layout) -> str | None:
     with torch.device("meta"):
         model = spec.build()
     try:
-        target_names(model, spec, lora.targets)
+        names = target_names(model, spec, lora.targets)
     except ValueError as exc:
         return str(exc)
+    from disttrain.models.hf.tp_plans import HAND_SPLIT_LINEARS
+
+    hand = [n for n in names if n.rsplit(".", 1)[-1] in HAND_SPLIT_LINEARS] if layout.tp > 1 else []
+    if hand:
+        return (f"model.lora on {hand[0]} with parallel.tp={layout.tp}: tensor parallelism changes that layer's "
+                f"output or gradient by hand, which its adapter would not follow (allowed with tp > 1: "
+                f"model.lora.targets without {', '.join(HAND_SPLIT_LINEARS)})")
     return None
 
 

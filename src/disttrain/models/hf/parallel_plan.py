@@ -7,11 +7,14 @@ import inspect
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
-from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel,
-                                               SequenceParallel, parallelize_module)
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
+                                               PrepareModuleInputOutput, RowwiseParallel, SequenceParallel,
+                                               parallelize_module)
 
 from disttrain.core.errors import UserError
+from disttrain.models.hf.tp_plans import MOE_OUTPUTS, block_entries, hand_written, own_styles
+from disttrain.models.hf.tp_heads import ReplicatedOverHeads
 from disttrain.models.output_head import head_parallel_style
 
 
@@ -98,9 +101,9 @@ def stage_problem(config) -> str:
 
 
 def plan_problem(config) -> str:
-    """Why the model's own tensor-parallel plan cannot be applied ('' when it can, or when it has none)."""
-    for key, style in (getattr(type(config), "base_model_tp_plan", None) or {}).items():
-        if not key.startswith("layers.*.") or style not in STYLES:
+    """Why the model's tensor-parallel plan (tp_plans.py) cannot be applied ('' when it can, or when it has none)."""
+    for key, style in block_entries(config).items():
+        if not key.startswith("layers.*.") or style not in {**STYLES, **own_styles(config)}:
             return f"its plan entry {key}={style} is not supported yet"
     return ""
 
@@ -127,23 +130,18 @@ def _parts(module: nn.Module):
 
 
 def tensor_parallel(module: nn.Module, tp_mesh, sequence_parallel: bool) -> None:
-    """The model's own `base_model_tp_plan` on every block. With sequence parallelism the residual stream
-    between blocks is split along the sequence: the model-level forward still sees the whole sequence
-    (the embedding output is replicated, so transformers derives positions and the causal mask from the
-    full length), the first block takes its slice locally, norms run on slices, attention and MLP gather
-    the sequence on entry and reduce-scatter on exit, and the head gathers it back."""
+    """The model's tensor-parallel plan (its own `base_model_tp_plan`, completed by tp_plans.py) on every block.
+    With sequence parallelism the residual stream between blocks is split along the sequence: the model-level
+    forward still sees the whole sequence (the embedding output is replicated, so transformers derives positions
+    and the causal mask from the full length), the first block takes its slice locally, norms run on slices,
+    attention and MLP gather the sequence on entry and reduce-scatter on exit (an MoE block: slice its output), and
+    the head gathers it back."""
     config, embed, layers, head = _parts(module)
-    block_plan = {}
-    for key, style in type(config).base_model_tp_plan.items():  # plan_problem refused any other entry
-        sub = key[len("layers.*."):]
-        if sequence_parallel and style == "rowwise":
-            block_plan[sub] = RowwiseParallel(output_layouts=Shard(1))
-        else:
-            block_plan[sub] = STYLES[style]()
-    if sequence_parallel:
-        block_plan.update(_sequence_parallel_entries(next(iter(layers.children()))))
     for i, block in enumerate(layers.children()):
-        parallelize_module(block, tp_mesh, block_plan)
+        parallelize_module(block, tp_mesh, _block_plan(config, block, sequence_parallel))
+        for path, split in hand_written(config):
+            if _has(block, path):
+                split(block.get_submodule(path), tp_mesh)
         if sequence_parallel and i == 0:  # replicated embeddings in, this rank's slice out (no communication)
             parallelize_module(block, tp_mesh, PrepareModuleInput(input_layouts=(Replicate(),),
                                                                   desired_input_layouts=(Shard(1),),
@@ -158,43 +156,65 @@ def tensor_parallel(module: nn.Module, tp_mesh, sequence_parallel: bool) -> None
         head.weight = embed.weight  # both Shard(0) of the (vocab, dim) matrix: share again
 
 
-class ReplicatedOverHeads(ParallelStyle):
-    """A small module applied to each head on its own (Qwen3's and Gemma's query/key norms over `head_dim`): its
-    weight is replicated over the tensor-parallel ranks, its input (batch, seq, this rank's heads, head_dim) is
-    declared sharded over the heads, so DTensor sums the weight's gradient over every rank's heads, as one
-    process sums it over all of them. transformers' name for it: `replicated_with_grad_allreduce`."""
-
-    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-        def replicate(name, mod, mesh):
-            for key, param in list(mod.named_parameters(recurse=False)):
-                mod.register_parameter(key, nn.Parameter(distribute_tensor(param, mesh, [Replicate()]),
-                                                         requires_grad=param.requires_grad))
-
-        def heads_in(mod, inputs, mesh):
-            return tuple(DTensor.from_local(x, mesh, [Shard(x.ndim - 2)], run_check=False) for x in inputs)
-
-        return distribute_module(module, device_mesh, replicate, heads_in, lambda mod, out, mesh: out.to_local())
-
-
 # The plan entries `tensor_parallel` applies (transformers' names); `plan_problem` refuses a plan with any other.
 STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel, "replicated_with_grad_allreduce": ReplicatedOverHeads}
 
 
-def _sequence_parallel_entries(block: nn.Module) -> dict:
+def _has(block: nn.Module, path: str) -> bool:
+    try:
+        block.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
+
+
+def _moe(block: nn.Module) -> bool:
+    return hasattr(getattr(block, "mlp", None), "experts")
+
+
+def _block_plan(config, block: nn.Module, sequence_parallel: bool) -> dict:
+    """The styles of one block: the plan's entries this block has (a dense first layer has no shared experts, an
+    MoE layer no dense MLP). With sequence parallelism the attention's and dense MLP's rowwise layers
+    reduce-scatter to sequence slices; in an MoE block the shared experts all-reduce (their output is added to
+    the routed experts', whole on every rank) and the block's output is sliced (`_sequence_parallel_entries`)."""
+    plan, styles = {}, {**STYLES, **own_styles(config)}
+    for key, style in block_entries(config).items():  # plan_problem refused any other entry
+        sub = key[len("layers.*."):]
+        if not _has(block, sub):
+            continue
+        if sequence_parallel and style == "rowwise" and not (_moe(block) and sub.startswith("mlp.")):
+            plan[sub] = RowwiseParallel(output_layouts=Shard(1))
+        else:
+            plan[sub] = styles[style]()
+    if sequence_parallel:
+        plan.update(_sequence_parallel_entries(block, MOE_OUTPUTS.get(config.model_type, 1)))
+    return plan
+
+
+def _sequence_parallel_entries(block: nn.Module, moe_outputs: int = 1) -> dict:
     """Norms on sequence slices; attention and MLP gather the sequence once on entry (transformers calls
-    attention with `hidden_states=` and the MLP positionally)."""
+    attention with `hidden_states=` and the MLP positionally). An MoE block's output, whole on every rank, is
+    sliced back to this rank's part of the sequence (no communication; its other outputs, gpt-oss's router
+    scores, pass through)."""
     entries = {}
     for name, child in block.named_children():
         if "norm" in name.lower():
             entries[name] = SequenceParallel(use_local_output=True)
-    if not entries or not hasattr(block, "self_attn") or not hasattr(block, "mlp"):
+    attention = "self_attn" if hasattr(block, "self_attn") else "linear_attn"  # Gated DeltaNet layers
+    if not entries or not hasattr(block, attention) or not hasattr(block, "mlp"):
         raise UserError(f"parallel.sequence_parallel=true: block {type(block).__name__} has no norms / self_attn / mlp "
                         "to place sequence parallelism on; allowed for it: false")
-    entries["self_attn"] = PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
-                                              desired_input_kwarg_layouts={"hidden_states": Replicate()},
-                                              use_local_output=True)
-    entries["mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
-                                        use_local_output=True)
+    entries[attention] = PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                            desired_input_kwarg_layouts={"hidden_states": Replicate()},
+                                            use_local_output=True)
+    if _moe(block):
+        rest = (None,) * (moe_outputs - 1)
+        entries["mlp"] = PrepareModuleInputOutput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
+            output_layouts=(Replicate(), *rest), desired_output_layouts=(Shard(1), *rest), use_local_output=True)
+    else:
+        entries["mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                            use_local_output=True)
     return entries
 
 

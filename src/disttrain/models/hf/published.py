@@ -53,9 +53,10 @@ PUBLISHED_CONFIGS: dict[str, dict] = {
 
 
 def model_parallel(name: str) -> bool:
-    """Whether the layout search may split the model's heads or sequence: not these (transformers gives their
-    fused experts and linear attention no tensor-parallel plan this framework runs, and their sinks, latent
-    attention and recurrent state no context-parallel kernel; docs/models.md's support table)."""
+    """Whether the layout search may split the model's heads or sequence: not these (their sinks, latent
+    attention and recurrent state have no context-parallel kernel; tensor parallelism runs under `parallel.tp`,
+    with the fused experts whole on every rank, but the search does not propose it for them yet;
+    docs/models.md's support table)."""
     return name not in PUBLISHED_CONFIGS
 
 

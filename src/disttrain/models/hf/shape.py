@@ -127,7 +127,8 @@ def _extras(c: dict) -> BlockExtras | None:
             num_value_heads=int(c["linear_num_value_heads"]), key_head_dim=int(c["linear_key_head_dim"]),
             value_head_dim=int(c["linear_value_head_dim"]), conv_kernel=int(c.get("linear_conv_kernel_dim") or 4))
     extras = BlockExtras(
-        qk_norm=kind in QK_NORM_TYPES, o_bias=gpt_oss and bool(c.get("attention_bias", True)), attention_sinks=gpt_oss,
+        qk_norm=kind in QK_NORM_TYPES or bool(c.get("use_qk_norm")),  # GLM-4-MoE's are optional
+        o_bias=gpt_oss and bool(c.get("attention_bias", True)), attention_sinks=gpt_oss,
         attn_output_gate=kind in ("qwen3_next", "qwen3_5_text") and bool(c.get("attn_output_gate", True)),
         norms_per_block=4 if kind in ("gemma2", "gemma3_text", "gemma4_text") else 2,
         sliding_window=int(c.get("sliding_window") or 0) if "sliding_attention" in kinds else 0,

@@ -138,7 +138,7 @@ def hf_spec(directory: str, routing=None, attention: str = "auto", config: dict 
     with torch.device("meta"):
         splittable = parallel_plan.can_split(build())
     tied = (("model.embed_tokens.weight", "lm_head.weight"),) if shape.tie_embeddings else ()
-    tp_note = "" if getattr(config, "base_model_tp_plan", None) else "its config class has no base_model_tp_plan"
+    tp_note = "" if parallel_plan.block_entries(config) else "its config class has no base_model_tp_plan"
     tp_note = tp_note or parallel_plan.plan_problem(config)
     from disttrain.models.hf import context
 
