@@ -28,6 +28,9 @@ TWO_RANKS = {
     "pp2-tied": ("parallel.pp=2", "model.tie_embeddings=true"),
     "pp2-interleaved-tied": ("parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "model.tie_embeddings=true"),
     "tp2-sp-documents": ("parallel.tp=2", "parallel.sequence_parallel=true", "data.document_masking=true", TP_MB),
+    # ZeRO-1 over one data-parallel rank (more are refused with tp): its broadcast of a DTensor raised until the
+    # owner sent each parameter's local shard
+    "tp2-zero1": ("parallel.tp=2", "parallel.zero_stage=1", TP_MB),
 }
 FOUR_RANKS = {
     "fsdp x tp": ("parallel.dp_shard=2", "parallel.tp=2", "parallel.zero_stage=3"),
@@ -93,7 +96,7 @@ def _assert_parity(run, reference):
     assert_parity(run, reference, step=6)
 
 
-@pytest.mark.parametrize("layout", ["tp2", "tp2-sp-selective-ac", "pp2-layers-1-3"])
+@pytest.mark.parametrize("layout", ["tp2", "tp2-sp-selective-ac", "pp2-layers-1-3", "tp2-zero1"])
 def test_tensor_parallel_and_hand_split_pipeline_equal_single_process(layout, two_rank_runs, reference):
     _assert_parity(two_rank_runs[layout], reference)
 

@@ -44,6 +44,22 @@ class ExpertsBeside(torch.optim.Optimizer):
         return loss
 
 
+class LocalShardsZero(ZeroRedundancyOptimizer):
+    """ZeroRedundancyOptimizer whose owner broadcasts each updated parameter's local tensor. Under tensor
+    parallelism parameters are DTensors, and torch's broadcast of one has no sharding rule (it raised at the first
+    step); the data-parallel group is the ranks of one tensor-parallel coordinate, which hold the same shard, so
+    its local tensor is the whole of what to send."""
+
+    def _broadcast_params_from_rank(self, rank: int):
+        import torch.distributed as dist
+        from torch.distributed.tensor import DTensor
+
+        source = dist.distributed_c10d.get_global_rank(self.process_group, rank)
+        return [dist.broadcast((p.to_local() if isinstance(p, DTensor) else p).detach(), src=source,
+                               group=self.process_group, async_op=True)
+                for group in self._partition_parameters()[rank] for p in group["params"]]
+
+
 def build_zero1_optimizer(model: nn.Module, optim_cfg, group, expert_group=None,
                           adamw=torch.optim.AdamW) -> torch.optim.Optimizer:
     """`group`: the data-parallel ranks; `expert_group`: the ranks holding the same experts (None: one rank);
@@ -64,7 +80,7 @@ def _split_states(params: list, optim_cfg, group, adamw, two_groups: bool = Fals
     if group is None:
         groups = [{"params": matrices, "weight_decay": optim_cfg.weight_decay}, {"params": vectors, "weight_decay": 0.0}]
         return adamw([g for g in groups if g["params"]], **kwargs)
-    opt = ZeroRedundancyOptimizer(matrices, optimizer_class=adamw, process_group=group,
+    opt = LocalShardsZero(matrices, optimizer_class=adamw, process_group=group,
                                   weight_decay=optim_cfg.weight_decay, **kwargs)
     if vectors or two_groups:
         opt.add_param_group({"params": vectors, "weight_decay": 0.0})
