@@ -1,5 +1,7 @@
 """Each context-parallel attention method against single-device SDPA (fp64): output and q/k/v gradients of
-this rank's shard, grouped-query heads, with and without document masking. `check(out)` runs in a launch's
+this rank's shard, grouped-query heads, with and without document masking; all-gather and Ulysses also with
+attention sinks (gpt-oss: against the eager softmax with the sink logit concatenated, the sinks' gradient too),
+a sliding window, and values of another head dim than the keys (DeepSeek's latent attention). `check(out)` runs in a launch's
 process group (a `train_many` job, tests/workers/train_many.py) and writes each case's result, "ok" or the
 mismatch, to `out`.rank<r>.json; run alone it prints them:
 
@@ -45,6 +47,52 @@ def results() -> dict[str, str]:
                 out_of[case] = "ok"
             except AssertionError as exc:
                 out_of[case] = str(exc).splitlines()[0]
+    out_of.update(_sink_results(mesh, g))
+    return out_of
+
+
+def _sink_reference(q, k, v, sinks, mask, scale):
+    """gpt-oss's eager attention: softmax over the logits with each head's sink concatenated, the sink dropped."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    logits = (q @ k.transpose(2, 3) * scale).masked_fill(~mask, torch.finfo(q.dtype).min)
+    logits = torch.cat([logits, sinks.view(1, -1, 1, 1).expand(q.shape[0], -1, q.shape[2], 1)], dim=-1)
+    probs = F.softmax(logits - logits.max(dim=-1, keepdim=True).values, dim=-1)[..., :-1]
+    return probs @ v
+
+
+def _sink_results(mesh, g) -> dict[str, str]:
+    b, h, hk, s, d, dv, window = 2, 4, 2, 16, 8, 6, 5
+    q = torch.randn(b, h, s, d, dtype=torch.float64, generator=g)
+    k = torch.randn(b, hk, s, d, dtype=torch.float64, generator=g)
+    v, go = torch.randn(b, hk, s, dv, dtype=torch.float64, generator=g), torch.randn(b, h, s, dv, dtype=torch.float64,
+                                                                                      generator=g)
+    sinks = torch.randn(h, dtype=torch.float64, generator=g)
+    positions = torch.arange(s)
+    mask = (positions[None] <= positions[:, None]) & (positions[None] > positions[:, None] - window)
+    full = [x.clone().requires_grad_() for x in (q, k, v, sinks)]
+    ref = _sink_reference(*full, mask, 0.3)
+    ref.backward(go)
+    out_of = {}
+    for method in ("allgather", "ulysses"):
+        cp = ContextParallel(mesh, method, s)
+        idx = cp.index(s, "cpu")
+        local = [x[:, :, idx].clone().requires_grad_() for x in (q, k, v)] + [sinks.clone().requires_grad_()]
+        out = cp.attention(*local[:3], None, scale=0.3, window=window, sinks=local[3])
+        out.backward(go[:, :, idx])
+        sink_grad = local[3].grad.clone()
+        dist.all_reduce(sink_grad)  # each rank's part: its queries (all-gather) or its heads (Ulysses)
+        case = f"{method} sinks window dv"
+        try:
+            torch.testing.assert_close(out, ref[:, :, idx], rtol=1e-12, atol=1e-12)
+            for name, mine, whole in zip("qkv", local, full):
+                torch.testing.assert_close(mine.grad, whole.grad[:, :, idx], rtol=1e-12, atol=1e-12,
+                                           msg=lambda m, name=name: f"d{name}: {m}")
+            torch.testing.assert_close(sink_grad, full[3].grad, rtol=1e-12, atol=1e-12,
+                                       msg=lambda m: f"dsinks: {m}")
+            out_of[case] = "ok"
+        except AssertionError as exc:
+            out_of[case] = str(exc).splitlines()[0]
     return out_of
 
 

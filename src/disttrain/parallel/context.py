@@ -61,21 +61,23 @@ class ContextParallel:
         return self.shard(tokens), self.shard(positions), documents
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None,
-                  scale: float | None = None, window: int | None = None) -> torch.Tensor:
-        """q (batch, heads, local tokens, head_dim), k/v (batch, kv heads, local tokens, head_dim); `scale`
-        None: head_dim ** -0.5; `window`: sliding-window attention (not on the ring: the model's spec
-        leaves ring out of its methods)."""
+                  scale: float | None = None, window: int | None = None,
+                  sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """q (batch, heads, local tokens, head_dim), k/v (batch, kv heads, local tokens, head_dim; v's head dim
+        may differ); `scale` None: head_dim ** -0.5; `window`: sliding-window attention; `sinks` (heads,):
+        attention sinks, a learned logit per head in the softmax denominator (gpt-oss). Neither window nor
+        sinks on the ring: the model's spec leaves ring out of its methods."""
         if self.method == "ring":
             from disttrain.parallel.ring_attention import ring_attention
 
-            if window is not None:
-                raise ValueError("ring attention has no sliding window")
+            if window is not None or sinks is not None:
+                raise ValueError("ring attention has no sliding window and no attention sinks")
             return ring_attention(q, k, v, documents, self, scale)
         from disttrain.parallel import gathered_attention
 
         kernel = gathered_attention.allgather_attention if self.method == "allgather" else \
             gathered_attention.ulysses_attention
-        return kernel(q, k, v, documents, self, scale, window)
+        return kernel(q, k, v, documents, self, scale, window, sinks)
 
 
 def apply_context_parallel(model: nn.Module, spec, cp_mesh, method: str, seq_len: int,

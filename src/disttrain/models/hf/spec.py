@@ -158,7 +158,7 @@ def hf_spec(directory: str, routing=None, attention: str = "auto", config: dict 
         mask_documents=mask_documents, causal=True,  # model.hf loads causal language models only
         moe_layers=partial(hf_moe_layers, routing=routing or MoERouting()) if config.model_type in SUPPORTED else None,
         context_parallel=context.context_parallel if config.model_type in context.MODEL_TYPES else None,
-        context_parallel_methods=cp_methods, context_parallel_note=cp_note,
+        context_parallel_methods=cp_methods, context_parallel_note=context.refusal(config) or cp_note,
         to_hf=dict, from_hf=dict, hf_config=lambda: {**raw, "use_cache": True},
         load_pretrained=lambda m: load_pretrained(m, directory) if weights else None,
         fingerprint=fingerprint,
