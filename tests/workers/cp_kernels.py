@@ -1,7 +1,7 @@
 """Each context-parallel attention method against single-device SDPA (fp64): output and q/k/v gradients of
 this rank's shard, grouped-query heads, with and without document masking; all-gather and Ulysses also with
 attention sinks (gpt-oss: against the eager softmax with the sink logit concatenated, the sinks' gradient too),
-a sliding window, and values of another head dim than the keys (DeepSeek's latent attention). `check(out)` runs in a launch's
+a sliding window, and values of another head dim than the keys (DeepSeek's latent attention; the ring too). `check(out)` runs in a launch's
 process group (a `train_many` job, tests/workers/train_many.py) and writes each case's result, "ok" or the
 mismatch, to `out`.rank<r>.json; run alone it prints them:
 
@@ -93,7 +93,28 @@ def _sink_results(mesh, g) -> dict[str, str]:
             out_of[case] = "ok"
         except AssertionError as exc:
             out_of[case] = str(exc).splitlines()[0]
+    out_of["ring dv"] = _ring_dv(mesh, q, k, v, go)
     return out_of
+
+
+def _ring_dv(mesh, q, k, v, go) -> str:
+    """The ring with values of another head dim (padded to the keys' inside) against causal SDPA."""
+    full = [x.clone().requires_grad_() for x in (q, k, v)]
+    ref = F.scaled_dot_product_attention(*full, is_causal=True, scale=0.3, enable_gqa=True)
+    ref.backward(go)
+    cp = ContextParallel(mesh, "ring", q.shape[2])
+    idx = cp.index(q.shape[2], "cpu")
+    local = [x[:, :, idx].clone().requires_grad_() for x in (q, k, v)]
+    out = cp.attention(*local, None, scale=0.3)
+    out.backward(go[:, :, idx])
+    try:
+        torch.testing.assert_close(out, ref[:, :, idx], rtol=1e-12, atol=1e-12)
+        for name, mine, whole in zip("qkv", local, full):
+            torch.testing.assert_close(mine.grad, whole.grad[:, :, idx], rtol=1e-12, atol=1e-12,
+                                       msg=lambda m, name=name: f"d{name}: {m}")
+        return "ok"
+    except AssertionError as exc:
+        return str(exc).splitlines()[0]
 
 
 def check(out: str) -> None:

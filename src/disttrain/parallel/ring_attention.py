@@ -29,7 +29,17 @@ _FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_bac
 
 
 def ring_attention(q, k, v, documents, cp, scale: float | None = None):
-    return _RingAttention.apply(q, k, v, documents, cp, scale)
+    """Values of another head dim than the keys (DeepSeek's latent attention) travel with the keys in one tensor
+    and the flash kernel takes one head dim: the narrower of q/k and v is padded with zeros (zero query/key
+    columns add nothing to q . k; zero value columns give zero output columns, cut off again), the scale taken
+    from the true query head dim."""
+    d, dv = q.shape[-1], v.shape[-1]
+    scale = d ** -0.5 if scale is None else scale
+    if d == dv:
+        return _RingAttention.apply(q, k, v, documents, cp, scale)
+    width = max(d, dv)
+    q, k, v = (torch.nn.functional.pad(x, (0, width - x.shape[-1])) for x in (q, k, v))
+    return _RingAttention.apply(q, k, v, documents, cp, scale)[..., :dv]
 
 
 def _shift(t: torch.Tensor, cp, tag: int):
