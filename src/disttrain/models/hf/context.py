@@ -46,12 +46,12 @@ def sliding_window(config) -> int | None:
 
 def methods(config) -> tuple[tuple[str, ...], str]:
     """The `parallel.cp_method`s this model's attention can take, and why not the others."""
-    if sliding_window(config) is not None:
-        return ("allgather", "ulysses"), f"sliding-window attention (window {sliding_window(config)}) needs an " \
-                                         "explicit mask, which the ring does not build"
-    if getattr(config, "model_type", "") == "gpt_oss":
-        return ("allgather", "ulysses"), "attention sinks, which the ring does not take"
-    return ("ring", "allgather", "ulysses"), ""
+    window, sinks = sliding_window(config), getattr(config, "model_type", "") == "gpt_oss"
+    if window is None and not sinks:
+        return ("ring", "allgather", "ulysses"), ""
+    why = [f"sliding-window attention (window {window}) needs an explicit mask, which the ring does not build"] * \
+        (window is not None) + ["the ring takes no attention sinks"] * sinks
+    return ("allgather", "ulysses"), "; ".join(why)
 
 
 def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,

@@ -54,8 +54,9 @@ PUBLISHED_CONFIGS: dict[str, dict] = {
 
 def model_parallel(name: str) -> bool:
     """Whether the layout search may split the model's heads or sequence: not these (transformers gives their
-    fused experts and linear attention no tensor-parallel plan this framework runs, and their sinks, latent
-    attention and recurrent state no context-parallel kernel; docs/models.md's support table)."""
+    fused experts and linear attention no tensor-parallel plan this framework runs; gpt-oss and DeepSeek-V3 take
+    context parallelism, Qwen3-Next's recurrent state does not, and the search has one switch for both;
+    docs/models.md's support table)."""
     return name not in PUBLISHED_CONFIGS
 
 
