@@ -32,10 +32,10 @@ LAYOUTS = {"ddp": (), "zero3": ("parallel.zero_stage=3",), "pp2": ("parallel.pp=
 # What is proven exact (fp64, 1e-10, against one process); every other pair of TABLE_FAMILIES x LAYOUTS must be
 # refused in one line (test_the_support_table_is_current, which also writes the table in docs/models.md).
 MOE = ("ddp", "zero3", "pp2", "ep2-zero3")
-CP = ("cp2", "cp2-ulysses")  # gpt-oss: sinks and windows; DeepSeek-V3: latent attention; Gemma 4: per-layer inputs
-RING = "cp2-ring"  # no windows, no sinks: DeepSeek-V3 (values padded to the keys' head dim inside) and GLM-4-MoE
-EXACT_PAIRS = {"gpt_oss": (*MOE, *CP), "deepseek_v3": (*MOE, *CP, RING), "qwen3_next": MOE,
-               "glm4_moe": (*MOE, *CP, RING),
+# gpt-oss: sinks and windows; DeepSeek-V3: latent attention (the ring pads values to the keys' head dim inside);
+# Gemma 3 and 4: windows (Gemma 4: per-layer inputs)
+CP = ("cp2", "cp2-ulysses", "cp2-ring")
+EXACT_PAIRS = {"gpt_oss": (*MOE, *CP), "deepseek_v3": (*MOE, *CP), "qwen3_next": MOE, "glm4_moe": (*MOE, *CP),
                "gemma3_text": ("ddp", "zero3", "pp2", "tp2", "tp2-sp", *CP),
                "qwen3_5_text": ("ddp", "zero3", "pp2"),
                "gemma4_text": ("ddp", "zero3", *CP),

@@ -1,7 +1,7 @@
 """Each context-parallel attention method against single-device SDPA (fp64): output and q/k/v gradients of
-this rank's shard, grouped-query heads, with and without document masking; all-gather and Ulysses also with
-attention sinks (gpt-oss: against the eager softmax with the sink logit concatenated, the sinks' gradient too),
-a sliding window, and values of another head dim than the keys (DeepSeek's latent attention; the ring too). `check(out)` runs in a launch's
+this rank's shard, grouped-query heads, with and without document masking; every method also with attention
+sinks (gpt-oss: against the eager softmax with the sink logit concatenated, the sinks' gradient too), a sliding
+window, and values of another head dim than the keys (DeepSeek's latent attention). `check(out)` runs in a launch's
 process group (a `train_many` job, tests/workers/train_many.py) and writes each case's result, "ok" or the
 mismatch, to `out`.rank<r>.json; run alone it prints them:
 
@@ -74,7 +74,7 @@ def _sink_results(mesh, g) -> dict[str, str]:
     ref = _sink_reference(*full, mask, 0.3)
     ref.backward(go)
     out_of = {}
-    for method in ("allgather", "ulysses"):
+    for method in ("ring", "allgather", "ulysses"):
         cp = ContextParallel(mesh, method, s)
         idx = cp.index(s, "cpu")
         local = [x[:, :, idx].clone().requires_grad_() for x in (q, k, v)] + [sinks.clone().requires_grad_()]

@@ -32,6 +32,7 @@ class ContextParallel:
         self.rank, self.size = mesh.get_local_rank(), mesh.size()
         self.seq_len, self.eos_id = seq_len, eos_id
         self._index: dict = {}
+        self.ring_blocks = [0, 0]  # the ring's K/V blocks left out (wholly outside a sliding window), computed
 
     def index(self, seq_len: int, device, rank: int | None = None) -> torch.Tensor:
         key = (seq_len, str(device), self.rank if rank is None else rank)
@@ -65,14 +66,11 @@ class ContextParallel:
                   sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q (batch, heads, local tokens, head_dim), k/v (batch, kv heads, local tokens, head_dim; v's head dim
         may differ); `scale` None: head_dim ** -0.5; `window`: sliding-window attention; `sinks` (heads,):
-        attention sinks, a learned logit per head in the softmax denominator (gpt-oss). Neither window nor
-        sinks on the ring: the model's spec leaves ring out of its methods."""
+        attention sinks, a learned logit per head in the softmax denominator (gpt-oss)."""
         if self.method == "ring":
             from disttrain.parallel.ring_attention import ring_attention
 
-            if window is not None or sinks is not None:
-                raise ValueError("ring attention has no sliding window and no attention sinks")
-            return ring_attention(q, k, v, documents, self, scale)
+            return ring_attention(q, k, v, documents, self, scale, window, sinks)
         from disttrain.parallel import gathered_attention
 
         kernel = gathered_attention.allgather_attention if self.method == "allgather" else \

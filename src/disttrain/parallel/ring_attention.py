@@ -11,8 +11,14 @@ Forward: K/V (one packed tensor) travel round the ring with `batch_isend_irecv`,
 flight while this one is computed; each block's (out, lse) is merged with the online-softmax rule.
 With head-tail chunks (rank r holds chunks r and 2W-1-r), the block from rank s is causal when s == r,
 all of the local queries against s's first chunk when s < r, and the local second chunk against all of
-s's keys when s > r: every rank computes the same amount. Document masking adds an explicit mask.
+s's keys when s > r: every rank computes the same amount. Document masking and a sliding window add an
+explicit mask; a block the window leaves wholly out is not computed (it still travels on).
 Backward: K/V go round again with their dK/dV accumulators, which arrive home after a full circle.
+
+Attention sinks (gpt-oss: a learned logit per head in each query's softmax denominator only) join after the
+merge: lse' = logaddexp(lse, sink) and out' = out exp(lse - lse'). The flash backward kernel given out' and
+lse' then computes the true probabilities exp(s - lse') and rowsum(dO out'), so dQ/dK/dV are exact, and
+d sink = -sum over rows of exp(sink - lse') rowsum(dO out').
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
-def ring_attention(q, k, v, documents, cp, scale: float | None = None):
+def ring_attention(q, k, v, documents, cp, scale: float | None = None, window: int | None = None, sinks=None):
     """Values of another head dim than the keys (DeepSeek's latent attention) travel with the keys in one tensor
     and the flash kernel takes one head dim: the narrower of q/k and v is padded with zeros (zero query/key
     columns add nothing to q . k; zero value columns give zero output columns, cut off again), the scale taken
@@ -36,10 +42,10 @@ def ring_attention(q, k, v, documents, cp, scale: float | None = None):
     d, dv = q.shape[-1], v.shape[-1]
     scale = d ** -0.5 if scale is None else scale
     if d == dv:
-        return _RingAttention.apply(q, k, v, documents, cp, scale)
+        return _RingAttention.apply(q, k, v, sinks, documents, cp, scale, window)
     width = max(d, dv)
     q, k, v = (torch.nn.functional.pad(x, (0, width - x.shape[-1])) for x in (q, k, v))
-    return _RingAttention.apply(q, k, v, documents, cp, scale)[..., :dv]
+    return _RingAttention.apply(q, k, v, sinks, documents, cp, scale, window)[..., :dv]
 
 
 def _shift(t: torch.Tensor, cp, tag: int):
@@ -55,8 +61,9 @@ def _wait(works) -> None:
         w.wait()
 
 
-def _block(cp, source: int, t: int, q_dtype, documents, device):
-    """(query rows, key columns, is_causal, additive mask or None) of the block from rank `source`."""
+def _block(cp, source: int, t: int, q_dtype, documents, device, window=None):
+    """(query rows, key columns, is_causal, additive mask or None) of the block from rank `source`; None when
+    the window leaves it wholly out."""
     half = t // 2
     if source == cp.rank:
         rows, cols, causal = slice(0, t), slice(0, t), documents is None
@@ -64,13 +71,15 @@ def _block(cp, source: int, t: int, q_dtype, documents, device):
         rows, cols, causal = slice(0, t), slice(0, half), False
     else:
         rows, cols, causal = slice(half, t), slice(0, t), False
-    if documents is None:
+    if documents is None and window is None:
         return rows, cols, causal, None
-    seq_len = documents.shape[1]
+    seq_len = 2 * cp.size * (t // 2)
     q_index = cp.index(seq_len, device)[rows]
     k_index = cp.index(seq_len, device, source)[cols]
-    if source == cp.rank:
-        allowed = visible(q_index, k_index, documents)
+    if source == cp.rank or window is not None:
+        allowed = visible(q_index, k_index, documents, window)
+        if window is not None and not bool(visible(q_index, k_index, None, window).any()):
+            return None
     else:  # off-diagonal blocks lie wholly before the queries: only documents mask
         allowed = documents[:, q_index][:, None, :, None] == documents[:, k_index][:, None, None, :]
     mask = torch.zeros(allowed.shape, dtype=q_dtype, device=device).masked_fill_(~allowed, float("-inf"))
@@ -83,7 +92,7 @@ def _expand_heads(x: torch.Tensor, groups: int) -> torch.Tensor:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, documents, cp, scale):
+    def forward(ctx, q, k, v, sinks, documents, cp, scale, window):
         b, h, t, d = q.shape
         groups = h // k.shape[1]
         scale = d ** -0.5 if scale is None else scale
@@ -93,56 +102,73 @@ class _RingAttention(torch.autograd.Function):
         # the output projection would keep beside the one saved here
         out = torch.zeros((b, t, h, d), dtype=acc, device=q.device).transpose(1, 2)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
-        for rows, cols, causal, mask, kb, vb in _ring(torch.stack([k, v]), cp, q, documents, groups):
+        for rows, cols, causal, mask, kb, vb in _ring(torch.stack([k, v]), cp, q, documents, groups, window):
+            if rows is None:
+                continue
             part, part_lse = _FLASH(q[:, :, rows], kb, vb, 0.0, causal,
                                     attn_mask=None if mask is None else mask[0], scale=scale)
             part_lse = part_lse.to(acc)
             if mask is not None:  # rows that see nothing in this block: the kernel says lse 0, out 0
                 part_lse = part_lse.masked_fill(~mask[1], float("-inf"))
             _merge(out, lse, part.to(acc), part_lse, rows)
+        if sinks is not None:  # every row saw at least its own key: lse is finite
+            final = torch.logaddexp(lse, sinks.to(acc)[None, :, None])
+            out = out * torch.exp(lse - final)[..., None]
+            lse = final
         out = out.to(q.dtype)
-        ctx.cp, ctx.scale, ctx.groups = cp, scale, groups
-        ctx.save_for_backward(q, k, v, out, lse, documents)
+        ctx.cp, ctx.scale, ctx.groups, ctx.window = cp, scale, groups, window
+        ctx.save_for_backward(q, k, v, out, lse, documents, sinks)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse, documents = ctx.saved_tensors
+        q, k, v, out, lse, documents, sinks = ctx.saved_tensors
         cp, scale, groups = ctx.cp, ctx.scale, ctx.groups
         acc = lse.dtype
         grad_out = grad_out.contiguous()
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         dkv = torch.zeros((2, *k.shape), dtype=acc, device=q.device)  # the travelling accumulator of K/V's owner
         # the stacked K/V is passed on, not kept: only the block in flight stays alive
-        for rows, cols, causal, mask, kb, vb in _ring(torch.stack([k, v]), cp, q, documents, groups):
-            dq_part, dk_part, dv_part = _FLASH_BACKWARD(
-                grad_out[:, :, rows], q[:, :, rows], kb, vb, out[:, :, rows], lse[:, :, rows].contiguous(), 0.0,
-                causal, attn_mask=None if mask is None else mask[0], scale=scale)
-            dq[:, :, rows] += dq_part
-            for i, part in enumerate((dk_part, dv_part)):
-                if groups > 1:
-                    part = part.unflatten(1, (-1, groups)).sum(2)
-                dkv[i][:, :, cols] += part
+        for rows, cols, causal, mask, kb, vb in _ring(torch.stack([k, v]), cp, q, documents, groups, ctx.window):
+            if rows is not None:
+                dq_part, dk_part, dv_part = _FLASH_BACKWARD(
+                    grad_out[:, :, rows], q[:, :, rows], kb, vb, out[:, :, rows], lse[:, :, rows].contiguous(),
+                    0.0, causal, attn_mask=None if mask is None else mask[0], scale=scale)
+                dq[:, :, rows] += dq_part
+                for i, part in enumerate((dk_part, dv_part)):
+                    if groups > 1:
+                        part = part.unflatten(1, (-1, groups)).sum(2)
+                    dkv[i][:, :, cols] += part
             sent = dkv
             dkv, grad_works = _shift(sent, cp, _GRAD_TAG)  # on to the next rank; home after a full circle
             _wait(grad_works)
             del sent
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+        dsinks = None
+        if sinks is not None:
+            rowsum = (grad_out.to(acc) * out.to(acc)).sum(-1)
+            dsinks = -(torch.exp(sinks.to(acc)[None, :, None] - lse) * rowsum).sum((0, 2)).to(sinks.dtype)
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), dsinks, None, None, None, None
 
 
-def _ring(kv, cp, q, documents, groups):
+def _ring(kv, cp, q, documents, groups, window=None):
     """The ring walk both passes share: for each of the cp blocks of K/V (this rank's first), the next block is
     already on its way while the caller computes with this one, given as (rows, cols, causal, mask, k, v) with
-    K/V heads expanded to the query heads."""
+    K/V heads expanded to the query heads; a block the window leaves out is passed on and given as Nones (the
+backward's accumulator still moves on). `cp.ring_blocks`: [blocks left out, blocks computed] so far."""
     t = q.shape[2]
     for step in range(cp.size):
         source = (cp.rank - step) % cp.size
         last = step == cp.size - 1
         if not last:
             incoming, works = _shift(kv, cp, _KV_TAG)
-        rows, cols, causal, mask = _block(cp, source, t, q.dtype, documents, q.device)
-        kb, vb = (_expand_heads(x[:, :, cols], groups) for x in kv)
-        yield rows, cols, causal, mask, kb, vb
+        block = _block(cp, source, t, q.dtype, documents, q.device, window)
+        cp.ring_blocks[block is not None] += 1
+        if block is None:
+            yield None, None, None, None, None, None
+        else:
+            rows, cols, causal, mask = block
+            kb, vb = (_expand_heads(x[:, :, cols], groups) for x in kv)
+            yield rows, cols, causal, mask, kb, vb
         if not last:
             _wait(works)
             kv = incoming

@@ -35,25 +35,6 @@ def refusal(config) -> str:
     return f"context parallelism needs the built-in model or a transformers model of type {', '.join(MODEL_TYPES)}"
 
 
-def sliding_window(config) -> int | None:
-    """The attention window of any layer (Mistral; Qwen2/3 with use_sliding_window; Gemma 3's and 4's local
-    layers; gpt-oss's sliding layers), else None."""
-    types = getattr(config, "layer_types", None) or []
-    if getattr(config, "model_type", "") == "mistral" or "sliding_attention" in types:
-        return getattr(config, "sliding_window", None)
-    return None
-
-
-def methods(config) -> tuple[tuple[str, ...], str]:
-    """The `parallel.cp_method`s this model's attention can take, and why not the others."""
-    window, sinks = sliding_window(config), getattr(config, "model_type", "") == "gpt_oss"
-    if window is None and not sinks:
-        return ("ring", "allgather", "ulysses"), ""
-    why = [f"sliding-window attention (window {window}) needs an explicit mask, which the ring does not build"] * \
-        (window is not None) + ["the ring takes no attention sinks"] * sinks
-    return ("allgather", "ulysses"), "; ".join(why)
-
-
 def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
                sliding_window=None, cp_documents=None, s_aux=None, **kwargs):
     """transformers' attention-function signature -> (output (batch, seq, heads, v head_dim), no weights);
