@@ -80,6 +80,11 @@ def _sink_results(mesh, g) -> dict[str, str]:
         local = [x[:, :, idx].clone().requires_grad_() for x in (q, k, v)] + [sinks.clone().requires_grad_()]
         out = cp.attention(*local[:3], None, scale=0.3, window=window, sinks=local[3])
         out.backward(go[:, :, idx])
+        if method == "ring":  # chunks of 4: a neighbour's block loses its far chunk (forward and backward)
+            out_of["ring work"] = "ok" if cp.ring_work == [0, 2 * (64 + 16)] else f"ring work {cp.ring_work}"
+            plain = ContextParallel(mesh, method, s)
+            plain.attention(*(x.detach() for x in local[:3]), None, scale=0.3)
+            out_of["ring work"] += "" if plain.ring_work == [0, 64 + 32] else f"; without window {plain.ring_work}"
         sink_grad = local[3].grad.clone()
         dist.all_reduce(sink_grad)  # each rank's part: its queries (all-gather) or its heads (Ulysses)
         case = f"{method} sinks window dv"

@@ -32,7 +32,8 @@ class ContextParallel:
         self.rank, self.size = mesh.get_local_rank(), mesh.size()
         self.seq_len, self.eos_id = seq_len, eos_id
         self._index: dict = {}
-        self.ring_blocks = [0, 0]  # the ring's K/V blocks left out (wholly outside a sliding window), computed
+        self.ring_work = [0, 0]  # the ring's K/V blocks left out (wholly outside a sliding window), query-key pairs
+        # computed (each block's rows x columns, forward and backward)
 
     def index(self, seq_len: int, device, rank: int | None = None) -> torch.Tensor:
         key = (seq_len, str(device), self.rank if rank is None else rank)

@@ -62,8 +62,9 @@ def _wait(works) -> None:
 
 
 def _block(cp, source: int, t: int, q_dtype, documents, device, window=None):
-    """(query rows, key columns, is_causal, additive mask or None) of the block from rank `source`; None when
-    the window leaves it wholly out."""
+    """(query rows, key columns, is_causal, additive mask or None) of the block from rank `source`. Under a
+    sliding window the rows and columns shrink to the smallest ranges holding every pair the window lets
+    through (the far chunk of a neighbour's block drops out), and the block is None when it holds none."""
     half = t // 2
     if source == cp.rank:
         rows, cols, causal = slice(0, t), slice(0, t), documents is None
@@ -76,10 +77,16 @@ def _block(cp, source: int, t: int, q_dtype, documents, device, window=None):
     seq_len = 2 * cp.size * (t // 2)
     q_index = cp.index(seq_len, device)[rows]
     k_index = cp.index(seq_len, device, source)[cols]
+    if window is not None:
+        near = visible(q_index, k_index, None, window)[0, 0]
+        if not bool(near.any()):
+            return None
+        r, c = near.any(1).nonzero()[:, 0], near.any(0).nonzero()[:, 0]
+        rows = slice(rows.start + int(r[0]), rows.start + int(r[-1]) + 1)
+        cols = slice(cols.start + int(c[0]), cols.start + int(c[-1]) + 1)
+        q_index, k_index = cp.index(seq_len, device)[rows], cp.index(seq_len, device, source)[cols]
     if source == cp.rank or window is not None:
         allowed = visible(q_index, k_index, documents, window)
-        if window is not None and not bool(visible(q_index, k_index, None, window).any()):
-            return None
     else:  # off-diagonal blocks lie wholly before the queries: only documents mask
         allowed = documents[:, q_index][:, None, :, None] == documents[:, k_index][:, None, None, :]
     mask = torch.zeros(allowed.shape, dtype=q_dtype, device=device).masked_fill_(~allowed, float("-inf"))
@@ -154,7 +161,7 @@ def _ring(kv, cp, q, documents, groups, window=None):
     """The ring walk both passes share: for each of the cp blocks of K/V (this rank's first), the next block is
     already on its way while the caller computes with this one, given as (rows, cols, causal, mask, k, v) with
     K/V heads expanded to the query heads; a block the window leaves out is passed on and given as Nones (the
-backward's accumulator still moves on). `cp.ring_blocks`: [blocks left out, blocks computed] so far."""
+backward's accumulator still moves on). `cp.ring_work`: [blocks left out, query-key pairs computed] so far."""
     t = q.shape[2]
     for step in range(cp.size):
         source = (cp.rank - step) % cp.size
@@ -162,11 +169,12 @@ backward's accumulator still moves on). `cp.ring_blocks`: [blocks left out, bloc
         if not last:
             incoming, works = _shift(kv, cp, _KV_TAG)
         block = _block(cp, source, t, q.dtype, documents, q.device, window)
-        cp.ring_blocks[block is not None] += 1
         if block is None:
+            cp.ring_work[0] += 1
             yield None, None, None, None, None, None
         else:
             rows, cols, causal, mask = block
+            cp.ring_work[1] += (rows.stop - rows.start) * (cols.stop - cols.start)
             kb, vb = (_expand_heads(x[:, :, cols], groups) for x in kv)
             yield rows, cols, causal, mask, kb, vb
         if not last:
