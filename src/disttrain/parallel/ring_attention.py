@@ -120,7 +120,7 @@ class _RingAttention(torch.autograd.Function):
             _merge(out, lse, part.to(acc), part_lse, rows)
         if sinks is not None:  # every row saw at least its own key: lse is finite
             final = torch.logaddexp(lse, sinks.to(acc)[None, :, None])
-            out = out * torch.exp(lse - final)[..., None]
+            out.mul_(torch.exp(lse - final)[..., None])  # in place: the tokens-first layout stays
             lse = final
         out = out.to(q.dtype)
         ctx.cp, ctx.scale, ctx.groups, ctx.window = cp, scale, groups, window
