@@ -6,10 +6,8 @@ an explicit mask built from the tokens' global positions (and document index), s
 shards and packed documents need no reordering: the mask says who sees whom. Values may have another head
 dim than queries and keys (DeepSeek's latent attention).
 
-Attention sinks (gpt-oss: a learned logit per head that enters each query's softmax denominator and nothing
-else) are one more key per head whose logit is the sink and whose value is zero: a zero key column (its
-q . k is 0) with the sink in the float mask's extra column, so SDPA's own softmax normalises with it and its
-backward gives the sink's gradient through the mask.
+Attention sinks (gpt-oss: a learned logit per head in each query's softmax denominator) go to the fused kernel
+with the sink folded into its log-sum-exp (sink_attention.py).
 """
 
 from __future__ import annotations
@@ -23,16 +21,11 @@ from disttrain.parallel.context_shards import visible
 
 
 def _attend(q, k, v, mask, scale, sinks):
-    """SDPA of q over k/v under the bool `mask`; `sinks` (q's heads,): one extra zero-valued key per head whose
-    logit is the sink."""
+    """SDPA of q over k/v under the bool `mask`; `sinks` (q's heads,): gpt-oss's attention sinks."""
     if sinks is not None:
-        b, hk = k.shape[:2]
-        k = torch.cat([k, k.new_zeros(b, hk, 1, k.shape[-1])], dim=2)
-        v = torch.cat([v, v.new_zeros(b, hk, 1, v.shape[-1])], dim=2)
-        mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))
-        mask = mask.expand(-1, q.shape[1], q.shape[2], -1)
-        sink = sinks.to(q.dtype).view(1, -1, 1, 1).expand(mask.shape[0], -1, q.shape[2], 1)
-        mask = torch.cat([mask, sink], dim=-1)
+        from disttrain.parallel.sink_attention import sink_attention
+
+        return sink_attention(q, k, v, mask, sinks, scale)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
 
