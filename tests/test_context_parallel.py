@@ -179,15 +179,15 @@ def test_packed_sequences_hold_documents_and_masked_targets_in_both_halves(data)
 
 
 def test_kernels_match_single_device_attention(runs):
-    """Every method's output and q/k/v gradients, grouped heads, with and without documents, and with attention
-    sinks (their gradient too), a sliding window and another value head dim; the ring under a window computes
-    only the part of each block the window reaches (fp64, 1e-12;
+    """Every method's output and q/k/v gradients, grouped heads, with and without documents (and a window
+    within them), and with attention sinks (their gradient too), a sliding window and another value head dim;
+    the ring under a window computes only the part of each block the window reaches (fp64, 1e-12;
     tests/workers/cp_kernels.py, run in the 2-rank launch)."""
     import json
 
     for rank in (0, 1):
         result = json.loads(Path(f"{runs['kernels']['args'][0]}.rank{rank}.json").read_text())
-        expected = {f"{m} documents={d}": "ok" for d in (False, True) for m in METHODS}
+        expected = {f"{m} documents={d}": "ok" for d in ("False", "True", "True window") for m in METHODS}
         expected |= {f"{m} sinks window dv": "ok" for m in METHODS} | {"ring dv": "ok", "ring work": "ok"}
         assert result == expected, (rank, result)
 

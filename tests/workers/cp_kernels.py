@@ -1,5 +1,5 @@
 """Each context-parallel attention method against single-device SDPA (fp64): output and q/k/v gradients of
-this rank's shard, grouped-query heads, with and without document masking; every method also with attention
+this rank's shard, grouped-query heads, with and without document masking (and a window within the documents); every method also with attention
 sinks (gpt-oss: against the eager softmax with the sink logit concatenated, the sinks' gradient too), a sliding
 window, and values of another head dim than the keys (DeepSeek's latent attention). `check(out)` runs in a launch's
 process group (a `train_many` job, tests/workers/train_many.py) and writes each case's result, "ok" or the
@@ -27,8 +27,11 @@ def results() -> dict[str, str]:
     k, v = (torch.randn(b, hk, s, d, dtype=torch.float64, generator=g) for _ in range(2))
     documents = torch.tensor([[0] * 5 + [1] * 7 + [2] * 4, [0] * 3 + [1] * 13])
     out_of = {}
-    for docs in (None, documents):
+    positions = torch.arange(s)
+    for docs, window in ((None, None), (documents, None), (documents, 6)):
         mask = None if docs is None else block_causal_mask(docs)
+        if window is not None:  # the window within each document
+            mask = mask & (positions[None, :] > positions[:, None] - window)
         full = [x.clone().requires_grad_() for x in (q, k, v)]
         F.scaled_dot_product_attention(*full, attn_mask=mask, is_causal=mask is None, enable_gqa=True).backward(go)
         ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
@@ -36,9 +39,9 @@ def results() -> dict[str, str]:
             cp = ContextParallel(mesh, method, s)
             idx = cp.index(s, "cpu")
             local = [x[:, :, idx].clone().requires_grad_() for x in (q, k, v)]
-            out = cp.attention(*local, docs)
+            out = cp.attention(*local, docs, window=window)
             out.backward(go[:, :, idx])
-            case = f"{method} documents={docs is not None}"
+            case = f"{method} documents={docs is not None}" + (" window" if window else "")
             try:
                 torch.testing.assert_close(out, ref[:, :, idx], rtol=1e-12, atol=1e-12)
                 for name, mine, whole in zip("qkv", local, full):
