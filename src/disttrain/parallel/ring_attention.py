@@ -78,12 +78,10 @@ def _block(cp, source: int, t: int, q_dtype, documents, device, window=None):
     q_index = cp.index(seq_len, device)[rows]
     k_index = cp.index(seq_len, device, source)[cols]
     if window is not None:
-        near = visible(q_index, k_index, None, window)[0, 0]
-        if not bool(near.any()):
+        reach = _window_reach(_pieces(cp, cp.rank, t, rows), _pieces(cp, source, t, cols), window)
+        if reach is None:
             return None
-        r, c = near.any(1).nonzero()[:, 0], near.any(0).nonzero()[:, 0]
-        rows = slice(rows.start + int(r[0]), rows.start + int(r[-1]) + 1)
-        cols = slice(cols.start + int(c[0]), cols.start + int(c[-1]) + 1)
+        rows, cols = reach
         q_index, k_index = cp.index(seq_len, device)[rows], cp.index(seq_len, device, source)[cols]
     if source == cp.rank or window is not None:
         allowed = visible(q_index, k_index, documents, window)
@@ -91,6 +89,32 @@ def _block(cp, source: int, t: int, q_dtype, documents, device, window=None):
         allowed = documents[:, q_index][:, None, :, None] == documents[:, k_index][:, None, None, :]
     mask = torch.zeros(allowed.shape, dtype=q_dtype, device=device).masked_fill_(~allowed, float("-inf"))
     return rows, cols, False, (mask, allowed.any(-1))
+
+
+def _pieces(cp, rank: int, t: int, local: slice) -> list[tuple[int, int, int]]:
+    """The part `local` of rank `rank`'s t tokens as (local start, global start, length) runs: its two chunks."""
+    chunk, out = t // 2, []
+    for start, first in ((0, rank * chunk), (chunk, (2 * cp.size - 1 - rank) * chunk)):
+        lo, hi = max(local.start, start), min(local.stop, start + chunk)
+        if lo < hi:
+            out.append((lo, first + lo - start, hi - lo))
+    return out
+
+
+def _window_reach(rows, cols, window: int) -> tuple[slice, slice] | None:
+    """The smallest local (rows, cols) ranges holding every query-key pair k <= q < k + window of these runs, or
+    None. By arithmetic on the runs: no device sync, and a dry run's fake tensors have no values to look at."""
+    r_lo = c_lo = float("inf")
+    r_hi = c_hi = -1
+    for q_local, qa, qn in rows:
+        for k_local, ka, kn in cols:
+            q_first, q_last = max(qa, ka), min(qa + qn - 1, ka + kn + window - 2)  # queries that see a key
+            if q_first > q_last:
+                continue
+            k_first, k_last = max(ka, qa - window + 1), min(ka + kn - 1, qa + qn - 1)  # keys a query sees
+            r_lo, r_hi = min(r_lo, q_local + q_first - qa), max(r_hi, q_local + q_last - qa)
+            c_lo, c_hi = min(c_lo, k_local + k_first - ka), max(c_hi, k_local + k_last - ka)
+    return None if r_hi < 0 else (slice(r_lo, r_hi + 1), slice(c_lo, c_hi + 1))
 
 
 def _expand_heads(x: torch.Tensor, groups: int) -> torch.Tensor:
