@@ -9,6 +9,8 @@ other ranks' keys and values by one of three methods:
   ring       K/V blocks passed round the ranks, merged with the online-softmax rule (ring_attention.py)
   allgather  K/V gathered once per layer, attention with an explicit mask (gathered_attention.py)
   ulysses    all-to-all from sequence shards to head shards and back (gathered_attention.py)
+Each takes sliding windows, attention sinks (sink_attention.py for the gathering methods) and values of
+another head dim than the keys.
 Targets are sharded the same way (train/loss.py), and for the loss and the gradients a context rank
 counts as one more data-parallel rank: FSDP shards and reduces over dp x cp (distributed/mesh.py).
 """
