@@ -179,13 +179,17 @@ def test_packed_sequences_hold_documents_and_masked_targets_in_both_halves(data)
 
 
 def test_kernels_match_single_device_attention(runs):
-    """Every method's output and q/k/v gradients, grouped heads, with and without documents (fp64, 1e-12;
+    """Every method's output and q/k/v gradients, grouped heads, with and without documents (and a window
+    within them), and with attention sinks (their gradient too), a sliding window and another value head dim;
+    the ring under a window computes only the part of each block the window reaches (fp64, 1e-12;
     tests/workers/cp_kernels.py, run in the 2-rank launch)."""
     import json
 
     for rank in (0, 1):
         result = json.loads(Path(f"{runs['kernels']['args'][0]}.rank{rank}.json").read_text())
-        assert result == {f"{m} documents={d}": "ok" for d in (False, True) for m in METHODS}, (rank, result)
+        expected = {f"{m} documents={d}": "ok" for d in ("False", "True", "True window") for m in METHODS}
+        expected |= {f"{m} sinks window dv": "ok" for m in METHODS} | {"ring dv": "ok", "ring work": "ok"}
+        assert result == expected, (rank, result)
 
 
 BAD = [
@@ -209,8 +213,8 @@ def test_bad_context_parallel_input_is_one_line(overrides, message):
 
 
 def test_models_that_cannot_shard_their_sequence_are_refused_by_name(tmp_path):
-    """A transformers model outside the supported families, by its model type; a sliding-window Mistral
-    refuses the ring (its window needs an explicit mask) and takes all-gather. Exit 2 from the CLI."""
+    """A transformers model outside the supported families, by its model type (exit 2 from the CLI); a
+    sliding-window Mistral takes every method (the ring builds the window's mask)."""
     from transformers import MistralConfig
 
     from hf_models import save_tiny
@@ -223,14 +227,12 @@ def test_models_that_cannot_shard_their_sequence_are_refused_by_name(tmp_path):
     assert not (tmp_path / "runs").exists()  # nothing written
 
     from disttrain.config.load import load_config
-    from disttrain.core.errors import UserError
     from disttrain.config.resolve import resolve_run
 
     MistralConfig(**SIZES, sliding_window=16).save_pretrained(tmp_path / "mistral")
     base = [f"model.hf={tmp_path / 'mistral'}", "data.tokenizer=byte", "parallel.cp=2"]
-    with pytest.raises(UserError, match="parallel.cp_method=ring: the attention of model mistral .*sliding-window"):
-        resolve_run(load_config(DEBUG_CONFIG, base), 2, "cpu")
-    assert resolve_run(load_config(DEBUG_CONFIG, [*base, "parallel.cp_method=allgather"]), 2, "cpu").layout.cp == 2
+    for method in ("ring", "allgather", "ulysses"):
+        assert resolve_run(load_config(DEBUG_CONFIG, [*base, f"parallel.cp_method={method}"]), 2, "cpu").layout.cp == 2
 
 
 def test_estimate_gives_activation_bytes_falling_as_one_over_cp(tmp_path):

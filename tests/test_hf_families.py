@@ -27,14 +27,21 @@ LAYOUTS = {"ddp": (), "zero3": ("parallel.zero_stage=3",), "pp2": ("parallel.pp=
            "tp2-sp": ("parallel.tp=2", "parallel.sequence_parallel=true"),
            "cp2": ("parallel.cp=2", "parallel.cp_method=allgather"),
            "cp2-ulysses": ("parallel.cp=2", "parallel.cp_method=ulysses"),
-           "ep2-zero3": ("parallel.ep=2", "parallel.zero_stage=3")}
+           "cp2-ring": ("parallel.cp=2", "parallel.cp_method=ring"),
+           "ep2-zero3": ("parallel.ep=2", "parallel.zero_stage=3"),
+           "cp2-ep2-zero3": ("parallel.cp=2", "parallel.ep=2", "parallel.zero_stage=3")}  # experts over the cp ranks
 # What is proven exact (fp64, 1e-10, against one process); every other pair of TABLE_FAMILIES x LAYOUTS must be
 # refused in one line (test_the_support_table_is_current, which also writes the table in docs/models.md).
 MOE = ("ddp", "zero3", "pp2", "ep2-zero3", "tp2", "tp2-sp")  # TP: heads split, fused experts whole on each rank
-EXACT_PAIRS = {"gpt_oss": MOE, "deepseek_v3": MOE, "qwen3_next": MOE, "glm4_moe": MOE,
-               "gemma3_text": ("ddp", "zero3", "pp2", "tp2", "tp2-sp", "cp2", "cp2-ulysses"),
+# gpt-oss: sinks and windows; DeepSeek-V3: latent attention (the ring pads values to the keys' head dim inside);
+# Gemma 3 and 4: windows (Gemma 4: per-layer inputs)
+CP = ("cp2", "cp2-ulysses", "cp2-ring")
+CP_EP = ("cp2-ep2-zero3",)  # the ring, the experts split over the two context ranks
+EXACT_PAIRS = {"gpt_oss": (*MOE, *CP, *CP_EP), "deepseek_v3": (*MOE, *CP, *CP_EP), "qwen3_next": MOE,
+               "glm4_moe": (*MOE, *CP, *CP_EP),
+               "gemma3_text": ("ddp", "zero3", "pp2", "tp2", "tp2-sp", *CP),
                "qwen3_5_text": ("ddp", "zero3", "pp2", "tp2", "tp2-sp"),
-               "gemma4_text": ("ddp", "zero3"),
+               "gemma4_text": ("ddp", "zero3", *CP),
                "qwen3": ("tp2", "tp2-sp")}  # Qwen3: the query/key norms replicated over tensor-parallel ranks
 TABLE_FAMILIES = FAMILIES
 

@@ -55,9 +55,9 @@ def test_counts_equal_transformers_and_the_model_card(name):
 @pytest.mark.parametrize("name", list(CARDS))
 def test_the_name_trains_transformers_architecture_without_model_parallelism(name):
     """`model.name=NAME` builds transformers' model of the card's config (its own module names, so `convert --to
-    hf` and its checkpoints match the published ones); it has no context-parallel plan, and the planner searches
-    it without model parallelism (its tensor-parallel plan runs under `parallel.tp`, not yet proposed by the
-    search)."""
+    hf` and its checkpoints match the published ones); it has a tensor-parallel plan (run under `parallel.tp`),
+    and context parallelism only where its attention can be sharded (gpt-oss, DeepSeek-V3; not Qwen3-Next's linear
+    attention). The planner searches neither for them yet."""
     from types import SimpleNamespace
 
     from disttrain.models.hf.published import PUBLISHED_CONFIGS, model_parallel
@@ -67,7 +67,8 @@ def test_the_name_trains_transformers_architecture_without_model_parallelism(nam
                               moe=SimpleNamespace(aux_loss_coef=None, bias_update_rate=None, capacity_factor=0.0))
     spec = model_spec(section)
     assert spec.name == PUBLISHED_CONFIGS[name]["model_type"] and spec.family == f"Hugging Face {spec.name}"
-    assert spec.tensor_parallel is not None and spec.context_parallel is None and not model_parallel(name)
+    assert spec.tensor_parallel is not None and not model_parallel(name)
+    assert (spec.context_parallel is None) == (spec.name == "qwen3_next"), spec.context_parallel_note
     with torch.device("meta"):
         ours = spec.build()
     assert sorted(n for n, _ in ours.named_parameters()) == sorted(n for n, _ in _theirs(name).named_parameters())
@@ -95,7 +96,8 @@ def test_plan_proposes_a_layout_the_model_takes(name):
 
 def test_a_sequence_no_rank_can_hold_is_refused_in_one_line():
     """131,072 tokens of gpt-oss on one rank: its fp32 logits alone (131,072 x 201,088 x 4 B = 98 GiB) exceed an
-    H100, and the sequence cannot be split (no context parallelism for its sinks)."""
+    H100, and the planner does not split the sequence of a published model (it searches no context parallelism
+    for them yet)."""
     code, _, err = run_main("plan", "--model", "gpt-oss-20b", "--gpus", "64", "--gpu", "h100", "--seq-len", "131072")
     assert code == 2
     assert err.strip().splitlines()[-1].startswith("disttrain: error: no layout of gpt-oss-20b fits 64 x h100")

@@ -276,7 +276,8 @@ def shape_tables() -> list[str]:
               for n, s in moe.items()]
     lines += ["", "Published models whose blocks are not Llama's, as transformers builds them from the model "
               "card's config.json (shape keys are refused: `model.hf` takes an edited config.json); they take no "
-              "tensor or context parallelism ([models.md](models.md#which-layouts-each-family-takes)):", "",
+              "tensor parallelism, and only gpt-oss and DeepSeek-V3 take context parallelism, which the planner "
+              "does not propose for them yet ([models.md](models.md#which-layouts-each-family-takes)):", "",
               "| `name` | model type | layers | experts (top-k) | parameters | active | besides Llama's block |",
               "|---|---|---|---|---|---|---|"]
     lines += [f"| `{n}` | `{PUBLISHED_CONFIGS[n]['model_type']}` | {s.n_layers} | {s.moe.num_experts} "

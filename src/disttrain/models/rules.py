@@ -108,9 +108,10 @@ def _context_problems(spec, layout, what: str) -> list[Problem]:
     if spec.context_parallel is None:
         from disttrain.models.hf.context import MODEL_TYPES
 
-        return [Problem("parallel.cp", cp, "1", f"parallel.cp={cp}: {what} cannot shard its sequence (context "
-                        "parallelism needs the built-in model or a transformers model of type "
-                        f"{', '.join(MODEL_TYPES)}; allowed for it: parallel.cp=1)")]
+        why = spec.context_parallel_note or ("context parallelism needs the built-in model or a transformers model "
+                                             f"of type {', '.join(MODEL_TYPES)}")
+        return [Problem("parallel.cp", cp, "1", f"parallel.cp={cp}: {what} cannot shard its sequence ({why}; "
+                        "allowed for it: parallel.cp=1)")]
     if layout.pp > 1 and spec.name != "llama":
         return [Problem("parallel.cp", cp, "1 with parallel.pp > 1", f"parallel.cp={cp} with parallel.pp={layout.pp}: "
                         f"{what} (context-parallel pipeline stages need the built-in model; allowed for it: one of "

@@ -78,7 +78,8 @@ class ModelSpec:
     called with the full sequences' token ids, hands `cp.inputs` what it gets and attends through
     `cp.attention` (parallel/context.py); None: the family cannot shard its sequence."""
     context_parallel_methods: tuple[str, ...] = ("ring", "allgather", "ulysses")
-    """The `parallel.cp_method`s its attention can take; `context_parallel_note` says why not the others."""
+    """The `parallel.cp_method`s its attention can take; `context_parallel_note` says why not the others (or, with
+    `context_parallel` None, why the family cannot shard its sequence at all)."""
     context_parallel_note: str = ""
     to_hf: Callable[[dict], dict] | None = None
     from_hf: Callable[[dict], dict] | None = None

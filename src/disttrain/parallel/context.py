@@ -9,6 +9,8 @@ other ranks' keys and values by one of three methods:
   ring       K/V blocks passed round the ranks, merged with the online-softmax rule (ring_attention.py)
   allgather  K/V gathered once per layer, attention with an explicit mask (gathered_attention.py)
   ulysses    all-to-all from sequence shards to head shards and back (gathered_attention.py)
+Each takes sliding windows, attention sinks (sink_attention.py for the gathering methods) and values of
+another head dim than the keys.
 Targets are sharded the same way (train/loss.py), and for the loss and the gradients a context rank
 counts as one more data-parallel rank: FSDP shards and reduces over dp x cp (distributed/mesh.py).
 """
@@ -32,6 +34,8 @@ class ContextParallel:
         self.rank, self.size = mesh.get_local_rank(), mesh.size()
         self.seq_len, self.eos_id = seq_len, eos_id
         self._index: dict = {}
+        self.ring_work = [0, 0]  # the ring's K/V blocks left out (wholly outside a sliding window), query-key pairs
+        # computed (each block's rows x columns, forward and backward)
 
     def index(self, seq_len: int, device, rank: int | None = None) -> torch.Tensor:
         key = (seq_len, str(device), self.rank if rank is None else rank)
@@ -61,21 +65,20 @@ class ContextParallel:
         return self.shard(tokens), self.shard(positions), documents
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None,
-                  scale: float | None = None, window: int | None = None) -> torch.Tensor:
-        """q (batch, heads, local tokens, head_dim), k/v (batch, kv heads, local tokens, head_dim); `scale`
-        None: head_dim ** -0.5; `window`: sliding-window attention (not on the ring: the model's spec
-        leaves ring out of its methods)."""
+                  scale: float | None = None, window: int | None = None,
+                  sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """q (batch, heads, local tokens, head_dim), k/v (batch, kv heads, local tokens, head_dim; v's head dim
+        may differ); `scale` None: head_dim ** -0.5; `window`: sliding-window attention; `sinks` (heads,):
+        attention sinks, a learned logit per head in the softmax denominator (gpt-oss)."""
         if self.method == "ring":
             from disttrain.parallel.ring_attention import ring_attention
 
-            if window is not None:
-                raise ValueError("ring attention has no sliding window")
-            return ring_attention(q, k, v, documents, self, scale)
+            return ring_attention(q, k, v, documents, self, scale, window, sinks)
         from disttrain.parallel import gathered_attention
 
         kernel = gathered_attention.allgather_attention if self.method == "allgather" else \
             gathered_attention.ulysses_attention
-        return kernel(q, k, v, documents, self, scale, window)
+        return kernel(q, k, v, documents, self, scale, window, sinks)
 
 
 def apply_context_parallel(model: nn.Module, spec, cp_mesh, method: str, seq_len: int,

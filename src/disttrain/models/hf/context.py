@@ -5,49 +5,66 @@ for it: the kernel makes its own from global positions and document ids) sends t
 `ContextParallel.attention`; a forward pre-hook keeps this rank's shard of the token ids and hands the
 model their global `position_ids` (restarting per document under document masking) and the global
 document index of every token (`cp_documents`, which transformers passes through to the attention
-function). Only families whose attention goes through the registry with the usual rotary layout are
-taken; the rest are refused by name.
+function). Every input a layer computes from the token ids alone (Gemma 4's per-layer input embeddings)
+is computed from this rank's tokens. The kernel takes each layer's window, gpt-oss's attention sinks
+(`s_aux`) and a value head dim other than the keys' (DeepSeek's latent attention). Families whose layers
+carry state along the sequence outside attention are refused by name (`refusal`).
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 from torch import nn
 
 ATTENTION_NAME = "disttrain_context_parallel"
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gemma4_text", "gpt_oss", "glm4_moe",
+               "deepseek_v3")
+LINEAR_ATTENTION = ("qwen3_next", "qwen3_5_text")
 
 
-def sliding_window(config) -> int | None:
-    """The attention window of any layer (Mistral; Qwen2/3 with use_sliding_window; Gemma 3's local layers),
-    else None."""
-    types = getattr(config, "layer_types", None) or []
-    if getattr(config, "model_type", "") == "mistral" or "sliding_attention" in types:
-        return getattr(config, "sliding_window", None)
-    return None
-
-
-def methods(config) -> tuple[tuple[str, ...], str]:
-    """The `parallel.cp_method`s this model's attention can take, and why not the others."""
-    if sliding_window(config) is not None:
-        return ("allgather", "ulysses"), f"sliding-window attention (window {sliding_window(config)}) needs an " \
-                                         "explicit mask, which the ring does not build"
-    return ("ring", "allgather", "ulysses"), ""
+def refusal(config) -> str:
+    """Why this model cannot shard its sequence ("" when it can)."""
+    kind = getattr(config, "model_type", "")
+    if kind in MODEL_TYPES:
+        return ""
+    if kind in LINEAR_ATTENTION or "linear_attention" in (getattr(config, "layer_types", None) or []):
+        return ("its linear-attention layers (Gated DeltaNet) carry a recurrent state and a causal convolution "
+                "along the sequence, across the shards")
+    return f"context parallelism needs the built-in model or a transformers model of type {', '.join(MODEL_TYPES)}"
 
 
 def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
-               sliding_window=None, cp_documents=None, **kwargs):
-    """transformers' attention-function signature -> (output (batch, seq, heads, head_dim), no weights)."""
-    out = module.disttrain_context.attention(query, key, value, cp_documents, scale=scaling, window=sliding_window)
+               sliding_window=None, cp_documents=None, s_aux=None, **kwargs):
+    """transformers' attention-function signature -> (output (batch, seq, heads, v head_dim), no weights);
+    `s_aux`: gpt-oss's attention sinks."""
+    out = module.disttrain_context.attention(query, key, value, cp_documents, scale=scaling, window=sliding_window,
+                                             sinks=s_aux)
     return out.transpose(1, 2).contiguous(), None
+
+
+@functools.lru_cache(maxsize=None)
+def _calls_the_attention_interface(cls: type) -> bool:
+    """A module whose forward calls transformers' registered attention function (whatever its projections:
+    q_proj, or DeepSeek's q_a_proj/q_b_proj)."""
+    if cls.forward is nn.Module.forward:
+        return False
+    try:
+        return "ALL_ATTENTION_FUNCTIONS" in inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return False
 
 
 def context_parallel(model: nn.Module, cp) -> None:
     from transformers import AttentionInterface
 
     AttentionInterface.register(ATTENTION_NAME, _attention)
-    for module in model.modules():
-        if hasattr(module, "config") and hasattr(module, "q_proj"):
-            module.disttrain_context = cp
+    attending = [m for m in model.modules() if _calls_the_attention_interface(type(m))]
+    if not attending:
+        raise ValueError(f"{type(model).__name__} has no module calling transformers' attention interface")
+    for module in attending:
+        module.disttrain_context = cp
     model.set_attn_implementation(ATTENTION_NAME)
 
     def shard_inputs(module, args, kwargs):

@@ -53,9 +53,9 @@ PUBLISHED_CONFIGS: dict[str, dict] = {
 
 
 def model_parallel(name: str) -> bool:
-    """Whether the layout search may split the model's heads or sequence: not these (their sinks, latent
-    attention and recurrent state have no context-parallel kernel; tensor parallelism runs under `parallel.tp`,
-    with the fused experts whole on every rank, but the search does not propose it for them yet;
+    """Whether the layout search may split the model's heads or sequence: not these (tensor parallelism runs under
+    `parallel.tp`, with the fused experts whole on every rank; gpt-oss and DeepSeek-V3 take context parallelism,
+    Qwen3-Next's recurrent state does not; the search has one switch for both and proposes neither yet;
     docs/models.md's support table)."""
     return name not in PUBLISHED_CONFIGS
 

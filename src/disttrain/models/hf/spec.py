@@ -142,7 +142,6 @@ def hf_spec(directory: str, routing=None, attention: str = "auto", config: dict 
     tp_note = tp_note or parallel_plan.plan_problem(config)
     from disttrain.models.hf import context
 
-    cp_methods, cp_note = context.methods(config)
     softcap = getattr(config.get_text_config(), "final_logit_softcapping", None)
     fingerprint = hashlib.sha256(json.dumps({k: raw.get(k) for k in sorted(raw) if k not in (
         "transformers_version", "torch_dtype", "dtype", "use_cache", "architectures")}, sort_keys=True,
@@ -158,7 +157,7 @@ def hf_spec(directory: str, routing=None, attention: str = "auto", config: dict 
         mask_documents=mask_documents, causal=True,  # model.hf loads causal language models only
         moe_layers=partial(hf_moe_layers, routing=routing or MoERouting()) if config.model_type in SUPPORTED else None,
         context_parallel=context.context_parallel if config.model_type in context.MODEL_TYPES else None,
-        context_parallel_methods=cp_methods, context_parallel_note=cp_note,
+        context_parallel_note=context.refusal(config),  # every method takes windows, sinks and latent attention
         to_hf=dict, from_hf=dict, hf_config=lambda: {**raw, "use_cache": True},
         load_pretrained=lambda m: load_pretrained(m, directory) if weights else None,
         fingerprint=fingerprint,
