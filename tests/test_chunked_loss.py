@@ -311,3 +311,41 @@ def test_distillation_in_chunks_equals_whole_logits(kl, temperature, alpha, teac
     assert abs(loss.item() - whole.item()) <= 1e-12 * abs(whole.item())
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         assert (p.grad - q.grad).abs().max().item() <= 1e-12 * q.grad.abs().max().item(), name
+
+
+class _HeadRows(TorchDispatchMode):
+    """The rows of every matmul whose output is vocabulary-wide (the head's logits)."""
+
+    def __init__(self, vocab: int):
+        super().__init__()
+        self.vocab, self.rows = vocab, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default) and out.shape[-1] == self.vocab:
+            self.rows.append(out.shape[0])
+        return out
+
+
+@pytest.mark.parametrize("counted", [False, True])
+def test_only_the_positions_with_a_target_get_logits(counted):
+    """Chat data's prompts carry no target: the head computes logits for the answers' positions alone (found on the
+    CPU's own tensors, or sized by the count the engine takes on the host: `nonzero_static`, no device sync), and
+    the loss and every gradient still equal whole logits (fp64)."""
+    tokens = torch.randint(0, 256, TOKENS, generator=torch.Generator().manual_seed(1))
+    targets = _targets(256)
+    targets[:, : TOKENS[1] // 2] = IGNORE_INDEX  # a prompt: the first half of each row
+    valid = int((targets != IGNORE_INDEX).sum())
+    reference = _model(False)
+    _whole(reference, tokens, targets).backward()
+    model = _model(False)
+    chunk_output_head(model.output, 7)
+    if counted:
+        targets.valid_count = valid
+    with _HeadRows(256) as seen:
+        loss = _chunked(model, tokens, targets)
+    loss.backward()
+    assert sum(seen.rows) == valid < targets.numel(), (seen.rows, valid)
+    assert abs(float(loss) - float(_whole(reference, tokens, targets).detach())) <= 1e-12 * abs(float(loss))
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-12, atol=1e-14), name

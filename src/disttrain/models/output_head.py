@@ -180,7 +180,11 @@ class _ChunkedCrossEntropy(ScaledGradients):
         flat, labels = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
         if flat.shape[0] != labels.shape[0]:
             raise ValueError(f"the output head got {flat.shape[0]} positions and {labels.shape[0]} targets")
-        grad_hidden = torch.empty_like(flat)
+        kept = positions_with_targets(labels, getattr(targets, "valid_count", None))
+        grad_hidden = torch.empty_like(flat) if kept is None else torch.zeros_like(flat)
+        if kept is not None:  # only the positions that carry a target: the others add no loss and no gradient
+            flat, labels = flat[kept], labels[kept]
+        rows = torch.empty_like(flat) if kept is not None else grad_hidden
         grad_weight = None
         loss = None
         chunk = chunk_tokens if chunk_tokens > 0 else max(1, flat.shape[0])
@@ -194,12 +198,31 @@ class _ChunkedCrossEntropy(ScaledGradients):
             part, dlogits = _chunk_loss_and_grad(logits.to(stat), y, group, vocab_start)
             loss += part
             dlogits = dlogits.to(logits.dtype)
-            add_chunk_gradients(dlogits, h, weight, grad_hidden, grad_weight, slice(start, start + chunk))
+            add_chunk_gradients(dlogits, h, weight, rows, grad_weight, slice(start, start + chunk))
+        if kept is not None:
+            grad_hidden[kept] = rows
         if loss is None:  # no positions at all
             loss = torch.zeros((), dtype=statistics_dtype(weight.dtype), device=weight.device)
             grad_weight = torch.zeros_like(weight)
         ScaledGradients.keep(ctx, hidden, weight, grad_hidden, grad_weight, 4)
         return loss
+
+
+def positions_with_targets(labels: torch.Tensor, count: int | None) -> torch.Tensor | None:
+    """The indices of the positions that carry a target, when finding them costs no host synchronisation and some
+    carry none (chat data's prompts: the head then computes only the answers' logits); None: every position.
+    `count`: how many carry one, counted on the host before the copy to the device (the engine's `valid_count`),
+    which sizes `nonzero_static`; without it, only a CPU's own tensors are searched. Fake tensors (the dry run)
+    keep every position, as the planner counts them."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    if is_fake(labels) or labels.device.type == "meta":
+        return None
+    if count is None and labels.device.type != "cpu":
+        return None
+    keep = labels != IGNORE_INDEX
+    index = keep.nonzero().squeeze(1) if count is None else torch.nonzero_static(keep, size=count).squeeze(1)
+    return None if index.numel() == labels.numel() else index
 
 
 

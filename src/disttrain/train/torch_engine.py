@@ -35,7 +35,7 @@ class TorchEngine(SteppedByOptimizerStep):
     def train_step(self, micro_batches: list, step: int) -> StepResult:
         """The only host sync is the finiteness test of the norm (one scalar), which decides whether to step."""
         phases, mean_loss, last = self.phases, self.mean_loss, len(micro_batches) - 1
-        batches = [(self.precision.inputs(x, self.device), y.to(self.device, non_blocking=True)) for x, y in micro_batches]
+        batches = [(self.precision.inputs(x, self.device), on_device_counted(y, self.device)) for x, y in micro_batches]
         mean_loss.start_step([y for _, y in batches])
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         if self.keep_gathered:
@@ -63,7 +63,7 @@ class TorchEngine(SteppedByOptimizerStep):
         if self.keep_gathered:
             gather(self.model)
         for x, y in micro_batches:
-            x, y = self.precision.inputs(x, self.device), y.to(self.device)
+            x, y = self.precision.inputs(x, self.device), on_device_counted(y, self.device)
             with loss_context(self.tensor_parallel):
                 with self.precision.autocast():
                     with self.mean_loss.forward_with_targets(y, x):
@@ -94,3 +94,19 @@ class TorchEngine(SteppedByOptimizerStep):
 
     def extra_metrics(self) -> dict:
         return self.optimizer_step.metrics()
+
+
+def on_device_counted(targets: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The targets on the device, carrying how many of them count (`valid_count`), counted here on the host
+    copy: a chunked output head then computes only those positions' logits with no host synchronisation
+    (models/output_head.py positions_with_targets)."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    from disttrain.models.spec import IGNORE_INDEX
+
+    host = targets.device.type == "cpu" and not is_fake(targets)  # the dry run's fake batch: no values to count
+    count = int((targets != IGNORE_INDEX).sum()) if host else None
+    moved = targets.to(device, non_blocking=True)
+    if count is not None:
+        moved.valid_count = count
+    return moved
