@@ -269,6 +269,9 @@ class _ChunkedRowLogProbs(torch.autograd.Function):
         if flat.shape[0] != labels.shape[0]:
             raise ValueError(f"the output head got {flat.shape[0]} positions and {labels.shape[0]} targets")
         row_of = torch.arange(labels.shape[0], device=labels.device) // targets.shape[-1]
+        kept = positions_with_targets(labels, getattr(targets, "valid_count", None))
+        if kept is not None:  # only the completions' positions: the prompts' add nothing to any row
+            flat, labels, row_of = flat[kept], labels[kept], row_of[kept]
         stat = statistics_dtype(torch.result_type(flat, weight))
         sums = torch.zeros(targets.shape[0], dtype=stat, device=flat.device)
         lse = torch.zeros(labels.shape[0], dtype=stat, device=flat.device)
@@ -281,15 +284,18 @@ class _ChunkedRowLogProbs(torch.autograd.Function):
             sums.index_add_(0, row_of[start:start + chunk], (target_logit - lse_chunk) * valid)
         device = flat.device.type
         ctx.autocast = (device, torch.get_autocast_dtype(device), torch.is_autocast_enabled(device))
-        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.save_for_backward(hidden, weight, targets, lse, *([] if kept is None else [kept]))
         ctx.chunk, ctx.group, ctx.vocab_start = chunk, group, vocab_start
         return sums
 
     @staticmethod
     def backward(ctx, grad_rows):
-        hidden, weight, targets, lse = ctx.saved_tensors
-        flat, labels = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+        hidden, weight, targets, lse, *kept = ctx.saved_tensors
+        whole, labels = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
         row_of = torch.arange(labels.shape[0], device=labels.device) // targets.shape[-1]
+        flat = whole
+        if kept:
+            flat, labels, row_of = whole[kept[0]], labels[kept[0]], row_of[kept[0]]
         per_token = grad_rows.to(lse.dtype)[row_of]
         grad_hidden = torch.empty_like(flat)
         grad_weight = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device)
@@ -309,6 +315,8 @@ class _ChunkedRowLogProbs(torch.autograd.Function):
                 dlogits.scatter_add_(1, index, (g * here).unsqueeze(1))
                 dlogits = dlogits.to(logits.dtype)
                 add_chunk_gradients(dlogits, h, weight, grad_hidden, grad_weight, slice(start, end))
+        if kept:
+            grad_hidden = torch.zeros_like(whole).index_copy_(0, kept[0], grad_hidden)
         return grad_hidden.reshape(hidden.shape), grad_weight.to(weight.dtype), None, None, None, None
 
 
