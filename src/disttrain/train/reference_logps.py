@@ -95,7 +95,7 @@ class ReferencePass(Job):
         run.engine.model.eval()
         try:
             for split, samples in splits.items():
-                reference.tables[split] = self._compute(split, samples, reference, run)
+                reference.tables[split] = self._compute(split, samples, reference, run, trainer)
         finally:
             objective.recording = False
             run.engine.model.train()
@@ -107,9 +107,10 @@ class ReferencePass(Job):
                                 f"{time.perf_counter() - started:.1f} s, kept in {path}")
 
     @staticmethod
-    def _compute(split: str, samples, reference: PrecomputedReference, run) -> torch.Tensor:
+    def _compute(split: str, samples, reference: PrecomputedReference, run, trainer) -> torch.Tensor:
         """This split's table: each rank's slices of every global batch through the engine's forward-only
-        path, then the maximum over all ranks."""
+        path, then the maximum over all ranks. Each batch counts as progress to the watchdog (the pass is an
+        epoch's forward, longer than any step), and a line says how far it is every tenth of the way."""
         t = run.cfg.train
         reference.tables[split] = torch.full((2 * len(samples),), -math.inf, dtype=torch.float64,
                                              device=run.runtime.device)
@@ -119,9 +120,13 @@ class ReferencePass(Job):
                                             run.data.loader.micro_batch_size,
                                             run.data.loader.shares if run.layout.balanced else None,
                                             pad_multiple=run.data.loader.pad_multiple)
-            for k in range(1, math.ceil(len(samples) / t.global_batch_size) + 1):
+            batches = math.ceil(len(samples) / t.global_batch_size)
+            for k in range(1, batches + 1):
                 reference.select(split, loader.sample_ids(k))
                 run.engine.eval_loss_sum(loader.micro_batches(k))
+                trainer.watchdog.touch()
+                if batches >= 10 and k % (batches // 10) == 0 and k < batches:
+                    trainer.metrics.message(f"reference log-probabilities: {split} batch {k} of {batches}")
         table = reference.tables[split]
         dist.all_reduce(table, op=dist.ReduceOp.MAX)
         missing = int(torch.isinf(table).sum())
