@@ -350,3 +350,24 @@ def test_only_the_positions_with_a_target_get_logits(counted):
     assert abs(float(loss) - float(_whole(reference, tokens, targets).detach())) <= 1e-12 * abs(float(loss))
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         assert torch.allclose(p.grad, q.grad, rtol=1e-12, atol=1e-14), name
+
+
+def test_a_frozen_head_makes_no_weight_gradient():
+    """LoRA's output head is frozen: the chunked loss computes no gradient for its weight (no vocabulary x width
+    buffer, no matmul of it per chunk) and still the hidden states' gradient of whole logits (fp64)."""
+    tokens = torch.randint(0, 256, TOKENS, generator=torch.Generator().manual_seed(1))
+    targets = _targets(256)
+    reference, model = _model(False), _model(False)
+    for m in (reference, model):
+        m.output.weight.requires_grad_(False)
+    _whole(reference, tokens, targets).backward()
+    chunk_output_head(model.output, 7)
+    with _Shapes() as shapes:
+        loss = _chunked(model, tokens, targets)
+        loss.backward()
+    # the embedding's gradient has the head's shape too, but is made by its own backward op
+    weight_shaped = [(op, s) for op, s, _ in shapes.seen if s == tuple(model.output.weight.shape) and op in ("mm", "zeros")]
+    assert model.output.weight.grad is None and not weight_shaped, weight_shaped
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        if q.grad is not None:
+            assert torch.allclose(p.grad, q.grad, rtol=1e-12, atol=1e-14), name

@@ -151,7 +151,8 @@ def add_chunk_gradients(dlogits, h, weight, grad_hidden, grad_weight, rows: slic
     so that the fp32 statistics are freed before these matmuls: the planner counts one chunk's): the hidden
     states' written into `rows` of `grad_hidden`, the weight's added to `grad_weight` (in its own dtype)."""
     grad_hidden[rows] = dlogits @ weight.to(dlogits.dtype)
-    grad_weight += (dlogits.t() @ h.to(dlogits.dtype)).to(grad_weight.dtype)
+    if grad_weight is not None:  # None: a frozen head (LoRA's), whose weight gets no gradient
+        grad_weight += (dlogits.t() @ h.to(dlogits.dtype)).to(grad_weight.dtype)
 
 
 class ScaledGradients(torch.autograd.Function):
@@ -168,7 +169,8 @@ class ScaledGradients(torch.autograd.Function):
         grad_hidden, grad_weight = ctx.saved_tensors
         shape, hidden_dtype, weight_dtype = ctx.shapes
         grad_hidden = (grad_hidden * grad_loss.to(grad_hidden.dtype)).to(hidden_dtype).reshape(shape)
-        grad_weight = (grad_weight * grad_loss.to(grad_weight.dtype)).to(weight_dtype)
+        if grad_weight is not None:
+            grad_weight = (grad_weight * grad_loss.to(grad_weight.dtype)).to(weight_dtype)
         return (grad_hidden, grad_weight) + (None,) * ctx.other_inputs
 
 
@@ -192,8 +194,9 @@ class _ChunkedCrossEntropy(ScaledGradients):
             h, y = flat[start:start + chunk], labels[start:start + chunk]
             logits = F.linear(h, weight)  # the compute dtype (autocast's, or the parameters')
             stat = statistics_dtype(logits.dtype)
-            if grad_weight is None:
-                grad_weight = torch.zeros(weight.shape, dtype=stat, device=weight.device)
+            if loss is None:  # a frozen head (LoRA's) gets no weight gradient: neither its buffer nor its matmuls
+                grad_weight = torch.zeros(weight.shape, dtype=stat, device=weight.device) \
+                    if ctx.needs_input_grad[1] else None
                 loss = torch.zeros((), dtype=stat, device=weight.device)
             part, dlogits = _chunk_loss_and_grad(logits.to(stat), y, group, vocab_start)
             loss += part
@@ -203,7 +206,7 @@ class _ChunkedCrossEntropy(ScaledGradients):
             grad_hidden[kept] = rows
         if loss is None:  # no positions at all
             loss = torch.zeros((), dtype=statistics_dtype(weight.dtype), device=weight.device)
-            grad_weight = torch.zeros_like(weight)
+            grad_weight = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
         ScaledGradients.keep(ctx, hidden, weight, grad_hidden, grad_weight, 4)
         return loss
 
@@ -298,7 +301,8 @@ class _ChunkedRowLogProbs(torch.autograd.Function):
             flat, labels, row_of = whole[kept[0]], labels[kept[0]], row_of[kept[0]]
         per_token = grad_rows.to(lse.dtype)[row_of]
         grad_hidden = torch.empty_like(flat)
-        grad_weight = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device)
+        grad_weight = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device) \
+            if ctx.needs_input_grad[1] else None
         device, dtype, enabled = ctx.autocast
         columns = weight.shape[0]
         with torch.autocast(device, dtype=dtype, enabled=enabled):
@@ -317,7 +321,8 @@ class _ChunkedRowLogProbs(torch.autograd.Function):
                 add_chunk_gradients(dlogits, h, weight, grad_hidden, grad_weight, slice(start, end))
         if kept:
             grad_hidden = torch.zeros_like(whole).index_copy_(0, kept[0], grad_hidden)
-        return grad_hidden.reshape(hidden.shape), grad_weight.to(weight.dtype), None, None, None, None
+        return (grad_hidden.reshape(hidden.shape), None if grad_weight is None else grad_weight.to(weight.dtype),
+                None, None, None, None)
 
 
 def head_parallel_style(head: nn.Module, input_layout):

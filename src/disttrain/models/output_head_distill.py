@@ -59,7 +59,7 @@ class _ChunkedDistillation(ScaledGradients):
             raise ValueError(f"the output head got {flat.shape[0]} positions and {labels.shape[0]} targets")
         grad_hidden = torch.empty_like(flat)
         stat = statistics_dtype(torch.result_type(flat, weight))
-        grad_weight = torch.zeros(weight.shape, dtype=stat, device=weight.device)
+        grad_weight = torch.zeros(weight.shape, dtype=stat, device=weight.device) if ctx.needs_input_grad[1] else None
         loss = torch.zeros((), dtype=stat, device=weight.device)
         chunk = chunk_tokens if chunk_tokens > 0 else max(1, flat.shape[0])
         for start in range(0, flat.shape[0], chunk):

@@ -260,6 +260,9 @@ def estimate_memory(shape: ModelShape, layout: Layout, accounting: str = "runtim
                 layout.tp - 1) // layout.tp
         acts = stage_activation_bytes(shape, layout, pp_rank, fused_norm, routing_skew=routing_skew,
                                       accumulated_grads=states.unsharded_grads)
+        if held.output and lora_rank and layout.loss_chunk_tokens:  # a frozen head makes no fp32 weight gradient
+            stat = 8 if layout.compute_dtype == "fp64" else FP32
+            acts = replace(acts, saved=acts.saved - stat * shape.vocab_size / layout.tp * shape.dim)
         if held.output and objective.name == "distill":  # the teacher's terms in the student's output head
             kept, transient = distill_head_bytes(objective, shape, layout)
             acts = replace(acts, saved=acts.saved + kept, chunk=acts.chunk + transient if acts.chunk else 0.0)
