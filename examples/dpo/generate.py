@@ -11,10 +11,14 @@ import sys
 import warnings
 from pathlib import Path
 
-import torch
-from peft import PeftModel
-from transformers import AutoModelForCausalLM, AutoTokenizer
-from transformers.utils import logging as transformers_logging
+from disttrain.observe.quiet import quiet_third_party
+
+quiet_third_party()  # before transformers and peft import torchao: its kernel-loading noise, dropped
+
+import torch  # noqa: E402
+from peft import PeftModel  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+from transformers.utils import logging as transformers_logging  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sft"))
 from generate import answer  # noqa: E402  (the fine-tuning example's greedy answer through the chat template)

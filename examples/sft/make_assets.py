@@ -15,6 +15,10 @@ import random
 import sys
 from pathlib import Path
 
+from disttrain.observe.quiet import quiet_third_party
+
+quiet_third_party()  # before transformers and peft import torchao: its kernel-loading noise, dropped
+
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # ChatML. {G}/{E} become {% generation %} / {% endgeneration %} (or nothing) around each assistant answer
 # and its end-of-turn token: exactly the tokens that carry loss.

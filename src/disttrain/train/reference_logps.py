@@ -29,6 +29,7 @@ from disttrain.data.sampling import GlobalBatchSampler
 from disttrain.train.jobs import Job
 
 TABLE_FILE = "reference_logps.pt"
+PROGRESS_EVERY_S = 30.0
 
 
 class PrecomputedReference:
@@ -110,7 +111,7 @@ class ReferencePass(Job):
     def _compute(split: str, samples, reference: PrecomputedReference, run, trainer) -> torch.Tensor:
         """This split's table: each rank's slices of every global batch through the engine's forward-only
         path, then the maximum over all ranks. Each batch counts as progress to the watchdog (the pass is an
-        epoch's forward, longer than any step), and a line says how far it is every tenth of the way."""
+        epoch's forward, longer than any step), and a line says how far it is every half minute."""
         t = run.cfg.train
         reference.tables[split] = torch.full((2 * len(samples),), -math.inf, dtype=torch.float64,
                                              device=run.runtime.device)
@@ -120,13 +121,14 @@ class ReferencePass(Job):
                                             run.data.loader.micro_batch_size,
                                             run.data.loader.shares if run.layout.balanced else None,
                                             pad_multiple=run.data.loader.pad_multiple)
-            batches = math.ceil(len(samples) / t.global_batch_size)
+            batches, said = math.ceil(len(samples) / t.global_batch_size), time.perf_counter()
             for k in range(1, batches + 1):
                 reference.select(split, loader.sample_ids(k))
                 run.engine.eval_loss_sum(loader.micro_batches(k))
                 trainer.watchdog.touch()
-                if batches >= 10 and k % (batches // 10) == 0 and k < batches:
+                if time.perf_counter() - said > PROGRESS_EVERY_S and k < batches:
                     trainer.metrics.message(f"reference log-probabilities: {split} batch {k} of {batches}")
+                    said = time.perf_counter()
         table = reference.tables[split]
         dist.all_reduce(table, op=dist.ReduceOp.MAX)
         missing = int(torch.isinf(table).sum())
