@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from disttrain.core.dtypes import at_least_fp32
 from disttrain.parallel.context_shards import visible
+from disttrain.parallel.sink_attention import expand_heads, fold_sinks, one_head_dim, sink_gradient
 
 _KV_TAG, _GRAD_TAG = 71, 72
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -35,17 +36,10 @@ _FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_bac
 
 
 def ring_attention(q, k, v, documents, cp, scale: float | None = None, window: int | None = None, sinks=None):
-    """Values of another head dim than the keys (DeepSeek's latent attention) travel with the keys in one tensor
-    and the flash kernel takes one head dim: the narrower of q/k and v is padded with zeros (zero query/key
-    columns add nothing to q . k; zero value columns give zero output columns, cut off again), the scale taken
-    from the true query head dim."""
-    d, dv = q.shape[-1], v.shape[-1]
-    scale = d ** -0.5 if scale is None else scale
-    if d == dv:
-        return _RingAttention.apply(q, k, v, sinks, documents, cp, scale, window)
-    width = max(d, dv)
-    q, k, v = (torch.nn.functional.pad(x, (0, width - x.shape[-1])) for x in (q, k, v))
-    return _RingAttention.apply(q, k, v, sinks, documents, cp, scale, window)[..., :dv]
+    """Values of another head dim than the keys (DeepSeek's latent attention) travel with the keys in one tensor,
+    padded to one head dim (sink_attention.one_head_dim), the scale taken from the true query head dim."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return one_head_dim(lambda q, k, v: _RingAttention.apply(q, k, v, sinks, documents, cp, scale, window), q, k, v)
 
 
 def _shift(t: torch.Tensor, cp, tag: int):
@@ -117,10 +111,6 @@ def _window_reach(rows, cols, window: int) -> tuple[slice, slice] | None:
     return None if r_hi < 0 else (slice(r_lo, r_hi + 1), slice(c_lo, c_hi + 1))
 
 
-def _expand_heads(x: torch.Tensor, groups: int) -> torch.Tensor:
-    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
-
-
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sinks, documents, cp, scale, window):
@@ -142,10 +132,8 @@ class _RingAttention(torch.autograd.Function):
             if mask is not None:  # rows that see nothing in this block: the kernel says lse 0, out 0
                 part_lse = part_lse.masked_fill(~mask[1], float("-inf"))
             _merge(out, lse, part.to(acc), part_lse, rows)
-        if sinks is not None:  # every row saw at least its own key: lse is finite
-            final = torch.logaddexp(lse, sinks.to(acc)[None, :, None])
-            out.mul_(torch.exp(lse - final)[..., None])  # in place: the tokens-first layout stays
-            lse = final
+        if sinks is not None:  # every row saw at least its own key
+            lse = fold_sinks(out, lse, sinks)
         out = out.to(q.dtype)
         ctx.cp, ctx.scale, ctx.groups, ctx.window = cp, scale, groups, window
         ctx.save_for_backward(q, k, v, out, lse, documents, sinks)
@@ -174,10 +162,7 @@ class _RingAttention(torch.autograd.Function):
             dkv, grad_works = _shift(sent, cp, _GRAD_TAG)  # on to the next rank; home after a full circle
             _wait(grad_works)
             del sent
-        dsinks = None
-        if sinks is not None:
-            rowsum = (grad_out.to(acc) * out.to(acc)).sum(-1)
-            dsinks = -(torch.exp(sinks.to(acc)[None, :, None] - lse) * rowsum).sum((0, 2)).to(sinks.dtype)
+        dsinks = None if sinks is None else sink_gradient(grad_out, out, lse, sinks)
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), dsinks, None, None, None, None
 
 
@@ -199,7 +184,7 @@ backward's accumulator still moves on). `cp.ring_work`: [blocks left out, query-
         else:
             rows, cols, causal, mask = block
             cp.ring_work[1] += (rows.stop - rows.start) * (cols.stop - cols.start)
-            kb, vb = (_expand_heads(x[:, :, cols], groups) for x in kv)
+            kb, vb = (expand_heads(x[:, :, cols], groups) for x in kv)
             yield rows, cols, causal, mask, kb, vb
         if not last:
             _wait(works)
