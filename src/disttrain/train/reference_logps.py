@@ -43,7 +43,10 @@ class PrecomputedReference:
 
     def select(self, split: str, ids) -> None:
         """The pairs `ids` (this rank's, in micro-batch order) are what the next micro-batches hold."""
-        pairs = torch.as_tensor(ids, dtype=torch.int64, device=self.device)
+        pairs = torch.as_tensor(ids, dtype=torch.int64)
+        if self.device.type == "cuda":  # a pageable copy would wait for the device: pinned, it does not
+            pairs = pairs.pin_memory()
+        pairs = pairs.to(self.device, non_blocking=True)
         self._rows = torch.stack([2 * pairs, 2 * pairs + 1], dim=1).reshape(-1)
         self._split, self._next = split, 0
 
