@@ -182,11 +182,11 @@ class _ChunkedCrossEntropy(ScaledGradients):
         flat, labels = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
         if flat.shape[0] != labels.shape[0]:
             raise ValueError(f"the output head got {flat.shape[0]} positions and {labels.shape[0]} targets")
+        whole = flat
         kept = positions_with_targets(labels, getattr(targets, "valid_count", None))
-        grad_hidden = torch.empty_like(flat) if kept is None else torch.zeros_like(flat)
         if kept is not None:  # only the positions that carry a target: the others add no loss and no gradient
             flat, labels = flat[kept], labels[kept]
-        rows = torch.empty_like(flat) if kept is not None else grad_hidden
+        rows = torch.empty_like(flat)  # the hidden states' gradient at those positions
         grad_weight = None
         loss = None
         chunk = chunk_tokens if chunk_tokens > 0 else max(1, flat.shape[0])
@@ -202,13 +202,18 @@ class _ChunkedCrossEntropy(ScaledGradients):
             loss += part
             dlogits = dlogits.to(logits.dtype)
             add_chunk_gradients(dlogits, h, weight, rows, grad_weight, slice(start, start + chunk))
-        if kept is not None:
-            grad_hidden[kept] = rows
+        grad_hidden = at_positions(rows, kept, whole)
         if loss is None:  # no positions at all
             loss = torch.zeros((), dtype=statistics_dtype(weight.dtype), device=weight.device)
             grad_weight = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
         ScaledGradients.keep(ctx, hidden, weight, grad_hidden, grad_weight, 4)
         return loss
+
+
+def at_positions(rows: torch.Tensor, kept: torch.Tensor | None, whole: torch.Tensor) -> torch.Tensor:
+    """Gradients computed at the `kept` positions, placed among zeros at the others (`whole`'s shape); all of
+    them when none were left out."""
+    return rows if kept is None else torch.zeros_like(whole).index_copy_(0, kept, rows)
 
 
 def positions_with_targets(labels: torch.Tensor, count: int | None) -> torch.Tensor | None:
@@ -319,8 +324,7 @@ class _ChunkedRowLogProbs(torch.autograd.Function):
                 dlogits.scatter_add_(1, index, (g * here).unsqueeze(1))
                 dlogits = dlogits.to(logits.dtype)
                 add_chunk_gradients(dlogits, h, weight, grad_hidden, grad_weight, slice(start, end))
-        if kept:
-            grad_hidden = torch.zeros_like(whole).index_copy_(0, kept[0], grad_hidden)
+        grad_hidden = at_positions(grad_hidden, kept[0] if kept else None, whole)
         return (grad_hidden.reshape(hidden.shape), None if grad_weight is None else grad_weight.to(weight.dtype),
                 None, None, None, None)
 
