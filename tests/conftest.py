@@ -62,7 +62,7 @@ SLOW_TIER = {
                        "test_resuming_under_the_other_engine"),  # a DeepSpeed run: ~20 CPU-s of imports alone
     "test_fault_tolerance": ("test_srun_tasks_preempted_then_requeued",),  # SIGUSR1 stays (to the launchers)
     "test_hub": ("test_a_hub_model_and_dataset_train_as_their_directories_do",),  # the README's Hub line stays
-    "test_preference": ("two_processes",),  # preference objectives under every layout; TRL and the example stay
+    "test_preference_layouts": ("two_processes",),  # every layout, packed too; one process packed stays
     "test_distill": ("two_processes",),  # distillation under every layout; the hand-written reference stays
     "test_float8": ("two_processes",),  # float8 under every layout; the rule, the plain loop and the resume stay
     "test_int8_states": ("two_processes",),  # 8-bit states under the layouts; the plain loop and the resume stay

@@ -43,6 +43,7 @@ def data(tmp_path_factory):
 CASES = {  # name -> overrides after BASE ({root}: the fixture's directory)
     "dpo zero3": ("data.source={root}/pairs", "train.objective=dpo", "parallel.zero_stage=3"),
     "dpo ddp": ("data.source={root}/pairs", "train.objective=dpo"),
+    "dpo ddp packed": ("data.source={root}/pairs", "train.objective=dpo", "data.packing=true"),  # its worst case
     "dpo precomputed zero3": ("data.source={root}/pairs", "train.objective=dpo", "dpo.precompute_reference=true",
                               "parallel.zero_stage=3"),
     "simpo tp2 sp": ("data.source={root}/pairs", "train.objective=simpo", "parallel.tp=2",

@@ -152,7 +152,8 @@ class DataConfig(Section):
     prefetch: bool | None = Field(None, description="read the next step's batches on a background thread (the "
                                   "batches are the same either way); empty: on with a GPU, off on CPU")
     packing: bool = Field(False, description="chat data: several conversations per sequence (first-fit), with "
-                          "document masking; false: one conversation per sequence, padded")
+                          "document masking (preference pairs: each micro-batch's sequences); false: one "
+                          "conversation per sequence, padded")
     padding: Literal["longest", "seq_len"] = Field("longest", description="chat and instruction data: each "
                                                    "micro-batch padded to its longest sequence (rounded up to "
                                                    "data.pad_to_multiple_of; the same losses and gradients), or "

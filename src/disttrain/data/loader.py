@@ -125,6 +125,13 @@ class DistributedBatchLoader:
 
     def micro_batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         ids = self.sample_ids(step)
+        if getattr(self.windows, "packs_micro_batches", False):  # packed pairs: rows per micro-batch vary
+            parts = np.split(ids, max(1, len(ids) // self.micro_batch_size))
+            batches = [self.windows.batch(part) for part in parts]
+            if self.pad_multiple:
+                batches = [cut_padding(x, y, self.windows.packed_tokens(part), self.pad_multiple)
+                           for (x, y), part in zip(batches, parts)]
+            return batches
         x, y = self.windows.batch(ids)
         rows = self.micro_batch_size * getattr(self.windows, "rows_per_sample", 1)  # preference data: 2 a pair
         batches = list(zip(x.split(rows), y.split(rows)))

@@ -71,6 +71,7 @@ def write_preference(paths: list[Path], out: Path, tokenizer: str, val_fraction:
                 counts["skipped"] += 1
                 continue
             counts["truncated"] += any(cut for _, _, cut in fitted)
+            counts["eos_inside"] += eos is not None and any(bool(np.any(ids[:-1] == eos)) for ids, _, _ in fitted)
             split = "val" if is_val_document(counts["written"], val_fraction) else "train"
             counts["written"] += 1
             for (ids, mask, _), side in zip(fitted, ("chosen", "rejected")):
@@ -88,7 +89,8 @@ def write_preference(paths: list[Path], out: Path, tokenizer: str, val_fraction:
     writer.meta["preference"] = {"seq_len": seq_len, "records": counts["read"], "written": counts["written"],
                                  "skipped": counts["skipped"], "truncated": counts["truncated"],
                                  "tokens": counts["tokens"], "chosen_tokens": counts["chosen_tokens"],
-                                 "rejected_tokens": counts["rejected_tokens"], "mask_from": "the chat template"
+                                 "rejected_tokens": counts["rejected_tokens"],
+                                 "eos_inside": counts["eos_inside"], "mask_from": "the chat template"
                                  if chat.template is not None else "joined texts (no chat template)"}
     writer.close()
     return writer.meta
@@ -108,4 +110,7 @@ def describe(meta: dict) -> list[str]:
     if p["skipped"]:
         lines.append(f"warning: {p['skipped']:,} pairs were skipped: the prompt leaves no completion token inside "
                      f"--seq-len {p['seq_len']}")
+    if p.get("eos_inside"):
+        lines.append(f"warning: {p['eos_inside']:,} pairs hold the end-of-document token inside (the chat template "
+                     "ends turns with it): data.packing=true cannot keep them apart, train them with packing off")
     return lines

@@ -40,7 +40,7 @@ def _holds_pairs(source) -> bool:
 
 
 def objective_problems(ctx) -> list[Problem]:
-    """A preference objective trains on preference pairs, and pairs only with one (unpacked, on the torch engine)."""
+    """A preference objective trains on preference pairs, and pairs only with one (on the torch engine)."""
     cfg = ctx.cfg
     objective, source, layout = cfg.train.objective, cfg.data.source, ctx.layout
     pairs = _holds_pairs(source)
@@ -62,27 +62,32 @@ def objective_problems(ctx) -> list[Problem]:
         return [Problem("train.objective", objective, "lm", f"train.objective={objective} needs preference pairs: "
                         f"data.source={shown} is not a `disttrain prepare-data` directory of preference records "
                         "(prompt, chosen, rejected; allowed on other data: lm)")]
-    for key, value, allowed in (("data.packing", cfg.data.packing, False), ("engine", cfg.engine, "torch")):
-        if value != allowed:
-            return [Problem(key, value, str(allowed).lower(), f"{key}={str(value).lower()} with train.objective="
-                            f"{objective}: preference pairs train unpacked, with the torch engine, so far (allowed: "
-                            f"{str(allowed).lower()})")]
+    if cfg.engine != "torch":
+        return [Problem("engine", cfg.engine, "torch", f"engine={cfg.engine} with train.objective={objective}: "
+                        "preference pairs train with the torch engine, so far (allowed: torch)")]
     return []
 
 
 def _packing_problems(source) -> list[Problem]:
-    """data.packing packs conversations of chat shard directories, kept apart at their end tokens."""
+    """data.packing packs conversations of chat shard directories (preference pairs' sequences), kept apart at
+    their end tokens."""
     from disttrain.data.shards import read_meta
 
     for directory in (source if isinstance(source, dict) else [source]):
         meta = read_meta(directory) if directory != "builtin" and not str(directory).startswith("py:") else {}
-        if "chat" not in meta:
+        kind = "chat" if "chat" in meta else "preference" if "preference" in meta else None
+        if kind is None:
             return [Problem("data.packing", True, "false", f"data.packing=true: data.source={directory} is not chat "
-                            "data (text token windows are packed already; allowed: a prepare-data directory of chat or "
-                            "instruction records, or data.packing=false)")]
-        inside = meta["chat"]["eos_inside"]
+                            "data (text token windows are packed already; allowed: a prepare-data directory of chat, "
+                            "instruction or preference records, or data.packing=false)")]
+        inside = meta[kind].get("eos_inside")
+        if inside is None:  # prepared before preference data counted them
+            return [Problem("data.packing", True, "false", f"data.packing=true: {directory} does not say whether its "
+                            "pairs hold the end-of-document token inside; run `disttrain prepare-data` on it again "
+                            "(allowed for it: data.packing=false)")]
         if inside:
-            return [Problem("data.packing", True, "false", f"data.packing=true: {inside} conversations of {directory} "
+            what = "conversations" if kind == "chat" else "pairs"
+            return [Problem("data.packing", True, "false", f"data.packing=true: {inside} {what} of {directory} "
                             "hold the end-of-document token inside (the chat template ends turns with it), so packing "
                             "cannot keep them apart (allowed for it: data.packing=false)")]
     return []

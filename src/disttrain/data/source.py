@@ -152,7 +152,7 @@ def split_samples(directory: str, split: str, seq_len: int, packing: bool = Fals
     if "preference" in meta:
         from disttrain.data.preference_samples import PreferenceSamples
 
-        return PreferenceSamples(tokens, mask, ends, seq_len, meta["eos_id"] or 0)
+        return PreferenceSamples(tokens, mask, ends, seq_len, meta["eos_id"] or 0, packing)
     return ChatSamples(tokens, mask, ends, seq_len, meta["eos_id"] or 0, packing)
 
 

@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from disttrain.models.packed_targets import sequences_of, split
 from disttrain.models.spec import IGNORE_INDEX
 
 
@@ -265,23 +266,34 @@ def _chunk_loss_and_grad(logits: torch.Tensor, targets: torch.Tensor, group, voc
     return loss, probs
 
 
+def _labels_and_rows(targets: torch.Tensor, sequences: int | None = None):
+    """(flat labels, each position's row, the number of rows): a row is a sequence, one per row of `targets`, or
+    several per row in packed targets (models/packed_targets.py)."""
+    sequences = sequences if sequences is not None else sequences_of(targets)
+    if sequences is None:
+        labels = targets.reshape(-1)
+        return labels, torch.arange(labels.shape[0], device=labels.device) // targets.shape[-1], targets.shape[0]
+    labels, row_of = split(targets.reshape(-1))
+    return labels, row_of, sequences
+
+
 class _ChunkedRowLogProbs(torch.autograd.Function):
-    """Each row's summed log-probability of its valid targets (a preference objective's per-sequence figure),
-    chunk by chunk. Its gradient weighs every token by its own row's incoming gradient, unknown until the pair
+    """Each row's summed log-probability of its valid targets (a preference objective's per-sequence figure;
+    packed targets: each tagged sequence's), chunk by chunk. Its gradient weighs every token by its own row's incoming gradient, unknown until the pair
     losses are computed, so backward computes each chunk's logits again (one more matmul of the head) from the
     kept hidden states and log-sum-exps, instead of holding any chunk's logits."""
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, chunk_tokens, group, vocab_start):
-        flat, labels = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        labels, row_of, rows = _labels_and_rows(targets)
         if flat.shape[0] != labels.shape[0]:
             raise ValueError(f"the output head got {flat.shape[0]} positions and {labels.shape[0]} targets")
-        row_of = torch.arange(labels.shape[0], device=labels.device) // targets.shape[-1]
         kept = positions_with_targets(labels, getattr(targets, "valid_count", None))
         if kept is not None:  # only the completions' positions: the prompts' add nothing to any row
             flat, labels, row_of = flat[kept], labels[kept], row_of[kept]
         stat = statistics_dtype(torch.result_type(flat, weight))
-        sums = torch.zeros(targets.shape[0], dtype=stat, device=flat.device)
+        sums = torch.zeros(rows, dtype=stat, device=flat.device)
         lse = torch.zeros(labels.shape[0], dtype=stat, device=flat.device)
         chunk = chunk_tokens if chunk_tokens > 0 else max(1, flat.shape[0])
         for start in range(0, flat.shape[0], chunk):
@@ -294,13 +306,14 @@ class _ChunkedRowLogProbs(torch.autograd.Function):
         ctx.autocast = (device, torch.get_autocast_dtype(device), torch.is_autocast_enabled(device))
         ctx.save_for_backward(hidden, weight, targets, lse, *([] if kept is None else [kept]))
         ctx.chunk, ctx.group, ctx.vocab_start = chunk, group, vocab_start
+        ctx.sequences = sequences_of(targets)
         return sums
 
     @staticmethod
     def backward(ctx, grad_rows):
         hidden, weight, targets, lse, *kept = ctx.saved_tensors
-        whole, labels = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
-        row_of = torch.arange(labels.shape[0], device=labels.device) // targets.shape[-1]
+        whole = hidden.reshape(-1, hidden.shape[-1])
+        labels, row_of, _ = _labels_and_rows(targets, ctx.sequences)
         flat = whole
         if kept:
             flat, labels, row_of = whole[kept[0]], labels[kept[0]], row_of[kept[0]]

@@ -16,7 +16,8 @@ def make_objective(cfg, spec, layout, meshes, samples, shard_targets):
         from disttrain.train.preference import PreferenceLoss
 
         return PreferenceLoss(t.objective, cfg.dpo, spec.logits, dp_group, layout.gradient_ranks, t.global_batch_size,
-                              shard_targets, meshes.cp.get_group() if layout.cp > 1 else None, layout.cp)
+                              shard_targets, meshes.cp.get_group() if layout.cp > 1 else None, layout.cp,
+                              packed=cfg.data.packing)
     args = (spec.loss_sum, dp_group, layout.gradient_ranks, samples.masks_targets,
             t.global_batch_size * samples.targets_per_sample, shard_targets)
     if t.objective == "distill":

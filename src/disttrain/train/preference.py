@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from disttrain.core.dtypes import at_least_fp32
 from disttrain.models.output_head import ChunkedLossHead, chunk_the_head_of, targets_for
+from disttrain.models.packed_targets import count_sequences, sequences_of, split, with_sequences
 from disttrain.models.spec import IGNORE_INDEX
 from disttrain.train.loss import replicated_value
 from disttrain.train.preference_reference import PipelinePass, run_frozen
@@ -39,13 +40,19 @@ METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/
 
 
 def sequence_logps(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(each row's summed log-probability of its valid targets, their count), in at least fp32. Under tensor
-    parallelism the logits are vocabulary-sharded DTensors and the loss context's cross-entropy reduces them."""
-    per_token = F.cross_entropy(at_least_fp32(logits).flatten(0, -2), targets.flatten(), reduction="none",
+    """(each sequence's summed log-probability of its valid targets, their count), in at least fp32: a row's, or
+    with packed targets each tagged sequence's (models/packed_targets.py). Under tensor parallelism the logits
+    are vocabulary-sharded DTensors and the loss context's cross-entropy reduces them."""
+    sequences = sequences_of(targets)
+    labels, sequence = split(targets) if sequences is not None else (targets, None)
+    per_token = F.cross_entropy(at_least_fp32(logits).flatten(0, -2), labels.flatten(), reduction="none",
                                 ignore_index=IGNORE_INDEX)
     per_token = replicated_value(per_token).view(targets.shape)
-    counts = (targets != IGNORE_INDEX).sum(-1).to(per_token.dtype)
-    return -per_token.sum(-1), counts
+    valid = (labels != IGNORE_INDEX).to(per_token.dtype)
+    if sequence is None:
+        return -per_token.sum(-1), valid.sum(-1)
+    sums = per_token.new_zeros(sequences).index_add_(0, sequence.flatten(), per_token.flatten())
+    return -sums, valid.new_zeros(sequences).index_add_(0, sequence.flatten(), valid.flatten())
 
 
 def pair_losses(objective: str, cfg, chosen, rejected, chosen_len, rejected_len, ref_chosen=None,
@@ -75,13 +82,24 @@ def pair_losses(objective: str, cfg, chosen, rejected, chosen_len, rejected_len,
     return loss, cfg.lambda_ * chosen_mean.detach(), cfg.lambda_ * rejected_mean.detach()
 
 
+def _target_counts(targets: torch.Tensor) -> torch.Tensor:
+    """Each sequence's number of valid targets: a row's, or packed, each tagged sequence's."""
+    sequences = sequences_of(targets)
+    if sequences is None:
+        return (targets != IGNORE_INDEX).sum(-1)
+    labels, sequence = split(targets)
+    valid = (labels != IGNORE_INDEX).flatten().long()
+    return valid.new_zeros(sequences).index_add_(0, sequence.flatten(), valid)
+
+
 class PreferenceLoss:
     """The engines' loss (GlobalMeanLoss's protocol) for a preference objective. `start_step` resets the step's
     sums; each call takes one micro-batch of whole pairs."""
 
     def __init__(self, objective: str, cfg, logits, dp_group, dp: int, pairs_per_step: int, shard_targets=None,
-                 cp_group=None, cp: int = 1):
+                 cp_group=None, cp: int = 1, packed: bool = False):
         self.objective, self.cfg, self.logits = objective, cfg, logits
+        self.packed = packed  # several sequences a row, their targets tagged (models/packed_targets.py)
         self.dp_group, self.dp = dp_group, dp
         self.shard_targets = shard_targets or (lambda targets: targets)
         self.cp_group, self.cp = cp_group, cp
@@ -116,14 +134,32 @@ class PreferenceLoss:
         pipeline's last stage, those its reference pass collected for micro-batch `microbatch`."""
         kept = self.pipeline_pass.get(microbatch)
         if self.precomputed is not None:
-            self._part = self.precomputed.part(targets.shape[0], microbatch)
+            self._part = self.precomputed.part(self._sequences(targets), microbatch)
             self._ref = None if self.recording else self.precomputed.values(self._part)
         elif kept is not None:
             self._ref = kept
         elif self.reference is not None and inputs is not None:
-            with torch.no_grad(), targets_for(self._reference_heads(), self.shard_targets(targets)):
+            with torch.no_grad(), targets_for(self._reference_heads(), self._shard(targets)):
                 self._ref = self._logps(run_frozen(self.reference, inputs), targets)[0].detach()
-        return targets_for(self.heads, self.shard_targets(targets)) if self.heads else contextlib.nullcontext()
+        return targets_for(self.heads, self._shard(targets)) if self.heads else contextlib.nullcontext()
+
+    def _sequences(self, targets: torch.Tensor) -> int:
+        """The sequences a micro-batch's (whole, unsharded) targets hold: its rows, or packed, its tagged
+        sequences (counted on the host by the engine, else here)."""
+        if not self._tagged(targets):
+            return targets.shape[0]
+        count = sequences_of(targets)
+        return count if count is not None else count_sequences(targets)
+
+    def _shard(self, targets: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the targets (its context shard), knowing how many sequences the whole holds."""
+        return with_sequences(self.shard_targets(targets), self._sequences(targets) if self._tagged(targets) else None)
+
+    def _tagged(self, targets: torch.Tensor) -> bool:
+        """Packed pairs' targets; not the dry run's fake batch, unpacked rows at full width (the worst case)."""
+        from torch._subclasses.fake_tensor import is_fake
+
+        return self.packed and not is_fake(targets) and targets.device.type != "meta"
 
     def _reference_heads(self) -> list:
         """The reference's chunked heads: a frozen copy's own (found once), or the policy's (LoRA: its adapters
@@ -151,10 +187,10 @@ class PreferenceLoss:
 
     def _logps(self, outputs, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each whole row's completion log-probability and length (summed over the context ranks' shards)."""
-        logits, targets = self.logits(outputs), self.shard_targets(targets)
+        logits, targets = self.logits(outputs), self._shard(targets)
         if logits.dim() == 1:  # a chunked head's rows' log-probabilities (replicated over tensor parallel)
             logps = replicated_value(logits)
-            lengths = (targets != IGNORE_INDEX).sum(-1).to(logps.dtype)
+            lengths = _target_counts(targets).to(logps.dtype)
         else:
             logps, lengths = sequence_logps(logits, targets)
         if self.cp_group is not None:
@@ -201,7 +237,7 @@ class PreferenceLoss:
 
     def valid_targets(self, targets: torch.Tensor) -> torch.Tensor:
         """Pairs (evaluation divides the loss sum by them; each context rank counts 1/cp of them)."""
-        return torch.tensor(targets.shape[0] / 2 / self.cp, dtype=torch.float64, device=targets.device)
+        return torch.tensor(self._sequences(targets) / 2 / self.cp, dtype=torch.float64, device=targets.device)
 
     def as_sum(self, loss: torch.Tensor) -> torch.Tensor:
         return replicated_value(loss.detach()).double() * self.divisor

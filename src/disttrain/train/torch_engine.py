@@ -99,14 +99,17 @@ class TorchEngine(SteppedByOptimizerStep):
 def on_device_counted(targets: torch.Tensor, device: torch.device) -> torch.Tensor:
     """The targets on the device, carrying how many of them count (`valid_count`), counted here on the host
     copy: a chunked output head then computes only those positions' logits with no host synchronisation
-    (models/output_head.py positions_with_targets)."""
+    (models/output_head.py positions_with_targets); packed preference pairs' targets also carry how many
+    sequences they tag (`sequences`, models/packed_targets.py)."""
     from torch._subclasses.fake_tensor import is_fake
 
+    from disttrain.models.packed_targets import count_sequences, with_sequences
     from disttrain.models.spec import IGNORE_INDEX
 
     host = targets.device.type == "cpu" and not is_fake(targets)  # the dry run's fake batch: no values to count
     count = int((targets != IGNORE_INDEX).sum()) if host else None
+    sequences = count_sequences(targets) if host else 0  # packed pairs' targets tag their sequences (> 1 of them)
     moved = targets.to(device, non_blocking=True)
     if count is not None:
         moved.valid_count = count
-    return moved
+    return with_sequences(moved, sequences if sequences > 1 else None)
