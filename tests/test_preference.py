@@ -46,30 +46,36 @@ def _prepare(root, data, tokenizer, *extra):
                     "--seq-len", str(SEQ_LEN), *extra)
 
 
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    """A chat tokenizer, a tiny Llama saved by transformers, and two prepared pair sets: 8 pairs (all in
-    training: a global batch of 8 reads each once per step) and 24 (with validation) for the layouts."""
+def make_assets(root: Path, pair_sets: dict[str, tuple[int, str]], moe: bool = False) -> dict:
+    """A chat tokenizer, a tiny Llama saved by transformers (with `moe`, a tiny Qwen3-MoE too), and the pair sets
+    prepared (name -> (pairs, validation fraction))."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from hf_models import SIZES, tiny_config
 
-    root = tmp_path_factory.mktemp("pref")
     tokenizer = save_chat_tokenizer(root / "tokenizer")
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(LlamaConfig(**{**SIZES, "vocab_size": 384}, tie_word_embeddings=False)) \
         .save_pretrained(root / "base")
-    config = tiny_config("qwen3_moe")
-    config.vocab_size = 384
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(root / "qwen3_moe")
-    for name, n, val in (("eight", 8, "0"), ("many", 24, "0.125")):
+    found = {"root": root, "tokenizer": tokenizer, "base": root / "base"}
+    if moe:
+        config = tiny_config("qwen3_moe")
+        config.vocab_size = 384
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(config).save_pretrained(root / "qwen3_moe")
+        found["qwen3_moe"] = root / "qwen3_moe"
+    for name, (n, val) in pair_sets.items():
         (root / name).mkdir()
         code, out, err = _prepare(root / name, pair_records(n), tokenizer, "--val-fraction", val)
         assert code == 0, err
-    return {"root": root, "tokenizer": tokenizer, "base": root / "base", "qwen3_moe": root / "qwen3_moe",
-            "eight": root / "eight" / "out",
-            "many": root / "many" / "out", "prepared": out}
+        found[name], found["prepared"] = root / name / "out", out
+    return found
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    """8 pairs (all in training: a global batch of 8 reads each once per step) and 24 (with validation)."""
+    return make_assets(tmp_path_factory.mktemp("pref"), {"eight": (8, "0"), "many": (24, "0.125")})
 
 
 CHUNK = 24  # the output head's chunks of tokens: they cut rows, and no row length is a multiple

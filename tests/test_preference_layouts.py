@@ -10,35 +10,16 @@ import numpy as np
 import pytest
 import torch
 
-from chat_tokenizer import save_chat_tokenizer
 from helpers import DEBUG_CONFIG, FP64, WHOLE_LOGITS, assert_parity, events, run_main, step_records, train_many
-from test_preference import BETA, CHUNK, PRECOMPUTE, SEQ_LEN, _close, _prepare, pair_records
+from test_preference import BETA, CHUNK, PRECOMPUTE, SEQ_LEN, _close, make_assets
 
 PACKED = "data.packing=true"
 
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
-    """A chat tokenizer, a tiny Qwen3-MoE saved by transformers, a Llama to fine-tune, and 24 prepared pairs
-    (with validation)."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    from hf_models import SIZES, tiny_config
-
-    root = tmp_path_factory.mktemp("pref_layouts")
-    tokenizer = save_chat_tokenizer(root / "tokenizer")
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(LlamaConfig(**{**SIZES, "vocab_size": 384}, tie_word_embeddings=False)) \
-        .save_pretrained(root / "base")
-    config = tiny_config("qwen3_moe")
-    config.vocab_size = 384
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(root / "qwen3_moe")
-    (root / "many").mkdir()
-    code, _, err = _prepare(root / "many", pair_records(24), tokenizer, "--val-fraction", "0.125")
-    assert code == 0, err
-    return {"root": root, "tokenizer": tokenizer, "base": root / "base", "qwen3_moe": root / "qwen3_moe",
-            "many": root / "many" / "out"}
+    """24 prepared pairs (with validation), the tiny Llama and a tiny Qwen3-MoE."""
+    return make_assets(tmp_path_factory.mktemp("pref_layouts"), {"many": (24, "0.125")}, moe=True)
 
 
 LAYOUT = (f"data.seq_len={SEQ_LEN}", "train.steps=4", "train.global_batch_size=8",
