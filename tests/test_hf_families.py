@@ -37,10 +37,11 @@ MOE = ("ddp", "zero3", "pp2", "ep2-zero3", "tp2", "tp2-sp")  # TP: heads split, 
 # Gemma 3 and 4: windows (Gemma 4: per-layer inputs)
 CP = ("cp2", "cp2-ulysses", "cp2-ring")
 CP_EP = ("cp2-ep2-zero3",)  # the ring, the experts split over the two context ranks
-EXACT_PAIRS = {"gpt_oss": (*MOE, *CP, *CP_EP), "deepseek_v3": (*MOE, *CP, *CP_EP), "qwen3_next": MOE,
+# Qwen3-Next and Qwen3.5: their Gated DeltaNet layers' convolution and recurrent state passed between the shards
+EXACT_PAIRS = {"gpt_oss": (*MOE, *CP, *CP_EP), "deepseek_v3": (*MOE, *CP, *CP_EP), "qwen3_next": (*MOE, *CP, *CP_EP),
                "glm4_moe": (*MOE, *CP, *CP_EP),
                "gemma3_text": ("ddp", "zero3", "pp2", "tp2", "tp2-sp", *CP),
-               "qwen3_5_text": ("ddp", "zero3", "pp2", "tp2", "tp2-sp"),
+               "qwen3_5_text": ("ddp", "zero3", "pp2", "tp2", "tp2-sp", *CP),
                "gemma4_text": ("ddp", "zero3", *CP),
                "qwen3": ("tp2", "tp2-sp")}  # Qwen3: the query/key norms replicated over tensor-parallel ranks
 TABLE_FAMILIES = FAMILIES
