@@ -401,3 +401,14 @@ def test_linear_attention_heads_tensor_parallelism_cannot_split_are_refused(tmp_
     assert code == 2 and len(lines) == 1, err
     assert "parallel.tp=2 does not divide the linear-attention heads (linear_num_key_heads=1)" in lines[0], err
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_sequence_too_short_for_the_linear_attention_convolution_under_cp_is_refused(family_dirs, tmp_path):
+    """Each of the 2 x cp chunks takes its convolution's reach (3 tokens) from the chunk before it alone: chunks
+    of 2 tokens are refused before anything starts."""
+    code, _, err = run_main("train", str(DEBUG_CONFIG), f"run.dir={tmp_path / 'runs'}", "parallel.cp=2",
+                            "data.seq_len=8", f"model.hf={family_dirs['qwen3_5_text']}", "--nproc-per-node", "2")
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, err
+    assert "data.seq_len=8 with parallel.cp=2" in lines[0] and "(allowed: data.seq_len >= 12)" in lines[0], err
+    assert not (tmp_path / "runs").exists()

@@ -32,19 +32,18 @@ import torch
 import torch.distributed as dist
 from torch.distributed._functional_collectives import all_gather_single_autograd, wait_tensor
 
-from disttrain.parallel.context_shards import shard_index
+from disttrain.parallel.context_shards import shard_chunks
 
 
 def _places(size: int) -> dict[int, tuple[int, int]]:
     """chunk -> (the rank holding it, its place among that rank's chunks), for the 2 x size chunks."""
-    return {c: (r, i) for r in range(size) for i, c in enumerate(shard_index(2 * size, r, size).tolist())}
+    return {c: (r, i) for r in range(size) for i, c in enumerate(shard_chunks(r, size))}
 
 
-def _chunks(cp, t: int) -> tuple[list[int], int, dict]:
+def _chunks(cp, t: int) -> tuple[tuple[int, ...], int, dict]:
     """(the chunks this rank holds, in its local order; their length for `t` local tokens; `_places`)."""
-    places = _places(cp.size)
-    order = [c for c, (r, _) in sorted(places.items(), key=lambda kv: kv[1]) if r == cp.rank]
-    return order, t // len(order), places
+    order = shard_chunks(cp.rank, cp.size)
+    return order, t // len(order), _places(cp.size)
 
 
 def causal_conv(conv, x: torch.Tensor, weight: torch.Tensor, bias, cp, activation=None, **kwargs) -> torch.Tensor:
