@@ -39,8 +39,8 @@ def refusal(config) -> str:
     if kind in MODEL_TYPES:
         return ""
     if "linear_attention" in (getattr(config, "layer_types", None) or []):
-        return ("its linear-attention layers (Gated DeltaNet) carry a recurrent state and a causal convolution "
-                "along the sequence, across the shards")
+        return ("its linear-attention layers carry a recurrent state and a causal convolution along the sequence, "
+                "which context parallelism passes across the shards for qwen3_next and qwen3_5_text only")
     return f"context parallelism needs the built-in model or a transformers model of type {', '.join(MODEL_TYPES)}"
 
 
