@@ -390,25 +390,24 @@ def test_lora_on_a_layer_tensor_parallelism_splits_by_hand_is_refused(family_dir
     assert not (tmp_path / "runs").exists()
 
 
-def test_linear_attention_heads_tensor_parallelism_cannot_split_are_refused(tmp_path):
-    """Gated DeltaNet layers split by key heads: one key head on two ranks is refused before anything starts."""
+LINEAR_REFUSALS = {  # Gated DeltaNet: split by key heads under TP; under CP each of the 2 x cp chunks takes its
+    # convolution's reach (3 tokens) from the chunk before it alone
+    "one key head over tp=2": ({"linear_num_key_heads": 1}, ("parallel.tp=2",),
+                               "parallel.tp=2 does not divide the linear-attention heads (linear_num_key_heads=1)"),
+    "chunks of 2 tokens": ({}, ("parallel.cp=2", "data.seq_len=8"),
+                           "convolution reaches 3 tokens back, more than each of the 2 x cp chunks holds (allowed: "
+                           "data.seq_len >= 12)")}
+
+
+@pytest.mark.parametrize("name", list(LINEAR_REFUSALS))
+def test_linear_attention_layouts_that_cannot_split_are_refused(name, tmp_path):
+    changes, overrides, expected = LINEAR_REFUSALS[name]
     config = family_config("qwen3_5_text")
-    config.linear_num_key_heads = 1
-    config.save_pretrained(tmp_path / "one_key_head")
-    code, _, err = run_main("train", str(DEBUG_CONFIG), f"run.dir={tmp_path / 'runs'}", "parallel.tp=2",
-                            f"model.hf={tmp_path / 'one_key_head'}", "--nproc-per-node", "2")
+    for key, value in changes.items():
+        setattr(config, key, value)
+    config.save_pretrained(tmp_path / "model")
+    code, _, err = run_main("train", str(DEBUG_CONFIG), f"run.dir={tmp_path / 'runs'}", *overrides,
+                            f"model.hf={tmp_path / 'model'}", "--nproc-per-node", "2")
     lines = err.strip().splitlines()
-    assert code == 2 and len(lines) == 1, err
-    assert "parallel.tp=2 does not divide the linear-attention heads (linear_num_key_heads=1)" in lines[0], err
-    assert not (tmp_path / "runs").exists()
-
-
-def test_a_sequence_too_short_for_the_linear_attention_convolution_under_cp_is_refused(family_dirs, tmp_path):
-    """Each of the 2 x cp chunks takes its convolution's reach (3 tokens) from the chunk before it alone: chunks
-    of 2 tokens are refused before anything starts."""
-    code, _, err = run_main("train", str(DEBUG_CONFIG), f"run.dir={tmp_path / 'runs'}", "parallel.cp=2",
-                            "data.seq_len=8", f"model.hf={family_dirs['qwen3_5_text']}", "--nproc-per-node", "2")
-    lines = err.strip().splitlines()
-    assert code == 2 and len(lines) == 1, err
-    assert "data.seq_len=8 with parallel.cp=2" in lines[0] and "(allowed: data.seq_len >= 12)" in lines[0], err
+    assert code == 2 and len(lines) == 1 and expected in lines[0], err
     assert not (tmp_path / "runs").exists()
