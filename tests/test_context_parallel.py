@@ -3,8 +3,9 @@ each `parallel.cp_method`, gives one process's losses and parameters (fp64, 1e-1
 model and a transformers Llama, on plain text and on packed chat data (several conversations per
 sequence under document masking, prompt targets masked in both halves of each sequence); with ZeRO-3 and
 activation checkpointing; a checkpoint written at cp=2 resumes on one process and the reverse. The
-attention kernels alone match single-device attention with grouped heads, at 2 ranks. Bad input is one
-line and exit 2."""
+attention kernels alone match single-device attention with grouped heads, at 2 ranks, and a Gated DeltaNet layer
+(Qwen3-Next, Qwen3.5) sharded over 2 ranks, its convolution's reach and recurrent state passed between the shards,
+matches the same layer on the whole sequence. Bad input is one line and exit 2."""
 
 from __future__ import annotations
 
@@ -61,7 +62,8 @@ def runs(tmp_path_factory, data):
     from the cp=2 checkpoint)."""
     root = tmp_path_factory.mktemp("cp_runs")
     cases = _cases(data)
-    jobs = {"kernels": {"call": "cp_kernels:check", "args": [str(root / "kernels")]}}
+    jobs = {"kernels": {"call": "cp_kernels:check", "args": [str(root / "kernels")]},
+            "linear": {"call": "cp_linear_attention:check", "args": [str(root / "linear")]}}
     jobs |= {f"{c}_{m}": (root / f"{c}_{m}", (*COMMON, *o, "parallel.cp=2", f"parallel.cp_method={m}"))
              for c, o in cases.items() for m in METHODS}
     jobs["zero3_checkpointed"] = (root / "zero3_ac", (*COMMON, *cases["debug_chat"], "parallel.cp=2",
@@ -189,6 +191,20 @@ def test_kernels_match_single_device_attention(runs):
         result = json.loads(Path(f"{runs['kernels']['args'][0]}.rank{rank}.json").read_text())
         expected = {f"{m} documents={d}": "ok" for d in ("False", "True", "True window") for m in METHODS}
         expected |= {f"{m} sinks window dv": "ok" for m in METHODS} | {"ring dv": "ok", "ring work": "ok"}
+        assert result == expected, (rank, result)
+
+
+def test_linear_attention_passes_its_state_between_the_shards(runs):
+    """transformers' Gated DeltaNet layers (Qwen3-Next, Qwen3.5) over 2 ranks: this rank's outputs and input
+    gradients and the parameters' gradients summed over the ranks equal the layer's on the whole sequence, in fp64
+    to 1e-12 (32 tokens: chunks of 8, the convolution reaching 3 back; 200 tokens: the kernel's blocks of 64 cut
+    elsewhere than one process's) and in fp32 to 1e-5 (tests/workers/cp_linear_attention.py, in the 2-rank launch)."""
+    import json
+
+    for rank in (0, 1):
+        result = json.loads(Path(f"{runs['linear']['args'][0]}.rank{rank}.json").read_text())
+        expected = {f"{kind} {case}": "ok" for kind in ("qwen3_next", "qwen3_5_text")
+                    for case in ("float64 seq=32", "float64 seq=200", "float32")}
         assert result == expected, (rank, result)
 
 

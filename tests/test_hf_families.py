@@ -37,10 +37,11 @@ MOE = ("ddp", "zero3", "pp2", "ep2-zero3", "tp2", "tp2-sp")  # TP: heads split, 
 # Gemma 3 and 4: windows (Gemma 4: per-layer inputs)
 CP = ("cp2", "cp2-ulysses", "cp2-ring")
 CP_EP = ("cp2-ep2-zero3",)  # the ring, the experts split over the two context ranks
-EXACT_PAIRS = {"gpt_oss": (*MOE, *CP, *CP_EP), "deepseek_v3": (*MOE, *CP, *CP_EP), "qwen3_next": MOE,
+# Qwen3-Next and Qwen3.5: their Gated DeltaNet layers' convolution and recurrent state passed between the shards
+EXACT_PAIRS = {"gpt_oss": (*MOE, *CP, *CP_EP), "deepseek_v3": (*MOE, *CP, *CP_EP), "qwen3_next": (*MOE, *CP, *CP_EP),
                "glm4_moe": (*MOE, *CP, *CP_EP),
                "gemma3_text": ("ddp", "zero3", "pp2", "tp2", "tp2-sp", *CP),
-               "qwen3_5_text": ("ddp", "zero3", "pp2", "tp2", "tp2-sp"),
+               "qwen3_5_text": ("ddp", "zero3", "pp2", "tp2", "tp2-sp", *CP),
                "gemma4_text": ("ddp", "zero3", *CP),
                "qwen3": ("tp2", "tp2-sp")}  # Qwen3: the query/key norms replicated over tensor-parallel ranks
 TABLE_FAMILIES = FAMILIES
@@ -389,14 +390,24 @@ def test_lora_on_a_layer_tensor_parallelism_splits_by_hand_is_refused(family_dir
     assert not (tmp_path / "runs").exists()
 
 
-def test_linear_attention_heads_tensor_parallelism_cannot_split_are_refused(tmp_path):
-    """Gated DeltaNet layers split by key heads: one key head on two ranks is refused before anything starts."""
+LINEAR_REFUSALS = {  # Gated DeltaNet: split by key heads under TP; under CP each of the 2 x cp chunks takes its
+    # convolution's reach (3 tokens) from the chunk before it alone
+    "one key head over tp=2": ({"linear_num_key_heads": 1}, ("parallel.tp=2",),
+                               "parallel.tp=2 does not divide the linear-attention heads (linear_num_key_heads=1)"),
+    "chunks of 2 tokens": ({}, ("parallel.cp=2", "data.seq_len=8"),
+                           "convolution reaches 3 tokens back, more than each of the 2 x cp chunks holds (allowed: "
+                           "data.seq_len >= 12)")}
+
+
+@pytest.mark.parametrize("name", list(LINEAR_REFUSALS))
+def test_linear_attention_layouts_that_cannot_split_are_refused(name, tmp_path):
+    changes, overrides, expected = LINEAR_REFUSALS[name]
     config = family_config("qwen3_5_text")
-    config.linear_num_key_heads = 1
-    config.save_pretrained(tmp_path / "one_key_head")
-    code, _, err = run_main("train", str(DEBUG_CONFIG), f"run.dir={tmp_path / 'runs'}", "parallel.tp=2",
-                            f"model.hf={tmp_path / 'one_key_head'}", "--nproc-per-node", "2")
+    for key, value in changes.items():
+        setattr(config, key, value)
+    config.save_pretrained(tmp_path / "model")
+    code, _, err = run_main("train", str(DEBUG_CONFIG), f"run.dir={tmp_path / 'runs'}", *overrides,
+                            f"model.hf={tmp_path / 'model'}", "--nproc-per-node", "2")
     lines = err.strip().splitlines()
-    assert code == 2 and len(lines) == 1, err
-    assert "parallel.tp=2 does not divide the linear-attention heads (linear_num_key_heads=1)" in lines[0], err
+    assert code == 2 and len(lines) == 1 and expected in lines[0], err
     assert not (tmp_path / "runs").exists()

@@ -116,6 +116,13 @@ def _context_problems(spec, layout, what: str) -> list[Problem]:
         return [Problem("parallel.cp", cp, "1 with parallel.pp > 1", f"parallel.cp={cp} with parallel.pp={layout.pp}: "
                         f"{what} (context-parallel pipeline stages need the built-in model; allowed for it: one of "
                         "cp, pp)")]
+    extras = spec.shape.extras if spec.shape is not None else None
+    reach = extras.linear.conv_kernel - 1 if extras is not None and extras.linear is not None else 0
+    if layout.seq_len // (2 * cp) < reach:  # a chunk's convolution reads only the chunk before it
+        return [Problem("data.seq_len", layout.seq_len, f"at least {2 * cp * reach}", f"data.seq_len="
+                        f"{layout.seq_len} with parallel.cp={cp}: {what}'s linear-attention convolution reaches "
+                        f"{reach} tokens back, more than each of the 2 x cp chunks holds (allowed: data.seq_len >= "
+                        f"{2 * cp * reach})")]
     if method not in spec.context_parallel_methods:
         allowed = ", ".join(spec.context_parallel_methods)
         return [Problem("parallel.cp_method", method, allowed, f"parallel.cp_method={method}: the attention of "

@@ -10,7 +10,8 @@ other ranks' keys and values by one of three methods:
   allgather  K/V gathered once per layer, attention with an explicit mask (gathered_attention.py)
   ulysses    all-to-all from sequence shards to head shards and back (gathered_attention.py)
 Each takes sliding windows, attention sinks (sink_attention.py for the gathering methods) and values of
-another head dim than the keys.
+another head dim than the keys. Linear-attention layers (Gated DeltaNet) take their convolution's reach and their
+recurrent state from the chunk before each of this rank's (linear_attention.py), whatever the method.
 Targets are sharded the same way (train/loss.py), and for the loss and the gradients a context rank
 counts as one more data-parallel rank: FSDP shards and reduces over dp x cp (distributed/mesh.py).
 """
@@ -79,6 +80,21 @@ class ContextParallel:
         kernel = gathered_attention.allgather_attention if self.method == "allgather" else \
             gathered_attention.ulysses_attention
         return kernel(q, k, v, documents, self, scale, window, sinks)
+
+
+    def causal_conv(self, conv, x: torch.Tensor, weight: torch.Tensor, bias=None, activation=None, **kwargs):
+        """The model's causal depthwise convolution `conv` of this rank's (batch, channels, tokens) as over the
+        whole sequence (linear_attention.py)."""
+        from disttrain.parallel.linear_attention import causal_conv
+
+        return causal_conv(conv, x, weight, bias, self, activation)
+
+    def gated_delta_rule(self, rule, query, key, value, g, beta, **kwargs):
+        """The model's chunked gated-delta-rule kernel `rule` over this rank's tokens as over the whole sequence,
+        the recurrent state passed from rank to rank (linear_attention.py)."""
+        from disttrain.parallel.linear_attention import chunk_gated_delta_rule
+
+        return chunk_gated_delta_rule(rule, query, key, value, g, beta, self, **kwargs)
 
 
 def apply_context_parallel(model: nn.Module, spec, cp_mesh, method: str, seq_len: int,

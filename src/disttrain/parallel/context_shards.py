@@ -9,12 +9,15 @@ from __future__ import annotations
 import torch
 
 
+def shard_chunks(rank: int, size: int) -> tuple[int, int]:
+    """The chunks (of 2 size) rank `rank` of `size` holds, in its local order (plain ints: no tensor to read)."""
+    return rank, 2 * size - 1 - rank
+
+
 def shard_index(seq_len: int, rank: int, size: int, device=None) -> torch.Tensor:
-    """The global positions rank `rank` of `size` holds: chunks rank and 2 size - 1 - rank, in that order."""
+    """The global positions rank `rank` of `size` holds: its `shard_chunks`, in that order."""
     chunk = seq_len // (2 * size)
-    first, second = rank * chunk, (2 * size - 1 - rank) * chunk
-    return torch.cat([torch.arange(first, first + chunk, device=device),
-                      torch.arange(second, second + chunk, device=device)])
+    return torch.cat([torch.arange(c * chunk, (c + 1) * chunk, device=device) for c in shard_chunks(rank, size)])
 
 
 def shard_sequence(t: torch.Tensor, rank: int, size: int) -> torch.Tensor:

@@ -54,8 +54,8 @@ PUBLISHED_CONFIGS: dict[str, dict] = {
 
 def model_parallel(name: str) -> bool:
     """Whether the layout search may split the model's heads or sequence: not these (tensor parallelism runs under
-    `parallel.tp`, with the fused experts whole on every rank; gpt-oss and DeepSeek-V3 take context parallelism,
-    Qwen3-Next's recurrent state does not; the search has one switch for both and proposes neither yet;
+    `parallel.tp`, with the fused experts whole on every rank; all three take context parallelism, Qwen3-Next's
+    recurrent state passed from shard to shard; the search has one switch for both and proposes neither yet;
     docs/models.md's support table)."""
     return name not in PUBLISHED_CONFIGS
 
