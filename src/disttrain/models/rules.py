@@ -94,9 +94,11 @@ def spec_problems(ctx) -> list[Problem]:
                                     "the token ids the document boundaries come from (allowed: parallel.pp=1, or "
                                     "document_masking=false)"))
         elif spec.mask_documents is None:
-            problems.append(Problem("data.document_masking", True, "false", f"data.document_masking=true: model "
-                                    f"{spec.name} has no document masking (its ModelSpec sets no mask_documents; "
-                                    "allowed for it: false)"))
+            why = spec.mask_documents_note or "its ModelSpec sets no mask_documents"
+            turned_on = " (data.packing=true turns it on)" if cfg.data.packing else ""
+            problems.append(Problem("data.document_masking", True, "false", f"data.document_masking=true{turned_on}: "
+                                    f"model {spec.name} has no document masking ({why}; allowed for it: false"
+                                    + (", and data.packing=false" if cfg.data.packing else "") + ")"))
     if lay.cp > 1:
         problems += _context_problems(spec, lay, what)
     return problems

@@ -70,6 +70,8 @@ class ModelSpec:
     mask_documents: Callable[[nn.Module, int], None] | None = None
     """Make the whole (unsplit) module stop attention at an end-of-document id and restart positions
     after it (`data.document_masking`); None: the family cannot."""
+    mask_documents_note: str = ""
+    """Why the family cannot mask documents, where it has a reason beyond not implementing it."""
     causal: bool = False
     """The output at a position depends on the tokens before it only (a causal language model): padding after a
     micro-batch's last real token can be cut (`data.padding=longest`, data/padding.py)."""

@@ -142,6 +142,7 @@ def hf_spec(directory: str, routing=None, attention: str = "auto", config: dict 
     tp_note = tp_note or parallel_plan.plan_problem(config)
     from disttrain.models.hf import context
 
+    linear = "linear_attention" in (getattr(config.get_text_config(), "layer_types", None) or [])
     softcap = getattr(config.get_text_config(), "final_logit_softcapping", None)
     fingerprint = hashlib.sha256(json.dumps({k: raw.get(k) for k in sorted(raw) if k not in (
         "transformers_version", "torch_dtype", "dtype", "use_cache", "architectures")}, sort_keys=True,
@@ -154,7 +155,9 @@ def hf_spec(directory: str, routing=None, attention: str = "auto", config: dict 
         tensor_parallel=None if tp_note else parallel_plan.tensor_parallel, tensor_parallel_note=tp_note,
         sequence_parallel=not tp_note, pipeline_split=parallel_plan.pipeline_split if splittable else None,
         pipeline_note=parallel_plan.stage_problem(config), tied_parameters=tied,
-        mask_documents=mask_documents, causal=True,  # model.hf loads causal language models only
+        mask_documents=None if linear else mask_documents, causal=True,  # causal language models only
+        mask_documents_note="its linear-attention layers (Gated DeltaNet) carry their recurrent state and causal "
+        "convolution across document boundaries (transformers' kernels take no document starts)" if linear else "",
         moe_layers=partial(hf_moe_layers, routing=routing or MoERouting()) if config.model_type in SUPPORTED else None,
         context_parallel=context.context_parallel if config.model_type in context.MODEL_TYPES else None,
         context_parallel_note=context.refusal(config),  # every method takes windows, sinks and latent attention
