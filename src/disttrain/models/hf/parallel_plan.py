@@ -10,9 +10,10 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                parallelize_module)
 
 from disttrain.core.errors import UserError
-from disttrain.models.hf.tp_plans import MOE_OUTPUTS, SEQUENCE_WISE, block_entries, hand_written, own_styles
+from disttrain.models.hf.tp_plans import MOE_OUTPUTS, SEQUENCE_WISE, TOKEN_WISE, block_entries, hand_written, own_styles
 from disttrain.models.hf.stages import HFStage, decoder
 from disttrain.models.hf.tp_heads import ReplicatedOverHeads
+from disttrain.models.hf.tp_tokens import gradients_summed_over_ranks
 from disttrain.models.output_head import head_parallel_style
 
 
@@ -52,7 +53,8 @@ def tensor_parallel(module: nn.Module, tp_mesh, sequence_parallel: bool) -> None
     and the causal mask from the full length), the first block takes its slice locally, norms run on slices,
     attention and MLP gather the sequence on entry and reduce-scatter on exit (an MoE block: slice its output), and
     the head gathers it back. Gemma 4's per-layer inputs (whole on every rank) are sliced as the residual stream is,
-    and the replicated projections that take them run on the slice (SEQUENCE_WISE)."""
+    and the replicated projections that take them run on the slice (SEQUENCE_WISE); Gemma 4's MoE branch runs
+    this rank's tokens (TOKEN_WISE, tp_tokens.py)."""
     config, embed, layers, head = _parts(module)
     per_layer = bool(getattr(config, "hidden_size_per_layer_input", 0))
     for i, block in enumerate(layers.children()):
@@ -60,6 +62,9 @@ def tensor_parallel(module: nn.Module, tp_mesh, sequence_parallel: bool) -> None
         for path, split in hand_written(config):
             if _has(block, path):
                 split(block.get_submodule(path), tp_mesh)
+        for name in TOKEN_WISE if sequence_parallel else ():
+            if _has(block, name):
+                gradients_summed_over_ranks(block.get_submodule(name), tp_mesh)
         if sequence_parallel and (i == 0 or per_layer):
             parallelize_module(block, tp_mesh, _sliced_inputs(i == 0, per_layer))
     if embed is not None:
@@ -125,7 +130,7 @@ def _sequence_parallel_entries(block: nn.Module, moe_outputs: int = 1) -> dict:
     scores, pass through)."""
     entries = {}
     for name, child in block.named_children():
-        if "norm" in name.lower() or name in SEQUENCE_WISE:
+        if ("norm" in name.lower() or name in SEQUENCE_WISE) and name not in TOKEN_WISE:
             entries[name] = SequenceParallel(use_local_output=True)
     attention = "self_attn" if hasattr(block, "self_attn") else "linear_attn"  # Gated DeltaNet layers
     if not entries or not hasattr(block, attention) or not hasattr(block, "mlp"):

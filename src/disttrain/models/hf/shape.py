@@ -98,7 +98,7 @@ def _moe(c: dict, source: str) -> MoEShape | None:
         raise UserError(f"{source}: decoder_sparse_step={c['decoder_sparse_step']} (allowed: 1; MoE "
                         "blocks after first_k_dense_replace leading dense ones, not interleaved)")
     scoring = c.get("scoring_func") or ("sigmoid" if c["model_type"].startswith("deepseek_v3") else "softmax")
-    top_k = int(c.get("num_experts_per_tok") or 0)
+    top_k = int(c.get("num_experts_per_tok") or c.get("top_k_experts") or 0)  # Gemma 4: top_k_experts
     if not 0 < top_k <= int(experts):
         raise UserError(f"{source}: num_experts_per_tok={top_k} (allowed: 1 to the {experts} experts)")
     return MoEShape(num_experts=int(experts), num_experts_per_tok=top_k, moe_intermediate_size=width,
