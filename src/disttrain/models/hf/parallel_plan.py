@@ -5,15 +5,15 @@ from __future__ import annotations
 
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
-                                               PrepareModuleInputOutput, RowwiseParallel, SequenceParallel,
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleInputOutput,
+                                               PrepareModuleOutput, RowwiseParallel, SequenceParallel,
                                                parallelize_module)
 
 from disttrain.core.errors import UserError
-from disttrain.models.hf.tp_plans import MOE_OUTPUTS, SEQUENCE_WISE, TOKEN_WISE, block_entries, hand_written, own_styles
+from disttrain.models.hf.tp_plans import (MOE_OUTPUTS, SEQUENCE_WISE, TOKEN_WISE, block_entries, hand_written,
+                                          own_styles)
 from disttrain.models.hf.stages import HFStage, decoder
 from disttrain.models.hf.tp_heads import ReplicatedOverHeads
-from disttrain.models.hf.tp_tokens import gradients_summed_over_ranks
 from disttrain.models.output_head import head_parallel_style
 
 
@@ -53,8 +53,8 @@ def tensor_parallel(module: nn.Module, tp_mesh, sequence_parallel: bool) -> None
     and the causal mask from the full length), the first block takes its slice locally, norms run on slices,
     attention and MLP gather the sequence on entry and reduce-scatter on exit (an MoE block: slice its output), and
     the head gathers it back. Gemma 4's per-layer inputs (whole on every rank) are sliced as the residual stream is,
-    and the replicated projections that take them run on the slice (SEQUENCE_WISE); Gemma 4's MoE branch runs
-    this rank's tokens (TOKEN_WISE, tp_tokens.py)."""
+    and the replicated projections that take them run on the slice (SEQUENCE_WISE); Gemma 4's MoE branch gathers
+    the tokens as an MoE block does (TOKEN_WISE)."""
     config, embed, layers, head = _parts(module)
     per_layer = bool(getattr(config, "hidden_size_per_layer_input", 0))
     for i, block in enumerate(layers.children()):
@@ -62,9 +62,6 @@ def tensor_parallel(module: nn.Module, tp_mesh, sequence_parallel: bool) -> None
         for path, split in hand_written(config):
             if _has(block, path):
                 split(block.get_submodule(path), tp_mesh)
-        for name in TOKEN_WISE if sequence_parallel else ():
-            if _has(block, name):
-                gradients_summed_over_ranks(block.get_submodule(name), tp_mesh)
         if sequence_parallel and (i == 0 or per_layer):
             parallelize_module(block, tp_mesh, _sliced_inputs(i == 0, per_layer))
     if embed is not None:
@@ -130,7 +127,13 @@ def _sequence_parallel_entries(block: nn.Module, moe_outputs: int = 1) -> dict:
     scores, pass through)."""
     entries = {}
     for name, child in block.named_children():
-        if ("norm" in name.lower() or name in SEQUENCE_WISE) and name not in TOKEN_WISE:
+        if name in TOKEN_WISE and TOKEN_WISE[name] == "in":  # Gemma 4's MoE branch, on flattened tokens
+            entries[name] = PrepareModuleInput(input_layouts=(Shard(0),), desired_input_layouts=(Replicate(),),
+                                               use_local_output=True)
+        elif name in TOKEN_WISE:
+            entries[name] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(0),
+                                                use_local_output=True)
+        elif "norm" in name.lower() or name in SEQUENCE_WISE:
             entries[name] = SequenceParallel(use_local_output=True)
     attention = "self_attn" if hasattr(block, "self_attn") else "linear_attn"  # Gated DeltaNet layers
     if not entries or not hasattr(block, attention) or not hasattr(block, "mlp"):

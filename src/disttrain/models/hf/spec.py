@@ -155,7 +155,8 @@ def hf_spec(directory: str, routing=None, attention: str = "auto", config: dict 
         sequence_parallel=not tp_note, pipeline_split=stages.pipeline_split if splittable else None,
         pipeline_note=stages.stage_problem(config), tied_parameters=tied,
         mask_documents=mask_documents, causal=True,  # model.hf loads causal language models only
-        moe_layers=partial(hf_moe_layers, routing=routing or MoERouting()) if config.model_type in SUPPORTED else None,
+        moe_layers=partial(hf_moe_layers, routing=routing or MoERouting())
+        if config.model_type in SUPPORTED and shape.moe is not None else None,  # Gemma 4: its MoE block is optional
         context_parallel=context.context_parallel if config.model_type in context.MODEL_TYPES else None,
         context_parallel_note=context.refusal(config),  # every method takes windows, sinks and latent attention
         to_hf=dict, from_hf=dict, hf_config=lambda: {**raw, "use_cache": True},

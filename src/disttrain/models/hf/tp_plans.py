@@ -51,10 +51,11 @@ LINEAR_ATTENTION = {"linear_attn.in_proj_qkvz": "colwise", "linear_attn.in_proj_
 # replicated linear layers of a block acting on each position alone (Gemma 4's per-layer input gate and projection):
 # under sequence parallelism they run on this rank's slice like the norms, their gradients summed over the ranks
 SEQUENCE_WISE = ("per_layer_input_gate", "per_layer_projection")
-# Gemma 4's MoE branch on the decoder layer (router, the norm before the experts, fused experts), which flattens the
-# layer's hidden states to tokens: under sequence parallelism it runs this rank's tokens with whole weights, their
-# gradients summed over the ranks (tp_tokens.py); without it every rank runs every token, as for the other families
-TOKEN_WISE = ("router", "pre_feedforward_layernorm_2", "experts")
+# Gemma 4's MoE branch sits on the decoder layer and takes its hidden states flattened to tokens; under sequence
+# parallelism it runs every token on every rank, as an MoE block does (the other families' `_moe` blocks): the
+# router and the norm before the experts gather this rank's tokens ("in"), the experts keep this rank's rows of
+# their output ("out"); routing, statistics and gradients are then one process's on every rank
+TOKEN_WISE = {"router": "in", "pre_feedforward_layernorm_2": "in", "experts": "out"}
 # how many outputs a family's MoE block returns (gpt-oss's MLP also returns its router scores)
 MOE_OUTPUTS = {"gpt_oss": 2}
 
