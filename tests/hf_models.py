@@ -41,9 +41,14 @@ def family_config(kind: str):
     experts with a gated shared expert), Gemma 3 (scaled embeddings, `1 + weight` norms, sliding windows with
     their own rotary base, tied embeddings), Qwen3.5 (Gated DeltaNet without experts), GLM-4-MoE (query/key
     norms, a router, shared experts, a dense first layer) and Gemma 4 (per-layer input embeddings; its last two
-    layers reuse the keys and values of the two before, one of each kind, which a two-stage pipeline passes on)."""
+    layers reuse the keys and values of the two before, one of each kind, which a two-stage pipeline passes on;
+    `gemma4_moe`: with its MoE branch too)."""
     from transformers import AutoConfig
 
+    # gemma4_moe: Gemma 4 with its MoE branch beside each layer's dense MLP (as gemma-4-26B-A4B)
+    moe = dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32) \
+        if kind == "gemma4_moe" else {}
+    kind = "gemma4_text" if moe else kind
     alternating = ["sliding_attention", "full_attention"] * 2
     local_global = ["sliding_attention"] * 3 + ["full_attention"]
     linear = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
@@ -65,7 +70,7 @@ def family_config(kind: str):
         "glm4_moe": dict(head_dim=16, **experts, n_routed_experts=4, n_group=1, topk_group=1, n_shared_experts=1,
                          first_k_dense_replace=1, use_qk_norm=True),
     }[kind]
-    return AutoConfig.for_model(kind, **{**FAMILY_SIZES, **extra})
+    return AutoConfig.for_model(kind, **{**FAMILY_SIZES, **extra, **moe})
 
 
 def save_tiny(kind: str, directory: Path, weights_seed: int | None = None) -> Path:

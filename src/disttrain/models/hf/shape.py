@@ -135,5 +135,7 @@ def _extras(c: dict) -> BlockExtras | None:
         sliding_layers=kinds.count("sliding_attention"), linear=linear, expert_bias=gpt_oss, router_bias=gpt_oss,
         shared_expert_gate=kind in ("qwen2_moe", "qwen3_next") and bool(c.get("shared_expert_intermediate_size")),
         per_layer_input=int(c.get("hidden_size_per_layer_input") or 0),
-        per_layer_vocab=int(c.get("vocab_size_per_layer_input") or 0))
+        per_layer_vocab=int(c.get("vocab_size_per_layer_input") or 0),
+        kv_shared_layers=int(c.get("num_kv_shared_layers") or 0),
+        dense_mlp_beside_experts=kind == "gemma4_text" and bool(c.get("enable_moe_block")))
     return None if extras == BlockExtras() else extras
