@@ -325,7 +325,8 @@ def test_convert_to_hf_gives_transformers_the_same_model(kind, layout, family_ru
 @pytest.mark.parametrize("kind", TABLE_FAMILIES)
 def test_estimate_counts_each_family_as_transformers_does(kind, family_dirs):
     """`estimate --hf DIR`: the parameter count of transformers' own model (sinks, biases, query/key norms, Gemma's
-    four norms, per-layer inputs, shared keys and values and MoE branch, linear-attention layers, gated attention and shared-expert gates included)."""
+    four norms, Gemma 4's per-layer inputs, shared keys and values and MoE branch, linear-attention layers, gated
+    attention and shared-expert gates included)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     with torch.device("meta"):

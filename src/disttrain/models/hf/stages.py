@@ -119,12 +119,37 @@ class HFStage(nn.Module):
             outputs.extend(t.contiguous() for t in shared[kind])  # a send needs contiguous tensors
         return tuple(outputs) if len(outputs) > 1 else h
 
+    def carried_examples(self, batch: int, seq: int, tp: int, dtype) -> tuple[list, list]:
+        """Example tensors of what this stage receives and sends besides the hidden states (the dry run gives the
+        schedule every stage's shapes up front): per-layer inputs of the layers still to come, and each kind's
+        keys and values (batch, this rank's key/value heads, sequence, head dim)."""
+        def example(*shape):
+            return torch.empty(*shape, dtype=dtype, requires_grad=True)
+
+        width, layers = getattr(self.config, "hidden_size_per_layer_input", 0), self.config.num_hidden_layers
+        received = [example(batch, seq, layers - self.first_layer, width)] if width and self.embed_tokens is None else []
+        sent = [example(batch, seq, layers - self.next_layer, width)] if width and self.next_layer is not None else []
+        for kinds, into in ((self.kv_in, received), (self.kv_out, sent)):
+            for kind in kinds:
+                heads, dim = _key_value_shape(self.config, kind)
+                into.extend(example(batch, heads // tp, seq, dim) for _ in range(2))
+        return received, sent
+
     def _shared(self, carried: list):
         if not self.shares_kv:
             return None
         from transformers.cache_utils import KVSharingDict
 
         return KVSharingDict({kind: (carried[2 * i], carried[2 * i + 1]) for i, kind in enumerate(self.kv_in)})
+
+
+def _key_value_shape(config, kind: str) -> tuple[int, int]:
+    """(key/value heads, head dim) of the layer storing the keys and values of this kind (Gemma 4's global layers
+    have their own: `per_layer_config`)."""
+    modes = config.kv_sharing_modes
+    index = next(i for i, (m, k) in enumerate(zip(modes, layer_types(config))) if m == "store" and k == kind)
+    layer = config.per_layer_config[index] if hasattr(config, "per_layer_config") else config
+    return layer.num_key_value_heads, layer.head_dim
 
 
 def decoder(model: nn.Module, key: str = "parallel.pp") -> nn.Module:
