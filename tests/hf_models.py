@@ -40,9 +40,15 @@ def family_config(kind: str):
     expert, a dense first layer), Qwen3-Next (three GatedDeltaNet linear-attention layers to one gated full one,
     experts with a gated shared expert), Gemma 3 (scaled embeddings, `1 + weight` norms, sliding windows with
     their own rotary base, tied embeddings), Qwen3.5 (Gated DeltaNet without experts), GLM-4-MoE (query/key
-    norms, a router, shared experts, a dense first layer) and Gemma 4."""
+    norms, a router, shared experts, a dense first layer) and Gemma 4 (per-layer input embeddings; its last two
+    layers reuse the keys and values of the two before, one of each kind, which a two-stage pipeline passes on;
+    `gemma4_moe`: with its MoE branch too)."""
     from transformers import AutoConfig
 
+    # gemma4_moe: Gemma 4 with its MoE branch beside each layer's dense MLP (as gemma-4-26B-A4B)
+    moe = dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32) \
+        if kind == "gemma4_moe" else {}
+    kind = "gemma4_text" if moe else kind
     alternating = ["sliding_attention", "full_attention"] * 2
     local_global = ["sliding_attention"] * 3 + ["full_attention"]
     linear = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
@@ -58,12 +64,13 @@ def family_config(kind: str):
         "gemma3_text": dict(head_dim=16, sliding_window=8, layer_types=local_global, tie_word_embeddings=True),
         "qwen3_5_text": dict(head_dim=16, **linear),
         "qwen3": dict(head_dim=16),  # query/key norms, replicated over tensor-parallel ranks
-        "gemma4_text": dict(head_dim=16, global_head_dim=16, sliding_window=8, layer_types=local_global,
-                            vocab_size_per_layer_input=256, hidden_size_per_layer_input=16, tie_word_embeddings=True),
+        "gemma4_text": dict(head_dim=16, global_head_dim=16, sliding_window=8, layer_types=alternating,
+                            num_kv_shared_layers=2, vocab_size_per_layer_input=256, hidden_size_per_layer_input=16,
+                            tie_word_embeddings=True),
         "glm4_moe": dict(head_dim=16, **experts, n_routed_experts=4, n_group=1, topk_group=1, n_shared_experts=1,
                          first_k_dense_replace=1, use_qk_norm=True),
     }[kind]
-    return AutoConfig.for_model(kind, **{**FAMILY_SIZES, **extra})
+    return AutoConfig.for_model(kind, **{**FAMILY_SIZES, **extra, **moe})
 
 
 def save_tiny(kind: str, directory: Path, weights_seed: int | None = None) -> Path:

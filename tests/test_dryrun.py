@@ -149,6 +149,25 @@ def test_pipeline_transfers_at_8_ranks(schedule):
         assert table[kind, "pp"]["bytes"] == boundaries * micro_batches * one
 
 
+def test_gemma4_stages_send_what_their_successors_need(tmp_path):
+    """Gemma 4 in 2 stages (the tiny family config: per-layer inputs, its last two layers reusing layers 0 and 1's
+    keys and values): the dry run gives the schedule every stage's shapes up front, and stage 0 sends per
+    micro-batch its hidden states, the per-layer inputs of layers 2 and 3 and both kinds' keys and values (2 x
+    2 tensors of batch x heads x seq x head dim), and receives the gradients of the same."""
+    from hf_models import family_config, save_tiny
+
+    directory = save_tiny("gemma4_text", tmp_path / "gemma4")
+    c = family_config("gemma4_text")
+    b, t, micro_batches = 1, 64, 2
+    run = _simulate([f"model.hf={directory}", f"data.seq_len={t}", f"train.micro_batch_size={b}",
+                     f"train.global_batch_size={micro_batches}", "parallel.pp=2"], 2)
+    table = {(r["kind"], r["dim"]): r for r in run.collectives}
+    one = b * t * (c.hidden_size + 2 * c.hidden_size_per_layer_input + 2 * 2 * c.num_key_value_heads * c.head_dim)
+    for kind in ("send", "recv"):
+        assert table[kind, "pp"]["count"] == 6 * micro_batches  # hidden, per-layer inputs, 2 keys, 2 values
+        assert table[kind, "pp"]["bytes"] == micro_batches * one * 4
+
+
 def _layer(shape) -> int:
     kv = shape.n_kv_heads * shape.head_dim
     return 2 * shape.dim * shape.dim + 2 * shape.dim * kv + 3 * shape.dim * shape.ffn_hidden_dim + 2 * shape.dim

@@ -42,15 +42,17 @@ EXACT_PAIRS = {"gpt_oss": (*MOE, *CP, *CP_EP), "deepseek_v3": (*MOE, *CP, *CP_EP
                "glm4_moe": (*MOE, *CP, *CP_EP),
                "gemma3_text": ("ddp", "zero3", "pp2", "tp2", "tp2-sp", *CP),
                "qwen3_5_text": ("ddp", "zero3", "pp2", "tp2", "tp2-sp", *CP),
-               "gemma4_text": ("ddp", "zero3", *CP),
+               "gemma4_text": ("ddp", "zero3", "pp2", "tp2", "tp2-sp", *CP),
+               "gemma4_moe": (*MOE, *CP, *CP_EP),  # its MoE branch on the decoder layer, beside the dense MLP
                "qwen3": ("tp2", "tp2-sp")}  # Qwen3: the query/key norms replicated over tensor-parallel ranks
-TABLE_FAMILIES = FAMILIES
+TABLE_FAMILIES = (*FAMILIES, "gemma4_moe")
+TABLE_NAMES = {"gemma4_moe": "gemma4_text (MoE)"}
 
 
 @pytest.fixture(scope="module")
 def family_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("families")
-    return {kind: save_tiny(kind, root / kind) for kind in (*FAMILIES, "llama", "qwen3")}
+    return {kind: save_tiny(kind, root / kind) for kind in (*TABLE_FAMILIES, "llama", "qwen3")}
 
 
 def _build(directory, seed: int = 0, attention: str = "auto"):
@@ -274,7 +276,7 @@ def test_the_support_table_is_current(family_dirs, tmp_path):
             note = lines[0].removeprefix("disttrain: error: ").replace(str(family_dirs[kind]), "DIR")
             notes += [note] if note not in notes else []
             cells.append(f"refused ({notes.index(note) + 1})")
-        rows.append(f"| {kind} | " + " | ".join(cells) + " |")
+        rows.append(f"| {TABLE_NAMES.get(kind, kind)} | " + " | ".join(cells) + " |")
     table = "\n".join([f"| model type | {' | '.join(LAYOUTS)} |", "|---" * (len(LAYOUTS) + 1) + "|", *rows, "",
                        *(f"{i}. {note}" for i, note in enumerate(notes, 1))])
     assert not (tmp_path / "runs").exists()
@@ -321,10 +323,11 @@ def test_convert_to_hf_gives_transformers_the_same_model(kind, layout, family_ru
                                    atol=1e-5)
 
 
-@pytest.mark.parametrize("kind", FAMILIES)
+@pytest.mark.parametrize("kind", TABLE_FAMILIES)
 def test_estimate_counts_each_family_as_transformers_does(kind, family_dirs):
     """`estimate --hf DIR`: the parameter count of transformers' own model (sinks, biases, query/key norms, Gemma's
-    four norms and per-layer inputs, linear-attention layers, gated attention and shared-expert gates included)."""
+    four norms, Gemma 4's per-layer inputs, shared keys and values and MoE branch, linear-attention layers, gated
+    attention and shared-expert gates included)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     with torch.device("meta"):

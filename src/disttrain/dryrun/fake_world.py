@@ -50,15 +50,19 @@ def stage_shapes(spec, layout: Layout, chunked_loss):
     b, t, shape = layout.micro_batch, layout.seq_len // layout.cp, spec.shape  # a context rank's tokens
     hidden = t // layout.tp if layout.sequence_parallel else t  # sequence parallelism: each rank's slice
 
-    def example(stage: int):
+    def example(stage: int, module=None):
         inputs = (torch.zeros(b, layout.seq_len, dtype=torch.long) if stage == 0  # the full sequences' ids
                   else torch.empty(b, hidden, shape.dim, dtype=dtype, requires_grad=True))
+        # what a stage passes besides hidden states (Gemma 4's per-layer inputs and shared keys and values)
+        carried = getattr(module, "carried_examples", None)
+        received, sent = carried(b, t, layout.tp, dtype) if carried is not None else ([], [])
+        inputs = (inputs, *received) if received else inputs
         last = stage == layout.n_stages - 1
         if last and chunked_loss():  # the output head returns the loss sum (models/output_head.py)
             return inputs, torch.empty((), dtype=statistics_dtype(logits_dtype), requires_grad=True)
         outputs = torch.empty(b, t if last else hidden, shape.vocab_size if last else shape.dim,
                               dtype=logits_dtype if last else dtype, requires_grad=True)
-        return inputs, outputs
+        return inputs, (outputs, *sent) if sent else outputs
 
     return example
 

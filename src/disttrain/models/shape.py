@@ -92,6 +92,8 @@ class BlockExtras:
     shared_expert_gate: bool = False  # a sigmoid gate on the shared expert's output (Qwen2-MoE, Qwen3-Next)
     per_layer_input: int = 0  # Gemma 4: width of each layer's own input embedding (0: none)
     per_layer_vocab: int = 0  # ... and the vocabulary of that embedding table
+    kv_shared_layers: int = 0  # Gemma 4: layers reusing an earlier layer's keys and values (no k/v projections, k norm)
+    dense_mlp_beside_experts: bool = False  # Gemma 4: an MoE layer keeps its dense MLP, 3 more norms, a router scale
 
     def per_layer_params(self, dim: int, layers: int, include_embedding: bool) -> int:
         """Gemma 4's per-layer inputs: the table (an embedding), the projection of the hidden state onto every
@@ -144,14 +146,22 @@ class ModelShape:
                 + (self.dim if x.o_bias else 0) + (self.n_heads if x.attention_sinks else 0)
                 + (2 * self.head_dim if x.qk_norm else 0))
 
+    def _key_value_params(self) -> int:
+        """A full-attention layer's key and value projections (with biases) and key norm."""
+        kv_dim = self.n_kv_heads * self.head_dim
+        return 2 * self.dim * kv_dim + (2 * kv_dim if self.qkv_bias else 0) + \
+            (self.head_dim if self.extras.qk_norm else 0)
+
     def _moe_extras(self, active: bool) -> int:
         """gpt-oss's expert and router biases, a shared-expert gate: one MoE layer's parameters beyond MoEShape's."""
         x, moe = self.extras, self.moe
         if x is None:
             return 0
         experts = moe.num_experts_per_tok if active else moe.num_experts
+        beside = 3 * self.dim * self.ffn_hidden_dim + 4 * self.dim + moe.num_experts  # MLP, norms, router scales
         return ((experts * (2 * moe.moe_intermediate_size + self.dim) if x.expert_bias else 0)
-                + (moe.num_experts if x.router_bias else 0) + (self.dim if x.shared_expert_gate else 0))
+                + (moe.num_experts if x.router_bias else 0) + (self.dim if x.shared_expert_gate else 0)
+                + (beside if x.dense_mlp_beside_experts else 0))
 
     def num_params(self, include_embedding: bool = True, active: bool = False) -> int:
         """Exact parameter count of a Llama-style decoder (SwiGLU MLP, GQA, RMSNorm, no biases) and of the
@@ -169,5 +179,6 @@ class ModelShape:
         total = mixers + self.n_layers * norms + mlps + self.dim + output
         if self.extras:
             total += self.extras.per_layer_params(self.dim, self.n_layers, include_embedding)
+            total -= self.extras.kv_shared_layers * self._key_value_params()
         return total + (embedding if include_embedding else 0)
 

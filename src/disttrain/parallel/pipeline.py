@@ -42,7 +42,7 @@ class PipelineParts:
 
 def build_pipeline(model: nn.Module, spec, layout: Layout, meshes: Meshes, device: torch.device, options,
                    loss_fn, n_microbatches: int, materialize=None, stage_io=None, frozen: bool = False) -> PipelineParts:
-    """`materialize(module)` and `stage_io(stage) -> (example inputs, example outputs)`: the dry run's
+    """`materialize(module)` and `stage_io(stage, module) -> (example inputs, example outputs)`: the dry run's
     meta-to-fake step after parallelisation, and stage shapes given up front (a fake process group
     cannot carry the shape exchange of the first step); `frozen`: a model that only runs forward (DPO's
     reference), parallelised without a gradient wrapper."""
@@ -58,7 +58,7 @@ def build_pipeline(model: nn.Module, spec, layout: Layout, meshes: Meshes, devic
         materialize(nn.ModuleList(modules))
     group = meshes.pp.get_group()
     n_stages = layout.n_stages
-    io = [stage_io(s) if stage_io is not None else (None, None) for s in owned]
+    io = [stage_io(s, m) if stage_io is not None else (None, None) for s, m in zip(owned, modules)]
     stages = [PipelineStage(m, s, n_stages, device, input_args=i, output_args=o, group=group)
               for m, s, (i, o) in zip(modules, owned, io)]
     cls = SCHEDULES[layout.pp_schedule]

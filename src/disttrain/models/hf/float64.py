@@ -28,7 +28,7 @@ from torch.overrides import TorchFunctionMode
 
 class _NoFloat32Casts(TorchFunctionMode):
     """Inside: a float64 tensor asked to become float32 (`.float()`, `.type(torch.float32)`, `.to(torch.float32)`,
-    `.to(dtype=torch.float32)`) stays float64."""
+    `.to(dtype=torch.float32)`, or an op's `dtype=torch.float32`) stays float64."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -43,6 +43,9 @@ class _NoFloat32Casts(TorchFunctionMode):
                 target = kwargs.get("dtype") if len(args) == 1 else None
             if target is torch.float32 and set(rest) <= _KEPT:
                 return args[0].to(**rest) if rest else args[0]
+        elif kwargs.get("dtype") is torch.float32 and args and isinstance(args[0], torch.Tensor) and \
+                args[0].dtype == torch.float64:  # Gemma 4's router: softmax(scores, dim=-1, dtype=torch.float32)
+            kwargs = {**kwargs, "dtype": torch.float64}
         return func(*args, **kwargs)
 
 

@@ -23,7 +23,10 @@ from disttrain.core.dtypes import at_least_fp32
 from disttrain.models.moe.experts import AutocastWeights, grouped_gemm_fits, in_autocast_dtype
 from disttrain.models.moe.layer import MoERouting, RoutedExperts
 
-SUPPORTED = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "glm4_moe", "qwen3_next", "gpt_oss")
+SUPPORTED = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "glm4_moe", "qwen3_next", "gpt_oss",
+             "gemma4_text")
+# routers whose first output is already the softmax over experts (Gemma 4), not logits
+GIVES_PROBABILITIES = ("gemma4_text",)
 
 
 def _router(block: nn.Module) -> nn.Module | None:
@@ -36,7 +39,9 @@ class HFRoutedExperts(RoutedExperts):
 
     def __init__(self, block: nn.Module, routing: MoERouting):
         experts, router = block.experts, _router(block)
-        self.init_routing(experts.num_experts, router.top_k, routing)
+        top_k = getattr(router, "top_k", None) or router.config.top_k_experts  # Gemma 4's router reads its config
+        self.init_routing(experts.num_experts, top_k, routing)
+        self.probabilities = getattr(getattr(router, "config", None), "model_type", "") in GIVES_PROBABILITIES
         self.experts = experts
         self.transposed, self.biased = getattr(experts, "is_transposed", False), getattr(experts, "has_bias", False)
         self.logits: torch.Tensor | None = None
@@ -49,7 +54,8 @@ class HFRoutedExperts(RoutedExperts):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         logits, self.logits = self.logits, None
-        probs = at_least_fp32(logits).softmax(dim=-1) if logits is not None else None
+        probs = None if logits is None else at_least_fp32(logits) if self.probabilities else \
+            at_least_fp32(logits).softmax(dim=-1)
         return self.routed(hidden_states, top_k_weights, top_k_index, probs, self.experts.training)
 
     def _gate(self, gate_up: torch.Tensor) -> torch.Tensor:

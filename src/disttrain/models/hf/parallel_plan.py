@@ -1,103 +1,20 @@
-"""How a Hugging Face decoder is cut: its own `base_model_tp_plan` for tensor parallelism, and a
-pipeline split of `model.layers` (embeddings with the first stage; final norm and head with the last)."""
+"""How a Hugging Face decoder is split over tensor-parallel ranks: its own `base_model_tp_plan`, completed by
+tp_plans.py (the pipeline split is stages.py)."""
 
 from __future__ import annotations
 
-import inspect
-
-import torch
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
-                                               PrepareModuleInputOutput, RowwiseParallel, SequenceParallel,
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleInputOutput,
+                                               PrepareModuleOutput, RowwiseParallel, SequenceParallel,
                                                parallelize_module)
 
 from disttrain.core.errors import UserError
-from disttrain.models.hf.tp_plans import MOE_OUTPUTS, block_entries, hand_written, own_styles
+from disttrain.models.hf.tp_plans import (MOE_OUTPUTS, SEQUENCE_WISE, TOKEN_WISE, block_entries, hand_written,
+                                          own_styles)
+from disttrain.models.hf.stages import HFStage, decoder
 from disttrain.models.hf.tp_heads import ReplicatedOverHeads
 from disttrain.models.output_head import head_parallel_style
-
-
-MASKS = {  # a layer type (config.layer_types) -> the transformers.masking_utils function its layers attend with
-    "full_attention": "create_causal_mask", "sliding_attention": "create_sliding_window_causal_mask",
-    "chunked_attention": "create_chunked_causal_mask", "linear_attention": "create_recurrent_attention_mask"}
-
-
-def layer_types(config) -> list[str]:
-    """Each layer's kind (Gemma's sliding and global attention, gpt-oss's alternation, Qwen3-Next's linear
-    attention); all `full_attention` for a model that does not say."""
-    return list(getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers)
-
-
-class HFStage(nn.Module):
-    """One pipeline stage of a transformers decoder: what the model's own forward does, on some layers. Each
-    layer gets the mask and the rotary table of its kind, looked up by its index in the whole model (the keys
-    of `layers`), as the model's forward does by enumerating all of them."""
-
-    def __init__(self, config, embed_tokens, layers: dict, norm, lm_head, rotary_emb):
-        super().__init__()
-        self.config = config
-        self.embed_tokens, self.norm, self.lm_head = embed_tokens, norm, lm_head
-        self.layers = nn.ModuleDict(layers)
-        self.rotary_emb = rotary_emb
-        kinds = layer_types(config)
-        self.kinds = {key: kinds[int(key)] for key in layers}
-        self.per_kind_rotary = "layer_type" in inspect.signature(rotary_emb.forward).parameters
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        from transformers import masking_utils
-
-        if self.embed_tokens is not None:
-            h = self.embed_tokens(h)
-        position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
-        masks, rotary = {}, {}
-        for kind in set(self.kinds.values()):
-            masks[kind] = getattr(masking_utils, MASKS[kind])(
-                config=self.config, inputs_embeds=h, attention_mask=None, past_key_values=None,
-                position_ids=position_ids)
-        shared = None if self.per_kind_rotary else self.rotary_emb(h, position_ids=position_ids)
-        for kind in masks:
-            rotary[kind] = self.rotary_emb(h, position_ids, kind) if self.per_kind_rotary else shared
-        for key, layer in self.layers.items():
-            kind = self.kinds[key]
-            h = layer(h, attention_mask=masks[kind], position_ids=position_ids, position_embeddings=rotary[kind])
-        if self.norm is not None:
-            h = self.lm_head(self.norm(h))
-        return h
-
-
-def _decoder(model: nn.Module, key: str = "parallel.pp") -> nn.Module:
-    base = _llama_like_decoder(model)
-    if base is None:
-        raise UserError(f"{key} > 1 with model.hf ({model.config.model_type}): the pipeline split needs a decoder "
-                        "with model.embed_tokens, model.layers, model.norm and model.rotary_emb (Llama, Qwen2, "
-                        f"Mistral); allowed for {model.config.model_type}: {key}=1")
-    return base
-
-
-def _llama_like_decoder(model: nn.Module) -> nn.Module | None:
-    """The base model when it has the usual decoder structure the split and the TP plan rely on."""
-    base = getattr(model, getattr(model, "base_model_prefix", ""), None)
-    parts = ("embed_tokens", "layers", "norm", "rotary_emb")
-    return base if base is not None and all(hasattr(base, a) for a in parts) and hasattr(model, "lm_head") else None
-
-
-def can_split(model: nn.Module) -> bool:
-    return _llama_like_decoder(model) is not None and not stage_problem(model.config)
-
-
-def stage_problem(config) -> str:
-    """Why pipeline stages cannot build this model's masks ('' when they can)."""
-    unknown = sorted(set(layer_types(config)) - set(MASKS))
-    if unknown:
-        return f"a stage cannot mask its layers of type {unknown[0]}"
-    if getattr(config, "use_bidirectional_attention", False):
-        return "a stage cannot build its bidirectional attention mask"
-    if getattr(config, "hidden_size_per_layer_input", 0):
-        return "its layers take per-layer input embeddings (Gemma 4), which a stage does not pass on"
-    if getattr(config, "num_kv_shared_layers", 0):
-        return "later layers reuse earlier layers' keys and values, which a stage does not pass on"
-    return ""
 
 
 def plan_problem(config) -> str:
@@ -125,8 +42,8 @@ def _parts(module: nn.Module):
     """(config, embedding, layers, output head) of a whole model or of a stage."""
     if isinstance(module, HFStage):
         return module.config, module.embed_tokens, module.layers, module.lm_head
-    decoder = _decoder(module, "parallel.tp")
-    return module.config, decoder.embed_tokens, decoder.layers, module.lm_head
+    base = decoder(module, "parallel.tp")
+    return module.config, base.embed_tokens, base.layers, module.lm_head
 
 
 def tensor_parallel(module: nn.Module, tp_mesh, sequence_parallel: bool) -> None:
@@ -135,25 +52,37 @@ def tensor_parallel(module: nn.Module, tp_mesh, sequence_parallel: bool) -> None
     forward still sees the whole sequence (the embedding output is replicated, so transformers derives positions
     and the causal mask from the full length), the first block takes its slice locally, norms run on slices,
     attention and MLP gather the sequence on entry and reduce-scatter on exit (an MoE block: slice its output), and
-    the head gathers it back."""
+    the head gathers it back. Gemma 4's per-layer inputs (whole on every rank) are sliced as the residual stream is,
+    and the replicated projections that take them run on the slice (SEQUENCE_WISE); Gemma 4's MoE branch gathers
+    the tokens as an MoE block does (TOKEN_WISE)."""
     config, embed, layers, head = _parts(module)
+    per_layer = bool(getattr(config, "hidden_size_per_layer_input", 0))
     for i, block in enumerate(layers.children()):
         parallelize_module(block, tp_mesh, _block_plan(config, block, sequence_parallel))
         for path, split in hand_written(config):
             if _has(block, path):
                 split(block.get_submodule(path), tp_mesh)
-        if sequence_parallel and i == 0:  # replicated embeddings in, this rank's slice out (no communication)
-            parallelize_module(block, tp_mesh, PrepareModuleInput(input_layouts=(Replicate(),),
-                                                                  desired_input_layouts=(Shard(1),),
-                                                                  use_local_output=True))
+        if sequence_parallel and (i == 0 or per_layer):
+            parallelize_module(block, tp_mesh, _sliced_inputs(i == 0, per_layer))
     if embed is not None:
         parallelize_module(embed, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
     if head is not None:
         parallelize_module(head, tp_mesh, head_parallel_style(head, Shard(1) if sequence_parallel else Replicate()))
         if sequence_parallel:
-            parallelize_module(_decoder(module, "parallel.tp").norm, tp_mesh, SequenceParallel(use_local_output=True))
+            parallelize_module(decoder(module, "parallel.tp").norm, tp_mesh, SequenceParallel(use_local_output=True))
     if getattr(config, "tie_word_embeddings", False) and embed is not None and head is not None:
         head.weight = embed.weight  # both Shard(0) of the (vocab, dim) matrix: share again
+
+
+def _sliced_inputs(first: bool, per_layer: bool) -> PrepareModuleInput:
+    """Sequence parallelism's slicing of a block's positional inputs, without communication (the gradient is
+    all-gathered back): the first block's hidden states (the replicated embeddings), and every block's per-layer
+    input (Gemma 4: its second argument)."""
+    hidden = (Replicate(), Shard(1)) if first else (None, None)
+    extra = ((Replicate(), Shard(1)),) if per_layer else ()
+    pairs = (hidden, *extra)
+    return PrepareModuleInput(input_layouts=tuple(p[0] for p in pairs),
+                              desired_input_layouts=tuple(p[1] for p in pairs), use_local_output=True)
 
 
 # The plan entries `tensor_parallel` applies (transformers' names); `plan_problem` refuses a plan with any other.
@@ -198,7 +127,13 @@ def _sequence_parallel_entries(block: nn.Module, moe_outputs: int = 1) -> dict:
     scores, pass through)."""
     entries = {}
     for name, child in block.named_children():
-        if "norm" in name.lower():
+        if name in TOKEN_WISE and TOKEN_WISE[name] == "in":  # Gemma 4's MoE branch, on flattened tokens
+            entries[name] = PrepareModuleInput(input_layouts=(Shard(0),), desired_input_layouts=(Replicate(),),
+                                               use_local_output=True)
+        elif name in TOKEN_WISE:
+            entries[name] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(0),
+                                                use_local_output=True)
+        elif "norm" in name.lower() or name in SEQUENCE_WISE:
             entries[name] = SequenceParallel(use_local_output=True)
     attention = "self_attn" if hasattr(block, "self_attn") else "linear_attn"  # Gated DeltaNet layers
     if not entries or not hasattr(block, attention) or not hasattr(block, "mlp"):
@@ -216,21 +151,3 @@ def _sequence_parallel_entries(block: nn.Module, moe_outputs: int = 1) -> dict:
         entries["mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
                                             use_local_output=True)
     return entries
-
-
-def pipeline_split(model: nn.Module, ranges: list[range], owned: list[int]) -> list[nn.Module]:
-    """Prune to this rank's layers (kept under their original names `model.layers.<i>`), one view per stage."""
-    decoder = _decoder(model)
-    keep = sorted({i for s in owned for i in ranges[s]})
-    decoder.layers = nn.ModuleDict({str(i): decoder.layers[i] for i in keep})
-    last = len(ranges) - 1
-    stages = [HFStage(model.config, decoder.embed_tokens if s == 0 else None,
-                      {str(i): decoder.layers[str(i)] for i in ranges[s]},
-                      decoder.norm if s == last else None, model.lm_head if s == last else None, decoder.rotary_emb)
-              for s in owned]
-    if 0 not in owned:
-        decoder.embed_tokens = None
-    if last not in owned:
-        decoder.norm = None
-        model.lm_head = None
-    return stages

@@ -98,7 +98,7 @@ def _moe(c: dict, source: str) -> MoEShape | None:
         raise UserError(f"{source}: decoder_sparse_step={c['decoder_sparse_step']} (allowed: 1; MoE "
                         "blocks after first_k_dense_replace leading dense ones, not interleaved)")
     scoring = c.get("scoring_func") or ("sigmoid" if c["model_type"].startswith("deepseek_v3") else "softmax")
-    top_k = int(c.get("num_experts_per_tok") or 0)
+    top_k = int(c.get("num_experts_per_tok") or c.get("top_k_experts") or 0)  # Gemma 4: top_k_experts
     if not 0 < top_k <= int(experts):
         raise UserError(f"{source}: num_experts_per_tok={top_k} (allowed: 1 to the {experts} experts)")
     return MoEShape(num_experts=int(experts), num_experts_per_tok=top_k, moe_intermediate_size=width,
@@ -135,5 +135,7 @@ def _extras(c: dict) -> BlockExtras | None:
         sliding_layers=kinds.count("sliding_attention"), linear=linear, expert_bias=gpt_oss, router_bias=gpt_oss,
         shared_expert_gate=kind in ("qwen2_moe", "qwen3_next") and bool(c.get("shared_expert_intermediate_size")),
         per_layer_input=int(c.get("hidden_size_per_layer_input") or 0),
-        per_layer_vocab=int(c.get("vocab_size_per_layer_input") or 0))
+        per_layer_vocab=int(c.get("vocab_size_per_layer_input") or 0),
+        kv_shared_layers=int(c.get("num_kv_shared_layers") or 0),
+        dense_mlp_beside_experts=kind == "gemma4_text" and bool(c.get("enable_moe_block")))
     return None if extras == BlockExtras() else extras

@@ -112,7 +112,7 @@ def hf_spec(directory: str, routing=None, attention: str = "auto", config: dict 
     `attention`: model.attn_implementation (models/hf/kernels.py)."""
     from functools import partial
 
-    from disttrain.models.hf import kernels, parallel_plan
+    from disttrain.models.hf import kernels, parallel_plan, stages
     from disttrain.models.hf.moe import SUPPORTED, hf_moe_layers
     from disttrain.models.hf.shape import config_shape
     from disttrain.models.moe.layer import MoERouting
@@ -136,7 +136,7 @@ def hf_spec(directory: str, routing=None, attention: str = "auto", config: dict 
         return model
 
     with torch.device("meta"):
-        splittable = parallel_plan.can_split(build())
+        splittable = stages.can_split(build())
     tied = (("model.embed_tokens.weight", "lm_head.weight"),) if shape.tie_embeddings else ()
     tp_note = "" if parallel_plan.block_entries(config) else "its config class has no base_model_tp_plan"
     tp_note = tp_note or parallel_plan.plan_problem(config)
@@ -153,12 +153,13 @@ def hf_spec(directory: str, routing=None, attention: str = "auto", config: dict 
         blocks=lambda m: parallel_plan.blocks(m), shape=shape, max_seq_len=shape.max_seq_len,
         loss_sum=lambda out, targets: token_cross_entropy_sum(logits_of(out), targets), logits=logits_of,
         tensor_parallel=None if tp_note else parallel_plan.tensor_parallel, tensor_parallel_note=tp_note,
-        sequence_parallel=not tp_note, pipeline_split=parallel_plan.pipeline_split if splittable else None,
-        pipeline_note=parallel_plan.stage_problem(config), tied_parameters=tied,
+        sequence_parallel=not tp_note, pipeline_split=stages.pipeline_split if splittable else None,
+        pipeline_note=stages.stage_problem(config), tied_parameters=tied,
         mask_documents=None if linear else mask_documents, causal=True,  # causal language models only
         mask_documents_note="its linear-attention layers (Gated DeltaNet) carry their recurrent state and causal "
         "convolution across document boundaries (transformers' kernels take no document starts)" if linear else "",
-        moe_layers=partial(hf_moe_layers, routing=routing or MoERouting()) if config.model_type in SUPPORTED else None,
+        moe_layers=partial(hf_moe_layers, routing=routing or MoERouting())
+        if config.model_type in SUPPORTED and shape.moe is not None else None,  # Gemma 4: its MoE block is optional
         context_parallel=context.context_parallel if config.model_type in context.MODEL_TYPES else None,
         context_parallel_note=context.refusal(config),  # every method takes windows, sinks and latent attention
         to_hf=dict, from_hf=dict, hf_config=lambda: {**raw, "use_cache": True},

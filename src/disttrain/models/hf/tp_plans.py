@@ -29,7 +29,7 @@
 from __future__ import annotations
 
 # families whose fused experts are kept whole on every tensor-parallel rank (tests/test_hf_families.py proves each)
-REPLICATED_EXPERTS = ("glm4_moe", "deepseek_v3", "gpt_oss", "qwen3_next")
+REPLICATED_EXPERTS = ("glm4_moe", "deepseek_v3", "gpt_oss", "qwen3_next", "gemma4_text")
 
 ATTENTION = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
              "self_attn.o_proj": "rowwise"}
@@ -48,6 +48,14 @@ LINEAR_ATTENTION = {"linear_attn.in_proj_qkvz": "colwise", "linear_attn.in_proj_
                     "linear_attn.in_proj_z": "colwise", "linear_attn.in_proj_b": "colwise",
                     "linear_attn.in_proj_a": "colwise", "linear_attn.out_proj": "rowwise",
                     "linear_attn.norm": "replicated_with_grad_allreduce"}
+# replicated linear layers of a block acting on each position alone (Gemma 4's per-layer input gate and projection):
+# under sequence parallelism they run on this rank's slice like the norms, their gradients summed over the ranks
+SEQUENCE_WISE = ("per_layer_input_gate", "per_layer_projection")
+# Gemma 4's MoE branch sits on the decoder layer and takes its hidden states flattened to tokens; under sequence
+# parallelism it runs every token on every rank, as an MoE block does (the other families' `_moe` blocks): the
+# router and the norm before the experts gather this rank's tokens ("in"), the experts keep this rank's rows of
+# their output ("out"); routing, statistics and gradients are then one process's on every rank
+TOKEN_WISE = {"router": "in", "pre_feedforward_layernorm_2": "in", "experts": "out"}
 # how many outputs a family's MoE block returns (gpt-oss's MLP also returns its router scores)
 MOE_OUTPUTS = {"gpt_oss": 2}
 
