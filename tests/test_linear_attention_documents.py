@@ -117,8 +117,9 @@ RUNS = {"qwen3_next chat ddp": ("qwen3_next", "chat", ()),
 
 
 @pytest.fixture(scope="module")
-def chat(dirs, tmp_path_factory):
-    """Chat data prepared with a chat tokenizer (tests/chat_tokenizer.py), and the families at its vocabulary."""
+def sources(dirs, tmp_path_factory):
+    """Each "{kind} {data}" -> its overrides: packed chat data (prepared with tests/chat_tokenizer.py's tokenizer, the
+    families at its vocabulary) and the built-in text with document masking, and without."""
     import json
 
     from chat_tokenizer import VOCAB, records, save_chat_tokenizer
@@ -143,11 +144,11 @@ def chat(dirs, tmp_path_factory):
     return data
 
 
-def test_the_packed_rows_hold_several_documents(chat):
+def test_the_packed_rows_hold_several_documents(sources):
     """What the training parity below masks: most packed rows hold a conversation starting after another's end."""
     from disttrain.data.source import load_samples
 
-    data = chat[f"{KINDS[0]} chat"][0].removeprefix("data.source=")
+    data = sources[f"{KINDS[0]} chat"][0].removeprefix("data.source=")
     tok, samples, _ = load_samples(data, "auto", CHAT_SEQ, True)
     x = torch.as_tensor(samples.batch(np.arange(len(samples)))[0])
     starts = ((x[:, :-1] == tok.eos_id) & (x[:, 1:] != tok.eos_id)).sum(dim=1)  # not padding: a real token
@@ -155,17 +156,17 @@ def test_the_packed_rows_hold_several_documents(chat):
 
 
 @pytest.fixture(scope="module")
-def references(chat, tmp_path_factory):
+def references(sources, tmp_path_factory):
     """One process on each kind's data; the built-in text also without masking (to show masking changes it)."""
     root = tmp_path_factory.mktemp("ref")
     names = {f"{kind} {data}" for kind, data, _ in RUNS.values()} | {"qwen3_next text plain"}
-    return train_many({n: (root / n.replace(" ", "_"), (*COMMON, *chat[n])) for n in names}, nproc=1)
+    return train_many({n: (root / n.replace(" ", "_"), (*COMMON, *sources[n])) for n in names}, nproc=1)
 
 
 @pytest.fixture(scope="module")
-def two_rank_runs(chat, tmp_path_factory):
+def two_rank_runs(sources, tmp_path_factory):
     root = tmp_path_factory.mktemp("two")
-    return train_many({n: (root / n.replace(" ", "_"), (*COMMON, *chat[f"{kind} {data}"], *o))
+    return train_many({n: (root / n.replace(" ", "_"), (*COMMON, *sources[f"{kind} {data}"], *o))
                        for n, (kind, data, o) in RUNS.items()}, nproc=2)
 
 
