@@ -9,7 +9,7 @@ before a sequence's start), and the recurrent state starts from zero at each doc
 
 Why by hand: transformers' torch kernels (`causal_conv1d_fn`, `torch_chunk_gated_delta_rule`) take no document
 boundaries (they ignore `cu_seqlens`), and the kernels that do (flash-linear-attention, causal-conv1d) are Triton
-and CUDA only. The recurrence is the same chunked algorithm as transformers' (a UT transform inside chunks of 64
+and CUDA kernels, for GPUs only. The recurrence is the same chunked algorithm as transformers' (a UT transform inside chunks of 64
 tokens, then a scan over the chunks), with each chunk's token pairs of different documents masked out, a token
 reading the state that enters its chunk only while its document is the one that state belongs to, and the state
 leaving a chunk holding only the chunk's last document. So the work is transformers' (one Python step per chunk,
