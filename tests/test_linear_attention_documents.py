@@ -1,7 +1,8 @@
 """Document masking on the Gated DeltaNet families (Qwen3-Next, Qwen3.5): each linear-attention layer computes
 every packed document as if it were alone (its convolution reads nothing before the document, its recurrent state
 starts from zero), in one process (each document's logits and the gradients equal the documents' alone, fp64 to
-EXACT) and under data and context parallelism (the losses and parameters of one process with document masking)."""
+EXACT) and under data, tensor and context parallelism (the losses and parameters of one process with document
+masking)."""
 
 from __future__ import annotations
 
@@ -113,7 +114,8 @@ CP = {"cp2": ("parallel.cp=2", "parallel.cp_method=allgather"),
 RUNS = {"qwen3_next chat ddp": ("qwen3_next", "chat", ()),
         **{f"qwen3_next text {name}": ("qwen3_next", "text", o) for name, o in CP.items()},
         "qwen3_5_text chat ddp": ("qwen3_5_text", "chat", ()),
-        "qwen3_5_text chat cp2-ring": ("qwen3_5_text", "chat", CP["cp2-ring"])}
+        "qwen3_5_text chat cp2-ring": ("qwen3_5_text", "chat", CP["cp2-ring"]),
+        "qwen3_5_text chat tp2": ("qwen3_5_text", "chat", ("parallel.tp=2",))}  # each rank its heads' documents
 
 
 @pytest.fixture(scope="module")
