@@ -38,6 +38,7 @@ LONGEST_FIRST = ("test_quickstart", "test_ray", "test_context_parallel", "test_c
 SLOW_TIER = {
     "test_hf": ("two_rank_runs",),  # every Hugging Face family under every layout (one 2-rank launch)
     "test_hf_families": ("family_runs", "references"),  # the 2026 families under the layouts they take
+    "test_linear_attention_documents": ("two_rank_runs", "references"),  # Gated DeltaNet document masking, trained
     "test_lora": ("two_rank_runs",),  # LoRA under every layout
     "test_optimizers": ("muon_layouts",),  # Muon under every layout, resharded resumes, the split counted
     "test_moe": ("test_expert_parallel_equals_one_process",),

@@ -198,13 +198,16 @@ def test_linear_attention_passes_its_state_between_the_shards(runs):
     """transformers' Gated DeltaNet layers (Qwen3-Next, Qwen3.5) over 2 ranks: this rank's outputs and input
     gradients and the parameters' gradients summed over the ranks equal the layer's on the whole sequence, in fp64
     to 1e-12 (32 tokens: chunks of 8, the convolution reaching 3 back; 200 tokens: the kernel's blocks of 64 cut
-    elsewhere than one process's) and in fp32 to 1e-5 (tests/workers/cp_linear_attention.py, in the 2-rank launch)."""
+    elsewhere than one process's) and in fp32 to 1e-5; with document masking, documents starting on a chunk's first
+    token, inside a chunk and in the convolution's reach of the next, to 1e-12 in fp64
+    (tests/workers/cp_linear_attention.py, in the 2-rank launch)."""
     import json
 
     for rank in (0, 1):
         result = json.loads(Path(f"{runs['linear']['args'][0]}.rank{rank}.json").read_text())
         expected = {f"{kind} {case}": "ok" for kind in ("qwen3_next", "qwen3_5_text")
-                    for case in ("float64 seq=32", "float64 seq=200", "float32")}
+                    for case in ("float64 seq=32", "float64 seq=200", "documents seq=32", "documents seq=200",
+                                 "float32")}
         assert result == expected, (rank, result)
 
 

@@ -399,10 +399,7 @@ LINEAR_REFUSALS = {  # Gated DeltaNet: split by key heads under TP; under CP eac
                                "parallel.tp=2 does not divide the linear-attention heads (linear_num_key_heads=1)"),
     "chunks of 2 tokens": ({}, ("parallel.cp=2", "data.seq_len=8"),
                            "convolution reaches 3 tokens back, more than each of the 2 x cp chunks holds (allowed: "
-                           "data.seq_len >= 12)"),
-    # transformers' kernels carry the state from one packed document into the next: no document masking
-    "documents": ({}, ("data.document_masking=true",), "no document masking (its linear-attention layers (Gated "
-                  "DeltaNet) carry their recurrent state and causal convolution across document boundaries")}
+                           "data.seq_len >= 12)")}
 
 
 @pytest.mark.parametrize("name", list(LINEAR_REFUSALS))

@@ -82,12 +82,13 @@ class ContextParallel:
         return kernel(q, k, v, documents, self, scale, window, sinks)
 
 
-    def causal_conv(self, conv, x: torch.Tensor, weight: torch.Tensor, bias=None, activation=None, **kwargs):
+    def causal_conv(self, conv, x: torch.Tensor, weight: torch.Tensor, bias=None, activation=None,
+                    document_positions=None, **kwargs):
         """The model's causal depthwise convolution `conv` of this rank's (batch, channels, tokens) as over the
-        whole sequence (linear_attention.py)."""
+        whole sequence (linear_attention.py); `document_positions`: under document masking."""
         from disttrain.parallel.linear_attention import causal_conv
 
-        return causal_conv(conv, x, weight, bias, self, activation)
+        return causal_conv(conv, x, weight, bias, self, activation, document_positions)
 
     def gated_delta_rule(self, rule, query, key, value, g, beta, **kwargs):
         """The model's chunked gated-delta-rule kernel `rule` over this rank's tokens as over the whole sequence,

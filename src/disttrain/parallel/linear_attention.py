@@ -21,9 +21,10 @@ yet to send. `_StateChain` runs the chain in a fixed order both ways; its backwa
 more kernel forward per layer) and takes the chunk's gradients with `torch.autograd.grad`, so the model's kernel
 is used unchanged.
 
-Document masking: one process runs transformers' torch kernels, which take no document boundaries (they ignore
-`cu_seqlens`): the state and the convolution run on across documents there, and so they do here, so that the
-numbers are one process's.
+Document masking: the model's kernels are then the document-aware ones (models/hf/linear_documents.py), which take
+each token's position in its document. Each chunk is given its own tokens' positions (global, as one process sees
+them), so a chunk that starts a document neither reads the tail nor the state of the chunk before it, and a document
+that starts inside a chunk restarts there, as in one process; the chain itself runs as without documents.
 """
 
 from __future__ import annotations
@@ -46,13 +47,20 @@ def _chunks(cp, t: int) -> tuple[tuple[int, ...], int, dict]:
     return order, t // len(order), _places(cp.size)
 
 
-def causal_conv(conv, x: torch.Tensor, weight: torch.Tensor, bias, cp, activation=None, **kwargs) -> torch.Tensor:
+def _positions(document_positions, window: slice) -> dict:
+    """The keyword a document-aware kernel takes for the tokens in `window` (none without document masking)."""
+    return {} if document_positions is None else {"document_positions": document_positions[:, window]}
+
+
+def causal_conv(conv, x: torch.Tensor, weight: torch.Tensor, bias, cp, activation=None, document_positions=None,
+                **kwargs) -> torch.Tensor:
     """`conv(x, weight, bias, activation)` (the model's causal depthwise convolution of (batch, channels, tokens))
-    over this rank's shard as over the whole sequence: each chunk sees the last `kernel - 1` inputs before it."""
+    over this rank's shard as over the whole sequence: each chunk sees the last `kernel - 1` inputs before it.
+    `document_positions` (batch, local tokens): each token's position in its document, under document masking."""
     halo = weight.shape[-1] - 1
     order, length, places = _chunks(cp, x.shape[-1])
     if halo == 0:
-        return conv(x, weight, bias, activation=activation)
+        return conv(x, weight, bias, activation=activation, **_positions(document_positions, slice(None)))
     if length < halo:
         raise ValueError(f"a context-parallel chunk of {length} tokens is shorter than the convolution's "
                          f"{halo}-token reach: data.seq_len must be at least {2 * cp.size * halo}")
@@ -60,26 +68,30 @@ def causal_conv(conv, x: torch.Tensor, weight: torch.Tensor, bias, cp, activatio
     tails = torch.stack([p[..., -halo:] for p in pieces]).contiguous()  # (chunks, batch, channels, halo)
     every = wait_tensor(all_gather_single_autograd(tails, gather_dim=0, group=cp.group))  # rank-major
     out = []
-    for chunk, piece in zip(order, pieces):
+    for j, (chunk, piece) in enumerate(zip(order, pieces)):
+        positions = _positions(document_positions, slice(j * length, (j + 1) * length))  # the piece's, not the tail's
         if chunk == 0:  # the sequence's start: the kernel's own zero padding
-            out.append(conv(piece, weight, bias, activation=activation))
+            out.append(conv(piece, weight, bias, activation=activation, **positions))
             continue
         rank, place = places[chunk - 1]
         before = every[rank * len(order) + place]
-        out.append(conv(torch.cat([before, piece], dim=-1), weight, bias, activation=activation)[..., halo:])
+        out.append(conv(torch.cat([before, piece], dim=-1), weight, bias, activation=activation,
+                        **positions)[..., halo:])
     return torch.cat(out, dim=-1)
 
 
 def chunk_gated_delta_rule(rule, query, key, value, g, beta, cp, initial_state=None, output_final_state=False,
-                           **kwargs):
+                           document_positions=None, **kwargs):
     """`rule(query, key, value, g=, beta=, initial_state=, output_final_state=, **kwargs)` -> (out, state): the
     model's chunked gated-delta-rule kernel over this rank's shard (tokens on dim 1) as over the whole sequence.
-    Training only: no state comes in (a generation cache) and none goes out."""
+    Training only: no state comes in (a generation cache) and none goes out. `document_positions`: as for
+    `causal_conv`."""
     if initial_state is not None or output_final_state:
         raise ValueError("context parallelism trains from each sequence's start: no recurrent state in or out")
 
-    def run(q, k, v, g_, b, state):
-        return rule(q, k, v, g=g_, beta=b, initial_state=state, output_final_state=True, **kwargs)
+    def run(window, q, k, v, g_, b, state):
+        return rule(q, k, v, g=g_, beta=b, initial_state=state, output_final_state=True, **kwargs,
+                    **_positions(document_positions, window))
 
     return _StateChain.apply(run, cp, query, key, value, g, beta), None
 
@@ -114,8 +126,8 @@ class _StateChain(torch.autograd.Function):
             if chunk > 0 and places[chunk - 1][0] != cp.rank:
                 state = _recv(torch.empty_like(wire), cp, places[chunk - 1][0])
             starts.append(state)  # None for the sequence's first chunk
-            part = [t[:, j * length:(j + 1) * length] for t in (query, key, value, g, beta)]
-            out, state = run(*part, state)
+            window = slice(j * length, (j + 1) * length)
+            out, state = run(window, *[t[:, window] for t in (query, key, value, g, beta)], state)
             outs.append(out)
             if chunk + 1 in places and places[chunk + 1][0] != cp.rank:
                 _send(state, wire, cp, places[chunk + 1][0])
@@ -140,7 +152,7 @@ class _StateChain(torch.autograd.Function):
                 part = [t[:, window].detach().requires_grad_() for t in inputs]
                 start = ctx.starts[j]
                 start = None if start is None else start.clone().requires_grad_()
-                out, state = run(*part, start)
+                out, state = run(window, *part, start)
                 outputs, given = [out], [grad_out[:, window]]
                 if carried is not None:  # None after the sequence's last chunk
                     outputs.append(state)

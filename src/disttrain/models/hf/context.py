@@ -12,8 +12,9 @@ is computed from this rank's tokens. The kernel takes each layer's window, gpt-o
 Gated DeltaNet layers (Qwen3-Next, Qwen3.5) run transformers' own forward with the two functions that carry
 state along the sequence, the causal convolution `causal_conv1d_fn` and the recurrence
 `torch_chunk_gated_delta_rule` (module globals of the modeling file, which the forward calls by name), swapped
-for the duration of the call for `ContextParallel.causal_conv` / `.gated_delta_rule` around the originals: those
-bring in the previous chunk's last inputs and recurrent state (parallel/linear_attention.py). Other families whose
+for the duration of the call for `ContextParallel.causal_conv` / `.gated_delta_rule` around the layer's kernels
+(linear_kernels.py): those bring in the previous chunk's last inputs and recurrent state, and under document
+masking hand each chunk its tokens' positions in their documents (parallel/linear_attention.py). Other families whose
 layers carry state along the sequence outside attention are refused by name (`refusal`).
 """
 
@@ -21,16 +22,15 @@ from __future__ import annotations
 
 import functools
 import inspect
-import sys
 
 from torch import nn
 
+from disttrain.models.hf import linear_kernels
 from disttrain.models.hf.float64 import keeping_float64
 
 ATTENTION_NAME = "disttrain_context_parallel"
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gemma4_text", "gpt_oss", "glm4_moe",
                "deepseek_v3", "qwen3_next", "qwen3_5_text")
-LINEAR_KERNELS = ("causal_conv1d_fn", "torch_chunk_gated_delta_rule")  # what a Gated DeltaNet forward calls by name
 
 
 def refusal(config) -> str:
@@ -66,24 +66,12 @@ def _calls_the_attention_interface(cls: type) -> bool:
 
 
 def _across_shards(module: nn.Module, cp) -> None:
-    """`module` (a Gated DeltaNet layer) runs its own forward with its sequence kernels swapped for
-    context-parallel ones around them (module doc); a float64 recurrence stays float64 when computed again in
-    backward (float64.py)."""
-    names = vars(sys.modules[type(module).__module__])
-    conv, rule = (names[name] for name in LINEAR_KERNELS)
-    swapped = dict(zip(LINEAR_KERNELS, (functools.partial(cp.causal_conv, conv),
-                                        functools.partial(cp.gated_delta_rule, keeping_float64(rule)))))
-    inner = module.forward
-
-    def forward(*args, **kwargs):
-        kept = {name: names[name] for name in LINEAR_KERNELS}
-        names.update(swapped)
-        try:
-            return inner(*args, **kwargs)
-        finally:
-            names.update(kept)
-
-    module.forward = forward
+    """`module` (a Gated DeltaNet layer) runs its own forward with its sequence kernels (transformers', or the
+    document-aware ones under document masking: linear_kernels.py) wrapped by context-parallel ones (module doc); a
+    float64 recurrence stays float64 when computed again in backward (float64.py)."""
+    conv, rule = linear_kernels.kernels(module)
+    linear_kernels.replace(module, functools.partial(cp.causal_conv, conv),
+                           functools.partial(cp.gated_delta_rule, keeping_float64(rule)))
 
 
 def context_parallel(model: nn.Module, cp) -> None:
@@ -95,9 +83,8 @@ def context_parallel(model: nn.Module, cp) -> None:
         raise ValueError(f"{type(model).__name__} has no module calling transformers' attention interface")
     for module in attending:
         module.disttrain_context = cp
-    for module in model.modules():
-        if type(module).__name__.endswith("GatedDeltaNet"):
-            _across_shards(module, cp)
+    for module in linear_kernels.layers(model):
+        _across_shards(module, cp)
     model.set_attn_implementation(ATTENTION_NAME)
 
     def shard_inputs(module, args, kwargs):

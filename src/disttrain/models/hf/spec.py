@@ -140,9 +140,12 @@ def hf_spec(directory: str, routing=None, attention: str = "auto", config: dict 
     tied = (("model.embed_tokens.weight", "lm_head.weight"),) if shape.tie_embeddings else ()
     tp_note = "" if parallel_plan.block_entries(config) else "its config class has no base_model_tp_plan"
     tp_note = tp_note or parallel_plan.plan_problem(config)
-    from disttrain.models.hf import context
+    from disttrain.models.hf import context, linear_kernels
 
     linear = "linear_attention" in (getattr(config.get_text_config(), "layer_types", None) or [])
+    documents_note = "its linear-attention layers carry their state across document boundaries, which document " \
+        f"masking restarts for {' and '.join(linear_kernels.MODEL_TYPES)} only" \
+        if linear and config.model_type not in linear_kernels.MODEL_TYPES else ""
     softcap = getattr(config.get_text_config(), "final_logit_softcapping", None)
     fingerprint = hashlib.sha256(json.dumps({k: raw.get(k) for k in sorted(raw) if k not in (
         "transformers_version", "torch_dtype", "dtype", "use_cache", "architectures")}, sort_keys=True,
@@ -155,9 +158,8 @@ def hf_spec(directory: str, routing=None, attention: str = "auto", config: dict 
         tensor_parallel=None if tp_note else parallel_plan.tensor_parallel, tensor_parallel_note=tp_note,
         sequence_parallel=not tp_note, pipeline_split=stages.pipeline_split if splittable else None,
         pipeline_note=stages.stage_problem(config), tied_parameters=tied,
-        mask_documents=None if linear else mask_documents, causal=True,  # causal language models only
-        mask_documents_note="its linear-attention layers (Gated DeltaNet) carry their recurrent state and causal "
-        "convolution across document boundaries (transformers' kernels take no document starts)" if linear else "",
+        mask_documents=None if documents_note else mask_documents, causal=True,  # causal language models only
+        mask_documents_note=documents_note,
         moe_layers=partial(hf_moe_layers, routing=routing or MoERouting())
         if config.model_type in SUPPORTED and shape.moe is not None else None,  # Gemma 4: its MoE block is optional
         context_parallel=context.context_parallel if config.model_type in context.MODEL_TYPES else None,
@@ -171,9 +173,13 @@ def hf_spec(directory: str, routing=None, attention: str = "auto", config: dict 
 
 
 def mask_documents(model: nn.Module, eos_id: int) -> None:
+    """Positions restart after each `eos_id` (transformers then masks attention between documents); Gated DeltaNet
+    layers restart their convolution and recurrent state there too (linear_kernels.py)."""
     from disttrain.models.documents import position_ids_from_documents
+    from disttrain.models.hf import linear_kernels
 
     model.register_forward_pre_hook(position_ids_from_documents(eos_id), with_kwargs=True)
+    linear_kernels.mask_documents(model)
 
 
 def logits_of(out) -> torch.Tensor:
