@@ -109,8 +109,9 @@ def eager_scores_bytes(shape: ModelShape, micro_batch: int, seq_len: int, layout
     """The attention probabilities transformers' eager attention keeps for its backward (micro_batch x heads x
     s x s in the compute dtype; a sink adds a column): the kernel a model with attention sinks runs (gpt-oss: sdpa
     cannot take them, models/hf/kernels.py), a sliding window masking the scores, not shrinking them. 0 for the
-    flash-style kernels, which keep none."""
-    if shape.extras is None or not shape.extras.attention_sinks:
+    flash-style kernels, which keep none, and under context parallelism, whose kernels (parallel/ring_attention.py,
+    sink_attention.py, gathered_attention.py) take the sinks through the log-sum-exp and keep no probabilities."""
+    if shape.extras is None or not shape.extras.attention_sinks or layout.cp > 1:
         return 0.0
     ec, _ = dtype_bytes(layout)
     return ec * micro_batch * (shape.n_heads // layout.tp) * seq_len * (seq_len + 1)
