@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from disttrain.layout.layout import DTYPE_BYTES, Layout
 from disttrain.models.shape import ModelShape
 from disttrain.plan.korthikanti import korthikanti_in_flight_factor
+from disttrain.plan.mixers import mixer_bytes
 from disttrain.plan.params import layer_params, rank_params, stage_layers
 from disttrain.plan.schedule_memory import HeldAt, schedule_order, schedule_peak
 
@@ -84,6 +85,10 @@ def layer_activation_bytes(shape: ModelShape, micro_batch: int, seq_len: int, la
         attention = ec * sb * 4 * q / t + kept_scores
     else:
         attention = ec * sb * (2 * q + 2 * kv) / t + FP32 * micro_batch * (shape.n_heads // t) * seq_len  # q k v out, lse
+    attention_kept = attention
+    mixer = mixer_bytes(shape, micro_batch, seq_len, t, ec, er, attention)  # latent or linear attention
+    if mixer is not None:
+        attention, attention_kept = mixer
     mlp = 4 * ec * sb * f / t
     rotary = rotary_input_bytes(shape, micro_batch, seq_len, layout)  # kept whatever the checkpointing
     full = norms + attention + mlp + rotary
@@ -95,7 +100,7 @@ def layer_activation_bytes(shape: ModelShape, micro_batch: int, seq_len: int, la
     if mode == "selective":
         # Kept: block input, every matmul output (q, k, v, wo, w1, w3, w2; row-parallel outputs are
         # full-size partial sums) and the attention output; the rest is recomputed.
-        kept = residual + attention + ec * sb * 2 * f / t + 2 * ec * sb * h
+        kept = residual + attention_kept + ec * sb * 2 * f / t + 2 * ec * sb * h
         # Eager: the q·kᵀ product is kept, not the probabilities; their recomputation is among the held scores.
         product = scores * ec / er
         kept += product - kept_scores

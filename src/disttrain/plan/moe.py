@@ -49,20 +49,29 @@ def moe_layers(shape: ModelShape, layers: list[int]) -> int:
 
 
 def routed_params(shape: ModelShape) -> int:
-    """One layer's routed experts, all of them: num_experts SwiGLU experts of moe_intermediate_size."""
-    return shape.moe.num_experts * 3 * shape.dim * shape.moe.moe_intermediate_size
+    """One layer's routed experts, all of them: num_experts SwiGLU experts of moe_intermediate_size (and their
+    biases: gpt-oss)."""
+    moe = shape.moe
+    biases = 2 * moe.moe_intermediate_size + shape.dim if shape.extras is not None and shape.extras.expert_bias else 0
+    return moe.num_experts * (3 * shape.dim * moe.moe_intermediate_size + biases)
 
 
 def layer_params(shape: ModelShape, layer: int, tp: int = 1, ep: int = 1) -> tuple[int, int]:
     """(parameters, of which routed experts) one rank holds of `layer`: attention and dense MLP split tp ways,
     the router whole, the shared experts split like a dense MLP, the routed experts num_experts / ep, whole."""
-    attention = shape.attention_params() // tp + 2 * shape.dim  # the two RMSNorm weights are replicated
+    from disttrain.plan.params import mixer_params
+
+    x = shape.extras
+    norms = (x.norms_per_block if x is not None else 2) * shape.dim  # replicated over tp
+    attention = mixer_params(shape, tp) + norms
     moe = shape.moe
     if moe is None or not moe.is_moe_layer(layer):
         return attention + 3 * shape.dim * shape.ffn_hidden_dim // tp, 0
     experts = routed_params(shape) // ep
     shared = moe.n_shared_experts * 3 * shape.dim * moe.moe_intermediate_size // tp
-    return attention + shape.dim * moe.num_experts + shared + experts, experts
+    router = shape.dim * moe.num_experts + (moe.num_experts if x is not None and x.router_bias else 0)
+    gate = shape.dim if x is not None and x.shared_expert_gate else 0
+    return attention + router + gate + shared + experts, experts
 
 
 def block_params(shape: ModelShape, layout: Layout, layers: list[int]) -> tuple[int, int]:

@@ -32,8 +32,28 @@ def rotary_table_bytes(shape: ModelShape) -> int:
     return 2 * 4 * shape.max_seq_len * shape.head_dim if shape.rotary_tables else 0
 
 
+def mixer_params(shape: ModelShape, tp: int = 1) -> int:
+    """One layer's attention (or linear-attention) parameters on one tensor-parallel rank, averaged over the layer
+    kinds: heads split tp ways, but what the runtime keeps whole on every rank (DeepSeek's latent projections and
+    their norms; Gated DeltaNet's causal convolution and gated norm, docs/models.md)."""
+    if shape.mla is not None:
+        mla = shape.mla
+        whole = (shape.dim * (mla.q_lora_rank + mla.kv_lora_rank + mla.qk_rope_head_dim) + mla.q_lora_rank
+                 + mla.kv_lora_rank)
+        return (shape.attention_params() - whole) // tp + whole
+    attention = shape.attention_params() // tp
+    lin = shape.extras.linear if shape.extras is not None else None
+    if lin is None:
+        return attention
+    whole = (2 * lin.num_key_heads * lin.key_head_dim + lin.num_value_heads * lin.value_head_dim) * lin.conv_kernel \
+        + lin.value_head_dim
+    linear = (lin.params(shape.dim) - whole) // tp + whole
+    return (attention * (shape.n_layers - lin.layers) + linear * lin.layers) // shape.n_layers
+
+
 def layer_params(shape: ModelShape, tp: int = 1, ep: int = 1) -> int:
-    if shape.moe is not None or shape.mla is not None:  # the largest block: a dense leading one or an MoE one
+    if shape.moe is not None or shape.mla is not None or shape.extras is not None:  # the largest block (a dense
+        # leading one or an MoE one), each family's layer as transformers builds it
         from disttrain.plan.moe import largest_layer
         return largest_layer(shape, tp, ep)
     kv_dim = shape.n_kv_heads * shape.head_dim
@@ -62,7 +82,7 @@ def rank_params(shape: ModelShape, layout: Layout, pp_rank: int = 0) -> RankPara
         if not (shape.tie_embeddings and first):
             root += table
     layers = sum(per_stage)
-    if shape.moe is not None or shape.mla is not None:
+    if shape.moe is not None or shape.mla is not None or shape.extras is not None:
         from disttrain.plan.moe import block_params, held_layers
         block, experts = block_params(shape, layout, held_layers(shape, layout, pp_rank))
         return RankParams(layers, first, last, block, root, experts)
