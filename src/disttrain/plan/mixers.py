@@ -18,26 +18,27 @@ FP32 = 4
 CHUNK = 64  # transformers' chunked gated delta rule (torch_chunk_gated_delta_rule's chunk_size)
 
 
-def _norm(er: int, tokens: int, width: float) -> float:
-    """An RMSNorm's input and fp32 reciprocal RMS, as plan/activations.py counts the block's norms."""
-    return er * tokens * width + FP32 * tokens
+def _latent_norm(ec: int, tokens: int, width: int) -> float:
+    """transformers' RMSNorm of a latent: its input upcast to fp32, the reciprocal RMS, the normalised input cast
+    back (for the weight's gradient) and the weighted output the next projection keeps."""
+    return FP32 * tokens * (width + 1) + 2 * ec * tokens * width
 
 
-def latent_attention_bytes(shape: ModelShape, micro_batch: int, seq_len: int, tp: int, ec: int,
-                           er: int) -> tuple[float, float]:
+def latent_attention_bytes(shape: ModelShape, micro_batch: int, seq_len: int, tp: int,
+                           ec: int) -> tuple[float, float]:
     """Multi-head latent attention: the query latent (`q_a_proj`'s output, its norm, the norm's output `q_b_proj`
     keeps) and the key/value latent (`kv_a_proj_with_mqa`'s, the same), both whole on every tensor-parallel rank;
     the kernel's queries and keys of `qk_nope_head_dim + qk_rope_head_dim` (the rotary products keep only their
-    tables), its values (a view of `kv_b_proj`'s output, which stays whole), its output of `v_head_dim` and fp32
+    cos and sin tables), its values (a view of `kv_b_proj`'s output, which stays whole), its output of `v_head_dim` and fp32
     log-sum-exp (a flash-style kernel: no probabilities), and the output projection's input, a copy of that output
     in the other layout. Selective keeps the four projections' outputs and the kernel's output and log-sum-exp."""
     mla, tokens, heads = shape.mla, micro_batch * seq_len, shape.n_heads / tp
     lse = FP32 * tokens * heads
     values = mla.qk_nope_head_dim + mla.v_head_dim  # the values are a view of kv_b_proj's output, kept whole
     kernel = ec * tokens * heads * (2 * mla.qk_head_dim + values + 2 * mla.v_head_dim) + lse
-    latents = _norm(er, tokens, mla.kv_lora_rank) + ec * tokens * mla.kv_lora_rank
+    latents = _latent_norm(ec, tokens, mla.kv_lora_rank) + ec * tokens * mla.qk_rope_head_dim  # + cos and sin
     if mla.q_lora_rank:
-        latents += _norm(er, tokens, mla.q_lora_rank) + ec * tokens * mla.q_lora_rank
+        latents += _latent_norm(ec, tokens, mla.q_lora_rank)
     kept = ec * tokens * (mla.q_lora_rank + heads * mla.qk_head_dim + mla.kv_lora_rank + mla.qk_rope_head_dim
                           + heads * (mla.qk_nope_head_dim + mla.v_head_dim) + heads * mla.v_head_dim) + lse
     return kernel + latents, kept
@@ -46,10 +47,10 @@ def latent_attention_bytes(shape: ModelShape, micro_batch: int, seq_len: int, tp
 def delta_net_bytes(shape: ModelShape, micro_batch: int, seq_len: int, tp: int, ec: int) -> tuple[float, float]:
     """One Gated DeltaNet layer as transformers' torch implementation runs it (the chunked gated delta rule in fp32,
     chunks of 64 tokens), listed tensor by tensor with saved-tensor hooks: the causal convolution's input and its
-    padded output (q, k and v channels), the beta projection; per token and value head, 8 key-sized and 3
-    value-sized fp32 tensors (queries and keys upcast, normalised, decayed; values, the corrected values), 8
-    scalars (gates, betas, norms) and 5 chunk-wide rows (the pairwise decays, the triangular system, the
-    intra-chunk attention); the recurrent state (key x value, fp32) once per chunk, which the scan keeps for its
+    padded output (q, k and v channels), the beta projection; per token and value head, the fp32 queries and keys
+    with their norms and the betas, and over the sequence padded to whole chunks 6 key-sized and 3 value-sized fp32
+    tensors (queries and keys normalised, scaled, decayed; values, the corrected values), 5 scalars (gates, decays)
+    and 5 chunk-wide rows (the pairwise decays, the triangular system, the intra-chunk attention); the recurrent state (key x value, fp32) once per chunk, which the scan keeps for its
     backward; the gated output norm (its fp32 input, gate and product, reciprocal RMS, two compute-dtype copies)
     and the output projection's input. Selective keeps the projections' outputs, the two chunk-wide products, the
     three value-sized products of the scan and its state updates."""
@@ -60,7 +61,7 @@ def delta_net_bytes(shape: ModelShape, micro_batch: int, seq_len: int, tp: int, 
     conv = 2 * hk * dk + hv * dv
     states = FP32 * chunks * hv * dk * dv
     full = (ec * conv * (tokens + micro_batch * (lin.conv_kernel - 1)) + ec * tokens * conv + ec * tokens * hv
-            + FP32 * tokens * hv * (8 * dk + 3 * dv + 8 + 5 * CHUNK) + states
+            + FP32 * tokens * hv * (2 * dk + 3) + FP32 * chunks * CHUNK * hv * (6 * dk + 3 * dv + 5 + 5 * CHUNK) + states
             + FP32 * tokens * hv * (3 * dv + 1) + 2 * ec * tokens * hv * dv + ec * tokens * hv * dv)
     kept = (ec * tokens * (conv + hv * dv + 2 * hv) + FP32 * tokens * hv * (2 * CHUNK + 3 * dv) + states)
     return full, kept
@@ -72,12 +73,11 @@ def gated_attention_bytes(shape: ModelShape, micro_batch: int, seq_len: int, tp:
     return 2 * ec * micro_batch * seq_len * shape.n_heads * shape.head_dim / tp
 
 
-def mixer_bytes(shape: ModelShape, micro_batch: int, seq_len: int, tp: int, ec: int, er: int,
-                attention: float) -> tuple[float, float] | None:
+def mixer_bytes(shape: ModelShape, micro_batch: int, seq_len: int, tp: int, ec: int, attention: float) -> tuple[float, float] | None:
     """(saved, kept under selective checkpointing) of the average layer's mixer, or None for grouped-query
     softmax attention alone (`attention`: what plan/activations.py counts for one such layer)."""
     if shape.mla is not None:
-        return latent_attention_bytes(shape, micro_batch, seq_len, tp, ec, er)
+        return latent_attention_bytes(shape, micro_batch, seq_len, tp, ec)
     x = shape.extras
     if x is None or (x.linear is None and not x.attn_output_gate):
         return None
