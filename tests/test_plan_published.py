@@ -73,7 +73,8 @@ def test_context_parallel_kernels_keep_no_probabilities_and_experts_stay_whole()
     from disttrain.layout.layout import Layout
     from disttrain.models.registry import MODEL_SHAPES
     from disttrain.plan.activations import eager_scores_bytes
-    from disttrain.plan.params import mixer_params, rank_params
+    from disttrain.plan.mixers import mixer_params
+    from disttrain.plan.params import rank_params
 
     oss = MODEL_SHAPES["gpt-oss-20b"]
     assert eager_scores_bytes(oss, 1, 4096, Layout(seq_len=4096)) > 2 ** 30

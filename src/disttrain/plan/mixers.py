@@ -1,6 +1,6 @@
-"""What a layer's token mixer keeps for its backward when it is not grouped-query softmax attention: DeepSeek's
-multi-head latent attention, and the Gated DeltaNet layers of Qwen3-Next and Qwen3.5 beside their (output-gated)
-full-attention layers. A separate module because each is a family's own list of tensors, counted from
+"""What a layer's token mixer holds when it is not grouped-query softmax attention (its parameters on a
+tensor-parallel rank, what it keeps for its backward): DeepSeek's multi-head latent attention, and the Gated
+DeltaNet layers of Qwen3-Next and Qwen3.5 beside their (output-gated) full-attention layers. A separate module because each is a family's own list of tensors, counted from
 transformers' code as the dry run runs it; plan/activations.py adds them to the block's norms and MLP.
 
 Each function returns (without checkpointing, under selective checkpointing) bytes per layer and micro-batch,
@@ -71,6 +71,25 @@ def gated_attention_bytes(shape: ModelShape, micro_batch: int, seq_len: int, tp:
     """Qwen3-Next's output gate on full attention: `q_proj` also gives a per-head gate, kept with its sigmoid
     for the gated product (two query-sized tensors beyond the attention's own)."""
     return 2 * ec * micro_batch * seq_len * shape.n_heads * shape.head_dim / tp
+
+
+def mixer_params(shape: ModelShape, tp: int = 1) -> int:
+    """One layer's attention (or linear-attention) parameters on one tensor-parallel rank, averaged over the layer
+    kinds: heads split tp ways, but what the runtime keeps whole on every rank (DeepSeek's latent projections and
+    their norms; Gated DeltaNet's causal convolution and gated norm, docs/models.md)."""
+    if shape.mla is not None:
+        mla = shape.mla
+        whole = (shape.dim * (mla.q_lora_rank + mla.kv_lora_rank + mla.qk_rope_head_dim) + mla.q_lora_rank
+                 + mla.kv_lora_rank)
+        return (shape.attention_params() - whole) // tp + whole
+    attention = shape.attention_params() // tp
+    lin = shape.extras.linear if shape.extras is not None else None
+    if lin is None:
+        return attention
+    whole = (2 * lin.num_key_heads * lin.key_head_dim + lin.num_value_heads * lin.value_head_dim) * lin.conv_kernel \
+        + lin.value_head_dim
+    linear = (lin.params(shape.dim) - whole) // tp + whole
+    return (attention * (shape.n_layers - lin.layers) + linear * lin.layers) // shape.n_layers
 
 
 def mixer_bytes(shape: ModelShape, micro_batch: int, seq_len: int, tp: int, ec: int, attention: float) -> tuple[float, float] | None:

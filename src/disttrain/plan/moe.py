@@ -16,6 +16,7 @@ from dataclasses import fields, replace
 from disttrain.layout.layout import DTYPE_BYTES, Layout
 from disttrain.models.shape import ModelShape
 from disttrain.layout.splits import split_layers
+from disttrain.plan.mixers import mixer_params
 
 FP32, INDEX = 4, 8
 ALL_TO_ALLS_PER_LAYER = 4  # dispatch and combine in forward, their gradients in backward
@@ -59,8 +60,6 @@ def routed_params(shape: ModelShape) -> int:
 def layer_params(shape: ModelShape, layer: int, tp: int = 1, ep: int = 1) -> tuple[int, int]:
     """(parameters, of which routed experts) one rank holds of `layer`: attention and dense MLP split tp ways,
     the router whole, the shared experts split like a dense MLP, the routed experts num_experts / ep, whole."""
-    from disttrain.plan.params import mixer_params
-
     x = shape.extras
     norms = (x.norms_per_block if x is not None else 2) * shape.dim  # replicated over tp
     attention = mixer_params(shape, tp) + norms
@@ -133,7 +132,8 @@ def moe_layer_bytes(shape: ModelShape, layout: Layout, attention, ec: int, skew:
       per routed row its int64 position in expert order and its token, and its combine weight (compute dtype);
       the grouped matmuls' int32 offsets per local expert;
     - the rows each expert matmul keeps, T·k·skew x dim as received, their w1 and w3 outputs, SiLU's output and
-      the gated product (4 x T·k·skew x width); back on this rank the expert outputs and the weighted outputs
+      the gated product (4 x T·k·skew x width; gpt-oss's clamped GLU keeps 7, listed with saved-tensor hooks on
+      transformers' experts); back on this rank the expert outputs and the weighted outputs
       the combine keeps (2 x T·k x dim);
     - shared experts as a dense SwiGLU MLP of n_shared x width;
     - transient: the all-to-all's send and receive buffers (T·k + T·k·skew rows of dim) while it runs, and
@@ -162,6 +162,8 @@ def moe_layer_bytes(shape: ModelShape, layout: Layout, attention, ec: int, skew:
     buffers = ec * (tokens * k + rows) * h
     casts = (2 * (moe.n_shared_experts > 0) - 1) * ec * sb * h if autocast else 0.0
     full = routing + ec * rows * (h + 4 * width) + (ec + er) * tokens * k * h + 4 * ec * sb * shared + casts
+    if shape.extras is not None and shape.extras.expert_bias:  # gpt-oss's clamped GLU: both halves clamped, the
+        full += 3 * ec * rows * width  # scaled gate and its sigmoid, the shifted up: three more than SiLU x up
     if autocast:
         buffers += (ec + FP32) * e // layout.ep * width * h
     mode = layout.activation_checkpointing

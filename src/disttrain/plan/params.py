@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from disttrain.layout.layout import Layout
 from disttrain.models.shape import ModelShape
 from disttrain.layout.splits import split_layers
+from disttrain.plan.mixers import mixer_params
 
 
 @dataclass
@@ -30,25 +31,6 @@ def rotary_table_bytes(shape: ModelShape) -> int:
     """The built-in models' rotary tables (cos and sin, max_seq_len x head_dim fp32): buffers every rank holds
     whole, whatever the layout (the dry run files them under parameters); none in transformers' models."""
     return 2 * 4 * shape.max_seq_len * shape.head_dim if shape.rotary_tables else 0
-
-
-def mixer_params(shape: ModelShape, tp: int = 1) -> int:
-    """One layer's attention (or linear-attention) parameters on one tensor-parallel rank, averaged over the layer
-    kinds: heads split tp ways, but what the runtime keeps whole on every rank (DeepSeek's latent projections and
-    their norms; Gated DeltaNet's causal convolution and gated norm, docs/models.md)."""
-    if shape.mla is not None:
-        mla = shape.mla
-        whole = (shape.dim * (mla.q_lora_rank + mla.kv_lora_rank + mla.qk_rope_head_dim) + mla.q_lora_rank
-                 + mla.kv_lora_rank)
-        return (shape.attention_params() - whole) // tp + whole
-    attention = shape.attention_params() // tp
-    lin = shape.extras.linear if shape.extras is not None else None
-    if lin is None:
-        return attention
-    whole = (2 * lin.num_key_heads * lin.key_head_dim + lin.num_value_heads * lin.value_head_dim) * lin.conv_kernel \
-        + lin.value_head_dim
-    linear = (lin.params(shape.dim) - whole) // tp + whole
-    return (attention * (shape.n_layers - lin.layers) + linear * lin.layers) // shape.n_layers
 
 
 def layer_params(shape: ModelShape, tp: int = 1, ep: int = 1) -> int:
