@@ -377,14 +377,14 @@ def _multi_stage(shape: ModelShape, layout: Layout, pp_rank: int, layer: LayerAc
     # Each stage's share of the accumulated gradients: its layers, and the embedding (first stage) or the
     # output layer and final norm (last stage).
     table = shape.vocab_size * shape.dim // layout.tp
-    params = [n * layer_params(shape, layout.tp) + (table if pp_rank == 0 and i == 0 else 0)
+    params = [n * layer_params(shape, layout.tp, layout.ep) + (table if pp_rank == 0 and i == 0 else 0)
               + (table + shape.dim if last and i == len(counts) - 1 else 0) for i, n in enumerate(counts)]
     grads = [accumulated_grads * n / max(sum(params), 1) for n in params]
     order = schedule_order(layout.pp_schedule, layout.pp, layout.microbatches, v, pp_rank)
     gathered = None
     if layout.zero_stage >= 3 and layout.reshard_after_forward:
         gathered = [DTYPE_BYTES[layout.param_dtype] * n for n in params]
-    fresh = [DTYPE_BYTES[layout.param_dtype] * layer_params(shape, layout.tp) * (n > 0) for n in counts] \
+    fresh = [DTYPE_BYTES[layout.param_dtype] * layer_params(shape, layout.tp, layout.ep) * (n > 0) for n in counts] \
         if accumulated_grads else None
     loose = None
     pb, rb = DTYPE_BYTES[layout.param_dtype], DTYPE_BYTES[layout.reduce_dtype]
