@@ -47,6 +47,7 @@ class SearchSpace:
     state_dtype: str = "fp32"  # optim.state_dtype: bf16 moments take half the bytes
     context_parallel: bool = True  # False: the model cannot shard its sequence (cp = 1; models/hf/published.py)
     pipeline_sequence_parallel: bool = True  # False: sequence parallelism only without a pipeline (transformers')
+    pipeline_context_parallel: bool = True  # False: context parallelism only without a pipeline (transformers')
 
 
 def expert_degrees(shape: ModelShape, dp_shard: int, space: SearchSpace) -> list[int]:
@@ -65,6 +66,8 @@ def layout_families(shape: ModelShape, cluster: Cluster, space: SearchSpace) -> 
     for tp, cp in ((t, c) for t in tps if gpus % t == 0
                    for c in (cp_degrees(space.seq_len, gpus // t) if space.context_parallel else [1])):
         for pp in divisors(gpus // (tp * cp)):
+            if pp > 1 and cp > 1 and not space.pipeline_context_parallel:
+                continue
             dp = gpus // (tp * pp * cp)
             schedules = space.schedules if pp > 1 else ("1f1b",)
             for stage in space.zero_stages:

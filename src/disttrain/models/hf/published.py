@@ -54,9 +54,9 @@ PUBLISHED_CONFIGS: dict[str, dict] = {
 
 def search_limits(name: str) -> dict:
     """What the layout search may not propose for this registry model, as `SearchSpace` fields: a transformers
-    model takes sequence parallelism or a pipeline, not both (models/rules.py), and shards its sequence only where
-    the runtime says it can (models/hf/context.py's `refusal`: gpt-oss and DeepSeek-V3 do, Qwen3-Next's recurrent
-    state does not), so the search follows the runtime. Tensor parallelism is searched for every name (fused
+    model takes sequence or context parallelism or a pipeline, not both (models/rules.py), and shards its sequence
+    only where the runtime says it can (models/hf/context.py's `refusal`: gpt-oss and DeepSeek-V3 do, Qwen3-Next's
+    recurrent state does not), so the search follows the runtime. Tensor parallelism is searched for every name (fused
     experts whole on each rank). Loads torch for these names only: the built-in ones have no limits."""
     if name not in PUBLISHED_CONFIGS:
         return {}
@@ -65,7 +65,7 @@ def search_limits(name: str) -> dict:
     from disttrain.models.hf.context import refusal
 
     return {"context_parallel": not refusal(SimpleNamespace(**PUBLISHED_CONFIGS[name])),
-            "pipeline_sequence_parallel": False}
+            "pipeline_sequence_parallel": False, "pipeline_context_parallel": False}
 
 
 @lru_cache(maxsize=None)
