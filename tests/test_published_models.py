@@ -53,22 +53,23 @@ def test_counts_equal_transformers_and_the_model_card(name):
 
 
 @pytest.mark.parametrize("name", list(CARDS))
-def test_the_name_trains_transformers_architecture_without_model_parallelism(name):
+def test_the_name_trains_transformers_architecture_and_the_search_takes_its_layouts(name):
     """`model.name=NAME` builds transformers' model of the card's config (its own module names, so `convert --to
     hf` and its checkpoints match the published ones); it has a tensor-parallel plan (run under `parallel.tp`),
     and context parallelism only where its attention can be sharded (gpt-oss, DeepSeek-V3; not Qwen3-Next's linear
-    attention). The planner searches neither for them yet."""
+    attention): the layout search proposes exactly those (tests/test_plan_published.py)."""
     from types import SimpleNamespace
 
-    from disttrain.models.hf.published import PUBLISHED_CONFIGS, model_parallel
+    from disttrain.models.hf.published import PUBLISHED_CONFIGS, search_limits
     from disttrain.models.registry import model_spec
 
     section = SimpleNamespace(name=name, spec="", hf="", attn_implementation="auto", lora=None,
                               moe=SimpleNamespace(aux_loss_coef=None, bias_update_rate=None, capacity_factor=0.0))
     spec = model_spec(section)
     assert spec.name == PUBLISHED_CONFIGS[name]["model_type"] and spec.family == f"Hugging Face {spec.name}"
-    assert spec.tensor_parallel is not None and not model_parallel(name)
+    assert spec.tensor_parallel is not None
     assert (spec.context_parallel is None) == (spec.name == "qwen3_next"), spec.context_parallel_note
+    assert search_limits(name)["context_parallel"] == (spec.context_parallel is not None)
     with torch.device("meta"):
         ours = spec.build()
     assert sorted(n for n, _ in ours.named_parameters()) == sorted(n for n, _ in _theirs(name).named_parameters())
@@ -84,20 +85,22 @@ def test_a_shape_key_on_a_published_name_is_refused():
 
 
 @pytest.mark.parametrize("name", ["gpt-oss-20b", "qwen3-next-80b-a3b"])
-def test_plan_proposes_a_layout_the_model_takes(name):
-    """At 4,096 tokens on 64 H100s: no tensor or context parallelism; the written config loads and resolves."""
-    import json
+def test_plan_proposes_a_layout_the_model_takes(name, tmp_path):
+    """At 4,096 tokens on 64 H100s: the config `plan` writes resolves for the model (every rule, the model's own
+    included: no sequence parallelism beside a pipeline for a transformers model)."""
+    from disttrain.config.load import load_config
+    from disttrain.config.resolve import resolve_run
 
-    code, out, err = run_main("plan", "--model", name, "--gpus", "64", "--gpu", "h100", "--seq-len", "4096", "--json")
+    out = tmp_path / "plan.yaml"
+    code, _, err = run_main("plan", "--model", name, "--gpus", "64", "--gpu", "h100", "--seq-len", "4096", "--out",
+                            str(out))
     assert code == 0, err
-    winner = json.loads(out)["winner"]["layout"]
-    assert winner["tp"] == 1 and winner["cp"] == 1
+    layout = resolve_run(load_config(str(out), []), 64, "cuda").layout
+    assert layout.world_size == 64 and not (layout.sequence_parallel and layout.pp > 1)
 
 
-def test_a_sequence_no_rank_can_hold_is_refused_in_one_line():
-    """131,072 tokens of gpt-oss on one rank: its fp32 logits alone (131,072 x 201,088 x 4 B = 98 GiB) exceed an
-    H100, and the planner does not split the sequence of a published model (it searches no context parallelism
-    for them yet)."""
-    code, _, err = run_main("plan", "--model", "gpt-oss-20b", "--gpus", "64", "--gpu", "h100", "--seq-len", "131072")
+def test_a_model_no_layout_holds_is_refused_in_one_line():
+    """DeepSeek-V3's states alone (12 bytes a parameter with AdamW: 7.3 TiB) exceed 8 H100s whatever the layout."""
+    code, _, err = run_main("plan", "--model", "deepseek-v3", "--gpus", "8", "--gpu", "h100", "--seq-len", "4096")
     assert code == 2
-    assert err.strip().splitlines()[-1].startswith("disttrain: error: no layout of gpt-oss-20b fits 64 x h100")
+    assert err.strip().splitlines()[-1].startswith("disttrain: error: no layout of deepseek-v3 fits 8 x h100")

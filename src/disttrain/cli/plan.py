@@ -14,7 +14,7 @@ from disttrain.core.gpus import GPUS, find_gpu
 from disttrain.layout.layout import RECOMPUTE, SCHEDULES, VIRTUAL_STAGES, Layout
 from disttrain.layout.rules import layout_problems
 from disttrain.layout.world_rules import world_problems
-from disttrain.models.registry import MODEL_SHAPES, ModelShape, model_parallel
+from disttrain.models.registry import MODEL_SHAPES, ModelShape, search_limits
 from disttrain.plan import moe, render as report
 from disttrain.plan.estimate import estimate, shape_for_params
 from disttrain.plan.memory import ACCOUNTINGS
@@ -286,7 +286,7 @@ def cmd_plan(args) -> None:
                         allow_offload=args.allow_offload, param_dtype=args.dtype or "bf16",
                         lora_rank=moe.no_lora(args.lora_rank, shape), ep=moe.expert_degrees(args.ep, shape, args.gpus),
                         routing_skew=moe.routing_skew(args.routing_skew, shape), optimizer=args.optimizer,
-                        state_dtype=args.state_dtype, model_parallel=model_parallel(name))
+                        state_dtype=args.state_dtype, **search_limits(name))
     result = search(shape, cluster, space, args.headroom, model=name)
     tokens = parse_count("--tokens", args.tokens) if args.tokens else None
     if not result.ranked:

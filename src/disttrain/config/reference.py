@@ -275,9 +275,10 @@ def shape_tables() -> list[str]:
                                          + [params(s.num_params()), params(s.num_params(active=True))]) + " |"
               for n, s in moe.items()]
     lines += ["", "Published models whose blocks are not Llama's, as transformers builds them from the model "
-              "card's config.json (shape keys are refused: `model.hf` takes an edited config.json); they take no "
-              "tensor parallelism, and only gpt-oss and DeepSeek-V3 take context parallelism, which the planner "
-              "does not propose for them yet ([models.md](models.md#which-layouts-each-family-takes)):", "",
+              "card's config.json (shape keys are refused: `model.hf` takes an edited config.json); they take tensor "
+              "parallelism (the fused experts whole on every rank), gpt-oss and DeepSeek-V3 context parallelism too, "
+              "and the planner proposes both where they take them "
+              "([models.md](models.md#which-layouts-each-family-takes)):", "",
               "| `name` | model type | layers | experts (top-k) | parameters | active | besides Llama's block |",
               "|---|---|---|---|---|---|---|"]
     lines += [f"| `{n}` | `{PUBLISHED_CONFIGS[n]['model_type']}` | {s.n_layers} | {s.moe.num_experts} "

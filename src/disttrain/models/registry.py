@@ -14,11 +14,11 @@ from pathlib import Path
 from typing import Callable
 
 from disttrain.core.errors import UserError
-from disttrain.models.hf.published import PUBLISHED_CONFIGS, model_parallel, published_shapes
+from disttrain.models.hf.published import PUBLISHED_CONFIGS, search_limits, published_shapes
 from disttrain.models.llama.shapes import MODEL_SHAPES as LLAMA_SHAPES, resolve_shape
 from disttrain.models.shape import ModelShape, MoEShape
 
-__all__ = ["MODEL_SHAPES", "ModelShape", "model_parallel", "RESOLVERS", "model_shape", "model_spec", "model_tokenizer",
+__all__ = ["MODEL_SHAPES", "ModelShape", "search_limits", "RESOLVERS", "model_shape", "model_spec", "model_tokenizer",
            "resolver_for", "saved_model", "default_balancing"]
 
 BUILT_IN = "built-in llama"  # the family of the Llama registry models, dense or MoE (as checkpoints record it)

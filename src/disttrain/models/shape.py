@@ -69,10 +69,15 @@ class LinearAttentionShape:
         return (dim * (2 * qk + 2 * v) + dim * 2 * self.num_value_heads + (2 * qk + v) * self.conv_kernel
                 + 2 * self.num_value_heads + self.value_head_dim + v * dim)
 
-    def flops_per_token(self) -> float:
-        """Forward and backward (3x) of the recurrence per layer: reading the state with the key, the delta
-        update's outer product and reading it with the query, 2·dk·dv multiply-adds each, per value head."""
-        return 3 * 6.0 * self.num_value_heads * self.key_head_dim * self.value_head_dim
+    def flops_per_token(self, chunk: int = 64) -> float:
+        """Forward and backward (3x) of the chunked gated delta rule per layer (transformers' torch implementation,
+        chunks of 64 tokens), per value head: against the state, reading it with the decayed keys and with the
+        queries and the delta update's outer product (2·dk·dv each); within the chunk, the keys' and the queries'
+        products with the chunk's keys (2·C·dk each), the triangular solve for the corrected values and decayed
+        keys (C·(dk + dv)), and the intra-chunk attention over the corrected values (2·C·dv)."""
+        dk, dv = self.key_head_dim, self.value_head_dim
+        per_head = 6 * dk * dv + 4 * chunk * dk + chunk * (dk + dv) + 2 * chunk * dv
+        return 3 * per_head * self.num_value_heads
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from disttrain.layout.layout import DTYPE_BYTES, Layout
 from disttrain.models.shape import ModelShape
 from disttrain.plan.korthikanti import korthikanti_in_flight_factor
+from disttrain.plan.mixers import mixer_bytes
 from disttrain.plan.params import layer_params, rank_params, stage_layers
 from disttrain.plan.schedule_memory import HeldAt, schedule_order, schedule_peak
 
@@ -78,42 +79,58 @@ def layer_activation_bytes(shape: ModelShape, micro_batch: int, seq_len: int, la
     copies = (3, 2) if autocast(layout) else (1, 1)
     norms = 2 * _norm_bytes(er, sb, h, r, fused_norm) + ec * sb * h * sum(copies)
     scores = eager_scores_bytes(shape, micro_batch, seq_len, layout)
+    # Under autocast the probabilities' product with v keeps its own compute-dtype copy of them.
+    kept_scores = scores * (1 + ec / er) if autocast(layout) else scores
     if scores:  # eager: k and v repeated to every query head, the probabilities instead of the log-sum-exp
-        attention = ec * sb * 4 * q / t + scores
+        attention = ec * sb * 4 * q / t + kept_scores
     else:
         attention = ec * sb * (2 * q + 2 * kv) / t + FP32 * micro_batch * (shape.n_heads // t) * seq_len  # q k v out, lse
+    attention_kept = attention
+    mixer = mixer_bytes(shape, micro_batch, seq_len, t, ec, attention)  # latent or linear attention
+    if mixer is not None:
+        attention, attention_kept = mixer
     mlp = 4 * ec * sb * f / t
     rotary = rotary_input_bytes(shape, micro_batch, seq_len, layout)  # kept whatever the checkpointing
     full = norms + attention + mlp + rotary
     residual = er * sb * h / r + rotary
     mode = layout.activation_checkpointing
-    backward = EAGER_BACKWARD_SCORES * scores  # beside the saved ones while the attention's backward runs
+    backward = eager_held_scores(mode) * scores  # beside the saved ones at the attention's fullest moment
     if mode == "full":
         return LayerActivations(saved=residual, transient=full + backward)
     if mode == "selective":
         # Kept: block input, every matmul output (q, k, v, wo, w1, w3, w2; row-parallel outputs are
         # full-size partial sums) and the attention output; the rest is recomputed.
-        kept = residual + attention + ec * sb * 2 * f / t + 2 * ec * sb * h
-        return LayerActivations(saved=kept, transient=max(full - kept, 0.0) + backward)
+        kept = residual + attention_kept + ec * sb * 2 * f / t + 2 * ec * sb * h
+        # Eager: the q·kᵀ product is kept, not the probabilities; their recomputation is among the held scores.
+        product = scores * ec / er
+        kept += product - kept_scores
+        return LayerActivations(saved=kept, transient=max(full - kept - (kept_scores - product), 0.0) + backward)
     return LayerActivations(saved=full, transient=backward)
 
 
-# Score-sized tensors eager attention's backward holds at once beside the saved probabilities: the gradient at the
-# probabilities (padded by the sink column), softmax's input gradient, the row maximum's scattered gradient and
-# their sum. gpt-oss-20b, rank 0 of 64 (pp=16, ZeRO-3, 4,096 tokens): 7.56 GiB of temporaries at the peak, 3.8
-# tensors of its 2.0 GiB.
-EAGER_BACKWARD_SCORES = 4
+def eager_held_scores(mode: str) -> int:
+    """Score-sized tensors eager attention holds beside the saved ones at its fullest moment: its forward keeps three
+    at once (the scaled product plus the mask, its concatenation with the sink column, the shifted logits), and its
+    backward as many (the probabilities' gradient padded by the sink column, the row maximum's scattered gradient,
+    softmax's input gradient, the layer's own probabilities freed by then). Without checkpointing the layer's own
+    probabilities, among the saved ones, do not exist yet at that moment (two beyond the saved); selective
+    checkpointing keeps the q·kᵀ product through it (three); full recomputes the probabilities, counted with the
+    layer's recomputed tensors (two more). Listed op by op on real tensors, and checked by the dry run on a tiny
+    gpt-oss whose scores dominate (tests/test_plan_published.py): four had put gpt-oss-20b's plan (pp=16,
+    selective) 5.2% over its dry run."""
+    return 3 if mode == "selective" else 2
 
 
 def eager_scores_bytes(shape: ModelShape, micro_batch: int, seq_len: int, layout: Layout) -> float:
     """The attention probabilities transformers' eager attention keeps for its backward (micro_batch x heads x
-    s x s in the compute dtype; a sink adds a column): the kernel a model with attention sinks runs (gpt-oss: sdpa
+    s x s in the residual dtype; a sink adds a column): the kernel a model with attention sinks runs (gpt-oss: sdpa
     cannot take them, models/hf/kernels.py), a sliding window masking the scores, not shrinking them. 0 for the
-    flash-style kernels, which keep none."""
-    if shape.extras is None or not shape.extras.attention_sinks:
+    flash-style kernels, which keep none, and under context parallelism, whose kernels (parallel/ring_attention.py,
+    sink_attention.py, gathered_attention.py) take the sinks through the log-sum-exp and keep no probabilities."""
+    if shape.extras is None or not shape.extras.attention_sinks or layout.cp > 1:
         return 0.0
-    ec, _ = dtype_bytes(layout)
-    return ec * micro_batch * (shape.n_heads // layout.tp) * seq_len * (seq_len + 1)
+    _, er = dtype_bytes(layout)  # under autocast the fp32 mask makes the scores fp32 from the product on
+    return er * micro_batch * (shape.n_heads // layout.tp) * seq_len * (seq_len + 1)
 
 
 def mlp_backward_bytes(shape: ModelShape, micro_batch: int, seq_len: int, layout: Layout) -> float:
@@ -360,14 +377,14 @@ def _multi_stage(shape: ModelShape, layout: Layout, pp_rank: int, layer: LayerAc
     # Each stage's share of the accumulated gradients: its layers, and the embedding (first stage) or the
     # output layer and final norm (last stage).
     table = shape.vocab_size * shape.dim // layout.tp
-    params = [n * layer_params(shape, layout.tp) + (table if pp_rank == 0 and i == 0 else 0)
+    params = [n * layer_params(shape, layout.tp, layout.ep) + (table if pp_rank == 0 and i == 0 else 0)
               + (table + shape.dim if last and i == len(counts) - 1 else 0) for i, n in enumerate(counts)]
     grads = [accumulated_grads * n / max(sum(params), 1) for n in params]
     order = schedule_order(layout.pp_schedule, layout.pp, layout.microbatches, v, pp_rank)
     gathered = None
     if layout.zero_stage >= 3 and layout.reshard_after_forward:
         gathered = [DTYPE_BYTES[layout.param_dtype] * n for n in params]
-    fresh = [DTYPE_BYTES[layout.param_dtype] * layer_params(shape, layout.tp) * (n > 0) for n in counts] \
+    fresh = [DTYPE_BYTES[layout.param_dtype] * layer_params(shape, layout.tp, layout.ep) * (n > 0) for n in counts] \
         if accumulated_grads else None
     loose = None
     pb, rb = DTYPE_BYTES[layout.param_dtype], DTYPE_BYTES[layout.reduce_dtype]

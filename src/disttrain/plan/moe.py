@@ -16,6 +16,7 @@ from dataclasses import fields, replace
 from disttrain.layout.layout import DTYPE_BYTES, Layout
 from disttrain.models.shape import ModelShape
 from disttrain.layout.splits import split_layers
+from disttrain.plan.mixers import mixer_params
 
 FP32, INDEX = 4, 8
 ALL_TO_ALLS_PER_LAYER = 4  # dispatch and combine in forward, their gradients in backward
@@ -49,20 +50,27 @@ def moe_layers(shape: ModelShape, layers: list[int]) -> int:
 
 
 def routed_params(shape: ModelShape) -> int:
-    """One layer's routed experts, all of them: num_experts SwiGLU experts of moe_intermediate_size."""
-    return shape.moe.num_experts * 3 * shape.dim * shape.moe.moe_intermediate_size
+    """One layer's routed experts, all of them: num_experts SwiGLU experts of moe_intermediate_size (and their
+    biases: gpt-oss)."""
+    moe = shape.moe
+    biases = 2 * moe.moe_intermediate_size + shape.dim if shape.extras is not None and shape.extras.expert_bias else 0
+    return moe.num_experts * (3 * shape.dim * moe.moe_intermediate_size + biases)
 
 
 def layer_params(shape: ModelShape, layer: int, tp: int = 1, ep: int = 1) -> tuple[int, int]:
     """(parameters, of which routed experts) one rank holds of `layer`: attention and dense MLP split tp ways,
     the router whole, the shared experts split like a dense MLP, the routed experts num_experts / ep, whole."""
-    attention = shape.attention_params() // tp + 2 * shape.dim  # the two RMSNorm weights are replicated
+    x = shape.extras
+    norms = (x.norms_per_block if x is not None else 2) * shape.dim  # replicated over tp
+    attention = mixer_params(shape, tp) + norms
     moe = shape.moe
     if moe is None or not moe.is_moe_layer(layer):
         return attention + 3 * shape.dim * shape.ffn_hidden_dim // tp, 0
     experts = routed_params(shape) // ep
     shared = moe.n_shared_experts * 3 * shape.dim * moe.moe_intermediate_size // tp
-    return attention + shape.dim * moe.num_experts + shared + experts, experts
+    router = shape.dim * moe.num_experts + (moe.num_experts if x is not None and x.router_bias else 0)
+    gate = shape.dim if x is not None and x.shared_expert_gate else 0
+    return attention + router + gate + shared + experts, experts
 
 
 def block_params(shape: ModelShape, layout: Layout, layers: list[int]) -> tuple[int, int]:
@@ -124,7 +132,8 @@ def moe_layer_bytes(shape: ModelShape, layout: Layout, attention, ec: int, skew:
       per routed row its int64 position in expert order and its token, and its combine weight (compute dtype);
       the grouped matmuls' int32 offsets per local expert;
     - the rows each expert matmul keeps, T·k·skew x dim as received, their w1 and w3 outputs, SiLU's output and
-      the gated product (4 x T·k·skew x width); back on this rank the expert outputs and the weighted outputs
+      the gated product (4 x T·k·skew x width; gpt-oss's clamped GLU keeps 7, listed with saved-tensor hooks on
+      transformers' experts); back on this rank the expert outputs and the weighted outputs
       the combine keeps (2 x T·k x dim);
     - shared experts as a dense SwiGLU MLP of n_shared x width;
     - transient: the all-to-all's send and receive buffers (T·k + T·k·skew rows of dim) while it runs, and
@@ -153,6 +162,8 @@ def moe_layer_bytes(shape: ModelShape, layout: Layout, attention, ec: int, skew:
     buffers = ec * (tokens * k + rows) * h
     casts = (2 * (moe.n_shared_experts > 0) - 1) * ec * sb * h if autocast else 0.0
     full = routing + ec * rows * (h + 4 * width) + (ec + er) * tokens * k * h + 4 * ec * sb * shared + casts
+    if shape.extras is not None and shape.extras.expert_bias:  # gpt-oss's clamped GLU: both halves clamped, the
+        full += 3 * ec * rows * width  # scaled gate and its sigmoid, the shifted up: three more than SiLU x up
     if autocast:
         buffers += (ec + FP32) * e // layout.ep * width * h
     mode = layout.activation_checkpointing

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from disttrain.layout.layout import Layout
 from disttrain.models.shape import ModelShape
 from disttrain.layout.splits import split_layers
+from disttrain.plan.mixers import mixer_params
 
 
 @dataclass
@@ -33,7 +34,8 @@ def rotary_table_bytes(shape: ModelShape) -> int:
 
 
 def layer_params(shape: ModelShape, tp: int = 1, ep: int = 1) -> int:
-    if shape.moe is not None or shape.mla is not None:  # the largest block: a dense leading one or an MoE one
+    if shape.moe is not None or shape.mla is not None or shape.extras is not None:  # the largest block (a dense
+        # leading one or an MoE one), each family's layer as transformers builds it
         from disttrain.plan.moe import largest_layer
         return largest_layer(shape, tp, ep)
     kv_dim = shape.n_kv_heads * shape.head_dim
@@ -62,7 +64,7 @@ def rank_params(shape: ModelShape, layout: Layout, pp_rank: int = 0) -> RankPara
         if not (shape.tie_embeddings and first):
             root += table
     layers = sum(per_stage)
-    if shape.moe is not None or shape.mla is not None:
+    if shape.moe is not None or shape.mla is not None or shape.extras is not None:
         from disttrain.plan.moe import block_params, held_layers
         block, experts = block_params(shape, layout, held_layers(shape, layout, pp_rank))
         return RankParams(layers, first, last, block, root, experts)

@@ -45,7 +45,9 @@ class SearchSpace:
     routing_skew: float = 1.0  # MoE: the busiest expert-parallel rank's load over a balanced one
     optimizer: str = "adamw"  # or muon: one moment for the block matrices (train/muon.py)
     state_dtype: str = "fp32"  # optim.state_dtype: bf16 moments take half the bytes
-    model_parallel: bool = True  # False: the model takes neither tensor nor context parallelism (tp = cp = 1)
+    context_parallel: bool = True  # False: the model cannot shard its sequence (cp = 1; models/hf/published.py)
+    pipeline_sequence_parallel: bool = True  # False: sequence parallelism only without a pipeline (transformers')
+    pipeline_context_parallel: bool = True  # False: context parallelism only without a pipeline (transformers')
 
 
 def expert_degrees(shape: ModelShape, dp_shard: int, space: SearchSpace) -> list[int]:
@@ -60,10 +62,12 @@ def expert_degrees(shape: ModelShape, dp_shard: int, space: SearchSpace) -> list
 def layout_families(shape: ModelShape, cluster: Cluster, space: SearchSpace) -> Iterator[Layout]:
     """Every valid layout except the micro-batch size (left at 1)."""
     gpus, gpn = cluster.gpus, cluster.gpus_per_node
-    tps = divisors(min(gpn, gpus)) if space.model_parallel else [1]
+    tps = divisors(min(gpn, gpus))
     for tp, cp in ((t, c) for t in tps if gpus % t == 0
-                   for c in (cp_degrees(space.seq_len, gpus // t) if space.model_parallel else [1])):
+                   for c in (cp_degrees(space.seq_len, gpus // t) if space.context_parallel else [1])):
         for pp in divisors(gpus // (tp * cp)):
+            if pp > 1 and cp > 1 and not space.pipeline_context_parallel:
+                continue
             dp = gpus // (tp * pp * cp)
             schedules = space.schedules if pp > 1 else ("1f1b",)
             for stage in space.zero_stages:
@@ -74,7 +78,7 @@ def layout_families(shape: ModelShape, cluster: Cluster, space: SearchSpace) -> 
                 degrees = [(dr, ep) for dr in replicas
                            for ep in expert_degrees(shape, dp // dr * cp, space)]
                 for (dr, ep), schedule, sp, ac, offload in itertools.product(
-                        degrees, schedules, (False, True) if tp > 1 else (False,), space.recompute, offloads):
+                        degrees, schedules, sequence_parallel(tp, pp, space), space.recompute, offloads):
                     layout = Layout(dp_replicate=dr, dp_shard=dp // dr, tp=tp, pp=pp, cp=cp, zero_stage=stage,
                                     micro_batch_size=1, seq_len=space.seq_len,
                                     global_batch_size=space.global_batch_size, pp_schedule=schedule,
@@ -85,6 +89,12 @@ def layout_families(shape: ModelShape, cluster: Cluster, space: SearchSpace) -> 
                     if any(p.key not in MICRO_BATCH_KEYS for p in layout_problems(shape, layout)):
                         continue
                     yield layout
+
+
+def sequence_parallel(tp: int, pp: int, space: SearchSpace) -> tuple[bool, ...]:
+    if tp == 1:
+        return (False,)
+    return (False, True) if pp == 1 or space.pipeline_sequence_parallel else (False,)
 
 
 def micro_batch_sizes(layout: Layout, space: SearchSpace) -> list[int]:

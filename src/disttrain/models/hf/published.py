@@ -52,12 +52,20 @@ PUBLISHED_CONFIGS: dict[str, dict] = {
 }
 
 
-def model_parallel(name: str) -> bool:
-    """Whether the layout search may split the model's heads or sequence: not these (tensor parallelism runs under
-    `parallel.tp`, with the fused experts whole on every rank; all three take context parallelism, Qwen3-Next's
-    recurrent state passed from shard to shard; the search has one switch for both and proposes neither yet;
-    docs/models.md's support table)."""
-    return name not in PUBLISHED_CONFIGS
+def search_limits(name: str) -> dict:
+    """What the layout search may not propose for this registry model, as `SearchSpace` fields: a transformers
+    model takes sequence or context parallelism or a pipeline, not both (models/rules.py), and shards its sequence
+    only where the runtime says it can (models/hf/context.py's `refusal`: all three do, Qwen3-Next's recurrent
+    state passed from shard to shard), so the search follows the runtime. Tensor parallelism is searched for every
+    name (fused experts whole on each rank). Loads torch for these names only: the built-in ones have no limits."""
+    if name not in PUBLISHED_CONFIGS:
+        return {}
+    from types import SimpleNamespace
+
+    from disttrain.models.hf.context import refusal
+
+    return {"context_parallel": not refusal(SimpleNamespace(**PUBLISHED_CONFIGS[name])),
+            "pipeline_sequence_parallel": False, "pipeline_context_parallel": False}
 
 
 @lru_cache(maxsize=None)
