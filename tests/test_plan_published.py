@@ -42,9 +42,9 @@ def models(tmp_path_factory):
 
 def test_the_search_follows_what_the_runtime_takes(monkeypatch):
     """Tensor parallelism for every published name; context parallelism where models/hf/context.py's `refusal`
-    allows it (gpt-oss, DeepSeek-V3; not Qwen3-Next's recurrent state), so the search changes with the runtime;
-    sequence and context parallelism never beside a pipeline (a later stage of a transformers model cannot derive
-    positions; models/rules.py)."""
+    allows it (gpt-oss, DeepSeek-V3, Qwen3-Next passing its recurrent state between shards), so the search changes
+    with the runtime; sequence and context parallelism never beside a pipeline (a later stage of a transformers
+    model cannot derive positions; models/rules.py)."""
     import disttrain.models.hf.context as context
     from disttrain.core.gpus import find_gpu
     from disttrain.models.registry import MODEL_SHAPES, search_limits
@@ -57,14 +57,14 @@ def test_the_search_follows_what_the_runtime_takes(monkeypatch):
         space = SearchSpace(seq_len=131072, global_batch_size=32, **search_limits(name))
         return list(layout_families(MODEL_SHAPES[name], cluster, space))
 
-    for name, takes_cp in (("gpt-oss-20b", True), ("deepseek-v3", True), ("qwen3-next-80b-a3b", False)):
+    for name, takes_cp in (("gpt-oss-20b", True), ("deepseek-v3", True), ("qwen3-next-80b-a3b", True)):
         layouts = families(name)
         assert any(lay.tp > 1 for lay in layouts) and any(lay.tp > 1 and lay.ep > 1 for lay in layouts), name
         assert any(lay.cp > 1 for lay in layouts) == takes_cp, name
         assert not any((lay.sequence_parallel or lay.cp > 1) and lay.pp > 1 for lay in layouts), name
     assert search_limits("7b") == {} and any(lay.sequence_parallel and lay.pp > 1 for lay in families("7b"))
-    monkeypatch.setattr(context, "refusal", lambda config: "")  # the day the runtime shards its sequence
-    assert any(lay.cp > 1 for lay in families("qwen3-next-80b-a3b"))
+    monkeypatch.setattr(context, "refusal", lambda config: "a reason")  # a runtime that cannot shard it
+    assert not any(lay.cp > 1 for lay in families("qwen3-next-80b-a3b"))
 
 
 def test_context_parallel_kernels_keep_no_probabilities_and_experts_stay_whole():
