@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -265,6 +266,9 @@ def test_a_reference_computed_once_is_read_again_on_resume(one_process, assets, 
     assert_parity(runs["resumed"], source, step=2, after=2)  # step 3's loss and gradient norm
     code, _, err = run_main("train", str(DEBUG_CONFIG), f"run.dir={tmp_path}", "run.name=lost", *overrides)
     assert code == 2 and "reference_logps.pt is gone" in err and len(err.strip().splitlines()) == 1, err
+    # the refusal came from a job's start, after the watchdog had started: its thread is stopped too (left running,
+    # it would end this process when its limit passed)
+    assert not [t for t in threading.enumerate() if t.name == "disttrain-watchdog" and t.is_alive()]
 
 
 def _one_process_overrides(assets) -> tuple:

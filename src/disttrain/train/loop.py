@@ -55,8 +55,8 @@ class Trainer:
         return self.progress.step
 
     def fit(self) -> TrainResult:
-        self._begin()
         try:
+            self._begin()  # inside: a job refusing to start (a lost file, say) still stops the watchdog's thread
             while self.step < self.run.cfg.train.steps and not self.stopping:
                 if interrupts.interrupted():  # a Ctrl-C that native code swallowed (a save's writer)
                     raise KeyboardInterrupt
