@@ -8,7 +8,6 @@ mismatch, to `out`.rank<r>.json; run alone it prints them:
     python -m torch.distributed.run --standalone --nproc-per-node 2 tests/workers/cp_kernels.py
 """
 
-import json
 
 import torch
 import torch.distributed as dist
@@ -17,6 +16,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from disttrain.models.documents import block_causal_mask
 from disttrain.parallel.context import ContextParallel
+
+import rank_results
 
 
 def results() -> dict[str, str]:
@@ -126,12 +127,8 @@ def _ring_dv(mesh, q, k, v, go) -> str:
 
 
 def check(out: str) -> None:
-    with open(f"{out}.rank{dist.get_rank()}.json", "w") as f:
-        json.dump(results(), f)
+    rank_results.write(out, results())
 
 
 if __name__ == "__main__":
-    dist.init_process_group("gloo")
-    for case, result in results().items():
-        print(case, result, flush=True)
-    dist.destroy_process_group()
+    rank_results.run_as_script(results)

@@ -12,7 +12,6 @@ them:
 
 import copy
 import importlib
-import json
 
 import torch
 import torch.distributed as dist
@@ -23,6 +22,8 @@ from disttrain.models.hf.context import _across_shards
 from disttrain.models.hf.float64 import keep_float64
 from disttrain.models.hf.linear_documents import causal_conv, chunk_gated_delta_rule
 from disttrain.parallel.context import ContextParallel
+
+import rank_results
 
 LAYERS = {"qwen3_next": "Qwen3NextGatedDeltaNet", "qwen3_5_text": "Qwen3_5GatedDeltaNet"}
 SIZES = dict(hidden_size=32, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
@@ -91,12 +92,8 @@ def results() -> dict[str, str]:
 
 
 def check(out: str) -> None:
-    with open(f"{out}.rank{dist.get_rank()}.json", "w") as f:
-        json.dump(results(), f)
+    rank_results.write(out, results())
 
 
 if __name__ == "__main__":
-    dist.init_process_group("gloo")
-    for case, result in results().items():
-        print(case, result, flush=True)
-    dist.destroy_process_group()
+    rank_results.run_as_script(results)
