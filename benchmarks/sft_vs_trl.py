@@ -11,6 +11,7 @@ linear layer of the blocks, loss on the assistant's tokens only, fp32. Variants:
 - `disttrain-seq_len`: unpacked, every conversation padded to data.seq_len=256;
 - `disttrain-padding_free`: unpacked, each micro-batch's conversations laid end to end in rows of 256 tokens
   (data.padding=none; the same conversations and losses as padded);
+- `disttrain-padding_free-compile`: the same with parallel.compile=true (torch.compile of each decoder block);
 - `disttrain-packed`: conversations packed first-fit with document masking;
 - `trl`: unpacked, TRL's default collator (each batch padded to its longest);
 - `trl-padding_free`: unpacked, each batch's conversations in one row (TRL's padding_free);
@@ -32,8 +33,8 @@ import uuid
 
 from overhead import BENCH_PY, REPO, WORKLOADS, add_common_args, interleaved, write_results
 
-VARIANTS = ("disttrain", "disttrain-seq_len", "disttrain-padding_free", "disttrain-packed", "trl", "trl-padding_free",
-            "trl-packed")
+VARIANTS = ("disttrain", "disttrain-seq_len", "disttrain-padding_free", "disttrain-padding_free-compile",
+            "disttrain-packed", "trl", "trl-padding_free", "trl-packed")
 PER_STEP = 16
 PADDING = {"seq_len": "seq_len", "padding_free": "none"}  # disttrain's data.padding per variant
 WORK = REPO / "runs" / "bench-sft"
@@ -92,7 +93,8 @@ def command(variant: str, steps: int) -> list[str]:
     return [sys.executable, "-m", "disttrain", "train", str(REPO / "examples" / "sft" / "sft.yaml"),
             f"model.hf={WORK / 'base'}", f"data.source={WORK / 'data'}", "data.seq_len=256",
             f"data.packing={'true' if variant.endswith('packed') else 'false'}",
-            f"data.padding={PADDING.get(variant.split('-')[-1], 'longest')}",
+            f"data.padding={next((v for k, v in PADDING.items() if k in variant), 'longest')}",
+            f"parallel.compile={'true' if variant.endswith('compile') else 'false'}",
             f"train.steps={steps}", "train.eval_every=0", "train.sample_tokens=0", "checkpoint.every_steps=0",
             "checkpoint.save_final=false", "optim.lr=2e-3", "optim.schedule=constant", "optim.warmup_steps=0",
             "metrics.log_every=1000", f"run.dir={WORK / 'runs'}", f"run.name=bench-{uuid.uuid4().hex[:12]}",
@@ -124,7 +126,8 @@ def main() -> None:
         summary[name] = {"ms_per_conversation": statistics.median(ms), "range": [min(ms), max(ms)],
                          "cpu_ms_per_conversation": statistics.median(cpu)}
     for ours, theirs in (("disttrain", "trl"), ("disttrain-seq_len", "trl"), ("disttrain-padding_free", "trl"),
-                         ("disttrain-padding_free", "trl-padding_free"), ("disttrain-packed", "trl-packed"),
+                         ("disttrain-padding_free", "trl-padding_free"), ("disttrain-padding_free-compile", "trl"),
+                         ("disttrain-packed", "trl-packed"),
                          ("disttrain-packed", "trl")):
         if ours in results and theirs in results:  # per repetition: the two ran minutes apart at most
             ratios = [o["conversations_per_s"] / t["conversations_per_s"]

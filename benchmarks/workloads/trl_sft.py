@@ -20,6 +20,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--packing", action="store_true")
     parser.add_argument("--padding-free", action="store_true")
+    parser.add_argument("--compile", action="store_true", help="torch_compile=True (TrainingArguments')")
     parser.add_argument("--count-rows", action="store_true", help="print the training rows TRL made, and stop")
     args = parser.parse_args()
 
@@ -36,7 +37,7 @@ def main() -> None:
     config = SFTConfig(output_dir=f"{work}/trl-out-{os.getpid()}", max_steps=args.steps, per_device_train_batch_size=8,
                        gradient_accumulation_steps=1, learning_rate=2e-3, lr_scheduler_type="constant",
                        warmup_steps=0, max_length=256, packing=args.packing, assistant_only_loss=True,
-                       padding_free=args.padding_free,
+                       padding_free=args.padding_free, torch_compile=args.compile,
                        logging_steps=10_000, save_strategy="no", report_to=[], use_cpu=True,
                        dataloader_num_workers=0, seed=0, disable_tqdm=True,
                        bf16=False, gradient_checkpointing=False)  # TRL's defaults: bf16 autocast, recomputation
