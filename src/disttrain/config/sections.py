@@ -175,7 +175,7 @@ class DataConfig(Section):
         if packs and not self.document_masking:
             if "document_masking" in self.model_fields_set:
                 raise ValueError(f"{packs} with data.document_masking=false: packed conversations would attend to "
-                                 f"each other (allowed with {packs.split('=')[0]}: document_masking=true)")
+                                 f"each other (allowed with {packs}: document_masking=true)")
             object.__setattr__(self, "document_masking", True)
         return self
 
