@@ -36,7 +36,8 @@ def main() -> None:
     data = load_dataset("json", data_files=f"{work}/chats.jsonl", split="train")
     config = SFTConfig(output_dir=f"{work}/trl-out-{os.getpid()}", max_steps=args.steps, per_device_train_batch_size=8,
                        gradient_accumulation_steps=1, learning_rate=2e-3, lr_scheduler_type="constant",
-                       warmup_steps=0, max_length=256, packing=args.packing, assistant_only_loss=True,
+                       warmup_steps=0, max_length=None if args.padding_free else 256,  # TRL: not enforced padding-free
+                       packing=args.packing, assistant_only_loss=True,
                        padding_free=args.padding_free, torch_compile=args.compile,
                        logging_steps=10_000, save_strategy="no", report_to=[], use_cpu=True,
                        dataloader_num_workers=0, seed=0, disable_tqdm=True,
