@@ -19,7 +19,7 @@ from disttrain.plan.mixer_backward import mixer_backward_bytes
 from disttrain.plan.mixers import mixer_bytes
 from disttrain.plan.params import layer_params, rank_params, stage_layers
 from disttrain.plan.per_layer_inputs import average_layer_bytes, carried_bytes, counts_layers, stage_saved_bytes
-from disttrain.plan.schedule_memory import HeldAt, schedule_order, schedule_peak
+from disttrain.plan.schedule_memory import HeldAt, schedule_order, schedule_peak, weight_gradient_inputs_bytes
 
 FP32 = 4
 TOKEN_ID = 8  # int64 token ids the embedding's backward keeps
@@ -158,17 +158,6 @@ def mlp_product_bytes(shape: ModelShape, micro_batch: int, seq_len: int, layout:
     if shape.moe is not None or layout.activation_checkpointing != "none":
         return 0.0
     return dtype_bytes(layout)[0] * micro_batch * seq_len * shape.ffn_hidden_dim / layout.tp
-
-
-def weight_gradient_inputs_bytes(shape: ModelShape, micro_batch: int, seq_len: int, layout: Layout) -> float:
-    """What zero-bubble's input-gradient pass leaves for the weight pass, per layer and micro-batch: torch's
-    `stage_backward_input` keeps the gradient arriving at every op that leads to a weight (each matmul's
-    output, each RMSNorm's scaled output), in the compute dtype. Counted on real tensors for two blocks: 5h +
-    kv + 2f per token (q, the attention projection, w2 and the two norms h each; k and v together one kv; w1
-    and w3 f each); head- and FFN-split tensors divide by tp."""
-    ec, _ = dtype_bytes(layout)
-    kv = shape.n_kv_heads * shape.head_dim
-    return ec * micro_batch * seq_len * (5 * shape.dim + kv + 2 * shape.ffn_hidden_dim) / layout.tp
 
 
 def last_stage_output_bytes(shape: ModelShape, layout: Layout) -> float:
