@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 
 from disttrain.layout.layout import DTYPE_BYTES, Layout
 from disttrain.models.shape import ModelShape
+from disttrain.plan.dtypes import FP32, autocast, dtype_bytes  # noqa: F401 (re-exported)
 from disttrain.plan.korthikanti import korthikanti_in_flight_factor
 from disttrain.plan.mixer_backward import mixer_backward_bytes
 from disttrain.plan.mixers import mixer_bytes
@@ -21,23 +22,7 @@ from disttrain.plan.params import layer_params, rank_params, stage_layers
 from disttrain.plan.per_layer_inputs import average_layer_bytes, carried_bytes, counts_layers, stage_saved_bytes
 from disttrain.plan.schedule_memory import HeldAt, schedule_order, schedule_peak, weight_gradient_inputs_bytes
 
-FP32 = 4
 TOKEN_ID = 8  # int64 token ids the embedding's backward keeps
-
-
-def autocast(layout: Layout) -> bool:
-    """Matmuls in a lower precision than the stored fp32 weights: torch.autocast casts per op."""
-    stored = "fp32" if layout.zero_stage <= 1 or layout.engine != "torch" else layout.param_dtype
-    compute = layout.param_dtype if layout.zero_stage <= 1 else layout.compute_dtype
-    return stored == "fp32" and compute in ("bf16", "fp16")
-
-
-def dtype_bytes(layout: Layout) -> tuple[int, int]:
-    """(compute, residual) bytes per element."""
-    if autocast(layout):
-        return DTYPE_BYTES[layout.param_dtype if layout.zero_stage <= 1 else layout.compute_dtype], FP32
-    e = DTYPE_BYTES[layout.param_dtype]
-    return e, e
 
 
 @dataclass

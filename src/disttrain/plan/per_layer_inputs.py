@@ -16,6 +16,7 @@ from __future__ import annotations
 from disttrain.layout.layout import Layout
 from disttrain.layout.splits import split_layers
 from disttrain.models.shape import ModelShape
+from disttrain.plan.dtypes import autocast, dtype_bytes
 
 FP32 = 4
 
@@ -75,8 +76,6 @@ def carried_bytes(shape: ModelShape, layout: Layout, stage: int) -> float:
         return 0.0
     if stage >= layout.n_stages - 1:
         return 0.0
-    from disttrain.plan.activations import dtype_bytes
-
     _, er = dtype_bytes(layout)
     tokens = layout.micro_batch * (layout.seq_len // layout.cp)
     _, end = _stage_bounds(shape, layout, stage)
@@ -102,8 +101,6 @@ def layer_saved_bytes(shape: ModelShape, layer: int, micro_batch: int, seq_len: 
     Under autocast each projection keeps its own compute-dtype copy of its input (the fp32 norm outputs and
     residual); SDPA keeps q, k, v, its output and the log-sum-exp, and on a sliding-window layer its own copy of the
     mask in the compute dtype with k and v repeated to every query head (an explicit mask, no grouped kernel)."""
-    from disttrain.plan.activations import autocast, dtype_bytes
-
     ec, er = dtype_bytes(layout)
     t, tokens = layout.tp, micro_batch * seq_len
     r = t if layout.sequence_parallel else 1
@@ -137,8 +134,6 @@ def stage_once_bytes(shape: ModelShape, layout: Layout, stage: int, micro_batch:
     """What a stage's layers share, kept once a micro-batch: the per-layer inputs from its first layer on, whose
     slices the layers keep; the rotary tables of each attention kind (cos and sin, the residual dtype); on the first stage the per-layer inputs' projection
     input and its norm over every layer's slice."""
-    from disttrain.plan.activations import dtype_bytes
-
     ec, er = dtype_bytes(layout)
     tokens, w = micro_batch * seq_len, shape.extras.per_layer_input
     start, end = _stage_bounds(shape, layout, stage)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 
 from disttrain.layout.layout import Layout
 from disttrain.models.shape import ModelShape
+from disttrain.plan.dtypes import dtype_bytes
 
 
 def schedule_order(schedule: str, pp: int, microbatches: int, virtual_stages: int,
@@ -149,8 +150,6 @@ def weight_gradient_inputs_bytes(shape: ModelShape, micro_batch: int, seq_len: i
     output, each RMSNorm's scaled output), in the compute dtype. Counted on real tensors for two blocks: 5h +
     kv + 2f per token (q, the attention projection, w2 and the two norms h each; k and v together one kv; w1
     and w3 f each); head- and FFN-split tensors divide by tp."""
-    from disttrain.plan.activations import dtype_bytes
-
     ec, _ = dtype_bytes(layout)
     kv = shape.n_kv_heads * shape.head_dim
     return ec * micro_batch * seq_len * (5 * shape.dim + kv + 2 * shape.ffn_hidden_dim) / layout.tp
