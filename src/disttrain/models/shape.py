@@ -99,6 +99,7 @@ class BlockExtras:
     per_layer_vocab: int = 0  # ... and the vocabulary of that embedding table
     kv_shared_layers: int = 0  # Gemma 4: layers reusing an earlier layer's keys and values (no k/v projections, k norm)
     dense_mlp_beside_experts: bool = False  # Gemma 4: an MoE layer keeps its dense MLP, 3 more norms, a router scale
+    layer_types: tuple[str, ...] = ()  # Gemma 4: each layer's attention kind (which store and reuse keys and values)
 
     def per_layer_params(self, dim: int, layers: int, include_embedding: bool) -> int:
         """Gemma 4's per-layer inputs: the table (an embedding), the projection of the hidden state onto every

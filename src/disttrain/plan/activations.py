@@ -14,29 +14,15 @@ from dataclasses import dataclass, replace
 
 from disttrain.layout.layout import DTYPE_BYTES, Layout
 from disttrain.models.shape import ModelShape
+from disttrain.plan.dtypes import FP32, autocast, dtype_bytes  # noqa: F401 (re-exported)
 from disttrain.plan.korthikanti import korthikanti_in_flight_factor
 from disttrain.plan.mixer_backward import mixer_backward_bytes
 from disttrain.plan.mixers import mixer_bytes
 from disttrain.plan.params import layer_params, rank_params, stage_layers
-from disttrain.plan.schedule_memory import HeldAt, schedule_order, schedule_peak
+from disttrain.plan.per_layer_inputs import average_layer_bytes, carried_bytes, counts_layers, stage_saved_bytes
+from disttrain.plan.schedule_memory import HeldAt, schedule_order, schedule_peak, weight_gradient_inputs_bytes
 
-FP32 = 4
 TOKEN_ID = 8  # int64 token ids the embedding's backward keeps
-
-
-def autocast(layout: Layout) -> bool:
-    """Matmuls in a lower precision than the stored fp32 weights: torch.autocast casts per op."""
-    stored = "fp32" if layout.zero_stage <= 1 or layout.engine != "torch" else layout.param_dtype
-    compute = layout.param_dtype if layout.zero_stage <= 1 else layout.compute_dtype
-    return stored == "fp32" and compute in ("bf16", "fp16")
-
-
-def dtype_bytes(layout: Layout) -> tuple[int, int]:
-    """(compute, residual) bytes per element."""
-    if autocast(layout):
-        return DTYPE_BYTES[layout.param_dtype if layout.zero_stage <= 1 else layout.compute_dtype], FP32
-    e = DTYPE_BYTES[layout.param_dtype]
-    return e, e
 
 
 @dataclass
@@ -72,6 +58,8 @@ def layer_activation_bytes(shape: ModelShape, micro_batch: int, seq_len: int, la
     log-sum-exp (flash attention keeps no s×s scores); the w1 and w3 outputs, SiLU's output and the gated
     product. Head- and FFN-split tensors divide by tp; with sequence parallelism so does the residual."""
     ec, er = dtype_bytes(layout)
+    if counts_layers(shape, layout):  # Gemma 4 (plan/per_layer_inputs.py): the model's average layer
+        return LayerActivations(saved=average_layer_bytes(shape, layout, micro_batch, seq_len), transient=0.0)
     t = layout.tp
     r = t if layout.sequence_parallel else 1
     sb = seq_len * micro_batch
@@ -157,17 +145,6 @@ def mlp_product_bytes(shape: ModelShape, micro_batch: int, seq_len: int, layout:
     return dtype_bytes(layout)[0] * micro_batch * seq_len * shape.ffn_hidden_dim / layout.tp
 
 
-def weight_gradient_inputs_bytes(shape: ModelShape, micro_batch: int, seq_len: int, layout: Layout) -> float:
-    """What zero-bubble's input-gradient pass leaves for the weight pass, per layer and micro-batch: torch's
-    `stage_backward_input` keeps the gradient arriving at every op that leads to a weight (each matmul's
-    output, each RMSNorm's scaled output), in the compute dtype. Counted on real tensors for two blocks: 5h +
-    kv + 2f per token (q, the attention projection, w2 and the two norms h each; k and v together one kv; w1
-    and w3 f each); head- and FFN-split tensors divide by tp."""
-    ec, _ = dtype_bytes(layout)
-    kv = shape.n_kv_heads * shape.head_dim
-    return ec * micro_batch * seq_len * (5 * shape.dim + kv + 2 * shape.ffn_hidden_dim) / layout.tp
-
-
 def last_stage_output_bytes(shape: ModelShape, layout: Layout) -> float:
     """One micro-batch's output of a pipeline's last stage: the logits in the compute dtype, which torch's
     schedules keep for the stage's backward (and the last forward's to the step's end); a chunked loss head
@@ -199,13 +176,13 @@ def chunked_loss_bytes(shape: ModelShape, layout: Layout) -> tuple[float, float]
     return kept, head_input + transient
 
 
-def stage_output_bytes(shape: ModelShape, layout: Layout) -> float:
+def stage_output_bytes(shape: ModelShape, layout: Layout, stage: int = 0) -> float:
     """One micro-batch's output of a pipeline stage other than the last (the residual stream, split by
-    sequence parallelism), which torch's `PipelineStage` keeps from its forward to its backward
-    (`fwd_cache`); no layer of the stage saves it."""
+    sequence parallelism, and what Gemma 4's `stage` carries besides), which torch's `PipelineStage` keeps from
+    its forward to its backward (`fwd_cache`); no layer of the stage saves it."""
     _, er = dtype_bytes(layout)
     r = layout.tp if layout.sequence_parallel else 1
-    return er * layout.micro_batch * (layout.seq_len // layout.cp) * shape.dim / r
+    return er * layout.micro_batch * (layout.seq_len // layout.cp) * shape.dim / r + carried_bytes(shape, layout, stage)
 
 
 def input_grad_bytes(shape: ModelShape, layout: Layout) -> float:
@@ -218,11 +195,12 @@ def pipeline_recv_bytes(shape: ModelShape, layout: Layout, pp_rank: int) -> floa
     """The receive buffers torch's `PipelineStage` allocates once, for every micro-batch of the step, and
     keeps across steps (`_prepare_forward_infra`, `_setup_backward_recv_info`): each stage but the first
     receives its input, each but the last its output's gradient, both shaped like a stage output."""
-    ends = 0
+    ends = 0.0
     for local in range(layout.stages_per_rank):
         stage = local * layout.pp + pp_rank
-        ends += (stage > 0) + (stage < layout.n_stages - 1)
-    return layout.microbatches * ends * stage_output_bytes(shape, layout)
+        ends += (stage > 0) * stage_output_bytes(shape, layout, stage - 1)
+        ends += (stage < layout.n_stages - 1) * stage_output_bytes(shape, layout, stage)
+    return layout.microbatches * ends
 
 
 def pipeline_batch_bytes(layout: Layout) -> float:
@@ -280,7 +258,7 @@ def stage_activation_bytes(shape: ModelShape, layout: Layout, pp_rank: int, fuse
         in_flight = first
     else:  # later stages start their backwards sooner: rank r of 1F1B keeps p - r in flight
         in_flight = max(1.0, first * (layout.pp - pp_rank) / layout.pp)
-    layers_saved = held.layers * layer.saved
+    layers_saved = stage_saved_bytes(shape, layout, pp_rank) if counts_layers(shape, layout) else held.layers * layer.saved
     if shape.moe is not None:  # MoE blocks beside any dense ones, routed as `routing_skew` says
         from disttrain.plan.moe import stage_layers
         layers_saved, layer = stage_layers(shape, layout, pp_rank, layer, attention, ec, routing_skew, er)
@@ -311,7 +289,7 @@ def stage_activation_bytes(shape: ModelShape, layout: Layout, pp_rank: int, fuse
         return _multi_stage(shape, layout, pp_rank, layer, logits, saved - held.layers * layer.saved * in_flight,
                             accumulated_grads, last=held.output, chunk=chunk)
     if layout.pp > 1 and not held.output:  # the schedule keeps each in-flight micro-batch's stage output
-        saved += stage_output_bytes(shape, layout) * in_flight
+        saved += stage_output_bytes(shape, layout, pp_rank) * in_flight
     loss_inputs = 0.0
     if held.output and layout.pp == 1:  # the final norm's and output layer's saved inputs, gone by any block's backward
         loss_inputs = _norm_bytes(er, mb * s, shape.dim, r, fused_norm) + head
@@ -364,10 +342,10 @@ def _multi_stage(shape: ModelShape, layout: Layout, pp_rank: int, layer: LayerAc
     gradients besides; the last stage's include the logits' gradient (`last`: this rank holds the last stage)."""
     mb, s, v = layout.micro_batch, layout.seq_len, layout.stages_per_rank
     counts = stage_layers(shape, layout)[pp_rank]
-    kept = [n * layer.saved + (0.0 if last and i == len(counts) - 1 else stage_output_bytes(shape, layout))
+    owned = layout.owned_stages(pp_rank)
+    kept = [n * layer.saved + (0.0 if last and i == len(counts) - 1 else stage_output_bytes(shape, layout, owned[i]))
             for i, n in enumerate(counts)]
     pending = [0.0] * len(counts)
-    owned = layout.owned_stages(pp_rank)
     whole = {i for i, stage in enumerate(owned) if stage == 0 and layout.pp_schedule == "zero_bubble"}
     if layout.pp_schedule == "zero_bubble":  # the first stage's input-gradient pass keeps nothing (whole: its W)
         ec, _ = dtype_bytes(layout)

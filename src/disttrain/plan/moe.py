@@ -17,6 +17,7 @@ from disttrain.layout.layout import DTYPE_BYTES, Layout
 from disttrain.models.shape import ModelShape
 from disttrain.layout.splits import split_layers
 from disttrain.plan.mixers import mixer_params
+from disttrain.plan.per_layer_inputs import layer_params_change
 
 FP32, INDEX = 4, 8
 ALL_TO_ALLS_PER_LAYER = 4  # dispatch and combine in forward, their gradients in backward
@@ -62,7 +63,7 @@ def layer_params(shape: ModelShape, layer: int, tp: int = 1, ep: int = 1) -> tup
     the router whole, the shared experts split like a dense MLP, the routed experts num_experts / ep, whole."""
     x = shape.extras
     norms = (x.norms_per_block if x is not None else 2) * shape.dim  # replicated over tp
-    attention = mixer_params(shape, tp) + norms
+    attention = mixer_params(shape, tp) + norms + layer_params_change(shape, layer, tp)  # Gemma 4's per-layer input
     moe = shape.moe
     if moe is None or not moe.is_moe_layer(layer):
         return attention + 3 * shape.dim * shape.ffn_hidden_dim // tp, 0

@@ -9,6 +9,7 @@ from disttrain.layout.layout import Layout
 from disttrain.models.shape import ModelShape
 from disttrain.layout.splits import split_layers
 from disttrain.plan.mixers import mixer_params
+from disttrain.plan.per_layer_inputs import root_params as per_layer_root_params
 
 
 @dataclass
@@ -57,7 +58,7 @@ def rank_params(shape: ModelShape, layout: Layout, pp_rank: int = 0) -> RankPara
     table = shape.vocab_size * shape.dim // layout.tp
     root = 0
     if first:
-        root += table
+        root += table + per_layer_root_params(shape, first)  # Gemma 4's per-layer input modules
     if last:
         root += shape.dim  # final norm
         # A tied output matrix is the embedding itself when one rank holds both.

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from disttrain.layout.layout import Layout
+from disttrain.models.shape import ModelShape
+from disttrain.plan.dtypes import dtype_bytes
+
 
 def schedule_order(schedule: str, pp: int, microbatches: int, virtual_stages: int,
                    pp_rank: int) -> list[tuple[str, int, int]]:
@@ -138,3 +142,14 @@ def schedule_peak(order: list[tuple[str, int, int]], kept: list[float], pending:
                 gathered.add(stage)
                 block = max(block, held(), key=lambda h: h.total)
     return block, loss
+
+
+def weight_gradient_inputs_bytes(shape: ModelShape, micro_batch: int, seq_len: int, layout: Layout) -> float:
+    """What zero-bubble's input-gradient pass leaves for the weight pass, per layer and micro-batch: torch's
+    `stage_backward_input` keeps the gradient arriving at every op that leads to a weight (each matmul's
+    output, each RMSNorm's scaled output), in the compute dtype. Counted on real tensors for two blocks: 5h +
+    kv + 2f per token (q, the attention projection, w2 and the two norms h each; k and v together one kv; w1
+    and w3 f each); head- and FFN-split tensors divide by tp."""
+    ec, _ = dtype_bytes(layout)
+    kv = shape.n_kv_heads * shape.head_dim
+    return ec * micro_batch * seq_len * (5 * shape.dim + kv + 2 * shape.ffn_hidden_dim) / layout.tp

@@ -137,5 +137,6 @@ def _extras(c: dict) -> BlockExtras | None:
         per_layer_input=int(c.get("hidden_size_per_layer_input") or 0),
         per_layer_vocab=int(c.get("vocab_size_per_layer_input") or 0),
         kv_shared_layers=int(c.get("num_kv_shared_layers") or 0),
-        dense_mlp_beside_experts=kind == "gemma4_text" and bool(c.get("enable_moe_block")))
+        dense_mlp_beside_experts=kind == "gemma4_text" and bool(c.get("enable_moe_block")),
+        layer_types=tuple(kinds) if kind == "gemma4_text" else ())
     return None if extras == BlockExtras() else extras
