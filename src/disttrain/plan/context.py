@@ -127,6 +127,25 @@ def _gathered_bytes(shape: ModelShape, layout: Layout, element_bytes: int) -> fl
     return element_bytes * s * s  # ulysses: the (seq x seq) mask
 
 
+def recurrence_wait_flops(shape: ModelShape, layout: Layout) -> float:
+    """FLOPs' worth of time per step that one context rank spends on linear-attention layers (Gated DeltaNet) beyond
+    its 1/cp share of their recurrence, which the FLOP count divides over every rank: the recurrent state goes
+    from chunk to chunk along the sequence (parallel/linear_attention.py), so the 2 x cp chunks of a layer run one
+    after the other, forward, and again in backward, which computes each chunk's forward once more before its
+    gradients. A layer's recurrence then takes the whole sequence's time (forward, the forward again, backward:
+    4/3 of the forward-and-backward FLOPs) on every rank instead of 1/cp of it. Heads split over tp; the
+    projections, convolution and norms stay parallel. 0 without context parallelism or linear attention."""
+    x = shape.extras
+    lin = x.linear if x is not None else None
+    if layout.cp <= 1 or lin is None:
+        return 0.0
+    from disttrain.plan.params import rank_params
+
+    layers = max(rank_params(shape, layout, r).layers for r in range(layout.pp)) * lin.layers / shape.n_layers
+    tokens = layout.microbatches * layout.micro_batch * layout.seq_len
+    return layers * tokens * lin.flops_per_token() / layout.tp * (4 / 3 - 1 / layout.cp)
+
+
 LONG_SEQUENCE = 16384  # the search tries cp > 1 from here on (shorter sequences fit without it)
 
 
