@@ -99,8 +99,7 @@ def test_a_hugging_face_directory_gets_its_familys_search_limits(monkeypatch, tm
         assert takes_cp == (kind == "gpt_oss")
         assert (space.context_parallel, space.pipeline_sequence_parallel, space.pipeline_context_parallel) == (
             takes_cp, False, False), kind
-        assert search_limits("gpt-oss-20b") == search_limits(str(tmp_path / "gpt_oss"), json.loads(
-            (tmp_path / "gpt_oss" / "config.json").read_text()))
+        assert search_limits("gpt-oss-20b") == search_limits(str(tmp_path / "gpt_oss"), str(tmp_path / "gpt_oss"))
         layouts = [e["layout"] for e in ranked]
         assert not any((lay["sequence_parallel"] or lay["cp"] > 1) and lay["pp"] > 1 for lay in layouts), kind
         assert any(lay["cp"] > 1 for lay in layouts) == takes_cp, kind

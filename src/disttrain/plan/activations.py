@@ -347,13 +347,10 @@ def _ring_backward(layer: LayerActivations, attention: LayerActivations, ring: f
                    forward: float = 0.0) -> LayerActivations:
     """Context parallelism's backward temporaries (plan/context.py: the ring's, or all-gather's K/V and mask
     remade under checkpointing) add to the layer's transient only beyond its MLP's (or MoE's) tensors, saved
-    or recomputed, which that part's backward frees before attention's runs. `attention`: the same layer
-    without its MLP. Measured by the dry run's tracker on `debug` at seq 128, cp=2, ZeRO-2, one micro-batch:
-    the planner's block moment 1.6% over the fullest block backward (14.7% with the ring's on top, which made
-    it the planned peak); `tiny` cp=2 all-gather, full checkpointing: +5.4% counted on top, +2.1% not."""
+    or recomputed, which that part's backward frees before attention's runs (`attention`: the layer without its
+    MLP; `debug` at seq 128, cp=2, ZeRO-2: 14.7% over the dry run with the ring's on top). The ring's `forward`
+    (recomputed for the backward under checkpointing) comes before the MLP's tensors are remade or made."""
     freed = layer.saved + layer.transient - attention.saved - attention.transient
-    # `forward`: the ring's forward, recomputed for the backward under checkpointing, before the MLP's tensors are
-    # remade (its saved ones, the selective cache, are there); without checkpointing, the layer's own forward
     not_yet = layer.transient - attention.transient
     return replace(layer, transient=layer.transient + max(0.0, ring - freed, forward - not_yet))
 
