@@ -67,6 +67,44 @@ def test_the_search_follows_what_the_runtime_takes(monkeypatch):
     assert not any(lay.cp > 1 for lay in families("qwen3-next-80b-a3b"))
 
 
+def test_a_hugging_face_directory_gets_its_familys_search_limits(monkeypatch, tmp_path):
+    """`plan --hf DIR` searches what the runtime takes for the family its config.json names, as `--model NAME` does
+    for a registry name: sequence or context parallelism never beside a pipeline for a transformers model, and
+    context parallelism only for a family that can shard its sequence (gpt-oss can; Mixtral is refused)."""
+    import json
+
+    from helpers import run_main
+
+    import disttrain.cli.plan as plan
+    from disttrain.models.hf.context import refusal
+    from disttrain.models.registry import search_limits
+    from hf_models import tiny_config
+
+    seen = {}
+    real = plan.search
+
+    def search(shape, cluster, space, *args, **kwargs):
+        seen["space"] = space
+        return real(shape, cluster, space, *args, **kwargs)
+
+    monkeypatch.setattr(plan, "search", search)
+    for kind, config in (("gpt_oss", family_config("gpt_oss")), ("mixtral", tiny_config("mixtral"))):
+        config.max_position_embeddings = 32768
+        config.save_pretrained(tmp_path / kind)
+        code, out, err = run_main("plan", "--hf", str(tmp_path / kind), "--gpus", "16", "--seq-len", "32768",
+                                  "--json", "--top", "1000")
+        assert code in (0, None), err
+        space, ranked = seen["space"], json.loads(out)["top"]
+        takes_cp = not refusal(config)
+        assert takes_cp == (kind == "gpt_oss")
+        assert (space.context_parallel, space.pipeline_sequence_parallel, space.pipeline_context_parallel) == (
+            takes_cp, False, False), kind
+        assert search_limits("gpt-oss-20b") == search_limits(str(tmp_path / "gpt_oss"), str(tmp_path / "gpt_oss"))
+        layouts = [e["layout"] for e in ranked]
+        assert not any((lay["sequence_parallel"] or lay["cp"] > 1) and lay["pp"] > 1 for lay in layouts), kind
+        assert any(lay["cp"] > 1 for lay in layouts) == takes_cp, kind
+
+
 def test_context_parallel_kernels_keep_no_probabilities_and_experts_stay_whole():
     """gpt-oss under context parallelism runs disttrain's kernels (the sink through the log-sum-exp): no
     heads x seq² probabilities; under tensor parallelism the fused experts stay whole on every rank while
@@ -279,3 +317,49 @@ def test_latent_attention_parameters_under_tensor_parallelism_follow_the_dry_run
                              "parallel.zero_stage=2"])
     rank = dry_run(cfg, 4, [0])["ranks"][0]
     assert abs(rank["error"]["parameters"]) <= 0.005, (rank["bytes"], rank["planner"])
+
+
+def test_linear_attention_recurrence_waits_for_the_context_rank_before(monkeypatch):
+    """Qwen3-Next's Gated DeltaNet passes its state from chunk to chunk (parallel/linear_attention.py): under context
+    parallelism a layer's 2 x cp chunks run one after the other on their ranks, forward, then backward (each chunk's
+    forward again, then its gradients), so the step is longer than the FLOPs divided over the ranks by what a
+    simulation of that chain says; softmax attention (gpt-oss) and cp = 1 wait for nothing."""
+    import disttrain.plan.context as context
+    from disttrain.core.gpus import find_gpu
+    from disttrain.layout.layout import Layout
+    from disttrain.models.registry import MODEL_SHAPES
+    from disttrain.parallel.context_shards import shard_chunks
+    from disttrain.plan.timing import Cluster, step_time
+
+    cluster = Cluster(find_gpu("h100"), nodes=2)
+    rate = cluster.gpu.peak_flops("bf16") * cluster.compute_efficiency
+    next80b, oss = MODEL_SHAPES["qwen3-next-80b-a3b"], MODEL_SHAPES["gpt-oss-20b"]
+    lin = next80b.extras.linear
+
+    def layout(cp, tp=1):
+        return Layout(seq_len=131072, cp=cp, tp=tp, dp_shard=16 // (cp * tp), ep=1, zero_stage=3,
+                      global_batch_size=8, micro_batch_size=1, activation_checkpointing="full")
+
+    def chain_s(lay) -> float:
+        """The wait a rank sees beyond its own chunks' work, from the chain of one layer's chunks (chunk c on the
+        rank holding it, each starting when the one before has finished and its rank is free), per step."""
+        owner = {c: r for r in range(lay.cp) for c in shard_chunks(r, lay.cp)}
+        chunk = lay.seq_len // (2 * lay.cp)
+        forward = lin.flops_per_token() / 3 * chunk / lay.tp / rate  # one chunk's forward on one rank
+        free, end = dict.fromkeys(range(lay.cp), 0.0), 0.0
+        for c, seconds in [(c, forward) for c in range(2 * lay.cp)] + \
+                [(c, 3 * forward) for c in reversed(range(2 * lay.cp))]:  # backward: forward again + gradients
+            end = max(end, free[owner[c]]) + seconds
+            free[owner[c]] = end
+        own = 2 * 3 * forward  # a rank's two chunks, forward and backward: its share of the FLOPs
+        return (end - own) * lin.layers * lay.microbatches * lay.micro_batch
+
+    for lay in (layout(2), layout(4), layout(8, tp=2)):
+        waiting = step_time(next80b, lay, cluster).compute_s
+        with monkeypatch.context() as patch:
+            patch.setattr(context, "recurrence_wait_flops", lambda shape, lay: 0.0)
+            parallel = step_time(next80b, lay, cluster).compute_s
+        assert waiting - parallel == pytest.approx(chain_s(lay), rel=1e-9), lay.describe()
+        assert step_time(next80b, lay, cluster).cp_recurrence_s == pytest.approx(chain_s(lay), rel=1e-9)
+    assert step_time(next80b, layout(1), cluster).cp_recurrence_s == 0.0
+    assert step_time(oss, layout(4), cluster).cp_recurrence_s == 0.0

@@ -282,11 +282,11 @@ def cmd_plan(args) -> None:
     cluster = _cluster(args, args.gpus, name, shape)
     if args.lora_rank < 0:
         raise UserError(f"--lora-rank={args.lora_rank}: must be > 0 (leave it out for full training)")
-    space = SearchSpace(seq_len=seq_len, global_batch_size=gbs, zero_stages=stages,
-                        allow_offload=args.allow_offload, param_dtype=args.dtype or "bf16",
-                        lora_rank=moe.no_lora(args.lora_rank, shape), ep=moe.expert_degrees(args.ep, shape, args.gpus),
+    space = SearchSpace(seq_len=seq_len, global_batch_size=gbs, zero_stages=stages, allow_offload=args.allow_offload,
+                        param_dtype=args.dtype or "bf16", lora_rank=moe.no_lora(args.lora_rank, shape),
+                        ep=moe.expert_degrees(args.ep, shape, args.gpus), state_dtype=args.state_dtype,
                         routing_skew=moe.routing_skew(args.routing_skew, shape), optimizer=args.optimizer,
-                        state_dtype=args.state_dtype, **search_limits(name))
+                        **search_limits(name, args.hf))
     result = search(shape, cluster, space, args.headroom, model=name)
     tokens = parse_count("--tokens", args.tokens) if args.tokens else None
     if not result.ranked:

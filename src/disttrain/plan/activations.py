@@ -247,10 +247,13 @@ def stage_activation_bytes(shape: ModelShape, layout: Layout, pp_rank: int, fuse
     layer = layer_activation_bytes(shape, mb, s, layout, fused_norm)
     attention = layer_activation_bytes(replace(shape, ffn_hidden_dim=0, moe=None), mb, s, layout, fused_norm)
     ring = mixer_backward_bytes(shape, mb, s, layout, ec, er)  # the widest token mixer's backward, beyond the average
+    ring_forward = 0.0
     if layout.cp > 1:
-        from disttrain.plan.context import context_extra_bytes, context_recomputed_bytes, ring_backward_temporary_bytes
+        from disttrain.plan.context import context_extra_bytes, context_recomputed_bytes, ring_temporary_bytes
 
-        extra, ring = context_extra_bytes(shape, layout, ec), ring + ring_backward_temporary_bytes(shape, layout, ec)
+        extra, (ring_forward, ring_backward) = context_extra_bytes(shape, layout, ec), \
+            ring_temporary_bytes(shape, layout, ec)
+        ring += ring_backward
         ring += context_recomputed_bytes(shape, layout, ec)  # attention's too: remade for its backward
         layer, attention = (replace(part, saved=part.saved + extra) for part in (layer, attention))
     first = korthikanti_in_flight_factor(layout.pp, layout.microbatches, layout.pp_schedule, layout.stages_per_rank)
@@ -267,8 +270,8 @@ def stage_activation_bytes(shape: ModelShape, layout: Layout, pp_rank: int, fuse
         held_more, freed = block_backward_bytes(shape, mb, s, layout)
         layer = replace(layer, transient=layer.transient + held_more)
         grad_share = shape.dim * shape.ffn_hidden_dim / layout.tp / layer_params(shape, layout.tp)
-    if ring:
-        layer = _ring_backward(layer, attention, ring)
+    if ring or ring_forward:
+        layer = _ring_backward(layer, attention, ring, ring_forward)
     saved = layers_saved * in_flight
     logits = chunk = head = 0.0
     if held.embedding:
@@ -322,15 +325,16 @@ def block_backward_bytes(shape: ModelShape, micro_batch: int, seq_len: int, layo
     return arriving + 2 * ffn, 0.0
 
 
-def _ring_backward(layer: LayerActivations, attention: LayerActivations, ring: float) -> LayerActivations:
+def _ring_backward(layer: LayerActivations, attention: LayerActivations, ring: float,
+                   forward: float = 0.0) -> LayerActivations:
     """Context parallelism's backward temporaries (plan/context.py: the ring's, or all-gather's K/V and mask
     remade under checkpointing) add to the layer's transient only beyond its MLP's (or MoE's) tensors, saved
-    or recomputed, which that part's backward frees before attention's runs. `attention`: the same layer
-    without its MLP. Measured by the dry run's tracker on `debug` at seq 128, cp=2, ZeRO-2, one micro-batch:
-    the planner's block moment 1.6% over the fullest block backward (14.7% with the ring's on top, which made
-    it the planned peak); `tiny` cp=2 all-gather, full checkpointing: +5.4% counted on top, +2.1% not."""
+    or recomputed, which that part's backward frees before attention's runs (`attention`: the layer without its
+    MLP; `debug` at seq 128, cp=2, ZeRO-2: 14.7% over the dry run with the ring's on top). The ring's `forward`
+    (recomputed for the backward under checkpointing) comes before the MLP's tensors are remade or made."""
     freed = layer.saved + layer.transient - attention.saved - attention.transient
-    return replace(layer, transient=layer.transient + max(0.0, ring - freed))
+    not_yet = layer.transient - attention.transient
+    return replace(layer, transient=layer.transient + max(0.0, ring - freed, forward - not_yet))
 
 
 def _multi_stage(shape: ModelShape, layout: Layout, pp_rank: int, layer: LayerActivations, logits: float,

@@ -5,7 +5,7 @@ Head-tail chunks balance causal attention, so each context rank computes 1/cp of
 FLOPs and holds seq_len/cp tokens of every activation. On top of that share:
   ring       keeps nothing more (masks only under document masking, one block at a time) but, under
              selective checkpointing, every block's kernel output (ring_selective_cache_bytes); it holds a few
-             Q- and K/V-sized temporaries while a layer's backward runs (ring_backward_temporary_bytes); per layer it
+             Q- and K/V-sized temporaries while a layer's backward runs (ring_temporary_bytes); per layer it
              sends cp-1 K/V blocks forward and, in backward, cp-1 K/V blocks plus cp dK/dV blocks, each
              overlapped with one block's attention;
   allgather  keeps the gathered K/V (whole sequence) and a boolean (seq_len/cp x seq_len) mask per layer;
@@ -51,20 +51,29 @@ def kv_traffic_bytes(shape: ModelShape, layout: Layout) -> dict:
     return {"method": "ulysses", "bytes": 2 * (cp - 1) / cp * (2 * q + kv), "overlapped": False}
 
 
-def ring_backward_temporary_bytes(shape: ModelShape, layout: Layout, element_bytes: int) -> float:
-    """What the ring's backward (parallel/ring_attention.py) holds besides the saved tensors while a block's
-    kernel runs, per micro-batch: the contiguous output gradient, the accumulating dQ and travelling dK/dV
-    (at least fp32), this block's K/V and the next one arriving, the K/V expanded to every query head
-    (grouped heads only) and the kernel's dQ, dK, dV for the block. The forward holds less (its merge
-    works on one block's output at a time), so the backward bounds the ring's temporaries."""
+def ring_temporary_bytes(shape: ModelShape, layout: Layout, element_bytes: int) -> tuple[float, float]:
+    """(forward, backward): what the ring (parallel/ring_attention.py) holds besides the saved tensors while a
+    layer's attention runs, per micro-batch, in each pass. Backward, while a block's kernel runs: the contiguous output
+    gradient, the accumulating dQ and travelling dK/dV (at least fp32), this block's K/V and the next one
+    arriving, the K/V expanded to every query head (grouped heads only) and the kernel's dQ, dK, dV for the
+    block. Forward (or its recomputation for the backward under checkpointing), at a block's merge into the
+    running output: that output and its log-sum-exp (at least fp32), the block's output (cached under selective
+    checkpointing: counted there) and its copy at that precision, the rescaled running output, the rescaled
+    block and their sum, besides the expanded and travelling K/V: five query-sized tensors at fp32 in bf16,
+    more than backward's (a tiny gpt-oss at cp=4 whose ring holds its peak: 42% fewer temporaries counted
+    with backward's alone). plan/activations.py places each at its moment of the layer's backward."""
     if layout.cp == 1 or layout.cp_method != "ring":
-        return 0.0
+        return 0.0, 0.0
     e, acc = element_bytes, max(element_bytes, 4)
     tokens = layout.seq_len // layout.cp * layout.micro_batch
     q = tokens * shape.n_heads * shape.head_dim / layout.tp  # elements of Q (and of K/V expanded to its heads)
     kv = 2 * tokens * shape.n_kv_heads * shape.head_dim / layout.tp  # K and V stacked
     expanded = 2 * e * q if shape.n_heads != shape.n_kv_heads else 0.0
-    return (e + acc) * q + (2 * e + acc) * kv + expanded + 3 * e * q
+    backward = (e + acc) * q + (2 * e + acc) * kv + expanded + 3 * e * q
+    block = 0.0 if layout.activation_checkpointing == "selective" else e * q
+    copy = acc * q if acc != e else 0.0
+    forward = 4 * acc * q + acc * q / shape.head_dim + block + copy + 2 * e * kv + expanded
+    return forward, backward
 
 
 def ring_selective_cache_bytes(shape: ModelShape, layout: Layout, element_bytes: int) -> float:
@@ -74,11 +83,31 @@ def ring_selective_cache_bytes(shape: ModelShape, layout: Layout, element_bytes:
     ring's merged output is recomputed from them, not kept. Context rank r computes its own block and r
     blocks from earlier ranks over all its query rows, and cp-1-r blocks from later ranks over half of them;
     the last context rank (cp blocks of full rows, cp - 1 more than a layer without the ring) holds the most,
-    and the planner counts that rank (the 7b at 131,072 tokens, cp=4: as the 32-rank dry run measures)."""
+    and the planner counts that rank (the 7b at 131,072 tokens, cp=4: as the 32-rank dry run measures).
+    A sliding-window layer computes a block only over the query rows that reach its keys (`window_rows`): on the
+    last rank, none but the window's first rows of the chunk after each earlier one (gpt-oss-20b, cp=16: its
+    sliding layers had been counted as full ones, 5.8 GiB above the dry run on that rank). Linear-attention
+    layers run no ring. Averaged over the layers, per layer and micro-batch."""
     if layout.cp == 1 or layout.cp_method != "ring" or layout.activation_checkpointing != "selective":
         return 0.0
-    q = layout.seq_len // layout.cp * layout.micro_batch * shape.n_heads * shape.head_dim / layout.tp
-    return (layout.cp - 1) * (element_bytes * q + 4 * q / shape.head_dim)
+    t = layout.seq_len // layout.cp
+    x = shape.extras
+    window = x.sliding_window if x is not None else 0
+    sliding = x.sliding_layers if window else 0
+    full = shape.n_layers - shape.linear_layers - sliding
+    rows = full * (layout.cp - 1) * t + sliding * window_rows(layout, window)
+    per_row = layout.micro_batch * shape.n_heads / layout.tp * (element_bytes * shape.head_dim + 4)
+    return per_row * rows / shape.n_layers
+
+
+def window_rows(layout: Layout, window: int) -> int:
+    """Query rows of the ring's blocks from earlier context ranks that a sliding window lets the last context rank
+    compute (parallel/ring_attention.py computes each block over the smallest range of rows that reach its keys):
+    the block of the rank j places back holds the chunk ending (j - 1) chunks before this rank's first, whose
+    last key the window's first `window - 1 - (j - 1) x chunk` rows still see."""
+    t = layout.seq_len // layout.cp
+    chunk = t // 2
+    return sum(min(t, max(0, window - 1 - (j - 1) * chunk)) for j in range(1, layout.cp))
 
 
 def context_extra_bytes(shape: ModelShape, layout: Layout, element_bytes: int) -> float:
@@ -125,6 +154,25 @@ def _gathered_bytes(shape: ModelShape, layout: Layout, element_bytes: int) -> fl
         kv = 2 * element_bytes * mb * shape.n_kv_heads * shape.head_dim / tp * (s - s // cp)
         return kv + element_bytes * (s // cp) * s
     return element_bytes * s * s  # ulysses: the (seq x seq) mask
+
+
+def recurrence_wait_flops(shape: ModelShape, layout: Layout) -> float:
+    """FLOPs' worth of time per step that one context rank spends on linear-attention layers (Gated DeltaNet) beyond
+    its 1/cp share of their recurrence, which the FLOP count divides over every rank: the recurrent state goes
+    from chunk to chunk along the sequence (parallel/linear_attention.py), so the 2 x cp chunks of a layer run one
+    after the other, forward, and again in backward, which computes each chunk's forward once more before its
+    gradients. A layer's recurrence then takes the whole sequence's time (forward, the forward again, backward:
+    4/3 of the forward-and-backward FLOPs) on every rank instead of 1/cp of it. Heads split over tp; the
+    projections, convolution and norms stay parallel. 0 without context parallelism or linear attention."""
+    x = shape.extras
+    lin = x.linear if x is not None else None
+    if layout.cp <= 1 or lin is None:
+        return 0.0
+    from disttrain.plan.params import rank_params
+
+    layers = max(rank_params(shape, layout, r).layers for r in range(layout.pp)) * lin.layers / shape.n_layers
+    tokens = layout.microbatches * layout.micro_batch * layout.seq_len
+    return layers * tokens * lin.flops_per_token() / layout.tp * (4 / 3 - 1 / layout.cp)
 
 
 LONG_SEQUENCE = 16384  # the search tries cp > 1 from here on (shorter sequences fit without it)

@@ -22,7 +22,7 @@ from disttrain.plan.activations import (  # noqa: F401 (re-exported: the planner
     StageActivations, last_stage_output_bytes,
     layer_activation_bytes, mlp_backward_bytes, mlp_product_bytes, pipeline_batch_bytes, pipeline_recv_bytes,
     stage_activation_bytes, stage_output_bytes)
-from disttrain.plan.moe import model_states as moe_model_states
+from disttrain.plan.moe import expert_shard_padding, model_states as moe_model_states
 from disttrain.plan.optimizer import muon_params, muon_temporaries
 from disttrain.plan.peak_moments import alive_at_moments
 from disttrain.plan.moe import layer_params as moe_layer_params
@@ -272,6 +272,9 @@ def estimate_memory(shape: ModelShape, layout: Layout, accounting: str = "runtim
         if held.experts and layout.experts_outside_fsdp:  # no FSDP unit gathers the experts (one-rank mesh)
             all_held -= held.experts
             unit -= moe_layer_params(shape, shape.n_layers - 1, layout.tp, layout.ep)[1]
+        elif held.experts:  # FSDP2 gathers their padded rows (fewer experts than ranks sharing them)
+            unit += (expert_shard_padding(shape, layout) - 1) * moe_layer_params(shape, shape.n_layers - 1,
+                                                                                 layout.tp, layout.ep)[1]
         if layout.zero_stage >= 2:
             gathered = pb * (all_held if not layout.reshard_after_forward else held.root)
         est = MemoryEstimate(held.total + (adapters or 0), states, acts, pipe, pp_rank, trainable_per_rank=adapters)

@@ -5,8 +5,10 @@ Routing is data-dependent; the planner assumes it: `routing_skew` = 1 is balance
 tokens x top-k / num_experts), and a skew s > 1 sends the busiest expert-parallel rank s times its balanced
 share (at most all ep ranks' tokens), which sizes its receive buffers, its expert matmuls and the all-to-all it
 waits for. Tensor-parallel ranks keep the experts whole (dense layers split, experts not) and route the same
-tokens (their sequence shard with sequence parallelism). A context-parallel rank routes its 1/cp of each
-sequence: expert parallelism borrows the context ranks as it borrows the data-parallel ones.
+tokens: all of their sequence, with sequence parallelism too (the MoE block's input is gathered from the sequence
+shards, models/hf/tp_plans.py; the built-in MoE family takes no sequence parallelism). A context-parallel rank
+routes its 1/cp of each sequence: expert parallelism borrows the context ranks as it borrows the data-parallel
+ones.
 """
 
 from __future__ import annotations
@@ -91,6 +93,19 @@ def expert_tensor(shape: ModelShape, ep: int = 1) -> int:
     return shape.moe.num_experts // ep * 2 * shape.moe.moe_intermediate_size * shape.dim if shape.moe else 0
 
 
+def expert_shard_padding(shape: ModelShape, layout: Layout) -> float:
+    """How much more than an even 1/efsdp share of its experts' states the fullest rank holds under ZeRO-2/3: FSDP2
+    shards each expert tensor on its first dimension, the num_experts / ep experts this rank's expert-parallel
+    group holds, in chunks of ceil(experts / efsdp) rows, and pads every rank's shard to that size. Fewer experts
+    than ranks sharing them (gpt-oss-20b at ep=8 over 64 ranks: 4 experts, 8 ranks) leaves whole experts on the
+    first ranks and nothing on the last: twice the even share on rank 0 there (the dry run's parameters and
+    optimizer states)."""
+    if shape.moe is None or layout.ep <= 1 or layout.zero_stage < 2 or layout.experts_outside_fsdp:
+        return 1.0
+    experts, ranks = shape.moe.num_experts // layout.ep, expert_layout(layout).shard_ranks
+    return -(-experts // ranks) * ranks / experts
+
+
 def model_states(model_state_bytes, held, layout: Layout, accounting: str, largest_tensor: float,
                  shape: ModelShape, muon: bool = False, state_dtype: str = "fp32"):
     """Dense parameters' states over the data-parallel group, the experts' over theirs (`expert_layout`),
@@ -106,10 +121,13 @@ def model_states(model_state_bytes, held, layout: Layout, accounting: str, large
                               state_dtype=state_dtype)
     if not held.experts:
         return dense
-    routed = model_state_bytes(held.experts, expert_layout(layout), accounting, largest_unit=expert_unit,
+    padding = expert_shard_padding(shape, layout)  # FSDP2 gathers and reduces the padded rows too
+    routed = model_state_bytes(held.experts, expert_layout(layout), accounting, largest_unit=expert_unit * padding,
                                root_params=0, largest_tensor=expert_tensor(shape, layout.ep),
                                muon=held.experts if muon else 0.0,
                                muon_matrix=expert_tensor(shape, layout.ep) if muon else 0.0, state_dtype=state_dtype)
+    for name in ("params", "grads", "optimizer", "step_temporary"):
+        setattr(routed, name, getattr(routed, name) * padding)
     for f in fields(dense):
         setattr(dense, f.name, getattr(dense, f.name) + getattr(routed, f.name))
     return dense
@@ -155,7 +173,7 @@ def moe_layer_bytes(shape: ModelShape, layout: Layout, attention, ec: int, skew:
     base, micro_batch, seq_len = attention, layout.micro_batch, layout.seq_len
     moe = shape.moe
     t = layout.tp
-    tokens = micro_batch * seq_len / layout.cp / (t if layout.sequence_parallel else 1)
+    tokens = micro_batch * seq_len / layout.cp  # every tensor-parallel rank routes them all (module doc)
     k, h, width, e = moe.num_experts_per_tok, shape.dim, moe.moe_intermediate_size, moe.num_experts
     rows = tokens * k * received(layout, skew)
     sb, shared = micro_batch * seq_len / layout.cp, moe.n_shared_experts * width / t
@@ -165,6 +183,10 @@ def moe_layer_bytes(shape: ModelShape, layout: Layout, attention, ec: int, skew:
     full = routing + ec * rows * (h + 4 * width) + (ec + er) * tokens * k * h + 4 * ec * sb * shared + casts
     if shape.extras is not None and shape.extras.expert_bias:  # gpt-oss's clamped GLU: both halves clamped, the
         full += 3 * ec * rows * width  # scaled gate and its sigmoid, the shifted up: three more than SiLU x up
+        # and its expert biases, given to every row (gate/up's and down's) beside the products they are added to,
+        # all alive at the down projection's bias (the fullest moment of the layer's forward, or of its
+        # recomputation: gpt-oss-120b at 131,072 tokens, full checkpointing, 8.4 GiB the dry run found)
+        buffers += (1 if layout.activation_checkpointing == "selective" else 2) * ec * rows * (2 * width + h)
     if autocast:
         buffers += (ec + FP32) * e // layout.ep * width * h
     mode = layout.activation_checkpointing
@@ -210,7 +232,7 @@ def dispatch_s(shape: ModelShape, layout: Layout, cluster, skew: float = ROUTING
         return 0.0
     n_moe = max(moe_layers(shape, held_layers(shape, layout, r)) for r in range(layout.pp))
     e = DTYPE_BYTES[layout.param_dtype]
-    tokens = layout.micro_batch * layout.seq_len / layout.cp / (layout.tp if layout.sequence_parallel else 1)
+    tokens = layout.micro_batch * layout.seq_len / layout.cp
     nbytes = e * tokens * shape.moe.num_experts_per_tok * shape.dim * received(layout, skew)
     bw, lat = cluster.link(layout.ep * layout.tp, "all_to_all")
     per_layer = ALL_TO_ALLS_PER_LAYER + (2 if layout.activation_checkpointing == "full" else 0)
@@ -232,7 +254,7 @@ def expert_excess_flops(shape: ModelShape, layout: Layout, skew: float = ROUTING
     if shape.moe is None:
         return 0.0
     n_moe = max(moe_layers(shape, held_layers(shape, layout, r)) for r in range(layout.pp))
-    tokens = layout.sequences_per_rank * layout.seq_len / layout.cp / (layout.tp if layout.sequence_parallel else 1)
+    tokens = layout.sequences_per_rank * layout.seq_len / layout.cp
     per_token = routed_flops_per_token(shape, n_moe, layout.activation_checkpointing)
     share = per_token * layout.sequences_per_rank * layout.seq_len / (layout.tp * layout.cp)
     return max(0.0, per_token * tokens * received(layout, skew) - share)

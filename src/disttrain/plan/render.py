@@ -104,6 +104,8 @@ def time_lines(est: Estimate, tokens: float | None = None, baseline_tokens_per_s
         return []
     lines = ["Step time:",
              f"  compute {t.compute_s * 1e3:10.1f} ms   pipeline bubble {t.bubble_s * 1e3:8.1f} ms",
+             *([f"    of which {t.cp_recurrence_s * 1e3:.1f} ms linear attention's recurrence waiting for the "
+                f"context rank before (cp={est.layout.cp})"] if t.cp_recurrence_s else []),
              f"  tensor-parallel comm {t.tp_comm_s * 1e3:8.1f} ms   pipeline transfers {t.pp_comm_s * 1e3:8.1f} ms",
              f"  data-parallel comm {t.dp_comm_s * 1e3:8.1f} ms, exposed {t.dp_exposed_s * 1e3:8.1f} ms",
              *([f"  expert all-to-all {t.ep_comm_s * 1e3:8.1f} ms (ep={est.layout.ep}, routing skew "

@@ -135,6 +135,7 @@ class StepTime:
     ep_comm_s: float = 0.0  # expert parallel: the all-to-all dispatch and combine (plan/moe.py), exposed
     cp_comm_s: float = 0.0  # context parallel's K/V traffic (plan/context.py)
     cp_exposed_s: float = 0.0  # the part not hidden behind attention
+    cp_recurrence_s: float = 0.0  # of compute: linear attention's recurrence waiting from context rank to rank
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -160,6 +161,14 @@ def step_time(shape: ModelShape, layout: Layout, cluster: Cluster, routing_skew:
             peak * cluster.compute_efficiency
         compute += expert_excess_flops(shape, layout, routing_skew) / rate
     ep_comm = dispatch_s(shape, layout, cluster, routing_skew)
+    recurrence = 0.0
+    if layout.cp > 1:  # linear attention's chunks in sequence order, one context rank after the other
+        from disttrain.plan.context import recurrence_wait_flops
+
+        rate = cluster.matmul_rate(layout.tp, dtype, peak) if cluster.elementwise_bytes_per_s is not None else \
+            peak * cluster.compute_efficiency
+        recurrence = recurrence_wait_flops(shape, layout) / rate
+        compute += recurrence
     per_mb = compute / m  # one micro-batch through this rank's stage(s): forward + backward
     recompute_share = F.recompute_flops_per_token(shape, s, layout.activation_checkpointing) / hw_per_token
     fwd = per_mb * (1 - recompute_share) / 3
@@ -263,7 +272,7 @@ def step_time(shape: ModelShape, layout: Layout, cluster: Cluster, routing_skew:
     per_gpu = tps / world
     return StepTime(compute, bubble, tp_comm, pp_comm, dp_comm, dp_exposed, step, tps, per_gpu,
                     F.mfu(model_per_token, per_gpu, peak), F.mfu(hw_per_token, per_gpu, peak), optimizer, ep_comm,
-                    cp_comm, cp_exposed)
+                    cp_comm, cp_exposed, recurrence)
 
 
 # Elements each token reads or writes per layer outside matmuls and attention, forward + backward,

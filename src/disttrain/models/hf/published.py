@@ -52,19 +52,27 @@ PUBLISHED_CONFIGS: dict[str, dict] = {
 }
 
 
-def search_limits(name: str) -> dict:
-    """What the layout search may not propose for this registry model, as `SearchSpace` fields: a transformers
-    model takes sequence or context parallelism or a pipeline, not both (models/rules.py), and shards its sequence
-    only where the runtime says it can (models/hf/context.py's `refusal`: all three do, Qwen3-Next's recurrent
-    state passed from shard to shard), so the search follows the runtime. Tensor parallelism is searched for every
-    name (fused experts whole on each rank). Loads torch for these names only: the built-in ones have no limits."""
-    if name not in PUBLISHED_CONFIGS:
+def search_limits(name: str, hf: str | None = None) -> dict:
+    """What the layout search may not propose for this registry model, or for the transformers model in the
+    directory `hf` (`plan --hf DIR`: the family its config.json names decides, as for a registry name of that
+    family), as `SearchSpace` fields: a transformers model takes sequence or context parallelism or a pipeline, not both
+    (models/rules.py), and shards its sequence only where the runtime says it can (models/hf/context.py's
+    `refusal`: the three published families do, Qwen3-Next's recurrent state passed from shard to shard), so the
+    search follows the runtime. Tensor parallelism is searched for every name (fused experts whole on each rank).
+    Loads torch for these models only: the built-in ones have no limits."""
+    if hf:
+        from disttrain.models.hf.shape import read_config
+
+        config = read_config(hf)
+    else:
+        config = PUBLISHED_CONFIGS.get(name)
+    if config is None:
         return {}
     from types import SimpleNamespace
 
     from disttrain.models.hf.context import refusal
 
-    return {"context_parallel": not refusal(SimpleNamespace(**PUBLISHED_CONFIGS[name])),
+    return {"context_parallel": not refusal(SimpleNamespace(**config)),
             "pipeline_sequence_parallel": False, "pipeline_context_parallel": False}
 
 
