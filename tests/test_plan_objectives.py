@@ -73,17 +73,20 @@ def test_the_planner_follows_the_dry_run(name, data):
         assert rank["bytes"]["parameters"] > 1.5 * lm["ranks"][0]["bytes"]["parameters"]
 
 
-def test_estimate_counts_the_objective_and_refuses_its_step_time(data, tmp_path):
+def test_estimate_counts_the_objective_and_its_step_time(data, tmp_path):
     """`disttrain estimate RUN.yaml` of a DPO run says what it counted (pairs, the frozen reference) and has the dry
-    run; a step time of it is refused in one line."""
+    run; with --time the pairs count twice in the tokens and the reference's forward is a line of its own."""
     config = tmp_path / "dpo.yaml"
     config.write_text(DEBUG_CONFIG.read_text())
     overrides = [*BASE, f"data.source={data}/pairs", "train.objective=dpo", "parallel.zero_stage=3"]
     code, out, err = run_main("estimate", str(config), *overrides, "--gpus", "2")
     assert code == 0, err
     assert "counted: train.objective=dpo, pairs: twice the rows, a frozen reference of" in out, out
-    code, _, err = run_main("estimate", str(config), *overrides, "--gpus", "2", "--time")
-    assert code == 2 and "the step time models a language-model step" in err and len(err.splitlines()) == 1, err
+    code, out, err = run_main("estimate", str(config), *overrides, "--gpus", "2", "--time", "--json")
+    assert code == 0, err
+    time = json.loads(out)["time"]
+    assert json.loads(out)["tokens_per_step"] == 2 * 8 * 256
+    assert 0 < time["frozen_compute_s"] < time["frozen_s"] < time["step_s"], time
 
 
 def test_a_frozen_model_in_a_pipeline_is_refused_by_the_dry_run(data):

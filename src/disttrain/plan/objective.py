@@ -4,7 +4,9 @@
 - preference pairs (dpo, simpo, orpo): a sample is two sequences, so every micro-batch holds twice the rows;
 - a frozen model beside the trained one (dpo's reference, unless its values are computed once ahead; distill's
   teacher): its parameters, sharded as the trained model's are (tensor and pipeline splits, FSDP shards), in the
-  trained model's storage dtype, with no gradients or optimizer states.
+  trained model's storage dtype, with no gradients or optimizer states;
+- its forward in every step (plan/frozen_time.py), or under LoRA the forward of dpo's reference, the policy itself
+  with its adapters off (no parameters of its own).
 """
 
 from __future__ import annotations
@@ -22,6 +24,13 @@ class ObjectiveTerms:
     name: str = "lm"
     rows: int = 1  # sequences per sample
     frozen: ModelShape | None = None  # the reference's or the teacher's shape
+    forward: ModelShape | None = None  # a forward-only pass of the policy's own parameters (dpo's LoRA reference)
+    teacher: str = ""  # distill.teacher, as given
+
+    @property
+    def forward_shape(self) -> ModelShape | None:
+        """The shape of the forward-only pass a step runs besides the trained model's (None: none)."""
+        return self.frozen if self.frozen is not None else self.forward
 
     def describe(self) -> str:
         """What the estimate counted beyond a language-model step, or ""."""
@@ -31,24 +40,41 @@ class ObjectiveTerms:
         if self.frozen is not None:
             parts.append(f"a frozen {'teacher' if self.name == 'distill' else 'reference'} of "
                          f"{self.frozen.num_params() / 1e6:,.1f}M parameters")
+        elif self.forward is not None:
+            parts.append("the reference's forward (the policy with its adapters off)")
         return ", ".join(parts)
 
 
 def objective_terms(cfg, shape: ModelShape) -> ObjectiveTerms:
     """The terms of a run config's objective; `shape`: the trained model's (dpo's reference has it)."""
     name = cfg.train.objective
-    if name in PREFERENCE:
-        frozen = shape if name == "dpo" and not cfg.dpo.precompute_reference and cfg.model.lora is None else None
-        return ObjectiveTerms(name, 2, frozen)
-    if name == "distill":
-        from disttrain.config.saved import run_directory
-        from disttrain.config.sections import ModelConfig
-        from disttrain.models import registry
+    teacher = cfg.distill.teacher if name == "distill" else ""
+    return terms(name, shape, teacher, cfg.dpo.precompute_reference, cfg.model.lora is not None)
 
-        run = run_directory(cfg.distill.teacher)
-        section = ModelConfig(hf=cfg.distill.teacher) if run is None else run.model
-        return ObjectiveTerms(name, 1, registry.model_shape(section))
+
+def terms(name: str, shape: ModelShape, teacher: str = "", precompute_reference: bool = False,
+          lora: bool = False) -> ObjectiveTerms:
+    """`name`'s terms for a trained model of `shape`: dpo runs a reference (a frozen copy; under LoRA the policy with
+    its adapters off; none with precomputed values), distill `teacher` (as distill.teacher names it, or a registry
+    shape's name)."""
+    if name in PREFERENCE:
+        reference = name == "dpo" and not precompute_reference
+        return ObjectiveTerms(name, 2, shape if reference and not lora else None, shape if reference and lora else None)
+    if name == "distill":
+        from disttrain.models.registry import MODEL_SHAPES
+
+        return ObjectiveTerms(name, 1, MODEL_SHAPES.get(teacher) or teacher_shape(teacher), teacher=teacher)
     return ObjectiveTerms()
+
+
+def teacher_shape(teacher: str) -> ModelShape:
+    """`distill.teacher`'s shape: a Hugging Face model directory's, or the model a disttrain run directory names."""
+    from disttrain.config.saved import run_directory
+    from disttrain.config.sections import ModelConfig
+    from disttrain.models import registry
+
+    run = run_directory(teacher)
+    return registry.model_shape(ModelConfig(hf=teacher) if run is None else run.model)
 
 
 def distill_head_bytes(objective: ObjectiveTerms, shape: ModelShape, layout: Layout) -> tuple[float, float]:
