@@ -69,10 +69,6 @@ def unsupported(cfg, layout: Layout) -> str | None:
     if cfg.model.lora is not None:
         return ("model.lora cannot be dry-run yet (the simulated model would train every parameter); "
                 "`disttrain estimate` counts LoRA's memory")
-    if layout.pp > 1 and frozen_model(cfg):
-        return (f"train.objective={cfg.train.objective} with parallel.pp={layout.pp} cannot be dry-run yet (the "
-                f"{frozen_model(cfg)}'s pipeline of its own is not simulated); allowed: parallel.pp=1"
-                + (", or dpo.precompute_reference=true" if cfg.train.objective == "dpo" else ""))
     return None
 
 
@@ -150,13 +146,14 @@ def measure_step(cfg, layout: Layout, spec, model, steps: int = 2, materialize=N
         mean_loss = make_objective(cfg, spec, layout, meshes, SimpleNamespace(masks_targets=False,
                                                                               targets_per_sample=layout.seq_len),
                                    context_shard(layout, meshes))
-        stage_io = stage_shapes(spec, layout, lambda: mean_loss.chunked) if layout.pp > 1 else None
+        stage_io = stage_shapes(spec, layout, lambda: mean_loss.chunked, rows_per_sample(cfg)) if layout.pp > 1 else None
         engine = build_engine(cfg, layout, meshes, spec, model, runtime, Phases(StepBreakdown(device)), mean_loss,
                               materialize=materialize, stage_io=stage_io)
     if cfg.train.objective in ("dpo", "distill"):  # built on meta outside the fake mode, as the trained model was
         with groups_on_the_fake_backend(tensor_mode is not None):
             attach_frozen_model(mean_loss, cfg, spec, layout, meshes, device, engine, False, None, False, None,
-                                on_meta=materialize)
+                                on_meta=materialize, stage_io=lambda frozen_spec, hands_over: stage_shapes(
+                                    frozen_spec, layout, lambda: False, rows_per_sample(cfg), hands_over))
     if routing is not None and spec.moe_layers is not None:
         assume_routing(spec.moe_layers(model), layout.ep, routing)
     buckets = DDPBuckets()
@@ -209,6 +206,9 @@ def _tracked_steps(cfg, layout, spec, engine, steps, counter, buckets, rank, t0)
     objective = engine.mean_loss
     frozen = [m for m in (getattr(objective, "reference", None), getattr(objective, "teacher", None))
               if isinstance(m, nn.Module)]  # the reference or teacher: its memory is the rank's too
+    frozen_stages = engine.reference[0].stages if getattr(engine, "reference", None) else []  # its own pipeline
+    if frozen_stages:
+        frozen = [engine.reference[0].model]
     precomputed = getattr(objective, "precomputed", None)
     if precomputed is not None:  # values to read, as the pass before the first step leaves them
         precomputed.tables["train"] = torch.zeros(rows * layout.microbatches, dtype=torch.float64)
@@ -217,14 +217,17 @@ def _tracked_steps(cfg, layout, spec, engine, steps, counter, buckets, rank, t0)
         tracker = (StagesTracker if frozen else FSDPMemTracker)(roots, engine.optimizer)
         track_unwrapped_experts(tracker, roots)
     elif stages and isinstance(stages[0].submod, FSDPModule):  # pipeline stages, each an FSDP root
-        tracker = StagesTracker(nn.ModuleList([stage.submod for stage in stages]), engine.optimizer)
-        track_unwrapped_experts(tracker, nn.ModuleList([stage.submod for stage in stages]))
+        roots = nn.ModuleList([stage.submod for stage in stages + frozen_stages])
+        tracker = StagesTracker(roots, engine.optimizer)
+        track_unwrapped_experts(tracker, roots)
     else:
         tracker = Tracker(buckets)
         tracker.track_external(engine.model, *frozen, engine.optimizer)
     if stages:
         tracker._mod_tracker = LeafInputsSafe()
-        tracker._mod_tracker.watch(stages)
+        tracker._mod_tracker.watch(stages + frozen_stages)
+    for stage in frozen_stages:  # forward only, m times a step: each a new iteration to the tracker, as the engine's
+        stage.forward_one_chunk = _new_iteration(tracker, stage)  # phases make the trained stages' (TrackerPhases)
     with tracker, counter:
         engine.phases.subscribe(TrackerPhases(tracker, engine.model))
         buckets.tracker = tracker
@@ -255,6 +258,15 @@ def _tracked_steps(cfg, layout, spec, engine, steps, counter, buckets, rank, t0)
             categories[key] = 0
     return RankRun(rank, role_of(layout, rank), total - host, categories, counter.table(), time.perf_counter() - t0,
                    host)
+
+
+def _new_iteration(tracker, stage):
+    forward, module = stage.forward_one_chunk, stage.submod
+
+    def run(*args, **kwargs):
+        tracker.memory_tracking.pop(module, None)
+        return forward(*args, **kwargs)
+    return run
 
 
 def _group_dims(layout: Layout, meshes) -> dict[frozenset, str]:

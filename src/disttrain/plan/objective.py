@@ -80,7 +80,8 @@ def teacher_shape(teacher: str) -> ModelShape:
 def distill_head_bytes(objective: ObjectiveTerms, shape: ModelShape, layout: Layout) -> tuple[float, float]:
     """(kept, transient) that distillation's chunked output head adds to the language-model loss's
     (plan/activations.py chunked_loss_bytes) on the last stage. Kept through the micro-batch: the teacher's last
-    hidden states (the residual's dtype), and its head weight made whole (fp32) where it is sharded (ZeRO-2/3,
+    hidden states (the residual's dtype; under pipelines, every micro-batch's, which the teacher's own pass left
+    before the student's), and its head weight made whole (fp32) where it is sharded (ZeRO-2/3,
     tensor parallel). While a chunk is at hand (models/output_head_distill.py): the teacher's chunk of logits
     beside the student's, each cast to fp32, and the two log-softmaxes with one exponential taken from them, where
     the language-model loss holds one fp32 copy and two more (torch's tracker on the loop alone: 6.1-6.4 fp32
@@ -96,5 +97,18 @@ def distill_head_bytes(objective: ObjectiveTerms, shape: ModelShape, layout: Lay
     chunk = min(tokens, layout.loss_chunk_tokens)
     teacher = objective.frozen
     whole_weight = FP32 * teacher.vocab_size * teacher.dim if layout.zero_stage >= 2 or layout.tp > 1 else 0.0
-    kept = er * tokens * teacher.dim + whole_weight
+    kept = er * tokens * teacher.dim * (layout.microbatches if layout.pp > 1 else 1) + whole_weight
     return kept, (ec + copy + stat) * chunk * shape.vocab_size / layout.tp
+
+
+def frozen_pipeline_bytes(objective: ObjectiveTerms, layout: Layout, pp_rank: int) -> float:
+    """A frozen model's own pipeline (train/pipeline_engine.py): the receive buffers its stages allocate once for
+    every micro-batch's input and keep (each stage but the first; a forward-only stage has no gradient buffers).
+    What its stages keep for a backward goes as soon as its pass ends; none under LoRA, whose reference runs
+    through the policy's own stages."""
+    if objective.frozen is None or layout.pp <= 1:
+        return 0.0
+    from disttrain.plan.activations import stage_output_bytes
+
+    receiving = sum(local * layout.pp + pp_rank > 0 for local in range(layout.stages_per_rank))
+    return layout.microbatches * receiving * stage_output_bytes(objective.frozen, layout)
