@@ -72,13 +72,6 @@ def unsupported(cfg, layout: Layout) -> str | None:
     return None
 
 
-def frozen_model(cfg) -> str:
-    """The frozen model the objective runs beside the trained one ("reference", "teacher"), or ""."""
-    if cfg.train.objective == "dpo" and not cfg.dpo.precompute_reference:
-        return "reference"
-    return "teacher" if cfg.train.objective == "distill" else ""
-
-
 def rows_per_sample(cfg) -> int:
     """Sequences a sample holds: 2 for a preference objective's pairs."""
     return 2 if cfg.train.objective in ("dpo", "simpo", "orpo") else 1
