@@ -52,6 +52,9 @@ CASES = {  # name -> overrides after BASE ({root}: the fixture's directory)
                       "parallel.zero_stage=3"),
     "distill tp2": ("data.source={root}/chats", "train.objective=distill", "distill.teacher={root}/teacher",
                     "parallel.tp=2"),
+    # LoRA: the reference is the policy with its adapters off (a second forward, no parameters of its own)
+    "dpo lora zero3": ("data.source={root}/pairs", "train.objective=dpo", "model.lora.rank=4",
+                       "parallel.zero_stage=3"),
     # the frozen model's own pipeline: its receive buffers; a teacher's hidden states of every micro-batch
     "dpo pp2": ("data.source={root}/pairs", "train.objective=dpo", "parallel.pp=2"),
     "distill pp2": ("data.source={root}/chats", "train.objective=distill", "distill.teacher={root}/teacher",
@@ -72,7 +75,7 @@ def test_the_planner_follows_the_dry_run(name, data):
         assert abs(rank["error"]["peak_bytes"]) <= 0.05, (name, rank["error"], rank["bytes"], rank["planner"])
         assert abs(rank["error"]["parameters"]) <= 0.02, (name, rank["bytes"], rank["planner"])
     rank = result["ranks"][0]
-    if "precomputed" not in name and "simpo" not in name:  # a frozen model beside the trained one
+    if not any(word in name for word in ("precomputed", "simpo", "lora")):  # a frozen model beside the trained one
         lm = dry_run(load_config(str(DEBUG_CONFIG), [*BASE, f"data.source={data}/chats",
                                                      *(o for o in CASES[name] if o.startswith("parallel"))]), 2, [0])
         assert rank["bytes"]["parameters"] > 1.5 * lm["ranks"][0]["bytes"]["parameters"]

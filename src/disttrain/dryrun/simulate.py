@@ -66,9 +66,6 @@ def unsupported(cfg, layout: Layout) -> str | None:
     if cfg.model.moe.capacity_factor:
         return (f"model.moe.capacity_factor={cfg.model.moe.capacity_factor} cannot be dry-run (which tokens are "
                 "dropped depends on their values); allowed: 0 (dropless)")
-    if cfg.model.lora is not None:
-        return ("model.lora cannot be dry-run yet (the simulated model would train every parameter); "
-                "`disttrain estimate` counts LoRA's memory")
     return None
 
 
@@ -131,6 +128,11 @@ def measure_step(cfg, layout: Layout, spec, model, steps: int = 2, materialize=N
     rank, world, device = dist.get_rank(), layout.world_size, torch.device("cpu")
     meshes = build_meshes(layout, "cpu")
     runtime = Runtime(DistEnv(rank, world, rank % 8, min(world, 8), "dryrun"), device, dist.get_backend())
+    lora = cfg.model.lora is not None
+    if lora:  # adapters on the frozen base, as the builder puts them (train/builder.py)
+        from disttrain.models.lora import inject_lora
+
+        inject_lora(model, spec, cfg.model.lora, {"bf16": torch.bfloat16, "fp16": torch.float16}.get(layout.compute_dtype))
     building = ddp_on_fake(tensor_mode) if tensor_mode is not None and layout.gradient_wrapper == "ddp" \
         else contextlib.nullcontext()
     with building, groups_on_the_fake_backend(tensor_mode is not None):
@@ -144,7 +146,7 @@ def measure_step(cfg, layout: Layout, spec, model, steps: int = 2, materialize=N
                               materialize=materialize, stage_io=stage_io)
     if cfg.train.objective in ("dpo", "distill"):  # built on meta outside the fake mode, as the trained model was
         with groups_on_the_fake_backend(tensor_mode is not None):
-            attach_frozen_model(mean_loss, cfg, spec, layout, meshes, device, engine, False, None, False, None,
+            attach_frozen_model(mean_loss, cfg, spec, layout, meshes, device, engine, lora, None, False, None,
                                 on_meta=materialize, stage_io=lambda frozen_spec, hands_over: stage_shapes(
                                     frozen_spec, layout, lambda: False, rows_per_sample(cfg), hands_over))
     if routing is not None and spec.moe_layers is not None:
@@ -219,6 +221,9 @@ def _tracked_steps(cfg, layout, spec, engine, steps, counter, buckets, rank, t0)
     if stages:
         tracker._mod_tracker = LeafInputsSafe()
         tracker._mod_tracker.watch(stages + frozen_stages)
+    reference = getattr(objective, "reference", None)
+    if callable(reference) and not isinstance(reference, nn.Module):  # LoRA: the policy itself, adapters off
+        objective.reference = _own_iteration(tracker, reference)
     for stage in frozen_stages:  # forward only, m times a step: each a new iteration to the tracker, as the engine's
         stage.forward_one_chunk = _new_iteration(tracker, stage)  # phases make the trained stages' (TrackerPhases)
     with tracker, counter:
@@ -251,6 +256,19 @@ def _tracked_steps(cfg, layout, spec, engine, steps, counter, buckets, rank, t0)
             categories[key] = 0
     return RankRun(rank, role_of(layout, rank), total - host, categories, counter.table(), time.perf_counter() - t0,
                    host)
+
+
+def _own_iteration(tracker, forward):
+    """The trackers refuse a module's second forward before a backward: DPO's LoRA reference runs the policy's
+    forward once more, with its adapters off, before the policy's own. Each is an iteration of its own to them
+    (their statistics per module go; the peak is kept)."""
+    def run(*args, **kwargs):
+        tracker.reset_mod_stats()
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            tracker.reset_mod_stats()
+    return run
 
 
 def _new_iteration(tracker, stage):
