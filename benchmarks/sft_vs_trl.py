@@ -9,8 +9,12 @@ sums (about 120 tokens on average, at most 256); 16 conversations a step (8 per 
 linear layer of the blocks, loss on the assistant's tokens only, fp32. Variants:
 - `disttrain`: unpacked, each micro-batch padded to its longest conversation (data.padding=longest, the default);
 - `disttrain-seq_len`: unpacked, every conversation padded to data.seq_len=256;
+- `disttrain-padding_free`: unpacked, each micro-batch's conversations laid end to end in rows of 256 tokens
+  (data.padding=none; the same conversations and losses as padded);
+- `disttrain-padding_free-compile`: the same with parallel.compile=true (torch.compile of each decoder block);
 - `disttrain-packed`: conversations packed first-fit with document masking;
 - `trl`: unpacked, TRL's default collator (each batch padded to its longest);
+- `trl-padding_free`: unpacked, each batch's conversations in one row (TRL's padding_free);
 - `trl-packed`: TRL's packing.
 Each figure is the steady state between a short and a long run (start-up cancels out): milliseconds and
 CPU-milliseconds per conversation; the ratio is TRL's time over disttrain's (above 1: disttrain is faster).
@@ -29,8 +33,10 @@ import uuid
 
 from overhead import BENCH_PY, REPO, WORKLOADS, add_common_args, interleaved, write_results
 
-VARIANTS = ("disttrain", "disttrain-seq_len", "disttrain-packed", "trl", "trl-packed")
+VARIANTS = ("disttrain", "disttrain-seq_len", "disttrain-padding_free", "disttrain-padding_free-compile",
+            "disttrain-packed", "trl", "trl-padding_free", "trl-packed")
 PER_STEP = 16
+PADDING = {"seq_len": "seq_len", "padding_free": "none"}  # disttrain's data.padding per variant
 WORK = REPO / "runs" / "bench-sft"
 
 
@@ -82,11 +88,13 @@ def command(variant: str, steps: int) -> list[str]:
     if variant.startswith("trl"):
         return [str(BENCH_PY), "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                 str(WORKLOADS / "trl_sft.py"), "--work", str(WORK), "--steps", str(steps),
-                *(["--packing"] if variant.endswith("packed") else [])]
+                *(["--packing"] if variant.endswith("packed") else []),
+                *(["--padding-free"] if variant.endswith("padding_free") else [])]
     return [sys.executable, "-m", "disttrain", "train", str(REPO / "examples" / "sft" / "sft.yaml"),
             f"model.hf={WORK / 'base'}", f"data.source={WORK / 'data'}", "data.seq_len=256",
             f"data.packing={'true' if variant.endswith('packed') else 'false'}",
-            f"data.padding={'seq_len' if variant.endswith('seq_len') else 'longest'}",
+            f"data.padding={next((v for k, v in PADDING.items() if k in variant), 'longest')}",
+            f"parallel.compile={'true' if variant.endswith('compile') else 'false'}",
             f"train.steps={steps}", "train.eval_every=0", "train.sample_tokens=0", "checkpoint.every_steps=0",
             "checkpoint.save_final=false", "optim.lr=2e-3", "optim.schedule=constant", "optim.warmup_steps=0",
             "metrics.log_every=1000", f"run.dir={WORK / 'runs'}", f"run.name=bench-{uuid.uuid4().hex[:12]}",
@@ -117,7 +125,9 @@ def main() -> None:
         cpu = [1e3 * r["cpu_s_per_conversation"] for r in rows]
         summary[name] = {"ms_per_conversation": statistics.median(ms), "range": [min(ms), max(ms)],
                          "cpu_ms_per_conversation": statistics.median(cpu)}
-    for ours, theirs in (("disttrain", "trl"), ("disttrain-seq_len", "trl"), ("disttrain-packed", "trl-packed"),
+    for ours, theirs in (("disttrain", "trl"), ("disttrain-seq_len", "trl"), ("disttrain-padding_free", "trl"),
+                         ("disttrain-padding_free", "trl-padding_free"), ("disttrain-padding_free-compile", "trl"),
+                         ("disttrain-packed", "trl-packed"),
                          ("disttrain-packed", "trl")):
         if ours in results and theirs in results:  # per repetition: the two ran minutes apart at most
             ratios = [o["conversations_per_s"] / t["conversations_per_s"]

@@ -98,6 +98,40 @@ def test_each_micro_batch_is_cut_after_its_longest_conversation(multiple, chat_d
     assert min(widths) < SEQ_LEN and len(set(widths)) > 1, widths  # cut, and by what each micro-batch holds
 
 
+def test_padding_free_micro_batches_hold_the_same_conversations_in_fewer_rows(chat_dir):
+    """data.padding=none: each micro-batch's conversations (end token included) are laid into rows of
+    data.seq_len + 1, each row cut after its fullest; every conversation's inputs and targets are its padded
+    row's, nothing else carries a target, and the micro-batch fills fewer positions."""
+    from disttrain.data.loader import DistributedBatchLoader
+    from disttrain.data.source import load_samples, make_sampler
+
+    _, padded, _ = load_samples(str(chat_dir), "auto", SEQ_LEN, False)
+    _, free, _ = load_samples(str(chat_dir), "auto", SEQ_LEN, False, padding_free=True)
+    eos = int(padded.pad_id)
+    loaders = [DistributedBatchLoader(s, make_sampler(s, str(chat_dir), 8, 0), 0, 1, 4, pad_multiple=8)
+               for s in (padded, free)]
+    positions = [0, 0]
+    for step in (1, 2, 3):
+        for (x, y), (fx, fy) in zip(*(loader.micro_batches(step) for loader in loaders)):
+            positions[0] += x.numel()
+            positions[1] += fx.numel()
+            found = []
+            for row, targets in zip(fx.tolist(), fy.tolist()):  # split at the end tokens, as document masking does
+                at = 0
+                while at < len(row) and row[at] != eos:
+                    end = row.index(eos, at) + 1 if eos in row[at:] else len(row)
+                    found.append((row[at:end], targets[at:end]))
+                    at = end
+                assert all(t == -100 for t in targets[at:])  # only padding after the last conversation
+            expected = []  # each padded row up to its conversation's end token
+            for padded_row, padded_targets in zip(x.tolist(), y.tolist()):
+                n = padded_row.index(eos) + 1 if eos in padded_row else len(padded_row)
+                assert all(t == -100 for t in padded_targets[n:])
+                expected.append((padded_row[:n], padded_targets[:n]))
+            assert sorted(found) == sorted(expected)  # first-fit may change their order, nothing else
+    assert positions[1] < positions[0], positions
+
+
 @pytest.mark.parametrize("overrides,world,multiple", [
     ((), 1, 8), (("data.pad_to_multiple_of=64",), 1, 64), (("parallel.tp=2",), 2, 8),
     (("parallel.tp=2", "parallel.sequence_parallel=true", "data.pad_to_multiple_of=3"), 2, 6),
@@ -144,13 +178,15 @@ COMMON = ("model.vocab_size=384", f"data.seq_len={SEQ_LEN}", "train.steps=4", "t
           "train.micro_batch_size=2", "optim.lr=3e-3", "checkpoint.save_final=true", "train.eval_every=4",
           "train.eval_batches=1", FP64)
 PACKED = "data.packing=true"
+FREE = "data.padding=none"  # each micro-batch's conversations laid end to end: the same numbers as padded
 # Unpacked, each micro-batch is cut to its longest conversation (data.padding=longest, the default); pp2 keeps
 # data.seq_len. Every one of them equals the one-process run, itself equal to padding every row to data.seq_len.
 LAYOUTS = {"ddp": (), "zero3": ("parallel.zero_stage=3",), "tp2": ("parallel.tp=2",),
            "tp2 sp": ("parallel.tp=2", "parallel.sequence_parallel=true"), "cp2": ("parallel.cp=2",),
            "pp2": ("parallel.pp=2", "parallel.pp_schedule=gpipe"), "ddp packed": (PACKED,),
            "zero3 packed": ("parallel.zero_stage=3", PACKED), "tp2 packed": ("parallel.tp=2", PACKED),
-           "ddp mixture": ()}
+           "ddp mixture": (), "ddp mixture padding-free": (FREE,), "tp2 sp padding-free": (
+               "parallel.tp=2", "parallel.sequence_parallel=true", FREE), "cp2 padding-free": ("parallel.cp=2", FREE)}
 
 
 @pytest.fixture(scope="module")
@@ -189,13 +225,19 @@ def one_process(tmp_path_factory, chat_dir, hf_dir, tokenizers, mixture):
     jobs["ref mixture"] = (root / "ref_mixture", (mixture, *COMMON, "train.micro_batch_size=8"))
     jobs["ref padded"] = (root / "ref_padded", (f"data.source={chat_dir}", *COMMON, "train.micro_batch_size=8",
                                                 "data.padding=seq_len"))
+    jobs["ref padding-free"] = (root / "ref_free", (f"data.source={chat_dir}", *COMMON, "train.micro_batch_size=8",
+                                                    "data.padding=none"))
     return train_many(jobs, nproc=1)
 
 
-def test_micro_batches_cut_to_their_longest_conversation_train_as_padded_ones(one_process):
-    """data.padding=longest (the default) against every row padded to data.seq_len: the same losses, gradient
-    norms and parameters in fp64."""
-    assert_parity(one_process["ref False"], one_process["ref padded"], step=4)
+@pytest.mark.parametrize("padding", ["padded", "padding-free"])
+def test_micro_batches_cut_to_their_longest_conversation_train_as_padded_ones(padding, one_process):
+    """data.padding=longest (the default) against every row padded to data.seq_len, and against each
+    micro-batch's conversations laid end to end (data.padding=none): the same losses, gradient norms,
+    parameters and validation loss in fp64."""
+    assert_parity(one_process["ref False"], one_process[f"ref {padding}"], step=4)
+    ours, theirs = events(one_process[f"ref {padding}"], "eval"), events(one_process["ref False"], "eval")
+    assert abs(ours[0]["val_loss"] - theirs[0]["val_loss"]) <= EXACT * theirs[0]["val_loss"]
 
 
 def _hf_loss(model, convs, rows, counts):
@@ -297,7 +339,8 @@ def test_the_sft_example_end_to_end_shortened(two_processes, example_work, capsy
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_every_layout_gives_one_process_on_masked_chat_data(layout, two_processes, one_process):
-    """Packed conversations under DDP, ZeRO-3 and TP too; and a weighted mixture of two chat directories."""
+    """Packed conversations under DDP, ZeRO-3 and TP too; a weighted mixture of two chat directories; and
+    padding-free micro-batches (data.padding=none) equal to padded ones under DDP, TP with SP, and CP."""
     reference = one_process["ref mixture" if "mixture" in layout else f"ref {'packed' in layout}"]
     assert_parity(two_processes[layout], reference, step=4)
     ours, theirs = events(two_processes[layout], "eval"), events(reference, "eval")

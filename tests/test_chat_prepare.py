@@ -132,7 +132,8 @@ def test_bad_chat_input_is_one_line_and_writes_nothing(case, expected, tmp_path,
 
 def test_packing_is_refused_where_conversations_cannot_be_kept_apart(tmp_path, tokenizers):
     """Packed conversations are kept apart at the end-of-document token: a template that ends turns with it
-    gets a warning from prepare-data and a one-line refusal of data.packing (text shards get one too)."""
+    gets a warning from prepare-data and a one-line refusal of data.packing, and of data.padding=none, which
+    packs each micro-batch (text shards get one too)."""
     from transformers import AutoTokenizer
 
     from disttrain.config.load import load_config
@@ -150,9 +151,11 @@ def test_packing_is_refused_where_conversations_cannot_be_kept_apart(tmp_path, t
 
     main(["prepare-data", str(tmp_path / "t.txt"), "--out", str(tmp_path / "text"), "--val-fraction", "0"])
     for source, expected in [(tmp_path / "out", "6 conversations of"), (tmp_path / "text", "is not chat data")]:
-        cfg = load_config(DEBUG_CONFIG, [f"data.source={source}", "data.packing=true", "model.vocab_size=384"])
-        with pytest.raises(UserError, match=expected):
-            resolve_run(cfg, 1, "cpu")
+        for setting, instead in (("data.packing=true", "data.packing=false"), ("data.padding=none",
+                                                                             "data.padding=longest")):
+            cfg = load_config(DEBUG_CONFIG, [f"data.source={source}", setting, "model.vocab_size=384"])
+            with pytest.raises(UserError, match=rf"^{setting}: .*{expected}.*{instead}\)$"):
+                resolve_run(cfg, 1, "cpu")
         resolve_run(load_config(DEBUG_CONFIG, [f"data.source={source}", "model.vocab_size=384"]), 1, "cpu")
 
 

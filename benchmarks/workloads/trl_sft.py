@@ -3,7 +3,8 @@ torchrun: the same model, chat template, batch (8 conversations per process, 16 
 adapter (rank 16, alpha 32, every linear layer of the blocks, no dropout), loss (assistant tokens only, from
 the template's generation markers), precision (fp32) and recomputation (none) as disttrain's side. TRL's own
 defaults would differ on the last two: bf16 autocast (25x slower matmuls on this CPU) and gradient checkpointing. Padding to each batch's longest conversation is TRL's
-default collator; `--packing` packs instead (TRL's best-fit packing, padding-free)."""
+default collator; `--packing` packs instead (TRL's best-fit packing, padding-free); `--padding-free` keeps each
+batch's conversations but lays them end to end in one row (TRL's padding_free; position ids keep them apart)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ def main() -> None:
     parser.add_argument("--work", required=True)
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--packing", action="store_true")
+    parser.add_argument("--padding-free", action="store_true")
+    parser.add_argument("--compile", action="store_true", help="torch_compile=True (TrainingArguments')")
     parser.add_argument("--count-rows", action="store_true", help="print the training rows TRL made, and stop")
     args = parser.parse_args()
 
@@ -34,6 +37,7 @@ def main() -> None:
     config = SFTConfig(output_dir=f"{work}/trl-out-{os.getpid()}", max_steps=args.steps, per_device_train_batch_size=8,
                        gradient_accumulation_steps=1, learning_rate=2e-3, lr_scheduler_type="constant",
                        warmup_steps=0, max_length=256, packing=args.packing, assistant_only_loss=True,
+                       padding_free=args.padding_free, torch_compile=args.compile,
                        logging_steps=10_000, save_strategy="no", report_to=[], use_cpu=True,
                        dataloader_num_workers=0, seed=0, disable_tqdm=True,
                        bf16=False, gradient_checkpointing=False)  # TRL's defaults: bf16 autocast, recomputation

@@ -154,11 +154,14 @@ class DataConfig(Section):
     packing: bool = Field(False, description="chat data: several conversations per sequence (first-fit), with "
                           "document masking (preference pairs: each micro-batch's sequences); false: one "
                           "conversation per sequence, padded")
-    padding: Literal["longest", "seq_len"] = Field("longest", description="chat and instruction data: each "
-                                                   "micro-batch padded to its longest sequence (rounded up to "
-                                                   "data.pad_to_multiple_of; the same losses and gradients), or "
-                                                   "every sequence to data.seq_len; pipeline parallelism keeps "
-                                                   "data.seq_len")
+    padding: Literal["longest", "seq_len", "none"] = Field("longest", description="chat, instruction and preference "
+                                                           "data without packing: each micro-batch padded to its "
+                                                           "longest sequence (rounded up to data.pad_to_multiple_of), "
+                                                           "every sequence to data.seq_len, or none: each "
+                                                           "micro-batch's sequences laid end to end in as few rows "
+                                                           "of data.seq_len as hold them, kept apart by document "
+                                                           "masking (padding-free); all three give the same losses "
+                                                           "and gradients; pipeline parallelism keeps data.seq_len")
     pad_to_multiple_of: int = Field(8, gt=0, description="with data.padding=longest: micro-batch widths are "
                                     "multiples of this (and of what sequence or context parallelism splits)")
     cache_dir: str = Field("", description="data.source on an object store: keep the byte ranges read in this local "
@@ -166,11 +169,13 @@ class DataConfig(Section):
 
     @model_validator(mode="after")
     def _packing_masks_documents(self) -> "DataConfig":
-        """Packed conversations must not attend across each other: packing switches document masking on."""
-        if self.packing and not self.document_masking:
+        """Packed conversations must not attend across each other: packing (and padding-free micro-batches, which
+        pack each micro-batch alone) switches document masking on."""
+        packs = "data.packing=true" if self.packing else "data.padding=none" if self.padding == "none" else ""
+        if packs and not self.document_masking:
             if "document_masking" in self.model_fields_set:
-                raise ValueError("data.packing=true with data.document_masking=false: packed conversations would "
-                                 "attend to each other (allowed with packing: document_masking=true)")
+                raise ValueError(f"{packs} with data.document_masking=false: packed conversations would attend to "
+                                 f"each other (allowed with {packs}: document_masking=true)")
             object.__setattr__(self, "document_masking", True)
         return self
 

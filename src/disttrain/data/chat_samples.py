@@ -5,6 +5,11 @@ shard's mask says so (assistant turns, completions); every other target is IGNOR
 included. With packing off each sequence holds one conversation, padded with the end-of-document token;
 with `data.packing` conversations are packed first-fit in file order, each ended by that token, and the
 model's document masking (models/documents.py) keeps them from attending across and restarts positions.
+
+With `data.padding=none` (padding-free) a sample is still one conversation (or one pack), but each micro-batch's
+conversations are laid first-fit into as few rows of seq_len + 1 tokens as hold them, kept apart by the same
+document masking: the micro-batch trains on the same conversations with the same targets as padded to its
+longest, on fewer positions (the loader packs each micro-batch alone: `packs_micro_batches`).
 """
 
 from __future__ import annotations
@@ -43,8 +48,9 @@ class ChatSamples:
     """Sequences of whole conversations with masked targets (`masks_targets`: the loss counts valid ones)."""
 
     def __init__(self, tokens: np.ndarray, mask: np.ndarray, ends: np.ndarray, seq_len: int, pad_id: int,
-                 packing: bool):
+                 packing: bool, padding_free: bool = False):
         self.tokens, self.mask, self.seq_len, self.pad_id = tokens, mask, seq_len, pad_id
+        self.packs_micro_batches = padding_free
         self.targets_per_sample = seq_len
         self.masks_targets = True
         self.pads_sequences = True  # padding after each conversation (or pack): a micro-batch can be cut short
@@ -67,13 +73,27 @@ class ChatSamples:
         included), at most seq_len."""
         return self.row_tokens[np.asarray(ids, dtype=np.int64)]
 
+    def packed_batch(self, ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(inputs, targets, held) of one padding-free micro-batch: the conversations of samples `ids`, in order,
+        first-fit into rows of seq_len + 1 tokens; `held`: the input positions its fullest row fills."""
+        docs = np.array([doc for i in ids for doc in self.rows[int(i)]], dtype=np.int64)
+        layout = [[int(docs[j]) for j in row] for row in first_fit(self.lengths[docs], self.seq_len + 1)]
+        inputs, targets = self._rows(layout)
+        return inputs, targets, min(self.seq_len, max(int(self.lengths[row].sum()) for row in layout))
+
     def batch(self, ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.packs_micro_batches:
+            return self.packed_batch(ids)[:2]
+        return self._rows([self.rows[int(i)] for i in ids])
+
+    def _rows(self, layout: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One row per entry of `layout` (conversation indices), padded with the end token to seq_len + 1."""
         width = self.seq_len + 1
-        rows = np.full((len(ids), width), self.pad_id, dtype=np.int64)
-        loss = np.zeros((len(ids), width), dtype=bool)
-        for r, i in enumerate(ids):
+        rows = np.full((len(layout), width), self.pad_id, dtype=np.int64)
+        loss = np.zeros((len(layout), width), dtype=bool)
+        for r, members in enumerate(layout):
             at = 0
-            for doc in self.rows[int(i)]:
+            for doc in members:
                 s, n = int(self.starts[doc]), int(self.lengths[doc])
                 rows[r, at:at + n] = self.tokens[s:s + n]
                 loss[r, at + 1:at + n] = self.mask[s + 1:s + n]  # a conversation's first token is no target

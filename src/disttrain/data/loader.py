@@ -64,6 +64,7 @@ class MixtureSamples:
         self.targets_per_sample = parts[0].targets_per_sample
         self.masks_targets = any(p.masks_targets for p in parts)
         self.pads_sequences = all(p.pads_sequences for p in parts)
+        self.packs_micro_batches = all(getattr(p, "packs_micro_batches", False) for p in parts)
         self.num_samples = sum(len(p) for p in parts)
 
     def __len__(self) -> int:
@@ -80,6 +81,13 @@ class MixtureSamples:
                 x, y = xi.new_empty((len(rows), *xi.shape[1:])), yi.new_empty((len(rows), *yi.shape[1:]))
             x[at], y[at] = xi, yi
         return x, y
+
+    def packed_batch(self, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """A padding-free micro-batch (data.padding=none): each source lays its own conversations into rows."""
+        packed = [part.packed_batch(rows[rows[:, 0] == i, 1]) for i, part in enumerate(self.parts)
+                  if (rows[:, 0] == i).any()]
+        return (torch.cat([x for x, _, _ in packed]), torch.cat([y for _, y, _ in packed]),
+                max(held for _, _, held in packed))
 
     def held_tokens(self, rows: np.ndarray) -> np.ndarray:
         held = np.zeros(len(rows), dtype=np.int64)
@@ -125,13 +133,12 @@ class DistributedBatchLoader:
 
     def micro_batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         ids = self.sample_ids(step)
-        if getattr(self.windows, "packs_micro_batches", False):  # packed pairs: rows per micro-batch vary
+        if getattr(self.windows, "packs_micro_batches", False):  # packed per micro-batch: rows per micro-batch vary
             parts = np.split(ids, max(1, len(ids) // self.micro_batch_size))
-            batches = [self.windows.batch(part) for part in parts]
+            packed = [self.windows.packed_batch(part) for part in parts]
             if self.pad_multiple:
-                batches = [cut_padding(x, y, self.windows.packed_tokens(part), self.pad_multiple)
-                           for (x, y), part in zip(batches, parts)]
-            return batches
+                return [cut_padding(x, y, held, self.pad_multiple) for x, y, held in packed]
+            return [(x, y) for x, y, _ in packed]
         x, y = self.windows.batch(ids)
         rows = self.micro_batch_size * getattr(self.windows, "rows_per_sample", 1)  # preference data: 2 a pair
         batches = list(zip(x.split(rows), y.split(rows)))

@@ -56,18 +56,22 @@ class PreferenceSamples:
         """The sequences of pairs `ids`: each pair's chosen, then its rejected."""
         return (2 * np.asarray(ids, dtype=np.int64)[:, None] + np.arange(2)).reshape(-1)
 
-    def packed_rows(self, ids: np.ndarray) -> list[list[int]]:
-        """The rows one micro-batch of pairs `ids` packs into: each a list of its sequences' indices (0 .. 2n-1)."""
-        return first_fit(self.lengths[self._sequences(ids)], self.seq_len + 1)
-
-    def packed_tokens(self, ids: np.ndarray) -> int:
-        """Input positions the fullest packed row of micro-batch `ids` fills, at most seq_len."""
+    def packed_batch(self, ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(inputs, targets, held) of one packed micro-batch of pairs `ids`: its sequences first-fit into rows of
+        seq_len + 1 tokens, targets tagged; `held`: the input positions its fullest row fills, at most seq_len."""
         lengths = self.lengths[self._sequences(ids)]
-        return min(self.seq_len, max(int(lengths[row].sum()) for row in self.packed_rows(ids)))
+        layout = first_fit(lengths, self.seq_len + 1)
+        inputs, targets = self._rows(ids, layout)
+        return inputs, targets, min(self.seq_len, max(int(lengths[row].sum()) for row in layout))
 
     def batch(self, ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.packs_micro_batches:
+            return self.packed_batch(ids)[:2]
+        return self._rows(ids, [[i] for i in range(2 * len(ids))])
+
+    def _rows(self, ids: np.ndarray, layout: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One row per entry of `layout` (indices into the pairs' sequences, chosen then rejected each)."""
         docs = self._sequences(ids)
-        layout = self.packed_rows(ids) if self.packs_micro_batches else [[i] for i in range(len(docs))]
         width = self.seq_len + 1
         rows = np.full((len(layout), width), self.pad_id, dtype=np.int64)
         loss = np.zeros((len(layout), width), dtype=bool)

@@ -24,6 +24,8 @@ def data_problems(ctx) -> list[Problem]:
     problems += objective_problems(ctx)
     if data.packing and not problems:
         problems += _packing_problems(source)
+    elif data.padding == "none" and not problems:
+        problems += _packing_problems(source, "data.padding", "none", "longest")
     if shape is not None and shape.vocab_size < info.vocab_size:
         problems.append(Problem("model.vocab_size", shape.vocab_size, f"at least {info.vocab_size}",
                                 f"model.vocab_size={shape.vocab_size} is smaller than the tokenizer's vocabulary "
@@ -68,26 +70,27 @@ def objective_problems(ctx) -> list[Problem]:
     return []
 
 
-def _packing_problems(source) -> list[Problem]:
+def _packing_problems(source, key: str = "data.packing", value=True, instead="false") -> list[Problem]:
     """data.packing packs conversations of chat shard directories (preference pairs' sequences), kept apart at
-    their end tokens."""
+    their end tokens; so does data.padding=none, one micro-batch at a time."""
     from disttrain.data.shards import read_meta
 
+    setting = f"{key}={'true' if value is True else value}"
     for directory in (source if isinstance(source, dict) else [source]):
         meta = read_meta(directory) if directory != "builtin" and not str(directory).startswith("py:") else {}
         kind = "chat" if "chat" in meta else "preference" if "preference" in meta else None
         if kind is None:
-            return [Problem("data.packing", True, "false", f"data.packing=true: data.source={directory} is not chat "
-                            "data (text token windows are packed already; allowed: a prepare-data directory of chat, "
-                            "instruction or preference records, or data.packing=false)")]
+            return [Problem(key, value, instead, f"{setting}: data.source={directory} is not chat data (text token "
+                            "windows are packed already; allowed: a prepare-data directory of chat, instruction or "
+                            f"preference records, or {key}={instead})")]
         inside = meta[kind].get("eos_inside")
         if inside is None:  # prepared before preference data counted them
-            return [Problem("data.packing", True, "false", f"data.packing=true: {directory} does not say whether its "
-                            "pairs hold the end-of-document token inside; run `disttrain prepare-data` on it again "
-                            "(allowed for it: data.packing=false)")]
+            return [Problem(key, value, instead, f"{setting}: {directory} does not say whether its pairs hold the "
+                            "end-of-document token inside; run `disttrain prepare-data` on it again (allowed for it: "
+                            f"{key}={instead})")]
         if inside:
             what = "conversations" if kind == "chat" else "pairs"
-            return [Problem("data.packing", True, "false", f"data.packing=true: {inside} {what} of {directory} "
-                            "hold the end-of-document token inside (the chat template ends turns with it), so packing "
-                            "cannot keep them apart (allowed for it: data.packing=false)")]
+            return [Problem(key, value, instead, f"{setting}: {inside} {what} of {directory} hold the end-of-document "
+                            "token inside (the chat template ends turns with it), so document masking cannot keep "
+                            f"them apart (allowed for it: {key}={instead})")]
     return []

@@ -139,8 +139,10 @@ def _concat(token_lists: list[list[int]], eos_id: int | None, dtype: np.dtype) -
     return np.fromiter((t for ids in token_lists for t in (*ids, *sep)), dtype=dtype)
 
 
-def split_samples(directory: str, split: str, seq_len: int, packing: bool = False, cache_dir: str = ""):
-    """One split of a shard directory: token windows of text, or whole conversations of chat data."""
+def split_samples(directory: str, split: str, seq_len: int, packing: bool = False, cache_dir: str = "",
+                  padding_free: bool = False):
+    """One split of a shard directory: token windows of text, or whole conversations of chat data (`padding_free`:
+    each micro-batch's conversations laid into as few rows as hold them, data.padding=none)."""
     from disttrain.data.chat_samples import ChatSamples
     from disttrain.data.loader import TokenWindows
 
@@ -152,8 +154,8 @@ def split_samples(directory: str, split: str, seq_len: int, packing: bool = Fals
     if "preference" in meta:
         from disttrain.data.preference_samples import PreferenceSamples
 
-        return PreferenceSamples(tokens, mask, ends, seq_len, meta["eos_id"] or 0, packing)
-    return ChatSamples(tokens, mask, ends, seq_len, meta["eos_id"] or 0, packing)
+        return PreferenceSamples(tokens, mask, ends, seq_len, meta["eos_id"] or 0, packing or padding_free)
+    return ChatSamples(tokens, mask, ends, seq_len, meta["eos_id"] or 0, packing, padding_free)
 
 
 def source_tokenizer(source, tokenizer: str) -> Tokenizer:
@@ -170,7 +172,8 @@ def source_tokenizer(source, tokenizer: str) -> Tokenizer:
     return load_tokenizer(tokenizer_file(source, tokenizer))
 
 
-def load_samples(source, tokenizer: str, seq_len: int, packing: bool = False, cache_dir: str = ""):
+def load_samples(source, tokenizer: str, seq_len: int, packing: bool = False, cache_dir: str = "",
+                 padding_free: bool = False):
     """(tokenizer or None, train samples, val samples): token windows of text or conversations of chat data
     (per source, for a mixture), or a user's datasets. Sources on an object store are read in ranges
     (`cache_dir`: through a local block cache)."""
@@ -179,7 +182,8 @@ def load_samples(source, tokenizer: str, seq_len: int, packing: bool = False, ca
     if isinstance(source, dict):
         tok = source_tokenizer(source, tokenizer)
         names = source_names(source)
-        train, val = (MixtureSamples(names, [split_samples(d, split, seq_len, packing, cache_dir) for d in source])
+        train, val = (MixtureSamples(names, [split_samples(d, split, seq_len, packing, cache_dir, padding_free)
+                                           for d in source])
                       for split in ("train", "val"))
         for directory, part in zip(source, train.parts):
             if len(part) == 0:
@@ -192,8 +196,8 @@ def load_samples(source, tokenizer: str, seq_len: int, packing: bool = False, ca
     from disttrain.data.loader import TokenWindows
 
     if source != "builtin":
-        return (source_tokenizer(source, tokenizer), split_samples(source, "train", seq_len, packing, cache_dir),
-                split_samples(source, "val", seq_len, packing, cache_dir))
+        return (source_tokenizer(source, tokenizer),
+                *(split_samples(source, split, seq_len, packing, cache_dir, padding_free) for split in ("train", "val")))
     tok, splits = load_splits(source, tokenizer)
     return tok, TokenWindows(splits["train"], seq_len), TokenWindows(splits["val"], seq_len)
 

@@ -205,6 +205,30 @@ def propagation_in_its_own_fake_mode():
 
 
 @contextlib.contextmanager
+def positions_read_as_real_ones(document_masking: bool):
+    """transformers reads a model's `position_ids` to find packed sequences (positions restarting) and, finding none,
+    leaves causality to the attention kernel (SDPA's `is_causal`: no mask made or kept). It cannot read fake tensors,
+    so it assumes packing and makes a seq x seq mask, which every SDPA layer keeps converted to the compute dtype:
+    memory a real run does not hold (a tiny DeepSeek-V3 at 512 tokens: 16% of its peak). Without document masking
+    the positions the runtime gives never restart: answer for the fake ones as a real run finds."""
+    try:
+        from transformers import masking_utils
+    except ImportError:  # no Hugging Face model to run
+        masking_utils = None
+    saved = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if document_masking or saved is None:
+        yield
+        return
+    from torch._subclasses.fake_tensor import is_fake
+
+    masking_utils.find_packed_sequence_indices = lambda positions: None if is_fake(positions) else saved(positions)
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = saved
+
+
+@contextlib.contextmanager
 def static_pipeline():
     """Every stage takes its shapes from `stage_shapes` (torch's STATIC mode): the schedule's first-step
     vote on that reads a tensor sent between stages, which a fake group never delivers."""

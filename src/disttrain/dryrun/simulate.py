@@ -21,8 +21,8 @@ from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from disttrain.dryrun.collectives import CollectiveCounter
 from disttrain.dryrun.fake_world import (ddp_on_fake, forget_previous_world, gpu_defaults, grouped_mm_in_every_dtype,
                                         groups_on_the_fake_backend,
-                                        materialize_fake, propagation_in_its_own_fake_mode, scaler_finds_no_overflow,
-                                        stage_shapes, static_pipeline)
+                                        materialize_fake, positions_read_as_real_ones, propagation_in_its_own_fake_mode,
+                                        scaler_finds_no_overflow, stage_shapes, static_pipeline)
 from disttrain.dryrun.routing import AssumedRouting, assume_routing
 from disttrain.dryrun.tracking import DDPBuckets, KeepBuckets, LeafInputsSafe, StagesTracker, Tracker, TrackerPhases
 from disttrain.core.errors import UserError
@@ -160,7 +160,9 @@ def measure_step(cfg, layout: Layout, spec, model, steps: int = 2, materialize=N
     own = propagation_in_its_own_fake_mode() if tensor_mode is not None else contextlib.nullcontext()
     finite = scaler_finds_no_overflow() if tensor_mode is not None else contextlib.nullcontext()
     grouped = grouped_mm_in_every_dtype() if tensor_mode is not None else contextlib.nullcontext()
-    with tensor_mode or contextlib.nullcontext(), static, own, finite, grouped:
+    positions = positions_read_as_real_ones(cfg.data.document_masking) if tensor_mode is not None \
+        else contextlib.nullcontext()
+    with tensor_mode or contextlib.nullcontext(), static, own, finite, grouped, positions:
         return _tracked_steps(cfg, layout, spec, engine, steps, counter, buckets, rank, t0)
 
 

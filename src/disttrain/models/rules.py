@@ -88,17 +88,20 @@ def spec_problems(ctx) -> list[Problem]:
                                 "which needs the same number of micro-batches on every rank (allowed for it: equal "
                                 "shares)"))
     if cfg.data.document_masking:  # boundaries come from token ids, which only the first stage sees
+        packs = "data.packing=true" if cfg.data.packing else "data.padding=none" if cfg.data.padding == "none" else ""
+        turned_on = f" ({packs} turns it on)" if packs else ""
+        instead = {"data.packing=true": ", and data.packing=false",
+                   "data.padding=none": ", and data.padding=longest"}.get(packs, "")
         if lay.pp > 1:
             problems.append(Problem("data.document_masking", True, "false, or parallel.pp=1", "data.document_masking="
-                                    f"true with parallel.pp={lay.pp}: a later pipeline stage sees hidden states, not "
-                                    "the token ids the document boundaries come from (allowed: parallel.pp=1, or "
-                                    "document_masking=false)"))
+                                    f"true{turned_on} with parallel.pp={lay.pp}: a later pipeline stage sees hidden "
+                                    "states, not the token ids the document boundaries come from (allowed: "
+                                    f"parallel.pp=1, or document_masking=false{instead})"))
         elif spec.mask_documents is None:
             why = spec.mask_documents_note or "its ModelSpec sets no mask_documents"
-            turned_on = " (data.packing=true turns it on)" if cfg.data.packing else ""
             problems.append(Problem("data.document_masking", True, "false", f"data.document_masking=true{turned_on}: "
                                     f"model {spec.name} has no document masking ({why}; allowed for it: false"
-                                    + (", and data.packing=false" if cfg.data.packing else "") + ")"))
+                                    f"{instead})"))
     if lay.cp > 1:
         problems += _context_problems(spec, lay, what)
     return problems

@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from disttrain.layout.layout import DTYPE_BYTES, Layout
 from disttrain.models.shape import ModelShape
 from disttrain.plan.korthikanti import korthikanti_in_flight_factor
+from disttrain.plan.mixer_backward import mixer_backward_bytes
 from disttrain.plan.mixers import mixer_bytes
 from disttrain.plan.params import layer_params, rank_params, stage_layers
 from disttrain.plan.schedule_memory import HeldAt, schedule_order, schedule_peak
@@ -267,11 +268,11 @@ def stage_activation_bytes(shape: ModelShape, layout: Layout, pp_rank: int, fuse
     held = rank_params(shape, layout, pp_rank)
     layer = layer_activation_bytes(shape, mb, s, layout, fused_norm)
     attention = layer_activation_bytes(replace(shape, ffn_hidden_dim=0, moe=None), mb, s, layout, fused_norm)
-    ring = 0.0
+    ring = mixer_backward_bytes(shape, mb, s, layout, ec, er)  # the widest token mixer's backward, beyond the average
     if layout.cp > 1:
         from disttrain.plan.context import context_extra_bytes, context_recomputed_bytes, ring_backward_temporary_bytes
 
-        extra, ring = context_extra_bytes(shape, layout, ec), ring_backward_temporary_bytes(shape, layout, ec)
+        extra, ring = context_extra_bytes(shape, layout, ec), ring + ring_backward_temporary_bytes(shape, layout, ec)
         ring += context_recomputed_bytes(shape, layout, ec)  # attention's too: remade for its backward
         layer, attention = (replace(part, saved=part.saved + extra) for part in (layer, attention))
     first = korthikanti_in_flight_factor(layout.pp, layout.microbatches, layout.pp_schedule, layout.stages_per_rank)

@@ -57,7 +57,8 @@ def build_run(cfg: RunConfig, runtime: Runtime, resolved: ResolvedRun | None = N
 
     t = cfg.train
     tokenizer, train_samples, val_samples = load_samples(cfg.data.source, resolved.tokenizer, cfg.data.seq_len,
-                                                          cfg.data.packing, cfg.data.cache_dir)
+                                                          cfg.data.packing, cfg.data.cache_dir,
+                                                          padding_free=cfg.data.padding == "none")
     sampler = make_sampler(train_samples, cfg.data.source, t.global_batch_size, t.seed)
     balancer = Balancer(layout, dp_rank, cfg.parallel.balance_every, device_clock(runtime.device))
     # a pipeline schedule cuts this rank's batch into its micro-batches itself: the loader hands it over whole

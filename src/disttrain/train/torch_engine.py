@@ -35,7 +35,9 @@ class TorchEngine(SteppedByOptimizerStep):
     def train_step(self, micro_batches: list, step: int) -> StepResult:
         """The only host sync is the finiteness test of the norm (one scalar), which decides whether to step."""
         phases, mean_loss, last = self.phases, self.mean_loss, len(micro_batches) - 1
-        batches = [(self.precision.inputs(x, self.device), on_device_counted(y, self.device)) for x, y in micro_batches]
+        tagged = getattr(mean_loss, "packed", False)  # packed preference pairs: their targets tag their sequences
+        batches = [(self.precision.inputs(x, self.device), on_device_counted(y, self.device, tagged))
+                   for x, y in micro_batches]
         mean_loss.start_step([y for _, y in batches])
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         if self.keep_gathered:
@@ -63,7 +65,8 @@ class TorchEngine(SteppedByOptimizerStep):
         if self.keep_gathered:
             gather(self.model)
         for x, y in micro_batches:
-            x, y = self.precision.inputs(x, self.device), on_device_counted(y, self.device)
+            x, y = self.precision.inputs(x, self.device), on_device_counted(y, self.device,
+                                                                             getattr(self.mean_loss, "packed", False))
             with loss_context(self.tensor_parallel):
                 with self.precision.autocast():
                     with self.mean_loss.forward_with_targets(y, x):
@@ -96,11 +99,11 @@ class TorchEngine(SteppedByOptimizerStep):
         return self.optimizer_step.metrics()
 
 
-def on_device_counted(targets: torch.Tensor, device: torch.device) -> torch.Tensor:
+def on_device_counted(targets: torch.Tensor, device: torch.device, tagged: bool = False) -> torch.Tensor:
     """The targets on the device, carrying how many of them count (`valid_count`), counted here on the host
     copy: a chunked output head then computes only those positions' logits with no host synchronisation
-    (models/output_head.py positions_with_targets); packed preference pairs' targets also carry how many
-    sequences they tag (`sequences`, models/packed_targets.py)."""
+    (models/output_head.py positions_with_targets); `tagged` (packed preference pairs): the targets also carry
+    how many sequences they tag (`sequences`, models/packed_targets.py)."""
     from torch._subclasses.fake_tensor import is_fake
 
     from disttrain.models.packed_targets import count_sequences, with_sequences
@@ -108,7 +111,7 @@ def on_device_counted(targets: torch.Tensor, device: torch.device) -> torch.Tens
 
     host = targets.device.type == "cpu" and not is_fake(targets)  # the dry run's fake batch: no values to count
     count = int((targets != IGNORE_INDEX).sum()) if host else None
-    sequences = count_sequences(targets) if host else 0  # packed pairs' targets tag their sequences (> 1 of them)
+    sequences = count_sequences(targets) if host and tagged else 0
     moved = targets.to(device, non_blocking=True)
     if count is not None:
         moved.valid_count = count
