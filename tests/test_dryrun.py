@@ -29,6 +29,9 @@ REAL_LAYOUTS = {
                  "precision.compute_dtype=fp16"],  # autocast with the loss scaler
     "zero3-bf16": [*TINY, "train.global_batch_size=4", "parallel.dp_shard=2", "parallel.zero_stage=3",
                    "precision.param_dtype=bf16"],
+    # LoRA adapters on a frozen base stored in bf16: gradients and optimizer states of the adapters alone
+    "zero3-lora": [*TINY, "train.global_batch_size=4", "parallel.dp_shard=2", "parallel.zero_stage=3",
+                   "precision.compute_dtype=bf16", "model.lora.rank=4"],
 }
 
 

@@ -248,10 +248,28 @@ def test_bad_lora_input_is_one_line(references, base, tmp_path):
     cfg = load_config(DEBUG_CONFIG, [f"model.hf={base}", *LORA, "parallel.tp=2", "model.lora.dropout=0.1"])
     with pytest.raises(UserError, match="model.lora.dropout=0.1 with parallel.tp=2: each tensor-parallel rank"):
         resolve_run(cfg, 2, "cpu")
-    from disttrain.dryrun.simulate import unsupported
 
-    cfg = load_config(DEBUG_CONFIG, [*LORA])
-    assert unsupported(cfg, resolve_run(cfg, 2, "cpu").layout).startswith("model.lora cannot be dry-run yet")
+
+@pytest.mark.parametrize("layout", [("parallel.zero_stage=3",), ("parallel.pp=2",)])
+def test_the_dry_run_trains_the_adapters_alone_and_the_planner_follows(layout):
+    """The dry run puts the adapters on the frozen base as the builder does (tests/test_dryrun.py holds it to a real
+    run): gradients and optimizer states of the adapters alone, the base stored in bf16. Rank 0 of 2 (both stages
+    of a pipeline): the planner's peak within 5% of it, its parameters within 2%."""
+    from disttrain.cli.dryrun import dry_run
+    from disttrain.config.load import load_config
+    from disttrain.config.resolve import resolve_run
+    from disttrain.plan.params import lora_layer_params
+
+    overrides = ["model.name=tiny", "data.seq_len=256", "train.global_batch_size=8", "train.micro_batch_size=2",
+                 "precision.compute_dtype=bf16", *LORA, *layout]
+    result = dry_run(load_config(DEBUG_CONFIG, overrides), 2, [0, 1] if "pp" in layout[0] else [0])
+    shape = resolve_run(load_config(DEBUG_CONFIG, overrides), 2, "cpu").shape
+    for rank in result["ranks"]:
+        assert abs(rank["error"]["peak_bytes"]) <= 0.05, (layout, rank["error"], rank["bytes"], rank["planner"])
+        assert abs(rank["error"]["parameters"]) <= 0.02, (layout, rank["bytes"], rank["planner"])
+        layers = shape.n_layers // (2 if "pp" in layout[0] else 1)
+        adapters = layers * lora_layer_params(shape, 4) / (1 if "pp" in layout[0] else 2)  # fp32, ZeRO-3 shards
+        assert rank["bytes"]["optimizer"] == pytest.approx(2 * 4 * adapters, rel=0.01), rank["bytes"]
 
 
 def test_the_planner_counts_the_adapters_and_what_freezing_saves(tmp_path):

@@ -110,7 +110,8 @@ def dry_run(cfg, world_size: int, ranks: list[int] | None = None, gpu_name: str 
     for rank in ranks:
         planned = estimate_memory(resolved.shape, layout, pp_rank=pp_rank_of(layout, rank), routing_skew=routing.skew,
                                   muon=cfg.optim.name == "muon", state_dtype=cfg.optim.state_dtype,
-                                  objective=objective_terms(cfg, resolved.shape))
+                                  objective=objective_terms(cfg, resolved.shape),
+                                  lora_rank=cfg.model.lora.rank if cfg.model.lora is not None else 0)
         planner = {**planned.categories(), "peak_bytes": planned.total}
         if progress:
             progress(f"dry run: rank {rank} of {world_size} ...")

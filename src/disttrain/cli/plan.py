@@ -18,6 +18,7 @@ from disttrain.models.registry import MODEL_SHAPES, ModelShape, search_limits
 from disttrain.plan import moe, render as report
 from disttrain.plan.estimate import estimate, shape_for_params
 from disttrain.plan.memory import ACCOUNTINGS
+from disttrain.cli.plan_options import add_objective_args, lora_rank_option, objective_flags, optimizer_option
 from disttrain.plan.objective import ObjectiveTerms, objective_terms
 from disttrain.plan.search import (SearchSpace, drop_disproved, global_batch, gpu_memory, memory_budget,
                                    parse_count, parse_counts, scaling_table, search, why_winner)
@@ -74,6 +75,7 @@ def add_parsers(sub) -> None:
                      "(default: the config's, else adamw)")
     est.add_argument("--state-dtype", choices=("fp32", "bf16", "int8"), default=None, help="optim.state_dtype of the "
                      "moments (default: the config's, else fp32)")
+    add_objective_args(est)
     est.add_argument("--json", action="store_true")
     add_cluster_args(est)
 
@@ -109,6 +111,7 @@ def add_parsers(sub) -> None:
     plan.add_argument("--out", default=None, help="write the winner as a config to this path (default: none)")
     plan.add_argument("--verify", type=int, default=0, help="dry-run the best N layouts (disttrain dryrun) and "
                                                             "show where they disagree with the plan")
+    add_objective_args(plan)
     plan.add_argument("--json", action="store_true")
     add_cluster_args(plan)
 
@@ -173,6 +176,8 @@ def build_layout(args) -> tuple[str, ModelShape, Layout]:
         resolved = resolve_run(cfg, None, "cpu" if args.hardware else "cuda")
         args.objective = objective_terms(cfg, resolved.shape)
     name, shape = _shape(args, (resolved.model_name, resolved.shape) if cfg is not None else None)
+    flagged = objective_flags(args, shape, bool(args.lora_rank) or (cfg is not None and cfg.model.lora is not None))
+    args.objective = flagged or args.objective
     for flag in ("gpus", "dp_replicate", "tp", "pp", "microbatches", "micro_batch_size", "global_batch_size", "seq_len"):
         _positive("--" + flag.replace("_", "-"), getattr(args, flag))
     if resolved is not None:  # the degrees as configured; dp_shard follows from --gpus below
@@ -208,36 +213,12 @@ def _headroom(args) -> float:
     return args.headroom
 
 
-def _lora_rank(args) -> int:
-    """--lora-rank, else the config's model.lora.rank, else 0 (no adapters)."""
-    if args.lora_rank is None:
-        from disttrain.config.load import load_config
-
-        lora = load_config(args.config, []).model.lora if args.config else None
-        return lora.rank if lora is not None else 0
-    if args.lora_rank <= 0:
-        raise UserError(f"--lora-rank={args.lora_rank}: must be > 0 (leave it out for full training)")
-    return args.lora_rank
-
-
-def _optimizer(args) -> tuple[str, str]:
-    """(--optimizer, else the config's optim.name, else adamw; --state-dtype, else the config's, else fp32)."""
-    name, dtype = args.optimizer, args.state_dtype
-    if (name is None or dtype is None) and args.config:
-        from disttrain.config.load import load_config
-        optim = load_config(args.config, getattr(args, "overrides", [])).optim
-        name, dtype = name or optim.name, dtype or optim.state_dtype
-    if name == "muon" and dtype == "int8":
-        raise UserError("--state-dtype=int8 with muon: 8-bit states are AdamW's (allowed with muon: fp32, bf16)")
-    return name or "adamw", dtype or "fp32"
-
-
 def cmd_estimate(args) -> None:
     name, shape, layout = build_layout(args)
-    headroom, (optimizer, state_dtype) = _headroom(args), _optimizer(args)
+    headroom, (optimizer, state_dtype) = _headroom(args), optimizer_option(args)
     cluster = _cluster(args, layout.world_size, name, shape) if args.time else None
     est = estimate(shape, layout, cluster, model=name, accounting=args.accounting, lora_rank=moe.no_lora(
-        _lora_rank(args), shape), routing_skew=moe.routing_skew(args.routing_skew, shape),
+        lora_rank_option(args), shape), routing_skew=moe.routing_skew(args.routing_skew, shape),
         muon=optimizer == "muon", state_dtype=state_dtype, objective=args.objective)
     gpu_name, memory = gpu_memory(args.gpu, getattr(args, "hardware", None))
     tokens = parse_count("--tokens", args.tokens) if args.tokens else None
@@ -271,7 +252,13 @@ def cmd_plan(args) -> None:
     seq_len = args.seq_len or min(4096, shape.max_seq_len)
     if seq_len > shape.max_seq_len:
         shape = replace(shape, max_seq_len=seq_len)
+    objective = objective_flags(args, shape, args.lora_rank > 0) or ObjectiveTerms()
+    if args.verify and objective.name != "lm":  # the dry run builds the objective from the run's data
+        raise UserError(f"--verify with --objective={objective.name}: a dry run needs the run's data (pairs, a "
+                        "teacher's tokenizer); write the winner with --out, set its data, then `disttrain dryrun` it")
     gbs = global_batch(args.global_batch_size, args.global_batch_tokens, seq_len)
+    if not args.global_batch_size:  # tokens count both sequences of a pair
+        gbs = max(1, gbs // objective.rows)
     _headroom(args)
     try:
         stages = tuple(sorted({int(s) for s in args.zero_stages.split(",")}))
@@ -286,14 +273,16 @@ def cmd_plan(args) -> None:
                         param_dtype=args.dtype or "bf16", lora_rank=moe.no_lora(args.lora_rank, shape),
                         ep=moe.expert_degrees(args.ep, shape, args.gpus), state_dtype=args.state_dtype,
                         routing_skew=moe.routing_skew(args.routing_skew, shape), optimizer=args.optimizer,
-                        **search_limits(name, args.hf))
+                        objective=objective, **search_limits(name, args.hf))
     result = search(shape, cluster, space, args.headroom, model=name)
     tokens = parse_count("--tokens", args.tokens) if args.tokens else None
     if not result.ranked:
         raise UserError(f"no layout of {name} fits {args.gpus} x {cluster.gpu.name} "
                         f"({result.considered} considered; try more GPUs, --allow-offload or a smaller --headroom)")
     header = (f"Model: {name}, {moe.size_text(shape)}; {args.gpus} x {cluster.gpu.description} "
-              f"({cluster.nodes} node(s) x {cluster.gpus_per_node}); global batch {gbs} x {seq_len} tokens")
+              f"({cluster.nodes} node(s) x {cluster.gpus_per_node}); global batch {gbs} "
+              f"{'pairs of 2 ' if objective.rows > 1 else ''}x {seq_len} tokens" + (
+                  f"; {objective.describe()}" if objective.name != "lm" else ""))
     if not args.json:  # the ranking first: dry runs take minutes
         print("\n".join([header, "", *report.plan_table(result.ranked, args.top)]), flush=True)
     verified = _verify(args, result, cluster.gpu.name) if args.verify > 0 else []
@@ -369,6 +358,9 @@ def cmd_plan_mixed(args) -> None:
 
     if args.gpus is not None:
         raise UserError("--cluster and --gpus: give one of them (--cluster names every GPU)")
+    if args.objective_name not in (None, "lm"):
+        raise UserError(f"--objective={args.objective_name} with --cluster: the mixed-cluster plan models a "
+                        "language-model step (allowed: --objective lm, or --gpus N)")
     try:
         groups = parse_cluster(args.cluster)
     except (KeyError, ValueError) as exc:

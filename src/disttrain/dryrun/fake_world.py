@@ -37,17 +37,19 @@ def materialize_fake(module, mode) -> None:
             getattr(owner, kind)[name] = first
 
 
-def stage_shapes(spec, layout: Layout, chunked_loss):
+def stage_shapes(spec, layout: Layout, chunked_loss, rows: int = 1, hands_over: bool = False):
     """Each pipeline stage's example input and output, given up front (torch's static mode): in a real run
     the stages exchange them at the first step, which a fake group cannot carry. Pipeline parallelism is for
     decoder-only language models (validation), whose stages pass hidden states (micro-batch, sequence,
     hidden) - in the parameters' compute dtype under FSDP2's mixed-precision policy, else the fp32
     residual stream - and whose last stage returns logits over the vocabulary, or the loss sum from a chunked
-    output head (`chunked_loss()`, asked when the stages are built: whether the loss took the model's head)."""
+    output head (`chunked_loss()`, asked when the stages are built: whether the loss took the model's head).
+    `rows`: sequences a sample holds (a preference pair's two); `hands_over`: a distillation teacher's pipeline,
+    whose last stage returns its final hidden states for the student's head."""
     mp = layout.gradient_wrapper == "fsdp" and layout.param_dtype != "fp32"
     dtype = DTYPES[layout.param_dtype] if mp else torch.float32
     logits_dtype = DTYPES[layout.param_dtype if mp else layout.compute_dtype]
-    b, t, shape = layout.micro_batch, layout.seq_len // layout.cp, spec.shape  # a context rank's tokens
+    b, t, shape = layout.micro_batch * rows, layout.seq_len // layout.cp, spec.shape  # a context rank's tokens
     hidden = t // layout.tp if layout.sequence_parallel else t  # sequence parallelism: each rank's slice
 
     def example(stage: int, module=None):
@@ -60,6 +62,8 @@ def stage_shapes(spec, layout: Layout, chunked_loss):
         last = stage == layout.n_stages - 1
         if last and chunked_loss():  # the output head returns the loss sum (models/output_head.py)
             return inputs, torch.empty((), dtype=statistics_dtype(logits_dtype), requires_grad=True)
+        if last and hands_over:
+            return inputs, torch.empty(b, t, shape.dim, dtype=dtype)
         outputs = torch.empty(b, t if last else hidden, shape.vocab_size if last else shape.dim,
                               dtype=logits_dtype if last else dtype, requires_grad=True)
         return inputs, (outputs, *sent) if sent else outputs

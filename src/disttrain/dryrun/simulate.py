@@ -66,21 +66,7 @@ def unsupported(cfg, layout: Layout) -> str | None:
     if cfg.model.moe.capacity_factor:
         return (f"model.moe.capacity_factor={cfg.model.moe.capacity_factor} cannot be dry-run (which tokens are "
                 "dropped depends on their values); allowed: 0 (dropless)")
-    if cfg.model.lora is not None:
-        return ("model.lora cannot be dry-run yet (the simulated model would train every parameter); "
-                "`disttrain estimate` counts LoRA's memory")
-    if layout.pp > 1 and frozen_model(cfg):
-        return (f"train.objective={cfg.train.objective} with parallel.pp={layout.pp} cannot be dry-run yet (the "
-                f"{frozen_model(cfg)}'s pipeline of its own is not simulated); allowed: parallel.pp=1"
-                + (", or dpo.precompute_reference=true" if cfg.train.objective == "dpo" else ""))
     return None
-
-
-def frozen_model(cfg) -> str:
-    """The frozen model the objective runs beside the trained one ("reference", "teacher"), or ""."""
-    if cfg.train.objective == "dpo" and not cfg.dpo.precompute_reference:
-        return "reference"
-    return "teacher" if cfg.train.objective == "distill" else ""
 
 
 def rows_per_sample(cfg) -> int:
@@ -142,6 +128,11 @@ def measure_step(cfg, layout: Layout, spec, model, steps: int = 2, materialize=N
     rank, world, device = dist.get_rank(), layout.world_size, torch.device("cpu")
     meshes = build_meshes(layout, "cpu")
     runtime = Runtime(DistEnv(rank, world, rank % 8, min(world, 8), "dryrun"), device, dist.get_backend())
+    lora = cfg.model.lora is not None
+    if lora:  # adapters on the frozen base, as the builder puts them (train/builder.py)
+        from disttrain.models.lora import inject_lora
+
+        inject_lora(model, spec, cfg.model.lora, {"bf16": torch.bfloat16, "fp16": torch.float16}.get(layout.compute_dtype))
     building = ddp_on_fake(tensor_mode) if tensor_mode is not None and layout.gradient_wrapper == "ddp" \
         else contextlib.nullcontext()
     with building, groups_on_the_fake_backend(tensor_mode is not None):
@@ -150,13 +141,14 @@ def measure_step(cfg, layout: Layout, spec, model, steps: int = 2, materialize=N
         mean_loss = make_objective(cfg, spec, layout, meshes, SimpleNamespace(masks_targets=False,
                                                                               targets_per_sample=layout.seq_len),
                                    context_shard(layout, meshes))
-        stage_io = stage_shapes(spec, layout, lambda: mean_loss.chunked) if layout.pp > 1 else None
+        stage_io = stage_shapes(spec, layout, lambda: mean_loss.chunked, rows_per_sample(cfg)) if layout.pp > 1 else None
         engine = build_engine(cfg, layout, meshes, spec, model, runtime, Phases(StepBreakdown(device)), mean_loss,
                               materialize=materialize, stage_io=stage_io)
     if cfg.train.objective in ("dpo", "distill"):  # built on meta outside the fake mode, as the trained model was
         with groups_on_the_fake_backend(tensor_mode is not None):
-            attach_frozen_model(mean_loss, cfg, spec, layout, meshes, device, engine, False, None, False, None,
-                                on_meta=materialize)
+            attach_frozen_model(mean_loss, cfg, spec, layout, meshes, device, engine, lora, None, False, None,
+                                on_meta=materialize, stage_io=lambda frozen_spec, hands_over: stage_shapes(
+                                    frozen_spec, layout, lambda: False, rows_per_sample(cfg), hands_over))
     if routing is not None and spec.moe_layers is not None:
         assume_routing(spec.moe_layers(model), layout.ep, routing)
     buckets = DDPBuckets()
@@ -211,6 +203,9 @@ def _tracked_steps(cfg, layout, spec, engine, steps, counter, buckets, rank, t0)
     objective = engine.mean_loss
     frozen = [m for m in (getattr(objective, "reference", None), getattr(objective, "teacher", None))
               if isinstance(m, nn.Module)]  # the reference or teacher: its memory is the rank's too
+    frozen_stages = engine.reference[0].stages if getattr(engine, "reference", None) else []  # its own pipeline
+    if frozen_stages:
+        frozen = [engine.reference[0].model]
     precomputed = getattr(objective, "precomputed", None)
     if precomputed is not None:  # values to read, as the pass before the first step leaves them
         precomputed.tables["train"] = torch.zeros(rows * layout.microbatches, dtype=torch.float64)
@@ -219,14 +214,20 @@ def _tracked_steps(cfg, layout, spec, engine, steps, counter, buckets, rank, t0)
         tracker = (StagesTracker if frozen else FSDPMemTracker)(roots, engine.optimizer)
         track_unwrapped_experts(tracker, roots)
     elif stages and isinstance(stages[0].submod, FSDPModule):  # pipeline stages, each an FSDP root
-        tracker = StagesTracker(nn.ModuleList([stage.submod for stage in stages]), engine.optimizer)
-        track_unwrapped_experts(tracker, nn.ModuleList([stage.submod for stage in stages]))
+        roots = nn.ModuleList([stage.submod for stage in stages + frozen_stages])
+        tracker = StagesTracker(roots, engine.optimizer)
+        track_unwrapped_experts(tracker, roots)
     else:
         tracker = Tracker(buckets)
         tracker.track_external(engine.model, *frozen, engine.optimizer)
     if stages:
         tracker._mod_tracker = LeafInputsSafe()
-        tracker._mod_tracker.watch(stages)
+        tracker._mod_tracker.watch(stages + frozen_stages)
+    reference = getattr(objective, "reference", None)
+    if callable(reference) and not isinstance(reference, nn.Module):  # LoRA: the policy itself, adapters off
+        objective.reference = _own_iteration(tracker, reference)
+    for stage in frozen_stages:  # forward only, m times a step: each a new iteration to the tracker, as the engine's
+        stage.forward_one_chunk = _new_iteration(tracker, stage)  # phases make the trained stages' (TrackerPhases)
     with tracker, counter:
         engine.phases.subscribe(TrackerPhases(tracker, engine.model))
         buckets.tracker = tracker
@@ -257,6 +258,28 @@ def _tracked_steps(cfg, layout, spec, engine, steps, counter, buckets, rank, t0)
             categories[key] = 0
     return RankRun(rank, role_of(layout, rank), total - host, categories, counter.table(), time.perf_counter() - t0,
                    host)
+
+
+def _own_iteration(tracker, forward):
+    """The trackers refuse a module's second forward before a backward: DPO's LoRA reference runs the policy's
+    forward once more, with its adapters off, before the policy's own. Each is an iteration of its own to them
+    (their statistics per module go; the peak is kept)."""
+    def run(*args, **kwargs):
+        tracker.reset_mod_stats()
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            tracker.reset_mod_stats()
+    return run
+
+
+def _new_iteration(tracker, stage):
+    forward, module = stage.forward_one_chunk, stage.submod
+
+    def run(*args, **kwargs):
+        tracker.memory_tracking.pop(module, None)
+        return forward(*args, **kwargs)
+    return run
 
 
 def _group_dims(layout: Layout, meshes) -> dict[frozenset, str]:

@@ -141,14 +141,9 @@ def apply_lora(model: nn.Module, spec, lora, seed: int, base_dtype: torch.dtype 
     generator seeded by parameter name, so every layout starts identical; lora_B starts at zero.
     `base_dtype` (bf16/fp16 compute): the frozen base is stored in it, half the bytes, since no optimizer
     updates it; the adapters stay fp32 (autocast computes with both)."""
-    from peft import inject_adapter_in_model
-
     fingerprint = base_fingerprint(model)
-    inject_adapter_in_model(peft_config(lora, target_names(model, spec, lora.targets)), model)
+    inject_lora(model, spec, lora, base_dtype)
     with torch.no_grad():
-        for name, param in model.named_parameters():
-            if base_dtype is not None and not is_adapter(name) and param.is_floating_point():
-                param.data = param.data.to(base_dtype)
         for name, param in model.named_parameters():
             if ".lora_A." in name:
                 key = int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") >> 1
@@ -157,6 +152,18 @@ def apply_lora(model: nn.Module, spec, lora, seed: int, base_dtype: torch.dtype 
                 param.copy_(torch.rand(param.shape, generator=gen, dtype=torch.float64, device=param.device)
                             .mul_(2 * bound).sub_(bound).to(param.dtype))
     return fingerprint
+
+
+def inject_lora(model: nn.Module, spec, lora, base_dtype: torch.dtype | None = None) -> None:
+    """peft's adapters on the targets, every other parameter frozen, the base stored in `base_dtype`: no values
+    read or written (the dry run's model on the meta device takes it as it is)."""
+    from peft import inject_adapter_in_model
+
+    inject_adapter_in_model(peft_config(lora, target_names(model, spec, lora.targets)), model)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if base_dtype is not None and not is_adapter(name) and param.is_floating_point():
+                param.data = param.data.to(base_dtype)
 
 
 def merge_lora(model: nn.Module) -> nn.Module:

@@ -7,8 +7,8 @@ from dataclasses import dataclass, replace
 from disttrain.models.registry import MODEL_SHAPES, ModelShape
 from disttrain.models import flops as F
 from disttrain.layout.layout import Layout
-from disttrain.core.errors import UserError
 from disttrain.plan.memory import MemoryEstimate, estimate_memory, rank_params
+from disttrain.plan.frozen_time import with_frozen_forward
 from disttrain.plan.objective import ObjectiveTerms
 from disttrain.plan.timing import Cluster, StepTime, step_time
 
@@ -28,7 +28,8 @@ class Estimate:
 
     @property
     def tokens_per_step(self) -> int:
-        return self.layout.global_batch_size * self.layout.seq_len
+        """Tokens the trained model sees a step (a preference pair's two sequences count twice, as logged)."""
+        return self.layout.global_batch_size * self.layout.seq_len * self.objective.rows
 
     @property
     def flops_per_token(self) -> float:
@@ -71,14 +72,14 @@ def estimate(shape: ModelShape, layout: Layout, cluster: Cluster | None = None, 
     """`lora_rank` > 0: LoRA adapters train on a frozen base (memory only; the step time is the full one's).
     `routing_skew`: an MoE router's load on the busiest expert-parallel rank, 1 = balanced (plan/moe.py).
     `muon`: optim.name=muon (plan/optimizer.py: its states, temporaries, iterations and traffic); `state_dtype`:
-    optim.state_dtype (the moments' bytes); `objective`: train.objective's terms (memory only: a step time of an
-    objective other than lm is refused)."""
-    if cluster is not None and objective.name != "lm":
-        raise UserError(f"train.objective={objective.name}: the step time models a language-model step (its "
-                        "memory is counted: leave out --time)")
+    optim.state_dtype (the moments' bytes); `objective`: train.objective's terms, in memory and step time (pairs,
+    a frozen model's parameters and forward: plan/objective.py, plan/frozen_time.py)."""
     memory = estimate_memory(shape, layout, accounting, fused_norm, lora_rank=lora_rank, routing_skew=routing_skew,
                              muon=muon, state_dtype=state_dtype, objective=objective)
-    timing = step_time(shape, layout, cluster, routing_skew, muon) if cluster is not None else None
+    timing = None
+    if cluster is not None:
+        timing = with_frozen_forward(step_time(shape, layout, cluster, routing_skew, muon, objective), objective,
+                                     layout, cluster, routing_skew)
     return Estimate(model, shape, layout, memory, timing, accounting, routing_skew, "muon" if muon else "adamw",
                     state_dtype, objective)
 

@@ -26,7 +26,7 @@ from disttrain.plan.moe import expert_shard_padding, model_states as moe_model_s
 from disttrain.plan.optimizer import muon_params, muon_temporaries
 from disttrain.plan.peak_moments import alive_at_moments
 from disttrain.plan.moe import layer_params as moe_layer_params
-from disttrain.plan.objective import ObjectiveTerms, distill_head_bytes
+from disttrain.plan.objective import ObjectiveTerms, distill_head_bytes, frozen_pipeline_bytes
 from disttrain.plan.params import (RankParams, layer_params, lora_layer_params, rank_params,  # noqa: F401
                                    rotary_table_bytes, stage_layers)
 
@@ -266,7 +266,8 @@ def estimate_memory(shape: ModelShape, layout: Layout, accounting: str = "runtim
         if held.output and objective.name == "distill":  # the teacher's terms in the student's output head
             kept, transient = distill_head_bytes(objective, shape, layout)
             acts = replace(acts, saved=acts.saved + kept, chunk=acts.chunk + transient if acts.chunk else 0.0)
-        pipe = pipeline_recv_bytes(shape, layout, pp_rank) + pipeline_batch_bytes(layout) if layout.pp > 1 else 0.0
+        pipe = pipeline_recv_bytes(shape, layout, pp_rank) + pipeline_batch_bytes(layout) + \
+            frozen_pipeline_bytes(objective, layout, pp_rank) if layout.pp > 1 else 0.0
         pb = DTYPE_BYTES[layout.param_dtype]
         gathered, all_held = 0.0, held.total
         if held.experts and layout.experts_outside_fsdp:  # no FSDP unit gathers the experts (one-rank mesh)

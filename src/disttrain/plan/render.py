@@ -61,8 +61,11 @@ def plan_table(ranked: list[Estimate], top: int) -> list[str]:
         peak = m.categories()
         states = peak["parameters"] + peak["gradients"] + peak["optimizer"]
         acts = peak["activations"] + peak["temporary"]
-        lines.append(f"{i:>2}  {t.tokens_per_s_per_gpu:>12,.0f}  {t.mfu:>6.1%}  {t.step_s:>8.2f} {t.compute_s:>8.2f} "
-                     f"{t.bubble_s:>8.2f} {t.tp_comm_s + t.pp_comm_s + t.dp_exposed_s + t.ep_comm_s:>7.2f}  {m.total / GIB:>9.1f} "
+        # a frozen model's forward (dpo's reference, a teacher) in each column
+        compute, bubble = t.compute_s + t.frozen_compute_s, t.bubble_s + t.frozen_bubble_s
+        comm = t.tp_comm_s + t.pp_comm_s + t.dp_exposed_s + t.ep_comm_s + t.frozen_s - t.frozen_compute_s - t.frozen_bubble_s
+        lines.append(f"{i:>2}  {t.tokens_per_s_per_gpu:>12,.0f}  {t.mfu:>6.1%}  {t.step_s:>8.2f} {compute:>8.2f} "
+                     f"{bubble:>8.2f} {comm:>7.2f}  {m.total / GIB:>9.1f} "
                      f"{states / GIB:>7.1f} {acts / GIB:>6.1f} {peak['communication'] / GIB:>5.1f}  {e.layout.describe(micro_batch=True)}")
     return lines
 
@@ -110,6 +113,8 @@ def time_lines(est: Estimate, tokens: float | None = None, baseline_tokens_per_s
              f"  data-parallel comm {t.dp_comm_s * 1e3:8.1f} ms, exposed {t.dp_exposed_s * 1e3:8.1f} ms",
              *([f"  expert all-to-all {t.ep_comm_s * 1e3:8.1f} ms (ep={est.layout.ep}, routing skew "
                 f"{est.routing_skew:g})"] if est.layout.ep > 1 else []),
+             *([f"  {'teacher' if est.objective.name == 'distill' else 'reference'} forward {t.frozen_s * 1e3:8.1f} ms "
+                f"(compute {t.frozen_compute_s * 1e3:.1f} ms)"] if t.frozen_s else []),
              f"  step {t.step_s:.3f} s -> {t.tokens_per_s:,.0f} tokens/s, {t.tokens_per_s_per_gpu:,.0f} per GPU, "
              f"MFU {t.mfu:.1%} (HFU {t.hfu:.1%})"]
     if baseline_tokens_per_s_per_gpu:
@@ -172,9 +177,15 @@ def _config(est: Estimate, model: dict, steps: int) -> dict:
         sections["optim"] = {"name": est.optimizer, **sections["optim"]}
     if est.state_dtype != "fp32":
         sections["optim"] = {**sections["optim"], "state_dtype": est.state_dtype}
-    order = ("data", "train", "optim", "parallel", "precision")
+    objective = est.objective
+    if objective.name != "lm":  # the data must suit it (pairs, a teacher's tokenizer): the user's to set
+        sections["train"]["objective"] = objective.name
+        sections["dpo"] = {"precompute_reference": True} if objective.name == "dpo" and \
+            objective.forward_shape is None else {}
+        sections["distill"] = {"teacher": objective.teacher} if objective.teacher else {}
+    order = ("data", "train", "dpo", "distill", "optim", "parallel", "precision")
     return {"model": model, **({"engine": lay.engine} if lay.engine != "torch" else {}),
-            **{name: sections[name] for name in order if sections[name]}}
+            **{name: sections[name] for name in order if sections.get(name)}}
 
 
 # Peak AdamW learning rates by model size, from GPT-3's table of model sizes (Brown et al. 2020, table 2.1):

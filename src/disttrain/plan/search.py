@@ -17,6 +17,7 @@ from disttrain.core.errors import UserError
 from disttrain.models.registry import ModelShape
 from disttrain.plan.context import cp_degrees
 from disttrain.plan.estimate import Estimate, estimate
+from disttrain.plan.objective import ObjectiveTerms
 from disttrain.layout.layout import RECOMPUTE, SCHEDULES, VIRTUAL_STAGES, Layout
 from disttrain.layout.rules import layout_problems
 from disttrain.plan.timing import Cluster, single_gpu_tokens_per_s
@@ -48,6 +49,7 @@ class SearchSpace:
     context_parallel: bool = True  # False: the model cannot shard its sequence (cp = 1; models/hf/published.py)
     pipeline_sequence_parallel: bool = True  # False: sequence parallelism only without a pipeline (transformers')
     pipeline_context_parallel: bool = True  # False: context parallelism only without a pipeline (transformers')
+    objective: ObjectiveTerms = ObjectiveTerms()  # train.objective's pairs and frozen model (plan/objective.py)
 
 
 def expert_degrees(shape: ModelShape, dp_shard: int, space: SearchSpace) -> list[int]:
@@ -142,7 +144,7 @@ def search(shape: ModelShape, cluster: Cluster, space: SearchSpace, headroom: fl
             considered += 1
             est = estimate(shape, layout, cluster, model=model, lora_rank=space.lora_rank,
                            routing_skew=space.routing_skew, muon=space.optimizer == "muon",
-                           state_dtype=space.state_dtype)
+                           state_dtype=space.state_dtype, objective=space.objective)
             if fits(est, budget):
                 ranked.append(est)
     ranked.sort(key=lambda e: (-e.time.tokens_per_s, e.memory.total))

@@ -136,13 +136,22 @@ class StepTime:
     cp_comm_s: float = 0.0  # context parallel's K/V traffic (plan/context.py)
     cp_exposed_s: float = 0.0  # the part not hidden behind attention
     cp_recurrence_s: float = 0.0  # of compute: linear attention's recurrence waiting from context rank to rank
+    frozen_s: float = 0.0  # a frozen model's forward (plan/frozen_time.py), in step_s: compute, bubble, exposed traffic
+    frozen_compute_s: float = 0.0  # of which compute
+    frozen_bubble_s: float = 0.0  # and its own pipeline schedule's bubble
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
 
 
 def step_time(shape: ModelShape, layout: Layout, cluster: Cluster, routing_skew: float = 1.0,
-              muon: bool = False) -> StepTime:
+              muon: bool = False, objective=None) -> StepTime:
+    """`objective`: train.objective's terms (plan/objective.py): a preference objective's pairs are twice the rows
+    (the tokens, the MFU's and the throughput's count too, as the runtime logs them). A frozen model's forward is
+    added to this step by plan/frozen_time.py."""
+    if objective is not None and objective.rows > 1:  # the trained model sees rows, not samples
+        layout = layout.replace(micro_batch_size=layout.micro_batch_size * objective.rows,
+                                global_batch_size=layout.global_batch_size * objective.rows)
     gpu = cluster.gpu
     dtype = layout.param_dtype if layout.param_dtype != "fp32" else "tf32"
     peak = gpu.peak_flops(dtype)

@@ -28,11 +28,13 @@ def make_objective(cfg, spec, layout, meshes, samples, shard_targets):
 
 
 def attach_frozen_model(objective, cfg, spec, layout, meshes, device, engine, lora: bool, tokenizer,
-                        masks_targets: bool, document_eos: int | None, on_meta=None) -> None:
+                        masks_targets: bool, document_eos: int | None, on_meta=None, stage_io=None) -> None:
     """DPO's reference (the policy's adapters switched off under LoRA, else a frozen copy of the starting model;
     with dpo.precompute_reference none, only a table of its values) or distillation's teacher, parallelised like
     the policy. `on_meta(module)`: the dry run's, which builds the frozen model on the meta device and makes it
-    fake tensors once parallelised (no pipelines there)."""
+    fake tensors once parallelised; `stage_io(model_spec, hands_over)`: the dry run's stage shapes of a frozen
+    model's pipeline (parallel/pipeline.py build_pipeline), whose last stage returns logits, or its hidden states
+    where `hands_over` (a teacher's head handing them to the student's)."""
     from disttrain.train import preference_reference as reference
     from disttrain.train.starting_model import starting_model
 
@@ -59,7 +61,8 @@ def attach_frozen_model(objective, cfg, spec, layout, meshes, device, engine, lo
         from disttrain.parallel.pipeline import build_pipeline
 
         engine.reference = (engine.parts, reference.lora_layers(engine.model)) if lora else (build_pipeline(
-            start(spec), spec, layout, meshes, device, cfg.parallel, objective, layout.microbatches, frozen=True), [])
+            start(spec), spec, layout, meshes, device, cfg.parallel, objective, layout.microbatches, materialize=on_meta,
+            stage_io=stage_io(spec, False) if stage_io else None, frozen=True), [])
     elif kind == "dpo" and lora:
         objective.reference = reference.lora_reference(engine.model)
     elif kind == "dpo":
@@ -78,7 +81,8 @@ def attach_frozen_model(objective, cfg, spec, layout, meshes, device, engine, lo
         if layout.pp > 1:  # the teacher's forward through a pipeline of its own, before the student's
             from disttrain.parallel.pipeline import build_pipeline
 
+            io = stage_io(teacher, objective._teacher_head is not None) if stage_io else None
             engine.reference = (build_pipeline(model, teacher, layout, meshes, device, cfg.parallel, objective,
-                                               layout.microbatches, frozen=True), [])
+                                               layout.microbatches, materialize=on_meta, stage_io=io, frozen=True), [])
         else:
             objective.teacher = frozen(model, teacher)

@@ -109,6 +109,11 @@ class PipelineEngine(SteppedByOptimizerStep):
         with torch.no_grad(), adapters_off(lora_layers), self.mean_loss.collecting_reference(), self.precision.autocast(), \
                 loss_context(self.tensor_parallel):
             parts.schedule.eval(*args, target=targets if parts.is_last else None, losses=[], return_outputs=False)
+        # torch's stages keep every micro-batch's inputs and outputs for a backward (`fwd_cache`) until their next
+        # step begins: a forward-only pass has none, so they go now, before the policy's pass (a reference's whole
+        # logits on the last stage, a hidden state per micro-batch on the others; the loss kept what it needs)
+        for stage in parts.stages:
+            stage.clear_runtime_states()
 
     def train_step(self, micro_batches: list, step: int) -> StepResult:
         inputs, targets = self._batch(micro_batches)
