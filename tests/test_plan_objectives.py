@@ -43,6 +43,8 @@ def data(tmp_path_factory):
 CASES = {  # name -> overrides after BASE ({root}: the fixture's directory)
     "dpo zero3": ("data.source={root}/pairs", "train.objective=dpo", "parallel.zero_stage=3"),
     "dpo ddp": ("data.source={root}/pairs", "train.objective=dpo"),
+    # ZeRO-2: the frozen copy's blocks resharded after their forward all the same (no backward to keep them for)
+    "dpo zero2": ("data.source={root}/pairs", "train.objective=dpo", "parallel.zero_stage=2"),
     "dpo ddp packed": ("data.source={root}/pairs", "train.objective=dpo", "data.packing=true"),  # its worst case
     "dpo precomputed zero3": ("data.source={root}/pairs", "train.objective=dpo", "dpo.precompute_reference=true",
                               "parallel.zero_stage=3"),

@@ -33,6 +33,7 @@ REFERENCES = {"dpo": (BUILTIN, "train.objective=dpo"), "lora": (BUILTIN, "train.
 # MoE without a balancing loss: debug-moe's is taken over each micro-batch of every rank together, which one
 # process at two pairs a micro-batch does not see (tests/test_moe.py compares it with matching micro-batches)
 LAYOUTS = {"ddp": ("dpo", ()), "zero3": ("dpo", ("parallel.zero_stage=3",)), "tp2": ("dpo", ("parallel.tp=2",)),
+           "zero2": ("dpo", ("parallel.zero_stage=2",)),  # the frozen reference resharded after each block
            "zero3 lora": ("lora", ("parallel.zero_stage=3",)),
            "tp2 sp simpo": ("simpo", ("parallel.tp=2", "parallel.sequence_parallel=true")),
            "ep2 zero3": ("moe", ("parallel.ep=2", "parallel.zero_stage=3")),

@@ -45,16 +45,20 @@ def lora_reference(policy: nn.Module):
 
 
 def frozen_copy(model: nn.Module, spec, layout, meshes, device, parallel_options, document_eos: int | None):
-    """inputs -> the outputs of `model` (a freshly built copy of the starting policy), frozen and parallelised
-    like the policy."""
+    """inputs -> the outputs of `model` (a freshly built copy of the starting policy, or a teacher), frozen and
+    parallelised like the policy. Under ZeRO-2 each block is resharded after its forward all the same: ZeRO-2
+    keeps a block's gathered parameters for its backward, which a frozen model never runs, so they would stay
+    gathered for the whole run (a whole unsharded copy on every rank). Uneven shares keep them gathered, as for
+    the policy: every rank must issue the same all-gathers."""
     from dataclasses import replace
 
     from disttrain.parallel.parallelize import parallelize
 
     model.requires_grad_(False)
-    reference = parallelize(model, spec, replace(layout, activation_checkpointing="none"), meshes, device,
-                            parallel_options, document_eos, frozen=True)
-    return reference
+    frozen = replace(layout, activation_checkpointing="none")
+    if layout.zero_stage == 2 and not layout.balanced:
+        frozen = replace(frozen, zero_stage=3)
+    return parallelize(model, spec, frozen, meshes, device, parallel_options, document_eos, frozen=True)
 
 
 def run_frozen(model: nn.Module, inputs):
