@@ -9,9 +9,10 @@ counted for it, on the rows the trained model sees (a preference pair's two sequ
 - pipelines: the frozen model runs its own forward-only schedule over the same stages before the trained one's,
   with a bubble of (p-1)/v micro-batch forwards (no backward to fill it) and one transfer per micro-batch and stage;
 - ZeRO-3: its blocks are gathered again for every micro-batch; a separate copy's root (embeddings, output layer) is
-  resharded after each forward outside pipelines, so it is gathered again too; under ZeRO-2 the blocks stay gathered
-  after their first forward (FSDP reshards them after a backward, which a frozen model never runs). The gathers
-  hide behind the frozen forward as the trained model's hide behind its own (`exposed`);
+  resharded after each forward outside pipelines, so it is gathered again too. Under ZeRO-2 a separate copy outside
+  pipelines is resharded after each block's forward as under ZeRO-3 (train/preference_reference.py: a backward,
+  which it never runs, would be what ZeRO-2 keeps them for); elsewhere the blocks stay gathered after their first
+  forward. The gathers hide behind the frozen forward as the trained model's hide behind its own (`exposed`);
 - distillation with a chunked output head: the teacher's head weight made whole (fp32) for every micro-batch where
   it is sharded (tensor parallelism; ZeRO-2/3 outside pipelines);
 - CPU offload: its parameter shards go up to the GPU for every micro-batch.
@@ -80,11 +81,12 @@ def frozen_forward_time(frozen: ModelShape, layout: Layout, cluster: Cluster, *,
 
     gather = gather_exposed = 0.0
     if lay.zero_stage >= 2 and lay.shard_ranks > 1:
-        gathered = (held.block if lay.zero_stage == 3 else 0) + (held.root if own_copy and lay.pp == 1 else 0)
+        resharded = lay.zero_stage == 3 or (own_copy and lay.pp == 1 and not lay.balanced)  # ZeRO-2: see above
+        gathered = (held.block if resharded else 0) + (held.root if own_copy and lay.pp == 1 else 0)
         bw, lat = cluster.link(lay.shard_ranks * lay.tp, "all_gather")
         rounds = m  # uneven shares keep the trained model gathered between micro-batches, not a frozen one
         one = all_gather_s(lay.shard_ranks, e * gathered, bw, lat)
-        first = all_gather_s(lay.shard_ranks, e * (layer_params(frozen, lay.tp, lay.ep) if lay.zero_stage == 3
+        first = all_gather_s(lay.shard_ranks, e * (layer_params(frozen, lay.tp, lay.ep) if resharded
                                                    else gathered), bw, lat)
         gather = rounds * one
         gather_exposed = rounds * exposed(one, compute / m, cluster.overlap_efficiency, first)
