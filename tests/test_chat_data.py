@@ -132,6 +132,32 @@ def test_padding_free_micro_batches_hold_the_same_conversations_in_fewer_rows(ch
     assert positions[1] < positions[0], positions
 
 
+def test_padding_free_ranks_are_dealt_equal_tokens(chat_dir):
+    """On several data-parallel ranks, padding-free micro-batches are dealt the step's conversations longest
+    first to the lightest micro-batch with room: the ranks read the step's samples between them, the same number
+    each, and their token counts differ less than in the sampler's order (padded micro-batches keep it)."""
+    from disttrain.data.loader import DistributedBatchLoader
+    from disttrain.data.source import load_samples, make_sampler
+
+    spreads = {}
+    for free in (False, True):
+        _, samples, _ = load_samples(str(chat_dir), "auto", SEQ_LEN, False, padding_free=free)
+        loaders = [DistributedBatchLoader(samples, make_sampler(samples, str(chat_dir), 8, 0), r, 2, 2)
+                   for r in (0, 1)]
+        spread = []
+        for step in range(1, 9):
+            step_ids = loaders[0].sampler.indices(step)
+            ranks = [loader.sample_ids(step) for loader in loaders]
+            assert sorted(np.concatenate(ranks).tolist()) == sorted(step_ids.tolist())
+            assert [len(r) for r in ranks] == [4, 4]
+            if not free:
+                assert np.concatenate(ranks).tolist() == step_ids.tolist()
+            tokens = [int(samples.held_tokens(r).sum()) for r in ranks]
+            spread.append(abs(tokens[0] - tokens[1]))
+        spreads[free] = sum(spread)
+    assert spreads[True] < spreads[False], spreads
+
+
 @pytest.mark.parametrize("overrides,world,multiple", [
     ((), 1, 8), (("data.pad_to_multiple_of=64",), 1, 64), (("parallel.tp=2",), 2, 8),
     (("parallel.tp=2", "parallel.sequence_parallel=true", "data.pad_to_multiple_of=3"), 2, 6),

@@ -73,6 +73,10 @@ class ChatSamples:
         included), at most seq_len."""
         return self.row_tokens[np.asarray(ids, dtype=np.int64)]
 
+    def sample_tokens(self, ids: np.ndarray) -> np.ndarray:
+        """Tokens each sample lays into a padding-free micro-batch (end tokens included)."""
+        return self.held_tokens(ids)
+
     def packed_batch(self, ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, int]:
         """(inputs, targets, held) of one padding-free micro-batch: the conversations of samples `ids`, in order,
         first-fit into rows of seq_len + 1 tokens; `held`: the input positions its fullest row fills."""

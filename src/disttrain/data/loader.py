@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from disttrain.data.padding import cut_padding
+from disttrain.data.token_balance import balanced_order
 
 
 class TokenWindows:
@@ -89,6 +90,14 @@ class MixtureSamples:
         return (torch.cat([x for x, _, _ in packed]), torch.cat([y for _, y, _ in packed]),
                 max(held for _, _, held in packed))
 
+    def sample_tokens(self, rows: np.ndarray) -> np.ndarray:
+        tokens = np.zeros(len(rows), dtype=np.int64)
+        for i, part in enumerate(self.parts):
+            at = np.flatnonzero(rows[:, 0] == i)
+            if len(at):
+                tokens[at] = part.sample_tokens(rows[at, 1])
+        return tokens
+
     def held_tokens(self, rows: np.ndarray) -> np.ndarray:
         held = np.zeros(len(rows), dtype=np.int64)
         for i, part in enumerate(self.parts):
@@ -128,8 +137,13 @@ class DistributedBatchLoader:
         self.hi = self.lo + self.shares[self.dp_rank] * m
 
     def sample_ids(self, step: int) -> np.ndarray:
-        """The samples of this rank's micro-batches of `step`, in their order."""
-        return self.sampler.indices(step)[self.lo:self.hi]
+        """The samples of this rank's micro-batches of `step`, in their order. Padding-free micro-batches on
+        several ranks with equal shares are dealt equal tokens (data/token_balance.py)."""
+        ids = self.sampler.indices(step)
+        if getattr(self.windows, "packs_micro_batches", False) and len(self.shares) > 1 and \
+                len(set(self.shares)) == 1:
+            ids = balanced_order(ids, self.windows.sample_tokens(ids), self.micro_batch_size)
+        return ids[self.lo:self.hi]
 
     def micro_batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         ids = self.sample_ids(step)

@@ -52,6 +52,10 @@ class PreferenceSamples:
         """Input positions the longer row of each pair fills before its padding."""
         return self.pair_tokens[np.asarray(ids, dtype=np.int64)]
 
+    def sample_tokens(self, ids: np.ndarray) -> np.ndarray:
+        """Tokens each pair lays into a packed micro-batch: both sequences'."""
+        return self.lengths[self._sequences(ids)].reshape(-1, 2).sum(axis=1)
+
     def _sequences(self, ids: np.ndarray) -> np.ndarray:
         """The sequences of pairs `ids`: each pair's chosen, then its rejected."""
         return (2 * np.asarray(ids, dtype=np.int64)[:, None] + np.arange(2)).reshape(-1)
