@@ -39,7 +39,8 @@ SLOW_TIER = {
     "test_hf": ("two_rank_runs",),  # every Hugging Face family under every layout (one 2-rank launch)
     "test_hf_families": ("family_runs", "references"),  # the 2026 families under the layouts they take
     "test_linear_attention_documents": ("two_rank_runs", "references"),  # Gated DeltaNet document masking, trained
-    "test_lora": ("two_rank_runs",),  # LoRA under every layout
+    "test_lora": ("two_rank_runs",  # LoRA under every layout; its dry run against the planner stays under ZeRO-3
+                  "test_the_dry_run_trains_the_adapters_alone_and_the_planner_follows[layout1"),
     "test_optimizers": ("muon_layouts",),  # Muon under every layout, resharded resumes, the split counted
     "test_moe": ("test_expert_parallel_equals_one_process",),
     "test_dryrun": ("test_dry_run_equals_a_real_run", "test_3d_states_follow_the_planner_at_8_ranks",
@@ -63,6 +64,13 @@ SLOW_TIER = {
                        "test_resuming_under_the_other_engine"),  # a DeepSpeed run: ~20 CPU-s of imports alone
     "test_fault_tolerance": ("test_srun_tasks_preempted_then_requeued",),  # SIGUSR1 stays (to the launchers)
     "test_hub": ("test_a_hub_model_and_dataset_train_as_their_directories_do",),  # the README's Hub line stays
+    # the planner against the dry run: each objective, ZeRO-3, ZeRO-2 and a pipeline stay in the fast tier
+    "test_plan_objectives": tuple(f"test_the_planner_follows_the_dry_run[{row}" for row in (
+        "distill tp2", "distill pp2", "dpo ddp", "simpo tp2 sp")),
+    "test_plan_published": ("test_the_planner_follows_the_dry_run[gated delta net selective",
+                            "test_the_planner_follows_the_dry_run[gpt_oss eager selective"),
+    "test_plan_published_context": ("test_the_planner_follows_the_dry_run_at_long_sequences[ring",
+                                    "test_the_planner_follows_the_dry_run_at_long_sequences[fewer"),
     "test_preference_layouts": ("two_processes",),  # every layout, packed too; one process packed stays
     "test_distill": ("two_processes",),  # distillation under every layout; the hand-written reference stays
     "test_float8": ("two_processes",),  # float8 under every layout; the rule, the plain loop and the resume stay
