@@ -34,24 +34,9 @@ WARMUP = 3
 
 def assets(root: Path) -> dict:
     sys.path.insert(0, str(REPO / "tests"))
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from test_plan_objectives import make_data
 
-    from chat_tokenizer import records, save_chat_tokenizer
-    from helpers import run_main
-    from test_preference import pair_records
-
-    tokenizer = save_chat_tokenizer(root / "tokenizer")
-    for name, rows in (("pairs", pair_records(32)), ("chats", records(32))):
-        (root / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-        code, _, err = run_main("prepare-data", str(root / f"{name}.jsonl"), "--out", str(root / name), "--tokenizer",
-                                str(tokenizer), "--seq-len", "256")
-        assert code == 0, err
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(LlamaConfig(
-        vocab_size=384, hidden_size=256, intermediate_size=688, num_hidden_layers=6, num_attention_heads=8,
-        num_key_value_heads=4, tie_word_embeddings=False)).save_pretrained(root / "teacher")
-    shutil.copyfile(root / "chats" / "tokenizer.json", root / "teacher" / "tokenizer.json")
+    make_data(root)
     return {"lm": [f"data.source={root}/chats"], "simpo": [f"data.source={root}/pairs", "train.objective=simpo"],
             "dpo": [f"data.source={root}/pairs", "train.objective=dpo"],
             "distill": [f"data.source={root}/chats", "train.objective=distill", f"distill.teacher={root}/teacher"]}

@@ -22,10 +22,14 @@ BASE = ("model.name=tiny", "model.vocab_size=384", "data.seq_len=256", "train.gl
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    """Prepared pairs and conversations (one tokenizer), and a wider, deeper Hugging Face teacher with weights."""
+    return make_data(tmp_path_factory.mktemp("objectives"))
+
+
+def make_data(root):
+    """Prepared pairs and conversations (one tokenizer), and a wider, deeper Hugging Face teacher with weights
+    (benchmarks/objective_step_time.py makes its runs' data with it too)."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    root = tmp_path_factory.mktemp("objectives")
     tokenizer = save_chat_tokenizer(root / "tokenizer")
     for name, rows in (("pairs", pair_records(32)), ("chats", records(32))):
         (root / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -91,20 +91,19 @@ class MixtureSamples:
                 max(held for _, _, held in packed))
 
     def sample_tokens(self, rows: np.ndarray) -> np.ndarray:
-        tokens = np.zeros(len(rows), dtype=np.int64)
-        for i, part in enumerate(self.parts):
-            at = np.flatnonzero(rows[:, 0] == i)
-            if len(at):
-                tokens[at] = part.sample_tokens(rows[at, 1])
-        return tokens
+        return self._per_row(rows, "sample_tokens")
 
     def held_tokens(self, rows: np.ndarray) -> np.ndarray:
-        held = np.zeros(len(rows), dtype=np.int64)
+        return self._per_row(rows, "held_tokens")
+
+    def _per_row(self, rows: np.ndarray, method: str) -> np.ndarray:
+        """Each (source, id) row's count, asked of its source's `method`."""
+        counts = np.zeros(len(rows), dtype=np.int64)
         for i, part in enumerate(self.parts):
             at = np.flatnonzero(rows[:, 0] == i)
             if len(at):
-                held[at] = part.held_tokens(rows[at, 1])
-        return held
+                counts[at] = getattr(part, method)(rows[at, 1])
+        return counts
 
 
 class DistributedBatchLoader:
