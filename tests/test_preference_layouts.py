@@ -117,7 +117,8 @@ def packed_one_process(assets, tmp_path_factory):
     simpo = (*REFERENCES["simpo"], WHOLE_LOGITS)
     runs = {"hf dpo": hf, "simpo": simpo, "dpo": (*REFERENCES["dpo"], WHOLE_LOGITS),
             "hf dpo packed": (*hf, PACKED), "simpo packed": (*simpo, PACKED),
-            "dpo precomputed packed": (*REFERENCES["dpo"], WHOLE_LOGITS, PRECOMPUTE, PACKED)}
+            "dpo precomputed packed": (*REFERENCES["dpo"], WHOLE_LOGITS, PRECOMPUTE, PACKED),
+            "dpo padding-free": (*REFERENCES["dpo"], WHOLE_LOGITS, "data.padding=none")}  # pairs packed so too
     return train_many({name: (root / name.replace(" ", "_"), (f"data.source={assets['many']}", *LAYOUT, *extra))
                        for name, extra in runs.items()}, nproc=1)
 
@@ -144,7 +145,7 @@ def test_packed_micro_batches_hold_fewer_rows_and_tag_every_target(assets):
 
 
 @pytest.mark.parametrize("name,reference", [("hf dpo packed", "hf dpo"), ("simpo packed", "simpo"),
-                                            ("dpo precomputed packed", "dpo")])
+                                            ("dpo precomputed packed", "dpo"), ("dpo padding-free", "dpo")])
 def test_packed_pairs_train_as_unpacked_ones(name, reference, packed_one_process):
     """Packed pairs give the unpacked pairs' losses, gradient norms, rewards, validation figures and parameters
     (fp64, 1e-10): each sequence's log-probability is summed over its own targets, the step counts the same

@@ -17,7 +17,7 @@ def make_objective(cfg, spec, layout, meshes, samples, shard_targets):
 
         return PreferenceLoss(t.objective, cfg.dpo, spec.logits, dp_group, layout.gradient_ranks, t.global_batch_size,
                               shard_targets, meshes.cp.get_group() if layout.cp > 1 else None, layout.cp,
-                              packed=cfg.data.packing)
+                              packed=getattr(samples, "packs_micro_batches", False))  # packing or padding=none
     args = (spec.loss_sum, dp_group, layout.gradient_ranks, samples.masks_targets,
             t.global_batch_size * samples.targets_per_sample, shard_targets)
     if t.objective == "distill":
