@@ -154,5 +154,5 @@ def test_plan_and_estimate_take_the_objective_from_flags(tmp_path):
         assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
     code, _, err = run_main("plan", "--model", "tiny", "--cluster", "2xa100-80g", "--objective", "dpo")
     assert code == 2 and "with --cluster" in err and len(err.strip().splitlines()) == 1, err
-    code, _, err = run_main("plan", *common, "--objective", "dpo", "--verify", "1")
-    assert code == 2 and "--verify with --objective=dpo" in err and len(err.strip().splitlines()) == 1, err
+    code, _, err = run_main("plan", *common, "--objective", "distill", "--teacher", "tiny", "--verify", "1")
+    assert code == 2 and "--verify with --objective=distill" in err and len(err.strip().splitlines()) == 1, err

@@ -101,3 +101,23 @@ def test_estimate_counts_the_objective_and_its_step_time(data, tmp_path):
     time = json.loads(out)["time"]
     assert json.loads(out)["tokens_per_step"] == 2 * 8 * 256
     assert 0 < time["frozen_compute_s"] < time["frozen_s"] < time["step_s"], time
+
+
+def test_plan_verify_dry_runs_a_preference_layout(data, tmp_path):
+    """`plan --objective dpo --verify 1` dry-runs its winner on random pairs before any data is set: the peak it
+    measures is the one `disttrain dryrun` gives that written config once its data is the prepared pairs (the
+    frozen reference and the pairs' rows counted), and the planner's is within 5% of it."""
+    from disttrain.cli.dryrun import dry_run
+    from disttrain.config.load import load_config
+
+    written = tmp_path / "dpo.yaml"
+    code, out, err = run_main("plan", "--hf", str(data / "teacher"), "--gpus", "2", "--seq-len", "256",
+                              "--global-batch-size", "8", "--objective", "dpo", "--verify", "1", "--json", "--out",
+                              str(written))
+    assert code == 0, err
+    plan = json.loads(out)
+    (checked,) = plan["verified"]
+    assert "peak_bytes" in checked and checked["planner_peak_bytes"] == plan["winner"]["bytes_per_rank"]["total"]
+    assert abs(checked["planner_error"]) <= 0.05, checked
+    direct = dry_run(load_config(str(written), [f"data.source={data}/pairs"]), 2)
+    assert checked["peak_bytes"] == max(r["peak_bytes"] for r in direct["ranks"])

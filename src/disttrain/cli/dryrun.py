@@ -76,9 +76,11 @@ def with_microbatches(cfg, layout, n: int):
 
 
 def dry_run(cfg, world_size: int, ranks: list[int] | None = None, gpu_name: str | None = None, steps: int = 2,
-            progress=None, microbatches: int | None = None, headroom: float = 0.1, routing_skew: float = 1.0) -> dict:
+            progress=None, microbatches: int | None = None, headroom: float = 0.1, routing_skew: float = 1.0,
+            data_planned: bool = False) -> dict:
     """Simulate each rank and compare with the planner; the JSON `disttrain dryrun --json` prints. MoE layers
-    route as `routing_skew` states, in the simulation and the planner alike."""
+    route as `routing_skew` states, in the simulation and the planner alike. `data_planned`: a planned config
+    whose data the user has yet to set (resolve_run); the simulation takes random tokens in any case."""
     if world_size < 1:
         raise UserError(f"--world-size={world_size}: must be at least 1")
     from disttrain.dryrun.routing import AssumedRouting
@@ -89,10 +91,10 @@ def dry_run(cfg, world_size: int, ranks: list[int] | None = None, gpu_name: str 
     from disttrain.plan.search import memory_budget
     from disttrain.config.resolve import resolve_run
 
-    resolved = resolve_run(cfg, world_size, "cuda")
+    resolved = resolve_run(cfg, world_size, "cuda", data_planned)
     if microbatches is not None:  # another config: resolved (and checked) on its own
         cfg = with_microbatches(cfg, resolved.layout, microbatches)
-        resolved = resolve_run(cfg, world_size, "cuda")
+        resolved = resolve_run(cfg, world_size, "cuda", data_planned)
     try:
         gpu = find_gpu(gpu_name) if gpu_name else None
     except KeyError as exc:
@@ -247,7 +249,7 @@ def verify_plan(estimates: list, gpus: int, gpu_name: str, progress=None) -> lis
         if cap is not None and cap >= lay.microbatches:
             cap = None
         try:
-            result = dry_run(cfg, gpus, gpu_name=gpu_name, progress=progress, microbatches=cap)
+            result = dry_run(cfg, gpus, gpu_name=gpu_name, progress=progress, microbatches=cap, data_planned=True)
         except UserError as exc:
             rows.append({"layout": lay.describe(micro_batch=True), "planner_peak_bytes": est.memory.total, "error": str(exc)})
             continue

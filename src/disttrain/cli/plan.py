@@ -253,9 +253,10 @@ def cmd_plan(args) -> None:
     if seq_len > shape.max_seq_len:
         shape = replace(shape, max_seq_len=seq_len)
     objective = objective_flags(args, shape, args.lora_rank > 0) or ObjectiveTerms()
-    if args.verify and objective.name != "lm":  # the dry run builds the objective from the run's data
-        raise UserError(f"--verify with --objective={objective.name}: a dry run needs the run's data (pairs, a "
-                        "teacher's tokenizer); write the winner with --out, set its data, then `disttrain dryrun` it")
+    if args.verify and objective.name == "distill":  # the dry run builds the teacher the config names
+        raise UserError("--verify with --objective=distill: a dry run builds the teacher from the run's "
+                        "distill.teacher (a model with weights and the student's tokenizer); write the winner with "
+                        "--out, set its data and teacher, then `disttrain dryrun` it")
     gbs = global_batch(args.global_batch_size, args.global_batch_tokens, seq_len)
     if not args.global_batch_size:  # tokens count both sequences of a pair
         gbs = max(1, gbs // objective.rows)

@@ -78,6 +78,7 @@ class RunContext:
     model_source: str
     world: list[Problem] = field(default_factory=list)  # the degrees against the world size
     resolved_spec: object | None = None
+    data_planned: bool = False  # a planned layout's dry run: its data, the objective's kind, are the user's to set
 
     @property
     def spec(self):
@@ -109,13 +110,15 @@ RULES = (
 )
 
 
-def resolve_run(cfg, world_size: int | None, device_type: str) -> ResolvedRun:
+def resolve_run(cfg, world_size: int | None, device_type: str, data_planned: bool = False) -> ResolvedRun:
     """Resolve and check `cfg` on `world_size` ranks of `device_type` ("cuda" or "cpu"); UserError with the
-    first broken rule's message.
+    first broken rule's message. `data_planned`: the config is a planned layout to dry-run (random tokens), so
+    its data stands for what its objective trains on (preference pairs) before the user has set it.
 
     `world_size` None (the planner reading a config): only the rules that hold whatever the world size run, the
     ModelSpec stays unresolved unless the shape comes from it (model.spec), and `dp_shard=-1` stands as 1."""
     ctx = _context(cfg, world_size, device_type)
+    ctx.data_planned = data_planned
     known = {"shape"} if ctx.shape is not None else set()
     known |= {"world"} if world_size is not None else set()
     for rule in RULES:

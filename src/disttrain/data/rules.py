@@ -45,7 +45,7 @@ def objective_problems(ctx) -> list[Problem]:
     """A preference objective trains on preference pairs, and pairs only with one (on the torch engine)."""
     cfg = ctx.cfg
     objective, source, layout = cfg.train.objective, cfg.data.source, ctx.layout
-    pairs = _holds_pairs(source)
+    pairs = _holds_pairs(source) or (ctx.data_planned and objective in ("dpo", "simpo", "orpo"))
     if objective in ("lm", "distill") and pairs:
         return [Problem("train.objective", objective, "dpo, simpo or orpo", f"data.source={source} holds preference "
                         f"pairs: train.objective={objective} would train on both completions alike (allowed for "
