@@ -4,8 +4,8 @@ whose memory that term dominates (one simulated rank, in this process, a few sec
   block's input is gathered from the sequence shards), not its shard of them;
 - under ring attention with selective checkpointing a sliding-window layer caches the kernel outputs of the blocks
   its window reaches only, over the rows that reach them, not a full-attention layer's cp blocks;
-- FSDP2 shards each expert tensor on its first dimension (the experts), so with fewer experts than ranks sharing
-  them the first ranks hold whole experts and the last ones nothing."""
+- with fewer experts than ranks sharing them, each expert tensor is split along its rows (FSDP2's own split, on
+  the experts, would leave whole experts on the first ranks and nothing on the last): an even share."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ CASES = {
     "ring blocks of sliding layers": (
         4, 3, dict(num_attention_heads=16, num_key_value_heads=2, max_position_embeddings=2048),
         ("data.seq_len=2048", "train.global_batch_size=1", "parallel.cp=4", "parallel.zero_stage=3", "parallel.activation_checkpointing=selective")),
-    # 2 experts over ep=2 leave one a rank, and 2 ranks share it (dp_shard x cp / ep): one holds all of it
+    # 2 experts over ep=2 leave one a rank, and 2 ranks share it (dp_shard x cp / ep): half of its rows each
     "fewer experts than the ranks sharing them": (
         4, 0, dict(num_local_experts=2, intermediate_size=256, max_position_embeddings=512),
         ("data.seq_len=256", "train.global_batch_size=2", "parallel.cp=2", "parallel.ep=2", "parallel.zero_stage=3")),

@@ -126,14 +126,33 @@ def shard_experts(experts: list[nn.Module], layout: Layout, meshes, fsdp_kwargs:
         for module in experts:
             hold_locally(module)
         return {p for module in experts for p in module.parameters()}
+    mesh = meshes.efsdp(layout)
     for module in experts:
-        fully_shard(module, mesh=meshes.efsdp(layout), **fsdp_kwargs)
+        fully_shard(module, mesh=mesh, shard_placement_fn=split_experts_evenly(mesh), **fsdp_kwargs)
         # FSDP only sums: ExpertGradients divides by dp x cp. torch 2.13 divides a one-rank mesh's gradient by
         # the divide factor AND by its pre/post factors (fp64, or forced sum), so any factor but 1 is wrong
         # there; forced sum also spares gloo the PREMUL_SUM it lacks.
         module.set_gradient_divide_factor(1.0)
         module.set_force_sum_reduction_for_comms(True)
     return set()
+
+
+def split_experts_evenly(mesh):
+    """FSDP2's `shard_placement_fn` for a unit on `mesh`. FSDP2 splits a tensor on its first dimension and pads
+    each rank's share to the largest, so a stack of experts ([experts, rows, cols], or their biases [experts, rows])
+    whose expert count is not a multiple of the ranks leaves whole experts on the first ranks and none on the last
+    (4 experts over 8 ranks: twice the even share on rank 0). Such a tensor (a 3-D stack, or any with fewer rows
+    than ranks) is split along its second dimension instead where that divides evenly: every rank holds the same
+    share. Sizes are the local ones (under expert parallelism, this rank's experts), as FSDP splits them."""
+    ranks = mesh.shape[-1]  # HSDP: the shard dimension
+
+    def choose(param: nn.Parameter):
+        local = param.to_local() if isinstance(param, DTensor) else param
+        uneven = local.dim() >= 2 and local.shape[0] % ranks and local.shape[1] % ranks == 0
+        if uneven and (local.dim() == 3 or local.shape[0] < ranks):
+            return Shard(1)
+        return None  # FSDP's own: the first dimension
+    return choose
 
 
 def is_expert_shard(param: torch.Tensor) -> bool:

@@ -37,13 +37,14 @@ def apply_fsdp(model: nn.Module, blocks: nn.Module, mesh, layout: Layout, expert
     mp = mixed_precision(model, layout)
     # Pinned host memory needs an accelerator; on CPU-only machines pinning raises.
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if layout.cpu_offload else OffloadPolicy()
+    from disttrain.parallel.expert import shard_experts, split_experts_evenly
+
     ignored = set()  # expert parameters no FSDP unit holds (parallel/expert.py experts_need_fsdp)
     if experts:
-        from disttrain.parallel.expert import shard_experts
-
         ignored = shard_experts(list(experts), layout, meshes, dict(
             reshard_after_forward=layout.reshard_after_forward, mp_policy=mp, offload_policy=offload))
     extra = {"ignored_params": ignored} if ignored else {}
+    extra["shard_placement_fn"] = split_experts_evenly(mesh)
     for block in blocks.children():
         fully_shard(block, mesh=mesh, reshard_after_forward=layout.reshard_after_forward, mp_policy=mp,
                     offload_policy=offload, **extra)

@@ -94,15 +94,18 @@ def expert_tensor(shape: ModelShape, ep: int = 1) -> int:
 
 
 def expert_shard_padding(shape: ModelShape, layout: Layout) -> float:
-    """How much more than an even 1/efsdp share of its experts' states the fullest rank holds under ZeRO-2/3: FSDP2
-    shards each expert tensor on its first dimension, the num_experts / ep experts this rank's expert-parallel
-    group holds, in chunks of ceil(experts / efsdp) rows, and pads every rank's shard to that size. Fewer experts
-    than ranks sharing them (gpt-oss-20b at ep=8 over 64 ranks: 4 experts, 8 ranks) leaves whole experts on the
-    first ranks and nothing on the last: twice the even share on rank 0 there (the dry run's parameters and
-    optimizer states)."""
+    """How much more than an even 1/efsdp share of its experts' states the fullest rank holds under ZeRO-2/3. FSDP2
+    splits a tensor on its first dimension, here the num_experts / ep experts this rank's expert-parallel group
+    holds, and pads every rank's share to the largest: fewer experts than ranks sharing them would leave whole
+    experts on the first ranks and nothing on the last. The runtime splits such stacks along their rows instead
+    where those divide evenly (parallel/fsdp.py `split_experts_evenly`): an even share (gpt-oss-20b at ep=8 over
+    64 ranks: 4 experts a group, 8 ranks). Where they do not, chunks of ceil(experts / efsdp) experts, the first
+    ranks' twice the even share for 4 experts over 8 ranks."""
     if shape.moe is None or layout.ep <= 1 or layout.zero_stage < 2 or layout.experts_outside_fsdp:
         return 1.0
     experts, ranks = shape.moe.num_experts // layout.ep, expert_layout(layout).shard_ranks
+    if experts % ranks and shape.moe.moe_intermediate_size % ranks == 0 and shape.dim % ranks == 0:
+        return 1.0
     return -(-experts // ranks) * ranks / experts
 
 
