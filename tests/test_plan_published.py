@@ -19,7 +19,8 @@ SHAPES = {  # tiny configs whose token mixer holds most of the memory: the terms
                     num_hidden_layers=2, layer_types=["full_attention"] * 2),
     "qwen3_5_text": dict(max_position_embeddings=512, linear_num_value_heads=8, linear_num_key_heads=4,
                          linear_key_head_dim=32, linear_value_head_dim=32),
-    # the CPU's flash kernel needs one head dim for values and keys (else SDPA's math path keeps probabilities)
+    # one head dim for values and keys: the saved-tensor count runs this CPU's SDPA, whose flash kernel needs it
+    # (else its math path keeps probabilities; the dry run's CUDA attention: tests/test_dryrun_cuda_attention.py)
     "deepseek_v3": dict(first_k_dense_replace=4, max_position_embeddings=512, num_attention_heads=16,
                         num_key_value_heads=16, v_head_dim=24),
 }
