@@ -11,12 +11,15 @@ order is cuDNN (first where torch prefers it: sm90 with cuDNN newer than 9.15), 
 Flash too needs one head dim for queries, keys and values. The memory-efficient kernel takes a value head dim of
 its own: query and key dims equal, both dims multiples of 8 for 16-bit inputs (4 for fp32), last-dim stride 1,
 storage offsets aligned the same way, and q, k, v with the same head count. cuDNN takes 192/128 on sm90 too.
-Whichever of the two a GPU runs, it keeps the output and an fp32 log-sum-exp (the efficient kernel's padded to
-whole blocks of 32 queries), and its backward makes the gradients of q, k and v: the same memory. So a call the CPU
-would serve with the math path and the efficient kernel would take runs here as that kernel
+Either keeps the output and an fp32 log-sum-exp (the efficient kernel's padded to whole blocks of 32 queries), and
+its backward makes the gradients of q, k and v. They differ in one tensor: the efficient kernel writes its output
+as (batch, seq, heads, dim), which transformers' transpose before the output projection reads as it is, where
+cuDNN's follows the query's layout and that transpose copies it (one output-sized tensor a layer more, 128 MiB a
+DeepSeek-V3 layer and micro-batch of 4,096 tokens; cuDNN is only tried first with a cuDNN newer than 9.15). So a
+call the CPU would serve with the math path and the efficient kernel would take runs here as that kernel
 (`aten._scaled_dot_product_efficient_attention`, whose meta kernel gives the CUDA shapes and strides and whose
 autograd formula calls the backward's meta kernel). Where the GPU would take flash (equal head dims with dropout),
-the efficient kernel holds the same memory.
+the efficient kernel holds the same memory but for that copy.
 
 Left to torch's own choice: real tensors (the function is only swapped in on fake ones), calls the CPU serves with
 its flash kernel already, and calls the efficient kernel would refuse (grouped-query calls with fewer key/value
