@@ -64,11 +64,13 @@ def test_calls_the_cpu_would_serve_with_the_math_path_take_cudas_efficient_kerne
 def test_real_tensors_keep_torchs_own_attention():
     from disttrain.dryrun.fake_world import gpu_defaults
 
+    original = torch.nn.functional.scaled_dot_product_attention
     q, k, v = torch.randn(1, 2, 8, 12), torch.randn(1, 2, 8, 12), torch.randn(1, 2, 8, 8)
-    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    expected = original(q, k, v, is_causal=True)
     with gpu_defaults():
         got = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    assert torch.nn.functional.scaled_dot_product_attention is original  # put back on leaving
 
 
 @pytest.fixture(scope="module")
