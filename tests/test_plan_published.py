@@ -19,7 +19,8 @@ SHAPES = {  # tiny configs whose token mixer holds most of the memory: the terms
                     num_hidden_layers=2, layer_types=["full_attention"] * 2),
     "qwen3_5_text": dict(max_position_embeddings=512, linear_num_value_heads=8, linear_num_key_heads=4,
                          linear_key_head_dim=32, linear_value_head_dim=32),
-    # the CPU's flash kernel needs one head dim for values and keys (else SDPA's math path keeps probabilities)
+    # one head dim for values and keys: the saved-tensor count runs this CPU's SDPA, whose flash kernel needs it
+    # (else its math path keeps probabilities; the dry run's CUDA attention: tests/test_dryrun_cuda_attention.py)
     "deepseek_v3": dict(first_k_dense_replace=4, max_position_embeddings=512, num_attention_heads=16,
                         num_key_value_heads=16, v_head_dim=24),
 }
@@ -216,6 +217,7 @@ CASES = {  # kind -> overrides after the model and sequence; each within 5% of t
     "gated delta net": ("qwen3_5_text", "parallel.zero_stage=2"),
     "gated delta net selective": ("qwen3_5_text", "parallel.zero_stage=2", "parallel.activation_checkpointing=selective"),
     "gated delta net full": ("qwen3_5_text", "parallel.zero_stage=2", "parallel.activation_checkpointing=full"),
+    "latent attention": ("deepseek_v3", "parallel.zero_stage=2"),
     "latent attention full": ("deepseek_v3", "parallel.zero_stage=2", "parallel.activation_checkpointing=full"),
 }
 
@@ -228,7 +230,9 @@ def test_the_planner_follows_the_dry_run(name, models):
     tensors and states, where the planner had counted softmax attention's (-68% on a tiny Qwen3-Next). Under full
     checkpointing the peak falls inside the widest mixer's backward: the chunk scan's whole-tensor gradients of a Gated
     DeltaNet layer, recomputed where the planner had an average layer's tensors (-28%), and latent attention's kernel
-    gradients (-20%, 11 points of it a causal mask the dry run had made that a real run leaves to SDPA)."""
+    gradients (-20%, 11 points of it a causal mask the dry run had made that a real run leaves to SDPA). Without
+    checkpointing, transformers' RMSNorms keep their fp32 input and the normalised tensor (-7.1% on this DeepSeek-V3
+    while the planner counted a fused norm's input)."""
     from disttrain.cli.dryrun import dry_run
     from disttrain.config.load import load_config
 

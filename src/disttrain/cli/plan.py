@@ -249,6 +249,8 @@ def cmd_plan(args) -> None:
         raise UserError("--gpus is required (or use --show-schedule, or --cluster for mixed GPU types)")
     name, shape = _shape(args)
     _positive("--gpus", args.gpus)
+    if args.out and Path(args.out).is_dir():  # before the search: it takes a while
+        raise UserError(f"--out={args.out} is a directory: give the config file to write (e.g. {args.out}/plan.yaml)")
     seq_len = args.seq_len or min(4096, shape.max_seq_len)
     if seq_len > shape.max_seq_len:
         shape = replace(shape, max_seq_len=seq_len)

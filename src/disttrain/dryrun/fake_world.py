@@ -124,18 +124,22 @@ def _fused_rms_norm(input, normalized_shape, weight=None, eps=None):
 @contextlib.contextmanager
 def gpu_defaults():
     """What torch picks by itself on a GPU but not for tensors on this CPU: AdamW's foreach kernels
-    (whose temporaries span every parameter at once, the optimizer step's own peak), and the fused
-    RMSNorm kernel (`FusedRMSNorm`)."""
+    (whose temporaries span every parameter at once, the optimizer step's own peak), the fused
+    RMSNorm kernel (`FusedRMSNorm`), and the memory-efficient attention kernel where the CPU's SDPA
+    would keep the probabilities (dryrun/cuda_attention.py)."""
     from torch.nn import functional
     from torch.optim import adam
 
-    saved = adam._default_to_fused_or_foreach, functional.rms_norm
+    from disttrain.dryrun.cuda_attention import sdpa_as_on_cuda
+
+    saved = adam._default_to_fused_or_foreach, functional.rms_norm, functional.scaled_dot_product_attention
     adam._default_to_fused_or_foreach = lambda params, differentiable, use_fused=False: (False, not differentiable)
     functional.rms_norm = _fused_rms_norm
+    functional.scaled_dot_product_attention = sdpa_as_on_cuda(saved[2])
     try:
         yield
     finally:
-        adam._default_to_fused_or_foreach, functional.rms_norm = saved
+        adam._default_to_fused_or_foreach, functional.rms_norm, functional.scaled_dot_product_attention = saved
 
 
 @contextlib.contextmanager

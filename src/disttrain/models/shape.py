@@ -130,6 +130,9 @@ class ModelShape:
     # Precomputed cos/sin buffers, as the built-in models hold (transformers' compute theirs per forward); the
     # planner's to count, not the model's identity (models/llama shape_fingerprint leaves it out).
     rotary_tables: bool = True
+    # transformers' Llama-style RMSNorm modules (Python ops: the input upcast to fp32 and the normalised tensor cast
+    # back, both kept for the backward) in place of a fused kernel; the planner's to count, like `rotary_tables`
+    module_norms: bool = False
     extras: BlockExtras | None = None  # None: the Llama-style block (the built-in models)
 
     @property

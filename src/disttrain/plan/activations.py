@@ -31,10 +31,16 @@ class LayerActivations:
     transient: float  # extra while that layer's backward runs (recomputed tensors)
 
 
-def _norm_bytes(er: int, tokens: int, h: int, r: int, fused: bool) -> float:
+def _norm_bytes(er: int, tokens: int, h: int, r: int, fused: bool, module: bool = False) -> float:
     """What one RMSNorm keeps: its input and the fp32 reciprocal RMS (fused CUDA kernel), or the input
-    upcast to fp32 and the fp32 normalised x̂ besides (the CPU's decomposition)."""
-    kept_input = er if fused else 2 * FP32
+    upcast to fp32 and the fp32 normalised x̂ besides (the CPU's decomposition). `module`: transformers'
+    Llama-style RMSNorm module (`ModelShape.module_norms`), on any device: its input upcast to fp32 (kept by
+    the square and the scaling) and the normalised tensor cast back to the input's dtype (kept by the weight's
+    product), besides the reciprocal RMS (listed with saved-tensor hooks, tests/test_plan_module_norms.py). Counted
+    wherever the layer's tensors are: saved without checkpointing, and in the one layer being recomputed under it
+    (a tiny DeepSeek-V3 under full checkpointing whose peak falls in a recomputation: −3.6% against its dry run
+    with a fused norm's there, +0.6% with the module's; tests/test_dryrun_cuda_attention.py)."""
+    kept_input = FP32 + er if module else er if fused else 2 * FP32
     return kept_input * tokens * h / r + FP32 * tokens / r
 
 
@@ -66,7 +72,7 @@ def layer_activation_bytes(shape: ModelShape, micro_batch: int, seq_len: int, la
     h, f = shape.dim, shape.ffn_hidden_dim
     kv, q = shape.n_kv_heads * shape.head_dim, shape.n_heads * shape.head_dim  # q: h unless a head size is set
     copies = (3, 2) if autocast(layout) else (1, 1)
-    norms = 2 * _norm_bytes(er, sb, h, r, fused_norm) + ec * sb * h * sum(copies)
+    norms = 2 * _norm_bytes(er, sb, h, r, fused_norm, shape.module_norms) + ec * sb * h * sum(copies)
     scores = eager_scores_bytes(shape, micro_batch, seq_len, layout)
     # Under autocast the probabilities' product with v keeps its own compute-dtype copy of them.
     kept_scores = scores * (1 + ec / er) if autocast(layout) else scores
@@ -287,7 +293,8 @@ def stage_activation_bytes(shape: ModelShape, layout: Layout, pp_rank: int, fuse
         # backward; GPipe runs every micro-batch's forward and loss first, so it holds all of them.
         output = last_stage_output_bytes(shape, layout) if layout.pp > 1 else 0.0
         losses = in_flight if layout.pp > 1 and layout.pp_schedule == "gpipe" else 1.0
-        saved += losses * (_norm_bytes(er, mb * s, shape.dim, r, fused_norm) + head + logits + output)
+        final_norm = _norm_bytes(er, mb * s, shape.dim, r, fused_norm, shape.module_norms)
+        saved += losses * (final_norm + head + logits + output)
     if layout.pp > 1 and layout.pp_schedule in ("interleaved_1f1b", "zero_bubble"):
         return _multi_stage(shape, layout, pp_rank, layer, logits, saved - held.layers * layer.saved * in_flight,
                             accumulated_grads, last=held.output, chunk=chunk)
@@ -295,7 +302,7 @@ def stage_activation_bytes(shape: ModelShape, layout: Layout, pp_rank: int, fuse
         saved += stage_output_bytes(shape, layout, pp_rank) * in_flight
     loss_inputs = 0.0
     if held.output and layout.pp == 1:  # the final norm's and output layer's saved inputs, gone by any block's backward
-        loss_inputs = _norm_bytes(er, mb * s, shape.dim, r, fused_norm) + head
+        loss_inputs = _norm_bytes(er, mb * s, shape.dim, r, fused_norm, shape.module_norms) + head
     return StageActivations(saved, max(layer.transient, 2 * logits, chunk), in_flight, logits, layer.transient,
                             layer_saved=layers_saved / held.layers if held.layers else 0.0, grad_share=grad_share,
                             block_freed=freed + loss_inputs, loss_inputs=loss_inputs, chunk=chunk)

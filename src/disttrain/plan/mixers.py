@@ -31,11 +31,15 @@ def latent_attention_bytes(shape: ModelShape, micro_batch: int, seq_len: int, tp
     the kernel's queries and keys of `qk_nope_head_dim + qk_rope_head_dim` (the rotary products keep only their
     cos and sin tables), its values (a view of `kv_b_proj`'s output, which stays whole), its output of `v_head_dim` and fp32
     log-sum-exp (a flash-style kernel: no probabilities), and the output projection's input, a copy of that output
-    in the other layout. Selective keeps the four projections' outputs and the kernel's output and log-sum-exp."""
+    in the other layout. Value heads narrower than the query and key heads (DeepSeek's 128 against 192) run CUDA's
+    memory-efficient kernel (dryrun/cuda_attention.py), which writes its output as (batch, seq, heads, dim): the
+    output projection reads it as it is, no copy. Selective keeps the four projections' outputs and the kernel's
+    output and log-sum-exp."""
     mla, tokens, heads = shape.mla, micro_batch * seq_len, shape.n_heads / tp
     lse = FP32 * tokens * heads
     values = mla.qk_nope_head_dim + mla.v_head_dim  # the values are a view of kv_b_proj's output, kept whole
-    kernel = ec * tokens * heads * (2 * mla.qk_head_dim + values + 2 * mla.v_head_dim) + lse
+    outputs = 2 if mla.v_head_dim == mla.qk_head_dim else 1  # the kernel's, and o_proj's copy of it
+    kernel = ec * tokens * heads * (2 * mla.qk_head_dim + values + outputs * mla.v_head_dim) + lse
     latents = _latent_norm(ec, tokens, mla.kv_lora_rank) + ec * tokens * mla.qk_rope_head_dim  # + cos and sin
     if mla.q_lora_rank:
         latents += _latent_norm(ec, tokens, mla.q_lora_rank)

@@ -66,7 +66,8 @@ def config_shape(c: dict, source: str) -> ModelShape:
             rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))),
             qkv_bias=c["model_type"] == "qwen2" or bool(c.get("qkv_bias", c.get("attention_bias", False))),
             head_size=int(c.get("head_dim") or 0) if int(c.get("head_dim") or 0) != dim // heads else 0,
-            moe=_moe(c, source), mla=mla, rotary_tables=False, extras=_extras(c))
+            moe=_moe(c, source), mla=mla, rotary_tables=False, extras=_extras(c),
+            module_norms="rms_norm_eps" in c and c["model_type"] not in FP32_PRODUCT_NORMS)
     except KeyError as exc:
         raise UserError(f"{source}: config.json lacks {exc.args[0]} (a causal LM's config has "
                         "hidden_size, num_hidden_layers, num_attention_heads and vocab_size)") from None
@@ -113,6 +114,9 @@ def _mla(c: dict) -> MLAShape | None:
                     v_head_dim=int(c["v_head_dim"]))
 
 
+# RMSNorms that multiply their weight into the fp32 normalised tensor (`1 + weight` ones, gpt-oss's, OLMo 2's), where
+# the Llama-style ones (`module_norms`) cast it back to the input's dtype first
+FP32_PRODUCT_NORMS = ("gpt_oss", "gemma", "gemma2", "gemma3_text", "gemma4_text", "qwen3_next", "qwen3_5_text", "olmo2")
 QK_NORM_TYPES = ("qwen3", "qwen3_moe", "qwen3_next", "qwen3_5_text", "gemma3_text", "gemma4_text")  # per head_dim
 
 
