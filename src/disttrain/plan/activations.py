@@ -252,30 +252,33 @@ def stage_activation_bytes(shape: ModelShape, layout: Layout, pp_rank: int, fuse
     layer = layer_activation_bytes(shape, mb, s, layout, fused_norm, accumulated_grads > 0)
     attention = layer_activation_bytes(replace(shape, ffn_hidden_dim=0, moe=None), mb, s, layout, fused_norm,
                                        accumulated_grads > 0)
-    if counts_layers(shape, layout) and layout.activation_checkpointing != "none":  # Gemma 4: what follows attention
+    recounted = counts_layers(shape, layout) and layout.activation_checkpointing != "none"  # Gemma 4, recomputed
+    if recounted:  # its attention's moment: without what follows the attention
         attention = replace(layer, transient=layer.transient - after_attention_bytes(shape, layout, mb, s))
     ring = mixer_backward_bytes(shape, mb, s, layout, ec, er)  # the widest token mixer's backward, beyond the average
-    ring_forward = 0.0
+    ring_forward = extra = 0.0
     if layout.cp > 1:
         from disttrain.plan.context import context_extra_bytes, context_recomputed_bytes, ring_temporary_bytes
 
         extra, (ring_forward, ring_backward) = context_extra_bytes(shape, layout, ec), \
             ring_temporary_bytes(shape, layout, ec)
         ring += ring_backward
-        ring += context_recomputed_bytes(shape, layout, ec)  # attention's too: remade for its backward
-        layer, attention = (replace(part, saved=part.saved + extra) for part in (layer, attention))
+        remade = context_recomputed_bytes(shape, layout, ec)  # attention's too: remade for its backward
+        ring += 0.0 if recounted else remade  # Gemma 4: among the recomputed tensors from its backward's first op
+        layer, attention = (replace(part, saved=part.saved + extra, transient=part.transient + remade * recounted)
+                            for part in (layer, attention))
     first = korthikanti_in_flight_factor(layout.pp, layout.microbatches, layout.pp_schedule, layout.stages_per_rank)
     if pp_rank == 0 or layout.pp_schedule == "gpipe":
         in_flight = first
     else:  # later stages start their backwards sooner: rank r of 1F1B keeps p - r in flight
         in_flight = max(1.0, first * (layout.pp - pp_rank) / layout.pp)
-    layers_saved = stage_saved_bytes(shape, layout, pp_rank) if counts_layers(shape, layout) else held.layers * layer.saved
+    layers_saved = stage_saved_bytes(shape, layout, pp_rank) + held.layers * extra if counts_layers(shape, layout) \
+        else held.layers * layer.saved
     if shape.moe is not None:  # MoE blocks beside any dense ones, routed as `routing_skew` says
         from disttrain.plan.moe import stage_layers
         layers_saved, layer = stage_layers(shape, layout, pp_rank, layer, attention, ec, routing_skew, er)
     grad_share, freed = 1.0, 0.0
     if shape.moe is None and layout.pp == 1:  # pipelines: their schedules' terms (in-flight micro-batches)
-        recounted = counts_layers(shape, layout) and layout.activation_checkpointing != "none"  # in layer.transient
         held_more, freed = (0.0, 0.0) if recounted else block_backward_bytes(shape, mb, s, layout)
         layer = replace(layer, transient=layer.transient + held_more)
         grad_share = shape.dim * shape.ffn_hidden_dim / layout.tp / layer_params(shape, layout.tp)

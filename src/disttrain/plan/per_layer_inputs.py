@@ -8,7 +8,8 @@ GELU, a product with the layer's slice of the per-layer inputs, a projection bac
 `num_kv_shared_layers` layers reuse the keys and values an earlier layer of their kind stored, with no key and
 value projections or norms of their own. The pipeline split (models/hf/stages.py) sends the per-layer inputs of
 the layers still to come and the stored keys and values a later stage reuses. Listed tensor by tensor with
-saved-tensor hooks on transformers' layers and checked against the dry run (tests/test_plan_published.py).
+saved-tensor hooks on transformers' layers and checked against the dry run (tests/test_plan_published.py). Under
+activation checkpointing, what crosses each layer's checkpoint and what its backward holds: plan/per_layer_recompute.py.
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ def has_per_layer_inputs(shape: ModelShape) -> bool:
 
 
 def counts_layers(shape: ModelShape, layout: Layout) -> bool:
-    """Whether Gemma 4's layers are counted tensor by tensor (here and in plan/per_layer_recompute.py): in every
-    checkpointing mode, on whole sequences or split by the ring (all-gather and Ulysses: as the planner's blocks)."""
-    return has_per_layer_inputs(shape) and (layout.cp == 1 or layout.cp_method == "ring")
+    """Whether the layers are counted tensor by tensor (here and in plan/per_layer_recompute.py): Gemma 4's, in every
+    checkpointing mode and context-parallel method (plan/context.py adds all-gather's and Ulysses' extras)."""
+    return has_per_layer_inputs(shape)
 
 
 def _kinds(shape: ModelShape) -> list[str]:

@@ -18,7 +18,9 @@ writes its keys and values into transformers' dictionary again: those new tensor
 of them alive (its input norm, the key and value norms, the keys and values themselves) until the step's backward
 ends, so every layer before a storing one holds them. Under context parallelism the ring
 (parallel/ring_attention.py) takes sliding windows by its blocks: a sliding layer keeps q, k, v, its output and
-log-sum-exp as a global one does, with no mask and no keys and values repeated to every query head.
+log-sum-exp as a global one does, with no mask and no keys and values repeated to every query head; all-gather and
+Ulysses keep that and their own extras (plan/context.py), which checkpointing remakes with the layer's other
+recomputed tensors, held from its backward's first op.
 
 Found on the tiny family config (tests/hf_models.py) with the dry run's memory tracker: the live tensors at its peak,
 labelled by the op and the layer that made them (tests/test_plan_gemma4.py).
