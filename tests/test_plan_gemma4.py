@@ -13,11 +13,18 @@ CASES = {  # overrides after the model and sequence; each within 5% of the dry r
     "full": ("parallel.zero_stage=2", "parallel.activation_checkpointing=full"),
     # the peak: the third layer's backward, beside the first two layers' kept matmul and attention outputs
     "selective": ("parallel.zero_stage=2", "parallel.activation_checkpointing=selective"),
+    # autocast over fp32 weights (ZeRO-1): an fp32 residual, one compute-dtype copy of a norm's output per projection
+    "zero1 full": ("parallel.zero_stage=1", "parallel.activation_checkpointing=full"),
     # the ring: no sliding-window mask, no keys and values repeated to every query head; the peak at the loss
     "cp2 ring": ("parallel.cp=2", "parallel.zero_stage=2"),
     # accumulating over two micro-batches: the layers' backwards after the first release gathered parameters and
     # unsharded gradients, so the third layer's is the peak
     "cp2 ring full": ("parallel.cp=2", "parallel.zero_stage=2", "parallel.activation_checkpointing=full"),
+    # all-gather's and Ulysses' keys and values gathered and masks, remade with the layer in its backward
+    "cp2 allgather full": ("parallel.cp=2", "parallel.cp_method=allgather", "parallel.zero_stage=2",
+                           "parallel.activation_checkpointing=full"),
+    "cp2 ulysses full": ("parallel.cp=2", "parallel.cp_method=ulysses", "parallel.zero_stage=2",
+                         "parallel.activation_checkpointing=full"),
 }
 
 
@@ -31,7 +38,7 @@ def gemma4(tmp_path_factory):
 @pytest.mark.parametrize("name", list(CASES))
 def test_gemma4_checkpointing_and_context_parallelism_follow_the_dry_run(name, gemma4):
     """Found here, before Gemma 4's layers were counted in these modes (as Llama-style blocks): selective -15.8%,
-    full -36.7%, cp=2 -36.1%, cp=2 with full checkpointing -12.2%. What each mode was missing: the layers' fp32
+    full -36.7%, cp=2 -36.1%, cp=2 with full checkpointing -12.2% (all-gather -15.1%, Ulysses -16.9%; full under ZeRO-1's autocast -30.3%). What each mode was missing: the layers' fp32
     norms recomputed in their backward; the keys and values a storing layer's recomputation writes into transformers'
     dictionary, which keep their graph alive for the layers before it; the kept matmul outputs of selective
     checkpointing; under the ring, a sliding layer's q, k, v, output and log-sum-exp in place of SDPA's mask and
