@@ -57,6 +57,10 @@ def reuses(shape: ModelShape) -> dict[int, int]:
     return out
 
 
+def _ring(layout: Layout) -> bool:
+    return layout.cp > 1 and layout.cp_method == "ring"
+
+
 def _sliding_mask(shape: ModelShape, layer: int, layout: Layout) -> bool:
     """SDPA on a sliding layer: an explicit mask and keys and values repeated (the ring has neither)."""
     return _kinds(shape)[layer] == "sliding_attention" and layout.cp == 1
@@ -74,7 +78,7 @@ def kept_bytes(shape: ModelShape, layer: int, micro_batch: int, seq_len: int, la
     kept = er * tokens * h / r + (2 * ec * tokens * kv if layer in reuses(shape) else 0.0)
     if mode == "selective":  # the matmuls' outputs: q (k, v), o; gate, up, down; the per-layer gate and projection
         kept += ec * tokens * (q + (0 if shares_kv(shape, layer) else 2 * kv) + 3 * h + 2 * f + w)
-        if layout.cp == 1:  # SDPA's output and log-sum-exp (the ring's blocks: plan/context.py)
+        if not _ring(layout):  # SDPA's output and log-sum-exp (the ring's blocks: plan/context.py)
             kept += ec * tokens * q + FP32 * tokens * heads
     return kept
 
@@ -93,7 +97,7 @@ def _recomputed_bytes(shape: ModelShape, layer: int, micro_batch: int, seq_len: 
     if layer in reuses(shape) and not _sliding_mask(shape, layer, layout):
         held -= 2 * ec * tokens * kv
     if layout.activation_checkpointing == "selective":
-        held -= ec * tokens * (2 * f + w) + (ec * tokens * q + FP32 * tokens * heads if layout.cp == 1 else 0.0)
+        held -= ec * tokens * (2 * f + w) + (0.0 if _ring(layout) else ec * tokens * q + FP32 * tokens * heads)
         held -= ec * tokens * (q + (0 if shares_kv(shape, layer) else 2 * kv) + 3 * h)
     return held
 
