@@ -19,7 +19,9 @@ from disttrain.plan.korthikanti import korthikanti_in_flight_factor
 from disttrain.plan.mixer_backward import mixer_backward_bytes
 from disttrain.plan.mixers import mixer_bytes
 from disttrain.plan.params import layer_params, rank_params, stage_layers
-from disttrain.plan.per_layer_inputs import average_layer_bytes, carried_bytes, counts_layers, stage_saved_bytes
+from disttrain.plan.per_layer_inputs import carried_bytes, counts_layers
+from disttrain.plan.per_layer_recompute import (after_attention_bytes, average_layer_bytes, layer_transient_bytes,
+                                                stage_saved_bytes)
 from disttrain.plan.schedule_memory import HeldAt, schedule_order, schedule_peak, weight_gradient_inputs_bytes
 
 TOKEN_ID = 8  # int64 token ids the embedding's backward keeps
@@ -56,16 +58,19 @@ def rotary_input_bytes(shape: ModelShape, micro_batch: int, seq_len: int, layout
 
 
 def layer_activation_bytes(shape: ModelShape, micro_batch: int, seq_len: int, layout: Layout,
-                           fused_norm: bool = True) -> LayerActivations:
+                           fused_norm: bool = True, accumulating: bool = False) -> LayerActivations:
     """Saved tensors of one `TransformerBlock` of models/llama (checked against saved-tensor hooks in
     tests/test_plan.py): each RMSNorm's input and reciprocal RMS, and its output as the next matmul
     keeps it (under autocast each matmul keeps its own cast copy: three for q/k/v, two for w1/w3;
     whole under sequence parallelism: the all-gathered copy); q, k, v, the attention output and its
     log-sum-exp (flash attention keeps no s×s scores); the w1 and w3 outputs, SiLU's output and the gated
-    product. Head- and FFN-split tensors divide by tp; with sequence parallelism so does the residual."""
+    product. Head- and FFN-split tensors divide by tp; with sequence parallelism so does the residual.
+    `accumulating`: FSDP's gradients accumulate over micro-batches (Gemma 4's layers differ: what the layers after
+    the fullest one release counts)."""
     ec, er = dtype_bytes(layout)
-    if counts_layers(shape, layout):  # Gemma 4 (plan/per_layer_inputs.py): the model's average layer
-        return LayerActivations(saved=average_layer_bytes(shape, layout, micro_batch, seq_len), transient=0.0)
+    if counts_layers(shape, layout):  # Gemma 4 (plan/per_layer_recompute.py): the model's average layer
+        return LayerActivations(saved=average_layer_bytes(shape, layout, micro_batch, seq_len),
+                                transient=layer_transient_bytes(shape, layout, micro_batch, seq_len, accumulating))
     t = layout.tp
     r = t if layout.sequence_parallel else 1
     sb = seq_len * micro_batch
@@ -250,30 +255,37 @@ def stage_activation_bytes(shape: ModelShape, layout: Layout, pp_rank: int, fuse
     mb, s = layout.micro_batch, layout.seq_len // layout.cp  # a context rank holds seq_len / cp tokens
     ec, er = dtype_bytes(layout)
     held = rank_params(shape, layout, pp_rank)
-    layer = layer_activation_bytes(shape, mb, s, layout, fused_norm)
-    attention = layer_activation_bytes(replace(shape, ffn_hidden_dim=0, moe=None), mb, s, layout, fused_norm)
+    layer = layer_activation_bytes(shape, mb, s, layout, fused_norm, accumulated_grads > 0)
+    attention = layer_activation_bytes(replace(shape, ffn_hidden_dim=0, moe=None), mb, s, layout, fused_norm,
+                                       accumulated_grads > 0)
+    recounted = counts_layers(shape, layout) and layout.activation_checkpointing != "none"  # Gemma 4, recomputed
+    if recounted:  # its attention's moment: without what follows the attention
+        attention = replace(layer, transient=layer.transient - after_attention_bytes(shape, layout, mb, s))
     ring = mixer_backward_bytes(shape, mb, s, layout, ec, er)  # the widest token mixer's backward, beyond the average
-    ring_forward = 0.0
+    ring_forward = extra = 0.0
     if layout.cp > 1:
         from disttrain.plan.context import context_extra_bytes, context_recomputed_bytes, ring_temporary_bytes
 
         extra, (ring_forward, ring_backward) = context_extra_bytes(shape, layout, ec), \
             ring_temporary_bytes(shape, layout, ec)
         ring += ring_backward
-        ring += context_recomputed_bytes(shape, layout, ec)  # attention's too: remade for its backward
-        layer, attention = (replace(part, saved=part.saved + extra) for part in (layer, attention))
+        remade = context_recomputed_bytes(shape, layout, ec)  # attention's too: remade for its backward
+        ring += 0.0 if recounted else remade  # Gemma 4: among the recomputed tensors from its backward's first op
+        layer, attention = (replace(part, saved=part.saved + extra, transient=part.transient + remade * recounted)
+                            for part in (layer, attention))
     first = korthikanti_in_flight_factor(layout.pp, layout.microbatches, layout.pp_schedule, layout.stages_per_rank)
     if pp_rank == 0 or layout.pp_schedule == "gpipe":
         in_flight = first
     else:  # later stages start their backwards sooner: rank r of 1F1B keeps p - r in flight
         in_flight = max(1.0, first * (layout.pp - pp_rank) / layout.pp)
-    layers_saved = stage_saved_bytes(shape, layout, pp_rank) if counts_layers(shape, layout) else held.layers * layer.saved
+    layers_saved = stage_saved_bytes(shape, layout, pp_rank) + held.layers * extra if counts_layers(shape, layout) \
+        else held.layers * layer.saved
     if shape.moe is not None:  # MoE blocks beside any dense ones, routed as `routing_skew` says
         from disttrain.plan.moe import stage_layers
         layers_saved, layer = stage_layers(shape, layout, pp_rank, layer, attention, ec, routing_skew, er)
     grad_share, freed = 1.0, 0.0
     if shape.moe is None and layout.pp == 1:  # pipelines: their schedules' terms (in-flight micro-batches)
-        held_more, freed = block_backward_bytes(shape, mb, s, layout)
+        held_more, freed = (0.0, 0.0) if recounted else block_backward_bytes(shape, mb, s, layout)
         layer = replace(layer, transient=layer.transient + held_more)
         grad_share = shape.dim * shape.ffn_hidden_dim / layout.tp / layer_params(shape, layout.tp)
     if ring or ring_forward:

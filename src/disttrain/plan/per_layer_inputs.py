@@ -8,7 +8,8 @@ GELU, a product with the layer's slice of the per-layer inputs, a projection bac
 `num_kv_shared_layers` layers reuse the keys and values an earlier layer of their kind stored, with no key and
 value projections or norms of their own. The pipeline split (models/hf/stages.py) sends the per-layer inputs of
 the layers still to come and the stored keys and values a later stage reuses. Listed tensor by tensor with
-saved-tensor hooks on transformers' layers and checked against the dry run (tests/test_plan_published.py).
+saved-tensor hooks on transformers' layers and checked against the dry run (tests/test_plan_published.py). Under
+activation checkpointing, what crosses each layer's checkpoint and what its backward holds: plan/per_layer_recompute.py.
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ def has_per_layer_inputs(shape: ModelShape) -> bool:
 
 
 def counts_layers(shape: ModelShape, layout: Layout) -> bool:
-    """Whether this module counts the layers' saved tensors: Gemma 4 without checkpointing, unsplit sequences."""
-    return has_per_layer_inputs(shape) and layout.activation_checkpointing == "none" and layout.cp == 1
+    """Whether the layers are counted tensor by tensor (here and in plan/per_layer_recompute.py): Gemma 4's, in every
+    checkpointing mode and context-parallel method (plan/context.py adds all-gather's and Ulysses' extras)."""
+    return has_per_layer_inputs(shape)
 
 
 def _kinds(shape: ModelShape) -> list[str]:
@@ -100,7 +102,9 @@ def layer_saved_bytes(shape: ModelShape, layer: int, micro_batch: int, seq_len: 
     """What one Gemma 4 layer keeps for its backward without checkpointing, its input included (one micro-batch).
     Under autocast each projection keeps its own compute-dtype copy of its input (the fp32 norm outputs and
     residual); SDPA keeps q, k, v, its output and the log-sum-exp, and on a sliding-window layer its own copy of the
-    mask in the compute dtype with k and v repeated to every query head (an explicit mask, no grouped kernel)."""
+    mask in the compute dtype with k and v repeated to every query head (an explicit mask, no grouped kernel); under
+    context parallelism the ring keeps q, k, v, its output and log-sum-exp on every layer (no mask, k and v as they
+    are)."""
     ec, er = dtype_bytes(layout)
     t, tokens = layout.tp, micro_batch * seq_len
     r = t if layout.sequence_parallel else 1
@@ -108,7 +112,8 @@ def layer_saved_bytes(shape: ModelShape, layer: int, micro_batch: int, seq_len: 
     heads, kv_heads = shape.n_heads // t, shape.n_kv_heads // t
     q, kv = heads * shape.head_dim, kv_heads * shape.head_dim
     cast = autocast(layout)
-    shared, sliding = shares_kv(shape, layer), _kinds(shape)[layer] == "sliding_attention"
+    shared = shares_kv(shape, layer)
+    sliding = _kinds(shape)[layer] == "sliding_attention" and layout.cp == 1
     # five norms on the hidden size (the layer's input is the first one's); the projections' inputs
     saved = 5 * _norm(tokens / r, h, 1)
     inputs = (1 if shared else 3) if cast else 1  # q (k, v) from the input norm
@@ -132,30 +137,16 @@ def layer_saved_bytes(shape: ModelShape, layer: int, micro_batch: int, seq_len: 
 
 def stage_once_bytes(shape: ModelShape, layout: Layout, stage: int, micro_batch: int, seq_len: int) -> float:
     """What a stage's layers share, kept once a micro-batch: the per-layer inputs from its first layer on, whose
-    slices the layers keep; the rotary tables of each attention kind (cos and sin, the residual dtype); on the first stage the per-layer inputs' projection
-    input and its norm over every layer's slice."""
+    slices the layers keep; the rotary tables of each attention kind (cos and sin, the residual dtype); the boolean
+    sliding-window mask transformers makes for SDPA (none under context parallelism); on the first stage the
+    per-layer inputs' projection input and its norm over every layer's slice."""
     ec, er = dtype_bytes(layout)
     tokens, w = micro_batch * seq_len, shape.extras.per_layer_input
     start, end = _stage_bounds(shape, layout, stage)
     kinds = set(_kinds(shape)[start:end])
     once = er * tokens * (shape.n_layers - start) * w + len(kinds) * 2 * er * seq_len * shape.head_dim
+    if "sliding_attention" in kinds and layout.cp == 1:
+        once += micro_batch * seq_len * seq_len
     if stage == 0:
         once += ec * tokens * shape.dim + _norm(tokens, shape.n_layers * w, shape.n_layers)
     return once
-
-
-def stage_saved_bytes(shape: ModelShape, layout: Layout, pp_rank: int) -> float:
-    """One micro-batch's saved tensors of every Gemma 4 layer this pipeline rank holds (each stage's own layers,
-    shared and sliding ones as they are), with what each stage's layers share."""
-    mb, s = layout.micro_batch, layout.seq_len // layout.cp
-    total = 0.0
-    for stage in layout.owned_stages(pp_rank):
-        start, end = _stage_bounds(shape, layout, stage)
-        total += sum(layer_saved_bytes(shape, i, mb, s, layout) for i in range(start, end))
-        total += stage_once_bytes(shape, layout, stage, mb, s)
-    return total
-
-
-def average_layer_bytes(shape: ModelShape, layout: Layout, micro_batch: int, seq_len: int) -> float:
-    """The model's average layer, what the planner's per-layer terms scale by."""
-    return sum(layer_saved_bytes(shape, i, micro_batch, seq_len, layout) for i in range(shape.n_layers)) / shape.n_layers
