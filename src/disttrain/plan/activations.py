@@ -38,6 +38,16 @@ def _norm_bytes(er: int, tokens: int, h: int, r: int, fused: bool) -> float:
     return kept_input * tokens * h / r + FP32 * tokens / r
 
 
+def norm_fused(shape: ModelShape, fused_norm: bool) -> bool:
+    """Whether the block's RMSNorms keep what a fused kernel keeps (their input and the fp32 reciprocal RMS).
+    gpt-oss's (transformers') upcasts its input to fp32 and multiplies its weight into the fp32 normalised tensor:
+    that product keeps the normalised tensor and the power and scaling keep the fp32 input, both fp32, as
+    `_norm_bytes` counts an unfused norm (the live tensors at a tiny gpt-oss's peak under ring attention without
+    checkpointing: two fp32 hidden-size tensors a norm, 6 bytes an element more than a fused norm's input in bf16;
+    gpt-oss-20b at 131,072 tokens, cp=32, 3.2 GiB of its 4.2 GiB under its dry run)."""
+    return fused_norm and not (shape.extras is not None and shape.extras.fp32_norm_product)
+
+
 def rotary_input_bytes(shape: ModelShape, micro_batch: int, seq_len: int, layout: Layout) -> float:
     """FSDP2's mixed precision casts each block's floating-point inputs to the parameter dtype, the rotary
     tables among them: one copy per block, which its rotary products keep for the backward. Whole tables
@@ -58,6 +68,7 @@ def layer_activation_bytes(shape: ModelShape, micro_batch: int, seq_len: int, la
     log-sum-exp (flash attention keeps no s×s scores); the w1 and w3 outputs, SiLU's output and the gated
     product. Head- and FFN-split tensors divide by tp; with sequence parallelism so does the residual."""
     ec, er = dtype_bytes(layout)
+    fused_norm = norm_fused(shape, fused_norm)
     if counts_layers(shape, layout):  # Gemma 4 (plan/per_layer_inputs.py): the model's average layer
         return LayerActivations(saved=average_layer_bytes(shape, layout, micro_batch, seq_len), transient=0.0)
     t = layout.tp
@@ -243,6 +254,7 @@ def stage_activation_bytes(shape: ModelShape, layout: Layout, pp_rank: int, fuse
     before some stages' first weight pass, where they do not exist yet)."""
     mb, s = layout.micro_batch, layout.seq_len // layout.cp  # a context rank holds seq_len / cp tokens
     ec, er = dtype_bytes(layout)
+    fused_norm = norm_fused(shape, fused_norm)
     held = rank_params(shape, layout, pp_rank)
     layer = layer_activation_bytes(shape, mb, s, layout, fused_norm)
     attention = layer_activation_bytes(replace(shape, ffn_hidden_dim=0, moe=None), mb, s, layout, fused_norm)
@@ -271,7 +283,7 @@ def stage_activation_bytes(shape: ModelShape, layout: Layout, pp_rank: int, fuse
         layer = replace(layer, transient=layer.transient + held_more)
         grad_share = shape.dim * shape.ffn_hidden_dim / layout.tp / layer_params(shape, layout.tp)
     if ring or ring_forward:
-        layer = _ring_backward(layer, attention, ring, ring_forward)
+        layer = _ring_backward(layer, attention, ring, ring_forward, layout.activation_checkpointing == "none")
     saved = layers_saved * in_flight
     logits = chunk = head = 0.0
     if held.embedding:
@@ -326,14 +338,16 @@ def block_backward_bytes(shape: ModelShape, micro_batch: int, seq_len: int, layo
 
 
 def _ring_backward(layer: LayerActivations, attention: LayerActivations, ring: float,
-                   forward: float = 0.0) -> LayerActivations:
+                   forward: float = 0.0, in_forward: bool = False) -> LayerActivations:
     """Context parallelism's backward temporaries (plan/context.py: the ring's, or all-gather's K/V and mask
     remade under checkpointing) add to the layer's transient only beyond its MLP's (or MoE's) tensors, saved
     or recomputed, which that part's backward frees before attention's runs (`attention`: the layer without its
     MLP; `debug` at seq 128, cp=2, ZeRO-2: 14.7% over the dry run with the ring's on top). The ring's `forward`
-    (recomputed for the backward under checkpointing) comes before the MLP's tensors are remade or made."""
+    (recomputed for the backward under checkpointing) comes before the MLP's tensors are remade or made; without
+    checkpointing (`in_forward`) it runs in the step's forward, before the layer's MLP has saved anything (a tiny
+    gpt-oss at cp=4: the ring's forward placed over the last layer's MLP tensors had been 5% over the dry run)."""
     freed = layer.saved + layer.transient - attention.saved - attention.transient
-    not_yet = layer.transient - attention.transient
+    not_yet = layer.transient - attention.transient + (layer.saved - attention.saved if in_forward else 0.0)
     return replace(layer, transient=layer.transient + max(0.0, ring - freed, forward - not_yet))
 
 
