@@ -44,7 +44,11 @@ def norm_fused(shape: ModelShape, fused_norm: bool) -> bool:
     that product keeps the normalised tensor and the power and scaling keep the fp32 input, both fp32, as
     `_norm_bytes` counts an unfused norm (the live tensors at a tiny gpt-oss's peak under ring attention without
     checkpointing: two fp32 hidden-size tensors a norm, 6 bytes an element more than a fused norm's input in bf16;
-    gpt-oss-20b at 131,072 tokens, cp=32, 3.2 GiB of its 4.2 GiB under its dry run)."""
+    gpt-oss-20b at 131,072 tokens, cp=32, 3.2 GiB of its 4.2 GiB under its dry run). Counted where the norms are
+    saved: every layer's without checkpointing, the final norm's always. A checkpointed layer's recomputed norms keep
+    the same, but gpt-oss-120b's plan at 131,072 tokens (full checkpointing, cp=2), 0.1% under its dry run as
+    counted, would be 3.1% over with them: they stay counted as fused there until that peak is listed tensor by
+    tensor."""
     return fused_norm and not (shape.extras is not None and shape.extras.fp32_norm_product)
 
 
@@ -68,7 +72,8 @@ def layer_activation_bytes(shape: ModelShape, micro_batch: int, seq_len: int, la
     log-sum-exp (flash attention keeps no s×s scores); the w1 and w3 outputs, SiLU's output and the gated
     product. Head- and FFN-split tensors divide by tp; with sequence parallelism so does the residual."""
     ec, er = dtype_bytes(layout)
-    fused_norm = norm_fused(shape, fused_norm)
+    if layout.activation_checkpointing == "none":  # recomputed norms: see norm_fused
+        fused_norm = norm_fused(shape, fused_norm)
     if counts_layers(shape, layout):  # Gemma 4 (plan/per_layer_inputs.py): the model's average layer
         return LayerActivations(saved=average_layer_bytes(shape, layout, micro_batch, seq_len), transient=0.0)
     t = layout.tp
@@ -254,7 +259,7 @@ def stage_activation_bytes(shape: ModelShape, layout: Layout, pp_rank: int, fuse
     before some stages' first weight pass, where they do not exist yet)."""
     mb, s = layout.micro_batch, layout.seq_len // layout.cp  # a context rank holds seq_len / cp tokens
     ec, er = dtype_bytes(layout)
-    fused_norm = norm_fused(shape, fused_norm)
+    final_fused = norm_fused(shape, fused_norm)  # the final norm's, never recomputed
     held = rank_params(shape, layout, pp_rank)
     layer = layer_activation_bytes(shape, mb, s, layout, fused_norm)
     attention = layer_activation_bytes(replace(shape, ffn_hidden_dim=0, moe=None), mb, s, layout, fused_norm)
@@ -299,7 +304,7 @@ def stage_activation_bytes(shape: ModelShape, layout: Layout, pp_rank: int, fuse
         # backward; GPipe runs every micro-batch's forward and loss first, so it holds all of them.
         output = last_stage_output_bytes(shape, layout) if layout.pp > 1 else 0.0
         losses = in_flight if layout.pp > 1 and layout.pp_schedule == "gpipe" else 1.0
-        saved += losses * (_norm_bytes(er, mb * s, shape.dim, r, fused_norm) + head + logits + output)
+        saved += losses * (_norm_bytes(er, mb * s, shape.dim, r, final_fused) + head + logits + output)
     if layout.pp > 1 and layout.pp_schedule in ("interleaved_1f1b", "zero_bubble"):
         return _multi_stage(shape, layout, pp_rank, layer, logits, saved - held.layers * layer.saved * in_flight,
                             accumulated_grads, last=held.output, chunk=chunk)
@@ -307,7 +312,7 @@ def stage_activation_bytes(shape: ModelShape, layout: Layout, pp_rank: int, fuse
         saved += stage_output_bytes(shape, layout, pp_rank) * in_flight
     loss_inputs = 0.0
     if held.output and layout.pp == 1:  # the final norm's and output layer's saved inputs, gone by any block's backward
-        loss_inputs = _norm_bytes(er, mb * s, shape.dim, r, fused_norm) + head
+        loss_inputs = _norm_bytes(er, mb * s, shape.dim, r, final_fused) + head
     return StageActivations(saved, max(layer.transient, 2 * logits, chunk), in_flight, logits, layer.transient,
                             layer_saved=layers_saved / held.layers if held.layers else 0.0, grad_share=grad_share,
                             block_freed=freed + loss_inputs, loss_inputs=loss_inputs, chunk=chunk)
