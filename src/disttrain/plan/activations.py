@@ -39,16 +39,13 @@ def _norm_bytes(er: int, tokens: int, h: int, r: int, fused: bool) -> float:
 
 
 def norm_fused(shape: ModelShape, fused_norm: bool) -> bool:
-    """Whether the block's RMSNorms keep what a fused kernel keeps (their input and the fp32 reciprocal RMS).
-    gpt-oss's (transformers') upcasts its input to fp32 and multiplies its weight into the fp32 normalised tensor:
-    that product keeps the normalised tensor and the power and scaling keep the fp32 input, both fp32, as
-    `_norm_bytes` counts an unfused norm (the live tensors at a tiny gpt-oss's peak under ring attention without
-    checkpointing: two fp32 hidden-size tensors a norm, 6 bytes an element more than a fused norm's input in bf16;
-    gpt-oss-20b at 131,072 tokens, cp=32, 3.2 GiB of its 4.2 GiB under its dry run). Counted where the norms are
-    saved: every layer's without checkpointing, the final norm's always. A checkpointed layer's recomputed norms keep
-    the same, but gpt-oss-120b's plan at 131,072 tokens (full checkpointing, cp=2), 0.1% under its dry run as
-    counted, would be 3.1% over with them: they stay counted as fused there until that peak is listed tensor by
-    tensor."""
+    """Whether the RMSNorms keep what a fused kernel keeps (their input, the fp32 reciprocal RMS). gpt-oss's
+    (transformers') upcasts its input to fp32 and multiplies its weight into the fp32 normalised tensor, which keeps
+    both, as `_norm_bytes` counts an unfused norm (live tensors at a tiny gpt-oss's peak, ring attention, no
+    checkpointing; gpt-oss-20b at 131,072 tokens, cp=32: 3.2 GiB of its 4.2 GiB under its dry run). Counted where
+    they are saved: every layer's without checkpointing, the final norm's always. A recomputed layer keeps the same,
+    but gpt-oss-120b's plan at 131,072 tokens (full checkpointing, cp=2), 0.1% under its dry run, would be 3.1% over
+    with them: not counted there until that peak is listed tensor by tensor."""
     return fused_norm and not (shape.extras is not None and shape.extras.fp32_norm_product)
 
 
