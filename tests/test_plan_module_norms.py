@@ -17,7 +17,7 @@ def test_a_transformers_rms_norm_keeps_what_the_planner_counts(dtype):
     weights): 4 + 4 (the fused kernel's 4). And the fp32 reciprocal RMS a row."""
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RMSNorm
 
-    from disttrain.plan.activations import _norm_bytes
+    from disttrain.plan.norms import norm_bytes
 
     tokens, hidden = 64, 48
     norm = DeepseekV3RMSNorm(hidden).to(dtype)
@@ -32,8 +32,8 @@ def test_a_transformers_rms_norm_keeps_what_the_planner_counts(dtype):
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         norm(x)
     er = torch.finfo(dtype).bits // 8
-    assert sum(held.values()) == _norm_bytes(er, tokens, hidden, 1, fused=True, module=True)
-    assert _norm_bytes(er, tokens, hidden, 1, fused=True, module=True) - _norm_bytes(er, tokens, hidden, 1, True) \
+    assert sum(held.values()) == norm_bytes(er, tokens, hidden, 1, fused=True, module=True)
+    assert norm_bytes(er, tokens, hidden, 1, fused=True, module=True) - norm_bytes(er, tokens, hidden, 1, True) \
         == 4 * tokens * hidden
 
 

@@ -89,6 +89,7 @@ class BlockExtras:
     attention_sinks: bool = False  # a learned logit per head (gpt-oss)
     attn_output_gate: bool = False  # the query projection also gives a per-head output gate (Qwen3-Next, 3.5)
     norms_per_block: int = 2  # Gemma 2/3: 4 (before and after attention and MLP)
+    fp32_norm_product: bool = False  # the RMSNorm's weight multiplies the fp32 normalised tensor (gpt-oss)
     sliding_window: int = 0  # the window of the layers that attend locally
     sliding_layers: int = 0  # how many layers do
     linear: LinearAttentionShape | None = None

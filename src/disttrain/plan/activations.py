@@ -18,6 +18,7 @@ from disttrain.plan.dtypes import FP32, autocast, dtype_bytes  # noqa: F401 (re-
 from disttrain.plan.korthikanti import korthikanti_in_flight_factor
 from disttrain.plan.mixer_backward import mixer_backward_bytes
 from disttrain.plan.mixers import mixer_bytes
+from disttrain.plan.norms import norm_bytes, norm_fused
 from disttrain.plan.params import layer_params, rank_params, stage_layers
 from disttrain.plan.per_layer_inputs import carried_bytes, counts_layers
 from disttrain.plan.per_layer_recompute import (after_attention_bytes, average_layer_bytes, layer_transient_bytes,
@@ -31,19 +32,6 @@ TOKEN_ID = 8  # int64 token ids the embedding's backward keeps
 class LayerActivations:
     saved: float  # held from a layer's forward to its backward, per micro-batch
     transient: float  # extra while that layer's backward runs (recomputed tensors)
-
-
-def _norm_bytes(er: int, tokens: int, h: int, r: int, fused: bool, module: bool = False) -> float:
-    """What one RMSNorm keeps: its input and the fp32 reciprocal RMS (fused CUDA kernel), or the input
-    upcast to fp32 and the fp32 normalised x̂ besides (the CPU's decomposition). `module`: transformers'
-    Llama-style RMSNorm module (`ModelShape.module_norms`), on any device: its input upcast to fp32 (kept by
-    the square and the scaling) and the normalised tensor cast back to the input's dtype (kept by the weight's
-    product), besides the reciprocal RMS (listed with saved-tensor hooks, tests/test_plan_module_norms.py). Counted
-    wherever the layer's tensors are: saved without checkpointing, and in the one layer being recomputed under it
-    (a tiny DeepSeek-V3 under full checkpointing whose peak falls in a recomputation: −3.6% against its dry run
-    with a fused norm's there, +0.6% with the module's; tests/test_dryrun_cuda_attention.py)."""
-    kept_input = FP32 + er if module else er if fused else 2 * FP32
-    return kept_input * tokens * h / r + FP32 * tokens / r
 
 
 def rotary_input_bytes(shape: ModelShape, micro_batch: int, seq_len: int, layout: Layout) -> float:
@@ -68,6 +56,8 @@ def layer_activation_bytes(shape: ModelShape, micro_batch: int, seq_len: int, la
     `accumulating`: FSDP's gradients accumulate over micro-batches (Gemma 4's layers differ: what the layers after
     the fullest one release counts)."""
     ec, er = dtype_bytes(layout)
+    if layout.activation_checkpointing == "none":  # recomputed norms: see norm_fused
+        fused_norm = norm_fused(shape, fused_norm)
     if counts_layers(shape, layout):  # Gemma 4 (plan/per_layer_recompute.py): the model's average layer
         return LayerActivations(saved=average_layer_bytes(shape, layout, micro_batch, seq_len),
                                 transient=layer_transient_bytes(shape, layout, micro_batch, seq_len, accumulating))
@@ -77,7 +67,7 @@ def layer_activation_bytes(shape: ModelShape, micro_batch: int, seq_len: int, la
     h, f = shape.dim, shape.ffn_hidden_dim
     kv, q = shape.n_kv_heads * shape.head_dim, shape.n_heads * shape.head_dim  # q: h unless a head size is set
     copies = (3, 2) if autocast(layout) else (1, 1)
-    norms = 2 * _norm_bytes(er, sb, h, r, fused_norm, shape.module_norms) + ec * sb * h * sum(copies)
+    norms = 2 * norm_bytes(er, sb, h, r, fused_norm, shape.module_norms) + ec * sb * h * sum(copies)
     scores = eager_scores_bytes(shape, micro_batch, seq_len, layout)
     # Under autocast the probabilities' product with v keeps its own compute-dtype copy of them.
     kept_scores = scores * (1 + ec / er) if autocast(layout) else scores
@@ -254,6 +244,7 @@ def stage_activation_bytes(shape: ModelShape, layout: Layout, pp_rank: int, fuse
     before some stages' first weight pass, where they do not exist yet)."""
     mb, s = layout.micro_batch, layout.seq_len // layout.cp  # a context rank holds seq_len / cp tokens
     ec, er = dtype_bytes(layout)
+    final_fused = norm_fused(shape, fused_norm)  # the final norm's, never recomputed
     held = rank_params(shape, layout, pp_rank)
     layer = layer_activation_bytes(shape, mb, s, layout, fused_norm, accumulated_grads > 0)
     attention = layer_activation_bytes(replace(shape, ffn_hidden_dim=0, moe=None), mb, s, layout, fused_norm,
@@ -289,7 +280,7 @@ def stage_activation_bytes(shape: ModelShape, layout: Layout, pp_rank: int, fuse
         layer = replace(layer, transient=layer.transient + held_more)
         grad_share = shape.dim * shape.ffn_hidden_dim / layout.tp / layer_params(shape, layout.tp)
     if ring or ring_forward:
-        layer = _ring_backward(layer, attention, ring, ring_forward)
+        layer = _ring_backward(layer, attention, ring, ring_forward, layout.activation_checkpointing == "none")
     saved = layers_saved * in_flight
     logits = chunk = head = 0.0
     if held.embedding:
@@ -305,7 +296,7 @@ def stage_activation_bytes(shape: ModelShape, layout: Layout, pp_rank: int, fuse
         # backward; GPipe runs every micro-batch's forward and loss first, so it holds all of them.
         output = last_stage_output_bytes(shape, layout) if layout.pp > 1 else 0.0
         losses = in_flight if layout.pp > 1 and layout.pp_schedule == "gpipe" else 1.0
-        final_norm = _norm_bytes(er, mb * s, shape.dim, r, fused_norm, shape.module_norms)
+        final_norm = norm_bytes(er, mb * s, shape.dim, r, final_fused, shape.module_norms)
         saved += losses * (final_norm + head + logits + output)
     if layout.pp > 1 and layout.pp_schedule in ("interleaved_1f1b", "zero_bubble"):
         return _multi_stage(shape, layout, pp_rank, layer, logits, saved - held.layers * layer.saved * in_flight,
@@ -314,7 +305,7 @@ def stage_activation_bytes(shape: ModelShape, layout: Layout, pp_rank: int, fuse
         saved += stage_output_bytes(shape, layout, pp_rank) * in_flight
     loss_inputs = 0.0
     if held.output and layout.pp == 1:  # the final norm's and output layer's saved inputs, gone by any block's backward
-        loss_inputs = _norm_bytes(er, mb * s, shape.dim, r, fused_norm, shape.module_norms) + head
+        loss_inputs = norm_bytes(er, mb * s, shape.dim, r, final_fused, shape.module_norms) + head
     return StageActivations(saved, max(layer.transient, 2 * logits, chunk), in_flight, logits, layer.transient,
                             layer_saved=layers_saved / held.layers if held.layers else 0.0, grad_share=grad_share,
                             block_freed=freed + loss_inputs, loss_inputs=loss_inputs, chunk=chunk)
@@ -345,14 +336,16 @@ def block_backward_bytes(shape: ModelShape, micro_batch: int, seq_len: int, layo
 
 
 def _ring_backward(layer: LayerActivations, attention: LayerActivations, ring: float,
-                   forward: float = 0.0) -> LayerActivations:
+                   forward: float = 0.0, in_forward: bool = False) -> LayerActivations:
     """Context parallelism's backward temporaries (plan/context.py: the ring's, or all-gather's K/V and mask
     remade under checkpointing) add to the layer's transient only beyond its MLP's (or MoE's) tensors, saved
     or recomputed, which that part's backward frees before attention's runs (`attention`: the layer without its
     MLP; `debug` at seq 128, cp=2, ZeRO-2: 14.7% over the dry run with the ring's on top). The ring's `forward`
-    (recomputed for the backward under checkpointing) comes before the MLP's tensors are remade or made."""
+    (recomputed for the backward under checkpointing) comes before the MLP's tensors are remade or made; without
+    checkpointing (`in_forward`) it runs in the step's forward, before the layer's MLP has saved anything (a tiny
+    gpt-oss at cp=4: the ring's forward placed over the last layer's MLP tensors had been 5% over the dry run)."""
     freed = layer.saved + layer.transient - attention.saved - attention.transient
-    not_yet = layer.transient - attention.transient
+    not_yet = layer.transient - attention.transient + (layer.saved - attention.saved if in_forward else 0.0)
     return replace(layer, transient=layer.transient + max(0.0, ring - freed, forward - not_yet))
 
 

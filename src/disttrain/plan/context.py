@@ -61,7 +61,10 @@ def ring_temporary_bytes(shape: ModelShape, layout: Layout, element_bytes: int) 
     checkpointing: counted there) and its copy at that precision, the rescaled running output, the rescaled
     block and their sum, besides the expanded and travelling K/V: five query-sized tensors at fp32 in bf16,
     more than backward's (a tiny gpt-oss at cp=4 whose ring holds its peak: 42% fewer temporaries counted
-    with backward's alone). plan/activations.py places each at its moment of the layer's backward."""
+    with backward's alone). With attention sinks, backward ends with their gradient, three query-sized fp32 tensors
+    more: the peak of a tiny gpt-oss at cp=4 without checkpointing (7% under its dry run without them and the
+    norms' fp32 tensors); under checkpointing the dry run's peak stays at the recomputed forward's merge, where
+    counting them put the same model 4 to 7 points over. plan/activations.py places each at its moment of the layer's backward."""
     if layout.cp == 1 or layout.cp_method != "ring":
         return 0.0, 0.0
     e, acc = element_bytes, max(element_bytes, 4)
@@ -70,6 +73,10 @@ def ring_temporary_bytes(shape: ModelShape, layout: Layout, element_bytes: int) 
     kv = 2 * tokens * shape.n_kv_heads * shape.head_dim / layout.tp  # K and V stacked
     expanded = 2 * e * q if shape.n_heads != shape.n_kv_heads else 0.0
     backward = (e + acc) * q + (2 * e + acc) * kv + expanded + 3 * e * q
+    if shape.extras is not None and shape.extras.attention_sinks and layout.activation_checkpointing == "none":
+        # the sinks' gradient after the last block: the output gradient and the output upcast and their product,
+        # while the last block's kernel gradients and expanded K/V are still held (the next block's K/V is not)
+        backward += 3 * acc * q - e * kv
     block = 0.0 if layout.activation_checkpointing == "selective" else e * q
     copy = acc * q if acc != e else 0.0
     forward = 4 * acc * q + acc * q / shape.head_dim + block + copy + 2 * e * kv + expanded

@@ -134,7 +134,7 @@ def _extras(c: dict) -> BlockExtras | None:
         qk_norm=kind in QK_NORM_TYPES or bool(c.get("use_qk_norm")),  # GLM-4-MoE's are optional
         o_bias=gpt_oss and bool(c.get("attention_bias", True)), attention_sinks=gpt_oss,
         attn_output_gate=kind in ("qwen3_next", "qwen3_5_text") and bool(c.get("attn_output_gate", True)),
-        norms_per_block=4 if kind in ("gemma2", "gemma3_text", "gemma4_text") else 2,
+        norms_per_block=4 if kind in ("gemma2", "gemma3_text", "gemma4_text") else 2, fp32_norm_product=gpt_oss,
         sliding_window=int(c.get("sliding_window") or 0) if "sliding_attention" in kinds else 0,
         sliding_layers=kinds.count("sliding_attention"), linear=linear, expert_bias=gpt_oss, router_bias=gpt_oss,
         shared_expert_gate=kind in ("qwen2_moe", "qwen3_next") and bool(c.get("shared_expert_intermediate_size")),
