@@ -22,6 +22,9 @@ from helpers import DEBUG_CONFIG
       "train.micro_batch_size=1"], 2, "dp=1 zero=0 pp=2 interleaved_1f1b m=8"),
     (["parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.zero_stage=3"], 4,
      "dp=4 (2 replicas x 2 shards) zero=3"),
+    # ZeRO-2 over the context pair in each of 2 replicas: not the same cut as dp_shard=2 (shards over 4 ranks)
+    (["parallel.dp_replicate=2", "parallel.dp_shard=1", "parallel.cp=2", "parallel.zero_stage=2"], 4,
+     "dp=2 (2 replicas x 1 shard) zero=2 cp=2 ring"),
     (["model.name=debug-moe", "parallel.ep=2"], 2, "dp=2 zero=0 ep=2"),
     (["parallel.cp=2", "parallel.cp_method=allgather"], 2, "dp=1 zero=0 cp=2 allgather"),
 ])

@@ -261,8 +261,10 @@ class Layout:
         """How the run is cut, in the config's words (the one spelling: the start line, metrics.jsonl's `started`
         event, the planner's tables): `dp=2 zero=3`, `ep=2`, `cp=2 ring`, `tp=2 sp`, `pp=2 interleaved_1f1b m=8`;
         `micro_batch`: and the sequences per forward pass (`mbs=4`), which the planner chooses too."""
-        dp = f"dp={self.dp}" + (f" ({self.dp_replicate} replicas x {self.dp_shard} shards)"
-                                if self.dp_replicate > 1 and self.dp_shard > 1 else "")
+        # replicas of one shard still differ from one group of shards under ZeRO-2/3 (whose shards span cp too)
+        hsdp = self.dp_replicate > 1 and (self.dp_shard > 1 or self.zero_stage >= 2)
+        dp = f"dp={self.dp}" + (f" ({self.dp_replicate} replicas x {self.dp_shard} shard"
+                                f"{'s' if self.dp_shard > 1 else ''})" if hsdp else "")
         parts = [dp, ("deepspeed " if self.engine == "deepspeed" else "") + f"zero={self.zero_stage}"]
         if self.ep > 1:
             parts.append(f"ep={self.ep}")
