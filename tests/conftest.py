@@ -29,7 +29,9 @@ LONGEST_FIRST = ("test_quickstart", "test_ray", "test_context_parallel", "test_c
                  "test_observability", "test_sharding", "test_loss", "test_parity", "test_plan", "test_balance",
                  "test_optimizers", "test_hf", "test_hf_families", "test_dryrun_moe", "test_runtime", "test_lease",
                  "test_lora", "test_moe", "test_interrupts", "test_resolve", "test_plan_moe", "test_planner_grid",
-                 "test_hub", "test_deepspeed", "test_export", "test_resume")
+                 "test_hub", "test_deepspeed", "test_export", "test_resume", "test_plan_objectives", "test_plan_published",
+                 "test_published_models", "test_preference", "test_plan_zero_bubble", "test_plan_gemma4",
+                 "test_dryrun_cuda_attention", "test_plan_published_context")
 
 
 # What `make test` leaves to `make test-slow` (CI's `.ci/run` runs both, so nothing is tested by hand only): the
