@@ -143,12 +143,15 @@ def split_experts_evenly(mesh):
     whose expert count is not a multiple of the ranks leaves whole experts on the first ranks and none on the last
     (4 experts over 8 ranks: twice the even share on rank 0). Such a tensor (a 3-D stack, or any with fewer rows
     than ranks) is split along its second dimension instead where that divides evenly: every rank holds the same
-    share. Sizes are the local ones (under expert parallelism, this rank's experts), as FSDP splits them."""
+    share. Sizes are the local ones (under expert parallelism, this rank's experts), as FSDP splits them; a tensor
+    tensor parallelism already splits along its second dimension keeps FSDP's own split."""
     ranks = mesh.shape[-1]  # HSDP: the shard dimension
 
     def choose(param: nn.Parameter):
         local = param.to_local() if isinstance(param, DTensor) else param
-        uneven = local.dim() >= 2 and local.shape[0] % ranks and local.shape[1] % ranks == 0
+        placements = param.placements if isinstance(param, DTensor) else ()
+        split_already = any(isinstance(p, Shard) and p.dim == 1 for p in placements)
+        uneven = local.dim() >= 2 and local.shape[0] % ranks and local.shape[1] % ranks == 0 and not split_already
         if uneven and (local.dim() == 3 or local.shape[0] < ranks):
             return Shard(1)
         return None  # FSDP's own: the first dimension
