@@ -271,11 +271,12 @@ def stage_activation_bytes(shape: ModelShape, layout: Layout, pp_rank: int, fuse
         in_flight = max(1.0, first * (layout.pp - pp_rank) / layout.pp)
     layers_saved = stage_saved_bytes(shape, layout, pp_rank) + held.layers * extra if counts_layers(shape, layout) \
         else held.layers * layer.saved
-    if shape.moe is not None:  # MoE blocks beside any dense ones, routed as `routing_skew` says
+    if shape.moe is not None and not counts_layers(shape, layout):  # MoE blocks beside any dense ones, routed as
+        # `routing_skew` says (Gemma 4's MoE branch: among its layers' own tensors)
         from disttrain.plan.moe import stage_layers
         layers_saved, layer = stage_layers(shape, layout, pp_rank, layer, attention, ec, routing_skew, er)
     grad_share, freed = 1.0, 0.0
-    if shape.moe is None and layout.pp == 1:  # pipelines: their schedules' terms (in-flight micro-batches)
+    if (shape.moe is None or counts_layers(shape, layout)) and layout.pp == 1:  # pipelines: their schedules' terms (in-flight micro-batches)
         held_more, freed = (0.0, 0.0) if recounted else block_backward_bytes(shape, mb, s, layout)
         layer = replace(layer, transient=layer.transient + held_more)
         grad_share = shape.dim * shape.ffn_hidden_dim / layout.tp / layer_params(shape, layout.tp)

@@ -73,6 +73,9 @@ def layer_params(shape: ModelShape, layer: int, tp: int = 1, ep: int = 1) -> tup
     shared = moe.n_shared_experts * 3 * shape.dim * moe.moe_intermediate_size // tp
     router = shape.dim * moe.num_experts + (moe.num_experts if x is not None and x.router_bias else 0)
     gate = shape.dim if x is not None and x.shared_expert_gate else 0
+    if x is not None and x.dense_mlp_beside_experts:  # Gemma 4: the dense MLP split tp ways, three more norms and
+        # the router's scale (whole), its per-expert scales
+        gate += 3 * shape.dim * shape.ffn_hidden_dim // tp + 4 * shape.dim + moe.num_experts
     return attention + router + gate + shared + experts, experts
 
 
@@ -144,6 +147,40 @@ def received(layout: Layout, skew: float) -> float:
     return min(max(skew, 1.0), float(layout.ep))
 
 
+def routed_bytes(shape: ModelShape, layout: Layout, tokens: float, ec: int, er: int,
+                 skew: float = ROUTING_SKEW) -> float:
+    """What one layer's routing and routed experts keep for the backward, for `tokens` routed to k experts each
+    (`moe_layer_bytes` lists them)."""
+    moe = shape.moe
+    k, h, width, e = moe.num_experts_per_tok, shape.dim, moe.moe_intermediate_size, moe.num_experts
+    rows = tokens * k * received(layout, skew)
+    routing = (FP32 + INDEX) * tokens * e + (2 * INDEX + ec) * tokens * k + 4 * e / layout.ep  # + int32 offsets
+    return routing + ec * rows * (h + 4 * width) + (ec + er) * tokens * k * h
+
+
+def routed_kept_bytes(shape: ModelShape, layout: Layout, tokens: float, ec: int,
+                      skew: float = ROUTING_SKEW) -> float:
+    """Of `routed_bytes`, what selective checkpointing keeps: the router's logits, the grouped expert matmuls'
+    outputs and, across expert-parallel ranks, the all-to-alls' results (counts, rows received, rows combined)."""
+    moe = shape.moe
+    k, h, width, e = moe.num_experts_per_tok, shape.dim, moe.moe_intermediate_size, moe.num_experts
+    rows = tokens * k * received(layout, skew)
+    kept = ec * tokens * e + ec * rows * (2 * width + h)
+    if layout.ep > 1:
+        kept += INDEX * e + ec * (rows + tokens * k) * h
+    return kept
+
+
+def routed_buffer_bytes(shape: ModelShape, layout: Layout, tokens: float, ec: int, er: int,
+                        skew: float = ROUTING_SKEW) -> float:
+    """Transient while a routed layer runs: the all-to-all's send and receive buffers and, under autocast over
+    fp32 weights, an expert tensor's compute-dtype copy and its gradient cast to fp32."""
+    moe = shape.moe
+    k, h, width, e = moe.num_experts_per_tok, shape.dim, moe.moe_intermediate_size, moe.num_experts
+    buffers = ec * (tokens * k + tokens * k * received(layout, skew)) * h
+    return buffers + ((ec + FP32) * e // layout.ep * width * h if ec != er else 0.0)
+
+
 def moe_layer_bytes(shape: ModelShape, layout: Layout, attention, ec: int, skew: float = ROUTING_SKEW,
                     er: int | None = None):
     """One MoE block's activations: `attention`, the dense block's without its MLP (`activations.
@@ -180,26 +217,21 @@ def moe_layer_bytes(shape: ModelShape, layout: Layout, attention, ec: int, skew:
     k, h, width, e = moe.num_experts_per_tok, shape.dim, moe.moe_intermediate_size, moe.num_experts
     rows = tokens * k * received(layout, skew)
     sb, shared = micro_batch * seq_len / layout.cp, moe.n_shared_experts * width / t
-    routing = (FP32 + INDEX) * tokens * e + (2 * INDEX + ec) * tokens * k + 4 * e / layout.ep  # + int32 offsets
-    buffers = ec * (tokens * k + rows) * h
+    buffers = routed_buffer_bytes(shape, layout, tokens, ec, er, skew)
     casts = (2 * (moe.n_shared_experts > 0) - 1) * ec * sb * h if autocast else 0.0
-    full = routing + ec * rows * (h + 4 * width) + (ec + er) * tokens * k * h + 4 * ec * sb * shared + casts
+    full = routed_bytes(shape, layout, tokens, ec, er, skew) + 4 * ec * sb * shared + casts
     if shape.extras is not None and shape.extras.expert_bias:  # gpt-oss's clamped GLU: both halves clamped, the
         full += 3 * ec * rows * width  # scaled gate and its sigmoid, the shifted up: three more than SiLU x up
         # and its expert biases, given to every row (gate/up's and down's) beside the products they are added to,
         # all alive at the down projection's bias (the fullest moment of the layer's forward, or of its
         # recomputation: gpt-oss-120b at 131,072 tokens, full checkpointing, 8.4 GiB the dry run found)
         buffers += (1 if layout.activation_checkpointing == "selective" else 2) * ec * rows * (2 * width + h)
-    if autocast:
-        buffers += (ec + FP32) * e // layout.ep * width * h
     mode = layout.activation_checkpointing
     if mode == "full":
         return replace(base, transient=base.transient + full + buffers)
     if mode == "selective":  # the attention part counted two matmul outputs of dim: wo's and the MLP's w2
-        kept = ec * tokens * e + (2 * ec * sb * shared if shared else -ec * sb * h / (t if layout.sequence_parallel else 1))
-        kept += ec * rows * (2 * width + h)  # the grouped expert matmuls' outputs
-        if layout.ep > 1:  # the all-to-alls' results: counts, rows received, rows combined back
-            kept += INDEX * e + ec * (rows + tokens * k) * h
+        kept = routed_kept_bytes(shape, layout, tokens, ec, skew)
+        kept += 2 * ec * sb * shared if shared else -ec * sb * h / (t if layout.sequence_parallel else 1)
         return replace(base, saved=base.saved + kept, transient=base.transient + full - kept + buffers)
     return replace(base, saved=base.saved + full, transient=base.transient + buffers)
 

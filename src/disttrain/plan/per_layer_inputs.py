@@ -132,7 +132,28 @@ def layer_saved_bytes(shape: ModelShape, layer: int, micro_batch: int, seq_len: 
     saved += 4 * ec * tokens * f
     # per-layer input: the gate's output, its GELU's, the projection's input
     saved += 3 * ec * tokens * w
-    return saved
+    return saved + moe_branch_bytes(shape, layout, tokens)
+
+
+def has_moe_branch(shape: ModelShape) -> bool:
+    return shape.moe is not None and shape.extras is not None and shape.extras.dense_mlp_beside_experts
+
+
+def moe_branch_bytes(shape: ModelShape, layout: Layout, tokens: float) -> float:
+    """What Gemma 4's MoE branch (`enable_moe_block`, beside the dense MLP) keeps without checkpointing: three more
+    norms on the hidden size (after the MLP, before and after the experts); the router's norm without a scale, its
+    output (kept by the product with the router's scale) and the projection's input (that product scaled, or its
+    compute-dtype copy under autocast); the routing and routed experts as plan/moe.py counts them. Two of these
+    norms read the residual, an fp32 input they keep as it is where the residual is fp32 (counted with it)."""
+    if not has_moe_branch(shape):
+        return 0.0
+    from disttrain.plan.moe import routed_bytes  # plan/moe imports this module
+
+    ec, er = dtype_bytes(layout)
+    h = shape.dim
+    router = _norm(tokens, h, 1, False) + (er + ec) * tokens * h
+    shared_input = 2 * FP32 * tokens * h if er == FP32 else 0.0
+    return 3 * _norm(tokens, h, 1) + router - shared_input + routed_bytes(shape, layout, tokens, ec, er)
 
 
 def stage_once_bytes(shape: ModelShape, layout: Layout, stage: int, micro_batch: int, seq_len: int) -> float:

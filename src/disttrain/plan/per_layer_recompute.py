@@ -31,8 +31,8 @@ from __future__ import annotations
 from disttrain.layout.layout import DTYPE_BYTES, Layout
 from disttrain.models.shape import ModelShape
 from disttrain.plan.dtypes import autocast, dtype_bytes
-from disttrain.plan.per_layer_inputs import (FP32, _kinds, _norm, _stage_bounds, layer_saved_bytes, shares_kv,
-                                             stage_once_bytes)
+from disttrain.plan.per_layer_inputs import (FP32, _kinds, _norm, _stage_bounds, has_moe_branch, layer_saved_bytes,
+                                             moe_branch_bytes, shares_kv, stage_once_bytes)
 
 
 def _sizes(shape: ModelShape, layout: Layout, micro_batch: int, seq_len: int):
@@ -80,7 +80,17 @@ def kept_bytes(shape: ModelShape, layer: int, micro_batch: int, seq_len: int, la
         kept += ec * tokens * (q + (0 if shares_kv(shape, layer) else 2 * kv) + 3 * h + 2 * f + w)
         if not _ring(layout):  # SDPA's output and log-sum-exp (the ring's blocks: plan/context.py)
             kept += ec * tokens * q + FP32 * tokens * heads
+        kept += _branch_kept_bytes(shape, layout, tokens)
     return kept
+
+
+def _branch_kept_bytes(shape: ModelShape, layout: Layout, tokens: float) -> float:
+    """What selective checkpointing keeps of Gemma 4's MoE branch: the router's and the experts' matmul outputs."""
+    if not has_moe_branch(shape):
+        return 0.0
+    from disttrain.plan.moe import routed_kept_bytes  # plan/moe imports per_layer_inputs
+
+    return routed_kept_bytes(shape, layout, tokens, dtype_bytes(layout)[0])
 
 
 def _recomputed_bytes(shape: ModelShape, layer: int, micro_batch: int, seq_len: int, layout: Layout) -> float:
@@ -99,6 +109,7 @@ def _recomputed_bytes(shape: ModelShape, layer: int, micro_batch: int, seq_len: 
     if layout.activation_checkpointing == "selective":
         held -= ec * tokens * (2 * f + w) + (0.0 if _ring(layout) else ec * tokens * q + FP32 * tokens * heads)
         held -= ec * tokens * (q + (0 if shares_kv(shape, layer) else 2 * kv) + 3 * h)
+        held -= _branch_kept_bytes(shape, layout, tokens)
     return held
 
 
@@ -129,7 +140,8 @@ def after_attention_bytes(shape: ModelShape, layout: Layout, micro_batch: int, s
     tokens, *_, f = _sizes(shape, layout, micro_batch, seq_len)
     h, w = shape.dim, shape.extras.per_layer_input
     copies = 2 if autocast(layout) else 1
-    return 4 * _norm(tokens, h, 1) + ec * tokens * (h * (copies + 1) + 4 * f + 3 * w)
+    return 4 * _norm(tokens, h, 1) + ec * tokens * (h * (copies + 1) + 4 * f + 3 * w) + \
+        moe_branch_bytes(shape, layout, tokens)
 
 
 def finished_layer_bytes(shape: ModelShape, layout: Layout, accumulating: bool) -> float:
