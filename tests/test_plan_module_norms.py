@@ -1,4 +1,4 @@
-"""transformers' Llama-style RMSNorm modules, as the planner counts them (`ModelShape.module_norms`): Python ops that
+"""transformers' Llama-style RMSNorm modules, as the planner counts them (`ModelShape.norm_kind` "module"): Python ops that
 keep the input upcast to fp32 and the normalised tensor cast back to the input's dtype, where a fused kernel keeps
 its input alone; listed with saved-tensor hooks on transformers' own module (the dry run of a tiny DeepSeek-V3
 whose norms tip its peak: tests/test_plan_published.py's "latent attention" case)."""
@@ -32,8 +32,8 @@ def test_a_transformers_rms_norm_keeps_what_the_planner_counts(dtype):
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         norm(x)
     er = torch.finfo(dtype).bits // 8
-    assert sum(held.values()) == norm_bytes(er, tokens, hidden, 1, fused=True, module=True)
-    assert norm_bytes(er, tokens, hidden, 1, fused=True, module=True) - norm_bytes(er, tokens, hidden, 1, True) \
+    assert sum(held.values()) == norm_bytes(er, tokens, hidden, 1, fused=True, kind="module")
+    assert norm_bytes(er, tokens, hidden, 1, fused=True, kind="module") - norm_bytes(er, tokens, hidden, 1, True) \
         == 4 * tokens * hidden
 
 
@@ -45,12 +45,14 @@ def test_hugging_face_shapes_say_which_norms_they_run():
         return config_shape(config.to_dict(), "test")
 
     for kind in ("llama", "qwen2", "qwen3_moe", "mixtral"):
-        assert shape(tiny_config(kind)).module_norms, kind
+        assert shape(tiny_config(kind)).norm_kind == "module", kind
     for kind in ("deepseek_v3", "glm4_moe", "qwen3"):
-        assert shape(family_config(kind)).module_norms, kind
+        assert shape(family_config(kind)).norm_kind == "module", kind
     # GPT-2's LayerNorm (torch's kernel); the norms that multiply their weight in fp32: counted otherwise
-    assert not shape(tiny_config("gpt2")).module_norms
-    for kind in ("gpt_oss", "gemma3_text", "qwen3_next", "qwen3_5_text", "gemma4_text"):
-        assert not shape(family_config(kind)).module_norms, kind
-    assert not MODEL_SHAPES["7b"].module_norms  # the built-in models' fused norms
-    assert MODEL_SHAPES["deepseek-v3"].module_norms
+    assert shape(tiny_config("gpt2")).norm_kind == "fused"
+    assert shape(family_config("gpt_oss")).norm_kind == "fp32_product"
+    for kind in ("gemma3_text", "qwen3_next", "qwen3_5_text", "gemma4_text"):
+        assert shape(family_config(kind)).norm_kind == "fused", kind
+    assert MODEL_SHAPES["7b"].norm_kind == "fused"  # the built-in models' fused norms
+    assert MODEL_SHAPES["deepseek-v3"].norm_kind == "module"
+    assert MODEL_SHAPES["gpt-oss-120b"].norm_kind == "fp32_product"

@@ -89,7 +89,6 @@ class BlockExtras:
     attention_sinks: bool = False  # a learned logit per head (gpt-oss)
     attn_output_gate: bool = False  # the query projection also gives a per-head output gate (Qwen3-Next, 3.5)
     norms_per_block: int = 2  # Gemma 2/3: 4 (before and after attention and MLP)
-    fp32_norm_product: bool = False  # the RMSNorm's weight multiplies the fp32 normalised tensor (gpt-oss)
     sliding_window: int = 0  # the window of the layers that attend locally
     sliding_layers: int = 0  # how many layers do
     linear: LinearAttentionShape | None = None
@@ -131,9 +130,11 @@ class ModelShape:
     # Precomputed cos/sin buffers, as the built-in models hold (transformers' compute theirs per forward); the
     # planner's to count, not the model's identity (models/llama shape_fingerprint leaves it out).
     rotary_tables: bool = True
-    # transformers' Llama-style RMSNorm modules (Python ops: the input upcast to fp32 and the normalised tensor cast
-    # back, both kept for the backward) in place of a fused kernel; the planner's to count, like `rotary_tables`
-    module_norms: bool = False
+    # Which RMSNorm the model runs, for what its backward keeps (plan/norms.py); the planner's to count, like
+    # `rotary_tables`: "fused" (one kernel), "module" (transformers' Llama-style module: the input upcast to fp32 and
+    # the normalised tensor cast back, both kept) or "fp32_product" (the weight multiplied into the fp32 normalised
+    # tensor, which is kept: gpt-oss's)
+    norm_kind: str = "fused"
     extras: BlockExtras | None = None  # None: the Llama-style block (the built-in models)
 
     @property

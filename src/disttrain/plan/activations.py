@@ -67,7 +67,7 @@ def layer_activation_bytes(shape: ModelShape, micro_batch: int, seq_len: int, la
     h, f = shape.dim, shape.ffn_hidden_dim
     kv, q = shape.n_kv_heads * shape.head_dim, shape.n_heads * shape.head_dim  # q: h unless a head size is set
     copies = (3, 2) if autocast(layout) else (1, 1)
-    norms = 2 * norm_bytes(er, sb, h, r, fused_norm, shape.module_norms) + ec * sb * h * sum(copies)
+    norms = 2 * norm_bytes(er, sb, h, r, fused_norm, shape.norm_kind) + ec * sb * h * sum(copies)
     scores = eager_scores_bytes(shape, micro_batch, seq_len, layout)
     # Under autocast the probabilities' product with v keeps its own compute-dtype copy of them.
     kept_scores = scores * (1 + ec / er) if autocast(layout) else scores
@@ -297,7 +297,7 @@ def stage_activation_bytes(shape: ModelShape, layout: Layout, pp_rank: int, fuse
         # backward; GPipe runs every micro-batch's forward and loss first, so it holds all of them.
         output = last_stage_output_bytes(shape, layout) if layout.pp > 1 else 0.0
         losses = in_flight if layout.pp > 1 and layout.pp_schedule == "gpipe" else 1.0
-        final_norm = norm_bytes(er, mb * s, shape.dim, r, final_fused, shape.module_norms)
+        final_norm = norm_bytes(er, mb * s, shape.dim, r, final_fused, shape.norm_kind)
         saved += losses * (final_norm + head + logits + output)
     if layout.pp > 1 and layout.pp_schedule in ("interleaved_1f1b", "zero_bubble"):
         return _multi_stage(shape, layout, pp_rank, layer, logits, saved - held.layers * layer.saved * in_flight,
@@ -306,7 +306,7 @@ def stage_activation_bytes(shape: ModelShape, layout: Layout, pp_rank: int, fuse
         saved += stage_output_bytes(shape, layout, pp_rank) * in_flight
     loss_inputs = 0.0
     if held.output and layout.pp == 1:  # the final norm's and output layer's saved inputs, gone by any block's backward
-        loss_inputs = norm_bytes(er, mb * s, shape.dim, r, final_fused, shape.module_norms) + head
+        loss_inputs = norm_bytes(er, mb * s, shape.dim, r, final_fused, shape.norm_kind) + head
     return StageActivations(saved, max(layer.transient, 2 * logits, chunk), in_flight, logits, layer.transient,
                             layer_saved=layers_saved / held.layers if held.layers else 0.0, grad_share=grad_share,
                             block_freed=freed + loss_inputs, loss_inputs=loss_inputs, chunk=chunk)

@@ -66,8 +66,7 @@ def config_shape(c: dict, source: str) -> ModelShape:
             rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))),
             qkv_bias=c["model_type"] == "qwen2" or bool(c.get("qkv_bias", c.get("attention_bias", False))),
             head_size=int(c.get("head_dim") or 0) if int(c.get("head_dim") or 0) != dim // heads else 0,
-            moe=_moe(c, source), mla=mla, rotary_tables=False, extras=_extras(c),
-            module_norms="rms_norm_eps" in c and c["model_type"] not in FP32_PRODUCT_NORMS)
+            moe=_moe(c, source), mla=mla, rotary_tables=False, extras=_extras(c), norm_kind=_norm_kind(c))
     except KeyError as exc:
         raise UserError(f"{source}: config.json lacks {exc.args[0]} (a causal LM's config has "
                         "hidden_size, num_hidden_layers, num_attention_heads and vocab_size)") from None
@@ -115,9 +114,20 @@ def _mla(c: dict) -> MLAShape | None:
 
 
 # RMSNorms that multiply their weight into the fp32 normalised tensor (`1 + weight` ones, gpt-oss's, OLMo 2's), where
-# the Llama-style ones (`module_norms`) cast it back to the input's dtype first
+# the Llama-style ones cast it back to the input's dtype first
 FP32_PRODUCT_NORMS = ("gpt_oss", "gemma", "gemma2", "gemma3_text", "gemma4_text", "qwen3_next", "qwen3_5_text", "olmo2")
+# Of those, the ones counted as such (listed tensor by tensor: a tiny gpt-oss's peak, plan/norms.py); the others are
+# counted as a fused kernel until theirs are (Gemma 4's are, with its layers: plan/per_layer_inputs.py)
+COUNTED_FP32_PRODUCT_NORMS = ("gpt_oss",)
 QK_NORM_TYPES = ("qwen3", "qwen3_moe", "qwen3_next", "qwen3_5_text", "gemma3_text", "gemma4_text")  # per head_dim
+
+
+def _norm_kind(c: dict) -> str:
+    """`ModelShape.norm_kind` of a config.json: GPT-2's LayerNorm is torch's kernel (no `rms_norm_eps`)."""
+    kind = c["model_type"]
+    if kind in COUNTED_FP32_PRODUCT_NORMS:
+        return "fp32_product"
+    return "module" if "rms_norm_eps" in c and kind not in FP32_PRODUCT_NORMS else "fused"
 
 
 def _extras(c: dict) -> BlockExtras | None:
@@ -134,7 +144,7 @@ def _extras(c: dict) -> BlockExtras | None:
         qk_norm=kind in QK_NORM_TYPES or bool(c.get("use_qk_norm")),  # GLM-4-MoE's are optional
         o_bias=gpt_oss and bool(c.get("attention_bias", True)), attention_sinks=gpt_oss,
         attn_output_gate=kind in ("qwen3_next", "qwen3_5_text") and bool(c.get("attn_output_gate", True)),
-        norms_per_block=4 if kind in ("gemma2", "gemma3_text", "gemma4_text") else 2, fp32_norm_product=gpt_oss,
+        norms_per_block=4 if kind in ("gemma2", "gemma3_text", "gemma4_text") else 2,
         sliding_window=int(c.get("sliding_window") or 0) if "sliding_attention" in kinds else 0,
         sliding_layers=kinds.count("sliding_attention"), linear=linear, expert_bias=gpt_oss, router_bias=gpt_oss,
         shared_expert_gate=kind in ("qwen2_moe", "qwen3_next") and bool(c.get("shared_expert_intermediate_size")),

@@ -31,5 +31,5 @@ def llama_spec(shape: ModelShape):
 
 def shape_fingerprint(shape: ModelShape) -> str:
     # how to count, not what is trained; `extras` (the newer families' additions) never set for the built-in models
-    dims = {k: v for k, v in asdict(shape).items() if k not in ("rotary_tables", "module_norms", "extras")}
+    dims = {k: v for k, v in asdict(shape).items() if k not in ("rotary_tables", "norm_kind", "extras")}
     return hashlib.sha256(json.dumps(dims, sort_keys=True).encode()).hexdigest()[:16]
