@@ -42,12 +42,16 @@ def family_config(kind: str):
     their own rotary base, tied embeddings), Qwen3.5 (Gated DeltaNet without experts), GLM-4-MoE (query/key
     norms, a router, shared experts, a dense first layer) and Gemma 4 (per-layer input embeddings; its last two
     layers reuse the keys and values of the two before, one of each kind, which a two-stage pipeline passes on;
-    `gemma4_moe`: with its MoE branch too)."""
+    `gemma4_moe`: with its MoE branch too; `gemma4_global`: with full-attention layers of their own head size, one
+    key-value head and values that are their keys, as gemma-4-31B's)."""
     from transformers import AutoConfig
 
     # gemma4_moe: Gemma 4 with its MoE branch beside each layer's dense MLP (as gemma-4-26B-A4B)
     moe = dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32) \
         if kind == "gemma4_moe" else {}
+    # gemma4_global: transformers writes the full-attention layers' own shape into `per_layer_config`
+    moe |= dict(global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True) \
+        if kind == "gemma4_global" else {}
     kind = "gemma4_text" if moe else kind
     alternating = ["sliding_attention", "full_attention"] * 2
     local_global = ["sliding_attention"] * 3 + ["full_attention"]

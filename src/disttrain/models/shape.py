@@ -3,7 +3,7 @@ need to know about a model, in pure Python (no torch), whatever family it comes 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -100,6 +100,9 @@ class BlockExtras:
     kv_shared_layers: int = 0  # Gemma 4: layers reusing an earlier layer's keys and values (no k/v projections, k norm)
     dense_mlp_beside_experts: bool = False  # Gemma 4: an MoE layer keeps its dense MLP, 3 more norms, a router scale
     layer_types: tuple[str, ...] = ()  # Gemma 4: each layer's attention kind (which store and reuse keys and values)
+    global_head_dim: int = 0  # Gemma 4: the full-attention layers' head size (0: the model's)
+    global_kv_heads: int = 0  # ... their key-value heads (0: the model's)
+    global_values_from_keys: bool = False  # ... their values are their keys' projection (no value projection)
 
     def per_layer_params(self, dim: int, layers: int, include_embedding: bool) -> int:
         """Gemma 4's per-layer inputs: the table (an embedding), the projection of the hidden state onto every
@@ -145,23 +148,45 @@ class ModelShape:
     def linear_layers(self) -> int:
         return self.extras.linear.layers if self.extras and self.extras.linear else 0
 
-    def attention_params(self) -> int:
+    def is_global(self, layer: int | None) -> bool:
+        """Whether `layer` is one of Gemma 4's full-attention layers with their own attention shape."""
+        x = self.extras
+        return layer is not None and x is not None and bool(x.layer_types) and \
+            x.layer_types[layer] == "full_attention" and bool(x.global_head_dim or x.global_kv_heads or
+                                                              x.global_values_from_keys)
+
+    def at_layer(self, layer: int | None) -> ModelShape:
+        """The shape `layer`'s attention has: Gemma 4's full-attention layers take their own head size and key-value
+        heads (transformers' `per_layer_config`); every other layer the model's."""
+        if not self.is_global(layer):
+            return self
+        x = self.extras
+        return replace(self, head_size=x.global_head_dim or self.head_dim,
+                       n_kv_heads=x.global_kv_heads or self.n_kv_heads)
+
+    def key_value_projections(self, layer: int | None = None) -> int:
+        """2, or 1 where a layer's values are its keys' projection (Gemma 4's full-attention layers may be)."""
+        return 1 if self.is_global(layer) and self.extras.global_values_from_keys else 2
+
+    def attention_params(self, layer: int | None = None) -> int:
         """One full-attention block's attention projections (and their biases, norms, sinks; MLA: its latent
-        norms too)."""
+        norms too); `layer`'s where layers differ (Gemma 4's full-attention ones)."""
         if self.mla is not None:
             return self.mla.params(self.dim, self.n_heads)
+        s, kvs = self.at_layer(layer), self.key_value_projections(layer)
         x = self.extras or BlockExtras()
-        q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        q_dim, kv_dim = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim
         q_out = 2 * q_dim if x.attn_output_gate else q_dim
-        return (self.dim * (q_out + q_dim) + self.dim * kv_dim * 2 + (q_dim + 2 * kv_dim if self.qkv_bias else 0)
+        return (self.dim * (q_out + q_dim) + self.dim * kv_dim * kvs + (q_dim + kvs * kv_dim if self.qkv_bias else 0)
                 + (self.dim if x.o_bias else 0) + (self.n_heads if x.attention_sinks else 0)
-                + (2 * self.head_dim if x.qk_norm else 0))
+                + (2 * s.head_dim if x.qk_norm else 0))
 
-    def _key_value_params(self) -> int:
+    def _key_value_params(self, layer: int | None = None) -> int:
         """A full-attention layer's key and value projections (with biases) and key norm."""
-        kv_dim = self.n_kv_heads * self.head_dim
-        return 2 * self.dim * kv_dim + (2 * kv_dim if self.qkv_bias else 0) + \
-            (self.head_dim if self.extras.qk_norm else 0)
+        s, kvs = self.at_layer(layer), self.key_value_projections(layer)
+        kv_dim = s.n_kv_heads * s.head_dim
+        return kvs * self.dim * kv_dim + (kvs * kv_dim if self.qkv_bias else 0) + \
+            (s.head_dim if self.extras.qk_norm else 0)
 
     def _moe_extras(self, active: bool) -> int:
         """gpt-oss's expert and router biases, a shared-expert gate: one MoE layer's parameters beyond MoEShape's."""
@@ -179,7 +204,7 @@ class ModelShape:
         families `extras` describes. With `active`, an MoE model's count holds only the experts one token runs
         through (what its FLOPs per token follow)."""
         linear = self.extras.linear if self.extras and self.extras.linear else None
-        mixers = (self.n_layers - self.linear_layers) * self.attention_params() + \
+        mixers = sum(self.attention_params(i) for i in range(self.n_layers - self.linear_layers)) + \
             (linear.params(self.dim) * linear.layers if linear else 0)
         dense_mlp = 3 * self.dim * self.ffn_hidden_dim
         mlps = sum(self.moe.layer_params(self.dim, active) + self._moe_extras(active)
@@ -190,6 +215,7 @@ class ModelShape:
         total = mixers + self.n_layers * norms + mlps + self.dim + output
         if self.extras:
             total += self.extras.per_layer_params(self.dim, self.n_layers, include_embedding)
-            total -= self.extras.kv_shared_layers * self._key_value_params()
+            total -= sum(self._key_value_params(i) for i in range(self.n_layers - self.extras.kv_shared_layers,
+                                                                 self.n_layers))
         return total + (embedding if include_embedding else 0)
 

@@ -276,7 +276,8 @@ def stage_activation_bytes(shape: ModelShape, layout: Layout, pp_rank: int, fuse
         from disttrain.plan.moe import stage_layers
         layers_saved, layer = stage_layers(shape, layout, pp_rank, layer, attention, ec, routing_skew, er)
     grad_share, freed = 1.0, 0.0
-    if (shape.moe is None or counts_layers(shape, layout)) and layout.pp == 1:  # pipelines: their schedules' terms (in-flight micro-batches)
+    # a pipeline's blocks: its schedule's terms (in-flight micro-batches)
+    if (shape.moe is None or counts_layers(shape, layout)) and layout.pp == 1:
         held_more, freed = (0.0, 0.0) if recounted else block_backward_bytes(shape, mb, s, layout)
         layer = replace(layer, transient=layer.transient + held_more)
         grad_share = shape.dim * shape.ffn_hidden_dim / layout.tp / layer_params(shape, layout.tp)

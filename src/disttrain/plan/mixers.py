@@ -77,16 +77,17 @@ def gated_attention_bytes(shape: ModelShape, micro_batch: int, seq_len: int, tp:
     return 2 * ec * micro_batch * seq_len * shape.n_heads * shape.head_dim / tp
 
 
-def mixer_params(shape: ModelShape, tp: int = 1) -> int:
+def mixer_params(shape: ModelShape, tp: int = 1, layer: int | None = None) -> int:
     """One layer's attention (or linear-attention) parameters on one tensor-parallel rank, averaged over the layer
-    kinds: heads split tp ways, but what the runtime keeps whole on every rank (DeepSeek's latent projections and
-    their norms; Gated DeltaNet's causal convolution and gated norm, docs/models.md)."""
+    kinds (`layer`'s where its attention has its own shape: Gemma 4's full-attention layers): heads split tp ways,
+    but what the runtime keeps whole on every rank (DeepSeek's latent projections and their norms; Gated DeltaNet's
+    causal convolution and gated norm, docs/models.md)."""
     if shape.mla is not None:
         mla = shape.mla
         whole = (shape.dim * (mla.q_lora_rank + mla.kv_lora_rank + mla.qk_rope_head_dim) + mla.q_lora_rank
                  + mla.kv_lora_rank)
         return (shape.attention_params() - whole) // tp + whole
-    attention = shape.attention_params() // tp
+    attention = shape.attention_params(layer) // tp
     lin = shape.extras.linear if shape.extras is not None else None
     if lin is None:
         return attention

@@ -20,10 +20,10 @@ from disttrain.models.shape import ModelShape
 from disttrain.layout.splits import split_layers
 from disttrain.plan.mixers import mixer_params
 from disttrain.plan.per_layer_inputs import layer_params_change
+from disttrain.plan.routed import (FP32, INDEX, ROUTING_SKEW, received, routed_buffer_bytes, routed_bytes,
+                                   routed_kept_bytes)
 
-FP32, INDEX = 4, 8
 ALL_TO_ALLS_PER_LAYER = 4  # dispatch and combine in forward, their gradients in backward
-ROUTING_SKEW = 1.0  # balanced
 
 
 def expert_layout(layout: Layout) -> Layout:
@@ -65,7 +65,7 @@ def layer_params(shape: ModelShape, layer: int, tp: int = 1, ep: int = 1) -> tup
     the router whole, the shared experts split like a dense MLP, the routed experts num_experts / ep, whole."""
     x = shape.extras
     norms = (x.norms_per_block if x is not None else 2) * shape.dim  # replicated over tp
-    attention = mixer_params(shape, tp) + norms + layer_params_change(shape, layer, tp)  # Gemma 4's per-layer input
+    attention = mixer_params(shape, tp, layer) + norms + layer_params_change(shape, layer, tp)  # Gemma 4's own
     moe = shape.moe
     if moe is None or not moe.is_moe_layer(layer):
         return attention + 3 * shape.dim * shape.ffn_hidden_dim // tp, 0
@@ -140,45 +140,6 @@ def model_states(model_state_bytes, held, layout: Layout, accounting: str, large
 
 
 # ---------------------------------------------------------------- activations
-
-
-def received(layout: Layout, skew: float) -> float:
-    """Rows the busiest expert-parallel rank receives per routed row it sends: 1 when balanced, at most ep."""
-    return min(max(skew, 1.0), float(layout.ep))
-
-
-def routed_bytes(shape: ModelShape, layout: Layout, tokens: float, ec: int, er: int,
-                 skew: float = ROUTING_SKEW) -> float:
-    """What one layer's routing and routed experts keep for the backward, for `tokens` routed to k experts each
-    (`moe_layer_bytes` lists them)."""
-    moe = shape.moe
-    k, h, width, e = moe.num_experts_per_tok, shape.dim, moe.moe_intermediate_size, moe.num_experts
-    rows = tokens * k * received(layout, skew)
-    routing = (FP32 + INDEX) * tokens * e + (2 * INDEX + ec) * tokens * k + 4 * e / layout.ep  # + int32 offsets
-    return routing + ec * rows * (h + 4 * width) + (ec + er) * tokens * k * h
-
-
-def routed_kept_bytes(shape: ModelShape, layout: Layout, tokens: float, ec: int,
-                      skew: float = ROUTING_SKEW) -> float:
-    """Of `routed_bytes`, what selective checkpointing keeps: the router's logits, the grouped expert matmuls'
-    outputs and, across expert-parallel ranks, the all-to-alls' results (counts, rows received, rows combined)."""
-    moe = shape.moe
-    k, h, width, e = moe.num_experts_per_tok, shape.dim, moe.moe_intermediate_size, moe.num_experts
-    rows = tokens * k * received(layout, skew)
-    kept = ec * tokens * e + ec * rows * (2 * width + h)
-    if layout.ep > 1:
-        kept += INDEX * e + ec * (rows + tokens * k) * h
-    return kept
-
-
-def routed_buffer_bytes(shape: ModelShape, layout: Layout, tokens: float, ec: int, er: int,
-                        skew: float = ROUTING_SKEW) -> float:
-    """Transient while a routed layer runs: the all-to-all's send and receive buffers and, under autocast over
-    fp32 weights, an expert tensor's compute-dtype copy and its gradient cast to fp32."""
-    moe = shape.moe
-    k, h, width, e = moe.num_experts_per_tok, shape.dim, moe.moe_intermediate_size, moe.num_experts
-    buffers = ec * (tokens * k + tokens * k * received(layout, skew)) * h
-    return buffers + ((ec + FP32) * e // layout.ep * width * h if ec != er else 0.0)
 
 
 def moe_layer_bytes(shape: ModelShape, layout: Layout, attention, ec: int, skew: float = ROUTING_SKEW,

@@ -18,6 +18,7 @@ from disttrain.layout.layout import Layout
 from disttrain.layout.splits import split_layers
 from disttrain.models.shape import ModelShape
 from disttrain.plan.dtypes import autocast, dtype_bytes
+from disttrain.plan.routed import routed_bytes
 
 FP32 = 4
 
@@ -59,8 +60,10 @@ def layer_params_change(shape: ModelShape, layer: int, tp: int = 1) -> int:
         return 0
     extra = 2 * shape.dim * x.per_layer_input + shape.dim if x.per_layer_input else 0
     if shares_kv(shape, layer):
-        kv = shape.n_kv_heads * shape.head_dim
-        extra -= 2 * shape.dim * kv // tp + (2 * kv // tp if shape.qkv_bias else 0) + (shape.head_dim if x.qk_norm else 0)
+        s, kvs = shape.at_layer(layer), shape.key_value_projections(layer)
+        kv = s.n_kv_heads * s.head_dim
+        extra -= kvs * shape.dim * kv // tp + (kvs * kv // tp if shape.qkv_bias else 0) + \
+            (s.head_dim if x.qk_norm else 0)
     return extra
 
 
@@ -88,7 +91,8 @@ def carried_bytes(shape: ModelShape, layout: Layout, stage: int) -> float:
             store = max((i for i in range(first_shared) if kinds[i] == kind), default=None)
             reuse = max((i for i in range(first_shared, shape.n_layers) if kinds[i] == kind), default=-1)
             if store is not None and store < end <= reuse:
-                elements += 2 * shape.n_kv_heads // layout.tp * shape.head_dim
+                s = shape.at_layer(store)
+                elements += 2 * s.n_kv_heads // layout.tp * s.head_dim
     return er * tokens * elements
 
 
@@ -104,7 +108,9 @@ def layer_saved_bytes(shape: ModelShape, layer: int, micro_batch: int, seq_len: 
     residual); SDPA keeps q, k, v, its output and the log-sum-exp, and on a sliding-window layer its own copy of the
     mask in the compute dtype with k and v repeated to every query head (an explicit mask, no grouped kernel); under
     context parallelism the ring keeps q, k, v, its output and log-sum-exp on every layer (no mask, k and v as they
-    are)."""
+    are). A full-attention layer's own head size and key-value heads (Gemma 4's `per_layer_config`) are its."""
+    projections = shape.key_value_projections(layer)
+    shape = shape.at_layer(layer)
     ec, er = dtype_bytes(layout)
     t, tokens = layout.tp, micro_batch * seq_len
     r = t if layout.sequence_parallel else 1
@@ -116,7 +122,7 @@ def layer_saved_bytes(shape: ModelShape, layer: int, micro_batch: int, seq_len: 
     sliding = _kinds(shape)[layer] == "sliding_attention" and layout.cp == 1
     # five norms on the hidden size (the layer's input is the first one's); the projections' inputs
     saved = 5 * _norm(tokens / r, h, 1)
-    inputs = (1 if shared else 3) if cast else 1  # q (k, v) from the input norm
+    inputs = (1 if shared else 1 + projections) if cast else 1  # q (k, v) from the input norm
     inputs += 2 if cast else 1  # gate and up from the norm before the MLP
     saved += ec * tokens * h * (inputs + 1)  # + the per-layer gate's input
     # per-head norms: queries; keys and values (no scale) where the layer makes its own
@@ -147,8 +153,6 @@ def moe_branch_bytes(shape: ModelShape, layout: Layout, tokens: float) -> float:
     norms read the residual, an fp32 input they keep as it is where the residual is fp32 (counted with it)."""
     if not has_moe_branch(shape):
         return 0.0
-    from disttrain.plan.moe import routed_bytes  # plan/moe imports this module
-
     ec, er = dtype_bytes(layout)
     h = shape.dim
     router = _norm(tokens, h, 1, False) + (er + ec) * tokens * h
@@ -164,8 +168,9 @@ def stage_once_bytes(shape: ModelShape, layout: Layout, stage: int, micro_batch:
     ec, er = dtype_bytes(layout)
     tokens, w = micro_batch * seq_len, shape.extras.per_layer_input
     start, end = _stage_bounds(shape, layout, stage)
-    kinds = set(_kinds(shape)[start:end])
-    once = er * tokens * (shape.n_layers - start) * w + len(kinds) * 2 * er * seq_len * shape.head_dim
+    head_dims = {_kinds(shape)[i]: shape.at_layer(i).head_dim for i in range(start, end)}  # each kind's tables
+    kinds = set(head_dims)
+    once = er * tokens * (shape.n_layers - start) * w + 2 * er * seq_len * sum(head_dims.values())
     if "sliding_attention" in kinds and layout.cp == 1:
         once += micro_batch * seq_len * seq_len
     if stage == 0:

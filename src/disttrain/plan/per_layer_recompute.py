@@ -31,6 +31,7 @@ from __future__ import annotations
 from disttrain.layout.layout import DTYPE_BYTES, Layout
 from disttrain.models.shape import ModelShape
 from disttrain.plan.dtypes import autocast, dtype_bytes
+from disttrain.plan.routed import routed_kept_bytes
 from disttrain.plan.per_layer_inputs import (FP32, _kinds, _norm, _stage_bounds, has_moe_branch, layer_saved_bytes,
                                              moe_branch_bytes, shares_kv, stage_once_bytes)
 
@@ -71,6 +72,7 @@ def kept_bytes(shape: ModelShape, layer: int, micro_batch: int, seq_len: int, la
     mode = layout.activation_checkpointing
     if mode == "none":
         return layer_saved_bytes(shape, layer, micro_batch, seq_len, layout)
+    shape = shape.at_layer(layer)  # a full-attention layer's own head size and key-value heads
     ec, er = dtype_bytes(layout)
     tokens, heads, _, q, kv, f = _sizes(shape, layout, micro_batch, seq_len)
     h, w = shape.dim, shape.extras.per_layer_input
@@ -88,8 +90,6 @@ def _branch_kept_bytes(shape: ModelShape, layout: Layout, tokens: float) -> floa
     """What selective checkpointing keeps of Gemma 4's MoE branch: the router's and the experts' matmul outputs."""
     if not has_moe_branch(shape):
         return 0.0
-    from disttrain.plan.moe import routed_kept_bytes  # plan/moe imports per_layer_inputs
-
     return routed_kept_bytes(shape, layout, tokens, dtype_bytes(layout)[0])
 
 
@@ -103,6 +103,7 @@ def _recomputed_bytes(shape: ModelShape, layer: int, micro_batch: int, seq_len: 
     tokens, heads, _, q, kv, f = _sizes(shape, layout, micro_batch, seq_len)
     h, w = shape.dim, shape.extras.per_layer_input
     held = layer_saved_bytes(shape, layer, micro_batch, seq_len, layout)
+    shape = shape.at_layer(layer)
     held -= FP32 * tokens * h if er == FP32 else 0.0
     if layer in reuses(shape) and not _sliding_mask(shape, layer, layout):
         held -= 2 * ec * tokens * kv
@@ -113,12 +114,13 @@ def _recomputed_bytes(shape: ModelShape, layer: int, micro_batch: int, seq_len: 
     return held
 
 
-def _stored_graph_bytes(shape: ModelShape, micro_batch: int, seq_len: int, layout: Layout) -> float:
+def _stored_graph_bytes(shape: ModelShape, layer: int, micro_batch: int, seq_len: int, layout: Layout) -> float:
     """A storing layer's recomputed keys and values with what their graph keeps: the input norm (and its output,
     one cast copy per projection under autocast), the key norm, the value norm (no scale), keys and values."""
     ec, _ = dtype_bytes(layout)
+    copies = shape.key_value_projections(layer) if autocast(layout) else 1
+    shape = shape.at_layer(layer)
     tokens, _, kv_heads, _, kv, _ = _sizes(shape, layout, micro_batch, seq_len)
-    copies = 2 if autocast(layout) else 1
     return (_norm(tokens, shape.dim, 1) + ec * tokens * shape.dim * copies + _norm(tokens, kv, kv_heads)
             + _norm(tokens, kv, kv_heads, False) + 2 * ec * tokens * kv)
 
@@ -166,16 +168,17 @@ def stage_transient_bytes(shape: ModelShape, layout: Layout, stage: int, micro_b
     whose backward is done, and what each of them released of the model states (`finished`). The layers before a
     storing one hold the most activations, the last layer (the first backward) the most model states."""
     ec, er = dtype_bytes(layout)
-    tokens, _, _, _, kv, _ = _sizes(shape, layout, micro_batch, seq_len)
+    tokens = micro_batch * seq_len
     start, end = _stage_bounds(shape, layout, stage)
     stores = reuses(shape)
     ple = er * tokens * (shape.n_layers - start) * shape.extras.per_layer_input
     extra = _backward_bytes(shape, micro_batch, seq_len, layout)
-    graph = _stored_graph_bytes(shape, micro_batch, seq_len, layout)
+    graph = {s: _stored_graph_bytes(shape, s, micro_batch, seq_len, layout) for s in stores}
+    kv = {s: _sizes(shape.at_layer(s), layout, micro_batch, seq_len)[4] for s in stores}  # each store's keys' width
     worst, later = 0.0, 0.0
     for i in reversed(range(start, end)):
-        pending = sum(2 * ec * tokens * kv for s, last in stores.items() if s <= i < last)
-        left = graph * sum(1 for s in stores if i < s < end)
+        pending = sum(2 * ec * tokens * kv[s] for s, last in stores.items() if s <= i < last)
+        left = sum(graph[s] for s in stores if i < s < end)
         held = _recomputed_bytes(shape, i, micro_batch, seq_len, layout) + extra + ple + pending + left - later
         worst = max(worst, held)
         later += kept_bytes(shape, i, micro_batch, seq_len, layout) + finished

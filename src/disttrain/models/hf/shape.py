@@ -130,6 +130,20 @@ def _norm_kind(c: dict) -> str:
     return "module" if "rms_norm_eps" in c and kind not in FP32_PRODUCT_NORMS else "fused"
 
 
+def _global_attention(c: dict, kinds: list[str]) -> dict:
+    """Gemma 4's full-attention layers' own head size and key-value heads, from transformers' `per_layer_config`
+    (layer index -> what differs from the model's), and whether their values are their keys (`attention_k_eq_v`)."""
+    if c["model_type"] != "gemma4_text":
+        return {}
+    overrides = [v for k, v in (c.get("per_layer_config") or {}).items()
+                 if str(k).isdigit() and int(k) < len(kinds) and kinds[int(k)] == "full_attention"]
+    first = overrides[0] if overrides else {}
+    head_dim, heads = int(first.get("head_dim") or 0), int(first.get("num_key_value_heads") or 0)
+    return dict(global_head_dim=head_dim if head_dim != int(c.get("head_dim") or 0) else 0,
+                global_kv_heads=heads if heads != int(c.get("num_key_value_heads") or 0) else 0,
+                global_values_from_keys=bool(c.get("attention_k_eq_v")))
+
+
 def _extras(c: dict) -> BlockExtras | None:
     """What the newer families add to the Llama-style block (None: nothing)."""
     kind, kinds = c["model_type"], list(c.get("layer_types") or [])
@@ -152,5 +166,5 @@ def _extras(c: dict) -> BlockExtras | None:
         per_layer_vocab=int(c.get("vocab_size_per_layer_input") or 0),
         kv_shared_layers=int(c.get("num_kv_shared_layers") or 0),
         dense_mlp_beside_experts=kind == "gemma4_text" and bool(c.get("enable_moe_block")),
-        layer_types=tuple(kinds) if kind == "gemma4_text" else ())
+        layer_types=tuple(kinds) if kind == "gemma4_text" else (), **_global_attention(c, kinds))
     return None if extras == BlockExtras() else extras
