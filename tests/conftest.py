@@ -86,6 +86,7 @@ SLOW_TIER = {
                          "test_gemma4_moe_branch_follows_the_dry_run[cp2",
                          # the full-attention layers' own shape: without checkpointing stays
                          "test_gemma4_full_attention_layers_follow_the_dry_run[zero2 "),
+    "test_plan_eager_pipeline": ("test_",),  # a tiny gpt-oss in interleaved stages (~12 CPU-s)
     "test_dryrun_cuda_attention": ("test_latent_attention_with_narrow_values_follows_the_planner[full",),
     # the published models' searches (30 s each; their layer terms stay in test_plan_published)
     "test_published_models": ("test_plan_proposes_a_layout_the_model_takes",),

@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from disttrain.layout.layout import DTYPE_BYTES, Layout
 from disttrain.models.shape import ModelShape
 from disttrain.plan.dtypes import FP32, autocast, dtype_bytes  # noqa: F401 (re-exported)
+from disttrain.plan.eager_scores import eager_held_scores, eager_mask_bytes, eager_scores_bytes  # noqa: F401
 from disttrain.plan.korthikanti import korthikanti_in_flight_factor
 from disttrain.plan.mixer_backward import mixer_backward_bytes
 from disttrain.plan.mixers import mixer_bytes
@@ -96,31 +97,6 @@ def layer_activation_bytes(shape: ModelShape, micro_batch: int, seq_len: int, la
         kept += product - kept_scores
         return LayerActivations(saved=kept, transient=max(full - kept - (kept_scores - product), 0.0) + backward)
     return LayerActivations(saved=full, transient=backward)
-
-
-def eager_held_scores(mode: str) -> int:
-    """Score-sized tensors eager attention holds beside the saved ones at its fullest moment: its forward keeps three
-    at once (the scaled product plus the mask, its concatenation with the sink column, the shifted logits), and its
-    backward as many (the probabilities' gradient padded by the sink column, the row maximum's scattered gradient,
-    softmax's input gradient, the layer's own probabilities freed by then). Without checkpointing the layer's own
-    probabilities, among the saved ones, do not exist yet at that moment (two beyond the saved); selective
-    checkpointing keeps the q·kᵀ product through it (three); full recomputes the probabilities, counted with the
-    layer's recomputed tensors (two more). Listed op by op on real tensors, and checked by the dry run on a tiny
-    gpt-oss whose scores dominate (tests/test_plan_published.py): four had put gpt-oss-20b's plan (pp=16,
-    selective) 5.2% over its dry run."""
-    return 3 if mode == "selective" else 2
-
-
-def eager_scores_bytes(shape: ModelShape, micro_batch: int, seq_len: int, layout: Layout) -> float:
-    """The attention probabilities transformers' eager attention keeps for its backward (micro_batch x heads x
-    s x s in the residual dtype; a sink adds a column): the kernel a model with attention sinks runs (gpt-oss: sdpa
-    cannot take them, models/hf/kernels.py), a sliding window masking the scores, not shrinking them. 0 for the
-    flash-style kernels, which keep none, and under context parallelism, whose kernels (parallel/ring_attention.py,
-    sink_attention.py, gathered_attention.py) take the sinks through the log-sum-exp and keep no probabilities."""
-    if shape.extras is None or not shape.extras.attention_sinks or layout.cp > 1:
-        return 0.0
-    _, er = dtype_bytes(layout)  # under autocast the fp32 mask makes the scores fp32 from the product on
-    return er * micro_batch * (shape.n_heads // layout.tp) * seq_len * (seq_len + 1)
 
 
 def mlp_backward_bytes(shape: ModelShape, micro_batch: int, seq_len: int, layout: Layout) -> float:
@@ -273,8 +249,11 @@ def stage_activation_bytes(shape: ModelShape, layout: Layout, pp_rank: int, fuse
         else held.layers * layer.saved
     if shape.moe is not None and not counts_layers(shape, layout):  # MoE blocks beside any dense ones, routed as
         # `routing_skew` says (Gemma 4's MoE branch: among its layers' own tensors)
-        from disttrain.plan.moe import stage_layers
+        from disttrain.plan.moe import experts_before_attention, stage_layers
         layers_saved, layer = stage_layers(shape, layout, pp_rank, layer, attention, ec, routing_skew, er)
+        layer, experts_reduced = experts_before_attention(shape, layout, layer, attention, mb, s)
+    else:
+        experts_reduced = False
     grad_share, freed = 1.0, 0.0
     # a pipeline's blocks: its schedule's terms (in-flight micro-batches)
     if (shape.moe is None or counts_layers(shape, layout)) and layout.pp == 1:
@@ -283,7 +262,7 @@ def stage_activation_bytes(shape: ModelShape, layout: Layout, pp_rank: int, fuse
         grad_share = shape.dim * shape.ffn_hidden_dim / layout.tp / layer_params(shape, layout.tp)
     if ring or ring_forward:
         layer = _ring_backward(layer, attention, ring, ring_forward, layout.activation_checkpointing == "none")
-    saved = layers_saved * in_flight
+    saved = (layers_saved + (eager_mask_bytes(shape, mb, s, layout) if held.layers else 0.0)) * in_flight
     logits = chunk = head = 0.0
     if held.embedding:
         saved += TOKEN_ID * mb * s * in_flight
@@ -302,7 +281,7 @@ def stage_activation_bytes(shape: ModelShape, layout: Layout, pp_rank: int, fuse
         saved += losses * (final_norm + head + logits + output)
     if layout.pp > 1 and layout.pp_schedule in ("interleaved_1f1b", "zero_bubble"):
         return _multi_stage(shape, layout, pp_rank, layer, logits, saved - held.layers * layer.saved * in_flight,
-                            accumulated_grads, last=held.output, chunk=chunk)
+                            accumulated_grads, last=held.output, chunk=chunk, experts_reduced=experts_reduced)
     if layout.pp > 1 and not held.output:  # the schedule keeps each in-flight micro-batch's stage output
         saved += stage_output_bytes(shape, layout, pp_rank) * in_flight
     loss_inputs = 0.0
@@ -353,7 +332,7 @@ def _ring_backward(layer: LayerActivations, attention: LayerActivations, ring: f
 
 def _multi_stage(shape: ModelShape, layout: Layout, pp_rank: int, layer: LayerActivations, logits: float,
                  loss_and_ids: float, accumulated_grads: float = 0.0, last: bool = False,
-                 chunk: float = 0.0) -> StageActivations:
+                 chunk: float = 0.0, experts_reduced: bool = False) -> StageActivations:
     """A rank holding several stages: each local stage's micro-batches are held from their forward to their
     backward, in torch's order for the schedule. Zero-bubble (no checkpointing: the layout rules refuse it
     with checkpointing) holds them to the weight pass, and the ones past their input-gradient pass hold those
@@ -361,8 +340,9 @@ def _multi_stage(shape: ModelShape, layout: Layout, pp_rank: int, layer: LayerAc
     mb, s, v = layout.micro_batch, layout.seq_len, layout.stages_per_rank
     counts = stage_layers(shape, layout)[pp_rank]
     owned = layout.owned_stages(pp_rank)
+    mask = eager_mask_bytes(shape, mb, s // layout.cp, layout)
     kept = [n * layer.saved + (0.0 if last and i == len(counts) - 1 else stage_output_bytes(shape, layout, owned[i]))
-            for i, n in enumerate(counts)]
+            + mask * (n > 0) for i, n in enumerate(counts)]
     pending = [0.0] * len(counts)
     whole = {i for i, stage in enumerate(owned) if stage == 0 and layout.pp_schedule == "zero_bubble"}
     if layout.pp_schedule == "zero_bubble":  # the first stage's input-gradient pass keeps nothing (whole: its W)
@@ -381,8 +361,12 @@ def _multi_stage(shape: ModelShape, layout: Layout, pp_rank: int, layer: LayerAc
     gathered = None
     if layout.zero_stage >= 3 and layout.reshard_after_forward:
         gathered = [DTYPE_BYTES[layout.param_dtype] * n for n in params]
-    fresh = [DTYPE_BYTES[layout.param_dtype] * layer_params(shape, layout.tp, layout.ep) * (n > 0) for n in counts] \
-        if accumulated_grads else None
+    unit = layer_params(shape, layout.tp, layout.ep)  # `experts_reduced`: by the fullest moment, the experts' own
+    # FSDP unit has reduced the fresh gradients of its experts (plan/moe.py experts_before_attention)
+    if experts_reduced:
+        from disttrain.plan.moe import layer_params as moe_layer_params
+        unit -= moe_layer_params(shape, shape.n_layers - 1, layout.tp, layout.ep)[1]
+    fresh = [DTYPE_BYTES[layout.param_dtype] * unit * (n > 0) for n in counts] if accumulated_grads else None
     loose = None
     pb, rb = DTYPE_BYTES[layout.param_dtype], DTYPE_BYTES[layout.reduce_dtype]
     if layout.pp_schedule == "zero_bubble" and accumulated_grads and pb != rb:

@@ -18,6 +18,7 @@ from dataclasses import fields, replace
 from disttrain.layout.layout import DTYPE_BYTES, Layout
 from disttrain.models.shape import ModelShape
 from disttrain.layout.splits import split_layers
+from disttrain.plan.eager_scores import eager_held_scores, eager_scores_bytes
 from disttrain.plan.mixers import mixer_params
 from disttrain.plan.per_layer_inputs import layer_params_change
 from disttrain.plan.routed import (FP32, INDEX, ROUTING_SKEW, received, routed_buffer_bytes, routed_bytes,
@@ -195,6 +196,21 @@ def moe_layer_bytes(shape: ModelShape, layout: Layout, attention, ec: int, skew:
         kept += 2 * ec * sb * shared if shared else -ec * sb * h / (t if layout.sequence_parallel else 1)
         return replace(base, saved=base.saved + kept, transient=base.transient + full - kept + buffers)
     return replace(base, saved=base.saved + full, transient=base.transient + buffers)
+
+
+def experts_before_attention(shape: ModelShape, layout: Layout, layer, attention, micro_batch: int, seq_len: int):
+    """(`layer` as its backward's fullest moment holds it, whether that moment is the attention's). A block's backward
+    runs its experts' first (they come after the attention) and frees their tensors before the attention's: where
+    eager attention's backward holds its score-sized tensors (plan/eager_scores.py), the block holds the fuller of
+    the two, not both; and by the attention's, the experts' own FSDP unit has reduced their fresh gradients. On
+    gpt-oss-120b's last pipeline rank (interleaved, full checkpointing, 4,096 tokens) the dry run's fullest backward
+    is the last layer's attention: three score-sized temporaries, no expert tensor (the plan had been 5.9% over it
+    with both). `attention`: the layer without its MLP (plan/activations.py)."""
+    held = eager_held_scores(layout.activation_checkpointing) * eager_scores_bytes(shape, micro_batch, seq_len, layout)
+    experts = layer.transient - attention.transient
+    if not held:
+        return layer, False
+    return replace(layer, transient=attention.transient + max(0.0, experts - held)), held >= experts
 
 
 def stage_layers(shape: ModelShape, layout: Layout, pp_rank: int, dense, attention, ec: int,
