@@ -120,3 +120,13 @@ def test_gemma4_full_attention_layers_follow_the_dry_run(name, gemma4_global):
     rank = _dry_run_rank0(gemma4_global, GLOBAL_CASES[name])
     assert abs(rank["error"]["peak_bytes"]) <= 0.05, (name, rank["error"], rank["bytes"], rank["planner"])
     assert abs(rank["error"]["parameters"]) <= 0.005, (name, rank["bytes"], rank["planner"])
+
+
+def test_tensor_parallelism_must_divide_the_full_attention_layers_key_value_heads(gemma4_global):
+    from disttrain.config.load import load_config
+    from disttrain.config.resolve import resolve_run
+    from disttrain.core.errors import UserError
+
+    cfg = load_config(None, [f"model.hf={gemma4_global}", "data.seq_len=256", "parallel.tp=2"])
+    with pytest.raises(UserError, match="num_global_key_value_heads=1"):
+        resolve_run(cfg, 2, "cuda")

@@ -30,6 +30,11 @@ def split_problems(shape: ModelShape | None, tp: int, pp: int, stages_per_rank: 
                                         ("model.ffn_hidden_dim", shape.ffn_hidden_dim),
                                         ("model.vocab_size", shape.vocab_size)) if value % tp]
         linear = shape.extras.linear if shape.extras is not None else None
+        global_kv = shape.extras.global_kv_heads if shape.extras is not None else 0  # Gemma 4's full-attention layers
+        if global_kv % tp:
+            problems.append(Problem("parallel.tp", tp, f"a divisor of num_global_key_value_heads={global_kv}",
+                                    f"parallel.tp={tp} does not divide the full-attention layers' key-value heads "
+                                    f"(num_global_key_value_heads={global_kv})"))
         if linear is not None and linear.num_key_heads % tp:  # Gated DeltaNet layers split by key heads
             problems.append(Problem("parallel.tp", tp, f"a divisor of linear_num_key_heads={linear.num_key_heads}",
                                     f"parallel.tp={tp} does not divide the linear-attention heads "
