@@ -21,9 +21,10 @@ from disttrain.plan.mixer_backward import mixer_backward_bytes
 from disttrain.plan.mixers import mixer_bytes
 from disttrain.plan.norms import norm_bytes, norm_fused
 from disttrain.plan.params import layer_params, rank_params, stage_layers
-from disttrain.plan.per_layer_inputs import carried_bytes, counts_layers
+from disttrain.plan.per_layer_inputs import carried_bytes, counts_layers, has_moe_branch
 from disttrain.plan.per_layer_recompute import (after_attention_bytes, average_layer_bytes, layer_transient_bytes,
                                                 stage_saved_bytes)
+from disttrain.plan.routed import skew_change
 from disttrain.plan.schedule_memory import HeldAt, schedule_order, schedule_peak, weight_gradient_inputs_bytes
 
 TOKEN_ID = 8  # int64 token ids the embedding's backward keeps
@@ -254,6 +255,10 @@ def stage_activation_bytes(shape: ModelShape, layout: Layout, pp_rank: int, fuse
         layer, experts_reduced = experts_before_attention(shape, layout, layer, attention, mb, s)
     else:
         experts_reduced = False
+        if has_moe_branch(shape) and routing_skew != 1.0:  # Gemma 4's branch: its layers count balanced routing
+            more_kept, more_held = skew_change(shape, layout, mb * s, ec, er, routing_skew)
+            layers_saved += held.layers * more_kept
+            layer = replace(layer, saved=layer.saved + more_kept, transient=layer.transient + more_held)
     grad_share, freed = 1.0, 0.0
     # a pipeline's blocks: its schedule's terms (in-flight micro-batches)
     if (shape.moe is None or counts_layers(shape, layout)) and layout.pp == 1:

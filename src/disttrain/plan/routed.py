@@ -48,3 +48,21 @@ def routed_buffer_bytes(shape: ModelShape, layout: Layout, tokens: float, ec: in
     k, h, width, e = moe.num_experts_per_tok, shape.dim, moe.moe_intermediate_size, moe.num_experts
     buffers = ec * (tokens * k + tokens * k * received(layout, skew)) * h
     return buffers + ((ec + FP32) * e // layout.ep * width * h if ec != er else 0.0)
+
+
+def skew_change(shape: ModelShape, layout: Layout, tokens: float, ec: int, er: int, skew: float) -> tuple[float, float]:
+    """(kept, transient) bytes one routed layer adds under `skew` over balanced routing, for a layer counted at
+    balanced routing (Gemma 4's MoE branch, plan/per_layer_inputs.py): its kept rows without checkpointing, its
+    matmuls' under selective checkpointing (the rest recomputed in its backward), all of them recomputed under full."""
+    if received(layout, skew) == 1.0:
+        return 0.0, 0.0
+    rows = routed_bytes(shape, layout, tokens, ec, er, skew) - routed_bytes(shape, layout, tokens, ec, er)
+    kept = routed_kept_bytes(shape, layout, tokens, ec, skew) - routed_kept_bytes(shape, layout, tokens, ec)
+    buffers = routed_buffer_bytes(shape, layout, tokens, ec, er, skew) - \
+        routed_buffer_bytes(shape, layout, tokens, ec, er)
+    mode = layout.activation_checkpointing
+    if mode == "full":
+        return 0.0, rows + buffers
+    if mode == "selective":
+        return kept, rows - kept + buffers
+    return rows, buffers
