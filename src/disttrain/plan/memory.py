@@ -125,8 +125,9 @@ def model_state_bytes(n_params: float, layout: Layout, accounting: str = "runtim
         buffers = pb * (2 * largest_unit + root_params) + (pb + rb) * largest_unit
     states = ModelStates(p / d, g / d, o / d, buffers,
                          step_temporary=FP32 * adamw / d + muon_temporaries(muon_matrix, muon))
-    if layout.microbatches > 1 or layout.pp > 1:  # on the device even with CPU offload; a pipeline schedule defers
-        # the reduce-scatter to after its last micro-batch (`perform_reduce_grad`), even with one
+    if (layout.microbatches > 1 or layout.pp > 1) and not layout.reduces_every_microbatch:
+        # on the device even with CPU offload; a pipeline schedule defers the reduce-scatter to after its last
+        # micro-batch (`perform_reduce_grad`), even with one. Reduced every micro-batch, they add up in the shards.
         states.unsharded_grads = rb * t
     if layout.cpu_offload:
         states.cpu = states.params + states.grads + states.optimizer

@@ -38,7 +38,13 @@ def alive_at_moments(states, acts: StageActivations, layout: Layout, gathered: f
         # 7b, pp=4 1F1B, 4 micro-batches: counting them there put the first stage +16.6% over the dry run.
         first_backward = fsdp
         grads = 0.0 if fsdp else grads
-    loss_grads, loss_acts, loss_pending, block_pending = grads, acts.saved, 0.0, 0.0
+    if fsdp and layout.reduces_every_microbatch and not first_backward and (layout.microbatches > 1 or layout.pp > 1):
+        # Reduce-scattered every micro-batch: the earlier micro-batches' sharded gradients (none on the device under
+        # CPU offload) are there all through a later one, and no whole gradient outlives its backward.
+        sharded_grads = s.grads
+    else:
+        sharded_grads = 0.0
+    loss_grads, loss_acts, loss_pending, block_pending = grads + sharded_grads, acts.saved, 0.0, 0.0
     # One rank, one micro-batch, no pipeline: no gradient outlives a step (set to None after it) and none is a
     # bucket, so the loss's backward starts with none and a block's finds only the output layer's and final
     # norm's (7b at 4 x 4,096 tokens on one GPU: counting every gradient there put the planner 13% over the dry run)
@@ -100,7 +106,7 @@ def alive_at_moments(states, acts: StageActivations, layout: Layout, gathered: f
         block_grads += FP32 * grad_unit / layout.shard_ranks - rb * grad_unit
         in_use += rb * grad_unit
         block_acts -= acts.layer_saved
-    block = {"parameters": s.params + s.tables, "gradients": block_grads, "optimizer": s.optimizer,
+    block = {"parameters": s.params + s.tables, "gradients": block_grads + sharded_grads, "optimizer": s.optimizer,
              "activations": block_acts, "temporary": block_temp + (acts.at_block.fresh if acts.at_block else 0.0),
              "communication": gathered + in_use + block_gathered}
     moments["block"] = block
@@ -126,7 +132,7 @@ def alive_at_moments(states, acts: StageActivations, layout: Layout, gathered: f
         # is waited for: two buffers at a block's start (the blocks before it saved), one after the last block (all
         # saved). The dry run's peak there for `tiny` at seq 512 (cp 2 and 4, each checkpointing mode).
         base = acts.saved - acts.logits - acts.loss_inputs
-        moments["forward"] = max(({"parameters": s.params + s.tables, "gradients": s.unsharded_grads,
+        moments["forward"] = max(({"parameters": s.params + s.tables, "gradients": s.unsharded_grads + sharded_grads,
                                    "optimizer": s.optimizer, "activations": act, "temporary": 0.0,
                                    "communication": gathered + buffers * pb * unit}
                                   for act, buffers in ((base - acts.layer_saved, 2), (base + acts.loss_inputs, 1))),
