@@ -92,7 +92,8 @@ def alive_at_moments(states, acts: StageActivations, layout: Layout, gathered: f
         # the fullest block measured, and was taken for the peak (+9% and +17%); `tiny` cp=4 ZeRO-3: +12.6%.
         previous = (rb - (0 if layout.reshard_after_forward else pb)) * grad_unit
         if layout.pp == 1:
-            sharded = FP32 * grad_unit / layout.shard_ranks  # that block's sharded gradients
+            # that block's sharded gradients (copied to the host at once under CPU offload)
+            sharded = 0.0 if layout.cpu_offload else FP32 * grad_unit / layout.shard_ranks
             later = previous + sharded > acts.layer_saved
             in_use = gathers + (previous if later else 0.0)
             block_acts -= acts.layer_saved if later else 0.0
@@ -137,7 +138,7 @@ def alive_at_moments(states, acts: StageActivations, layout: Layout, gathered: f
                                    "communication": gathered + buffers * pb * unit}
                                   for act, buffers in ((base - acts.layer_saved, 2), (base + acts.loss_inputs, 1))),
                                  key=lambda m: sum(m.values()))
-    if fsdp and layout.pp > 1:
+    if fsdp and layout.pp > 1 and not layout.reduces_every_microbatch:  # reduced every micro-batch: nothing deferred
         # A backward done, before the deferred reduce-scatter: every unsharded gradient; and torch's schedules keep
         # the parameters gathered after every backward but the last (`set_reshard_after_backward(False)`), so the
         # end of the one before the last holds the stage's whole parameters and the other in-flight micro-batches.
