@@ -324,7 +324,7 @@ def cmd_plan(args) -> None:
                       + "; ".join(dropped), "", "Ranking after the dry runs:",
                       *report.plan_table(result.ranked, args.top)]
     lines += ["", "Winner: " + win.layout.describe(micro_batch=True), *("  " + r for r in why_winner(result)), ""]
-    lines += report.memory_table(win) + [""] + report.time_lines(win, tokens, baseline)
+    lines += report.memory_table(win, cluster.gpus_per_node) + [""] + report.time_lines(win, tokens, baseline)
     lines.append("  (scaling baseline: one GPU with enough memory, no communication, no recomputation)")
     if scaling:
         lines += ["", f"Scaling at {gbs} x {seq_len} tokens per step:", *report.scaling_lines(scaling)]
