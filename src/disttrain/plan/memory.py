@@ -270,13 +270,14 @@ def estimate_memory(shape: ModelShape, layout: Layout, accounting: str = "runtim
         pipe = pipeline_recv_bytes(shape, layout, pp_rank) + pipeline_batch_bytes(layout) + \
             frozen_pipeline_bytes(objective, layout, pp_rank) if layout.pp > 1 else 0.0
         pb = DTYPE_BYTES[layout.param_dtype]
-        gathered, all_held = 0.0, held.total
+        gathered, all_held, expert_unit = 0.0, held.total, 0.0
         if held.experts and layout.experts_outside_fsdp:  # no FSDP unit gathers the experts (one-rank mesh)
             all_held -= held.experts
             unit -= moe_layer_params(shape, shape.n_layers - 1, layout.tp, layout.ep)[1]
         elif held.experts:  # FSDP2 gathers their padded rows (fewer experts than ranks sharing them)
-            unit += (expert_shard_padding(shape, layout) - 1) * moe_layer_params(shape, shape.n_layers - 1,
+            expert_unit = expert_shard_padding(shape, layout) * moe_layer_params(shape, shape.n_layers - 1,
                                                                                  layout.tp, layout.ep)[1]
+            unit += expert_unit - moe_layer_params(shape, shape.n_layers - 1, layout.tp, layout.ep)[1]
         if layout.zero_stage >= 2:
             gathered = pb * (all_held if not layout.reshard_after_forward else held.root)
         est = MemoryEstimate(held.total + (adapters or 0), states, acts, pipe, pp_rank, trainable_per_rank=adapters)
@@ -289,7 +290,8 @@ def estimate_memory(shape: ModelShape, layout: Layout, accounting: str = "runtim
                                product=mlp_product_bytes(shape, layout.micro_batch, layout.seq_len // layout.cp, layout),
                                layers=held.layers, reduced=held.root or unit,
                                early_root=held.root - (table if held.embedding and not tied else 0),
-                               last_output=last_forward_output(shape, layout, held) if layout.pp > 1 else 0.0)
+                               last_output=last_forward_output(shape, layout, held) if layout.pp > 1 else 0.0,
+                               expert_unit=expert_unit if layout.zero_stage >= 2 else 0.0)
         candidates.append(est)
     worst = max(candidates, key=lambda m: m.total)
     worst.per_stage = [{"pp_rank": m.pp_rank, "total": m.total, "activations": m.activations.peak,
