@@ -275,9 +275,10 @@ def estimate_memory(shape: ModelShape, layout: Layout, accounting: str = "runtim
             all_held -= held.experts
             unit -= moe_layer_params(shape, shape.n_layers - 1, layout.tp, layout.ep)[1]
         elif held.experts:  # FSDP2 gathers their padded rows (fewer experts than ranks sharing them)
-            expert_unit = expert_shard_padding(shape, layout) * moe_layer_params(shape, shape.n_layers - 1,
-                                                                                 layout.tp, layout.ep)[1]
-            unit += expert_unit - moe_layer_params(shape, shape.n_layers - 1, layout.tp, layout.ep)[1]
+            routed = moe_layer_params(shape, shape.n_layers - 1, layout.tp, layout.ep)[1]
+            unit += (expert_shard_padding(shape, layout) - 1) * routed
+            if layout.ep > 1:  # split experts are FSDP units of their own (parallel/expert.py)
+                expert_unit = expert_shard_padding(shape, layout) * routed
         if layout.zero_stage >= 2:
             gathered = pb * (all_held if not layout.reshard_after_forward else held.root)
         est = MemoryEstimate(held.total + (adapters or 0), states, acts, pipe, pp_rank, trainable_per_rank=adapters)
