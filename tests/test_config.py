@@ -102,7 +102,8 @@ MISTAKES = {
                                        "(FSDP2), not 0"),
     "sharded accumulation under zero-bubble": (
         ["parallel.gradient_accumulation=sharded", "parallel.zero_stage=2", "parallel.pp=2",
-         "parallel.pp_schedule=zero_bubble", "model.n_layers=4", "train.global_batch_size=4"], ["--nproc-per-node", "2"],
+         "parallel.pp_schedule=zero_bubble", "model.n_layers=4", "train.global_batch_size=4"],
+        ["--nproc-per-node", "2"],
         "parallel.gradient_accumulation=sharded with parallel.pp_schedule=zero_bubble"),
     "sharded accumulation under uneven shares": (
         ["parallel.gradient_accumulation=sharded", "parallel.zero_stage=3", "parallel.balance=auto",

@@ -169,8 +169,9 @@ def accumulation_problems(layout: Layout) -> list[Problem]:
                         "weight pass made the gradients (allowed with zero_bubble: unsharded; or another pp_schedule)")]
     if layout.balanced:
         return [Problem("parallel.gradient_accumulation", mode, "unsharded with uneven shares", f"{key} with uneven "
-                        "shares (parallel.balance or balance_weights): ranks running different numbers of micro-batches "
-                        "would issue different numbers of reduce-scatters (allowed with uneven shares: unsharded)")]
+                        "shares (parallel.balance or balance_weights): ranks running different numbers of "
+                        "micro-batches would issue different numbers of reduce-scatters (allowed with uneven shares: "
+                        "unsharded)")]
     return []
 
 

@@ -24,7 +24,8 @@ def alive_at_moments(states, acts: StageActivations, layout: Layout, gathered: f
     unit whose reduce-scatter a pipeline defers to after its last backward; `early_root`: the root's parameters
     whose gradients exist while a block runs its backward (the output layer and final norm: the embedding's come
     after every block's); `last_output`: a pipeline stage's output of its last forward (the logits on the last stage);
-    `expert_unit`: of `unit`, the routed experts in an FSDP unit of their own, reduced before the rest of their block."""
+    `expert_unit`: of `unit`, the routed experts in an FSDP unit of their own, reduced before the rest of their
+    block."""
     grad_unit = unit if grad_unit is None else grad_unit
     grad_root = root if grad_root is None else grad_root
     s = states
