@@ -14,9 +14,9 @@ RANKS = 4
 
 
 def _tiny(*overrides: str):
-    """`tiny` at 512 tokens on 4 ranks, four micro-batches of one sequence per data-parallel rank, in bf16."""
+    """`tiny` at 512 tokens on 4 ranks in bf16, micro-batches of one sequence: two per rank (four under pp=2)."""
     return load_config(None, ["model.name=tiny", "data.seq_len=512", "train.micro_batch_size=1",
-                              "train.global_batch_size=16", "precision.param_dtype=bf16",
+                              "train.global_batch_size=8", "precision.param_dtype=bf16",
                               "precision.compute_dtype=bf16", "parallel.gradient_accumulation=sharded", *overrides])
 
 
