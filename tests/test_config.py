@@ -97,6 +97,20 @@ MISTAKES = {
         "parallel.zero_stage=3 with parallel.pp_schedule=zero_bubble"),
     "offload without sharding": (["parallel.cpu_offload=true"], [],
                                  "parallel.cpu_offload=true needs parallel.zero_stage 2 or 3 (FSDP2), not 0"),
+    "sharded accumulation under DDP": (["parallel.gradient_accumulation=sharded", "train.micro_batch_size=1"], [],
+                                       "parallel.gradient_accumulation=sharded needs parallel.zero_stage 2 or 3 "
+                                       "(FSDP2), not 0"),
+    "sharded accumulation under zero-bubble": (
+        ["parallel.gradient_accumulation=sharded", "parallel.zero_stage=2", "parallel.pp=2",
+         "parallel.pp_schedule=zero_bubble", "model.n_layers=4", "train.global_batch_size=4"],
+        ["--nproc-per-node", "2"],
+        "parallel.gradient_accumulation=sharded with parallel.pp_schedule=zero_bubble"),
+    "sharded accumulation under uneven shares": (
+        ["parallel.gradient_accumulation=sharded", "parallel.zero_stage=3", "parallel.balance=auto",
+         "train.micro_batch_size=1"], [], "parallel.gradient_accumulation=sharded with uneven shares"),
+    "sharded accumulation under DeepSpeed": (["parallel.gradient_accumulation=sharded", "parallel.zero_stage=3",
+                                             "engine=deepspeed"], [],
+                                            "parallel.gradient_accumulation=sharded needs engine=torch, not deepspeed"),
     "param dtype under DDP": (["precision.param_dtype=bf16"], [],
                               "precision.param_dtype=bf16 needs parallel.zero_stage 2 or 3"),
     "DDP hook under FSDP": (["parallel.zero_stage=3", "parallel.ddp_comm_hook=fp16"], [],

@@ -31,6 +31,9 @@ TWO_RANKS = {
     # ZeRO-1 over one data-parallel rank (more are refused with tp): its broadcast of a DTensor raised until the
     # owner sent each parameter's local shard
     "tp2-zero1": ("parallel.tp=2", "parallel.zero_stage=1", TP_MB),
+    # every micro-batch's gradients reduce-scattered by its own backward (parallel/pipeline.py ReducingStage)
+    "pp2-interleaved-zero3-sharded": ("parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b",
+                                      "parallel.zero_stage=3", "parallel.gradient_accumulation=sharded"),
 }
 FOUR_RANKS = {
     "fsdp x tp": ("parallel.dp_shard=2", "parallel.tp=2", "parallel.zero_stage=3"),
@@ -38,6 +41,8 @@ FOUR_RANKS = {
     # zero-bubble's split backward under FSDP (ZeRO-3 is refused: its weight passes missed resharded parameters)
     "pp x fsdp zero-bubble": ("parallel.pp=2", "parallel.dp_shard=2", "parallel.zero_stage=2",
                               "parallel.pp_schedule=zero_bubble"),
+    "pp x fsdp sharded accumulation": ("parallel.pp=2", "parallel.dp_shard=2", "parallel.zero_stage=3",
+                                       "parallel.gradient_accumulation=sharded"),
     "pp x tp + sp": ("parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true", "checkpoint.every_steps=3"),
 }
 
@@ -96,7 +101,8 @@ def _assert_parity(run, reference):
     assert_parity(run, reference, step=6)
 
 
-@pytest.mark.parametrize("layout", ["tp2", "tp2-sp-selective-ac", "pp2-layers-1-3", "tp2-zero1"])
+@pytest.mark.parametrize("layout", ["tp2", "tp2-sp-selective-ac", "pp2-layers-1-3", "tp2-zero1",
+                                    "pp2-interleaved-zero3-sharded"])
 def test_tensor_parallel_and_hand_split_pipeline_equal_single_process(layout, two_rank_runs, reference):
     _assert_parity(two_rank_runs[layout], reference)
 

@@ -168,12 +168,14 @@ def test_expert_states_per_rank_split_over_ep(ep):
     block = zero3.moments["block"]["communication"]
     layer_experts = experts / shape.n_layers
     # gathered and prefetched (2 x 2 B) per expert parameter (their unsharded gradients are temporaries), and a
-    # later block's: the earlier block's reduce-scatter input (4 B per parameter of its unit), where it and that
-    # block's sharded gradients outweigh the earlier block's freed activations
+    # later block's: the earlier block's reduce-scatter input (4 B per parameter of its unit; with ep > 1 the split
+    # experts are an FSDP unit of their own, reduced and freed before that block's end: its other parameters only),
+    # where it and that block's sharded gradients outweigh the earlier block's freed activations
     def previous(lay: Layout) -> float:
         unit = layer_params(shape, 1, lay.ep)
-        later = 4 * unit + 4 * unit / lay.shard_ranks > stage_activation_bytes(shape, lay, 0).layer_saved
-        return 4 * unit if later else 0.0
+        own = layer_experts / lay.ep if lay.ep > 1 else 0.0
+        later = 4 * (unit - own) + 4 * unit / lay.shard_ranks > stage_activation_bytes(shape, lay, 0).layer_saved
+        return 4 * (unit - own) if later else 0.0
 
     one = Layout(zero_stage=3, **{**base, "ep": 1})
     assert block - estimate(shape, one).memory.moments["block"]["communication"] == pytest.approx(

@@ -20,6 +20,9 @@ LAYOUTS = {
     "zero2 + selective recompute": ("parallel.zero_stage=2", "parallel.activation_checkpointing=selective"),
     "zero3 + full recompute": ("parallel.zero_stage=3", "parallel.activation_checkpointing=full"),
     "zero3 + cpu offload": ("parallel.zero_stage=3", "parallel.cpu_offload=true", WRAPPER_PROBE),
+    # each micro-batch's gradients reduce-scattered into the host's sharded ones (parallel.gradient_accumulation)
+    "zero2 + offload, sharded accumulation": ("parallel.zero_stage=2", "parallel.cpu_offload=true",
+                                              "parallel.gradient_accumulation=sharded"),
     "hsdp 2x1": ("parallel.zero_stage=3", "parallel.dp_replicate=2", "parallel.dp_shard=1"),
     "zero2 bf16 params": ("parallel.zero_stage=2", "precision.compute_dtype=fp32", "precision.param_dtype=bf16",
                           "precision.reduce_dtype=fp32"),  # against the fp32 reference: what users run

@@ -65,6 +65,8 @@ def add_parsers(sub) -> None:
     est.add_argument("--activation-checkpointing", choices=RECOMPUTE, default=None)
     est.add_argument("--sequence-parallel", action="store_true", default=None)
     est.add_argument("--cpu-offload", action="store_true", default=None)
+    est.add_argument("--gradient-accumulation", choices=("unsharded", "sharded"), default=None,
+                     help="ZeRO-2/3: whole gradients until the last micro-batch, or reduce-scattered every micro-batch")
     est.add_argument("--accounting", choices=ACCOUNTINGS, default="runtime",
                      help="runtime: what disttrain allocates; zero-paper: the ZeRO paper's mixed-precision Adam")
     est.add_argument("--time", action="store_true", help="also predict step time, tokens/s and MFU")
@@ -188,7 +190,8 @@ def build_layout(args) -> tuple[str, ModelShape, Layout]:
         "dp_replicate": args.dp_replicate, "zero_stage": args.zero_stage, "tp": args.tp, "pp": args.pp,
         "pp_schedule": args.pp_schedule, "pp_microbatches": args.microbatches, "seq_len": args.seq_len,
         "activation_checkpointing": args.activation_checkpointing, "sequence_parallel": args.sequence_parallel,
-        "cpu_offload": args.cpu_offload, "param_dtype": args.dtype, "ep": args.ep}.items() if v is not None}
+        "cpu_offload": args.cpu_offload, "param_dtype": args.dtype, "ep": args.ep,
+        "gradient_accumulation": args.gradient_accumulation}.items() if v is not None}
     layout = layout.replace(**changes)
     fixed = layout.dp_replicate * layout.tp * layout.pp * layout.cp
     gpus = args.gpus or (layout.world_size if cfg is not None else fixed)
@@ -324,7 +327,7 @@ def cmd_plan(args) -> None:
                       + "; ".join(dropped), "", "Ranking after the dry runs:",
                       *report.plan_table(result.ranked, args.top)]
     lines += ["", "Winner: " + win.layout.describe(micro_batch=True), *("  " + r for r in why_winner(result)), ""]
-    lines += report.memory_table(win) + [""] + report.time_lines(win, tokens, baseline)
+    lines += report.memory_table(win, cluster.gpus_per_node) + [""] + report.time_lines(win, tokens, baseline)
     lines.append("  (scaling baseline: one GPU with enough memory, no communication, no recomputation)")
     if scaling:
         lines += ["", f"Scaling at {gbs} x {seq_len} tokens per step:", *report.scaling_lines(scaling)]

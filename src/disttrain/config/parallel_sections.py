@@ -43,6 +43,13 @@ class ParallelConfig(Section):
                                     "sequence too")
     cpu_offload: bool = Field(False, description="zero_stage 2-3: parameters, gradients and optimizer states in host "
                               "memory (FSDP2's CPUOffloadPolicy)")
+    gradient_accumulation: Literal["unsharded", "sharded"] = Field(
+        "unsharded", description="zero_stage 2-3, how a rank's micro-batches add up their gradients. unsharded: "
+        "whole gradients (in reduce_dtype) kept over the micro-batches and reduce-scattered once, after the last "
+        "(a pipeline stage also stays gathered until then); sharded: every micro-batch's gradients reduce-scattered "
+        "and added to the sharded ones (in host memory with cpu_offload), so no whole gradient outlives its "
+        "micro-batch, for one reduce-scatter per micro-batch (engine=torch; not with pp_schedule=zero_bubble or "
+        "uneven shares)")
     activation_checkpointing: Literal["none", "full", "selective"] = Field(
         "none", description="full: recompute each block in backward; selective: keep matmul and attention outputs, "
         "recompute element-wise ops")

@@ -62,6 +62,7 @@ class Layout:
     compute_dtype: str = "bf16"  # autocast dtype (fp32: none)
     reduce_dtype: str = "fp32"
     cpu_offload: bool = False
+    gradient_accumulation: str = "unsharded"  # "sharded": FSDP2 reduce-scatters every micro-batch's gradients
     engine: str = "torch"
     balance: str = "off"  # "auto": re-split the global batch by measured speed
     balance_weights: tuple[float, ...] = ()  # one per data-parallel rank; (): equal (or auto's start)
@@ -179,6 +180,12 @@ class Layout:
         return self.balanced and self.gradient_wrapper == "fsdp"
 
     @property
+    def reduces_every_microbatch(self) -> bool:
+        """ZeRO-2/3 reduce-scatters each micro-batch's gradients into the sharded ones (and reshards after its
+        backward), instead of keeping whole gradients until the last micro-batch."""
+        return self.gradient_accumulation == "sharded" and self.gradient_wrapper == "fsdp"
+
+    @property
     def sharded_optimizer(self) -> bool:
         """ZeRO-1: replicated parameters and gradients, optimizer state split over data parallel."""
         return self.engine == "torch" and self.zero_stage == 1
@@ -234,7 +241,8 @@ class Layout:
                    sequence_parallel=parallel.sequence_parallel,
                    activation_checkpointing=parallel.activation_checkpointing,
                    param_dtype=param_dtype, compute_dtype=prec.compute_dtype, reduce_dtype=reduce_dtype,
-                   cpu_offload=parallel.cpu_offload, engine=cfg.engine, balance=parallel.balance,
+                   cpu_offload=parallel.cpu_offload, gradient_accumulation=parallel.gradient_accumulation,
+                   engine=cfg.engine, balance=parallel.balance,
                    balance_weights=tuple(float(w) for w in parallel.balance_weights),
                    loss_chunk_tokens=cfg.train.loss_chunk_tokens, float8=prec.float8)
 
@@ -246,7 +254,8 @@ class Layout:
                     "pp_schedule": self.pp_schedule, "pp_microbatches": self.pp_microbatches,
                     "pp_layers": list(self.pp_layers), "sequence_parallel": self.sequence_parallel,
                     "activation_checkpointing": self.activation_checkpointing, "cpu_offload": self.cpu_offload,
-                    "balance": self.balance, "balance_weights": list(self.balance_weights)}
+                    "gradient_accumulation": self.gradient_accumulation, "balance": self.balance,
+                    "balance_weights": list(self.balance_weights)}
         # from_config reads precision.param_dtype only under FSDP's mixed precision (torch engine, ZeRO-2/3) and
         # outside fp64; elsewhere the weights take the compute dtype, and `auto` says so
         own_param_dtype = self.zero_stage >= 2 and self.engine == "torch" and self.compute_dtype != "fp64"
@@ -278,6 +287,8 @@ class Layout:
             parts.append(f"ac={self.activation_checkpointing}")
         if self.cpu_offload:
             parts.append("cpu_offload")
+        if self.gradient_accumulation != "unsharded":
+            parts.append(f"accumulation={self.gradient_accumulation}")
         if micro_batch:
             parts.append(f"mbs={self.micro_batch}")
         return " ".join(parts)

@@ -99,6 +99,7 @@ def cut_problems(shape: ModelShape | None, layout: Layout) -> list[Problem]:
     if lay.cpu_offload and lay.zero_stage < 2:
         problems.append(Problem("parallel.cpu_offload", True, "false with zero_stage 0 or 1", "parallel.cpu_offload="
                                 f"true needs parallel.zero_stage 2 or 3 (FSDP2), not {lay.zero_stage}"))
+    problems += accumulation_problems(lay)
     if lay.activation_checkpointing not in RECOMPUTE:
         problems.append(Problem("parallel.activation_checkpointing", lay.activation_checkpointing, ", ".join(RECOMPUTE),
                                 f"parallel.activation_checkpointing={lay.activation_checkpointing} "
@@ -147,6 +148,36 @@ def batch_problems(layout: Layout) -> list[Problem]:
                                 "tensor and pipeline parallelism on the mesh; DDP and ZeRO-1 take neither DTensor "
                                 "parameters nor a schedule's many backward passes)"))
     return problems
+
+
+def accumulation_problems(layout: Layout) -> list[Problem]:
+    """Where FSDP2's reduce-scatter every micro-batch cannot apply: DDP and ZeRO-1 hold whole gradients whatever
+    the reduction; DeepSpeed reduces by its own rules; zero-bubble's input-gradient pass runs FSDP's post-backward
+    before the weight pass made the gradients; uneven shares give ranks different numbers of reduce-scatters."""
+    mode = layout.gradient_accumulation
+    if mode == "unsharded":
+        return []
+    key = f"parallel.gradient_accumulation={mode}"
+    if mode != "sharded":
+        return [Problem("parallel.gradient_accumulation", mode, "unsharded, sharded",
+                        f"{key} (allowed: unsharded, sharded)")]
+    if layout.engine != "torch":
+        return [Problem("parallel.gradient_accumulation", mode, "unsharded with engine=deepspeed", f"{key} needs "
+                        f"engine=torch, not {layout.engine} (allowed with engine={layout.engine}: unsharded)")]
+    if layout.zero_stage < 2:
+        return [Problem("parallel.gradient_accumulation", mode, "unsharded with zero_stage 0 or 1", f"{key} needs "
+                        f"parallel.zero_stage 2 or 3 (FSDP2), not {layout.zero_stage}: DDP and ZeRO-1 keep whole "
+                        "gradients either way (allowed with zero_stage 0 or 1: unsharded)")]
+    if layout.pp > 1 and layout.pp_schedule == "zero_bubble":
+        return [Problem("parallel.gradient_accumulation", mode, "unsharded with zero_bubble", f"{key} with "
+                        "parallel.pp_schedule=zero_bubble: its input-gradient pass would reduce-scatter before the "
+                        "weight pass made the gradients (allowed with zero_bubble: unsharded; or another pp_schedule)")]
+    if layout.balanced:
+        return [Problem("parallel.gradient_accumulation", mode, "unsharded with uneven shares", f"{key} with uneven "
+                        "shares (parallel.balance or balance_weights): ranks running different numbers of "
+                        "micro-batches would issue different numbers of reduce-scatters (allowed with uneven shares: "
+                        "unsharded)")]
+    return []
 
 
 def _deepspeed_problems(layout: Layout) -> list[Problem]:

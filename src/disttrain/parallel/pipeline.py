@@ -14,8 +14,10 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                                           ScheduleInterleavedZeroBubble)
+from torch.distributed.pipelining._backward import stage_backward
 
 from disttrain.distributed.mesh import Meshes
 from disttrain.core.errors import UserError
@@ -28,6 +30,24 @@ SCHEDULES = {
     "interleaved_1f1b": ScheduleInterleaved1F1B,
     "zero_bubble": ScheduleInterleavedZeroBubble,
 }
+
+
+class ReducingStage(PipelineStage):
+    """A stage whose FSDP2 module reduce-scatters every micro-batch's gradients (parallel.gradient_accumulation=
+    sharded). torch's stage switches FSDP's gradient sync off and keeps the stage gathered for every backward, then
+    reduces once after the last (`perform_reduce_grad`): the stage's whole gradients and parameters live through
+    the step. Here each full backward runs with sync and resharding on, as outside a pipeline, so the gradients
+    add up in the shards; `perform_reduce_grad` then finds nothing left to reduce (FSDP's post-backward is a no-op
+    without unsharded gradients). Zero-bubble's split backward is refused by the layout rules."""
+
+    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
+        if backward_type != "full" or not isinstance(self.submod, FSDPModule):
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        self.submod.set_is_last_backward(True)
+        self.submod.set_reshard_after_backward(True)
+        self.submod.set_requires_gradient_sync(True)
+        grads = stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"], bwd_kwargs["input_values"])
+        return grads, None
 
 
 @dataclass
@@ -59,7 +79,8 @@ def build_pipeline(model: nn.Module, spec, layout: Layout, meshes: Meshes, devic
     group = meshes.pp.get_group()
     n_stages = layout.n_stages
     io = [stage_io(s, m) if stage_io is not None else (None, None) for s, m in zip(owned, modules)]
-    stages = [PipelineStage(m, s, n_stages, device, input_args=i, output_args=o, group=group)
+    stage_class = ReducingStage if layout.reduces_every_microbatch and not frozen else PipelineStage
+    stages = [stage_class(m, s, n_stages, device, input_args=i, output_args=o, group=group)
               for m, s, (i, o) in zip(modules, owned, io)]
     cls = SCHEDULES[layout.pp_schedule]
     schedule = cls(stages if len(stages) > 1 else stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn,

@@ -364,8 +364,8 @@ def _multi_stage(shape: ModelShape, layout: Layout, pp_rank: int, layer: LayerAc
     grads = [accumulated_grads * n / max(sum(params), 1) for n in params]
     order = schedule_order(layout.pp_schedule, layout.pp, layout.microbatches, v, pp_rank)
     gathered = None
-    if layout.zero_stage >= 3 and layout.reshard_after_forward:
-        gathered = [DTYPE_BYTES[layout.param_dtype] * n for n in params]
+    if layout.zero_stage >= 3 and layout.reshard_after_forward and not layout.reduces_every_microbatch:
+        gathered = [DTYPE_BYTES[layout.param_dtype] * n for n in params]  # reduced every micro-batch: resharded
     unit = layer_params(shape, layout.tp, layout.ep)  # `experts_reduced`: by the fullest moment, the experts' own
     # FSDP unit has reduced the fresh gradients of its experts (plan/moe.py experts_before_attention)
     if experts_reduced:

@@ -125,8 +125,9 @@ def model_state_bytes(n_params: float, layout: Layout, accounting: str = "runtim
         buffers = pb * (2 * largest_unit + root_params) + (pb + rb) * largest_unit
     states = ModelStates(p / d, g / d, o / d, buffers,
                          step_temporary=FP32 * adamw / d + muon_temporaries(muon_matrix, muon))
-    if layout.microbatches > 1 or layout.pp > 1:  # on the device even with CPU offload; a pipeline schedule defers
-        # the reduce-scatter to after its last micro-batch (`perform_reduce_grad`), even with one
+    if (layout.microbatches > 1 or layout.pp > 1) and not layout.reduces_every_microbatch:
+        # on the device even with CPU offload; a pipeline schedule defers the reduce-scatter to after its last
+        # micro-batch (`perform_reduce_grad`), even with one. Reduced every micro-batch, they add up in the shards.
         states.unsharded_grads = rb * t
     if layout.cpu_offload:
         states.cpu = states.params + states.grads + states.optimizer
@@ -269,13 +270,15 @@ def estimate_memory(shape: ModelShape, layout: Layout, accounting: str = "runtim
         pipe = pipeline_recv_bytes(shape, layout, pp_rank) + pipeline_batch_bytes(layout) + \
             frozen_pipeline_bytes(objective, layout, pp_rank) if layout.pp > 1 else 0.0
         pb = DTYPE_BYTES[layout.param_dtype]
-        gathered, all_held = 0.0, held.total
+        gathered, all_held, expert_unit = 0.0, held.total, 0.0
         if held.experts and layout.experts_outside_fsdp:  # no FSDP unit gathers the experts (one-rank mesh)
             all_held -= held.experts
             unit -= moe_layer_params(shape, shape.n_layers - 1, layout.tp, layout.ep)[1]
         elif held.experts:  # FSDP2 gathers their padded rows (fewer experts than ranks sharing them)
-            unit += (expert_shard_padding(shape, layout) - 1) * moe_layer_params(shape, shape.n_layers - 1,
-                                                                                 layout.tp, layout.ep)[1]
+            routed = moe_layer_params(shape, shape.n_layers - 1, layout.tp, layout.ep)[1]
+            unit += (expert_shard_padding(shape, layout) - 1) * routed
+            if layout.ep > 1:  # split experts are FSDP units of their own (parallel/expert.py)
+                expert_unit = expert_shard_padding(shape, layout) * routed
         if layout.zero_stage >= 2:
             gathered = pb * (all_held if not layout.reshard_after_forward else held.root)
         est = MemoryEstimate(held.total + (adapters or 0), states, acts, pipe, pp_rank, trainable_per_rank=adapters)
@@ -288,7 +291,8 @@ def estimate_memory(shape: ModelShape, layout: Layout, accounting: str = "runtim
                                product=mlp_product_bytes(shape, layout.micro_batch, layout.seq_len // layout.cp, layout),
                                layers=held.layers, reduced=held.root or unit,
                                early_root=held.root - (table if held.embedding and not tied else 0),
-                               last_output=last_forward_output(shape, layout, held) if layout.pp > 1 else 0.0)
+                               last_output=last_forward_output(shape, layout, held) if layout.pp > 1 else 0.0,
+                               expert_unit=expert_unit if layout.zero_stage >= 2 else 0.0)
         candidates.append(est)
     worst = max(candidates, key=lambda m: m.total)
     worst.per_stage = [{"pp_rank": m.pp_rank, "total": m.total, "activations": m.activations.peak,

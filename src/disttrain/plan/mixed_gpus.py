@@ -22,7 +22,7 @@ from disttrain.layout.rules import layout_problems
 from disttrain.layout.splits import balance_shares
 from disttrain.models.shape import ModelShape
 from disttrain.plan.estimate import Estimate, estimate
-from disttrain.plan.search import SearchSpace, layout_families, micro_batch_sizes
+from disttrain.plan.search import SearchSpace, layout_families, micro_batch_sizes, reduced_every_microbatch
 from disttrain.plan.timing import Cluster
 
 
@@ -100,6 +100,8 @@ def plan_mixed(shape: ModelShape, groups: list[GPUGroup], space: SearchSpace, gp
                                                            for t in rank_types))
                 plan = min(plan, _evaluate(shape, timed, groups, rank_types, per_node, headroom, model,
                                            compute_efficiency), key=lambda p: p.step_s)
+            if not all(plan.fits.values()) and (sharded := reduced_every_microbatch(shape, layout)) is not None:
+                plan = _evaluate(shape, sharded, groups, rank_types, per_node, headroom, model, compute_efficiency)
             if not all(plan.fits.values()):
                 break  # larger micro-batches need more memory still
             plans.append(plan)

@@ -13,7 +13,8 @@ def alive_at_moments(states, acts: StageActivations, layout: Layout, gathered: f
                      root: float, pipe: float, grad_unit: float | None = None,
                      grad_root: float | None = None, all_gathered: float = 0.0, mlp: float = 0.0,
                      product: float = 0.0, layers: int = 0, reduced: float = 0.0,
-                     early_root: float | None = None, last_output: float = 0.0) -> dict[str, dict]:
+                     early_root: float | None = None, last_output: float = 0.0,
+                     expert_unit: float = 0.0) -> dict[str, dict]:
     """What is alive at each moment, by category. `states`: plan/memory.py's ModelStates of the rank. `gathered`:
     FSDP's all-gathered parameters held through the step (ZeRO-2: every unit; ZeRO-3: the root unit); `unit`:
     one block's parameters; `grad_unit`, `grad_root`: those of them that get gradients (LoRA: the block's
@@ -22,7 +23,9 @@ def alive_at_moments(states, acts: StageActivations, layout: Layout, gathered: f
     (activations.mlp_backward_bytes); `product`: the gated product saved without checkpointing; `layers`: the rank's blocks; `reduced`: the parameters of the first FSDP
     unit whose reduce-scatter a pipeline defers to after its last backward; `early_root`: the root's parameters
     whose gradients exist while a block runs its backward (the output layer and final norm: the embedding's come
-    after every block's); `last_output`: a pipeline stage's output of its last forward (the logits on the last stage)."""
+    after every block's); `last_output`: a pipeline stage's output of its last forward (the logits on the last stage);
+    `expert_unit`: of `unit`, the routed experts in an FSDP unit of their own, reduced before the rest of their
+    block."""
     grad_unit = unit if grad_unit is None else grad_unit
     grad_root = root if grad_root is None else grad_root
     s = states
@@ -38,7 +41,13 @@ def alive_at_moments(states, acts: StageActivations, layout: Layout, gathered: f
         # 7b, pp=4 1F1B, 4 micro-batches: counting them there put the first stage +16.6% over the dry run.
         first_backward = fsdp
         grads = 0.0 if fsdp else grads
-    loss_grads, loss_acts, loss_pending, block_pending = grads, acts.saved, 0.0, 0.0
+    if fsdp and layout.reduces_every_microbatch and not first_backward and (layout.microbatches > 1 or layout.pp > 1):
+        # Reduce-scattered every micro-batch: the earlier micro-batches' sharded gradients (none on the device under
+        # CPU offload) are there all through a later one, and no whole gradient outlives its backward.
+        sharded_grads = s.grads
+    else:
+        sharded_grads = 0.0
+    loss_grads, loss_acts, loss_pending, block_pending = grads + sharded_grads, acts.saved, 0.0, 0.0
     # One rank, one micro-batch, no pipeline: no gradient outlives a step (set to None after it) and none is a
     # bucket, so the loss's backward starts with none and a block's finds only the output layer's and final
     # norm's (7b at 4 x 4,096 tokens on one GPU: counting every gradient there put the planner 13% over the dry run)
@@ -84,9 +93,13 @@ def alive_at_moments(states, acts: StageActivations, layout: Layout, gathered: f
         # (pb, among `gathered`): the fuller of the first and a later block. Torch's tracker on the dry run,
         # `debug` and `debug-moe` at seq 128, cp=2, ZeRO-2: the block moment counted both at once, 28-29% over
         # the fullest block measured, and was taken for the peak (+9% and +17%); `tiny` cp=4 ZeRO-3: +12.6%.
-        previous = (rb - (0 if layout.reshard_after_forward else pb)) * grad_unit
+        # The experts' own unit is reduced mid-block, and its input freed by the block's own reduce-scatter: a block's
+        # experts find only the block before's other parameters' input (DeepSeek-V3 at 4,096 tokens, ZeRO-3, 64 ranks:
+        # +15.3% against the dry run counting the experts' fp32 input there too, 5.3 GiB).
+        previous = (rb - (0 if layout.reshard_after_forward else pb)) * (grad_unit - expert_unit)
         if layout.pp == 1:
-            sharded = FP32 * grad_unit / layout.shard_ranks  # that block's sharded gradients
+            # that block's sharded gradients (copied to the host at once under CPU offload)
+            sharded = 0.0 if layout.cpu_offload else FP32 * grad_unit / layout.shard_ranks
             later = previous + sharded > acts.layer_saved
             in_use = gathers + (previous if later else 0.0)
             block_acts -= acts.layer_saved if later else 0.0
@@ -100,7 +113,7 @@ def alive_at_moments(states, acts: StageActivations, layout: Layout, gathered: f
         block_grads += FP32 * grad_unit / layout.shard_ranks - rb * grad_unit
         in_use += rb * grad_unit
         block_acts -= acts.layer_saved
-    block = {"parameters": s.params + s.tables, "gradients": block_grads, "optimizer": s.optimizer,
+    block = {"parameters": s.params + s.tables, "gradients": block_grads + sharded_grads, "optimizer": s.optimizer,
              "activations": block_acts, "temporary": block_temp + (acts.at_block.fresh if acts.at_block else 0.0),
              "communication": gathered + in_use + block_gathered}
     moments["block"] = block
@@ -126,12 +139,12 @@ def alive_at_moments(states, acts: StageActivations, layout: Layout, gathered: f
         # is waited for: two buffers at a block's start (the blocks before it saved), one after the last block (all
         # saved). The dry run's peak there for `tiny` at seq 512 (cp 2 and 4, each checkpointing mode).
         base = acts.saved - acts.logits - acts.loss_inputs
-        moments["forward"] = max(({"parameters": s.params + s.tables, "gradients": s.unsharded_grads,
+        moments["forward"] = max(({"parameters": s.params + s.tables, "gradients": s.unsharded_grads + sharded_grads,
                                    "optimizer": s.optimizer, "activations": act, "temporary": 0.0,
                                    "communication": gathered + buffers * pb * unit}
                                   for act, buffers in ((base - acts.layer_saved, 2), (base + acts.loss_inputs, 1))),
                                  key=lambda m: sum(m.values()))
-    if fsdp and layout.pp > 1:
+    if fsdp and layout.pp > 1 and not layout.reduces_every_microbatch:  # reduced every micro-batch: nothing deferred
         # A backward done, before the deferred reduce-scatter: every unsharded gradient; and torch's schedules keep
         # the parameters gathered after every backward but the last (`set_reshard_after_backward(False)`), so the
         # end of the one before the last holds the stage's whole parameters and the other in-flight micro-batches.

@@ -18,7 +18,8 @@ MOMENTS = {"loss": "the loss's backward", "loss forward": "the loss's forward",
            "gathered block": "a block, stage gathered", "reduce": "the deferred reduction"}
 
 
-def memory_table(est: Estimate) -> list[str]:
+def memory_table(est: Estimate, gpus_per_node: int = 0) -> list[str]:
+    """`gpus_per_node` > 0: CPU offload's host memory for a whole node too (what its RAM must hold)."""
     m = est.memory.as_dict()
     stage = f" (pipeline rank {est.memory.pp_rank}, the fullest)" if est.layout.pp > 1 else ""
     lines = [f"Memory per GPU{stage}, {est.accounting} accounting, at its peak ({MOMENTS[m['peak_moment']]}):"]
@@ -30,6 +31,8 @@ def memory_table(est: Estimate) -> list[str]:
     lines.append(_row("peak", m["total"]))
     if m["cpu_offloaded"]:
         lines.append(_row("host memory (CPU offload)", m["cpu_offloaded"]))
+        if gpus_per_node > 1:
+            lines.append(_row(f"  per node of {gpus_per_node} GPUs", gpus_per_node * m["cpu_offloaded"]))
     if est.objective.name != "lm":
         lines.append(f"  counted: {est.objective.describe()}")
     if est.shape.moe is not None:

@@ -104,6 +104,16 @@ def micro_batch_sizes(layout: Layout, space: SearchSpace) -> list[int]:
     return [b for b in divisors(per_rank) if b <= space.max_micro_batch_size]
 
 
+def reduced_every_microbatch(shape: ModelShape, layout: Layout) -> Layout | None:
+    """The layout with `parallel.gradient_accumulation=sharded`, where that changes what a rank holds (ZeRO-2/3
+    accumulating over micro-batches, or a pipeline's deferred reduction) and the rules take it; else None. It is
+    never faster (a reduce-scatter per micro-batch), so the search tries it only where the default does not fit."""
+    if layout.zero_stage < 2 or (layout.microbatches == 1 and layout.pp == 1):
+        return None
+    sharded = layout.replace(gradient_accumulation="sharded")
+    return None if layout_problems(shape, sharded) else sharded
+
+
 @dataclass
 class SearchResult:
     ranked: list[Estimate]  # fitting layouts, fastest first
@@ -145,6 +155,12 @@ def search(shape: ModelShape, cluster: Cluster, space: SearchSpace, headroom: fl
             est = estimate(shape, layout, cluster, model=model, lora_rank=space.lora_rank,
                            routing_skew=space.routing_skew, muon=space.optimizer == "muon",
                            state_dtype=space.state_dtype, objective=space.objective)
+            if not fits(est, budget) and (sharded := reduced_every_microbatch(shape, layout)) is not None:
+                # whole gradients kept over the micro-batches do not fit: reduce-scatter each micro-batch's
+                considered += 1
+                est = estimate(shape, sharded, cluster, model=model, lora_rank=space.lora_rank,
+                               routing_skew=space.routing_skew, muon=space.optimizer == "muon",
+                               state_dtype=space.state_dtype, objective=space.objective)
             if fits(est, budget):
                 ranked.append(est)
     ranked.sort(key=lambda e: (-e.time.tokens_per_s, e.memory.total))

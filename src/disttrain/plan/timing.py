@@ -257,13 +257,15 @@ def step_time(shape: ModelShape, layout: Layout, cluster: Cluster, routing_skew:
             if layout.dp_replicate > 1 or len(groups) > 1:
                 rbw, rlat = cluster.link(layout.dp * layout.tp)
                 rs += sum(all_reduce_s(g.dp_replicate, rb * n / g.shard_ranks, rbw, rlat) for g, n, _ in groups)
-            dp_comm = rounds * gathers * ag + rs
+            reductions = m if layout.reduces_every_microbatch else 1  # parallel.gradient_accumulation=sharded
+            dp_comm = rounds * gathers * ag + reductions * rs
             oe = cluster.overlap_efficiency
             exposed_fwd = exposed(ag, fwd, oe, first_unit)
             exposed_bwd = exposed(ag, bwd, oe, first_unit) if gathers == 2 else 0.0
-            dp_exposed = rounds * (exposed_fwd + exposed_bwd) + exposed(rs, bwd, oe, last_unit)
+            dp_exposed = rounds * (exposed_fwd + exposed_bwd) + reductions * exposed(rs, bwd, oe, last_unit)
     if layout.cpu_offload:  # parameter shards up every micro-batch, gradient shards down, over PCIe
-        dp_exposed += (m * e + 4) * n_params / layout.shard_ranks / PCIE_BYTES_PER_S
+        down = m if layout.reduces_every_microbatch else 1  # gradient shards down after each reduce-scatter
+        dp_exposed += (m * e + 4 * down) * n_params / layout.shard_ranks / PCIE_BYTES_PER_S
     cp_comm, cp_exposed = 0.0, 0.0
     if layout.cp > 1:
         from disttrain.plan.context import context_comm_s

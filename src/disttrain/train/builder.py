@@ -192,7 +192,8 @@ def _build_engine(cfg: RunConfig, layout: Layout, meshes: Meshes, spec: ModelSpe
     step = _optimizer_step(cfg, optimizer, precision, None, keep_gradients=bucket_views)
     _route_moe(step, spec, wrapped, layout, meshes)
     return TorchEngine(wrapped, optimizer, step, mean_loss, precision, device, tensor_parallel, dp_group, phases,
-                       sharded_optimizer=zero1_adamw, keep_gathered=layout.keep_gathered)
+                       sharded_optimizer=zero1_adamw, keep_gathered=layout.keep_gathered,
+                       reduce_every_microbatch=layout.reduces_every_microbatch)
 
 
 def _route_moe(step: OptimizerStep, spec: ModelSpec, model: nn.Module, layout: Layout, meshes: Meshes) -> None:

@@ -21,7 +21,7 @@ class TorchEngine(SteppedByOptimizerStep):
 
     def __init__(self, model: nn.Module, optimizer, step: OptimizerStep, mean_loss: GlobalMeanLoss, precision,
                  device, tensor_parallel: bool, dp_group, phases: Phases, sharded_optimizer: bool = False,
-                 keep_gathered: bool = False):
+                 keep_gathered: bool = False, reduce_every_microbatch: bool = False):
         self.model, self.optimizer, self.optimizer_step = model, optimizer, step
         self.mean_loss, self.precision, self.device = mean_loss, precision, device
         self.tensor_parallel = tensor_parallel
@@ -31,6 +31,9 @@ class TorchEngine(SteppedByOptimizerStep):
         # Uneven shares (train/balance.py): FSDP's parameters stay gathered between a rank's micro-batches,
         # so every rank issues the same all-gathers whatever its number of micro-batches.
         self.keep_gathered = keep_gathered
+        # parallel.gradient_accumulation=sharded: FSDP2 reduce-scatters every micro-batch's gradients into the
+        # sharded ones (gradient sync never switched off), so no whole gradient outlives its micro-batch.
+        self.reduce_every_microbatch = reduce_every_microbatch
 
     def train_step(self, micro_batches: list, step: int) -> StepResult:
         """The only host sync is the finiteness test of the norm (one scalar), which decides whether to step."""
@@ -43,7 +46,8 @@ class TorchEngine(SteppedByOptimizerStep):
         if self.keep_gathered:
             gather(self.model)
         for i, (x, y) in enumerate(batches):
-            sync = contextlib.nullcontext() if i == last else gradient_sync_disabled(self.model, self.keep_gathered)
+            synced = i == last or self.reduce_every_microbatch
+            sync = contextlib.nullcontext() if synced else gradient_sync_disabled(self.model, self.keep_gathered)
             with sync, loss_context(self.tensor_parallel):
                 with phases("forward", step, i == last) as forward:
                     with self.precision.autocast():
