@@ -13,27 +13,31 @@ Why a stand-in: on fake tensors the loop costs what it costs on real ones in Pyt
 chunk forward and 40 backward, each select of a chunk's slice getting a gradient as large as the whole tensor; at
 131,072 tokens a layer has 2,048 chunks, and the dry run of Qwen3-Next did not finish its first step's backward in
 an hour. The values are fake, so only what is allocated, kept and freed matters; that is, for the chunks:
-  forward    each chunk keeps its entering state and its corrected values (chunk x value dim) for the backward,
-             and the whole decayed queries and keys, the solved keys, the intra-chunk attention and the chunk
-             decays through views; the temporaries of a chunk are the same for every chunk, so the forward's
-             fullest moment is the last chunk's;
+  forward    each chunk keeps its entering state and its corrected values (chunk x value dim) or, under autocast,
+             bf16 copies of its products' inputs, and the whole tensors it reads through views (the chunk
+             decays; in fp32 also the decayed queries and keys, the solved keys, the intra-chunk attention); a
+             chunk's temporaries are the same for every chunk, so the forward's fullest moment is the last chunk's
+             (or the output's copy after it);
   backward   the last chunk first: each slice's gradient is a whole-tensor zeros with the slice filled in, added
-             into one gradient per tensor, and each chunk's saved state and corrected values go as its nodes run;
-             every chunk after the first one processed holds those gradients, one whole-tensor slice gradient
-             more, and fewer states than the one processed before it, so the backward's fullest moment is the
-             second chunk processed (the last but one), and none of the earlier chunks reaches it.
-So the stand-in runs transformers' code op for op (the preparation, the last `KEPT` chunks of the loop, the
-output) and replaces the earlier chunks by `_EarlierChunks`, one autograd node that allocates what they keep (each
-chunk's state and corrected values, the same sizes and dtypes, one tensor each), keeps the tensors they keep alive
-and frees it all when its backward has run, at the point where the last of those chunks' nodes would have; its
-gradients are stride-0 zeros, added in place into the gradients the real chunks made, as each chunk's would be.
+             into one gradient per tensor, and each chunk's saved tensors go as its nodes run; every chunk after
+             the first one processed holds those gradients, one whole-tensor slice gradient more, and fewer saved
+             tensors than the one processed before it, so the backward's fullest moment is the last but one
+             chunk's, and no earlier chunk reaches it.
+So the stand-in runs transformers' code op for op (the preparation, the first chunk, whose state may be a leaf or
+need no gradient, the last `KEPT` chunks, the output) and replaces the chunks between by `_EarlierChunks`, one
+autograd node that allocates what each of them keeps (listed by running one chunk on stand-in tensors under
+saved-tensor hooks: the same sizes and dtypes, one tensor each), keeps the whole tensors they read alive, and
+frees it all when its backward has run, where the last of those chunks' nodes would have; its gradients are
+stride-0 zeros, added in place into the gradients the last chunks made, as each chunk's slice gradient would be.
 Without a graph (no gradient, or context parallelism's forward, which keeps nothing: parallel/linear_attention.py)
-the earlier chunks hold nothing beyond what every chunk holds, and only the last `KEPT` run.
+the chunks between hold nothing beyond what every chunk holds: their state is replaced by a new one.
 
-Left to transformers' own code: real tensors, and a forward whose saved tensors go to saved-tensor hooks
-(activation checkpointing's, which drop or recompute them one chunk at a time as the loop runs: one node saving
-all the chunks' tensors at once would hold them together for a moment where the loop does not).
-`tests/test_dryrun_delta_rule.py` holds the dry run's peak and its categories to the loop's, byte for byte.
+Why by hand: torch has no way to run a loop's memory without its ops; transformers' rule is copied op for op
+(5.23's `torch_chunk_gated_delta_rule`) because the loop sits inside it. Left to transformers' own code: real
+tensors, and a forward whose saved tensors go to saved-tensor hooks (activation checkpointing's, which drop or
+recompute them one chunk at a time as the loop runs: one node saving all the chunks' tensors at once would hold
+them together for a moment where the loop does not). `tests/test_dryrun_delta_rule.py` holds the rule's memory
+and the dry run's peak and its categories to the loop's, byte for byte.
 """
 
 from __future__ import annotations
