@@ -71,6 +71,7 @@ SLOW_TIER = {
         "distill tp2", "distill pp2", "dpo ddp", "simpo tp2 sp", "dpo lora zero3")),
     "test_plan_published": ("test_the_planner_follows_the_dry_run[gated delta net selective",
                             "test_the_planner_follows_the_dry_run[gated delta net full",
+                            "test_the_planner_follows_the_dry_run[gated delta net context full",
                             "test_the_planner_follows_the_dry_run[gpt_oss eager selective",
                             "test_gemma4_pipeline_stages_follow_the_dry_run",
                             "test_latent_attention_parameters_under_tensor_parallelism"),

@@ -33,7 +33,8 @@ def delta_net_backward_bytes(shape: ModelShape, micro_batch: int, seq_len: int, 
     linear_attention.py) computes the rule again for each of the rank's two chunks, one after the other, and takes
     its gradients there: the scan's gradients and the rule's own tensors (plan/mixers.py `delta_rule_bytes`) span
     one chunk, beside the gradients of the rule's inputs the chain fills in for the rank's tokens (queries, keys,
-    values and betas in the compute dtype, the fp32 gates) and those the chunk before it gave (the chunk's)."""
+    values and betas in the compute dtype, the fp32 gates), those the chunk before it gave (the chunk's), and the
+    gradient of the chain's output it holds throughout (the rank's, compute dtype)."""
     lin = shape.extras.linear
     tokens = micro_batch * seq_len
     scan = seq_len if cp == 1 else seq_len // 2
@@ -45,7 +46,7 @@ def delta_net_backward_bytes(shape: ModelShape, micro_batch: int, seq_len: int, 
         return gradients - freed
     inputs = ec * (2 * hk * dk + hv * dv + hv) + FP32 * hv  # a token's query, key, value, beta and gate
     rule, _ = delta_rule_bytes(shape, micro_batch, scan, tp)
-    return gradients + rule + inputs * (tokens + micro_batch * scan) - freed
+    return gradients + rule + inputs * (tokens + micro_batch * scan) + ec * tokens * hv * dv - freed
 
 
 def mixer_backward_bytes(shape: ModelShape, micro_batch: int, seq_len: int, layout: Layout, ec: int,
