@@ -19,6 +19,7 @@ from torch import nn
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
 from disttrain.dryrun.collectives import CollectiveCounter
+from disttrain.dryrun.delta_rule import delta_rule_on_fake
 from disttrain.dryrun.fake_world import (ddp_on_fake, forget_previous_world, gpu_defaults, grouped_mm_in_every_dtype,
                                         groups_on_the_fake_backend,
                                         materialize_fake, positions_read_as_real_ones, propagation_in_its_own_fake_mode,
@@ -101,7 +102,7 @@ def simulate(cfg, resolved: ResolvedRun, rank: int, steps: int = 2, routing: Ass
             materialize_fake(module, fake)
 
         on_gpu = gpu_defaults() if resolved.device_type == "cuda" else contextlib.nullcontext()
-        with on_gpu:
+        with on_gpu, delta_rule_on_fake():
             return measure_step(cfg, layout, spec, model, steps, materialize, fake, t0,
                                 routing=routing or AssumedRouting())
     finally:

@@ -78,7 +78,7 @@ def layer_activation_bytes(shape: ModelShape, micro_batch: int, seq_len: int, la
     else:
         attention = ec * sb * (2 * q + 2 * kv) / t + FP32 * micro_batch * (shape.n_heads // t) * seq_len  # q k v out, lse
     attention_kept = attention
-    mixer = mixer_bytes(shape, micro_batch, seq_len, t, ec, attention)  # latent or linear attention
+    mixer = mixer_bytes(shape, micro_batch, seq_len, t, ec, attention, layout.cp)  # latent or linear attention
     if mixer is not None:
         attention, attention_kept = mixer
     mlp = 4 * ec * sb * f / t

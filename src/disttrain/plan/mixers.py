@@ -48,26 +48,41 @@ def latent_attention_bytes(shape: ModelShape, micro_batch: int, seq_len: int, tp
     return kernel + latents, kept
 
 
-def delta_net_bytes(shape: ModelShape, micro_batch: int, seq_len: int, tp: int, ec: int) -> tuple[float, float]:
-    """One Gated DeltaNet layer as transformers' torch implementation runs it (the chunked gated delta rule in fp32,
-    chunks of 64 tokens), listed tensor by tensor with saved-tensor hooks: the causal convolution's input and its
-    padded output (q, k and v channels), the beta projection; per token and value head, the fp32 queries and keys
-    with their norms and the betas, and over the sequence padded to whole chunks 6 key-sized and 3 value-sized fp32
-    tensors (queries and keys normalised, scaled, decayed; values, the corrected values), 5 scalars (gates, decays)
-    and 5 chunk-wide rows (the pairwise decays, the triangular system, the intra-chunk attention); the recurrent state (key x value, fp32) once per chunk, which the scan keeps for its
-    backward; the gated output norm (its fp32 input, gate and product, reciprocal RMS, two compute-dtype copies)
-    and the output projection's input. Selective keeps the projections' outputs, the two chunk-wide products, the
-    three value-sized products of the scan and its state updates."""
+def delta_rule_bytes(shape: ModelShape, micro_batch: int, seq_len: int, tp: int) -> tuple[float, float]:
+    """(saved, kept under selective checkpointing) of the chunked gated delta rule itself (fp32, chunks of 64
+    tokens) over `seq_len` tokens: per token and value head the fp32 queries and keys with their norms and the
+    betas, and over the sequence padded to whole chunks 6 key-sized and 3 value-sized tensors (queries and keys
+    normalised, scaled, decayed; values, the corrected values), 5 scalars (gates, decays) and 5 chunk-wide rows
+    (the pairwise decays, the triangular system, the intra-chunk attention); the recurrent state (key x value)
+    once per chunk, which the scan keeps for its backward. Selective keeps the two chunk-wide products, the three
+    value-sized products of the scan and its state updates."""
     lin = shape.extras.linear
     tokens, chunks = micro_batch * seq_len, micro_batch * -(-seq_len // CHUNK)
+    hv, dk, dv = lin.num_value_heads / tp, lin.key_head_dim, lin.value_head_dim
+    states = FP32 * chunks * hv * dk * dv
+    saved = (FP32 * tokens * hv * (2 * dk + 3) + FP32 * chunks * CHUNK * hv * (6 * dk + 3 * dv + 5 + 5 * CHUNK)
+             + states)
+    return saved, FP32 * tokens * hv * (2 * CHUNK + 3 * dv) + states
+
+
+def delta_net_bytes(shape: ModelShape, micro_batch: int, seq_len: int, tp: int, ec: int,
+                    cp: int = 1) -> tuple[float, float]:
+    """One Gated DeltaNet layer as transformers' torch implementation runs it, listed tensor by tensor with
+    saved-tensor hooks: the causal convolution's input and its padded output (q, k and v channels), the beta
+    projection, the chunked delta rule's own tensors (`delta_rule_bytes`), the gated output norm (its fp32 input,
+    gate and product, reciprocal RMS, two compute-dtype copies) and the output projection's input. Selective keeps
+    the projections' outputs and what the rule keeps. Under context parallelism the rule runs inside the chain
+    that passes its state between ranks (parallel/linear_attention.py), whose forward keeps none of its tensors:
+    its backward computes them again, one chunk of the chain at a time (plan/mixer_backward.py)."""
+    lin = shape.extras.linear
+    tokens = micro_batch * seq_len
     hv, hk = lin.num_value_heads / tp, lin.num_key_heads / tp
     dk, dv = lin.key_head_dim, lin.value_head_dim
     conv = 2 * hk * dk + hv * dv
-    states = FP32 * chunks * hv * dk * dv
-    full = (ec * conv * (tokens + micro_batch * (lin.conv_kernel - 1)) + ec * tokens * conv + ec * tokens * hv
-            + FP32 * tokens * hv * (2 * dk + 3) + FP32 * chunks * CHUNK * hv * (6 * dk + 3 * dv + 5 + 5 * CHUNK) + states
+    rule, rule_kept = delta_rule_bytes(shape, micro_batch, seq_len, tp) if cp == 1 else (0.0, 0.0)
+    full = (ec * conv * (tokens + micro_batch * (lin.conv_kernel - 1)) + ec * tokens * conv + ec * tokens * hv + rule
             + FP32 * tokens * hv * (3 * dv + 1) + 2 * ec * tokens * hv * dv + ec * tokens * hv * dv)
-    kept = (ec * tokens * (conv + hv * dv + 2 * hv) + FP32 * tokens * hv * (2 * CHUNK + 3 * dv) + states)
+    kept = ec * tokens * (conv + hv * dv + 2 * hv) + rule_kept
     return full, kept
 
 
@@ -97,9 +112,11 @@ def mixer_params(shape: ModelShape, tp: int = 1, layer: int | None = None) -> in
     return (attention * (shape.n_layers - lin.layers) + linear * lin.layers) // shape.n_layers
 
 
-def mixer_bytes(shape: ModelShape, micro_batch: int, seq_len: int, tp: int, ec: int, attention: float) -> tuple[float, float] | None:
+def mixer_bytes(shape: ModelShape, micro_batch: int, seq_len: int, tp: int, ec: int, attention: float,
+                cp: int = 1) -> tuple[float, float] | None:
     """(saved, kept under selective checkpointing) of the average layer's mixer, or None for grouped-query
-    softmax attention alone (`attention`: what plan/activations.py counts for one such layer)."""
+    softmax attention alone (`attention`: what plan/activations.py counts for one such layer; `cp`: the context
+    parallel degree, `seq_len` a context rank's tokens)."""
     if shape.mla is not None:
         return latent_attention_bytes(shape, micro_batch, seq_len, tp, ec)
     x = shape.extras
@@ -109,6 +126,6 @@ def mixer_bytes(shape: ModelShape, micro_batch: int, seq_len: int, tp: int, ec: 
     softmax = attention + (gated_attention_bytes(shape, micro_batch, seq_len, tp, ec) if x.attn_output_gate else 0.0)
     full, kept = softmax * full_layers, attention * full_layers
     if x.linear is not None:
-        linear, linear_kept = delta_net_bytes(shape, micro_batch, seq_len, tp, ec)
+        linear, linear_kept = delta_net_bytes(shape, micro_batch, seq_len, tp, ec, cp)
         full, kept = full + linear * x.linear.layers, kept + linear_kept * x.linear.layers
     return full / shape.n_layers, kept / shape.n_layers
