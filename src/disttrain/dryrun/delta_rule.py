@@ -23,31 +23,33 @@ an hour. The values are fake, so only what is allocated, kept and freed matters;
              the first one processed holds those gradients, one whole-tensor slice gradient more, and fewer saved
              tensors than the one processed before it, so the backward's fullest moment is the last but one
              chunk's, and no earlier chunk reaches it.
-So the stand-in runs transformers' code op for op (the preparation, the first chunk, whose state may be a leaf or
-need no gradient, the last `KEPT` chunks, the output) and replaces the chunks between by `_EarlierChunks`, one
-autograd node that allocates what each of them keeps (listed by running one chunk on stand-in tensors under
-saved-tensor hooks: the same sizes and dtypes, one tensor each), keeps the whole tensors they read alive, and
-frees it all when its backward has run, where the last of those chunks' nodes would have; its gradients are
-stride-0 zeros, added in place into the gradients the last chunks made, as each chunk's slice gradient would be.
-Without a graph (no gradient, or context parallelism's forward, which keeps nothing: parallel/linear_attention.py)
-the chunks between hold nothing beyond what every chunk holds: their state is replaced by a new one.
+So transformers' own rule runs (the preparation, the first chunk, whose state may be a leaf or need no gradient,
+the last `KEPT` chunks, the output), its loop over the chunks shortened: the `range` it iterates, in its module's
+globals for the call, yields the first chunk, then replaces the chunks between by `_EarlierChunks`, one autograd
+node that allocates what each of them keeps (listed by running one chunk on stand-in tensors under saved-tensor
+hooks: the same sizes and dtypes, one tensor each), keeps the whole tensors they read alive, and frees it all when
+its backward has run, where the last of those chunks' nodes would have; its gradients are stride-0 zeros, added
+in place into the gradients the last chunks made, as each chunk's slice gradient would be. Without a graph (no
+gradient, or context parallelism's forward, which keeps nothing: parallel/linear_attention.py) the chunks between
+hold nothing beyond what every chunk holds: their state is replaced by a new one.
 
-Why by hand: torch has no way to run a loop's memory without its ops; transformers' rule is copied op for op
-(5.23's `torch_chunk_gated_delta_rule`) because the loop sits inside it. Left to transformers' own code: real
-tensors, and a forward whose saved tensors go to saved-tensor hooks (activation checkpointing's, which drop or
-recompute them one chunk at a time as the loop runs: one node saving all the chunks' tensors at once would hold
-them together for a moment where the loop does not). `tests/test_dryrun_delta_rule.py` holds the rule's memory
+Why by hand: torch has no way to run a loop's memory without its ops. The node reads the loop's tensors from the
+rule's frame by transformers' names (`WHOLES`), and updates its state and output in place, so that the loop
+goes on with them; a transformers whose names differ runs its whole loop. Left to transformers' loop as well:
+real tensors, and a forward whose saved tensors go to saved-tensor hooks (activation checkpointing's, which drop
+or recompute them one chunk at a time as the loop runs: one node saving all the chunks' tensors at once would
+hold them together for a moment where the loop does not). `tests/test_dryrun_delta_rule.py` holds the rule's memory
 and the dry run's peak and its categories to the loop's, byte for byte.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import sys
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 NAME = "torch_chunk_gated_delta_rule"  # the module global transformers' Gated DeltaNet layers call by name
 KEPT = 2  # the last chunks run op for op: the second of them processed holds the backward's fullest moment
@@ -64,18 +66,14 @@ def _hooked() -> bool:
     return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
 
 
-def _l2norm(x: torch.Tensor, dim: int = -1, eps: float = 1e-6) -> torch.Tensor:
-    """transformers' `l2norm` of the modeling file (flash-linear-attention's)."""
-    return x * torch.rsqrt((x * x).sum(dim=dim, keepdim=True) + eps)
-
-
-def _chunk(i: int, new_values, k_cumdecay, query, key, intra, chunk_decay, state, out):
-    """One step of transformers' scan over the chunks (its loop body): writes chunk i's output, returns the state
-    leaving it."""
-    v_new = new_values[:, :, i] - k_cumdecay[:, :, i] @ state
-    inter_chunk_attn = query[:, :, i] @ state
-    out[:, :, i] = inter_chunk_attn + intra[:, :, i] @ v_new
-    return state * chunk_decay[:, :, i] + key[:, :, i].transpose(-1, -2) @ v_new
+def _chunk(i: int, corrections, read_weights, queries, keys, within, decays, state, out):
+    """One step of the gated delta rule's scan over chunks, as transformers' loop takes it: the chunk's corrected
+    values (what the state entering it does not already predict), its output (the state read by its decayed queries
+    plus its own causal part), and the state leaving it (decayed, plus the keys' outer product with the
+    corrections). Only run on stand-ins, to list what a step keeps (`_kept`)."""
+    corrected = corrections[:, :, i] - read_weights[:, :, i] @ state
+    out[:, :, i] = queries[:, :, i] @ state + within[:, :, i] @ corrected
+    return state * decays[:, :, i] + keys[:, :, i].transpose(-1, -2) @ corrected
 
 
 @dataclass
@@ -119,123 +117,98 @@ def _kept(wholes, state, out) -> _Kept:
 
 class _EarlierChunks(torch.autograd.Function):
     """n chunks of the scan from the second as one node (module doc): writes nothing into the output (fake values),
-    keeps what each chunk keeps (`kept`), returns the state leaving the last of them."""
+    keeps what each chunk keeps (`kept`), and takes the state entering the second chunk for the state leaving the
+    last of them, in place (the loop's own variable goes on to the chunks after), keeping a stand-in of it where
+    the second chunk keeps its entering state."""
 
     @staticmethod
     def forward(ctx, n, kept, new_values, k_cumdecay, query, key, intra, chunk_decay, state, out):
         wholes = (new_values, k_cumdecay, query, key, intra, chunk_decay)
-        held = [state] if kept.state else []
+        held = []
         for i in range(n):
-            if i > 0 and kept.state:  # the state entering chunk i, which chunk i - 1 made
-                held.append(state.new_empty(state.shape, dtype=kept.leaving))
+            if kept.state:  # the state entering chunk i; chunk i - 1 made it, but for the first
+                held.append(state.new_empty(state.shape, dtype=kept.leaving if i else state.dtype))
             held += [torch.empty(nbytes, dtype=torch.uint8) for nbytes in kept.made]
-        leaving = state.new_empty(state.shape, dtype=kept.leaving)
-        ctx.mark_dirty(out)
+        ctx.mark_dirty(out, state)
         ctx.save_for_backward(*[wholes[j] for j in sorted(kept.wholes)], *held)
-        ctx.shapes, ctx.state = [t.shape for t in wholes], state
-        return out, leaving
+        ctx.shapes, ctx.state = [t.shape for t in wholes], (state.shape, state.dtype, state.device)
+        return out, state
 
     @staticmethod
     def backward(ctx, grad_out, grad_leaving):
-        state, ctx.state = ctx.state, None
         zero = grad_out.new_zeros(())  # each chunk's slices add zeros into the gradients the later chunks made
         needed = ctx.needs_input_grad[2:8]
         grads = [zero.expand(shape) if need else None for shape, need in zip(ctx.shapes, needed)]
-        grad_state = torch.empty_like(state) if ctx.needs_input_grad[8] else None
+        shape, dtype, device = ctx.state
+        grad_state = torch.empty(shape, dtype=dtype, device=device) if ctx.needs_input_grad[8] else None
         return None, None, *grads, grad_state, None
 
 
-def _earlier_chunks(n: int, wholes, state, out):
-    """(out, the state leaving them) after n chunks from the second (module doc): one `_EarlierChunks` node where
-    they keep tensors for a backward, a new state in place of the one given where they keep nothing."""
-    if not (torch.is_grad_enabled() and any(t.requires_grad for t in (*wholes, state))):
-        return out, torch.empty_like(state)
-    return _EarlierChunks.apply(n, _kept(wholes, state, out), *wholes, state, out)
+def _earlier_chunks(n: int, wholes, state, out) -> None:
+    """n chunks from the second (module doc): one `_EarlierChunks` node where they keep tensors for a backward;
+    nothing where they keep nothing (each chunk's state replaces the one before: the state after the first
+    chunk stands for the state after the last of them)."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (*wholes, state)):
+        _EarlierChunks.apply(n, _kept(wholes, state, out), *wholes, state, out)
 
 
-def chunk_gated_delta_rule(query, key, value, g, beta, chunk_size: int = 64, initial_state=None,
-                           output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False, **kwargs):
-    """transformers 5.23's `torch_chunk_gated_delta_rule`, op for op but for the scan's chunks before the last
-    `KEPT` (module doc). Fake tensors only: the output's values are not computed."""
-    initial_dtype = query.dtype
-    batch_size, sequence_length, num_k_heads, k_head_dim = key.shape
-    num_v_heads, v_head_dim = value.shape[-2:]
-    recurrent_state_shape = (batch_size, num_v_heads, k_head_dim, v_head_dim)
-    padded_output_shape = (batch_size, num_v_heads, -1, v_head_dim)
-    decay = g
-    if num_k_heads != num_v_heads:
-        query = query.repeat_interleave(num_v_heads // num_k_heads, dim=2)
-        key = key.repeat_interleave(num_v_heads // num_k_heads, dim=2)
-    query, key, value, beta, decay = [
-        x.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
-        for x in (query, key, value, beta, decay)
-    ]
-    if use_qk_l2norm_in_kernel:
-        query = _l2norm(query, dim=-1, eps=1e-6)
-        key = _l2norm(key, dim=-1, eps=1e-6)
-    scaling = query.shape[-1] ** -0.5
-    query = query * scaling
-    pad_size = (chunk_size - sequence_length % chunk_size) % chunk_size
-    query, key, value = (F.pad(x, (0, 0, 0, pad_size)) for x in (query, key, value))
-    beta, decay = (F.pad(x, (0, pad_size)) for x in (beta, decay))
-    num_chunks = (sequence_length + pad_size) // chunk_size
-    v_beta = value * beta.unsqueeze(-1)
-    k_beta = key * beta.unsqueeze(-1)
-    query, key, k_beta, v_beta = [
-        x.reshape(x.shape[0], x.shape[1], -1, chunk_size, x.shape[-1]) for x in (query, key, k_beta, v_beta)
-    ]
-    decay = decay.reshape(decay.shape[0], decay.shape[1], -1, chunk_size)
-    strictly_upper_mask = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=query.device).triu(1)
-    cum_decay = decay.cumsum(dim=3)
-    pairwise_decay = cum_decay.unsqueeze(4) - cum_decay.unsqueeze(3)
-    pairwise_decay = pairwise_decay.masked_fill(strictly_upper_mask, float("-inf"))
-    pairwise_decay = pairwise_decay.exp()
-    ut_system = (k_beta @ key.transpose(-1, -2)) * pairwise_decay
-    intra_chunk_attn = (query @ key.transpose(-1, -2)) * pairwise_decay
-    decayed_k_beta = k_beta * cum_decay.exp().unsqueeze(-1)
-    new_values = torch.linalg.solve_triangular(ut_system, v_beta, upper=False, unitriangular=True)
-    k_cumdecay = torch.linalg.solve_triangular(ut_system, decayed_k_beta, upper=False, unitriangular=True)
-    if initial_state is None:
-        last_recurrent_state = torch.zeros(recurrent_state_shape, dtype=new_values.dtype, device=new_values.device)
-    else:
-        last_recurrent_state = initial_state.to(new_values)
-    core_attn_out = torch.zeros_like(new_values)
-    query = query * cum_decay.exp().unsqueeze(-1)
-    key = key * (cum_decay[..., -1:] - cum_decay).exp().unsqueeze(-1)
-    chunk_decay = cum_decay[..., -1].exp()[..., None, None]
+# transformers' names, in the rule's frame, for the whole tensors a chunk reads, its state and its output
+WHOLES = ("new_values", "k_cumdecay", "query", "key", "intra_chunk_attn", "chunk_decay")
+STATE, OUT, CHUNKS = "last_recurrent_state", "core_attn_out", "num_chunks"
 
-    wholes = (new_values, k_cumdecay, query, key, intra_chunk_attn, chunk_decay)
-    resume = num_chunks - KEPT  # the chunks from 1 to resume - 1 are `_EarlierChunks`, when there are any
-    i = 0
-    while i < num_chunks:  # transformers' loop
-        if i == 1 and resume > 1:
-            core_attn_out, last_recurrent_state = _earlier_chunks(resume - 1, wholes, last_recurrent_state,
-                                                                  core_attn_out)
-            i = resume
-            continue
-        v_new = new_values[:, :, i] - k_cumdecay[:, :, i] @ last_recurrent_state
-        inter_chunk_attn = query[:, :, i] @ last_recurrent_state
-        core_attn_out[:, :, i] = inter_chunk_attn + intra_chunk_attn[:, :, i] @ v_new
-        last_recurrent_state = last_recurrent_state * chunk_decay[:, :, i] + key[:, :, i].transpose(-1, -2) @ v_new
-        i += 1
 
-    last_recurrent_state = None if not output_final_state else last_recurrent_state
-    core_attn_out = core_attn_out.reshape(padded_output_shape)
-    core_attn_out = core_attn_out[:, :, :sequence_length]
-    core_attn_out = core_attn_out.transpose(1, 2).to(initial_dtype, memory_format=torch.contiguous_format)
-    return core_attn_out, last_recurrent_state
+def _scan_range(*args):
+    """`range` as the rule's module sees it during a stand-in call (`on_fake`): the rule's loop over its chunks
+    (`range(num_chunks)`, called from a frame whose `num_chunks` it is) yields the first chunk, then, once that
+    chunk has run, applies `_EarlierChunks` to the frame's tensors for the chunks before the last `KEPT`, and
+    yields those. Any other call is range's."""
+    frame = sys._getframe(1)
+    if len(args) != 1 or args[0] <= KEPT + 1 or _frame_names(frame, (CHUNKS,)) != [args[0]]:
+        return range(*args)
+    return _skipping(frame, args[0])
+
+
+def _frame_names(frame, names) -> list | None:
+    """The values of `names` in `frame` (None if one is missing). Before Python 3.13 `f_locals` is a dict the frame
+    keeps, holding every local it copied until the frame ends: emptied here, or a tensor the loop replaces would
+    outlive its place in it (the first chunk's, at the forward's peak)."""
+    found = frame.f_locals
+    values = [found[name] for name in names] if all(name in found for name in names) else None
+    if type(found) is dict:
+        found.clear()
+    return values
+
+
+def _skipping(frame, n: int):
+    yield 0
+    found = _frame_names(frame, (*WHOLES, STATE, OUT))  # read again: the tensors after the first chunk
+    if found is None:  # another transformers: its loop, unchanged
+        yield from range(1, n)
+        return
+    _earlier_chunks(n - KEPT - 1, tuple(found[:-2]), *found[-2:])
+    del found
+    yield from range(n - KEPT, n)
 
 
 def on_fake(original):
-    """`original` (transformers' rule) with calls on fake tensors sent to the stand-in, but for a forward whose
-    saved tensors go to hooks (module doc)."""
+    """`original` (transformers' rule) with its loop over the chunks shortened (`_scan_range`) for calls on fake
+    tensors, but for a forward whose saved tensors go to hooks (module doc)."""
+    scope = inspect.unwrap(original).__globals__  # the modeling file's globals, where the loop finds `range`
 
     def rule(query, key, value, g, beta, *args, initial_state=None, **kwargs):
         inputs = (query, key, value, g, beta) + (() if initial_state is None else (initial_state,))
         saving = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
         if not _is_fake(*inputs) or (saving and _hooked()):
             return original(query, key, value, g, beta, *args, initial_state=initial_state, **kwargs)
-        return chunk_gated_delta_rule(query, key, value, g, beta, *args, initial_state=initial_state, **kwargs)
+        shadowed = scope.get("range", None)
+        scope["range"] = _scan_range
+        try:
+            return original(query, key, value, g, beta, *args, initial_state=initial_state, **kwargs)
+        finally:
+            if shadowed is None:
+                del scope["range"]
+            else:
+                scope["range"] = shadowed
 
     rule.disttrain_stands_for = original
     return rule

@@ -206,8 +206,12 @@ def experts_before_attention(shape: ModelShape, layout: Layout, layer, attention
     gpt-oss-120b's last pipeline rank (interleaved, full checkpointing, 4,096 tokens) the dry run's fullest backward
     is the last layer's attention: three score-sized temporaries, no expert tensor (the plan had been 5.9% over it
     with both). `attention`: the layer without its MLP (plan/activations.py)."""
-    held = eager_held_scores(layout.activation_checkpointing) * eager_scores_bytes(shape, micro_batch, seq_len, layout)
-    experts = layer.transient - attention.transient
+    scores = eager_scores_bytes(shape, micro_batch, seq_len, layout)
+    held = eager_held_scores(layout.activation_checkpointing) * scores
+    # selective checkpointing recomputes the layer's probabilities when the experts' backward unpacks its first
+    # tensor: live through the experts' backward (listed by the dry run's tracker on a tiny gpt-oss under sequence
+    # parallelism, whose experts decide its peak); full checkpointing counts them among the recomputed tensors
+    experts = layer.transient - attention.transient + scores * (layout.activation_checkpointing == "selective")
     if not held:
         return layer, False
     return replace(layer, transient=attention.transient + max(0.0, experts - held)), held >= experts
