@@ -77,6 +77,16 @@ def family_config(kind: str):
     return AutoConfig.for_model(kind, **{**FAMILY_SIZES, **extra, **moe})
 
 
+def saved_family(tmp_path_factory, kind: str, **shape) -> Path:
+    """A directory holding `family_config(kind)`'s config.json with `shape` set over it (a module fixture's model)."""
+    config = family_config(kind)
+    for key, value in shape.items():
+        setattr(config, key, value)
+    directory = tmp_path_factory.mktemp(kind) / kind
+    config.save_pretrained(directory)
+    return directory
+
+
 def save_tiny(kind: str, directory: Path, weights_seed: int | None = None) -> Path:
     """config.json only, or (with `weights_seed`) a model with transformers' own random init saved too."""
     config = tiny_config(kind) if kind in ("llama", "qwen2", "gpt2", "qwen3_moe", "mixtral") else family_config(kind)

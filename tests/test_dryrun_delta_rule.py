@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hf_models import family_config
+from hf_models import saved_family
 
 # two key heads serving four value heads each, as Qwen3-Next's 16 and 32; 10 chunks of 64 (the last padded)
 B, T, KEY_HEADS, VALUE_HEADS, DK, DV = 1, 600, 2, 4, 32, 16
@@ -140,12 +140,7 @@ CASES = {  # name -> (tokens, world size, overrides): rank 0
 
 @pytest.fixture(scope="module")
 def qwen3_next(tmp_path_factory):
-    config = family_config("qwen3_next")
-    for key, value in SHAPE.items():
-        setattr(config, key, value)
-    directory = tmp_path_factory.mktemp("delta_rule") / "qwen3_next"
-    config.save_pretrained(directory)
-    return directory
+    return saved_family(tmp_path_factory, "qwen3_next", **SHAPE)
 
 
 @pytest.mark.parametrize("name", list(CASES))

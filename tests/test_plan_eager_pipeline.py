@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from hf_models import family_config
+from hf_models import saved_family
 
 SHAPE = dict(num_attention_heads=16, num_key_value_heads=4, head_dim=8, max_position_embeddings=1024,
              num_hidden_layers=4, layer_types=["full_attention"] * 4, intermediate_size=512)
@@ -14,12 +14,7 @@ SHAPE = dict(num_attention_heads=16, num_key_value_heads=4, head_dim=8, max_posi
 
 @pytest.fixture(scope="module")
 def gpt_oss(tmp_path_factory):
-    config = family_config("gpt_oss")
-    for key, value in SHAPE.items():
-        setattr(config, key, value)
-    directory = tmp_path_factory.mktemp("gpt_oss") / "gpt_oss"
-    config.save_pretrained(directory)
-    return directory
+    return saved_family(tmp_path_factory, "gpt_oss", **SHAPE)
 
 
 def test_experts_are_freed_before_the_attention_backward_of_an_interleaved_stage(gpt_oss):

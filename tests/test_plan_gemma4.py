@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from hf_models import family_config
+from hf_models import family_config, saved_family
 
 CASES = {  # overrides after the model and sequence; each within 5% of the dry run's peak
     # the peak: the first layer's backward, beside the recomputed graph of the keys and values the second stored
@@ -57,9 +57,7 @@ def _dry_run_rank0(directory, overrides, routing_skew: float = 1.0):
 
 @pytest.fixture(scope="module")
 def gemma4(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("gemma4") / "gemma4"
-    family_config("gemma4_text").save_pretrained(directory)
-    return directory
+    return saved_family(tmp_path_factory, "gemma4_text")
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -77,9 +75,7 @@ def test_gemma4_checkpointing_and_context_parallelism_follow_the_dry_run(name, g
 
 @pytest.fixture(scope="module")
 def gemma4_moe(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("gemma4_moe") / "gemma4_moe"
-    family_config("gemma4_moe").save_pretrained(directory)
-    return directory
+    return saved_family(tmp_path_factory, "gemma4_moe")
 
 
 @pytest.mark.parametrize("name", list(MOE_CASES))
@@ -102,9 +98,7 @@ def test_gemma4_moe_branch_follows_skewed_routing(gemma4_moe):
 
 @pytest.fixture(scope="module")
 def gemma4_global(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("gemma4_global") / "gemma4_global"
-    family_config("gemma4_global").save_pretrained(directory)
-    return directory
+    return saved_family(tmp_path_factory, "gemma4_global")
 
 
 def test_gemma4_full_attention_layers_have_their_own_shape(gemma4_global):
