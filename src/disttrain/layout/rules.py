@@ -157,10 +157,7 @@ def accumulation_problems(layout: Layout) -> list[Problem]:
     mode = layout.gradient_accumulation
     if mode == "unsharded":
         return []
-    key = f"parallel.gradient_accumulation={mode}"
-    if mode != "sharded":
-        return [Problem("parallel.gradient_accumulation", mode, "unsharded, sharded",
-                        f"{key} (allowed: unsharded, sharded)")]
+    key = f"parallel.gradient_accumulation={mode}"  # the config's schema allows unsharded and sharded only
     if layout.engine != "torch":
         return [Problem("parallel.gradient_accumulation", mode, "unsharded with engine=deepspeed", f"{key} needs "
                         f"engine=torch, not {layout.engine} (allowed with engine={layout.engine}: unsharded)")]

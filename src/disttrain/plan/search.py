@@ -146,21 +146,23 @@ def search(shape: ModelShape, cluster: Cluster, space: SearchSpace, headroom: fl
            model: str = "custom") -> SearchResult:
     budget = memory_budget(cluster.gpu.memory_bytes, headroom)
     ranked, considered = [], 0
+
+    def estimated(layout: Layout) -> Estimate:
+        return estimate(shape, layout, cluster, model=model, lora_rank=space.lora_rank,
+                        routing_skew=space.routing_skew, muon=space.optimizer == "muon",
+                        state_dtype=space.state_dtype, objective=space.objective)
+
     for family in layout_families(shape, cluster, space):
         for mbs in micro_batch_sizes(family, space):
             layout = family.replace(micro_batch_size=mbs)
             if layout_problems(shape, layout):
                 continue
             considered += 1
-            est = estimate(shape, layout, cluster, model=model, lora_rank=space.lora_rank,
-                           routing_skew=space.routing_skew, muon=space.optimizer == "muon",
-                           state_dtype=space.state_dtype, objective=space.objective)
+            est = estimated(layout)
             if not fits(est, budget) and (sharded := reduced_every_microbatch(shape, layout)) is not None:
                 # whole gradients kept over the micro-batches do not fit: reduce-scatter each micro-batch's
                 considered += 1
-                est = estimate(shape, sharded, cluster, model=model, lora_rank=space.lora_rank,
-                               routing_skew=space.routing_skew, muon=space.optimizer == "muon",
-                               state_dtype=space.state_dtype, objective=space.objective)
+                est = estimated(sharded)
             if fits(est, budget):
                 ranked.append(est)
     ranked.sort(key=lambda e: (-e.time.tokens_per_s, e.memory.total))
