@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -75,17 +77,46 @@ def test_a_lost_node_is_survived_and_a_returning_node_rejoins_the_same_stream(tm
 
 
 @pytest.mark.slow
-def test_a_node_vanishing_after_the_end_does_not_hold_the_other_in_the_exit_barrier(tmp_path):
+@pytest.mark.parametrize("vanishing_rank", [1, 0])
+def test_a_node_vanishing_after_the_end_does_not_hold_the_other_in_the_exit_barrier(tmp_path, vanishing_rank):
     """torchrun's agent waits 300 s for the other agents once its workers finish; `--exit-barrier-timeout`
-    bounds it: node B's agent dies as training ends, node A exits 0 within seconds."""
+    bounds it: one node's agent dies as training ends, the other exits 0 within seconds. Rank 0's node is
+    usually the one whose agent holds the rendezvous store: its forked worker must not outlive it and keep the
+    store's port open and mute (the survivor then hung on it)."""
     run, port = tmp_path / "ending", free_ports()
     common = ("train.steps=6", "--exit-barrier-timeout", "3")
-    nodes = [_node(run, port, *common, fault="kill_agent_at_exit:rank=1:step=0")]
+    fault = f"kill_agent_at_exit:rank={vanishing_rank}:step=0"
+    nodes = [_node(run, port, *common, fault=fault)]
     time.sleep(1)
-    nodes.append(_node(run, port, *common, fault="kill_agent_at_exit:rank=1:step=0"))
-    _wait_for(lambda: any(n.poll() is not None for n in nodes))  # the node whose worker had rank 1
-    started_waiting = time.monotonic()
-    survivor = next(n for n in nodes if n.poll() is None)
-    assert survivor.wait(timeout=120) == 0
-    assert time.monotonic() - started_waiting < 60  # torchrun's own barrier would hold it for 300 s
-    assert max(losses(run)) == 6 and events(run, "finished")
+    nodes.append(_node(run, port, *common, fault=fault))
+    try:
+        _wait_for(lambda: any(n.poll() is not None for n in nodes))  # the node whose worker had that rank
+        started_waiting = time.monotonic()
+        vanished = next(n for n in nodes if n.poll() is not None)
+        survivor = next(n for n in nodes if n.poll() is None)
+        try:
+            code = survivor.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            _kill_groups(nodes)
+            pytest.fail(f"the surviving node still waits 120 s on:\n{survivor.stdout.read()[-3000:]}")
+        assert code == 0, survivor.stdout.read()[-3000:]
+        assert time.monotonic() - started_waiting < 60  # torchrun's own barrier would hold it for 300 s
+        _wait_for(lambda: not _group_alive(vanished.pid), timeout=30)  # its worker went with its agent
+        assert max(losses(run)) == 6 and events(run, "finished")
+    finally:
+        _kill_groups(nodes)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def _kill_groups(nodes: list[subprocess.Popen]) -> None:
+    """Every process a node started, orphans included (each node is its own session, `start_new_session`)."""
+    for node in nodes:
+        if _group_alive(node.pid):
+            os.killpg(node.pid, signal.SIGKILL)

@@ -46,10 +46,19 @@ QUIET_EXITS = (EXIT_USAGE, EXIT_HEALTH, EXIT_PREEMPTED, EXIT_STORAGE, EXIT_INTER
 class _QuietExits(logging.Filter):
     """Drops the elastic agent's `failed (exitcode: N)` line for a quiet exit status, its `Sending process
     P closing signal SIGTERM` lines (stopping the other workers after the first one exits: no news, and the
-    failure report names every worker's end), and its lines about passing a Ctrl-C on."""
+    failure report names every worker's end), and its lines about passing a Ctrl-C on. The exit barrier's
+    traceback when the node holding the rendezvous has gone becomes one line."""
+
+    barrier_lost = False
 
     def filter(self, record: logging.LogRecord) -> bool:
         msg = str(record.msg)
+        if msg.startswith("Error waiting on exit barrier"):  # another node's launcher has gone: one line
+            record.msg, record.args, record.exc_info, record.exc_text = EXIT_BARRIER_LOST, (), None, None
+            self.barrier_lost = True
+            return True
+        if self.barrier_lost and "has failed to shutdown the rendezvous" in msg:
+            return False  # the same news, from the rendezvous
         if msg.startswith(("Received %s death signal", "Closing process ")) and "SIGINT" in str(record.args):
             return False  # Ctrl-C passed on to the workers: they say where the run stopped
         if msg.startswith(("Sending process ", "Terminating process ")):  # the latter: forked workers' spawn
@@ -58,7 +67,9 @@ class _QuietExits(logging.Filter):
 
 
 QUIET_LOGGERS = ("torch.distributed.elastic.multiprocessing.api", "torch.multiprocessing.spawn",
-                 "torch.distributed.elastic.agent.server.api")
+                 "torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.rendezvous.dynamic_rendezvous")
+EXIT_BARRIER_LOST = ("this node's workers finished; the node that held the rendezvous left before the others "
+                     "(not waiting for it)")
 
 # What a forked worker would import first: here once (torch's DTensor and DCP come with the builder; dynamo,
 # 0.65 CPU-seconds, with the first model built on the meta device).

@@ -12,6 +12,11 @@ launcher's signal handlers (torchrun's agent turns SIGTERM into an exception), i
 (the launcher's own clean-up must not run in a worker) and the thread count torch read at the
 launcher's start. A worker that succeeds returns, so that torchrun's child reports its result; one
 that fails leaves at once with its exit status, as a fresh process would.
+
+A returned worker then waits in torchrun's child until the launcher has read its result. It also holds
+copies of the launcher's sockets, the rendezvous store's among them: were the launcher to die then (a node
+that vanishes as training ends), a worker left waiting would keep that store's port open and mute, and the
+other nodes' launchers would hang on it in their exit barrier. So a returned worker dies with its launcher.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ def _fresh_process_state() -> None:
 def main() -> None:
     this_process.STARTED = time.time()  # this worker's start, not the launcher's
     this_process.STARTED_BY_FORK = True
+    launcher = os.getppid()
     _fresh_process_state()
     this_process.FORKED_WORKER = True  # exit_now raises SystemExit here instead of leaving the process
     args = sys.argv[1:]
@@ -60,6 +66,19 @@ def main() -> None:
     if code not in (0, None):
         this_process.exit_now(code)
     atexit._run_exitfuncs()  # the worker's own (logging closes its files); torchrun's child then exits
+    _die_with_launcher(launcher)
+
+
+def _die_with_launcher(launcher: int) -> None:
+    """SIGKILL this finished worker when the launcher that forked it dies (Linux), or now if it already has.
+    torch's child asks for a SIGINT then, which a worker may take at a moment that drops it."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    if os.getppid() != launcher:
+        os._exit(0)
 
 
 if __name__ == "__main__":
