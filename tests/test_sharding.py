@@ -24,6 +24,9 @@ LAYOUTS = {
     "zero2 + offload, sharded accumulation": ("parallel.zero_stage=2", "parallel.cpu_offload=true",
                                               "parallel.gradient_accumulation=sharded"),
     "hsdp 2x1": ("parallel.zero_stage=3", "parallel.dp_replicate=2", "parallel.dp_shard=1"),
+    # two micro-batches a rank, each reduced across the replicas too (4 ranks would leave one micro-batch each)
+    "hsdp 2x1, sharded accumulation": ("parallel.zero_stage=3", "parallel.dp_replicate=2", "parallel.dp_shard=1",
+                                       "parallel.gradient_accumulation=sharded"),
     "zero2 bf16 params": ("parallel.zero_stage=2", "precision.compute_dtype=fp32", "precision.param_dtype=bf16",
                           "precision.reduce_dtype=fp32"),  # against the fp32 reference: what users run
 }
