@@ -86,8 +86,10 @@ SLOW_TIER = {
                          "test_gemma4_moe_branch_follows_the_dry_run[zero1",
                          "test_gemma4_moe_branch_follows_the_dry_run[cp2",
                          "test_gemma4_moe_branch_follows_skewed_routing",
-                         # the full-attention layers' own shape: without checkpointing stays
-                         "test_gemma4_full_attention_layers_follow_the_dry_run[zero2 "),
+                         # the full-attention layers' own shape: without checkpointing and the ring's cache stay
+                         "test_gemma4_full_attention_layers_follow_the_dry_run[zero2 ",
+                         "test_gemma4_full_attention_layers_follow_the_dry_run[cp2 ring full",
+                         "test_gemma4_full_attention_layers_follow_the_dry_run[cp2 allgather"),
     "test_plan_eager_pipeline": ("test_",),  # a tiny gpt-oss in interleaved stages (~12 CPU-s)
     "test_dryrun_cuda_attention": ("test_latent_attention_with_narrow_values_follows_the_planner[full",),
     # the dry run of a tiny Qwen3-Next with transformers' loop and with the stand-in (20-60 s); the rule alone stays

@@ -43,6 +43,10 @@ GLOBAL_CASES = {  # Gemma 4 whose full-attention layers have their own head size
     "zero2": ("parallel.zero_stage=2",),
     "zero2 full": ("parallel.zero_stage=2", "parallel.activation_checkpointing=full"),
     "zero2 selective": ("parallel.zero_stage=2", "parallel.activation_checkpointing=selective"),
+    # the ring's cached blocks and temporaries at the full-attention layers' head size
+    "cp2 ring selective": ("parallel.cp=2", "parallel.zero_stage=2", "parallel.activation_checkpointing=selective"),
+    "cp2 ring full": ("parallel.cp=2", "parallel.zero_stage=2", "parallel.activation_checkpointing=full"),
+    "cp2 allgather": ("parallel.cp=2", "parallel.cp_method=allgather", "parallel.zero_stage=2"),
 }
 
 
@@ -130,4 +134,38 @@ def test_tensor_parallelism_must_divide_the_full_attention_layers_key_value_head
 
     cfg = load_config(None, [f"model.hf={gemma4_global}", "data.seq_len=256", "parallel.tp=2"])
     with pytest.raises(UserError, match="num_global_key_value_heads=1"):
+        resolve_run(cfg, 2, "cuda")
+
+
+def test_full_attention_layers_attend_at_their_own_head_size(gemma4_global):
+    """The planner's attention FLOPs against torch's FlopCounterMode on transformers' eager attention: its batched
+    matmuls (scores and weighted values) in the forward, x3 with the backward. Over as many tokens as the sliding
+    window, where the eager mask hides nothing the formula leaves out."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import AutoModelForCausalLM
+
+    from disttrain.models.flops import attention_flops_per_token
+    from disttrain.models.hf.shape import hf_shape
+
+    config = family_config("gemma4_global")
+    tokens = config.sliding_window
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    with FlopCounterMode(display=False) as counter:
+        model(torch.zeros(1, tokens, dtype=torch.long))
+    scores = sum(ops.get(torch.ops.aten.bmm, 0) for name, ops in counter.get_flop_counts().items()
+                 if name.endswith("self_attn"))
+    shape = hf_shape(str(gemma4_global))
+    assert shape.extras.global_head_dim == 2 * shape.head_dim  # two of the four layers attend at twice the width
+    assert 3 * scores == attention_flops_per_token(shape, tokens) * tokens
+
+
+def test_ulysses_must_divide_the_full_attention_layers_key_value_heads(gemma4_global):
+    from disttrain.config.load import load_config
+    from disttrain.config.resolve import resolve_run
+    from disttrain.core.errors import UserError
+
+    cfg = load_config(None, [f"model.hf={gemma4_global}", "data.seq_len=256", "parallel.cp=2",
+                             "parallel.cp_method=ulysses"])
+    with pytest.raises(UserError, match="num_global_key_value_heads=1 is not divisible by 2"):
         resolve_run(cfg, 2, "cuda")

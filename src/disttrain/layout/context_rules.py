@@ -23,7 +23,11 @@ def cp_problems(shape, layout) -> list[Problem]:
                                 f"parallel.tp={lay.tp} does not divide data.seq_len / parallel.cp = {lay.seq_len // cp} "
                                 "(sequence parallel shards each context rank's tokens)"))
     if lay.cp_method == "ulysses" and shape is not None:
-        for key, heads in (("model.n_heads", shape.n_heads), ("model.n_kv_heads", shape.n_kv_heads)):
+        global_kv = shape.extras.global_kv_heads if shape.extras is not None else 0  # Gemma 4's full-attention layers
+        for key, heads in (("model.n_heads", shape.n_heads), ("model.n_kv_heads", shape.n_kv_heads),
+                           ("num_global_key_value_heads", global_kv)):
+            if not heads:
+                continue
             local = heads // lay.tp if heads % lay.tp == 0 else heads
             if local % cp:
                 per = f" / parallel.tp={lay.tp} = {local}" if lay.tp > 1 else ""

@@ -37,7 +37,8 @@ def block_params(shape: ModelShape) -> int:
 def attention_flops_per_token(shape: ModelShape, seq_len: int) -> float:
     """12·L·H·Q·T: QKᵀ and attention·V, forward and backward, full (unmasked) score matrix. Multi-head latent
     attention's scores use the query/key head width and its weighted sum the value width: 6·L·H·(Qk + Qv)·T.
-    A sliding-window layer attends to at most its window (min(W, T) keys a query); a linear-attention layer
+    A sliding-window layer attends to at most its window (min(W, T) keys a query), a full-attention layer with
+    its own head size (Gemma 4's `global_head_dim`) at that size; a linear-attention layer
     (Gated DeltaNet) updates and reads a state instead, at a cost per token that does not grow with T."""
     if shape.mla is not None:
         return 6.0 * shape.n_layers * shape.n_heads * (shape.mla.qk_head_dim + shape.mla.v_head_dim) * seq_len
@@ -45,10 +46,11 @@ def attention_flops_per_token(shape: ModelShape, seq_len: int) -> float:
     if x is None:
         return 12.0 * shape.n_layers * shape.n_heads * shape.head_dim * seq_len
     per_key = 12.0 * shape.n_heads * shape.head_dim
+    per_full_key = 12.0 * shape.n_heads * (x.global_head_dim or shape.head_dim)  # Gemma 4's own full-layer heads
     full = shape.n_layers - shape.linear_layers - x.sliding_layers
     window = min(x.sliding_window, seq_len) if x.sliding_window else seq_len
     linear = x.linear.layers * x.linear.flops_per_token() if x.linear else 0.0
-    return per_key * (full * seq_len + x.sliding_layers * window) + linear
+    return per_full_key * full * seq_len + per_key * x.sliding_layers * window + linear
 
 
 def model_flops_per_token(shape: ModelShape, seq_len: int) -> float:

@@ -22,12 +22,16 @@ from disttrain.layout.layout import DTYPE_BYTES, Layout
 from disttrain.models.shape import ModelShape
 
 
-def attention_flops_per_rank(shape: ModelShape, layout: Layout) -> float:
-    """Forward + backward attention FLOPs (scores and weighted values) of one context rank per micro-batch:
-    the causal half of 12 x layers x heads x head_dim x seq_len^2, split evenly over cp (head-tail chunks)."""
-    s = layout.seq_len
-    return 12.0 * shape.n_layers * shape.n_heads * shape.head_dim * s * s / 2 * layout.micro_batch / layout.cp \
-        / layout.tp
+def attention_kinds(shape: ModelShape) -> list[tuple[ModelShape, float]]:
+    """(a layer's attention shape, the share of the layers having it): one kind, but for Gemma 4's full-attention
+    layers with their own head size and key-value heads (ModelShape.at_layer)."""
+    x = shape.extras
+    own = x is not None and (x.global_head_dim or x.global_kv_heads or x.global_values_from_keys)
+    full = [i for i in range(shape.n_layers) if shape.is_global(i)] if own else []
+    if not full:
+        return [(shape, 1.0)]
+    share = len(full) / shape.n_layers
+    return [(shape.at_layer(full[0]), share), (shape, 1.0 - share)]
 
 
 def kv_traffic_bytes(shape: ModelShape, layout: Layout) -> dict:
@@ -36,8 +40,9 @@ def kv_traffic_bytes(shape: ModelShape, layout: Layout) -> dict:
     cp, tp = layout.cp, layout.tp
     e = DTYPE_BYTES[layout.compute_dtype]
     local = layout.seq_len // cp * layout.micro_batch
-    kv = 2 * e * local * shape.n_kv_heads * shape.head_dim / tp  # this rank's K and V
-    q = e * local * shape.n_heads * shape.head_dim / tp
+    kinds = attention_kinds(shape)  # an average layer's
+    kv = sum(2 * e * local * k.n_kv_heads * k.head_dim / tp * share for k, share in kinds)  # this rank's K and V
+    q = sum(e * local * k.n_heads * k.head_dim / tp * share for k, share in kinds)
     if cp == 1:
         return {"method": layout.cp_method, "bytes": 0.0, "overlapped": True}
     if layout.cp_method == "ring":
@@ -64,9 +69,16 @@ def ring_temporary_bytes(shape: ModelShape, layout: Layout, element_bytes: int) 
     with backward's alone). With attention sinks, backward ends with their gradient, three query-sized fp32 tensors
     more: the peak of a tiny gpt-oss at cp=4 without checkpointing (7% under its dry run without them and the
     norms' fp32 tensors); under checkpointing the dry run's peak stays at the recomputed forward's merge, where
-    counting them put the same model 4 to 7 points over. plan/activations.py places each at its moment of the layer's backward."""
+    counting them put the same model 4 to 7 points over. plan/activations.py places each at its moment of the layer's
+    backward. Of the layers' attention kinds (`attention_kinds`), the fullest."""
     if layout.cp == 1 or layout.cp_method != "ring":
         return 0.0, 0.0
+    moments = [_ring_temporaries(kind, layout, element_bytes) for kind, _ in attention_kinds(shape)]
+    return max(f for f, _ in moments), max(b for _, b in moments)
+
+
+def _ring_temporaries(shape: ModelShape, layout: Layout, element_bytes: int) -> tuple[float, float]:
+    """ring_temporary_bytes for a layer of `shape`'s attention."""
     e, acc = element_bytes, max(element_bytes, 4)
     tokens = layout.seq_len // layout.cp * layout.micro_batch
     q = tokens * shape.n_heads * shape.head_dim / layout.tp  # elements of Q (and of K/V expanded to its heads)
@@ -102,9 +114,12 @@ def ring_selective_cache_bytes(shape: ModelShape, layout: Layout, element_bytes:
     window = x.sliding_window if x is not None else 0
     sliding = x.sliding_layers if window else 0
     full = shape.n_layers - shape.linear_layers - sliding
-    rows = full * (layout.cp - 1) * t + sliding * window_rows(layout, window)
-    per_row = layout.micro_batch * shape.n_heads / layout.tp * (element_bytes * shape.head_dim + 4)
-    return per_row * rows / shape.n_layers
+    head_dim = attention_kinds(shape)[0][0].head_dim  # the full-attention layers' (Gemma 4's own)
+    per_row = layout.micro_batch * shape.n_heads / layout.tp * 4
+    per_value = layout.micro_batch * shape.n_heads / layout.tp * element_bytes
+    rows = (per_row + per_value * head_dim) * full * (layout.cp - 1) * t + \
+        (per_row + per_value * shape.head_dim) * sliding * window_rows(layout, window)
+    return rows / shape.n_layers
 
 
 def window_rows(layout: Layout, window: int) -> int:
@@ -127,7 +142,7 @@ def context_extra_bytes(shape: ModelShape, layout: Layout, element_bytes: int) -
         return ulysses_selective_cache_bytes(shape, layout, element_bytes)
     if layout.activation_checkpointing != "none":
         return 0.0
-    return _gathered_bytes(shape, layout, element_bytes)
+    return sum(_gathered_bytes(kind, layout, element_bytes) * share for kind, share in attention_kinds(shape))
 
 
 def ulysses_selective_cache_bytes(shape: ModelShape, layout: Layout, element_bytes: int) -> float:
@@ -137,14 +152,15 @@ def ulysses_selective_cache_bytes(shape: ModelShape, layout: Layout, element_byt
     if layout.cp == 1 or layout.cp_method != "ulysses" or layout.activation_checkpointing != "selective":
         return 0.0
     tokens = layout.seq_len // layout.cp * layout.micro_batch
-    return element_bytes * tokens * (2 * shape.n_heads + 2 * shape.n_kv_heads) * shape.head_dim / layout.tp
+    return sum(element_bytes * tokens * (2 * k.n_heads + 2 * k.n_kv_heads) * k.head_dim / layout.tp * share
+               for k, share in attention_kinds(shape))
 
 
 def context_recomputed_bytes(shape: ModelShape, layout: Layout, element_bytes: int) -> float:
     """All-gather's and Ulysses' extras under checkpointing: remade while the layer's backward runs."""
     if layout.cp_method == "ring" or layout.activation_checkpointing == "none":
         return 0.0
-    return _gathered_bytes(shape, layout, element_bytes)
+    return max(_gathered_bytes(kind, layout, element_bytes) for kind, _ in attention_kinds(shape))  # the fullest
 
 
 def _gathered_bytes(shape: ModelShape, layout: Layout, element_bytes: int) -> float:
