@@ -201,6 +201,9 @@ class StageActivations:
     saved_at_loss: float = 0.0
     layer_saved: float = 0.0  # one layer's saved tensors (one micro-batch), freed once its backward is done
     block_freed: float = 0.0  # saved tensors gone by the fullest moment of a block's backward (block_backward_bytes)
+    # of `layer`, what attention's backward (its ring, its kernel's gradients) holds beyond the MLP's or experts'
+    # moment: it runs after them, once an MoE block's experts have been reduced (plan/peak_moments.py)
+    attention_excess: float = 0.0
     loss_inputs: float = 0.0  # of those, the final norm's and the output layer's saved inputs (last stage)
     # Of a block's parameters, the share whose gradient exists at the fullest moment of its backward (inside
     # the MLP's: the output projection's, w2); the rest are made after it (1.0 where not counted: MoE blocks).
@@ -265,8 +268,11 @@ def stage_activation_bytes(shape: ModelShape, layout: Layout, pp_rank: int, fuse
         held_more, freed = (0.0, 0.0) if recounted else block_backward_bytes(shape, mb, s, layout)
         layer = replace(layer, transient=layer.transient + held_more)
         grad_share = shape.dim * shape.ffn_hidden_dim / layout.tp / layer_params(shape, layout.tp)
+    excess = 0.0
     if ring or ring_forward:
+        before = layer.transient
         layer = _ring_backward(layer, attention, ring, ring_forward, layout.activation_checkpointing == "none")
+        excess = layer.transient - before
     saved = (layers_saved + (eager_mask_bytes(shape, mb, s, layout) if held.layers else 0.0)) * in_flight
     logits = chunk = head = 0.0
     if held.embedding:
@@ -294,7 +300,8 @@ def stage_activation_bytes(shape: ModelShape, layout: Layout, pp_rank: int, fuse
         loss_inputs = norm_bytes(er, mb * s, shape.dim, r, final_fused, shape.norm_kind) + head
     return StageActivations(saved, max(layer.transient, 2 * logits, chunk), in_flight, logits, layer.transient,
                             layer_saved=layers_saved / held.layers if held.layers else 0.0, grad_share=grad_share,
-                            block_freed=freed + loss_inputs, loss_inputs=loss_inputs, chunk=chunk)
+                            block_freed=freed + loss_inputs, loss_inputs=loss_inputs, chunk=chunk,
+                            attention_excess=excess)
 
 
 def block_backward_bytes(shape: ModelShape, micro_batch: int, seq_len: int, layout: Layout) -> tuple[float, float]:
