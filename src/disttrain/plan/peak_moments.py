@@ -105,14 +105,6 @@ def alive_at_moments(states, acts: StageActivations, layout: Layout, gathered: f
             block_acts -= acts.layer_saved if later else 0.0
             block_grads = sharded if later else 0.0
             block_temp += pb * (grad_root + acts.grad_share * grad_unit)
-            if expert_unit and layout.reshard_after_forward:
-                # Attention's backward comes after its block's experts' own unit has been reduced and resharded: their
-                # gathered parameters, the next block's prefetched ones and their gradients are gone, their fp32
-                # reduce-scatter input is still there. Only what attention holds beyond that counts (DeepSeek-V3 at
-                # 131,072 tokens, cp=8 ring: the ring's backward had been counted beside the experts, +5.8% over
-                # the dry run, whose peak stays in the experts' backward).
-                gone = (3 * pb - rb) * expert_unit
-                block_temp -= min(acts.attention_excess, max(0.0, gone))
         else:  # pipelines: their schedules' terms (plan/activations.py schedule_peak)
             in_use = gathers + pb * grad_unit + max(0.0, previous - acts.layer_saved)
     elif fsdp and layout.pp == 1 and FP32 * grad_unit / layout.shard_ranks > acts.layer_saved:
@@ -121,6 +113,14 @@ def alive_at_moments(states, acts: StageActivations, layout: Layout, gathered: f
         block_grads += FP32 * grad_unit / layout.shard_ranks - rb * grad_unit
         in_use += rb * grad_unit
         block_acts -= acts.layer_saved
+    if fsdp and layout.pp == 1 and expert_unit and layout.reshard_after_forward:
+        # Attention's backward comes after its block's experts' own unit has been reduced and resharded: their gathered
+        # parameters and the next block's (not prefetched yet) are gone, and their gradients of this micro-batch
+        # are their fp32 reduce-scatter input (counted above when accumulating). Only what attention holds beyond
+        # that counts (DeepSeek-V3 at 131,072 tokens, cp=8 ring: the ring's backward had been counted beside the
+        # experts, +5.8% over the dry run, whose peak stays in the experts' backward; a tiny one accumulating, +9%).
+        gone = 2 * pb * expert_unit + (0.0 if s.unsharded_grads else (pb - rb) * expert_unit)
+        block_temp -= min(acts.attention_excess, max(0.0, gone))
     block = {"parameters": s.params + s.tables, "gradients": block_grads + sharded_grads, "optimizer": s.optimizer,
              "activations": block_acts, "temporary": block_temp + (acts.at_block.fresh if acts.at_block else 0.0),
              "communication": gathered + in_use + block_gathered}
