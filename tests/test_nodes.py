@@ -99,7 +99,8 @@ def test_a_node_vanishing_after_the_end_does_not_hold_the_other_in_the_exit_barr
         except subprocess.TimeoutExpired:
             _kill_groups(nodes)
             pytest.fail(f"the surviving node still waits 120 s on:\n{survivor.stdout.read()[-3000:]}")
-        assert code == 0, survivor.stdout.read()[-3000:]
+        output = survivor.stdout.read()
+        assert code == 0 and "Traceback" not in output, output[-3000:]  # the barrier's error: one line
         assert time.monotonic() - started_waiting < 60  # torchrun's own barrier would hold it for 300 s
         _wait_for(lambda: not _group_alive(vanished.pid), timeout=30)  # its worker went with its agent
         assert max(losses(run)) == 6 and events(run, "finished")

@@ -47,13 +47,13 @@ class _QuietExits(logging.Filter):
     """Drops the elastic agent's `failed (exitcode: N)` line for a quiet exit status, its `Sending process
     P closing signal SIGTERM` lines (stopping the other workers after the first one exits: no news, and the
     failure report names every worker's end), and its lines about passing a Ctrl-C on. The exit barrier's
-    traceback when the node holding the rendezvous has gone becomes one line."""
+    traceback, when another node's launcher has gone or does not arrive in time, becomes one line."""
 
     barrier_lost = False
 
     def filter(self, record: logging.LogRecord) -> bool:
         msg = str(record.msg)
-        if msg.startswith("Error waiting on exit barrier"):  # another node's launcher has gone: one line
+        if msg.startswith("Error waiting on exit barrier"):  # another node's launcher has gone (or timed out)
             record.msg, record.args, record.exc_info, record.exc_text = EXIT_BARRIER_LOST, (), None, None
             self.barrier_lost = True
             return True
@@ -68,8 +68,8 @@ class _QuietExits(logging.Filter):
 
 QUIET_LOGGERS = ("torch.distributed.elastic.multiprocessing.api", "torch.multiprocessing.spawn",
                  "torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.rendezvous.dynamic_rendezvous")
-EXIT_BARRIER_LOST = ("this node's workers finished; the node that held the rendezvous left before the others "
-                     "(not waiting for it)")
+EXIT_BARRIER_LOST = ("this node's workers finished; another node's launcher did not reach the exit barrier "
+                     "(gone, or its rendezvous store is): not waiting for it")
 
 # What a forked worker would import first: here once (torch's DTensor and DCP come with the builder; dynamo,
 # 0.65 CPU-seconds, with the first model built on the meta device).
