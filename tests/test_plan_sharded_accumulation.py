@@ -120,25 +120,26 @@ ACCUMULATIONS = {  # before the planner counted attention's backward without the
 }
 
 
+@pytest.fixture(scope="module")
+def latent_moe(tmp_path_factory):
+    """A tiny DeepSeek-V3 with its ratios of heads to width, 64 experts of the model's width, 2 a token."""
+    from hf_models import saved_family
+
+    return saved_family(tmp_path_factory, "deepseek_v3", hidden_size=256, num_attention_heads=8, num_key_value_heads=8,
+                        qk_nope_head_dim=64, head_dim=32, qk_rope_head_dim=32, v_head_dim=64, kv_lora_rank=64,
+                        q_lora_rank=96, n_routed_experts=64, num_experts_per_tok=2, moe_intermediate_size=256,
+                        n_group=4, topk_group=2, num_hidden_layers=3, max_position_embeddings=2048)
+
+
 @pytest.mark.parametrize("accumulation", list(ACCUMULATIONS))
-def test_attention_after_the_reduced_experts_follows_the_dry_run(accumulation, tmp_path):
+def test_attention_after_the_reduced_experts_follows_the_dry_run(accumulation, latent_moe):
     """DeepSeek-V3's 131,072-token layout in small: latent attention over a cp=2 ring, experts split over ep=2 in
     FSDP units of their own, ZeRO-3, full checkpointing. Attention's backward (the ring's buffers) runs
     after its block's experts are reduced and resharded; the planner had counted it beside their gathered
     parameters and gradients (the full model: 5.8% over its dry run)."""
     from disttrain.cli.dryrun import dry_run
 
-    from hf_models import family_config
-
-    config = family_config("deepseek_v3")
-    shape = dict(hidden_size=256, num_attention_heads=8, num_key_value_heads=8, qk_nope_head_dim=64, head_dim=32,
-                 qk_rope_head_dim=32, v_head_dim=64, kv_lora_rank=64, q_lora_rank=96, n_routed_experts=64,
-                 num_experts_per_tok=2, moe_intermediate_size=256, n_group=4, topk_group=2, num_hidden_layers=3,
-                 max_position_embeddings=2048)
-    for key, value in shape.items():
-        setattr(config, key, value)
-    config.save_pretrained(tmp_path)
-    cfg = load_config(None, [f"model.hf={tmp_path}", "precision.compute_dtype=bf16", "data.seq_len=2048",
+    cfg = load_config(None, [f"model.hf={latent_moe}", "precision.compute_dtype=bf16", "data.seq_len=2048",
                              "train.micro_batch_size=1", "train.global_batch_size=4", "parallel.cp=2", "parallel.ep=2",
                              "parallel.zero_stage=3", "parallel.activation_checkpointing=full",
                              *ACCUMULATIONS[accumulation]])

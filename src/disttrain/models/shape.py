@@ -104,6 +104,11 @@ class BlockExtras:
     global_kv_heads: int = 0  # ... their key-value heads (0: the model's)
     global_values_from_keys: bool = False  # ... their values are their keys' projection (no value projection)
 
+    @property
+    def own_global_attention(self) -> bool:
+        """Whether the full-attention layers' attention differs from the model's (Gemma 4's `per_layer_config`)."""
+        return bool(self.global_head_dim or self.global_kv_heads or self.global_values_from_keys)
+
     def per_layer_params(self, dim: int, layers: int, include_embedding: bool) -> int:
         """Gemma 4's per-layer inputs: the table (an embedding), the projection of the hidden state onto every
         layer's input and its norm, and in each layer a gate, a projection back and a norm."""
@@ -151,9 +156,8 @@ class ModelShape:
     def is_global(self, layer: int | None) -> bool:
         """Whether `layer` is one of Gemma 4's full-attention layers with their own attention shape."""
         x = self.extras
-        return layer is not None and x is not None and bool(x.layer_types) and \
-            x.layer_types[layer] == "full_attention" and bool(x.global_head_dim or x.global_kv_heads or
-                                                              x.global_values_from_keys)
+        return layer is not None and x is not None and x.own_global_attention and bool(x.layer_types) and \
+            x.layer_types[layer] == "full_attention"
 
     def at_layer(self, layer: int | None) -> ModelShape:
         """The shape `layer`'s attention has: Gemma 4's full-attention layers take their own head size and key-value

@@ -25,8 +25,7 @@ from disttrain.models.shape import ModelShape
 def attention_kinds(shape: ModelShape) -> list[tuple[ModelShape, float]]:
     """(a layer's attention shape, the share of the layers having it): one kind, but for Gemma 4's full-attention
     layers with their own head size and key-value heads (ModelShape.at_layer)."""
-    x = shape.extras
-    own = x is not None and (x.global_head_dim or x.global_kv_heads or x.global_values_from_keys)
+    own = shape.extras is not None and shape.extras.own_global_attention
     full = [i for i in range(shape.n_layers) if shape.is_global(i)] if own else []
     if not full:
         return [(shape, 1.0)]
